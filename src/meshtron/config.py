@@ -1,0 +1,239 @@
+"""Typed run configuration: dataclass sections, YAML files and dotted ``key=value`` overrides.
+
+The schema lives here as plain dataclasses; OmegaConf does the merging of defaults, YAML files
+and command-line overrides and the type checking. Every failure is re-raised as one
+:class:`ConfigError` that names the dotted field and says how to fix it, so users never see an
+OmegaConf or JAX traceback for a typo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class MeshConfig:
+    """Degrees of data, pipeline and tensor parallelism; at most one may be -1 ("the rest")."""
+
+    data: int = -1
+    pipe: int = 1
+    tensor: int = 1
+
+
+@dataclass
+class ModelConfig:
+    """A GPT: sizes, compute/parameter dtypes and activation recomputation."""
+
+    vocab_size: int = 256
+    hidden: int = 128
+    heads: int = 4
+    layers: int = 4
+    mlp_dim: int = 512
+    seq_len: int = 128
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation: global batch (sequences), microbatches, optimizer and schedule."""
+
+    steps: int = 300
+    batch_size: int = 32
+    microbatches: int = 1
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from; ``path: null`` is the built-in corpus (CPython's pydoc topics)."""
+
+    path: Optional[str] = None
+    holdout_fraction: float = 0.1
+
+
+@dataclass
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML file (if any), then ``section.key=value`` overrides; validated."""
+    merged = OmegaConf.structured(Config)
+    layers: list[tuple[str, Any]] = []
+    if path is not None:
+        layers.append((f"config file {path}", _read_yaml(Path(path))))
+    if overrides:
+        layers.append(("command line", _parse_overrides(overrides)))
+    for origin, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            raise _explain(err, origin) from None
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, Config)
+    validate(cfg)
+    return cfg
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file; pass a YAML file such as mesh_configs/cpu8.yaml")
+    try:
+        content = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path}: not valid YAML ({err})") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections (mesh, model, train, data)")
+    # Files may carry a free-form `description`/`notes` block for humans (paper presets do).
+    content.pop("description", None)
+    content.pop("paper", None)
+    return content
+
+
+def _parse_overrides(overrides: list[str] | tuple[str, ...]) -> Any:
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or "." not in key or not key.strip():
+            raise ConfigError(
+                f"override {item!r}: expected section.key=value, e.g. mesh.tensor=4 or train.steps=20"
+            )
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        section, _, name = str(key).rpartition(".")
+        if not section:
+            known = ", ".join(f.name for f in dataclasses.fields(Config))
+            return ConfigError(f"{key} ({origin}): unknown section; the sections are {known}")
+        schema = {f.name: f.type for f in dataclasses.fields(Config)}.get(section)
+        section_cls = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig}.get(
+            section
+        )
+        known = ", ".join(f.name for f in dataclasses.fields(section_cls)) if section_cls else str(schema)
+        return ConfigError(f"{key} ({origin}): unknown key {name!r} in section {section!r}; valid keys: {known}")
+    if isinstance(err, ValidationError):
+        value = getattr(err, "value", None)
+        expected = getattr(err, "ref_type", None)
+        type_name = "" if expected is None else f" ({getattr(expected, '__name__', expected)})"
+        return ConfigError(
+            f"{key} ({origin}): cannot use {value!r} here ({err.msg.splitlines()[0]}); "
+            f"give a value of the field's type{type_name}"
+        )
+    return ConfigError(f"{key} ({origin}): {str(err).splitlines()[0]}")
+
+
+def _need(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that do not depend on the devices present (mesh size is checked in meshtron.mesh)."""
+    mesh = cfg.mesh
+    sizes = {"mesh.data": mesh.data, "mesh.pipe": mesh.pipe, "mesh.tensor": mesh.tensor}
+    for name, size in sizes.items():
+        _need(size == -1 or size >= 1, name, f"must be a positive size or -1 (the rest of the devices), got {size}")
+    _need(list(sizes.values()).count(-1) <= 1, "mesh", "at most one of data, pipe, tensor may be -1")
+
+    m = cfg.model
+    for name in ("vocab_size", "hidden", "heads", "layers", "mlp_dim", "seq_len"):
+        _need(getattr(m, name) >= 1, f"model.{name}", f"must be >= 1, got {getattr(m, name)}")
+    _need(m.hidden % m.heads == 0, "model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
+    for name in ("dtype", "param_dtype"):
+        _need(getattr(m, name) in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {getattr(m, name)!r}")
+    _need(m.remat in ("none", "full"), "model.remat", f"must be 'none' or 'full', got {m.remat!r}")
+    if mesh.tensor > 1:
+        _need(
+            m.heads % mesh.tensor == 0,
+            "model.heads",
+            f"{m.heads} heads cannot be split over mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor} "
+            "or a tensor size that divides the head count",
+        )
+        _need(
+            m.mlp_dim % mesh.tensor == 0,
+            "model.mlp_dim",
+            f"{m.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
+        )
+    if mesh.pipe > 1:
+        _need(
+            m.layers % mesh.pipe == 0,
+            "model.layers",
+            f"{m.layers} layers cannot be split evenly over mesh.pipe={mesh.pipe}",
+        )
+
+    t = cfg.train
+    for name in ("steps", "batch_size", "microbatches", "eval_every", "log_every", "eval_batches"):
+        _need(getattr(t, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(t, name)}")
+    _need(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    _need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+    _need(t.optimizer in ("adamw", "lamb"), "train.optimizer", f"must be 'adamw' or 'lamb', got {t.optimizer!r}")
+    _need(
+        t.batch_size % t.microbatches == 0,
+        "train.batch_size",
+        f"{t.batch_size} is not divisible by train.microbatches={t.microbatches}",
+    )
+    if mesh.data > 0:
+        check_batch_divisible(cfg, mesh.data)
+
+    _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
+    if cfg.data.path is not None:
+        _need(
+            Path(cfg.data.path).is_file(),
+            "data.path",
+            f"{cfg.data.path!r} does not exist; give a UTF-8 text file or leave data.path unset for the "
+            "built-in corpus",
+        )
+
+
+def check_batch_divisible(cfg: Config, data: int) -> None:
+    """The global batch splits into ``data`` shards of ``microbatches`` equal microbatches."""
+    t = cfg.train
+    _need(
+        t.batch_size % (data * t.microbatches) == 0,
+        "train.batch_size",
+        f"{t.batch_size} sequences cannot be split over mesh.data={data} x train.microbatches={t.microbatches}; "
+        f"use a multiple of {data * t.microbatches}",
+    )
+
+
+def padded_vocab_size(vocab_size: int, tensor: int, multiple: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 x tensor so every shard is equal and aligned."""
+    step = multiple * tensor
+    return int(math.ceil(vocab_size / step) * step)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

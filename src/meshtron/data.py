@@ -1,0 +1,127 @@
+"""Text -> byte tokens -> batches sharded over ``data``, deterministic and resumable.
+
+The built-in corpus is the text of CPython's ``pydoc_data.topics`` (about 465k characters of
+English technical prose that ships with Python, so nothing is downloaded). Any UTF-8 text file
+can replace it through ``data.path``. Tokens are bytes (vocabulary 256).
+
+Batch ``i`` is a set of random windows whose start offsets depend only on ``(seed, i)``; the
+stream's whole state is the index of the next batch (:attr:`BatchStream.position`), so saving
+and resuming that integer reproduces the data order exactly. Each process builds only the rows
+that its own devices hold (``jax.make_array_from_callback`` asks for those slices only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from meshtron.config import ConfigError, DataConfig
+
+BYTE_VOCAB = 256
+
+
+def builtin_text() -> str:
+    """CPython's pydoc topic texts, in a fixed (sorted-key) order."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def load_text(cfg: DataConfig) -> str:
+    if cfg.path is None:
+        return builtin_text()
+    path = Path(cfg.path)
+    if not path.is_file():
+        raise ConfigError(f"data.path: {str(path)!r} does not exist; give a UTF-8 text file or unset data.path")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"data.path: {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Byte tokens split into a training part and a held-out tail."""
+
+    train: np.ndarray
+    heldout: np.ndarray
+    source: str
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int) -> "Corpus":
+        if vocab_size < BYTE_VOCAB:
+            raise ConfigError(
+                f"model.vocab_size: byte-level tokens need at least {BYTE_VOCAB}, got {vocab_size}"
+            )
+        tokens = np.frombuffer(load_text(cfg).encode("utf-8"), dtype=np.uint8)
+        split = int(len(tokens) * (1 - cfg.holdout_fraction))
+        corpus = cls(tokens[:split], tokens[split:], cfg.path or "built-in (pydoc_data.topics)")
+        window = seq_len + 1
+        need = batch_size * window
+        if len(corpus.train) < need:
+            raise ConfigError(
+                f"data.path: the training split of {corpus.source} has {len(corpus.train)} tokens, fewer than "
+                f"one batch ({batch_size} x {window} = {need}); use a longer text or lower train.batch_size / "
+                "model.seq_len"
+            )
+        if len(corpus.heldout) < window:
+            raise ConfigError(
+                f"data.holdout_fraction: the held-out split has {len(corpus.heldout)} tokens, fewer than one "
+                f"sequence ({window}); raise data.holdout_fraction or use a longer text"
+            )
+        return corpus
+
+    def unigram_loss(self) -> float:
+        """Cross-entropy (nats/token) of the held-out split under the training split's byte frequencies.
+
+        The baseline a model must beat: anything that learns context scores below it.
+        """
+        counts = np.bincount(self.train, minlength=BYTE_VOCAB).astype(np.float64) + 1.0
+        log_probs = np.log(counts / counts.sum())
+        return float(-log_probs[self.heldout].mean())
+
+
+class BatchStream:
+    """Deterministic batches of ``[batch_size, seq_len + 1]`` windows from one token array."""
+
+    def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int, position: int = 0):
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.window = seq_len + 1
+        self.seed = seed
+        self.position = position
+
+    def starts(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng((self.seed, index))
+        return rng.integers(0, len(self.tokens) - self.window + 1, size=self.batch_size)
+
+    def rows(self, index: int, row_slice: slice) -> np.ndarray:
+        """Rows ``row_slice`` of batch ``index`` as int32 (only those rows are materialised)."""
+        starts = self.starts(index)[row_slice]
+        return np.stack([self.tokens[s : s + self.window] for s in starts]).astype(np.int32)
+
+    def global_batch(self, index: int) -> np.ndarray:
+        return self.rows(index, slice(None))
+
+    def batch(self, index: int, sharding):
+        """Batch ``index`` as a global ``jax.Array`` laid out by ``sharding`` (local rows only)."""
+        import jax
+
+        shape = (self.batch_size, self.window)
+        return jax.make_array_from_callback(shape, sharding, lambda idx: self.rows(index, idx[0]))
+
+    def next(self, sharding):
+        """The batch at ``position``, which then advances by one."""
+        array = self.batch(self.position, sharding)
+        self.position += 1
+        return array
+
+    def state(self) -> dict[str, int]:
+        return {"position": self.position}
+
+
+def heldout_stream(corpus: Corpus, *, batch_size: int, seq_len: int, seed: int) -> BatchStream:
+    """The fixed held-out evaluation set: batch ``i`` is the same at every evaluation."""
+    return BatchStream(corpus.heldout, batch_size=batch_size, seq_len=seq_len, seed=seed + 1_000_003)

@@ -1,0 +1,94 @@
+"""MeshConfig -> ``jax.sharding.Mesh`` with axes (data, pipe, tensor), tensor innermost.
+
+JAX meshes are row-major, so the last axis varies fastest over ``jax.devices()``: putting
+``tensor`` last keeps each tensor-parallel group on neighbouring devices (inside one node on a
+GPU pod), the way Megatron-LM keeps its TP groups on NVLink. Axes are ``AxisType.Auto``: the
+compiler propagates shardings from the annotations, and ``shard_map`` takes manual control of
+the axes a transform needs (``data`` for the gradient reduction, ``pipe`` for pipelining).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+from meshtron.config import ConfigError, MeshConfig
+
+AXES = ("data", "pipe", "tensor")
+_FORCE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def resolve_sizes(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """Fill a -1 with the devices left over and check the product fits in ``n_devices``."""
+    sizes = {"data": cfg.data, "pipe": cfg.pipe, "tensor": cfg.tensor}
+    known = math.prod(s for s in sizes.values() if s != -1)
+    for name, size in sizes.items():
+        if size == -1:
+            if n_devices % known:
+                raise ConfigError(
+                    f"mesh.{name}=-1: {n_devices} devices cannot be split evenly by the other axes "
+                    f"(product {known}); set mesh.{name} explicitly"
+                )
+            sizes[name] = n_devices // known
+    total = math.prod(sizes.values())
+    if total > n_devices:
+        raise ConfigError(
+            f"mesh: data x pipe x tensor = {sizes['data']} x {sizes['pipe']} x {sizes['tensor']} = {total} "
+            f"devices, but this run has {n_devices}; shrink the mesh (e.g. mesh.data) or add devices"
+        )
+    return sizes["data"], sizes["pipe"], sizes["tensor"]
+
+
+def build_mesh(cfg: MeshConfig, devices=None, *, verbose: bool = False):
+    """A (data, pipe, tensor) mesh over the first data*pipe*tensor devices.
+
+    A mesh smaller than the device count uses a subset and says so (when ``verbose``).
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_sizes(cfg, len(devices))
+    used = math.prod(shape)
+    if used < len(devices) and verbose:
+        print(f"meshtron: mesh {shape} uses {used} of {len(devices)} devices", file=sys.stderr)
+    grid = np.array(devices[:used], dtype=object).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def devices_requested(cfg: MeshConfig, default: int = 8) -> int:
+    """Devices a config needs; with a -1 axis, the larger of ``default`` and the fixed product."""
+    sizes = (cfg.data, cfg.pipe, cfg.tensor)
+    fixed = math.prod(s for s in sizes if s != -1)
+    if -1 not in sizes:
+        return fixed
+    return max(default, fixed) if max(default, fixed) % fixed == 0 else fixed
+
+
+def _has_accelerator_plugin() -> bool:
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() not in ("", "cpu"):
+        return True
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return False
+    return any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+
+
+def ensure_cpu_devices(n: int) -> bool:
+    """Ask XLA for ``n`` host devices when running on CPU; call before JAX initialises.
+
+    Appends ``--xla_force_host_platform_device_count=n`` to ``XLA_FLAGS`` and never replaces what
+    the user set: an existing count is left alone. Returns whether the flag was added.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _FORCE_FLAG in flags or _has_accelerator_plugin() or n <= 1:
+        return False
+    if "jax" in sys.modules:
+        import jax
+
+        if jax._src.xla_bridge.backends_are_initialized():  # too late to change the device count
+            return False
+    os.environ["XLA_FLAGS"] = f"{flags} {_FORCE_FLAG}={n}".strip()
+    return True

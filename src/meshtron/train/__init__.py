@@ -1,0 +1,1 @@
+"""Training: sharded parameter initialisation, the jitted step, and the loop."""

@@ -1,0 +1,169 @@
+"""The training loop: data -> jitted step -> metrics, progress bar, periodic held-out evaluation."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from meshtron.config import Config, ConfigError, MeshConfig, validate
+from meshtron.data import BatchStream, Corpus, heldout_stream
+from meshtron.mesh import build_mesh, resolve_sizes
+from meshtron.optim import build_optimizer, data_parallel_mean, learning_rate_schedule
+from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.step import TrainSteps, build_steps
+
+
+@dataclass
+class TrainResult:
+    """What a run produced, for the summary and for callers (tests, benchmarks)."""
+
+    losses: list[float]
+    heldout_loss: float
+    unigram_loss: float
+    tokens_per_s: float
+    wall_time_s: float
+    steps: int
+
+
+@dataclass
+class Trainer:
+    """Everything one run needs, built from a :class:`Config` (usable without the CLI)."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    model_def: ModelDef
+    steps: TrainSteps
+    corpus: Corpus
+
+    @classmethod
+    def from_config(cls, cfg: Config, devices=None, *, verbose: bool = False) -> "Trainer":
+        devices = list(jax.devices() if devices is None else devices)
+        data, pipe, tensor = resolve_sizes(cfg.mesh, len(devices))
+        cfg = replace(cfg, mesh=MeshConfig(data=data, pipe=pipe, tensor=tensor))
+        validate(cfg)  # again, now that a -1 axis has its real size
+        if pipe > 1:
+            raise ConfigError(
+                "mesh.pipe: pipeline parallelism is not in this release; set mesh.pipe=1 "
+                "(use mesh.data / mesh.tensor for the devices)"
+            )
+        mesh = build_mesh(cfg.mesh, devices, verbose=verbose)
+        corpus = Corpus.from_config(
+            cfg.data, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size
+        )
+        model_def = ModelDef.create(dims_from_config(cfg.model, tensor))
+        steps = build_steps(
+            model_def, mesh, data_parallel_mean("data"), build_optimizer(cfg.train), microbatches=cfg.train.microbatches
+        )
+        return cls(cfg, mesh, model_def, steps, corpus)
+
+    def train_stream(self, position: int = 0) -> BatchStream:
+        t = self.cfg.train
+        return BatchStream(
+            self.corpus.train, batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed, position=position
+        )
+
+    def evaluate(self, params) -> float:
+        t = self.cfg.train
+        stream = heldout_stream(self.corpus, batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed)
+        losses = [self.steps.eval(params, stream.batch(i, self.steps.batch_sharding)) for i in range(t.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    def run(self, *, metrics_file: IO[str] | None = None, console: Console | None = None) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        console = console or Console(stderr=True)
+        schedule = learning_rate_schedule(t)
+        params = self.model_def.init(self.mesh, t.seed)
+        opt_state = self.steps.init_opt_state(params)
+        stream = self.train_stream()
+        tokens_per_step = t.batch_size * cfg.model.seq_len
+        unigram = self.corpus.unigram_loss()
+
+        losses: list[float] = []
+        heldout = float("nan")
+        timed_steps, timed_seconds = 0, 0.0
+        start = time.perf_counter()
+        progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("lr {task.fields[lr]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        with progress:
+            task = progress.add_task("train", total=t.steps, loss="-", tps="-", lr="-")
+            for step in range(1, t.steps + 1):
+                batch = stream.next(self.steps.batch_sharding)
+                tick = time.perf_counter()
+                params, opt_state, metrics = self.steps.train(params, opt_state, batch)
+                loss = float(metrics.loss)  # blocks until the step is done
+                elapsed = time.perf_counter() - tick
+                if step > 1:  # the first step includes compilation
+                    timed_steps += 1
+                    timed_seconds += elapsed
+                losses.append(loss)
+                tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
+                lr = float(schedule(step - 1))
+                if step % t.log_every == 0 or step == t.steps:
+                    progress.update(task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", lr=f"{lr:.2e}")
+                    if metrics_file is not None:
+                        record = {
+                            "step": step,
+                            "loss": loss,
+                            "tokens_per_s": tps,
+                            "lr": lr,
+                            "grad_norm": float(metrics.grad_norm),
+                        }
+                        metrics_file.write(json.dumps(record) + "\n")
+                        metrics_file.flush()
+                if step % t.eval_every == 0 and step != t.steps:
+                    heldout = self.evaluate(params)
+                    progress.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})")
+                progress.advance(task)
+            heldout = self.evaluate(params)
+        wall = time.perf_counter() - start
+        tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
+        self.params = params
+        return TrainResult(losses, heldout, unigram, tps, wall, t.steps)
+
+
+def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
+    out = out or sys.stdout
+    mesh = dict(trainer.mesh.shape)
+    lines = [
+        "",
+        f"mesh {mesh}  model {trainer.cfg.model.layers}x{trainer.cfg.model.hidden}  "
+        f"steps {result.steps}  data {trainer.corpus.source}",
+        f"held-out loss     {result.heldout_loss:.4f} nats/token",
+        f"unigram baseline  {result.unigram_loss:.4f} nats/token  "
+        f"(model is {result.unigram_loss - result.heldout_loss:+.4f} below it)",
+        f"throughput        {result.tokens_per_s:,.0f} tokens/s (after compilation)",
+        f"wall time         {result.wall_time_s:.1f} s",
+    ]
+    print("\n".join(lines), file=out)
+
+
+def train_from_config(cfg: Config, metrics_path: str | None = None) -> TrainResult:
+    trainer = Trainer.from_config(cfg, verbose=True)
+    if metrics_path:
+        Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(metrics_path, "w") as f:
+            result = trainer.run(metrics_file=f)
+    else:
+        result = trainer.run()
+    print_summary(result, trainer)
+    return result

@@ -1,0 +1,172 @@
+"""The jitted (pjit-style) train and eval steps.
+
+Layout of one step:
+
+* ``jax.jit`` with explicit ``in_shardings``/``out_shardings`` and donated parameters and
+  optimizer state (updated in place);
+* inside, a ``jax.shard_map`` that is manual over ``data`` only: each data shard sees its slice
+  of the batch, while ``tensor`` (and ``pipe``) stay with the compiler, which splits every layer
+  Megatron-style from the parameter annotations;
+* parameters are cast to *varying* over ``data`` before differentiation, so autodiff returns each
+  shard's local gradient instead of inserting its own reduction;
+* gradients are accumulated over ``microbatches`` with a ``lax.scan``, then handed to the
+  ``reduction`` transform (by default :func:`meshtron.optim.data_parallel_mean`) exactly once per
+  step, then to the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshtron.models.gpt import lm_loss
+from meshtron.train.state import ModelDef, Params
+
+DATA = "data"
+
+
+class StepMetrics(NamedTuple):
+    loss: jax.Array
+    grad_norm: jax.Array
+
+
+class OptState(NamedTuple):
+    """State of the reduction transform and of the optimizer proper."""
+
+    reduction: Any
+    optimizer: Any
+
+
+def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, microbatches: int):
+    """Mean loss and gradient of this shard's ``tokens`` [rows, seq+1], accumulated over microbatches.
+
+    ``params`` must already be varying over ``data`` so the gradients stay local.
+    """
+
+    def loss_of(p: Params, batch: jax.Array) -> jax.Array:
+        return lm_loss(model_def.bind(p), batch)
+
+    grad_fn = jax.value_and_grad(loss_of)
+    if microbatches == 1:
+        return grad_fn(params, tokens)
+
+    rows = tokens.shape[0] // microbatches
+    micro = tokens.reshape(microbatches, rows, tokens.shape[1])
+
+    def accumulate(carry, batch):
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(params, batch)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    # zeros_like(params) inherits "varying over data"; the scalar loss carry must be cast to match.
+    zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), DATA, to="varying"), jax.tree.map(jnp.zeros_like, params))
+    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, zeros, micro)
+    scale = 1.0 / microbatches
+    return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
+
+
+def build_steps(
+    model_def: ModelDef,
+    mesh: Mesh,
+    reduction: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation,
+    *,
+    microbatches: int = 1,
+) -> "TrainSteps":
+    """Compile-ready train/eval steps for ``model_def`` on ``mesh``."""
+    param_shardings = model_def.shardings(mesh)
+    batch_sharding = NamedSharding(mesh, P(DATA, None))
+
+    def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array):
+        local_params = jax.lax.pcast(params, DATA, to="varying")
+        loss, grads = local_gradients(model_def, local_params, tokens, microbatches)
+        grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
+        grad_norm = optax.global_norm(grads)
+        updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, params)
+        params = optax.apply_updates(params, updates)
+        metrics = StepMetrics(jax.lax.pmean(loss, DATA), grad_norm)
+        return params, OptState(reduction_state, optimizer_state), metrics
+
+    def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
+        return jax.lax.pmean(lm_loss(model_def.bind(params), tokens), DATA)
+
+    def train(params, opt_state, tokens):
+        step = jax.shard_map(
+            per_shard_train,
+            mesh=mesh,
+            in_specs=(P(), P(), P(DATA)),
+            out_specs=(P(), P(), P()),
+            axis_names={DATA},
+        )
+        return step(params, opt_state, tokens)
+
+    def evaluate(params, tokens):
+        return jax.shard_map(
+            per_shard_eval, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=P(), axis_names={DATA}
+        )(params, tokens)
+
+    def init_state(p: Params) -> OptState:
+        return OptState(reduction.init(p), optimizer.init(p))
+
+    def init_opt_state(params: Params) -> OptState:
+        """Optimizer state laid out like the parameters it mirrors (moments are tensor-sharded too)."""
+        abstract = jax.eval_shape(init_state, params)
+        shardings = optax.tree_map_params(
+            init_state,
+            lambda _, sharding: sharding,
+            abstract,
+            param_shardings,
+            transform_non_params=lambda _: NamedSharding(mesh, P()),
+        )
+        with jax.set_mesh(mesh):
+            return jax.jit(init_state, out_shardings=shardings)(params)
+
+    return TrainSteps(mesh, train, evaluate, init_opt_state, param_shardings, batch_sharding)
+
+
+class TrainSteps:
+    """The jitted entry points of one configuration; the train step is jitted once the optimizer
+    state's layout is known (the first call, or :meth:`lower`)."""
+
+    def __init__(self, mesh: Mesh, train_fn, eval_fn, init_opt_state, param_shardings, batch_sharding):
+        self.mesh = mesh
+        self.init_opt_state: Callable[[Params], OptState] = init_opt_state
+        self.param_shardings = param_shardings
+        self.batch_sharding = batch_sharding
+        self._train_fn = train_fn
+        self._train_jit = None
+        replicated = NamedSharding(mesh, P())
+        self._eval_jit = jax.jit(eval_fn, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+
+    def _jitted_train(self, opt_state: OptState):
+        if self._train_jit is None:
+            opt_shardings = jax.tree.map(lambda a: a.sharding, opt_state)
+            replicated = NamedSharding(self.mesh, P())
+            self._train_jit = jax.jit(
+                self._train_fn,
+                in_shardings=(self.param_shardings, opt_shardings, self.batch_sharding),
+                out_shardings=(self.param_shardings, opt_shardings, StepMetrics(replicated, replicated)),
+                donate_argnums=(0, 1),
+            )
+        return self._train_jit
+
+    def train(self, params: Params, opt_state: OptState, tokens: jax.Array):
+        """One optimizer step; ``params`` and ``opt_state`` are donated (do not reuse them)."""
+        with jax.set_mesh(self.mesh):
+            return self._jitted_train(opt_state)(params, opt_state, tokens)
+
+    def eval(self, params: Params, tokens: jax.Array) -> jax.Array:
+        with jax.set_mesh(self.mesh):
+            return self._eval_jit(params, tokens)
+
+    def lower(self, params: Params, opt_state: OptState, tokens: jax.Array) -> jax.stages.Lowered:
+        """The lowered train step, for compiled-program analysis (nothing is executed)."""
+        with jax.set_mesh(self.mesh):
+            return self._jitted_train(opt_state).lower(params, opt_state, tokens)
