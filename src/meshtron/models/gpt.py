@@ -193,13 +193,13 @@ class GPT(nnx.Module):
     def embed(self, tokens: jax.Array) -> jax.Array:
         """Vocab-parallel lookup: each tensor shard holds a vocabulary slice; results are summed."""
         seq = tokens.shape[1]
-        x = jnp.take(self.wte.value, tokens, axis=0) + self.wpe.value[:seq]
+        x = jnp.take(self.wte[...], tokens, axis=0) + self.wpe[...][:seq]
         return constrain(x.astype(self.dims.dtype), ("batch", "seq", "embed"))
 
     def head(self, x: jax.Array) -> jax.Array:
         """Logits over the padded vocabulary, left split over ``vocab`` (fp32 for the loss)."""
         x = self.ln_f(x)
-        logits = jnp.einsum("bse,ve->bsv", x, self.wte.value.astype(x.dtype))
+        logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(x.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

@@ -13,6 +13,18 @@ import jax
 import optax
 
 
+def mean_over(tree, axis_name: str):
+    """``lax.pmean`` over ``axis_name``, skipped when the axis has size 1.
+
+    Skipping is exact (the mean over one shard is the shard) and also needed: XLA 0.10's SPMD
+    partitioner rejects an all-reduce over a size-1 axis of a partially manual ``shard_map``
+    ("Cross-partition allreduce must be in (partial) manual partitioning mode").
+    """
+    if jax.lax.axis_size(axis_name) == 1:
+        return tree
+    return jax.lax.pmean(tree, axis_name)
+
+
 def data_parallel_mean(axis_name: str = "data") -> optax.GradientTransformation:
     """Average updates over the named mesh axis (``lax.pmean``); stateless.
 
@@ -26,6 +38,6 @@ def data_parallel_mean(axis_name: str = "data") -> optax.GradientTransformation:
 
     def update(updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None):
         del params
-        return jax.lax.pmean(updates, axis_name), state
+        return mean_over(updates, axis_name), state
 
     return optax.GradientTransformation(init, update)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.models.gpt import lm_loss
+from meshtron.optim.reduce import mean_over
 from meshtron.train.state import ModelDef, Params
 
 DATA = "data"
@@ -65,9 +66,8 @@ def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, micr
         loss, grads = grad_fn(params, batch)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-    # zeros_like(params) inherits "varying over data"; the scalar loss carry must be cast to match.
-    zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), DATA, to="varying"), jax.tree.map(jnp.zeros_like, params))
-    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, zeros, micro)
+    # The first microbatch seeds the carry, so it has exactly the (varying-over-data) type of the rest.
+    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, grad_fn(params, micro[0]), micro[1:])
     scale = 1.0 / microbatches
     return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
 
@@ -82,35 +82,40 @@ def build_steps(
 ) -> "TrainSteps":
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``."""
     param_shardings = model_def.shardings(mesh)
+    # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so
+    # values cannot be re-typed from "varying" to "replicated" over ``data``; the varying-axes check
+    # is then switched off, which is exact because every value lives on that single shard.
+    check_vma = mesh.shape[DATA] > 1
+
+    def local(params: Params) -> Params:
+        return jax.lax.pcast(params, DATA, to="varying") if check_vma else params
+
+    def data_shard_map(fn, in_specs, out_specs):
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA}, check_vma=check_vma
+        )
     batch_sharding = NamedSharding(mesh, P(DATA, None))
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array):
-        local_params = jax.lax.pcast(params, DATA, to="varying")
-        loss, grads = local_gradients(model_def, local_params, tokens, microbatches)
+        loss, grads = local_gradients(model_def, local(params), tokens, microbatches)
         grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
         grad_norm = optax.global_norm(grads)
         updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, params)
         params = optax.apply_updates(params, updates)
-        metrics = StepMetrics(jax.lax.pmean(loss, DATA), grad_norm)
+        metrics = StepMetrics(mean_over(loss, DATA), grad_norm)
         return params, OptState(reduction_state, optimizer_state), metrics
 
+    def per_shard_gradients(params: Params, tokens: jax.Array):
+        loss, grads = local_gradients(model_def, local(params), tokens, microbatches)
+        grads, _ = reduction.update(grads, reduction.init(params), params)
+        return mean_over(loss, DATA), grads
+
     def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
-        return jax.lax.pmean(lm_loss(model_def.bind(params), tokens), DATA)
+        return mean_over(lm_loss(model_def.bind(params), tokens), DATA)
 
-    def train(params, opt_state, tokens):
-        step = jax.shard_map(
-            per_shard_train,
-            mesh=mesh,
-            in_specs=(P(), P(), P(DATA)),
-            out_specs=(P(), P(), P()),
-            axis_names={DATA},
-        )
-        return step(params, opt_state, tokens)
-
-    def evaluate(params, tokens):
-        return jax.shard_map(
-            per_shard_eval, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=P(), axis_names={DATA}
-        )(params, tokens)
+    train = data_shard_map(per_shard_train, (P(), P(), P(DATA)), (P(), P(), P()))
+    gradients = data_shard_map(per_shard_gradients, (P(), P(DATA)), (P(), P()))
+    evaluate = data_shard_map(per_shard_eval, (P(), P(DATA)), P())
 
     def init_state(p: Params) -> OptState:
         return OptState(reduction.init(p), optimizer.init(p))
@@ -128,14 +133,14 @@ def build_steps(
         with jax.set_mesh(mesh):
             return jax.jit(init_state, out_shardings=shardings)(params)
 
-    return TrainSteps(mesh, train, evaluate, init_opt_state, param_shardings, batch_sharding)
+    return TrainSteps(mesh, train, evaluate, gradients, init_opt_state, param_shardings, batch_sharding)
 
 
 class TrainSteps:
     """The jitted entry points of one configuration; the train step is jitted once the optimizer
     state's layout is known (the first call, or :meth:`lower`)."""
 
-    def __init__(self, mesh: Mesh, train_fn, eval_fn, init_opt_state, param_shardings, batch_sharding):
+    def __init__(self, mesh: Mesh, train_fn, eval_fn, gradients_fn, init_opt_state, param_shardings, batch_sharding):
         self.mesh = mesh
         self.init_opt_state: Callable[[Params], OptState] = init_opt_state
         self.param_shardings = param_shardings
@@ -144,6 +149,9 @@ class TrainSteps:
         self._train_jit = None
         replicated = NamedSharding(mesh, P())
         self._eval_jit = jax.jit(eval_fn, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+        self._gradients_jit = jax.jit(
+            gradients_fn, in_shardings=(param_shardings, batch_sharding), out_shardings=(replicated, param_shardings)
+        )
 
     def _jitted_train(self, opt_state: OptState):
         if self._train_jit is None:
@@ -165,6 +173,11 @@ class TrainSteps:
     def eval(self, params: Params, tokens: jax.Array) -> jax.Array:
         with jax.set_mesh(self.mesh):
             return self._eval_jit(params, tokens)
+
+    def gradients(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, Params]:
+        """Mean loss and the data-parallel-reduced gradient the optimizer would receive."""
+        with jax.set_mesh(self.mesh):
+            return self._gradients_jit(params, tokens)
 
     def lower(self, params: Params, opt_state: OptState, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered train step, for compiled-program analysis (nothing is executed)."""
