@@ -574,3 +574,14 @@ def test_axes_of_size_one_communicate_nothing():
 def test_impossible_layouts_are_rejected(override, message):
     with pytest.raises(ValueError, match=message):
         small_figures(**override)
+
+
+def test_mesh_form_replica_groups():
+    """XLA 0.10 (Shardy) prints some groups as a named mesh plus the axes a group spans."""
+    from meshtron.analysis import _device_groups
+
+    plain = "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_2'}, use_global_device_ids=true"
+    assert _device_groups(plain, 8) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    permuted = "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"
+    # ids laid out as iota(8).reshape(2,4).T -> grid [[0,4],[1,5],[2,6],[3,7]] over (4,1,2); groups vary axis_0.
+    assert _device_groups(permuted, 8) == [(0, 1, 2, 3), (4, 5, 6, 7)]

@@ -389,6 +389,8 @@ def _device_groups(attributes: str, num_devices: int) -> list[tuple[int, ...]]:
     if position < 0:
         return [tuple(range(num_devices))]
     value_start = position + len("replica_groups=")
+    if attributes.startswith("mesh[", value_start):
+        return _mesh_device_groups(attributes[value_start:])
     iota = _IOTA_GROUPS.match(attributes, value_start)
     if iota:
         dims = [int(d) for d in iota.group(3).split(",")]
@@ -397,6 +399,37 @@ def _device_groups(attributes: str, num_devices: int) -> list[tuple[int, ...]]:
     value = attributes[value_start : _matching_close(attributes, value_start) + 1]
     groups = _id_lists(value[1:-1])
     return groups if groups else [tuple(range(num_devices))]
+
+
+_MESH_GROUPS = re.compile(
+    r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\(\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\))?"
+    r"\s*\{(?P<group_axes>[^}]*)\}"
+)
+
+
+def _mesh_device_groups(text: str) -> list[tuple[int, ...]]:
+    """Expand the mesh form ``mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'b'}``.
+
+    XLA names a (possibly reordered) device mesh and the axes a group spans: devices that differ
+    only along those axes form one group.
+    """
+    match = _MESH_GROUPS.match(text)
+    if match is None:
+        raise ValueError(f"unrecognised replica_groups: {text[:120]}")
+    named = re.findall(r"'([^']+)'=(\d+)", match.group("axes"))
+    names = [name for name, _ in named]
+    sizes = tuple(int(size) for _, size in named)
+    ids = np.arange(math.prod(sizes))
+    if match.group("dims"):
+        dims = tuple(int(d) for d in match.group("dims").split(","))
+        ids = ids.reshape(dims)
+        if match.group("perm"):
+            ids = ids.transpose(tuple(int(p) for p in match.group("perm").split(",")))
+    grid = ids.reshape(sizes)
+    group_axes = [names.index(a) for a in re.findall(r"'([^']+)'", match.group("group_axes"))]
+    other_axes = [i for i in range(len(sizes)) if i not in group_axes]
+    grouped = grid.transpose(other_axes + group_axes).reshape(-1, math.prod(sizes[i] for i in group_axes))
+    return [tuple(int(i) for i in row) for row in grouped]
 
 
 def _source_target_pairs(attributes: str) -> list[tuple[int, ...]]:

@@ -1,0 +1,76 @@
+"""The compiled train step communicates exactly as Megatron-LM does (measured from the HLO)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshtron import analysis
+from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.mesh import build_mesh
+from meshtron.optim import build_optimizer, data_parallel_mean
+from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.step import build_steps
+
+BATCH, SEQ, HIDDEN, LAYERS = 16, 16, 64, 2
+F32 = 4
+
+
+def compiled_step(mesh_shape, microbatches, remat):
+    cfg = ModelConfig(hidden=HIDDEN, heads=4, layers=LAYERS, mlp_dim=128, seq_len=SEQ, remat=remat)
+    mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
+    md = ModelDef.create(dims_from_config(cfg, mesh.shape["tensor"]))
+    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig()), microbatches=microbatches)
+    params = md.init(mesh, 0)
+    opt_state = steps.init_opt_state(params)
+    tokens = jax.device_put(jnp.zeros((BATCH, SEQ + 1), jnp.int32), steps.batch_sharding)
+    local_param_bytes = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
+    return analysis.collectives(steps.lower(params, opt_state, tokens).compile(), mesh), local_param_bytes
+
+
+@pytest.mark.parametrize("microbatches, remat", [(1, "none"), (4, "none"), (4, "full")])
+def test_tensor_collectives_match_megatron(microbatches, remat):
+    data = 2
+    colls, _ = compiled_step((data, 1, 4), microbatches, remat)
+    b = BATCH // (data * microbatches)  # microbatch rows per data shard
+    bsh, bs = b * SEQ * HIDDEN * F32, b * SEQ * F32
+
+    assert not [c for c in colls if c.kind != "all-reduce"], "no all-gather of weights or logits, nothing else"
+    tensor = [c for c in colls if c.axes == ("tensor",)]
+    assert {c.axes for c in colls} <= {("tensor",), ("data",)}
+
+    activations = sum(c.count for c in tensor if c.bytes == bsh)
+    # Per layer and microbatch: 2 forward (attention out-proj, fc2) + 2 backward (before QKV, fc1).
+    # With full recomputation the re-run forward needs only the attention all-reduce: the block's
+    # final (fc2) all-reduce feeds nothing in the backward pass, so XLA drops it (Megatron re-runs it).
+    per_layer = 4 + (1 if remat == "full" else 0)
+    embedding_and_head = 2  # embedding forward (vocab-parallel lookup) + LM-head input gradient
+    assert activations == microbatches * (LAYERS * per_layer + embedding_and_head)
+
+    loss_terms = [c for c in tensor if c.bytes != bsh and c.bytes % bs == 0 and c.bytes >= bs]
+    assert sum(c.total_bytes for c in loss_terms) == microbatches * 3 * bs  # max, target logit, sum-exp
+
+    rest = [c for c in tensor if c.bytes != bsh and c not in loss_terms]
+    # What remains are scalars: partial sums of squares for the global gradient norm, once per step.
+    assert all(c.count == 1 and c.bytes < 64 * F32 for c in rest), rest
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_data_parallel_reduction_happens_once_per_step(microbatches):
+    colls, local_param_bytes = compiled_step((2, 1, 4), microbatches, "none")
+    data = [c for c in colls if c.axes == ("data",)]
+    assert data and all(c.count == 1 for c in data), "the data reduction must not sit inside the microbatch loop"
+    # One gradient all-reduce of this device's parameter shard, plus the scalar loss.
+    assert sum(c.total_bytes for c in data) == local_param_bytes + F32
+
+
+def test_megatron_figures_match_the_measured_bytes():
+    data, microbatches = 2, 4
+    colls, _ = compiled_step((data, 1, 4), microbatches, "none")
+    fig = analysis.megatron_figures(
+        vocab_size=256, hidden=HIDDEN, layers=LAYERS, seq_len=SEQ, heads=4, global_batch=BATCH,
+        data=data, pipe=1, tensor=4, microbatches=microbatches, remat=False,
+    )
+    tensor = [c for c in colls if c.axes == ("tensor",) and c.bytes >= fig.microbatch_size * SEQ * F32]
+    measured = sum(c.total_bytes for c in tensor)
+    assert measured == fig.tensor_layer_bytes + fig.tensor_embedding_bytes + fig.tensor_loss_bytes
