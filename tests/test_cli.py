@@ -1,0 +1,66 @@
+"""The command line as a user runs it: a short training run, describe, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.layers=1", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=32", "train.batch_size=8"]
+
+
+def meshtron(*args, timeout=300, xla_flags=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must add the device flag itself
+    env["JAX_PLATFORMS"] = "cpu"
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run(
+        [sys.executable, "-m", "meshtron.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+def test_train_writes_metrics_and_a_summary(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    run = meshtron(
+        "train", "--config", "mesh_configs/cpu8.yaml", "--metrics", str(metrics), *SMALL,
+        "train.steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
+    )
+    assert run.returncode == 0, run.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
+    assert set(records[0]) == {"step", "loss", "tokens_per_s", "lr", "grad_norm"}
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in records)
+    assert "held-out loss" in run.stdout and "unigram baseline" in run.stdout and "wall time" in run.stdout
+    assert "step 3: held-out loss" in run.stderr  # periodic evaluation, shown above the progress bar
+
+
+def test_describe_prints_layout_and_compiled_collectives():
+    run = meshtron("describe", "--config", "mesh_configs/cpu8.yaml", *SMALL, "mesh.data=2", "mesh.tensor=4")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "mesh      {'data': 2, 'pipe': 1, 'tensor': 4}" in out
+    assert "wte" in out and "P('tensor', None)" in out and "(vocab, embed)" in out
+    assert "compiled train step" in out and "all-reduce  tensor" in out and "all-reduce  data" in out
+
+
+def test_planning_presets_describe_without_devices():
+    run = meshtron("describe", "--config", "mesh_configs/paper/gpt_1t.yaml")
+    assert run.returncode == 0, run.stderr
+    assert "1,008,038,758,400" in run.stdout and "planning mode" in run.stdout
+
+
+def test_bad_input_is_one_line_not_a_traceback(tmp_path):
+    # The user fixed the device count, so the CLI may not raise it: the mesh does not fit.
+    run = meshtron(
+        "train", "--config", "mesh_configs/cpu8.yaml", "mesh.data=4", "mesh.tensor=4",
+        xla_flags="--xla_force_host_platform_device_count=8",
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        "meshtron: error: mesh: data x pipe x tensor = 4 x 1 x 4 = 16 devices, but this run has 8; "
+        "shrink the mesh (e.g. mesh.data) or add devices"
+    )
+    missing = meshtron("train", "--config", "mesh_configs/cpu8.yaml", "data.path=/nope.txt")
+    assert missing.returncode == 2 and "data.path" in missing.stderr and "Traceback" not in missing.stderr
