@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -73,7 +73,7 @@ class TrainConfig:
 class DataConfig:
     """Where the text comes from; ``path: null`` is the built-in corpus (CPython's pydoc topics)."""
 
-    path: Optional[str] = None
+    path: str | None = None
     holdout_fraction: float = 0.1
 
 
@@ -136,11 +136,8 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
         if not section:
             known = ", ".join(f.name for f in dataclasses.fields(Config))
             return ConfigError(f"{key} ({origin}): unknown section; the sections are {known}")
-        schema = {f.name: f.type for f in dataclasses.fields(Config)}.get(section)
-        section_cls = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig}.get(
-            section
-        )
-        known = ", ".join(f.name for f in dataclasses.fields(section_cls)) if section_cls else str(schema)
+        section_cls = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig}[section]
+        known = ", ".join(f.name for f in dataclasses.fields(section_cls))
         return ConfigError(f"{key} ({origin}): unknown key {name!r} in section {section!r}; valid keys: {known}")
     if isinstance(err, ValidationError):
         value = getattr(err, "value", None)

@@ -50,7 +50,7 @@ class Corpus:
     source: str
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int) -> "Corpus":
+    def from_config(cls, cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int) -> Corpus:
         if vocab_size < BYTE_VOCAB:
             raise ConfigError(
                 f"model.vocab_size: byte-level tokens need at least {BYTE_VOCAB}, got {vocab_size}"

@@ -74,7 +74,7 @@ class Attention(nnx.Module):
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         h, n, d = dims.hidden, dims.heads, dims.head_dim
         out_std = _INIT_STD / math.sqrt(2 * dims.layers)
-        common = dict(dtype=dims.dtype, param_dtype=dims.param_dtype, rngs=rngs)
+        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "rngs": rngs}
         self.qkv = nnx.Einsum(
             "bse,ethd->bsthd",
             (h, 3, n, d),
@@ -110,7 +110,7 @@ class MLP(nnx.Module):
 
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         out_std = _INIT_STD / math.sqrt(2 * dims.layers)
-        common = dict(dtype=dims.dtype, param_dtype=dims.param_dtype, rngs=rngs)
+        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "rngs": rngs}
         self.fc1 = nnx.Einsum(
             "bse,em->bsm",
             (dims.hidden, dims.mlp_dim),

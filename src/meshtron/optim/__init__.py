@@ -8,7 +8,7 @@ import optax
 from meshtron.config import TrainConfig
 from meshtron.optim.reduce import data_parallel_mean
 
-__all__ = ["data_parallel_mean", "learning_rate_schedule", "build_optimizer", "decay_mask"]
+__all__ = ["build_optimizer", "data_parallel_mean", "decay_mask", "learning_rate_schedule"]
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:

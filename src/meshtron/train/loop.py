@@ -12,7 +12,14 @@ from typing import IO
 import jax
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from meshtron.config import Config, ConfigError, MeshConfig, validate
 from meshtron.data import BatchStream, Corpus, heldout_stream
@@ -45,7 +52,7 @@ class Trainer:
     corpus: Corpus
 
     @classmethod
-    def from_config(cls, cfg: Config, devices=None, *, verbose: bool = False) -> "Trainer":
+    def from_config(cls, cfg: Config, devices=None, *, verbose: bool = False) -> Trainer:
         devices = list(jax.devices() if devices is None else devices)
         data, pipe, tensor = resolve_sizes(cfg.mesh, len(devices))
         cfg = replace(cfg, mesh=MeshConfig(data=data, pipe=pipe, tensor=tensor))
@@ -146,11 +153,11 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
     mesh = dict(trainer.mesh.shape)
     lines = [
         "",
-        f"mesh {mesh}  model {trainer.cfg.model.layers}x{trainer.cfg.model.hidden}  "
-        f"steps {result.steps}  data {trainer.corpus.source}",
+        (f"mesh {mesh}  model {trainer.cfg.model.layers}x{trainer.cfg.model.hidden}  "
+        f"steps {result.steps}  data {trainer.corpus.source}"),
         f"held-out loss     {result.heldout_loss:.4f} nats/token",
-        f"unigram baseline  {result.unigram_loss:.4f} nats/token  "
-        f"(model is {result.unigram_loss - result.heldout_loss:+.4f} below it)",
+        (f"unigram baseline  {result.unigram_loss:.4f} nats/token  "
+        f"(model is {result.unigram_loss - result.heldout_loss:+.4f} below it)"),
         f"throughput        {result.tokens_per_s:,.0f} tokens/s (after compilation)",
         f"wall time         {result.wall_time_s:.1f} s",
     ]

@@ -53,7 +53,7 @@ class ModelDef:
     abstract_state: Any  # nnx.State of abstract Param variables (shapes + logical-axis metadata)
 
     @classmethod
-    def create(cls, dims: GPTDims) -> "ModelDef":
+    def create(cls, dims: GPTDims) -> ModelDef:
         with nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: GPT(dims, rngs=nnx.Rngs(0)))
         graphdef, state = nnx.split(abstract, nnx.Param)

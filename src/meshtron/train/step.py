@@ -17,7 +17,6 @@ Layout of one step:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -79,7 +78,7 @@ def build_steps(
     optimizer: optax.GradientTransformation,
     *,
     microbatches: int = 1,
-) -> "TrainSteps":
+) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``."""
     param_shardings = model_def.shardings(mesh)
     # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so

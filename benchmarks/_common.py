@@ -1,0 +1,31 @@
+"""Shared helpers for the benchmark scripts: simulated devices, results folder, table printing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def print_table(header: list[str], rows: list[list]) -> None:
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for i, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
