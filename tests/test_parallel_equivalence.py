@@ -113,3 +113,25 @@ def test_bf16_compute_with_fp32_params_trains():
         losses.append(float(metrics.loss))
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+
+
+def test_lamb_trains_and_init_layout_is_checked():
+    md = model_def()
+    steps = steps_on((2, 1, 4), md, optimizer=build_optimizer(TrainConfig(optimizer="lamb", lr=1e-2, warmup_steps=1)))
+    params = md.init(steps.mesh, seed=0)
+    # Every parameter really is split as declared: the MLP's fc1 kernel holds mlp/4 columns per device.
+    fc1 = params["blocks"]["mlp"]["fc1"]["kernel"]
+    assert fc1.addressable_shards[0].data.shape == (MODEL.layers, MODEL.hidden, MODEL.mlp_dim // 4)
+    replicated = jax.device_put(fc1, jax.sharding.NamedSharding(steps.mesh, jax.sharding.PartitionSpec()))
+    from meshtron.train.state import check_layout
+
+    with pytest.raises(AssertionError, match="fc1"):
+        check_layout({**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"], "fc1": {
+            **params["blocks"]["mlp"]["fc1"], "kernel": replicated}}}}, md.shardings(steps.mesh))
+    opt_state = steps.init_opt_state(params)
+    batch = jax.device_put(jnp.asarray(tokens()), steps.batch_sharding)
+    losses = []
+    for _ in range(3):
+        params, opt_state, metrics = steps.train(params, opt_state, batch)
+        losses.append(float(metrics.loss))
+    assert losses[-1] < losses[0]

@@ -68,14 +68,16 @@ class ModelDef:
     def logical_axes(self) -> Params:
         """Logical axis names of every parameter, as a tree shaped like the parameters."""
         axes = jax.tree.map(lambda v: _Axes(variable_axes(v)), self.abstract_state, is_leaf=_is_variable)
-        return jax.tree.map(lambda a: a.names, axes.to_pure_dict(), is_leaf=lambda x: isinstance(x, _Axes))
+        return jax.tree.map(lambda a: a.names, nnx.to_pure_dict(axes), is_leaf=lambda x: isinstance(x, _Axes))
 
     def shapes(self) -> Params:
-        return jax.tree.map(
-            lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype),
-            self.abstract_state,
-            is_leaf=_is_variable,
-        ).to_pure_dict()
+        return nnx.to_pure_dict(
+            jax.tree.map(
+                lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype),
+                self.abstract_state,
+                is_leaf=_is_variable,
+            )
+        )
 
     def shardings(self, mesh: Mesh) -> Params:
         """Where every parameter lives on ``mesh`` according to the active rules table."""
@@ -92,7 +94,7 @@ class ModelDef:
         def create() -> Params:
             with nnx.use_eager_sharding(False):
                 model = GPT(dims, rngs=nnx.Rngs(params=seed))
-            return nnx.state(model, nnx.Param).to_pure_dict()
+            return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
         shardings = self.shardings(mesh)
         with jax.set_mesh(mesh):

@@ -98,7 +98,7 @@ def build_steps(
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array):
         loss, grads = local_gradients(model_def, local(params), tokens, microbatches)
         grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, params)
         params = optax.apply_updates(params, updates)
         metrics = StepMetrics(mean_over(loss, DATA), grad_norm)
