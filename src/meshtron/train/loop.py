@@ -157,8 +157,8 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
         (f"mesh {mesh}  model {trainer.cfg.model.layers}x{trainer.cfg.model.hidden}  "
         f"steps {result.steps}  data {trainer.corpus.source}"),
         f"held-out loss     {result.heldout_loss:.4f} nats/token",
-        f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "
-        f"{'below' if margin > 0 else 'above'} it)",
+        (f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "
+         f"{'below' if margin > 0 else 'above'} it)"),
         f"throughput        {result.tokens_per_s:,.0f} tokens/s (after compilation)",
         f"wall time         {result.wall_time_s:.1f} s",
     ]
