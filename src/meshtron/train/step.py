@@ -16,7 +16,6 @@ Layout of one step:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -93,6 +92,7 @@ def build_steps(
         return jax.shard_map(
             fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA}, check_vma=check_vma
         )
+
     batch_sharding = NamedSharding(mesh, P(DATA, None))
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array):
@@ -119,55 +119,52 @@ def build_steps(
     def init_state(p: Params) -> OptState:
         return OptState(reduction.init(p), optimizer.init(p))
 
-    def init_opt_state(params: Params) -> OptState:
-        """Optimizer state laid out like the parameters it mirrors (moments are tensor-sharded too)."""
-        abstract = jax.eval_shape(init_state, params)
-        shardings = optax.tree_map_params(
-            init_state,
-            lambda _, sharding: sharding,
-            abstract,
-            param_shardings,
-            transform_non_params=lambda _: NamedSharding(mesh, P()),
-        )
-        with jax.set_mesh(mesh):
-            return jax.jit(init_state, out_shardings=shardings)(params)
-
-    return TrainSteps(mesh, train, evaluate, gradients, init_opt_state, param_shardings, batch_sharding)
+    # Optimizer state is laid out like the parameters it mirrors (moments are tensor-sharded too);
+    # anything else in it (step counts) is replicated.
+    opt_shardings = optax.tree_map_params(
+        init_state,
+        lambda _, sharding: sharding,
+        jax.eval_shape(init_state, model_def.shapes()),
+        param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+    )
+    return TrainSteps(
+        mesh, param_shardings, opt_shardings, batch_sharding,
+        train=train, evaluate=evaluate, gradients=gradients, init_state=init_state,
+    )
 
 
 class TrainSteps:
-    """The jitted entry points of one configuration; the train step is jitted once the optimizer
-    state's layout is known (the first call, or :meth:`lower`)."""
+    """The jitted entry points of one configuration (pjit-style: explicit in/out shardings)."""
 
-    def __init__(self, mesh: Mesh, train_fn, eval_fn, gradients_fn, init_opt_state, param_shardings, batch_sharding):
+    def __init__(self, mesh: Mesh, param_shardings, opt_shardings, batch_sharding, *, train, evaluate, gradients,
+                 init_state):
         self.mesh = mesh
-        self.init_opt_state: Callable[[Params], OptState] = init_opt_state
         self.param_shardings = param_shardings
+        self.opt_shardings = opt_shardings
         self.batch_sharding = batch_sharding
-        self._train_fn = train_fn
-        self._train_jit = None
         replicated = NamedSharding(mesh, P())
-        self._eval_jit = jax.jit(eval_fn, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+        self._init_jit = jax.jit(init_state, in_shardings=(param_shardings,), out_shardings=opt_shardings)
+        self._train_jit = jax.jit(
+            train,
+            in_shardings=(param_shardings, opt_shardings, batch_sharding),
+            out_shardings=(param_shardings, opt_shardings, StepMetrics(replicated, replicated)),
+            donate_argnums=(0, 1),
+        )
+        self._eval_jit = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
         self._gradients_jit = jax.jit(
-            gradients_fn, in_shardings=(param_shardings, batch_sharding), out_shardings=(replicated, param_shardings)
+            gradients, in_shardings=(param_shardings, batch_sharding), out_shardings=(replicated, param_shardings)
         )
 
-    def _jitted_train(self, opt_state: OptState):
-        if self._train_jit is None:
-            opt_shardings = jax.tree.map(lambda a: a.sharding, opt_state)
-            replicated = NamedSharding(self.mesh, P())
-            self._train_jit = jax.jit(
-                self._train_fn,
-                in_shardings=(self.param_shardings, opt_shardings, self.batch_sharding),
-                out_shardings=(self.param_shardings, opt_shardings, StepMetrics(replicated, replicated)),
-                donate_argnums=(0, 1),
-            )
-        return self._train_jit
+    def init_opt_state(self, params: Params) -> OptState:
+        """Fresh optimizer state, created sharded."""
+        with jax.set_mesh(self.mesh):
+            return self._init_jit(params)
 
     def train(self, params: Params, opt_state: OptState, tokens: jax.Array):
         """One optimizer step; ``params`` and ``opt_state`` are donated (do not reuse them)."""
         with jax.set_mesh(self.mesh):
-            return self._jitted_train(opt_state)(params, opt_state, tokens)
+            return self._train_jit(params, opt_state, tokens)
 
     def eval(self, params: Params, tokens: jax.Array) -> jax.Array:
         with jax.set_mesh(self.mesh):
@@ -181,4 +178,4 @@ class TrainSteps:
     def lower(self, params: Params, opt_state: OptState, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered train step, for compiled-program analysis (nothing is executed)."""
         with jax.set_mesh(self.mesh):
-            return self._jitted_train(opt_state).lower(params, opt_state, tokens)
+            return self._train_jit.lower(params, opt_state, tokens)
