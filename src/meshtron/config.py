@@ -113,9 +113,6 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"--config {path}: not valid YAML ({err})") from None
     if not isinstance(content, dict):
         raise ConfigError(f"--config {path}: expected a mapping of sections (mesh, model, train, data)")
-    # Files may carry a free-form `description`/`notes` block for humans (paper presets do).
-    content.pop("description", None)
-    content.pop("paper", None)
     return content
 
 
@@ -136,7 +133,8 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
         if not section:
             known = ", ".join(f.name for f in dataclasses.fields(Config))
             return ConfigError(f"{key} ({origin}): unknown section; the sections are {known}")
-        section_cls = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig}[section]
+        sections = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+        section_cls = sections.get(section.split(".")[0], Config)
         known = ", ".join(f.name for f in dataclasses.fields(section_cls))
         return ConfigError(f"{key} ({origin}): unknown key {name!r} in section {section!r}; valid keys: {known}")
     if isinstance(err, ValidationError):

@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import jax
 import numpy as np
@@ -39,6 +39,7 @@ class TrainResult:
     tokens_per_s: float
     wall_time_s: float
     steps: int
+    params: Any = None  # the trained parameters (canonical nested dict, sharded on the mesh)
 
 
 @dataclass
@@ -144,8 +145,7 @@ class Trainer:
             heldout = self.evaluate(params)
         wall = time.perf_counter() - start
         tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
-        self.params = params
-        return TrainResult(losses, heldout, unigram, tps, wall, t.steps)
+        return TrainResult(losses, heldout, unigram, tps, wall, t.steps, params)
 
 
 def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
