@@ -49,7 +49,7 @@ def _timed(fn) -> float:
 
 def meshtron_step_times(cfg, steps: int) -> list[float]:
     trainer = Trainer.from_config(cfg)
-    params = trainer.model_def.init(trainer.mesh, cfg.train.seed)
+    params = trainer.init_params()
     opt_state = trainer.steps.init_opt_state(params)
     stream = trainer.train_stream()
     times = []

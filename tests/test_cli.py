@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model.layers=1", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=32", "train.batch_size=8"]
+SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=32", "train.batch_size=8"]
 
 
 def meshtron(*args, timeout=300, xla_flags=None):
@@ -37,12 +37,14 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
 
 
 def test_describe_prints_layout_and_compiled_collectives():
-    run = meshtron("describe", "--config", "mesh_configs/cpu8.yaml", *SMALL, "mesh.data=2", "mesh.tensor=4")
+    run = meshtron("describe", "--config", "mesh_configs/cpu8.yaml", *SMALL)
     assert run.returncode == 0, run.stderr
     out = run.stdout
-    assert "mesh      {'data': 2, 'pipe': 1, 'tensor': 4}" in out
+    assert "mesh      {'data': 2, 'pipe': 2, 'tensor': 2}" in out
     assert "wte" in out and "P('tensor', None)" in out and "(vocab, embed)" in out
-    assert "compiled train step" in out and "all-reduce  tensor" in out and "all-reduce  data" in out
+    assert "P('pipe', None, 'tensor')" in out  # fc1 kernels: layers over pipe, mlp over tensor
+    assert "compiled train step" in out and "all-reduce          tensor" in out and "all-reduce          data" in out
+    assert "collective-permute  pipe" in out
 
 
 def test_planning_presets_describe_without_devices():
@@ -59,7 +61,7 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     )
     assert run.returncode == 2
     assert run.stderr.strip() == (
-        "meshtron: error: mesh: data x pipe x tensor = 4 x 1 x 4 = 16 devices, but this run has 8; "
+        "meshtron: error: mesh: data x pipe x tensor = 4 x 2 x 4 = 32 devices, but this run has 8; "
         "shrink the mesh (e.g. mesh.data) or add devices"
     )
     missing = meshtron("train", "--config", "mesh_configs/cpu8.yaml", "data.path=/nope.txt")

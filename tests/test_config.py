@@ -10,9 +10,13 @@ CONFIGS = Path(__file__).resolve().parents[1] / "mesh_configs"
 
 
 def test_defaults_yaml_and_overrides_compose(tmp_path):
-    cfg = load_config(CONFIGS / "cpu8.yaml", ["mesh.tensor=4", "mesh.data=2", "model.layers=2", "train.steps=20"])
+    cfg = load_config(
+        CONFIGS / "cpu8.yaml",
+        ["mesh.tensor=4", "mesh.pipe=1", "model.layers=2", "train.steps=20", "pipeline.schedule=1f1b",
+         "pipeline.chunks=1"],
+    )
     assert (cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor) == (2, 1, 4)
-    assert cfg.model.layers == 2 and cfg.train.steps == 20
+    assert cfg.model.layers == 2 and cfg.train.steps == 20 and cfg.pipeline.schedule == "1f1b"
     assert cfg.model.hidden == 128  # from the file
     assert cfg.train.lr == pytest.approx(3e-3)
 

@@ -78,11 +78,20 @@ class DataConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """The pipeline schedule used when ``mesh.pipe > 1``: gpipe, 1f1b or interleaved with ``chunks`` = v."""
+
+    schedule: str = "1f1b"
+    chunks: int = 1
+
+
+@dataclass
 class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -133,7 +142,10 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
         if not section:
             known = ", ".join(f.name for f in dataclasses.fields(Config))
             return ConfigError(f"{key} ({origin}): unknown section; the sections are {known}")
-        sections = {"mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+        sections = {
+            "mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+            "pipeline": PipelineConfig,
+        }
         section_cls = sections.get(section.split(".")[0], Config)
         known = ", ".join(f.name for f in dataclasses.fields(section_cls))
         return ConfigError(f"{key} ({origin}): unknown key {name!r} in section {section!r}; valid keys: {known}")
@@ -180,12 +192,6 @@ def validate(cfg: Config) -> None:
             "model.mlp_dim",
             f"{m.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
         )
-    if mesh.pipe > 1:
-        _need(
-            m.layers % mesh.pipe == 0,
-            "model.layers",
-            f"{m.layers} layers cannot be split evenly over mesh.pipe={mesh.pipe}",
-        )
 
     t = cfg.train
     for name in ("steps", "batch_size", "microbatches", "eval_every", "log_every", "eval_batches"):
@@ -203,6 +209,7 @@ def validate(cfg: Config) -> None:
     if mesh.data > 0:
         check_batch_divisible(cfg, mesh.data)
 
+    validate_pipeline(cfg)
     _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
     if cfg.data.path is not None:
         _need(
@@ -210,6 +217,45 @@ def validate(cfg: Config) -> None:
             "data.path",
             f"{cfg.data.path!r} does not exist; give a UTF-8 text file or leave data.path unset for the "
             "built-in corpus",
+        )
+
+
+def validate_pipeline(cfg: Config) -> None:
+    """Schedule constraints (Megatron's): layers split evenly over p·v, enough microbatches to fill."""
+    pipe, pl = cfg.mesh.pipe, cfg.pipeline
+    layers, m = cfg.model.layers, cfg.train.microbatches
+    _need(
+        pl.schedule in ("gpipe", "1f1b", "interleaved"),
+        "pipeline.schedule",
+        f"must be 'gpipe', '1f1b' or 'interleaved', got {pl.schedule!r}",
+    )
+    _need(pl.chunks >= 1, "pipeline.chunks", f"must be >= 1, got {pl.chunks}")
+    _need(
+        pl.chunks == 1 or pl.schedule == "interleaved",
+        "pipeline.chunks",
+        f"{pl.chunks} model chunks per stage need pipeline.schedule=interleaved (got {pl.schedule!r}); "
+        "set pipeline.chunks=1 or use the interleaved schedule",
+    )
+    if pipe <= 1:
+        return
+    _need(pipe <= layers, "mesh.pipe", f"{pipe} stages for {layers} layers: a stage would have no layer; "
+          f"use mesh.pipe <= {layers}")
+    _need(
+        layers % (pipe * pl.chunks) == 0,
+        "model.layers",
+        f"{layers} layers cannot be split evenly over mesh.pipe={pipe} x pipeline.chunks={pl.chunks}; "
+        f"use a multiple of {pipe * pl.chunks}",
+    )
+    _need(
+        m >= pipe,
+        "train.microbatches",
+        f"{m} microbatches cannot fill {pipe} pipeline stages; use train.microbatches >= {pipe}",
+    )
+    if pl.schedule == "interleaved":
+        _need(
+            m % pipe == 0,
+            "train.microbatches",
+            f"the interleaved schedule needs a multiple of mesh.pipe={pipe} microbatches, got {m}",
         )
 
 

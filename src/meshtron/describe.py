@@ -85,7 +85,7 @@ def describe(cfg: Config, out=None) -> None:
     from meshtron.train.loop import Trainer
 
     trainer = Trainer.from_config(cfg, devices)
-    params = trainer.model_def.init(trainer.mesh, t.seed)
+    params = trainer.init_params()
     opt_state = trainer.steps.init_opt_state(params)
     tokens = jax.device_put(
         np.zeros((t.batch_size, dims.seq_len + 1), np.int32), trainer.steps.batch_sharding

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,11 +22,13 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from meshtron.config import Config, ConfigError, MeshConfig, validate
+from meshtron.config import Config, MeshConfig, validate
 from meshtron.data import BatchStream, Corpus, heldout_stream
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.optim import build_optimizer, data_parallel_mean, learning_rate_schedule
-from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.pipeline.schedules import compile_program, make_schedule
+from meshtron.train.pipelined import to_stage_order
+from meshtron.train.state import ModelDef, Params, dims_from_config
 from meshtron.train.step import TrainSteps, build_steps
 
 
@@ -58,20 +61,30 @@ class Trainer:
         data, pipe, tensor = resolve_sizes(cfg.mesh, len(devices))
         cfg = replace(cfg, mesh=MeshConfig(data=data, pipe=pipe, tensor=tensor))
         validate(cfg)  # again, now that a -1 axis has its real size
-        if pipe > 1:
-            raise ConfigError(
-                "mesh.pipe: pipeline parallelism is not in this release; set mesh.pipe=1 "
-                "(use mesh.data / mesh.tensor for the devices)"
-            )
         mesh = build_mesh(cfg.mesh, devices, verbose=verbose)
         corpus = Corpus.from_config(
             cfg.data, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size
         )
         model_def = ModelDef.create(dims_from_config(cfg.model, tensor))
+        program = None
+        if pipe > 1:
+            schedule = make_schedule(cfg.pipeline.schedule, pipe, cfg.train.microbatches, cfg.pipeline.chunks)
+            program = compile_program(schedule)
         steps = build_steps(
-            model_def, mesh, data_parallel_mean("data"), build_optimizer(cfg.train), microbatches=cfg.train.microbatches
+            model_def, mesh, data_parallel_mean("data"), build_optimizer(cfg.train),
+            microbatches=cfg.train.microbatches, program=program,
         )
         return cls(cfg, mesh, model_def, steps, corpus)
+
+    def init_params(self) -> Params:
+        """Fresh parameters, sharded; with pipelining, block layers are put in stage order."""
+        params = self.model_def.init(self.mesh, self.cfg.train.seed)
+        pipe = self.mesh.shape["pipe"]
+        if pipe == 1:
+            return params
+        reorder = partial(to_stage_order, layers=self.cfg.model.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(reorder, out_shardings=self.steps.param_shardings, donate_argnums=0)(params)
 
     def train_stream(self, position: int = 0) -> BatchStream:
         t = self.cfg.train
@@ -89,7 +102,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         console = console or Console(stderr=True)
         schedule = learning_rate_schedule(t)
-        params = self.model_def.init(self.mesh, t.seed)
+        params = self.init_params()
         opt_state = self.steps.init_opt_state(params)
         stream = self.train_stream()
         tokens_per_step = t.batch_size * cfg.model.seq_len

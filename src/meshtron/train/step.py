@@ -26,6 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshtron.models.gpt import lm_loss
 from meshtron.optim.reduce import mean_over
+from meshtron.pipeline.schedules import Program
+from meshtron.train.pipelined import pipelined_gradients, to_canonical
 from meshtron.train.state import ModelDef, Params
 
 DATA = "data"
@@ -77,8 +79,14 @@ def build_steps(
     optimizer: optax.GradientTransformation,
     *,
     microbatches: int = 1,
+    program: Program | None = None,
 ) -> TrainSteps:
-    """Compile-ready train/eval steps for ``model_def`` on ``mesh``."""
+    """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
+
+    With a pipeline ``program`` (mesh ``pipe`` > 1) the gradients come from the pipeline runtime
+    executing that schedule over the microbatches; block parameters are then in stage order
+    (:mod:`meshtron.train.pipelined`).
+    """
     param_shardings = model_def.shardings(mesh)
     # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so
     # values cannot be re-typed from "varying" to "replicated" over ``data``; the varying-axes check
@@ -94,9 +102,19 @@ def build_steps(
         )
 
     batch_sharding = NamedSharding(mesh, P(DATA, None))
+    if program is not None:
+        run_schedule = pipelined_gradients(model_def, program, check_vma)
+
+        def shard_gradients(params: Params, tokens: jax.Array):
+            rows = tokens.shape[0] // microbatches
+            return run_schedule(params, tokens.reshape(microbatches, rows, tokens.shape[1]))
+    else:
+
+        def shard_gradients(params: Params, tokens: jax.Array):
+            return local_gradients(model_def, params, tokens, microbatches)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array):
-        loss, grads = local_gradients(model_def, local(params), tokens, microbatches)
+        loss, grads = shard_gradients(local(params), tokens)
         grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
         grad_norm = optax.tree.norm(grads)
         updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, params)
@@ -105,11 +123,16 @@ def build_steps(
         return params, OptState(reduction_state, optimizer_state), metrics
 
     def per_shard_gradients(params: Params, tokens: jax.Array):
-        loss, grads = local_gradients(model_def, local(params), tokens, microbatches)
+        loss, grads = shard_gradients(local(params), tokens)
         grads, _ = reduction.update(grads, reduction.init(params), params)
         return mean_over(loss, DATA), grads
 
     def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
+        # Evaluation runs the plain forward pass (the compiler gathers the pipe-sharded layers),
+        # so block layers go back to canonical order first.
+        if program is not None:
+            sched = program.schedule
+            params = to_canonical(params, model_def.dims.layers, sched.stages, sched.chunks)
         return mean_over(lm_loss(model_def.bind(params), tokens), DATA)
 
     train = data_shard_map(per_shard_train, (P(), P(), P(DATA)), (P(), P(), P()))

@@ -1,0 +1,118 @@
+"""Pipeline schedules on the simulated CPU mesh: step time, bubble, work and memory.
+
+For each schedule and (p, m, v): the train step of a small GPT on mesh (data=1, pipe=p,
+tensor=1) against the unpipelined step (pipe=1) at the same global batch and microbatches.
+All simulated devices share this machine's two cores, so the time ratio measures total *work*,
+not speed-up: with idle slots skipped the pipelined step should cost about 4/3 of the plain
+step (the backward recomputes each stage's forward) whatever the bubble; were idle slots
+computed and masked, it would cost 4/3 x (1 + bubble). Peak temp memory comes from the
+compiled step's ``memory_analysis``.
+
+    .venv/bin/python benchmarks/pipeline.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import _common
+import jax
+import numpy as np
+
+from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.mesh import build_mesh
+from meshtron.optim import build_optimizer, data_parallel_mean
+from meshtron.pipeline.schedules import check, compile_program, make_schedule
+from meshtron.train.pipelined import to_stage_order
+from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.step import build_steps
+
+MODEL = ModelConfig(hidden=128, heads=4, layers=8, mlp_dim=512, seq_len=64)
+ROWS = 2  # sequences per microbatch
+
+
+def step_time_and_memory(p: int, m: int, schedule: str | None, chunks: int, steps: int) -> tuple[float, int]:
+    md = ModelDef.create(dims_from_config(MODEL, 1))
+    mesh = build_mesh(MeshConfig(1, p, 1), jax.devices()[:p])
+    program = compile_program(make_schedule(schedule, p, m, chunks)) if p > 1 else None
+    train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig()), microbatches=m,
+                        program=program)
+    params = md.init(mesh, 0)
+    if p > 1:
+        params = jax.device_put(to_stage_order(jax.device_get(params), MODEL.layers, p, chunks), train.param_shardings)
+    opt_state = train.init_opt_state(params)
+    rng = np.random.default_rng(0)
+    batch = jax.device_put(rng.integers(0, 256, (m * ROWS, MODEL.seq_len + 1), dtype=np.int32), train.batch_sharding)
+    memory = train.lower(params, opt_state, batch).compile().memory_analysis().temp_size_in_bytes
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        params, opt_state, metrics = train.train(params, opt_state, batch)
+        metrics.loss.block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]), memory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    rows, results = [], []
+    for p in (2, 4):
+        for m in (p, 2 * p, 4 * p):
+            base_time, base_mem = step_time_and_memory(1, m, None, 1, args.steps)
+            for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+                stats = check(make_schedule(schedule, p, m, chunks))
+                t, mem = step_time_and_memory(p, m, schedule, chunks, args.steps)
+                ratio = t / base_time
+                result = {
+                    "schedule": schedule, "p": p, "m": m, "v": chunks, "ticks": stats.ticks,
+                    "bubble": stats.bubble_fraction, "peak_in_flight_stage0": stats.peak_in_flight[0],
+                    "step_s": t, "pipe1_step_s": base_time, "time_ratio": ratio,
+                    "predicted_ratio_skipped": 4 / 3, "predicted_ratio_masked": 4 / 3 * (1 + stats.bubble_fraction),
+                    "temp_bytes": mem, "pipe1_temp_bytes": base_mem,
+                }
+                results.append(result)
+                rows.append([schedule, p, m, chunks, stats.ticks, f"{stats.bubble_fraction:.3f}",
+                             stats.peak_in_flight[0], f"{t * 1e3:.0f}", f"{ratio:.2f}",
+                             f"{4 / 3 * (1 + stats.bubble_fraction):.2f}", f"{mem / 2**20:.2f}"])
+                print(rows[-1], flush=True)
+    print(f"\nmodel {MODEL.layers}x{MODEL.hidden}, seq {MODEL.seq_len}, {ROWS} sequences per microbatch, "
+          f"median of {args.steps} steps; ratio = pipelined / pipe=1 step time at the same global batch")
+    _common.print_table(
+        ["schedule", "p", "m", "v", "ticks", "bubble", "in-flight s0", "step ms", "time ratio",
+         "masked would be", "temp MiB"], rows)
+    path = _common.write_results("pipeline", {"model": MODEL.__dict__, "rows_per_microbatch": ROWS,
+                                               "results": results})
+    plot(results)
+    print(f"wrote {path}")
+
+
+def plot(results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for schedule, marker in (("gpipe", "o"), ("1f1b", "s"), ("interleaved", "^")):
+        for p, style in ((2, "-"), (4, "--")):
+            sel = [r for r in results if r["schedule"] == schedule and r["p"] == p]
+            ms = [r["m"] for r in sel]
+            axes[0].plot(ms, [r["time_ratio"] for r in sel], style, marker=marker, label=f"{schedule} p={p}")
+            axes[1].plot(ms, [r["temp_bytes"] / 2**20 for r in sel], style, marker=marker, label=f"{schedule} p={p}")
+    axes[0].axhline(4 / 3, color="grey", lw=0.8)
+    axes[0].set_ylabel("step time / pipe=1 step time")
+    axes[1].set_ylabel("compiled temp memory (MiB)")
+    for ax in axes:
+        ax.set_xlabel("microbatches m")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(_common.RESULTS / "pipeline.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

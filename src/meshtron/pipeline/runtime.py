@@ -1,0 +1,245 @@
+"""One SPMD runtime that executes any valid pipeline schedule table.
+
+Runs inside a ``shard_map`` that is manual over the pipeline axis (the caller may also hold other
+axes manual, e.g. ``data``; ``tensor`` stays with the compiler). Every device is one stage. The
+compiled :class:`~meshtron.pipeline.schedules.Program` says, for every tick and stage, which
+(microbatch, chunk) runs forward and which runs backward and which buffer slots they use; the
+runtime is a ``lax.scan`` over ticks that, on each device, picks its own column:
+
+* forward: the stage input comes from the stash (an activation received from the previous stage)
+  or, on the first virtual stage, from the embedding of the microbatch's tokens; the output is
+  sent to the next stage with one ``ppermute`` (the ring edge included, for interleaving). The
+  last virtual stage computes the loss instead.
+* backward: the stage is *recomputed* from its stashed input under ``jax.vjp`` (Megatron's
+  activation recomputation: only stage inputs are kept between forward and backward), seeded by
+  the gradient received from the next stage (or by the loss on the last virtual stage); the
+  input gradient is sent to the previous stage with the reverse ``ppermute``; parameter
+  gradients are accumulated over microbatches.
+
+Idle slots are *skipped*: each device runs its forward/backward under a ``lax.cond`` on its own
+instruction, so a stage with nothing to do does no compute. Ticks are grouped into segments with
+the same static shape (does any stage run a forward? a backward? send?), one ``scan`` per segment,
+so phases in which no stage sends have no ``ppermute`` at all and the HLO's loop trip counts equal
+the real number of transfers. Parameters shared across stages (embedding, final norm) get their
+gradients summed over the pipeline axis once, after the loop.
+
+The runtime knows nothing about GPT: the model enters as three functions (:class:`StageFunctions`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshtron.pipeline.schedules import Program
+
+PyTree = Any
+
+_ROW_FIELDS = (
+    "fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot",
+    "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
+)
+
+
+@dataclass(frozen=True)
+class StageFunctions:
+    """The model, cut for pipelining.
+
+    ``embed(shared, tokens) -> x`` builds the first virtual stage's input from a microbatch of
+    tokens; ``stage(chunk_params, x) -> y`` runs one chunk of layers; ``loss(shared, y, tokens)``
+    is the scalar loss after the last virtual stage.
+    """
+
+    embed: Callable[[PyTree, jax.Array], jax.Array]
+    stage: Callable[[PyTree, jax.Array], jax.Array]
+    loss: Callable[[PyTree, jax.Array, jax.Array], jax.Array]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    start: int
+    stop: int
+    forward: bool
+    backward: bool
+    send_forward: bool
+    send_backward: bool
+
+
+def segments(program: Program) -> list[_Segment]:
+    """Maximal runs of ticks with the same static work/communication pattern."""
+    fwd = (program.fwd_mb >= 0).any(axis=1)
+    bwd = (program.bwd_mb >= 0).any(axis=1)
+    send_f = (program.fwd_send > 0).any(axis=1)
+    send_b = (program.bwd_send > 0).any(axis=1)
+    keys = list(zip(fwd, bwd, send_f, send_b))
+    out, tick = [], 0
+    for key, group in itertools.groupby(keys):
+        length = len(list(group))
+        out.append(_Segment(tick, tick + length, *(bool(k) for k in key)))
+        tick += length
+    return out
+
+
+def _write(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+    """``buffer[slot] = value`` when ``slot >= 0``; unchanged otherwise."""
+    index = jnp.maximum(slot, 0)
+    current = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, value, current), index, 0)
+
+
+def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(buffer, jnp.maximum(slot, 0), keepdims=False)
+
+
+def _chunk(stage_params: PyTree, chunk: jax.Array) -> PyTree:
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, keepdims=False), stage_params)
+
+
+def run_pipeline(
+    program: Program,
+    fns: StageFunctions,
+    stage_params: PyTree,
+    shared_params: PyTree,
+    tokens: jax.Array,
+    *,
+    axis: str = "pipe",
+    check_vma: bool = True,
+) -> tuple[jax.Array, PyTree, PyTree]:
+    """Mean loss over the microbatches and the gradients of it, on this stage.
+
+    Call inside ``shard_map`` manual over ``axis``. ``stage_params`` leaves are this stage's
+    ``[chunks, layers_per_chunk, ...]``; ``shared_params`` are replicated over ``axis``;
+    ``tokens`` is ``[microbatches, rows, seq + 1]`` (the same on every stage). Returns
+    ``(loss, stage_grads, shared_grads)``: the loss and shared gradients are identical on every
+    stage (summed over ``axis``), stage gradients are this stage's own.
+    """
+    schedule = program.schedule
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    last_virtual = p * v - 1
+    stage_index = jax.lax.axis_index(axis)
+    inv_m = 1.0 / m
+
+    # Whatever a stage computes varies over every manual axis (its parameters vary over `pipe`, its
+    # data over `data`); fresh zeros (idle slots, initial carries) are cast to match.
+    manual = tuple(sorted(jax.sharding.get_abstract_mesh().manual_axes)) if check_vma else ()
+
+    def zeros(tree):
+        def make(x):
+            z = jnp.zeros(x.shape, x.dtype)
+            return jax.lax.pcast(z, manual, to="varying") if manual else z
+
+        return jax.tree.map(make, tree)
+
+    if check_vma:
+        # Local copies on every stage: differentiating w.r.t. a value replicated over `axis` would
+        # make autodiff insert its own psum inside the stage's branch; gradients are summed once below.
+        shared_params = jax.lax.pcast(shared_params, axis, to="varying")
+    act = jax.eval_shape(fns.embed, shared_params, tokens[0])
+    zeros_act = zeros(act)
+    zero_loss = zeros(jax.ShapeDtypeStruct((), jnp.float32))
+
+    def kind_of(chunk: jax.Array) -> jax.Array:
+        virtual = chunk * p + stage_index
+        return jnp.where(virtual == 0, 1, jnp.where(virtual == last_virtual, 2, 0))
+
+    def forward(row, stash, params, shared):
+        tok = tokens[row["fwd_mb"]]
+        chunk_params = _chunk(params, row["fwd_chunk"])
+
+        def middle():
+            return fns.stage(chunk_params, _read(stash, row["fwd_slot"])), zero_loss
+
+        def first():
+            return fns.stage(chunk_params, fns.embed(shared, tok)), zero_loss
+
+        def last():
+            y = fns.stage(chunk_params, _read(stash, row["fwd_slot"]))
+            return zeros_act, fns.loss(shared, y, tok).astype(jnp.float32)
+
+        return jax.lax.switch(kind_of(row["fwd_chunk"]), (middle, first, last))
+
+    def backward(row, stash, gbuf, params, shared):
+        tok = tokens[row["bwd_mb"]]
+        chunk_params = _chunk(params, row["bwd_chunk"])
+        zero_shared = zeros(shared)
+
+        def middle():
+            _, pullback = jax.vjp(fns.stage, chunk_params, _read(stash, row["bwd_stash_slot"]))
+            d_params, d_x = pullback(_read(gbuf, row["bwd_grad_slot"]))
+            return d_x, d_params, zero_shared
+
+        def first():
+            _, pullback = jax.vjp(lambda cp, sh: fns.stage(cp, fns.embed(sh, tok)), chunk_params, shared)
+            d_params, d_shared = pullback(_read(gbuf, row["bwd_grad_slot"]))
+            return zeros_act, d_params, d_shared
+
+        def last():
+            def loss_of(cp, sh, x):
+                return fns.loss(sh, fns.stage(cp, x), tok).astype(jnp.float32)
+
+            _, pullback = jax.vjp(loss_of, chunk_params, shared, _read(stash, row["bwd_stash_slot"]))
+            d_params, d_shared, d_x = pullback(zero_loss + inv_m)
+            return d_x, d_params, d_shared
+
+        return jax.lax.switch(kind_of(row["bwd_chunk"]), (middle, first, last))
+
+    def make_tick(seg: _Segment):
+        def tick(carry, row_all):
+            stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum = carry
+            row = {k: jax.lax.dynamic_index_in_dim(row_all[k], stage_index, keepdims=False) for k in row_all}
+            stash = _write(stash, row["recv_fwd_slot"], f_msg)
+            gbuf = _write(gbuf, row["recv_bwd_slot"], b_msg)
+            y_out, dx_out = f_msg, b_msg
+            if seg.forward:
+                y_out, loss = jax.lax.cond(
+                    row["fwd_mb"] >= 0,
+                    lambda: forward(row, stash, stage_params, shared_params),
+                    lambda: (zeros_act, zero_loss),
+                )
+                loss_sum = loss_sum + loss
+            if seg.backward:
+                dx_out, d_params, d_shared = jax.lax.cond(
+                    row["bwd_mb"] >= 0,
+                    lambda: backward(row, stash, gbuf, stage_params, shared_params),
+                    lambda: (zeros_act, zeros(_chunk(stage_params, 0)), zeros(shared_params)),
+                )
+                chunk = jnp.maximum(row["bwd_chunk"], 0)
+                g_stage = jax.tree.map(
+                    lambda g, d: jax.lax.dynamic_update_index_in_dim(
+                        g, jax.lax.dynamic_index_in_dim(g, chunk, keepdims=False) + d, chunk, 0
+                    ),
+                    g_stage, d_params,
+                )
+                g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
+            if seg.send_forward:
+                f_msg = jax.lax.ppermute(y_out, axis, [(i, (i + 1) % p) for i in range(p)])
+            if seg.send_backward:
+                b_msg = jax.lax.ppermute(dx_out, axis, [(i, (i - 1) % p) for i in range(p)])
+            return (stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum), None
+
+        return tick
+
+    carry = (
+        zeros(jax.ShapeDtypeStruct((max(program.stash_slots, 1), *act.shape), act.dtype)),
+        zeros(jax.ShapeDtypeStruct((max(program.grad_slots, 1), *act.shape), act.dtype)),
+        zeros_act,
+        zeros_act,
+        zeros(stage_params),
+        zeros(shared_params),
+        zero_loss,
+    )
+    rows = {name: np.asarray(getattr(program, name), np.int32) for name in _ROW_FIELDS}
+    for seg in segments(program):
+        xs = {name: jnp.asarray(arr[seg.start : seg.stop]) for name, arr in rows.items()}
+        carry, _ = jax.lax.scan(make_tick(seg), carry, xs)
+    _, _, _, _, g_stage, g_shared, loss_sum = carry
+    # The loss lives on the last stage and the shared gradients on the first and last: one sum each.
+    loss = jax.lax.psum(loss_sum * inv_m, axis)
+    g_shared = jax.lax.psum(g_shared, axis)
+    return loss, g_stage, g_shared

@@ -1,0 +1,100 @@
+"""GPT <-> pipeline glue: cutting the model into stage functions and placing layers on stages.
+
+The canonical parameter tree stacks blocks as ``[layers, ...]``. Pipelining shards that axis over
+``pipe``; for the interleaved schedule stage ``s`` must hold, for every chunk ``c``, layers
+``c·L/v + s·L/(p·v) …`` (Megatron's placement), which is not a contiguous block. The training
+state therefore keeps the layer axis in *stage order* -- a fixed permutation of the canonical
+order, applied once when parameters enter training and undone when they leave (checkpoints,
+comparisons) -- so that a plain ``P('pipe')`` sharding puts every layer on its stage with no
+data movement during training. For ``v = 1`` the permutation is the identity.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from meshtron.models.gpt import run_blocks, vocab_parallel_cross_entropy
+from meshtron.pipeline.runtime import StageFunctions, run_pipeline
+from meshtron.pipeline.schedules import Program
+from meshtron.train.state import ModelDef, Params
+
+PIPE = "pipe"
+
+
+def stage_order(layers: int, stages: int, chunks: int) -> np.ndarray:
+    """``perm[i]`` = canonical layer stored at position ``i`` of the stage-ordered layer axis.
+
+    Position ``i = s·(L/p) + c·(L/(p·v)) + j`` (stage s, chunk c, layer j of the chunk) holds
+    canonical layer ``c·(L/v) + s·(L/(p·v)) + j``.
+    """
+    per_chunk = layers // (stages * chunks)
+    s, c, j = np.meshgrid(np.arange(stages), np.arange(chunks), np.arange(per_chunk), indexing="ij")
+    return (c * (layers // chunks) + s * per_chunk + j).reshape(-1)
+
+
+def permute_layers(params: Params, perm: np.ndarray) -> Params:
+    """Reorder the stacked layer axis of every block parameter (``blocks[...][i] = old[perm[i]]``)."""
+    if np.array_equal(perm, np.arange(len(perm))):
+        return params
+    index = jnp.asarray(perm)
+    return {**params, "blocks": jax.tree.map(lambda a: jnp.take(a, index, axis=0), params["blocks"])}
+
+
+def to_stage_order(params: Params, layers: int, stages: int, chunks: int) -> Params:
+    return permute_layers(params, stage_order(layers, stages, chunks))
+
+
+def to_canonical(params: Params, layers: int, stages: int, chunks: int) -> Params:
+    return permute_layers(params, np.argsort(stage_order(layers, stages, chunks)))
+
+
+def gpt_stage_functions(model_def: ModelDef) -> StageFunctions:
+    """The GPT cut into embedding (first virtual stage), a chunk of blocks, and head + loss (last)."""
+    vocab = model_def.dims.vocab_size
+
+    def embed(shared: Params, tokens: jax.Array) -> jax.Array:
+        return model_def.bind(shared).embed(tokens[:, :-1])
+
+    def stage(chunk_blocks: Params, x: jax.Array) -> jax.Array:
+        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x)
+
+    def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        logits = model_def.bind(shared).head(y)
+        return jnp.mean(vocab_parallel_cross_entropy(logits, tokens[:, 1:], vocab))
+
+    return StageFunctions(embed, stage, loss)
+
+
+def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool):
+    """``(params, tokens [m, rows, seq+1]) -> (loss, grads)`` running ``program`` over ``pipe``.
+
+    Called inside the trainer's data-parallel region; gradients are local to the data shard.
+    """
+    fns = gpt_stage_functions(model_def)
+    chunks = program.schedule.chunks
+
+    def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
+        # This stage's [layers/p, ...] block parameters, viewed as [chunks, layers/(p·v), ...].
+        by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
+        loss, g_blocks, g_shared = run_pipeline(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma)
+        g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
+        return loss, g_blocks, g_shared
+
+    def gradients(params: Params, tokens: jax.Array):
+        # Nested inside the data-parallel shard_map: the context mesh already has `data` manual.
+        stage_map = jax.shard_map(
+            per_stage,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(P(PIPE), P(), P()),
+            out_specs=(P(), P(PIPE), P()),
+            axis_names={PIPE},
+            check_vma=check_vma,
+        )
+        shared = {k: v for k, v in params.items() if k != "blocks"}
+        loss, g_blocks, g_shared = stage_map(params["blocks"], shared, tokens)
+        return loss, {**g_shared, "blocks": g_blocks}
+
+    return gradients

@@ -1,0 +1,165 @@
+"""Pipeline parallelism end to end: every schedule computes what the unpipelined model computes,
+communicates what Megatron's analysis says, and keeps 1F1B memory flat in the number of microbatches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshtron import analysis
+from meshtron.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config
+from meshtron.mesh import build_mesh
+from meshtron.optim import build_optimizer, data_parallel_mean
+from meshtron.pipeline.schedules import compile_program, make_schedule
+from meshtron.train.pipelined import stage_order, to_canonical, to_stage_order
+from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.step import build_steps
+
+LAYERS, HIDDEN, SEQ, BATCH = 8, 32, 16, 16
+MODEL = ModelConfig(vocab_size=256, hidden=HIDDEN, heads=4, layers=LAYERS, mlp_dim=64, seq_len=SEQ)
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+def model_def(**overrides) -> ModelDef:
+    return ModelDef.create(dims_from_config(ModelConfig(**{**MODEL.__dict__, **overrides}), tensor=4))
+
+
+def tokens(rows=BATCH, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=(rows, SEQ + 1), dtype=np.int32)
+
+
+def build(md, mesh_shape, schedule=None, chunks=1, microbatches=1, lr=1e-2):
+    mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
+    program = None
+    if mesh_shape[1] > 1:
+        program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks))
+    opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1, lr=lr))
+    return build_steps(md, mesh, data_parallel_mean(), opt, microbatches=microbatches, program=program)
+
+
+def place(params, steps, md, chunks):
+    """Canonical host params -> this run's training layout (stage order, sharded)."""
+    p = steps.mesh.shape["pipe"]
+    return jax.device_put(to_stage_order(params, md.dims.layers, p, chunks), steps.param_shardings)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    md = model_def()
+    steps = build(md, (1, 1, 1))
+    params = jax.device_get(md.init(steps.mesh, seed=0))
+    loss, grads = steps.gradients(jax.device_put(params, steps.param_shardings),
+                                  jax.device_put(tokens(), steps.batch_sharding))
+    return md, params, float(loss), jax.device_get(grads)
+
+
+def test_stage_order_is_megatron_placement():
+    # p=2, v=2, 8 layers: stage 0 holds chunks {0,1} = layers {0,1} and {4,5}; stage 1 holds {2,3} and {6,7}.
+    assert stage_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert stage_order(8, 4, 1).tolist() == list(range(8))
+    x = {"blocks": {"w": np.arange(8)}, "wte": np.zeros(2)}
+    assert to_canonical(to_stage_order(x, 8, 2, 2), 8, 2, 2)["blocks"]["w"].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 4), (2, 4, 1)])
+@pytest.mark.parametrize("schedule, chunks", SCHEDULES)
+def test_every_schedule_matches_the_unpipelined_model(reference, mesh_shape, schedule, chunks):
+    md, params, ref_loss, ref_grads = reference
+    p = mesh_shape[1]
+    microbatches = 2 * p if p * 2 * mesh_shape[0] <= BATCH else p
+    steps = build(md, mesh_shape, schedule, chunks, microbatches)
+    loss, grads = steps.gradients(place(params, steps, md, chunks), jax.device_put(tokens(), steps.batch_sharding))
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
+    grads = to_canonical(jax.device_get(grads), LAYERS, p, chunks)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
+
+
+def losses(steps, params, n=3):
+    opt_state = steps.init_opt_state(params)
+    out = []
+    for _ in range(n):
+        params, opt_state, metrics = steps.train(params, opt_state, jax.device_put(tokens(), steps.batch_sharding))
+        out.append(float(metrics.loss))
+    return out
+
+
+def test_training_steps_give_the_same_losses_as_pipe_1(reference):
+    md, params, _, _ = reference
+    flat = build(md, (2, 1, 4), microbatches=4)
+    expected = losses(flat, jax.device_put(params, flat.param_shardings))
+    assert expected[-1] < expected[0]
+    piped = build(md, (2, 2, 2), "interleaved", 2, microbatches=4)
+    np.testing.assert_allclose(losses(piped, place(params, piped, md, 2)), expected, rtol=2e-5)
+
+
+def compiled(md, mesh_shape, schedule, chunks, microbatches, rows_per_microbatch):
+    steps = build(md, mesh_shape, schedule, chunks, microbatches)
+    params = place(jax.device_get(md.init(steps.mesh, 0)), steps, md, chunks)
+    batch = jnp.zeros((mesh_shape[0] * microbatches * rows_per_microbatch, SEQ + 1), jnp.int32)
+    opt_state = steps.init_opt_state(params)
+    return steps.lower(params, opt_state, jax.device_put(batch, steps.batch_sharding)).compile(), steps.mesh
+
+
+@pytest.mark.parametrize("schedule, chunks", SCHEDULES)
+def test_pipe_traffic_is_activations_forward_and_gradients_backward(schedule, chunks):
+    md = model_def()
+    p, m, b = 2, 4, 1
+    exe, mesh = compiled(md, (2, p, 2), schedule, chunks, m, b)
+    colls = analysis.collectives(exe, mesh)
+    bsh = b * SEQ * HIDDEN * 4
+    permutes = [c for c in colls if c.kind == "collective-permute"]
+    assert permutes and all(c.axes == ("pipe",) and c.bytes == bsh for c in permutes)
+    # Megatron's minimum per device: each microbatch crosses each of its v boundaries once each way.
+    minimum = 2 * m * chunks
+    bubble = (p - 1) / (chunks * m)
+    sent = sum(c.count for c in permutes)
+    assert minimum <= sent <= (1 + bubble) * minimum
+    # Across pipe otherwise only one reduction per step: the shared (embedding, final norm) gradients + loss.
+    others = [c for c in colls if c.axes == ("pipe",) and c.kind != "collective-permute"]
+    assert len(others) >= 1 and all(c.count == 1 for c in others)
+    data = [c for c in colls if "data" in c.axes]
+    assert data and all(c.count == 1 and c.axes == ("data",) for c in data), "one data reduction per step"
+
+
+ROWS = 2  # sequences per microbatch: the microbatch size stays fixed while m grows
+ACTIVATION = ROWS * SEQ * HIDDEN * 4  # bytes of one stashed stage input
+
+
+def temp_bytes(schedule, chunks, microbatches):
+    md = model_def(layers=4)
+    exe, _ = compiled(md, (1, 2, 1), schedule, chunks, microbatches, ROWS)
+    return exe.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2)])
+def test_1f1b_memory_does_not_grow_with_microbatches(schedule, chunks):
+    p = 2
+    small, large = temp_bytes(schedule, chunks, 2 * p), temp_bytes(schedule, chunks, 8 * p)
+    assert large <= 1.10 * small, (small, large)
+    assert large - small < 2 * ACTIVATION, "stash size must not depend on m"
+
+
+def test_gpipe_memory_grows_with_microbatches():
+    p = 2
+    small, large = temp_bytes("gpipe", 1, 2 * p), temp_bytes("gpipe", 1, 8 * p)
+    # GPipe stashes every microbatch's stage input until the backward phase: 6p more of them.
+    assert large - small >= (8 * p - 2 * p) * ACTIVATION, (small, large)
+
+
+@pytest.mark.parametrize(
+    "overrides, field, fix",
+    [
+        (["model.layers=6", "pipeline.chunks=2"], "model.layers", "multiple of 4"),
+        (["train.microbatches=3", "train.batch_size=48"], "train.microbatches", "multiple of mesh.pipe=2"),
+        (["train.microbatches=1", "pipeline.schedule=1f1b", "pipeline.chunks=1"], "train.microbatches", ">= 2"),
+        (["pipeline.schedule=1f1b"], "pipeline.chunks", "schedule=interleaved"),
+        (["mesh.pipe=8", "mesh.data=1", "mesh.tensor=1", "model.layers=4", "pipeline.chunks=1",
+          "pipeline.schedule=gpipe", "train.microbatches=8"], "mesh.pipe", "mesh.pipe <= 4"),
+    ],
+)
+def test_bad_pipeline_configs_are_clear_errors(overrides, field, fix):
+    from pathlib import Path
+
+    with pytest.raises(ConfigError) as err:
+        load_config(Path(__file__).resolve().parents[1] / "mesh_configs" / "cpu8.yaml", overrides)
+    assert str(err.value).startswith(field) and fix in str(err.value)
