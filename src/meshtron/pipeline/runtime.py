@@ -203,6 +203,11 @@ def run_pipeline(
                     lambda: (zeros_act, zero_loss),
                 )
                 loss_sum = loss_sum + loss
+                # Every device must meet the collectives of a tick in one order (the tensor
+                # all-reduces inside the stage branches, then the sends): XLA's CPU runtime may
+                # otherwise start independent ones in a different order on different devices and
+                # deadlock. The barriers turn "independent" into "after".
+                y_out, stash, gbuf = jax.lax.optimization_barrier((y_out, stash, gbuf))
             if seg.backward:
                 dx_out, d_params, d_shared = jax.lax.cond(
                     row["bwd_mb"] >= 0,
@@ -217,8 +222,10 @@ def run_pipeline(
                     g_stage, d_params,
                 )
                 g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
+                dx_out, y_out, g_stage = jax.lax.optimization_barrier((dx_out, y_out, g_stage))
             if seg.send_forward:
                 f_msg = jax.lax.ppermute(y_out, axis, [(i, (i + 1) % p) for i in range(p)])
+                f_msg, dx_out = jax.lax.optimization_barrier((f_msg, dx_out))
             if seg.send_backward:
                 b_msg = jax.lax.ppermute(dx_out, axis, [(i, (i - 1) % p) for i in range(p)])
             return (stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum), None
