@@ -1,8 +1,8 @@
 """Tokens/s and model-FLOPs utilisation of the default model, meshtron vs a plain Flax + optax loop.
 
 Both run in one process on this machine: meshtron's train step on the default simulated
-8-device CPU mesh (data=4, tensor=2), and a plain single-device ``jax.jit`` training step of the
-same NNX GPT with the same optax optimizer and batch. Medians over the timed steps (first step,
+8-device CPU mesh (data=2, pipe=2, tensor=2, interleaved 1F1B), and a plain single-device ``jax.jit`` training step of the
+same NNX GPT with the same optax optimizer and batch (one step per batch, no microbatching). Medians over the timed steps (first step,
 which compiles, excluded). MFU = model FLOPs (Megatron eq. 3 without recomputation) per second /
 the peak FP32 matmul rate measured here on one device.
 
@@ -103,7 +103,8 @@ def main() -> None:
     ).flops_per_iteration_no_remat
     peak = peak_matmul_flops()
     tokens = t.batch_size * m.seq_len
-    runs = {"meshtron (4x1x2 simulated mesh)": meshtron_step_times(cfg, args.steps),
+    mesh = "x".join(str(n) for n in (cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor))
+    runs = {f"meshtron ({mesh} simulated mesh, {cfg.pipeline.schedule})": meshtron_step_times(cfg, args.steps),
             "plain Flax + optax (1 device)": plain_step_times(cfg, args.steps)}
     rows, results = [], {}
     for name, times in runs.items():
