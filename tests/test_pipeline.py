@@ -163,3 +163,21 @@ def test_bad_pipeline_configs_are_clear_errors(overrides, field, fix):
     with pytest.raises(ConfigError) as err:
         load_config(Path(__file__).resolve().parents[1] / "mesh_configs" / "cpu8.yaml", overrides)
     assert str(err.value).startswith(field) and fix in str(err.value)
+
+
+def test_trainer_puts_layers_in_stage_order_and_back():
+    from pathlib import Path
+
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "mesh_configs" / "cpu8.yaml",
+                      ["model.hidden=32", "model.mlp_dim=64", "model.seq_len=32", "train.batch_size=8"])
+    trainer = Trainer.from_config(cfg)
+    staged = trainer.init_params()
+    canonical = jax.device_get(trainer.canonical_params(staged))
+    fresh = jax.device_get(trainer.model_def.init(trainer.mesh, cfg.train.seed))
+    jax.tree.map(np.testing.assert_array_equal, canonical, fresh)
+    order = stage_order(cfg.model.layers, 2, 2)
+    staged_fc1 = jax.device_get(staged)["blocks"]["mlp"]["fc1"]["kernel"]
+    np.testing.assert_array_equal(staged_fc1, fresh["blocks"]["mlp"]["fc1"]["kernel"][order])
+    assert not np.array_equal(order, np.arange(len(order)))

@@ -27,7 +27,7 @@ from meshtron.data import BatchStream, Corpus, heldout_stream
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.optim import build_optimizer, data_parallel_mean, learning_rate_schedule
 from meshtron.pipeline.schedules import compile_program, make_schedule
-from meshtron.train.pipelined import to_stage_order
+from meshtron.train.pipelined import to_canonical, to_stage_order
 from meshtron.train.state import ModelDef, Params, dims_from_config
 from meshtron.train.step import TrainSteps, build_steps
 
@@ -42,7 +42,7 @@ class TrainResult:
     tokens_per_s: float
     wall_time_s: float
     steps: int
-    params: Any = None  # the trained parameters (canonical nested dict, sharded on the mesh)
+    params: Any = None  # the trained parameters: canonical nested dict (layers in order), sharded on the mesh
 
 
 @dataclass
@@ -85,6 +85,15 @@ class Trainer:
         reorder = partial(to_stage_order, layers=self.cfg.model.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
         with jax.set_mesh(self.mesh):
             return jax.jit(reorder, out_shardings=self.steps.param_shardings, donate_argnums=0)(params)
+
+    def canonical_params(self, params: Params) -> Params:
+        """Training-layout parameters back in canonical layer order (undoes :meth:`init_params`' reorder)."""
+        pipe = self.mesh.shape["pipe"]
+        if pipe == 1:
+            return params
+        reorder = partial(to_canonical, layers=self.cfg.model.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(reorder, out_shardings=self.steps.param_shardings)(params)
 
     def train_stream(self, position: int = 0) -> BatchStream:
         t = self.cfg.train
@@ -158,7 +167,7 @@ class Trainer:
             heldout = self.evaluate(params)
         wall = time.perf_counter() - start
         tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
-        return TrainResult(losses, heldout, unigram, tps, wall, t.steps, params)
+        return TrainResult(losses, heldout, unigram, tps, wall, t.steps, self.canonical_params(params))
 
 
 def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
