@@ -6,9 +6,10 @@ import jax
 import optax
 
 from meshtron.config import TrainConfig
+from meshtron.optim.lamb import layerwise_lamb
 from meshtron.optim.reduce import data_parallel_mean
 
-__all__ = ["build_optimizer", "data_parallel_mean", "decay_mask", "learning_rate_schedule"]
+__all__ = ["build_optimizer", "data_parallel_mean", "decay_mask", "layerwise_lamb", "learning_rate_schedule"]
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -31,12 +32,12 @@ def decay_mask(params) -> dict:
 
 
 def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clipping + AdamW or LAMB on the learning-rate schedule; expects already-reduced gradients."""
+    """Clipping + AdamW or (layerwise) LAMB on the learning-rate schedule; expects reduced gradients."""
     schedule = learning_rate_schedule(cfg)
     if cfg.optimizer == "adamw":
         base = optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=cfg.weight_decay, mask=decay_mask)
     else:
-        base = optax.lamb(schedule, b1=0.9, b2=0.999, eps=1e-6, weight_decay=cfg.weight_decay, mask=decay_mask)
+        base = layerwise_lamb(schedule, b1=0.9, b2=0.999, eps=1e-6, weight_decay=cfg.weight_decay, mask=decay_mask)
     if cfg.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), base)
     return base

@@ -1,0 +1,66 @@
+"""LAMB whose trust ratio is per *layer*, also for parameters stacked along a leading layers axis.
+
+``optax.lamb`` computes one trust ratio ``||w|| / ||update||`` per pytree leaf. meshtron stacks
+every transformer block's parameters as ``[layers, ...]`` leaves, so plain ``optax.lamb`` would
+treat all layers of, say, ``fc1/kernel`` as a single layer. :func:`scale_by_layerwise_trust_ratio`
+computes the norms per slice of the leading axis for stacked leaves (and per leaf otherwise),
+which is what LAMB (You et al.) and Megatron/DeepSpeed users expect. With the layer axis sharded
+over ``pipe`` the per-slice norms need no communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _trust_scale(update: jax.Array, param: jax.Array, stacked: bool) -> jax.Array:
+    axes = tuple(range(1, param.ndim)) if stacked else None
+    param_norm = jnp.sqrt(jnp.sum(jnp.square(param), axis=axes, keepdims=stacked))
+    update_norm = jnp.sqrt(jnp.sum(jnp.square(update), axis=axes, keepdims=stacked))
+    # A zero weight or update norm leaves the update unscaled (ratio 1), as in optax and DeepSpeed.
+    ratio = jnp.where((param_norm == 0) | (update_norm == 0), 1.0, param_norm / jnp.where(update_norm == 0, 1.0, update_norm))
+    return update * ratio.astype(update.dtype)
+
+
+def scale_by_layerwise_trust_ratio(stacked: Callable[[optax.Params], object]) -> optax.GradientTransformation:
+    """Scale each layer's update by ``||w|| / ||u||``; ``stacked(params)`` marks leaves with a leading layers axis."""
+
+    def init(params: optax.Params) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("scale_by_layerwise_trust_ratio needs the parameters: pass params to update()")
+        scaled = jax.tree.map(_trust_scale, updates, params, stacked(params))
+        return scaled, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def stacked_blocks(params) -> dict:
+    """True for leaves under ``blocks`` (meshtron's ``[layers, ...]`` stacks)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: str(getattr(path[0], "key", path[0])) == "blocks", params)
+
+
+def layerwise_lamb(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    mask=None,
+    stacked: Callable[[optax.Params], object] = stacked_blocks,
+) -> optax.GradientTransformation:
+    """``optax.lamb`` with per-layer trust ratios for stacked leaves (same chain otherwise)."""
+    return optax.chain(
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.add_decayed_weights(weight_decay, mask),
+        scale_by_layerwise_trust_ratio(stacked),
+        optax.scale_by_learning_rate(learning_rate),
+    )
