@@ -1,19 +1,27 @@
 """Pipeline schedules as data: tables of (tick, stage) -> forward / backward work, a checker, and
 the per-tick instructions the SPMD runtime executes. No JAX here.
 
-Execution model (what the runtime in :mod:`meshtron.pipeline.runtime` does): ``p`` stages on a
-ring, ``m`` microbatches, ``v`` model chunks per stage (virtual stage ``k = chunk·p + stage``).
-In each tick every stage runs at most one forward and at most one backward, forward first. A
-value produced in tick ``t`` is sent at the end of the tick and can be used from tick ``t + 1``
-on (the receiver buffers it). Hence a forward of ``(mb, k)`` needs the forward of ``(mb, k-1)``
-in an earlier tick, and a backward of ``(mb, k)`` needs its own forward (same tick or earlier)
-and the backward of ``(mb, k+1)`` in an earlier tick.
+Why tables: the runtime in :mod:`meshtron.pipeline.runtime` runs every stage in lockstep inside
+one ``shard_map``, so it needs, for every tick, what each stage computes and which buffer slot
+each value lives in. Keeping the schedule as plain data lets us prove it correct (``check``),
+price it (bubble, memory) and compile it (``compile_program``) without tracing anything.
+
+Execution model: ``p`` stages on a ring, ``m`` microbatches, ``v`` model chunks per stage
+(virtual stage ``k = chunk·p + stage``; virtual stage ``k`` feeds ``k + 1``, so stage ``p - 1``
+chunk ``c`` feeds stage 0 chunk ``c + 1``). In each tick every stage runs at most one forward and
+at most one backward, forward first. A value produced in tick ``t`` is sent at the end of the
+tick and can be used from tick ``t + 1`` on (the receiver buffers it). Hence a forward of
+``(mb, k)`` needs the forward of ``(mb, k-1)`` in an earlier tick, and a backward of ``(mb, k)``
+needs its own forward (same tick or earlier) and the backward of ``(mb, k+1)`` in an earlier tick.
 
 All three schedules give every stage the same op *order*, shifted in time: forward op ``j`` of
 stage ``s`` runs in tick ``j + s`` and backward op ``j`` in tick ``T0 + j + (p - 1 - s)``. The
-order is Megatron-LM's (microbatches in groups of ``p`` per chunk for the interleaved schedule);
-``T0`` decides how early backwards start: after all forwards (GPipe) or as soon as the last
-virtual stage has the first microbatch's output (1F1B, interleaved).
+order is Megatron-LM's (microbatches in groups of ``p`` per chunk for the interleaved schedule,
+backwards through the chunks in reverse); ``T0`` decides how early backwards start: after all
+forwards (GPipe) or as soon as the last virtual stage has the first microbatch's output (1F1B,
+interleaved). The lockstep shift costs memory, not time: the bubble is exactly the textbook one,
+but stage 0 holds ``2p - 1`` microbatches in flight instead of Megatron's ``p`` (it cannot start
+a backward before the gradient has travelled back through the whole ring).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 T_FORWARD, T_BACKWARD = 1.0, 2.0  # unit cost model: a backward costs two forwards
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class ScheduleError(ValueError):
@@ -31,6 +40,13 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Work:
+    """Microbatch ``microbatch`` through model chunk ``chunk`` of the stage whose column holds it.
+
+    The stage is deliberately not stored: a table cell's column *is* the stage, so the virtual
+    stage of a cell is ``chunk * p + column`` and a misplaced cell shows up as a different
+    virtual stage (which ``check`` reports as work on the wrong stage).
+    """
+
     microbatch: int
     chunk: int
 
@@ -51,164 +67,245 @@ class Schedule:
         return len(self.forward)
 
 
+# --------------------------------------------------------------------------------------------
+# Building tables
+
+
 def _megatron_order(stages: int, microbatches: int, chunks: int) -> list[Work]:
-    """Forward op order of every stage: groups of ``p`` microbatches through chunk 0, then chunk 1, ..."""
+    """Forward op order shared by every stage: ``p`` microbatches through chunk 0, the same ``p``
+    through chunk 1, ..., then the next group of ``p``. Grouping by ``p`` is what lets stage 0's
+    chunk ``c + 1`` pick up the first microbatch just as it comes round the ring from stage
+    ``p - 1`` (for ``v = 1`` this is simply microbatch ``j``)."""
     group = stages * chunks
     return [
         Work((j // group) * stages + j % stages, (j % group) // stages) for j in range(microbatches * chunks)
     ]
 
 
-def _shifted(name: str, stages: int, microbatches: int, chunks: int, backward_start: int) -> Schedule:
+def _shifted(name: str, stages: int, microbatches: int, chunks: int, first_backward: int) -> Schedule:
+    """Lay the common op order out in lockstep: stage ``s`` runs forward op ``j`` in tick ``j + s``
+    and backward op ``j`` in tick ``first_backward + j + (p - 1 - s)``, walking the chunks in
+    reverse so gradients flow back along the ring."""
     order = _megatron_order(stages, microbatches, chunks)
-    n = len(order)
-    ticks = backward_start + n + stages - 1
-    forward = [[None] * stages for _ in range(ticks)]
-    backward = [[None] * stages for _ in range(ticks)]
-    for s in range(stages):
+    ticks = first_backward + len(order) + stages - 1
+    forward: list[list[Work | None]] = [[None] * stages for _ in range(ticks)]
+    backward: list[list[Work | None]] = [[None] * stages for _ in range(ticks)]
+    for stage in range(stages):
         for j, work in enumerate(order):
-            forward[j + s][s] = work
-            backward[backward_start + j + stages - 1 - s][s] = Work(work.microbatch, chunks - 1 - work.chunk)
-    return Schedule(
-        name, stages, microbatches, chunks, tuple(map(tuple, forward)), tuple(map(tuple, backward))
-    )
+            forward[j + stage][stage] = work
+            backward[first_backward + j + stages - 1 - stage][stage] = Work(work.microbatch, chunks - 1 - work.chunk)
+    return Schedule(name, stages, microbatches, chunks, tuple(map(tuple, forward)), tuple(map(tuple, backward)))
+
+
+def _require_int(label: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ScheduleError(f"{label}: must be an integer, got {value!r}")
 
 
 def _validate(name: str, stages: int, microbatches: int, chunks: int) -> None:
+    """Reject requests no schedule of this family can serve, saying which parameter to change."""
+    for label, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
+        _require_int(label, value)
     if stages < 1:
-        raise ScheduleError(f"stages: need at least 1, got {stages}")
+        raise ScheduleError(f"stages: need at least 1 pipeline stage, got {stages}")
     if chunks < 1:
-        raise ScheduleError(f"chunks: need at least 1, got {chunks}")
+        raise ScheduleError(f"chunks: need at least 1 model chunk per stage, got {chunks}")
     if microbatches < stages:
         raise ScheduleError(
             f"microbatches: m={microbatches} < p={stages}: the pipeline cannot fill; use at least {stages}"
         )
     if chunks > 1 and name != "interleaved":
-        raise ScheduleError(f"chunks: {name} runs one chunk per stage; use the interleaved schedule for chunks={chunks}")
+        raise ScheduleError(
+            f"chunks: {name} runs one chunk per stage; use the interleaved schedule for chunks={chunks}"
+        )
     if name == "interleaved" and microbatches % stages:
         raise ScheduleError(
-            f"microbatches: the interleaved schedule needs a multiple of p={stages}, got m={microbatches}"
+            f"microbatches: the interleaved schedule needs a multiple of p={stages}, got m={microbatches}; "
+            f"use {microbatches + stages - microbatches % stages}"
         )
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
-    """All forwards, then all backwards (Huang et al.); in-flight activations grow with m."""
+    """All forwards, then all backwards (Huang et al.): simplest, but every stage holds all ``m``
+    microbatches' activations at the turn-around."""
     _validate("gpipe", stages, microbatches, 1)
-    return _shifted("gpipe", stages, microbatches, 1, backward_start=microbatches + stages - 2)
+    # The last stage turns around in the tick of its last forward.
+    return _shifted("gpipe", stages, microbatches, 1, first_backward=microbatches + stages - 2)
 
 
 def one_f_one_b(stages: int, microbatches: int) -> Schedule:
-    """PipeDream-Flush: backwards start as soon as possible, so in-flight activations stay bounded."""
+    """PipeDream-Flush: backwards start as soon as the first microbatch reaches the end, so the
+    in-flight activations stay bounded by the pipeline depth instead of growing with ``m``."""
     _validate("1f1b", stages, microbatches, 1)
-    return _shifted("1f1b", stages, microbatches, 1, backward_start=stages - 1)
+    return _shifted("1f1b", stages, microbatches, 1, first_backward=stages - 1)
 
 
 def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
-    """Megatron's interleaved 1F1B: v chunks per stage cut the bubble by v (ring wrap-around)."""
+    """Megatron's interleaved 1F1B: ``v`` chunks per stage make each tick ``v`` times shorter, so the
+    same ``p - 1`` ramp-up ticks cost ``v`` times less (bubble ``(p-1)/(v·m)``) at ``v`` times the
+    point-to-point traffic. ``chunks=1`` is exactly :func:`one_f_one_b`."""
     _validate("interleaved", stages, microbatches, chunks)
-    return _shifted("interleaved", stages, microbatches, chunks, backward_start=chunks * stages - 1)
+    return _shifted("interleaved", stages, microbatches, chunks, first_backward=chunks * stages - 1)
 
 
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """Build a schedule by name (``"gpipe"``, ``"1f1b"`` or ``"interleaved"``), as configs spell it."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"schedule: unknown {name!r}; use one of {', '.join(map(repr, SCHEDULES))}")
+    _validate(name, stages, microbatches, chunks)
     if name == "gpipe":
-        _validate(name, stages, microbatches, chunks)
         return gpipe(stages, microbatches)
     if name == "1f1b":
-        _validate(name, stages, microbatches, chunks)
         return one_f_one_b(stages, microbatches)
-    if name == "interleaved":
-        return interleaved(stages, microbatches, chunks)
-    raise ScheduleError(f"schedule: unknown {name!r}; use 'gpipe', '1f1b' or 'interleaved'")
+    return interleaved(stages, microbatches, chunks)
+
+
+# --------------------------------------------------------------------------------------------
+# Checking and pricing tables
 
 
 @dataclass(frozen=True)
 class ScheduleStats:
-    """What a valid table costs: ticks, bubble (unit costs t_b = 2 t_f) and activation memory."""
+    """What a valid table costs: ticks, bubble (unit costs ``t_b = 2 t_f``) and activation memory."""
 
     ticks: int
-    bubble_fraction: float
-    ideal_bubble: float
+    bubble_fraction: float  # (lockstep run time - m·(t_f + t_b)) / m·(t_f + t_b)
+    ideal_bubble: float  # the textbook value: (p-1)/m, or (p-1)/(v·m) interleaved
     peak_in_flight: tuple[int, ...]  # per stage, in chunk-microbatches (stage inputs stashed)
-    megatron_peak_in_flight_stage0: int  # Megatron's asynchronous schedule, for comparison
+    megatron_peak_in_flight_stage0: int  # Megatron's asynchronous schedule on rank 0, for comparison
 
 
-def _positions(schedule: Schedule) -> tuple[dict, dict]:
-    """(mb, virtual stage) -> tick, for forwards and backwards; checks stage and uniqueness."""
-    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
-    found: list[dict] = [{}, {}]
-    for kind, table in enumerate((schedule.forward, schedule.backward)):
-        label = "forward" if kind == 0 else "backward"
-        if any(len(row) != p for row in table):
-            raise ScheduleError(f"{label} table: every tick needs one entry per stage ({p})")
-        for tick, row in enumerate(table):
-            for stage, work in enumerate(row):
-                if work is None:
-                    continue
-                if not (0 <= work.microbatch < m and 0 <= work.chunk < v):
-                    raise ScheduleError(f"tick {tick}, stage {stage}: {label} {work} is out of range (m={m}, v={v})")
-                key = (work.microbatch, work.chunk * p + stage)
-                if key in found[kind]:
-                    raise ScheduleError(
-                        f"tick {tick}, stage {stage}: {label} of microbatch {work.microbatch} chunk {work.chunk} "
-                        f"runs twice (first at tick {found[kind][key]})"
-                    )
-                found[kind][key] = tick
-    for kind, label in ((0, "forward"), (1, "backward")):
-        for mb in range(m):
-            for k in range(p * v):
-                if (mb, k) not in found[kind]:
-                    raise ScheduleError(
-                        f"{label} of microbatch {mb} on virtual stage {k} (stage {k % p}, chunk {k // p}) never runs"
-                    )
-    return found[0], found[1]
+Placement = dict[tuple[int, int], int]  # (microbatch, virtual stage) -> tick
 
 
-def check(schedule: Schedule) -> ScheduleStats:
-    """Prove ``schedule`` respects every dependency and report its cost; raise on the first violation."""
-    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+def _describe(kind: str, microbatch: int, virtual: int, stages: int) -> str:
+    return f"{kind} of microbatch {microbatch} chunk {virtual // stages} (virtual stage {virtual})"
+
+
+def _check_shape(schedule: Schedule) -> None:
+    p = schedule.stages
     if len(schedule.forward) != len(schedule.backward):
-        raise ScheduleError("forward and backward tables must have the same number of ticks")
-    fwd, bwd = _positions(schedule)
-    last = p * v - 1
-    for (mb, k), tick in sorted(fwd.items(), key=lambda kv: kv[1]):
-        if k > 0 and fwd[(mb, k - 1)] >= tick:
+        raise ScheduleError(
+            f"tables: forward has {len(schedule.forward)} ticks but backward has {len(schedule.backward)}"
+        )
+    for label, table in (("forward", schedule.forward), ("backward", schedule.backward)):
+        for tick, row in enumerate(table):
+            if len(row) != p:
+                raise ScheduleError(f"{label} table, tick {tick}: needs one entry per stage ({p}), got {len(row)}")
+
+
+def _occurrences(schedule: Schedule, table: tuple[tuple[Work | None, ...], ...], kind: str) -> dict:
+    """(microbatch, virtual stage) -> every (tick, stage) that runs it; rejects out-of-range work."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    seen: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for tick, row in enumerate(table):
+        for stage, work in enumerate(row):
+            if work is None:
+                continue
+            if not (0 <= work.microbatch < m and 0 <= work.chunk < v):
+                raise ScheduleError(f"tick {tick}, stage {stage}: {kind} {work} is out of range (m={m}, v={v})")
+            seen.setdefault((work.microbatch, work.chunk * p + stage), []).append((tick, stage))
+    return seen
+
+
+def _placement(schedule: Schedule, kind: str) -> Placement:
+    """Where each (microbatch, virtual stage) runs; every one exactly once, on its own stage."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    seen = _occurrences(schedule, schedule.forward if kind == "forward" else schedule.backward, kind)
+    missing = [(mb, k) for mb in range(m) for k in range(p * v) if (mb, k) not in seen]
+    doubled = sorted((where[1], where[0][0], key) for key, where in seen.items() if len(where) > 1)
+    for (tick, stage), first, (mb, k) in doubled:
+        chunk = k // p
+        homes = [kk % p for mm, kk in missing if mm == mb and kk // p == chunk]
+        if homes:  # the same (microbatch, chunk) is doubled here and absent from another stage
             raise ScheduleError(
-                f"tick {tick}, stage {k % p}: forward of microbatch {mb} chunk {k // p} runs before its input "
-                f"arrives (virtual stage {k - 1} runs it at tick {fwd[(mb, k - 1)]}, usable from the next tick)"
+                f"tick {tick}, stage {stage}: {kind} of microbatch {mb} chunk {chunk} is on the wrong stage: "
+                f"stage {stage} already runs it at tick {first}, while stage {homes[0]} never does "
+                f"(virtual stage {chunk * p + homes[0]} lives on stage {homes[0]})"
             )
-    for (mb, k), tick in sorted(bwd.items(), key=lambda kv: kv[1]):
+        raise ScheduleError(
+            f"tick {tick}, stage {stage}: {_describe(kind, mb, k, p)} runs twice (first at tick {first})"
+        )
+    if missing:
+        mb, k = missing[0]
+        raise ScheduleError(f"{_describe(kind, mb, k, p)} never runs (it belongs on stage {k % p})")
+    return {key: where[0][0] for key, where in seen.items()}
+
+
+def _check_dependencies(schedule: Schedule, fwd: Placement, bwd: Placement) -> None:
+    """Walk the work in execution order (tick, stage, forward before backward) and stop at the
+    first value that is used before it can have arrived."""
+    p = schedule.stages
+    last = p * schedule.chunks - 1
+    events = sorted([(t, k % p, 0, mb, k) for (mb, k), t in fwd.items()] +
+                    [(t, k % p, 1, mb, k) for (mb, k), t in bwd.items()])
+    for tick, stage, phase, mb, k in events:
+        where = f"tick {tick}, stage {stage}: "
+        if phase == 0:
+            if k > 0 and fwd[(mb, k - 1)] >= tick:
+                sent = fwd[(mb, k - 1)]
+                raise ScheduleError(
+                    where + f"{_describe('forward', mb, k, p)} runs before its input arrives: virtual stage "
+                    f"{k - 1} (stage {(k - 1) % p}) runs its forward at tick {sent}, usable from tick {sent + 1}"
+                )
+            continue
         if fwd[(mb, k)] > tick:
             raise ScheduleError(
-                f"tick {tick}, stage {k % p}: backward of microbatch {mb} chunk {k // p} runs before its own "
-                f"forward (tick {fwd[(mb, k)]})"
+                where + f"{_describe('backward', mb, k, p)} runs before its own forward (tick {fwd[(mb, k)]})"
             )
         if k < last and bwd[(mb, k + 1)] >= tick:
+            sent = bwd[(mb, k + 1)]
             raise ScheduleError(
-                f"tick {tick}, stage {k % p}: backward of microbatch {mb} chunk {k // p} runs before its output "
-                f"gradient arrives (virtual stage {k + 1} runs its backward at tick {bwd[(mb, k + 1)]})"
+                where + f"{_describe('backward', mb, k, p)} runs before its output gradient arrives: virtual "
+                f"stage {k + 1} (stage {(k + 1) % p}) runs its backward at tick {sent}, usable from tick {sent + 1}"
             )
-    cost_f, cost_b = T_FORWARD / v, T_BACKWARD / v
-    time = sum(
+
+
+def _run_time(schedule: Schedule) -> float:
+    """Lockstep time: each tick lasts as long as its busiest stage (per chunk ``t_f/v``, ``t_b/v``)."""
+    cost_f, cost_b = T_FORWARD / schedule.chunks, T_BACKWARD / schedule.chunks
+    return sum(
         max((cost_f if f is not None else 0.0) + (cost_b if b is not None else 0.0) for f, b in zip(frow, brow))
         for frow, brow in zip(schedule.forward, schedule.backward)
     )
+
+
+def _peak_in_flight(schedule: Schedule, stage: int) -> int:
+    """Most (microbatch, chunk) pairs forwarded but not yet backwarded on ``stage``, counted after
+    a tick's forward and before its backward (when a stage's stash is fullest)."""
+    live = peak = 0
+    for frow, brow in zip(schedule.forward, schedule.backward):
+        live += frow[stage] is not None
+        peak = max(peak, live)
+        live -= brow[stage] is not None
+    return peak
+
+
+def _megatron_peak_stage0(name: str, stages: int, microbatches: int, chunks: int) -> int:
+    """Megatron-LM's asynchronous schedules keep ``warmup + 1`` chunk-microbatches on rank 0:
+    warmup is ``p - 1`` for 1F1B and ``2(p-1) + (v-1)p`` interleaved (capped at all ``m·v``)."""
+    total = microbatches * chunks
+    if name == "gpipe":
+        return total
+    warmup = stages - 1 if chunks == 1 else 2 * (stages - 1) + (chunks - 1) * stages
+    return min(total, warmup + 1)
+
+
+def check(schedule: Schedule) -> ScheduleStats:
+    """Prove ``schedule`` runs every forward and backward exactly once on the right stage and
+    respects every dependency; report its cost. Raises :class:`ScheduleError` naming the first
+    problem (tick, stage and what is wrong)."""
+    _check_shape(schedule)
+    fwd, bwd = _placement(schedule, "forward"), _placement(schedule, "backward")
+    _check_dependencies(schedule, fwd, bwd)
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
     ideal = m * (T_FORWARD + T_BACKWARD)
-    peaks = []
-    for stage in range(p):
-        live = peak = 0
-        for frow, brow in zip(schedule.forward, schedule.backward):
-            live += frow[stage] is not None
-            peak = max(peak, live)
-            live -= brow[stage] is not None
-        peaks.append(peak)
-    # Megatron-LM's asynchronous schedules on rank 0: warmup + 1 chunk-microbatches (GPipe: all m).
-    megatron = m * v if schedule.name == "gpipe" else min(m * v, 2 * (p - 1) + (v - 1) * p + 1 if v > 1 else p)
     return ScheduleStats(
         ticks=schedule.ticks,
-        bubble_fraction=(time - ideal) / ideal,
+        bubble_fraction=(_run_time(schedule) - ideal) / ideal,
         ideal_bubble=(p - 1) / (v * m),
-        peak_in_flight=tuple(peaks),
-        megatron_peak_in_flight_stage0=megatron,
+        peak_in_flight=tuple(_peak_in_flight(schedule, s) for s in range(p)),
+        megatron_peak_in_flight_stage0=_megatron_peak_stage0(schedule.name, p, m, v),
     )
 
 
@@ -216,108 +313,126 @@ def render(schedule: Schedule) -> str:
     """Ticks left to right, one row per stage: ``F3`` forward of microbatch 3, ``B1`` backward,
     ``F3B1`` both in one tick, ``.`` idle; with chunks > 1 the chunk follows (``F3.1``)."""
 
-    def cell(f: Work | None, b: Work | None) -> str:
-        def one(tag: str, w: Work | None) -> str:
-            if w is None:
-                return ""
-            return f"{tag}{w.microbatch}" + (f".{w.chunk}" if schedule.chunks > 1 else "")
-
-        return (one("F", f) + one("B", b)) or "."
+    def one(tag: str, work: Work | None) -> str:
+        if work is None:
+            return ""
+        return f"{tag}{work.microbatch}" + (f".{work.chunk}" if schedule.chunks > 1 else "")
 
     cells = [
-        [cell(schedule.forward[t][s], schedule.backward[t][s]) for t in range(schedule.ticks)]
+        [(one("F", schedule.forward[t][s]) + one("B", schedule.backward[t][s])) or "." for t in range(schedule.ticks)]
         for s in range(schedule.stages)
     ]
-    width = max(len(c) for row in cells for c in row)
+    width = max((len(c) for row in cells for c in row), default=1)
     return "\n".join(f"stage {s}: " + " ".join(c.ljust(width) for c in row).rstrip() for s, row in enumerate(cells))
 
 
-@dataclass(frozen=True)
+# --------------------------------------------------------------------------------------------
+# Compiling tables into per-tick buffer instructions
+
+
+# eq=False: the fields are numpy arrays, whose == is elementwise, so a generated __eq__/__hash__
+# would raise rather than compare; identity is the meaningful equality for a compiled program.
+@dataclass(frozen=True, eq=False)
 class Program:
-    """Per-tick, per-stage instructions for the runtime; int32 arrays ``[ticks, stages]``, -1 = none."""
+    """Per-tick, per-stage instructions for the runtime; read-only int32 arrays ``[ticks, stages]``,
+    -1 = none. Received values wait in per-stage slot buffers (``stash`` for activations, ``grad``
+    for output gradients) whose sizes are ``stash_slots`` and ``grad_slots``."""
 
     schedule: Schedule
     fwd_mb: np.ndarray
     fwd_chunk: np.ndarray
     fwd_slot: np.ndarray  # stash slot with the forward's input; -1 on virtual stage 0 (tokens)
-    fwd_send: np.ndarray  # 1 if the output goes to the next stage
+    fwd_send: np.ndarray  # 1 if the output goes to the next stage (all but the last virtual stage)
     recv_fwd_slot: np.ndarray  # stash slot for the activation arriving at the start of the tick
     bwd_mb: np.ndarray
     bwd_chunk: np.ndarray
     bwd_stash_slot: np.ndarray  # stash slot with the stage input to recompute from; -1 on virtual stage 0
     bwd_grad_slot: np.ndarray  # gradient-buffer slot with d(output); -1 on the last virtual stage (loss)
-    bwd_send: np.ndarray  # 1 if the input gradient goes to the previous stage
+    bwd_send: np.ndarray  # 1 if the input gradient goes to the previous stage (all but virtual stage 0)
     recv_bwd_slot: np.ndarray  # gradient-buffer slot for the gradient arriving at the start of the tick
     stash_slots: int
     grad_slots: int
 
 
+_COLUMNS = (
+    "fwd_mb", "fwd_chunk", "fwd_slot", "fwd_send", "recv_fwd_slot",
+    "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "bwd_send", "recv_bwd_slot",
+)
+
+
 class _Slots:
-    """A free list of buffer slots; records how many were ever needed at once."""
+    """A free list of buffer slots that remembers how many were ever live at once."""
 
     def __init__(self) -> None:
         self.free: list[int] = []
         self.size = 0
+        self.owner: dict[tuple[int, int], int] = {}  # (microbatch, virtual stage) -> slot
 
-    def take(self) -> int:
-        if self.free:
-            return self.free.pop()
-        self.size += 1
-        return self.size - 1
+    def take(self, key: tuple[int, int]) -> int:
+        slot = self.free.pop() if self.free else self.size
+        self.size = max(self.size, slot + 1)
+        self.owner[key] = slot
+        return slot
 
-    def give(self, slot: int) -> None:
-        self.free.append(slot)
+    def release(self, key: tuple[int, int]) -> int:
+        """The slot ``key`` lived in, now free for values arriving in later ticks; -1 if none."""
+        slot = self.owner.pop(key, -1)
+        if slot >= 0:
+            self.free.append(slot)
+        return slot
+
+
+def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]], int, int]:
+    """One stage's instruction columns plus its stash and grad buffer sizes.
+
+    A slot is taken when a value arrives (start of tick ``t``) and released by the backward that
+    consumes it; since arrivals are handled before that tick's work, a released slot is first
+    reused by a value arriving in a later tick, so nothing is overwritten while live.
+    """
+    p, ticks = schedule.stages, schedule.ticks
+    last = p * schedule.chunks - 1
+    prev, nxt = (stage - 1) % p, (stage + 1) % p
+    col = {name: [-1] * ticks for name in _COLUMNS}
+    col["fwd_send"] = [0] * ticks
+    col["bwd_send"] = [0] * ticks
+    stash, grads = _Slots(), _Slots()
+    for tick in range(ticks):
+        if tick > 0:
+            sent = schedule.forward[tick - 1][prev]
+            if sent is not None and sent.chunk * p + prev < last:
+                col["recv_fwd_slot"][tick] = stash.take((sent.microbatch, sent.chunk * p + prev + 1))
+            sent = schedule.backward[tick - 1][nxt]
+            if sent is not None and sent.chunk * p + nxt > 0:
+                col["recv_bwd_slot"][tick] = grads.take((sent.microbatch, sent.chunk * p + nxt - 1))
+        work = schedule.forward[tick][stage]
+        if work is not None:
+            key = (work.microbatch, work.chunk * p + stage)
+            col["fwd_mb"][tick], col["fwd_chunk"][tick] = work.microbatch, work.chunk
+            col["fwd_slot"][tick] = stash.owner.get(key, -1)
+            col["fwd_send"][tick] = int(key[1] < last)
+        work = schedule.backward[tick][stage]
+        if work is not None:
+            key = (work.microbatch, work.chunk * p + stage)
+            col["bwd_mb"][tick], col["bwd_chunk"][tick] = work.microbatch, work.chunk
+            col["bwd_stash_slot"][tick] = stash.release(key)
+            col["bwd_grad_slot"][tick] = grads.release(key)
+            col["bwd_send"][tick] = int(key[1] > 0)
+    return col, stash.size, grads.size
 
 
 def compile_program(schedule: Schedule) -> Program:
-    """Turn a valid table into buffer-slot instructions (checks the table first)."""
+    """Turn a table into buffer-slot instructions (the table is checked first, so a compiled
+    program never reads a value before it arrives)."""
     check(schedule)
-    p, v, ticks = schedule.stages, schedule.chunks, schedule.ticks
-    last = p * v - 1
-    arrays = {
-        name: np.full((ticks, p), -1, np.int32)
-        for name in ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot", "bwd_mb", "bwd_chunk",
-                     "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot")
-    }
-    arrays["fwd_send"] = np.zeros((ticks, p), np.int32)
-    arrays["bwd_send"] = np.zeros((ticks, p), np.int32)
-    stash_size = grad_size = 0
-    for stage in range(p):
-        stash, grads = _Slots(), _Slots()
-        stash_of: dict[tuple[int, int], int] = {}
-        grad_of: dict[tuple[int, int], int] = {}
-        prev = (stage - 1) % p
-        nxt = (stage + 1) % p
-        for tick in range(ticks):
-            if tick > 0:
-                sent = schedule.forward[tick - 1][prev]
-                if sent is not None:
-                    k = sent.chunk * p + prev + 1  # the receiving virtual stage
-                    if k <= last:
-                        stash_of[(sent.microbatch, k)] = arrays["recv_fwd_slot"][tick, stage] = stash.take()
-                sent = schedule.backward[tick - 1][nxt]
-                if sent is not None:
-                    k = sent.chunk * p + nxt - 1
-                    if k >= 0:
-                        grad_of[(sent.microbatch, k)] = arrays["recv_bwd_slot"][tick, stage] = grads.take()
-            work = schedule.forward[tick][stage]
-            if work is not None:
-                k = work.chunk * p + stage
-                arrays["fwd_mb"][tick, stage], arrays["fwd_chunk"][tick, stage] = work.microbatch, work.chunk
-                arrays["fwd_slot"][tick, stage] = stash_of.get((work.microbatch, k), -1)
-                arrays["fwd_send"][tick, stage] = int(k < last)
-            work = schedule.backward[tick][stage]
-            if work is not None:
-                k = work.chunk * p + stage
-                arrays["bwd_mb"][tick, stage], arrays["bwd_chunk"][tick, stage] = work.microbatch, work.chunk
-                arrays["bwd_send"][tick, stage] = int(k > 0)
-                if (work.microbatch, k) in stash_of:
-                    slot = stash_of.pop((work.microbatch, k))
-                    arrays["bwd_stash_slot"][tick, stage] = slot
-                    stash.give(slot)
-                if (work.microbatch, k) in grad_of:
-                    slot = grad_of.pop((work.microbatch, k))
-                    arrays["bwd_grad_slot"][tick, stage] = slot
-                    grads.give(slot)
-        stash_size, grad_size = max(stash_size, stash.size), max(grad_size, grads.size)
-    return Program(schedule, **arrays, stash_slots=stash_size, grad_slots=grad_size)
+    per_stage = [_compile_stage(schedule, s) for s in range(schedule.stages)]
+    arrays = {}
+    for name in _COLUMNS:
+        array = np.array([col[name] for col, _, _ in per_stage], np.int32).T.copy()  # [ticks, stages]
+        array.setflags(write=False)
+        arrays[name] = array
+    return Program(
+        schedule,
+        **arrays,
+        stash_slots=max(size for _, size, _ in per_stage),
+        grad_slots=max(size for _, _, size in per_stage),
+    )

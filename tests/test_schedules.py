@@ -1,0 +1,368 @@
+"""Pipeline schedule tables (meshtron.pipeline.schedules): exact bubbles, bounded in-flight
+activations, a checker that names what is wrong with a broken table, and compiled per-tick
+programs verified by an independent symbolic simulation of the ring."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from meshtron.pipeline.schedules import (
+    Program,
+    Schedule,
+    ScheduleError,
+    Work,
+    check,
+    compile_program,
+    gpipe,
+    interleaved,
+    make_schedule,
+    one_f_one_b,
+    render,
+)
+
+# (schedule, p, m, v) from the brief: gpipe/1f1b with one chunk, interleaved with two.
+CASES = [
+    (name, p, m, v)
+    for p in (2, 4)
+    for m in (p, 2 * p, 4 * p)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+]
+# Odd corners the runtime may meet: a single stage, an odd stage count, more chunks.
+EXTRA = [("1f1b", 1, 3, 1), ("interleaved", 1, 2, 3), ("gpipe", 3, 5, 1), ("1f1b", 3, 7, 1), ("interleaved", 3, 6, 3)]
+
+
+def ids(case):
+    return "{}-p{}-m{}-v{}".format(*case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated tables
+
+
+@pytest.mark.parametrize("case", CASES + EXTRA, ids=ids)
+def test_tables_are_valid_and_the_bubble_is_exactly_the_textbook_one(case):
+    name, p, m, v = case
+    stats = check(make_schedule(name, p, m, v))
+    assert abs(stats.bubble_fraction - (p - 1) / (v * m)) < 1e-12
+    assert abs(stats.ideal_bubble - (p - 1) / (v * m)) < 1e-12
+    # Lockstep length: ramp-up + all ops + drain; GPipe turns around only after all forwards.
+    expected_ticks = 2 * m + 2 * p - 3 if name == "gpipe" else m * v + v * p + p - 2
+    assert stats.ticks == expected_ticks
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_gpipe_holds_every_microbatch_and_1f1b_does_not_grow_with_m(p):
+    for m in (p, 2 * p, 4 * p):
+        stats = check(gpipe(p, m))
+        assert stats.peak_in_flight[0] == m == stats.megatron_peak_in_flight_stage0
+    small, large = check(one_f_one_b(p, 2 * p)), check(one_f_one_b(p, 4 * p))
+    assert small.peak_in_flight == large.peak_in_flight
+    # Lockstep: stage 0 waits a full ring round trip (2p - 1 forwards) for its first gradient;
+    # Megatron's asynchronous schedule gets away with p.
+    assert large.peak_in_flight[0] == 2 * p - 1
+    assert large.megatron_peak_in_flight_stage0 == p
+    assert check(one_f_one_b(p, p)).peak_in_flight[0] == p  # m = p: never more than m
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_interleaved_in_flight_does_not_grow_with_m_and_matches_megatron(p):
+    v = 2
+    small, large = check(interleaved(p, 2 * p, v)), check(interleaved(p, 4 * p, v))
+    assert small.peak_in_flight == large.peak_in_flight
+    # Megatron's rank 0 keeps warmup + 1 = 2(p-1) + (v-1)p + 1 chunk-microbatches; lockstep matches.
+    assert large.megatron_peak_in_flight_stage0 == 2 * (p - 1) + (v - 1) * p + 1 == v * p + p - 1
+    assert large.peak_in_flight[0] == large.megatron_peak_in_flight_stage0
+    assert check(interleaved(p, p, v)).peak_in_flight[0] == p * v  # m = p: everything is in flight
+
+
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 2), (2, 6), (4, 4), (4, 12)])
+def test_interleaved_with_one_chunk_is_1f1b(p, m):
+    a, b = interleaved(p, m, 1), one_f_one_b(p, m)
+    assert (a.forward, a.backward, a.chunks) == (b.forward, b.backward, b.chunks)
+
+
+def test_interleaved_uses_megatrons_microbatch_and_chunk_order():
+    # Megatron: p = 4 consecutive microbatches through chunk 0, the same four through chunk 1, ...;
+    # backwards walk the chunks in reverse.
+    s = interleaved(4, 8, 2)
+    for stage in range(4):
+        fwd = [w for row in s.forward for w in [row[stage]] if w is not None]
+        bwd = [w for row in s.backward for w in [row[stage]] if w is not None]
+        assert [w.microbatch for w in fwd] == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
+        assert [w.chunk for w in fwd] == [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4
+        assert [w.microbatch for w in bwd] == [w.microbatch for w in fwd]
+        assert [w.chunk for w in bwd] == [1 - w.chunk for w in fwd]
+
+
+def test_every_stage_runs_the_same_order_shifted_by_one_tick():
+    s = interleaved(4, 8, 2)
+    for stage in range(1, 4):
+        for t in range(1, s.ticks):
+            assert s.forward[t][stage] == s.forward[t - 1][stage - 1]
+            assert s.backward[t - 1][stage] == s.backward[t][stage - 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-broken tables
+
+
+def edit(schedule: Schedule, table: str, tick: int, stage: int, work: Work | None) -> Schedule:
+    rows = [list(row) for row in getattr(schedule, table)]
+    rows[tick][stage] = work
+    return dataclasses.replace(schedule, **{table: tuple(map(tuple, rows))})
+
+
+def move(schedule: Schedule, table: str, work: Work, stage: int, to_tick: int, to_stage: int | None = None):
+    """Move ``work`` (running on ``stage``) to ``(to_tick, to_stage)``, whose cell must be idle."""
+    to_stage = stage if to_stage is None else to_stage
+    assert getattr(schedule, table)[to_tick][to_stage] is None
+    return edit(edit(schedule, table, tick_of(schedule, table, work, stage), stage, None), table, to_tick, to_stage, work)
+
+
+def tick_of(schedule: Schedule, table: str, work: Work, stage: int) -> int:
+    return next(t for t, row in enumerate(getattr(schedule, table)) if row[stage] == work)
+
+
+S = one_f_one_b(2, 4)  # stage 0: F0 F1 F2B0 F3B1 B2 B3 / stage 1: . F0B0 F1B1 F2B2 F3B3 .
+
+
+def test_forward_in_the_same_tick_as_its_input_is_rejected():
+    # Stage 1 runs microbatch 0 in tick 0, the tick in which stage 0 produces its input.
+    with pytest.raises(ScheduleError, match=r"tick 0, stage 1: forward of microbatch 0 .* before its input arrives"):
+        check(move(S, "forward", Work(0, 0), 1, 0))
+
+
+def test_forward_across_the_ring_wrap_is_checked():
+    # Interleaved p=2 v=2: stage 0 chunk 1 gets its input from stage 1 chunk 0 (virtual 1 -> 2).
+    s = interleaved(2, 2, 2)
+    t_input = tick_of(s, "forward", Work(0, 0), 1)
+    t_fwd = tick_of(s, "forward", Work(0, 1), 0)
+    assert t_fwd == t_input + 1  # as tight as possible
+    swapped = edit(edit(s, "forward", t_fwd - 1, 0, Work(0, 1)), "forward", t_fwd, 0, Work(1, 0))
+    with pytest.raises(ScheduleError, match=r"microbatch 0 chunk 1 \(virtual stage 2\) runs before its input"):
+        check(swapped)
+
+
+def test_backward_before_its_own_forward_is_rejected():
+    with pytest.raises(ScheduleError, match=r"tick 0, stage 1: backward of microbatch 3 .* before its own forward"):
+        check(move(S, "backward", Work(3, 0), 1, 0))
+
+
+def test_backward_in_the_same_tick_as_its_output_gradient_is_rejected():
+    # Stage 1 runs B0 in tick 1; stage 0 may use that gradient from tick 2, not tick 1.
+    assert tick_of(S, "backward", Work(0, 0), 1) == 1
+    with pytest.raises(ScheduleError, match=r"tick 1, stage 0: .* before its output gradient arrives.*from tick 2"):
+        check(move(S, "backward", Work(0, 0), 0, 1))
+
+
+def test_missing_backward_is_rejected():
+    broken = edit(S, "backward", tick_of(S, "backward", Work(2, 0), 0), 0, None)
+    with pytest.raises(ScheduleError, match=r"backward of microbatch 2 chunk 0 \(virtual stage 0\) never runs"):
+        check(broken)
+
+
+def test_duplicated_forward_is_rejected():
+    with pytest.raises(ScheduleError, match=r"tick 5, stage 0: forward of microbatch 0 .* runs twice \(first at tick 0\)"):
+        check(edit(S, "forward", 5, 0, Work(0, 0)))
+
+
+def test_work_on_the_wrong_stage_is_rejected():
+    # Stage 0's forward of microbatch 3 is put in stage 1's idle last tick instead.
+    broken = move(S, "forward", Work(3, 0), 0, 5, to_stage=1)
+    with pytest.raises(ScheduleError, match=r"stage 1: forward of microbatch 3 chunk 0 is on the wrong stage.*stage 0"):
+        check(broken)
+
+
+def test_the_first_violation_in_time_is_reported():
+    # Two problems: stage 1's B3 moved to tick 0 and stage 0's B0 moved to tick 1; tick 0 comes first.
+    broken = move(move(S, "backward", Work(0, 0), 0, 1), "backward", Work(3, 0), 1, 0)
+    with pytest.raises(ScheduleError, match=r"^tick 0, stage 1"):
+        check(broken)
+
+
+def test_malformed_tables_are_rejected():
+    with pytest.raises(ScheduleError, match="one entry per stage"):
+        check(dataclasses.replace(S, forward=S.forward[:1] + (S.forward[1][:1],) + S.forward[2:]))
+    with pytest.raises(ScheduleError, match="forward has 6 ticks but backward has 5"):
+        check(dataclasses.replace(S, backward=S.backward[:-1]))
+    with pytest.raises(ScheduleError, match="out of range"):
+        check(edit(S, "forward", 5, 0, Work(4, 0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad requests
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("1f1b", 4, 2), r"microbatches: m=2 < p=4: the pipeline cannot fill; use at least 4"),
+        (("gpipe", 2, 1), r"m=1 < p=2"),
+        (("interleaved", 4, 3, 2), r"m=3 < p=4"),
+        (("1f1b", 2, 4, 2), r"chunks: 1f1b runs one chunk per stage; use the interleaved schedule"),
+        (("gpipe", 2, 4, 3), r"chunks: gpipe runs one chunk per stage"),
+        (("interleaved", 4, 6, 2), r"microbatches: .* multiple of p=4, got m=6; use 8"),
+        (("interleaved", 2, 4, 0), r"chunks: need at least 1"),
+        (("1f1b", 0, 4), r"stages: need at least 1"),
+        (("1f1b", 2, 4.0), r"microbatches: must be an integer"),
+        (("zero-bubble", 2, 4), r"schedule: unknown 'zero-bubble'; use one of 'gpipe', '1f1b', 'interleaved'"),
+    ],
+)
+def test_bad_requests_name_the_parameter_and_the_fix(args, message):
+    with pytest.raises(ScheduleError, match=message):
+        make_schedule(*args)
+
+
+def test_builders_validate_too():
+    assert issubclass(ScheduleError, ValueError)
+    with pytest.raises(ScheduleError, match="m=3 < p=4"):
+        one_f_one_b(4, 3)
+    with pytest.raises(ScheduleError, match="m=1 < p=2"):
+        gpipe(2, 1)
+    with pytest.raises(ScheduleError, match="multiple of p=2"):
+        interleaved(2, 3, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled programs, executed by a symbolic simulator of the ring
+
+
+def simulate(program: Program) -> tuple[int, int]:
+    """Run ``program`` on symbolic values and return the most stash/grad slots live at once.
+
+    A stage's input activation is ``("x", mb, k)`` (``("tokens", mb)`` for virtual stage 0) and
+    the gradient a stage needs is ``("dy", mb, k)``. Messages sent in tick t travel along the ring
+    and are offered to the receiver at the start of tick t + 1; anything not stored is lost.
+    """
+    sched = program.schedule
+    p, m, last = sched.stages, sched.microbatches, sched.stages * sched.chunks - 1
+    stash = [[None] * program.stash_slots for _ in range(p)]
+    grads = [[None] * program.grad_slots for _ in range(p)]
+    to_next: list = [None] * p  # to_next[s]: activation stage s sent to stage s + 1 last tick
+    to_prev: list = [None] * p  # to_prev[s]: gradient stage s sent to stage s - 1 last tick
+    forwarded, backwarded = set(), set()
+    peak_stash = peak_grads = 0
+
+    def store(buffer, slot, value, what):
+        if value is None:
+            assert slot == -1, f"{what}: a slot is reserved but nothing arrives"
+            return
+        assert 0 <= slot < len(buffer), f"{what}: {value} arrives but no valid slot receives it ({slot})"
+        assert buffer[slot] is None, f"{what}: {value} overwrites live {buffer[slot]}"
+        buffer[slot] = value
+
+    def take(buffer, slot, expected, what):
+        assert 0 <= slot < len(buffer), f"{what}: needs {expected} but reads slot {slot}"
+        assert buffer[slot] == expected, f"{what}: needs {expected}, slot {slot} holds {buffer[slot]}"
+        buffer[slot] = None
+
+    for t in range(sched.ticks):
+        for s in range(p):
+            store(stash[s], program.recv_fwd_slot[t, s], to_next[(s - 1) % p], f"tick {t} stage {s} recv fwd")
+            store(grads[s], program.recv_bwd_slot[t, s], to_prev[(s + 1) % p], f"tick {t} stage {s} recv bwd")
+        peak_stash = max(peak_stash, *(sum(x is not None for x in buf) for buf in stash))
+        peak_grads = max(peak_grads, *(sum(x is not None for x in buf) for buf in grads))
+        to_next, to_prev = [None] * p, [None] * p
+        for s in range(p):
+            where = f"tick {t} stage {s}"
+            mb, chunk = int(program.fwd_mb[t, s]), int(program.fwd_chunk[t, s])
+            if mb >= 0:
+                k = chunk * p + s
+                assert (mb, k) not in forwarded, f"{where}: forward of {(mb, k)} twice"
+                if k == 0:
+                    assert program.fwd_slot[t, s] == -1, f"{where}: virtual stage 0 reads tokens"
+                else:  # read, but keep: the backward recomputes from the same input
+                    slot = int(program.fwd_slot[t, s])
+                    assert 0 <= slot < len(stash[s]) and stash[s][slot] == ("x", mb, k), f"{where}: forward input"
+                forwarded.add((mb, k))
+                assert program.fwd_send[t, s] == int(k < last), f"{where}: fwd_send"
+                if k < last:
+                    to_next[s] = ("x", mb, k + 1)
+            else:
+                assert program.fwd_chunk[t, s] == program.fwd_slot[t, s] == -1 and program.fwd_send[t, s] == 0
+            mb, chunk = int(program.bwd_mb[t, s]), int(program.bwd_chunk[t, s])
+            if mb >= 0:
+                k = chunk * p + s
+                assert (mb, k) in forwarded, f"{where}: backward of {(mb, k)} before its forward"
+                assert (mb, k) not in backwarded, f"{where}: backward of {(mb, k)} twice"
+                if k == 0:
+                    assert program.bwd_stash_slot[t, s] == -1, f"{where}: virtual stage 0 recomputes from tokens"
+                else:
+                    take(stash[s], int(program.bwd_stash_slot[t, s]), ("x", mb, k), f"{where}: backward input")
+                if k == last:
+                    assert program.bwd_grad_slot[t, s] == -1, f"{where}: the last virtual stage seeds from the loss"
+                else:
+                    take(grads[s], int(program.bwd_grad_slot[t, s]), ("dy", mb, k), f"{where}: backward gradient")
+                backwarded.add((mb, k))
+                assert program.bwd_send[t, s] == int(k > 0), f"{where}: bwd_send"
+                if k > 0:
+                    to_prev[s] = ("dy", mb, k - 1)
+            else:
+                assert program.bwd_chunk[t, s] == program.bwd_stash_slot[t, s] == program.bwd_grad_slot[t, s] == -1
+                assert program.bwd_send[t, s] == 0
+    everything = {(mb, k) for mb in range(m) for k in range(last + 1)}
+    assert forwarded == everything and backwarded == everything
+    assert to_next == [None] * p and to_prev == [None] * p, "a value is sent in the last tick and lost"
+    assert all(x is None for buf in stash + grads for x in buf), "a buffer slot is never freed"
+    return peak_stash, peak_grads
+
+
+@pytest.mark.parametrize("case", CASES + EXTRA, ids=ids)
+def test_compiled_program_moves_the_right_values(case):
+    program = compile_program(make_schedule(*case))
+    peak_stash, peak_grads = simulate(program)
+    # The buffers are exactly as large as needed: no slot is allocated that is never used at once.
+    assert (program.stash_slots, program.grad_slots) == (peak_stash, peak_grads)
+
+
+def test_simulator_catches_a_wrong_slot():
+    # Guard against a vacuous simulator: corrupt one read and it must object.
+    program = compile_program(one_f_one_b(2, 4))
+    fwd_slot = program.fwd_slot.copy()
+    t = int(np.argwhere(fwd_slot[:, 1] >= 0)[1, 0])  # stage 1's second forward
+    fwd_slot[t, 1] = 1 - fwd_slot[t, 1]
+    with pytest.raises(AssertionError, match="forward input"):
+        simulate(dataclasses.replace(program, fwd_slot=fwd_slot))
+
+
+def test_program_arrays_are_read_only_int32_ticks_by_stages():
+    program = compile_program(interleaved(2, 4, 2))
+    for field in dataclasses.fields(Program):
+        value = getattr(program, field.name)
+        if isinstance(value, np.ndarray):
+            assert value.dtype == np.int32 and value.shape == (program.schedule.ticks, 2), field.name
+            assert not value.flags.writeable, field.name
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("p", [2, 4])
+def test_buffer_sizes_do_not_grow_with_microbatches(name, v, p):
+    small = compile_program(make_schedule(name, p, 2 * p, v))
+    large = compile_program(make_schedule(name, p, 8 * p, v))
+    assert (small.stash_slots, small.grad_slots) == (large.stash_slots, large.grad_slots)
+
+
+def test_gpipe_buffers_grow_with_microbatches():
+    assert compile_program(gpipe(2, 8)).stash_slots > compile_program(gpipe(2, 4)).stash_slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def test_render_1f1b():
+    assert render(one_f_one_b(2, 4)).splitlines() == [
+        "stage 0: F0   F1   F2B0 F3B1 B2   B3",
+        "stage 1: .    F0B0 F1B1 F2B2 F3B3 .",
+    ]
+
+
+def test_render_shows_chunks_when_interleaved():
+    # Stage 1 chunk 1 is the last virtual stage: it turns each microbatch around in one tick.
+    assert render(interleaved(2, 2, 2)).splitlines() == [
+        "stage 0: F0.0     F1.0     F0.1     F1.1     B0.1     B1.1     B0.0     B1.0",
+        "stage 1: .        F0.0     F1.0     F0.1B0.1 F1.1B1.1 B0.0     B1.0     .",
+    ]
