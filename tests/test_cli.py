@@ -26,13 +26,17 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
     run = meshtron(
         "train", "--config", "mesh_configs/cpu8.yaml", "--metrics", str(metrics), *SMALL,
         "train.steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
+        "train.optimizer=onebit_lamb", "optim.freeze_step=3",
     )
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 6]
-    assert set(records[0]) == {"step", "loss", "tokens_per_s", "lr", "grad_norm"}
+    assert set(records[0]) == {"step", "loss", "tokens_per_s", "lr", "grad_norm", "stage", "data_bytes"}
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in records)
+    assert [r["stage"] for r in records] == ["warmup", "compression", "compression"]
+    assert records[0]["data_bytes"] > 20 * records[1]["data_bytes"] > 0  # a small model: padding and scales
     assert "held-out loss" in run.stdout and "unigram baseline" in run.stdout and "wall time" in run.stdout
+    assert "sent over data" in run.stdout and "(warmup: 3 steps, compression: 3 steps)" in run.stdout
     assert "step 3: held-out loss" in run.stderr  # periodic evaluation, shown above the progress bar
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from onebit_reference import dense_reference
 
 from meshtron import analysis
 from meshtron.config import MeshConfig
@@ -17,17 +18,18 @@ from meshtron.optim.compression import (
     _unpack,
     compressed_allreduce,
     compressed_bytes_per_device,
+    error_lengths,
     padded_length,
     ring_allreduce_bytes_per_device,
 )
 
 
-def runner(workers: int):
+def runner(workers: int, segments=None):
     """A jitted step over a data axis of ``workers`` devices: per-device rows in, per-device rows out."""
     mesh = build_mesh(MeshConfig(workers, 1, 1), jax.devices()[:workers])
 
     def per_device(x, we, se):
-        out, we, se = compressed_allreduce(x[0], we[0], se[0], "data")
+        out, we, se = compressed_allreduce(x[0], we[0], se[0], "data", segments=segments)
         return out[None], we[None], se[None]
 
     fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
@@ -38,24 +40,6 @@ def runner(workers: int):
 def zeros_state(n, workers):
     total = padded_length(n, workers)
     return np.zeros((workers, total), np.float32), np.zeros((workers, total // workers), np.float32)
-
-
-def dense_reference(x, we, se):
-    """Numpy: compress each worker with its RMS scale, average exactly, compress each chunk with its own."""
-    workers, n = x.shape
-    total = we.shape[1]
-    chunk = total // workers
-    b = np.zeros((workers, total), np.float32)
-    b[:, :n] = x + we[:, :n]
-    sgn = np.where(b >= 0, 1.0, -1.0)
-    alpha = np.sqrt((b ** 2).sum(1) / total)
-    new_we = b - alpha[:, None] * sgn
-    new_we[:, n:] = 0
-    z = (alpha[:, None] * sgn).mean(0).reshape(workers, chunk) + se
-    zsgn = np.where(z >= 0, 1.0, -1.0)
-    beta = np.sqrt((z ** 2).sum(1) / chunk)
-    out = (beta[:, None] * zsgn).reshape(total)[:n]
-    return out, new_we, z - beta[:, None] * zsgn, z
 
 
 def test_padding_table():
@@ -87,6 +71,27 @@ def test_first_call_equals_dense_reference_and_is_identical_everywhere(workers):
     np.testing.assert_allclose(new_we, ref_we, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new_se, ref_se, rtol=1e-5, atol=1e-5)
     assert (new_we[:, n:] == 0).all(), "padding carries no error"
+
+
+def test_segments_are_compressed_independently_in_the_same_four_collectives():
+    # Two segments, e.g. tensor-split shards and tensor-replicated parameters of one device: each
+    # gets its own padding, scales and server chunks, exactly as if compressed alone.
+    workers, lengths = 4, (300, 70)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((workers, sum(lengths))).astype(np.float32)
+    total, chunk = error_lengths(lengths, workers)
+    assert (total, chunk) == (padded_length(300, 4) + padded_length(70, 4), total // 4) == (416, 104)
+    mesh, fn = runner(workers, segments=lengths)
+    we, se = np.zeros((workers, total), np.float32), np.zeros((workers, chunk), np.float32)
+    out, new_we, new_se = map(np.asarray, fn(x, we, se))
+    first = dense_reference(x[:, :300], we[:, :320], se[:, :80])
+    second = dense_reference(x[:, 300:], we[:, 320:], se[:, 80:])
+    np.testing.assert_allclose(out[0], np.concatenate([first[0], second[0]]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_we, np.concatenate([first[1], second[1]], axis=1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_se, np.concatenate([first[2], second[2]], axis=1), rtol=1e-5, atol=1e-5)
+    colls = analysis.collectives(fn.lower(x, we, se).compile(), mesh)
+    assert sorted(c.kind for c in colls) == ["all-gather", "all-gather", "all-gather", "all-to-all"]
+    assert compressed_bytes_per_device(lengths, workers) == 2 * 3 * total // 32 + 8 * 2 * 3
 
 
 def test_error_feedback_telescopes_and_stays_bounded():

@@ -38,7 +38,11 @@ def test_every_shipped_config_loads(name):
         (["mesh.data=4", "train.batch_size=12", "train.microbatches=2"], "train.batch_size", "multiple of 8"),
         (["mesh.data=-1", "mesh.tensor=-1"], "mesh", "at most one"),
         (["data.path=/no/such/file.txt"], "data.path", "does not exist"),
-        (["train.optimizer=sgd"], "train.optimizer", "'adamw' or 'lamb'"),
+        (["train.optimizer=sgd"], "train.optimizer", "must be one of adamw, lamb, onebit_lamb"),
+        (["optim.freeze_step=0"], "optim.freeze_step", "null for 16% of train.steps"),
+        (["optim.factor_min=5"], "optim.factor_min", "optim.factor_min <= optim.factor_max"),
+        (["optim.coeff_beta=1.0"], "optim.coeff_beta", "[0, 1)"),
+        (["optim.freez_step=3"], "optim.freez_step", "valid keys"),
         (["steps=3"], "steps=3", "section.key=value"),
     ],
 )

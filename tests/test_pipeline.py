@@ -79,7 +79,7 @@ def losses(steps, params, n=3):
     out = []
     for _ in range(n):
         params, opt_state, metrics = steps.train(params, opt_state, jax.device_put(tokens(), steps.batch_sharding))
-        out.append(float(metrics.loss))
+        out.append(metrics.mean()[0])
     return out
 
 

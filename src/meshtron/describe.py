@@ -90,7 +90,9 @@ def describe(cfg: Config, out=None) -> None:
     tokens = jax.device_put(
         np.zeros((t.batch_size, dims.seq_len + 1), np.int32), trainer.steps.batch_sharding
     )
-    compiled = trainer.steps.lower(params, opt_state, tokens).compile()
-    step = analysis.analyze(compiled, trainer.mesh)
-    print("\ncompiled train step: collectives per mesh axis (bytes = per device, per step)", file=out)
-    print(step.table(), file=out)
+    staged = len(trainer.steps.stages) > 1
+    for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently
+        step = analysis.analyze(trainer.steps.compile(params, opt_state, tokens, stage), trainer.mesh)
+        label = f" ({stage} stage)" if staged else ""
+        print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
+        print(step.table(), file=out)

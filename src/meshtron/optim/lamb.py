@@ -17,13 +17,21 @@ import jax.numpy as jnp
 import optax
 
 
+def layer_norm(x: jax.Array, stacked: bool) -> jax.Array:
+    """L2 norm per layer: ``[layers]`` for a stacked leaf, a scalar otherwise."""
+    return jnp.sqrt(jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)) if stacked else None))
+
+
+def per_layer(value: jax.Array, like: jax.Array) -> jax.Array:
+    """A per-layer value (``[layers]`` or scalar) shaped to broadcast against the leaf ``like``."""
+    return value.reshape(value.shape + (1,) * (like.ndim - value.ndim))
+
+
 def _trust_scale(update: jax.Array, param: jax.Array, stacked: bool) -> jax.Array:
-    axes = tuple(range(1, param.ndim)) if stacked else None
-    param_norm = jnp.sqrt(jnp.sum(jnp.square(param), axis=axes, keepdims=stacked))
-    update_norm = jnp.sqrt(jnp.sum(jnp.square(update), axis=axes, keepdims=stacked))
+    param_norm, update_norm = layer_norm(param, stacked), layer_norm(update, stacked)
     # A zero weight or update norm leaves the update unscaled (ratio 1), as in optax and DeepSpeed.
     ratio = jnp.where((param_norm == 0) | (update_norm == 0), 1.0, param_norm / jnp.where(update_norm == 0, 1.0, update_norm))
-    return update * ratio.astype(update.dtype)
+    return update * per_layer(ratio, update).astype(update.dtype)
 
 
 def scale_by_layerwise_trust_ratio(stacked: Callable[[optax.Params], object]) -> optax.GradientTransformation:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
@@ -22,10 +22,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from meshtron.analysis import format_bytes
 from meshtron.config import Config, MeshConfig, validate
 from meshtron.data import BatchStream, Corpus, heldout_stream
 from meshtron.mesh import build_mesh, resolve_sizes
-from meshtron.optim import build_optimizer, data_parallel_mean, learning_rate_schedule
+from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
 from meshtron.pipeline.schedules import compile_program, make_schedule
 from meshtron.train.pipelined import to_canonical, to_stage_order
 from meshtron.train.state import ModelDef, Params, dims_from_config
@@ -43,6 +44,9 @@ class TrainResult:
     wall_time_s: float
     steps: int
     params: Any = None  # the trained parameters: canonical nested dict (layers in order), sharded on the mesh
+    data_bytes: float = 0.0  # bytes one device sent over `data` in the whole run (from the compiled steps)
+    stage_steps: dict[str, int] = field(default_factory=dict)  # optimizer steps run in each stage
+    evaluations: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), the last at the end
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Trainer:
     model_def: ModelDef
     steps: TrainSteps
     corpus: Corpus
+    optimizer: OptimizerSetup
 
     @classmethod
     def from_config(cls, cfg: Config, devices=None, *, verbose: bool = False) -> Trainer:
@@ -70,11 +75,12 @@ class Trainer:
         if pipe > 1:
             schedule = make_schedule(cfg.pipeline.schedule, pipe, cfg.train.microbatches, cfg.pipeline.chunks)
             program = compile_program(schedule)
+        optimizer = optimizer_setup(cfg, param_specs=model_def.shardings(mesh))
         steps = build_steps(
-            model_def, mesh, data_parallel_mean("data"), build_optimizer(cfg.train),
-            microbatches=cfg.train.microbatches, program=program,
+            model_def, mesh, optimizer.reduction, optimizer.transform,
+            microbatches=cfg.train.microbatches, program=program, stages=optimizer.stages,
         )
-        return cls(cfg, mesh, model_def, steps, corpus)
+        return cls(cfg, mesh, model_def, steps, corpus, optimizer)
 
     def init_params(self) -> Params:
         """Fresh parameters, sharded; with pipelining, block layers are put in stage order."""
@@ -120,6 +126,9 @@ class Trainer:
         losses: list[float] = []
         heldout = float("nan")
         timed_steps, timed_seconds = 0, 0.0
+        data_bytes, stage_steps = 0.0, {name: 0 for name in self.steps.stages}
+        evaluations: list[tuple[int, float]] = []
+        staged = len(self.steps.stages) > 1
         start = time.perf_counter()
         progress = Progress(
             TextColumn("[bold]train"),
@@ -128,6 +137,7 @@ class Trainer:
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("lr {task.fields[lr]}"),
+            TextColumn("{task.fields[stage]}{task.fields[comm]}/step"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -135,39 +145,54 @@ class Trainer:
             transient=False,
         )
         with progress:
-            task = progress.add_task("train", total=t.steps, loss="-", tps="-", lr="-")
+            task = progress.add_task("train", total=t.steps, loss="-", tps="-", lr="-", stage="", comm="-")
             for step in range(1, t.steps + 1):
+                stage = self.optimizer.stage_at(step - 1)
                 batch = stream.next(self.steps.batch_sharding)
                 tick = time.perf_counter()
-                params, opt_state, metrics = self.steps.train(params, opt_state, batch)
-                loss = float(metrics.loss)  # blocks until the step is done
+                params, opt_state, metrics = self.steps.train(params, opt_state, batch, stage)
+                loss, grad_norm = metrics.mean()  # blocks until the step is done
                 elapsed = time.perf_counter() - tick
-                if step > 1:  # the first step includes compilation
+                if stage_steps[stage] > 0:  # a stage's first step includes its compilation
                     timed_steps += 1
                     timed_seconds += elapsed
+                stage_bytes = self.steps.data_bytes(stage)
+                data_bytes += stage_bytes
+                stage_steps[stage] += 1
                 losses.append(loss)
                 tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
                 lr = float(schedule(step - 1))
-                if step % t.log_every == 0 or step == t.steps:
-                    progress.update(task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", lr=f"{lr:.2e}")
-                    if metrics_file is not None:
-                        record = {
-                            "step": step,
-                            "loss": loss,
-                            "tokens_per_s": tps,
-                            "lr": lr,
-                            "grad_norm": float(metrics.grad_norm),
-                        }
-                        metrics_file.write(json.dumps(record) + "\n")
-                        metrics_file.flush()
+                logged = step % t.log_every == 0 or step == t.steps
+                if logged or stage_steps[stage] == 1:  # also show a new stage's traffic at once
+                    progress.update(
+                        task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", lr=f"{lr:.2e}",
+                        stage=f"{stage} " if staged else "", comm=format_bytes(stage_bytes),
+                    )
+                if logged and metrics_file is not None:
+                    record = {
+                        "step": step,
+                        "loss": loss,
+                        "tokens_per_s": tps,
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        "stage": stage,
+                        "data_bytes": stage_bytes,
+                    }
+                    metrics_file.write(json.dumps(record) + "\n")
+                    metrics_file.flush()
                 if step % t.eval_every == 0 and step != t.steps:
                     heldout = self.evaluate(params)
+                    evaluations.append((step, heldout))
                     progress.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})")
                 progress.advance(task)
             heldout = self.evaluate(params)
+            evaluations.append((t.steps, heldout))
         wall = time.perf_counter() - start
         tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
-        return TrainResult(losses, heldout, unigram, tps, wall, t.steps, self.canonical_params(params))
+        return TrainResult(
+            losses, heldout, unigram, tps, wall, t.steps, self.canonical_params(params), data_bytes, stage_steps,
+            evaluations,
+        )
 
 
 def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
@@ -182,6 +207,8 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
         (f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "
          f"{'below' if margin > 0 else 'above'} it)"),
         f"throughput        {result.tokens_per_s:,.0f} tokens/s (after compilation)",
+        (f"sent over data    {format_bytes(result.data_bytes)} per device in the run ("
+         + ", ".join(f"{name}: {n} steps" for name, n in result.stage_steps.items()) + ")"),
         f"wall time         {result.wall_time_s:.1f} s",
     ]
     print("\n".join(lines), file=out)

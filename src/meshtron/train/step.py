@@ -11,31 +11,51 @@ Layout of one step:
   shard's local gradient instead of inserting its own reduction;
 * gradients are accumulated over ``microbatches`` with a ``lax.scan``, then handed to the
   ``reduction`` transform (by default :func:`meshtron.optim.data_parallel_mean`) exactly once per
-  step, then to the optimizer.
+  step, then to the optimizer; an optimizer that reduces itself (1-bit LAMB) gets ``optax.identity()``
+  as the reduction and the local gradients;
+* optimizers with *stages* that communicate differently (1-bit LAMB's warmup and compression) get
+  one compiled program per stage: the stage is a static argument whose extra ``update`` arguments
+  come from ``stages``, and the host picks the stage each step;
+* metrics (loss, gradient norm) come back per data shard and are averaged on the host, so they
+  add no collective to the step: what crosses ``data`` is the reduction and nothing else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtron import analysis
 from meshtron.models.gpt import lm_loss
+from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
 from meshtron.pipeline.schedules import Program
 from meshtron.train.pipelined import pipelined_gradients, to_canonical
 from meshtron.train.state import ModelDef, Params
 
 DATA = "data"
+SINGLE_STAGE = {"train": {}}
 
 
 class StepMetrics(NamedTuple):
+    """Per data shard (``[data]``): each shard's mean loss and the norm of the gradient it handed to
+    the optimizer (the same on every shard after a data-parallel reduction; the shard's own under
+    1-bit LAMB). :meth:`mean` averages them on the host."""
+
     loss: jax.Array
     grad_norm: jax.Array
+
+    def mean(self) -> tuple[float, float]:
+        """(loss, grad_norm) averaged over data shards; blocks until the step is done."""
+        return float(np.mean(np.asarray(self.loss))), float(np.mean(np.asarray(self.grad_norm)))
 
 
 class OptState(NamedTuple):
@@ -80,12 +100,14 @@ def build_steps(
     *,
     microbatches: int = 1,
     program: Program | None = None,
+    stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
     With a pipeline ``program`` (mesh ``pipe`` > 1) the gradients come from the pipeline runtime
     executing that schedule over the microbatches; block parameters are then in stage order
-    (:mod:`meshtron.train.pipelined`).
+    (:mod:`meshtron.train.pipelined`). ``stages`` maps each stage name to the extra keyword
+    arguments of ``optimizer.update`` in that stage (one stage with none by default).
     """
     param_shardings = model_def.shardings(mesh)
     # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so
@@ -113,19 +135,35 @@ def build_steps(
         def shard_gradients(params: Params, tokens: jax.Array):
             return local_gradients(model_def, params, tokens, microbatches)
 
-    def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array):
+    def init_state(p: Params) -> OptState:
+        return OptState(reduction.init(p), optimizer.init(p))
+
+    # Optimizer state is laid out like the parameters it mirrors (moments are tensor-sharded too);
+    # per-device parts (1-bit LAMB's error buffers) are split over the mesh; the rest is replicated.
+    shapes = model_def.shapes()
+    with jax.set_mesh(mesh):
+        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), shapes, param_shardings, mesh, DATA)
+    opt_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs, is_leaf=lambda x: isinstance(x, P))
+    state_data_specs = manual_part(state_specs, {DATA})
+
+    def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         loss, grads = shard_gradients(local(params), tokens)
         grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
         grad_norm = optax.tree.norm(grads)
-        updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, params)
+        updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, params, **stages[stage])
         params = optax.apply_updates(params, updates)
-        metrics = StepMetrics(mean_over(loss, DATA), grad_norm)
-        return params, OptState(reduction_state, optimizer_state), metrics
+        return params, OptState(reduction_state, optimizer_state), StepMetrics(loss[None], grad_norm[None])
+
+    def train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
+        return data_shard_map(
+            partial(per_shard_train, stage=stage),
+            (P(), state_data_specs, P(DATA)),
+            (P(), state_data_specs, StepMetrics(P(DATA), P(DATA))),
+        )(params, opt_state, tokens)
 
     def per_shard_gradients(params: Params, tokens: jax.Array):
         loss, grads = shard_gradients(local(params), tokens)
-        grads, _ = reduction.update(grads, reduction.init(params), params)
-        return mean_over(loss, DATA), grads
+        return mean_over(loss, DATA), mean_over(grads, DATA)
 
     def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
         # Evaluation runs the plain forward pass (the compiler gathers the pipe-sharded layers),
@@ -135,45 +173,40 @@ def build_steps(
             params = to_canonical(params, model_def.dims.layers, sched.stages, sched.chunks)
         return mean_over(lm_loss(model_def.bind(params), tokens), DATA)
 
-    train = data_shard_map(per_shard_train, (P(), P(), P(DATA)), (P(), P(), P()))
     gradients = data_shard_map(per_shard_gradients, (P(), P(DATA)), (P(), P()))
     evaluate = data_shard_map(per_shard_eval, (P(), P(DATA)), P())
-
-    def init_state(p: Params) -> OptState:
-        return OptState(reduction.init(p), optimizer.init(p))
-
-    # Optimizer state is laid out like the parameters it mirrors (moments are tensor-sharded too);
-    # anything else in it (step counts) is replicated.
-    opt_shardings = optax.tree_map_params(
-        init_state,
-        lambda _, sharding: sharding,
-        jax.eval_shape(init_state, model_def.shapes()),
-        param_shardings,
-        transform_non_params=lambda _: NamedSharding(mesh, P()),
-    )
     return TrainSteps(
-        mesh, param_shardings, opt_shardings, batch_sharding,
+        mesh, param_shardings, opt_shardings, batch_sharding, tuple(stages),
         train=train, evaluate=evaluate, gradients=gradients, init_state=init_state,
     )
 
 
 class TrainSteps:
-    """The jitted entry points of one configuration (pjit-style: explicit in/out shardings)."""
+    """The jitted entry points of one configuration (pjit-style: explicit in/out shardings).
 
-    def __init__(self, mesh: Mesh, param_shardings, opt_shardings, batch_sharding, *, train, evaluate, gradients,
-                 init_state):
+    The train step is compiled once per stage, on first use, and the compiled program is kept: it
+    is what runs, and what :meth:`data_bytes` reads its communication from.
+    """
+
+    def __init__(self, mesh: Mesh, param_shardings, opt_shardings, batch_sharding, stages: tuple[str, ...], *,
+                 train, evaluate, gradients, init_state):
         self.mesh = mesh
         self.param_shardings = param_shardings
         self.opt_shardings = opt_shardings
         self.batch_sharding = batch_sharding
+        self.stages = stages
         replicated = NamedSharding(mesh, P())
+        per_shard = NamedSharding(mesh, P(DATA))
         self._init_jit = jax.jit(init_state, in_shardings=(param_shardings,), out_shardings=opt_shardings)
         self._train_jit = jax.jit(
             train,
             in_shardings=(param_shardings, opt_shardings, batch_sharding),
-            out_shardings=(param_shardings, opt_shardings, StepMetrics(replicated, replicated)),
+            out_shardings=(param_shardings, opt_shardings, StepMetrics(per_shard, per_shard)),
             donate_argnums=(0, 1),
+            static_argnums=3,
         )
+        self._compiled: dict[str, jax.stages.Compiled] = {}
+        self._data_bytes: dict[str, float] = {}
         self._eval_jit = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
         self._gradients_jit = jax.jit(
             gradients, in_shardings=(param_shardings, batch_sharding), out_shardings=(replicated, param_shardings)
@@ -184,21 +217,54 @@ class TrainSteps:
         with jax.set_mesh(self.mesh):
             return self._init_jit(params)
 
-    def train(self, params: Params, opt_state: OptState, tokens: jax.Array):
-        """One optimizer step; ``params`` and ``opt_state`` are donated (do not reuse them)."""
+    def train(self, params: Params, opt_state: OptState, tokens: jax.Array, stage: str | None = None):
+        """One optimizer step in ``stage`` (default: the only one); ``params`` and ``opt_state`` are
+        donated (do not reuse them). Returns ``(params, opt_state, StepMetrics)``."""
+        stage = self._stage(stage)
+        compiled = self.compile(params, opt_state, tokens, stage)
+        # Inputs that are laid out differently (e.g. placed by hand) are moved first; a compiled
+        # program, unlike jit, does not reshard its arguments.
+        params = jax.device_put(params, self.param_shardings)
+        opt_state = jax.device_put(opt_state, self.opt_shardings)
+        tokens = jax.device_put(tokens, self.batch_sharding)
         with jax.set_mesh(self.mesh):
-            return self._train_jit(params, opt_state, tokens)
+            return compiled(params, opt_state, tokens)
+
+    def compile(self, params: Params, opt_state: OptState, tokens: jax.Array, stage: str | None = None):
+        """The compiled train step of ``stage`` for arguments shaped like these (nothing runs)."""
+        stage = self._stage(stage)
+        if stage not in self._compiled:
+            self._compiled[stage] = self.lower(params, opt_state, tokens, stage).compile()
+        return self._compiled[stage]
+
+    def data_bytes(self, stage: str | None = None) -> float | None:
+        """Bytes one device sends over ``data`` per step in ``stage``, counted from the compiled
+        program's collectives (ring algorithms); ``None`` until that stage has been compiled."""
+        stage = self._stage(stage)
+        if stage not in self._data_bytes and stage in self._compiled:
+            colls = analysis.collectives(self._compiled[stage], self.mesh)
+            self._data_bytes[stage] = sum(c.total_wire_bytes for c in colls if DATA in c.axes)
+        return self._data_bytes.get(stage)
 
     def eval(self, params: Params, tokens: jax.Array) -> jax.Array:
         with jax.set_mesh(self.mesh):
             return self._eval_jit(params, tokens)
 
     def gradients(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, Params]:
-        """Mean loss and the data-parallel-reduced gradient the optimizer would receive."""
+        """Mean loss and the gradient averaged over ``data`` (what plain data parallelism reduces)."""
         with jax.set_mesh(self.mesh):
             return self._gradients_jit(params, tokens)
 
-    def lower(self, params: Params, opt_state: OptState, tokens: jax.Array) -> jax.stages.Lowered:
+    def lower(self, params: Params, opt_state: OptState, tokens: jax.Array, stage: str | None = None) -> jax.stages.Lowered:
         """The lowered train step, for compiled-program analysis (nothing is executed)."""
         with jax.set_mesh(self.mesh):
-            return self._train_jit.lower(params, opt_state, tokens)
+            return self._train_jit.lower(params, opt_state, tokens, self._stage(stage))
+
+    def _stage(self, stage: str | None) -> str:
+        if stage is None:
+            if len(self.stages) != 1:
+                raise ValueError(f"stage: this optimizer has stages {self.stages}; say which one")
+            return self.stages[0]
+        if stage not in self.stages:
+            raise ValueError(f"stage: {stage!r} is not one of this optimizer's stages {self.stages}")
+        return stage

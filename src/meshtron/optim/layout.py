@@ -1,0 +1,63 @@
+"""Where every leaf of an optax state lives on the mesh.
+
+Moments and other parameter-shaped parts of a state follow their parameters; 1-bit LAMB's state
+knows its own layout (per-layer values split like the layer axis, error buffers per device);
+anything else (step counts, scalars) is replicated. This replaces ``optax.tree_map_params``, which
+discovers parameter-shaped parts by calling ``init`` on a placeholder -- something 1-bit LAMB's
+``init`` (which sizes its buffers from the parameters and the mesh) cannot do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from meshtron.optim.onebit_lamb import OnebitLambState, SpecsLike, _spec_leaves, state_specs
+
+
+def opt_state_specs(opt_state: Any, params: Any, param_specs: SpecsLike, mesh, axis_name: str = "data") -> Any:
+    """A tree of ``PartitionSpec`` shaped like ``opt_state`` (arrays or ``ShapeDtypeStruct`` s).
+
+    ``params`` (arrays or shapes) and ``param_specs`` (specs or shardings shaped like them) say
+    where parameter-shaped leaves go; ``mesh`` and ``axis_name`` place 1-bit LAMB's per-device
+    error buffers.
+    """
+    treedef = jax.tree.structure(params)
+    spec_leaves = _spec_leaves(param_specs, params, treedef)
+    param_spec_tree = treedef.unflatten(spec_leaves)
+    shapes = [x.shape for x in jax.tree.leaves(params)]
+
+    def param_like(node) -> bool:
+        if jax.tree.structure(node) != treedef:
+            return False
+        return [getattr(x, "shape", None) for x in jax.tree.leaves(node)] == shapes
+
+    def is_leaf(node) -> bool:
+        return isinstance(node, OnebitLambState) or param_like(node)
+
+    def spec_of(node):
+        if isinstance(node, OnebitLambState):
+            return state_specs(node, spec_leaves, mesh, axis_name)
+        if param_like(node):
+            return param_spec_tree
+        return P()
+
+    return jax.tree.map(spec_of, opt_state, is_leaf=is_leaf)
+
+
+def manual_part(specs: Any, axes: set[str] | frozenset[str]) -> Any:
+    """The specs as a ``shard_map`` manual over ``axes`` (only) must see them: other axes dropped."""
+
+    def restrict(spec: P) -> P:
+        entries = []
+        for entry in spec:
+            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            kept = tuple(n for n in names if n in axes)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    return jax.tree.map(restrict, specs, is_leaf=lambda x: isinstance(x, P))
