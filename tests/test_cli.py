@@ -27,6 +27,7 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
         "train", "--config", "mesh_configs/cpu8.yaml", "--metrics", str(metrics), *SMALL,
         "train.steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
         "train.optimizer=onebit_lamb", "optim.freeze_step=3",
+        "mesh.data=4", "mesh.pipe=1", "pipeline.chunks=1", "train.microbatches=2",  # quicker to compile
     )
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

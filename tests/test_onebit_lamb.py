@@ -321,7 +321,7 @@ def test_stage_switch_compiles_each_stage_once_and_eager_agrees():
     jitted, eager = Harness(tx, params, 2), Harness(tx, params, 2)
     for t, g in enumerate(grads):
         p_jit, _ = jitted.step(g, tx.compression_stage(t))
-        if t in (2, 3):  # the last warmup step and the first compression step, op by op
+        if t == 3:  # the first compression step, op by op
             p_eager, _ = eager.step(g, tx.compression_stage(t), jit=False)
             assert_tree_close(p_eager, jax.tree.map(np.asarray, p_jit), rtol=1e-5, atol=1e-6, what=f"step {t}")
         else:

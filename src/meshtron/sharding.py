@@ -100,3 +100,28 @@ def variable_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
     if axes is None:
         raise ValueError(f"parameter of shape {variable.value.shape} has no logical axes; annotate it")
     return tuple(axes)
+
+
+def spec_axes(spec: PartitionSpec) -> set[str]:
+    """The mesh axes a ``PartitionSpec`` splits over."""
+    names: set[str] = set()
+    for entry in spec:
+        if entry is not None:
+            names.update((entry,) if isinstance(entry, str) else entry)
+    return names
+
+
+def manual_part(specs, axes: set[str] | frozenset[str]):
+    """The specs as a ``shard_map`` manual over ``axes`` (only) must see them: other axes dropped."""
+
+    def restrict(spec: PartitionSpec) -> PartitionSpec:
+        entries = []
+        for entry in spec:
+            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            kept = tuple(n for n in names if n in axes)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return PartitionSpec(*entries)
+
+    return jax.tree.map(restrict, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

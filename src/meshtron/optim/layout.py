@@ -15,6 +15,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from meshtron.optim.onebit_lamb import OnebitLambState, SpecsLike, _spec_leaves, state_specs
+from meshtron.sharding import manual_part
+
+__all__ = ["manual_part", "opt_state_specs"]
 
 
 def opt_state_specs(opt_state: Any, params: Any, param_specs: SpecsLike, mesh, axis_name: str = "data") -> Any:
@@ -45,19 +48,3 @@ def opt_state_specs(opt_state: Any, params: Any, param_specs: SpecsLike, mesh, a
         return P()
 
     return jax.tree.map(spec_of, opt_state, is_leaf=is_leaf)
-
-
-def manual_part(specs: Any, axes: set[str] | frozenset[str]) -> Any:
-    """The specs as a ``shard_map`` manual over ``axes`` (only) must see them: other axes dropped."""
-
-    def restrict(spec: P) -> P:
-        entries = []
-        for entry in spec:
-            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-            kept = tuple(n for n in names if n in axes)
-            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-        while entries and entries[-1] is None:
-            entries.pop()
-        return P(*entries)
-
-    return jax.tree.map(restrict, specs, is_leaf=lambda x: isinstance(x, P))

@@ -61,6 +61,7 @@ from jax.sharding import PartitionSpec as P
 from meshtron.optim.compression import compressed_allreduce, error_lengths
 from meshtron.optim.lamb import layer_norm, per_layer, stacked_blocks
 from meshtron.optim.reduce import mean_over
+from meshtron.sharding import manual_part, spec_axes
 
 PyTree = Any
 SpecsLike = PyTree | Callable[[optax.Params], PyTree] | None
@@ -353,15 +354,6 @@ def _model_axes(mesh, axis_name: str) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
 
 
-def _spec_axes(spec: P) -> set[str]:
-    names: set[str] = set()
-    for entry in spec:
-        if entry is None:
-            continue
-        names.update((entry,) if isinstance(entry, str) else entry)
-    return names
-
-
 def _spec_leaves(param_specs: SpecsLike, params, treedef) -> list[P]:
     """One ``PartitionSpec`` per parameter leaf (``P()`` everywhere when no specs are given)."""
     if param_specs is None:
@@ -393,7 +385,7 @@ def _segments(shapes, specs: list[P], model_axes: tuple[str, ...], axis_name: st
     """
     keys: dict[tuple[str, ...], list[int]] = {}
     for i, spec in enumerate(specs):
-        named = _spec_axes(spec)
+        named = spec_axes(spec)
         if axis_name in named:
             raise ValueError(
                 f"param_specs: parameter {i} is split over the data axis {axis_name!r} ({spec}); 1-bit LAMB "
@@ -448,11 +440,12 @@ def _exchange(scaled: list[jax.Array], worker_error, server_error, specs: list[P
             f"but only {tuple(a for a in model_axes if a in mesh.manual_axes)} are manual"
         )
     error_spec = P(None, auto)
+    local_specs = manual_part(list(specs), set(auto))  # size-1 axes named in the specs split nothing
     return jax.shard_map(
         exchange,
         mesh=mesh,
-        in_specs=(list(specs), error_spec, error_spec),
-        out_specs=(list(specs), error_spec, error_spec),
+        in_specs=(local_specs, error_spec, error_spec),
+        out_specs=(local_specs, error_spec, error_spec),
         axis_names=set(auto),
         check_vma=False,
     )(scaled, worker_error, server_error)
