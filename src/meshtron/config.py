@@ -67,6 +67,8 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
+    on_nonfinite: str = "stop"  # a NaN/Inf loss or update: "stop" the run, or "skip" that step's update
+    max_skipped_steps: int = 10  # with "skip": stop after this many non-finite steps in a row
 
 
 OPTIMIZERS = ("adamw", "lamb", "onebit_lamb")
@@ -110,6 +112,41 @@ class PipelineConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Orbax checkpoints: ``dir`` null = none. A run whose ``dir`` holds checkpoints resumes from the
+    newest complete one (``resume: false`` refuses to start there instead of overwriting).
+
+    ``onebit_errors``: 1-bit LAMB's per-device error-feedback buffers. ``keep`` saves them and
+    restores them when the checkpoint's mesh layout is the run's (exact resume); on another
+    layout they are reset to zero, as DeepSpeed does. ``reset`` never saves them (they take
+    data-parallel-size times the model's size on disk).
+    """
+
+    dir: str | None = None
+    every: int = 100
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = True
+    onebit_errors: str = "keep"
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-process start-up (``jax.distributed.initialize``). Unset fields come from the environment
+    (``MESHTRON_COORDINATOR_ADDRESS``, ``MESHTRON_NUM_PROCESSES``, ``MESHTRON_PROCESS_ID``, as set by
+    ``meshtron launch``) or from JAX's cluster auto-detection (SLURM, Open MPI, ...). With none of
+    them the run is single-process.
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_devices: int | None = None  # CPU only: simulated devices per process (default: the mesh / processes)
+    initialization_timeout: int = 300  # seconds to wait for every process to join
+    heartbeat_timeout: int = 30  # seconds without news from a process before the others stop
+
+
+@dataclass
 class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -117,6 +154,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -170,7 +209,8 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
             return ConfigError(f"{key} ({origin}): unknown section; the sections are {known}")
         sections = {
             "mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig,
-            "pipeline": PipelineConfig, "optim": OptimConfig,
+            "pipeline": PipelineConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
+            "distributed": DistributedConfig,
         }
         section_cls = sections.get(section.split(".")[0], Config)
         known = ", ".join(f.name for f in dataclasses.fields(section_cls))
@@ -236,8 +276,13 @@ def validate(cfg: Config) -> None:
     if mesh.data > 0:
         check_batch_divisible(cfg, mesh.data)
 
+    _need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"must be 'stop' or 'skip', got {t.on_nonfinite!r}")
+    _need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
+
     validate_pipeline(cfg)
     validate_optim(cfg.optim)
+    validate_checkpoint(cfg.checkpoint)
+    validate_distributed(cfg.distributed)
     _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
     if cfg.data.path is not None:
         _need(
@@ -303,6 +348,33 @@ def validate_optim(o: OptimConfig) -> None:
     _need(0 < o.factor_min <= o.factor_max, "optim.factor_min",
           f"need 0 < optim.factor_min <= optim.factor_max, got {o.factor_min} and {o.factor_max}")
     _need(o.factor_threshold >= 0, "optim.factor_threshold", f"must be >= 0, got {o.factor_threshold}")
+
+
+def validate_checkpoint(c: CheckpointConfig) -> None:
+    _need(c.every >= 1, "checkpoint.every", f"must be >= 1 (steps between saves), got {c.every}")
+    _need(c.keep >= 1, "checkpoint.keep", f"must be >= 1 (checkpoints kept), got {c.keep}")
+    _need(c.onebit_errors in ("keep", "reset"), "checkpoint.onebit_errors",
+          f"must be 'keep' or 'reset', got {c.onebit_errors!r}")
+    if c.dir is not None:
+        path = Path(c.dir)
+        _need(not path.exists() or path.is_dir(), "checkpoint.dir", f"{c.dir!r} is a file; give a directory")
+
+
+def validate_distributed(d: DistributedConfig) -> None:
+    if d.coordinator_address is not None:
+        host, sep, port = d.coordinator_address.rpartition(":")
+        _need(bool(sep and host and port.isdigit()), "distributed.coordinator_address",
+              f"expected host:port (e.g. 10.0.0.1:1234), got {d.coordinator_address!r}")
+    _need(d.num_processes is None or d.num_processes >= 1, "distributed.num_processes",
+          f"must be >= 1, got {d.num_processes}")
+    if d.process_id is not None:
+        _need(d.process_id >= 0, "distributed.process_id", f"must be >= 0, got {d.process_id}")
+        _need(d.num_processes is None or d.process_id < d.num_processes, "distributed.process_id",
+              f"{d.process_id} is not below distributed.num_processes={d.num_processes}; ids run from 0")
+    _need(d.local_devices is None or d.local_devices >= 1, "distributed.local_devices",
+          f"must be >= 1, got {d.local_devices}")
+    _need(d.initialization_timeout >= 1, "distributed.initialization_timeout", "must be >= 1 second")
+    _need(d.heartbeat_timeout >= 1, "distributed.heartbeat_timeout", "must be >= 1 second")
 
 
 def freeze_step(cfg: Config) -> int:

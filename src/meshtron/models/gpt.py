@@ -56,6 +56,21 @@ def _zeros(axes: tuple[str | None, ...]):
     return nnx.with_partitioning(nnx.initializers.zeros_init(), axes)
 
 
+def _padded_vocab_init(dims: GPTDims):
+    """N(0, 0.02) rows for the real vocabulary and zero rows for Megatron's padding.
+
+    Padded rows get no gradient (their logits are masked, their ids never looked up), so at zero
+    they stay inert under AdamW and LAMB; and the real rows are drawn at ``[vocab_size, hidden]``,
+    so one seed gives the same model whatever padding the tensor-parallel size asks for.
+    """
+
+    def init(key: jax.Array, shape: tuple[int, int], dtype=jnp.float32) -> jax.Array:
+        real = jax.random.normal(key, (dims.vocab_size, shape[1]), dtype) * _INIT_STD
+        return jnp.pad(real, ((0, shape[0] - dims.vocab_size), (0, 0)))
+
+    return nnx.with_partitioning(init, ("vocab", "embed"))
+
+
 def _layer_norm(dims: GPTDims, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(
         dims.hidden,
@@ -182,7 +197,7 @@ class GPT(nnx.Module):
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         self.dims = dims
         self.wte = nnx.Param(
-            _normal(_INIT_STD, ("vocab", "embed"))(rngs.params(), (dims.vocab_padded, dims.hidden), dims.param_dtype)
+            _padded_vocab_init(dims)(rngs.params(), (dims.vocab_padded, dims.hidden), dims.param_dtype)
         )
         self.wpe = nnx.Param(
             _normal(_INIT_STD, ("pos", "embed"))(rngs.params(), (dims.seq_len, dims.hidden), dims.param_dtype)

@@ -48,3 +48,41 @@ def opt_state_specs(opt_state: Any, params: Any, param_specs: SpecsLike, mesh, a
         return P()
 
     return jax.tree.map(spec_of, opt_state, is_leaf=is_leaf)
+
+
+def _is_onebit(node) -> bool:
+    return isinstance(node, OnebitLambState)
+
+
+def split_error_buffers(opt_state: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """``opt_state`` without 1-bit LAMB's per-device error buffers (``None`` in their place), and the
+    buffers themselves, one ``{"worker": ..., "server": ...}`` per 1-bit LAMB state found.
+
+    The buffers are what a checkpoint may drop: they are laid out per device, so they mean nothing
+    on another mesh, and they are reset to zero there (1-bit LAMB reference, section 2.9).
+    """
+    found: list[dict[str, Any]] = []
+
+    def strip(node):
+        if _is_onebit(node):
+            found.append({"worker": node.worker_error, "server": node.server_error})
+            return node._replace(worker_error=None, server_error=None)
+        return node
+
+    return jax.tree.map(strip, opt_state, is_leaf=_is_onebit), found
+
+
+def merge_error_buffers(opt_state: Any, buffers: list[dict[str, Any]]) -> Any:
+    """Inverse of :func:`split_error_buffers`: put ``buffers`` back, in the order they were taken."""
+    remaining = iter(buffers)
+
+    def fill(node):
+        if _is_onebit(node):
+            b = next(remaining)
+            return node._replace(worker_error=b["worker"], server_error=b["server"])
+        return node
+
+    merged = jax.tree.map(fill, opt_state, is_leaf=_is_onebit)
+    if next(remaining, None) is not None:
+        raise ValueError("buffers: more error buffers than 1-bit LAMB states in opt_state")
+    return merged

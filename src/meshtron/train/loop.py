@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from rich.console import Console
 from rich.progress import (
@@ -23,12 +26,20 @@ from rich.progress import (
 )
 
 from meshtron.analysis import format_bytes
-from meshtron.config import Config, MeshConfig, validate
+from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like, tree_paths
+from meshtron.config import Config, ConfigError, MeshConfig, to_dict, validate
 from meshtron.data import BatchStream, Corpus, heldout_stream
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
+from meshtron.optim.layout import merge_error_buffers, split_error_buffers
 from meshtron.pipeline.schedules import compile_program, make_schedule
-from meshtron.train.pipelined import to_canonical, to_stage_order
+from meshtron.train.pipelined import (
+    permute_layers,
+    permute_state_layers,
+    stage_order,
+    to_canonical,
+    to_stage_order,
+)
 from meshtron.train.state import ModelDef, Params, dims_from_config
 from meshtron.train.step import TrainSteps, build_steps
 
@@ -47,6 +58,7 @@ class TrainResult:
     data_bytes: float = 0.0  # bytes one device sent over `data` in the whole run (from the compiled steps)
     stage_steps: dict[str, int] = field(default_factory=dict)  # optimizer steps run in each stage
     evaluations: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), the last at the end
+    first_step: int = 1  # the step ``losses[0]`` belongs to (> 1 when the run resumed from a checkpoint)
 
 
 @dataclass
@@ -79,6 +91,7 @@ class Trainer:
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
             microbatches=cfg.train.microbatches, program=program, stages=optimizer.stages,
+            skip_nonfinite=cfg.train.on_nonfinite == "skip",
         )
         return cls(cfg, mesh, model_def, steps, corpus, optimizer)
 
@@ -113,21 +126,147 @@ class Trainer:
         losses = [self.steps.eval(params, stream.batch(i, self.steps.batch_sharding)) for i in range(t.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
-    def run(self, *, metrics_file: IO[str] | None = None, console: Console | None = None) -> TrainResult:
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def _layer_perm(self, to_stage: bool) -> np.ndarray | None:
+        pipe = self.mesh.shape["pipe"]
+        if pipe == 1:
+            return None
+        order = stage_order(self.cfg.model.layers, pipe, self.cfg.pipeline.chunks)
+        return order if to_stage else np.argsort(order)
+
+    def canonical_state(self, params: Params, opt_state) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """What a checkpoint stores: ``{"params", "opt_state"}`` with block layers in model order, and
+        1-bit LAMB's per-device error buffers apart (a new array is made only where layers move)."""
+        perm = self._layer_perm(to_stage=False)
+        if perm is not None:
+            treedef = jax.tree.structure(params)
+            with jax.set_mesh(self.mesh):
+                params, opt_state = jax.jit(
+                    lambda p, s: (permute_layers(p, perm), permute_state_layers(s, treedef, perm)),
+                    out_shardings=(self.steps.param_shardings, self.steps.opt_shardings),
+                )(params, opt_state)
+        opt_state, errors = split_error_buffers(opt_state)
+        return {"params": params, "opt_state": opt_state}, errors
+
+    def training_state(self, state: dict[str, Any], errors: list[dict[str, Any]]):
+        """Inverse of :meth:`canonical_state`: ``(params, opt_state)`` laid out for this run's steps."""
+        params, opt_state = state["params"], merge_error_buffers(state["opt_state"], errors)
+        perm = self._layer_perm(to_stage=True)
+        if perm is None:
+            return params, opt_state
+        treedef = jax.tree.structure(params)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(
+                lambda p, s: (permute_layers(p, perm), permute_state_layers(s, treedef, perm)),
+                out_shardings=(self.steps.param_shardings, self.steps.opt_shardings),
+                donate_argnums=(0, 1),
+            )(params, opt_state)
+
+    def layout(self) -> dict[str, Any]:
+        """What the per-device error buffers depend on: restored only onto the same layout."""
+        return {"mesh": [int(self.mesh.shape[a]) for a in ("data", "pipe", "tensor")],
+                "chunks": self.cfg.pipeline.chunks if self.mesh.shape["pipe"] > 1 else 1}
+
+    def open_checkpoints(self) -> CheckpointStore | None:
+        c = self.cfg.checkpoint
+        if c.dir is None:
+            return None
+        store = CheckpointStore(c.dir, keep=c.keep, async_save=c.async_save)
+        if not c.resume and store.steps():
+            store.close()
+            raise ConfigError(
+                f"checkpoint.dir: {c.dir} already holds checkpoints (newest step {store.steps()[-1]}) and "
+                "checkpoint.resume=false; resume from them (checkpoint.resume=true) or choose another directory"
+            )
+        return store
+
+    def restore(self, store: CheckpointStore) -> tuple[Params, Any, RunPosition] | None:
+        """The newest intact checkpoint in ``store``, laid out for this run; ``None`` if there is none.
+
+        Parameters and optimizer state are read straight onto this run's shardings (any mesh). 1-bit
+        LAMB's error buffers come back only onto the layout that wrote them (with
+        ``checkpoint.onebit_errors=keep``); otherwise they restart from zero (reference section 2.9).
+        The optimizer's stage follows from the restored update count.
+        """
+        shapes = self.model_def.shapes()
+        with jax.set_mesh(self.mesh):
+            abstract = jax.eval_shape(self.steps.init_state_fn, shapes)
+        opt_target, error_target = split_error_buffers(abstract_like(abstract, self.steps.opt_shardings))
+        state_target = {"params": abstract_like(shapes, self.steps.param_shardings), "opt_state": opt_target}
+        layout = self.layout()
+        restored = store.restore_newest(
+            state_target, error_target if any(x.size for x in jax.tree.leaves(error_target)) else None, self.mesh,
+            use_errors=lambda meta: meta.get("layout") == layout and self.cfg.checkpoint.onebit_errors == "keep",
+            resizable=self._vocab_leaves(state_target),
+        )
+        if restored is None:
+            return None
+        errors = restored.errors
+        if errors is None and error_target:
+            errors = jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), error_target),
+                             out_shardings=jax.tree.map(lambda t: t.sharding, error_target))()
+            if restored.position.updates >= (self.optimizer.freeze_step or 0):
+                _note(f"1-bit LAMB error buffers restart from zero (checkpoint layout {restored.meta.get('layout')}, "
+                      f"this run {layout})")
+        params, opt_state = self.training_state(restored.state, errors or [])
+        return params, opt_state, restored.position
+
+    def _vocab_leaves(self, state: dict[str, Any]) -> frozenset[str]:
+        """Checkpoint tensors whose leading axis is the padded vocabulary (the embedding and its
+        moments): their padding depends on the tensor-parallel size, so they may be resized."""
+        vocab_params = {name for name, axes in zip(tree_paths(self.model_def.shapes()),
+                                                   jax.tree.leaves(self.model_def.logical_axes(),
+                                                                   is_leaf=lambda x: isinstance(x, tuple)), strict=True)
+                        if axes and axes[0] == "vocab"}
+        rows = self.model_def.dims.vocab_padded
+        return frozenset(
+            name for name, x in zip(tree_paths(state), jax.tree.leaves(state), strict=True)
+            if x.ndim and x.shape[0] == rows and any(name.endswith("." + v) for v in vocab_params)
+        )
+
+    def save(self, store: CheckpointStore, params: Params, opt_state, position: RunPosition) -> None:
+        state, errors = self.canonical_state(params, opt_state)
+        # (with one data shard the buffers are empty: nothing to keep, and orbax refuses empty arrays)
+        keep_errors = self.cfg.checkpoint.onebit_errors == "keep" and any(x.size for x in jax.tree.leaves(errors))
+        store.save(position, state, errors if keep_errors else None, self.mesh,
+                   {"seed": self.cfg.train.seed, "layout": self.layout(), "config": to_dict(self.cfg)})
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def run(self, *, metrics_file: IO[str] | None = None, console: Console | None = None,
+            on_event: Callable[[str, int], None] | None = None) -> TrainResult:
+        """Train to ``train.steps``, resuming from ``checkpoint.dir`` when it holds a checkpoint.
+
+        ``on_event(event, step)`` is called at ``"dispatched"`` (the step is queued on the devices),
+        ``"saving"`` (a checkpoint's arrays are on the host, files being written) and ``"done"``.
+        """
         cfg, t = self.cfg, self.cfg.train
-        console = console or Console(stderr=True)
+        lead = jax.process_index() == 0
+        console = console or Console(stderr=True, quiet=not lead)
         schedule = learning_rate_schedule(t)
-        params = self.init_params()
-        opt_state = self.steps.init_opt_state(params)
-        stream = self.train_stream()
+        store = self.open_checkpoints()
+        resumed = self.restore(store) if store is not None else None
+        if resumed is None:
+            params = self.init_params()
+            opt_state = self.steps.init_opt_state(params)
+            position = RunPosition(0, 0, 0)
+        else:
+            params, opt_state, position = resumed
+            console.print(f"resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})")
+        if metrics_file is not None and lead:
+            _keep_records_up_to(metrics_file, position.step)
+        stream = self.train_stream(position.data_position)
         tokens_per_step = t.batch_size * cfg.model.seq_len
         unigram = self.corpus.unigram_loss()
+        on_event = on_event or (lambda event, step: None)
 
         losses: list[float] = []
         heldout = float("nan")
         timed_steps, timed_seconds = 0, 0.0
         data_bytes, stage_steps = 0.0, {name: 0 for name in self.steps.stages}
         evaluations: list[tuple[int, float]] = []
+        updates, skipped_in_row = position.updates, 0
         staged = len(self.steps.stages) > 1
         start = time.perf_counter()
         progress = Progress(
@@ -143,56 +282,116 @@ class Trainer:
             TimeRemainingColumn(),
             console=console,
             transient=False,
+            disable=not lead,
         )
-        with progress:
-            task = progress.add_task("train", total=t.steps, loss="-", tps="-", lr="-", stage="", comm="-")
-            for step in range(1, t.steps + 1):
-                stage = self.optimizer.stage_at(step - 1)
-                batch = stream.next(self.steps.batch_sharding)
-                tick = time.perf_counter()
-                params, opt_state, metrics = self.steps.train(params, opt_state, batch, stage)
-                loss, grad_norm = metrics.mean()  # blocks until the step is done
-                elapsed = time.perf_counter() - tick
-                if stage_steps[stage] > 0:  # a stage's first step includes its compilation
-                    timed_steps += 1
-                    timed_seconds += elapsed
-                stage_bytes = self.steps.data_bytes(stage)
-                data_bytes += stage_bytes
-                stage_steps[stage] += 1
-                losses.append(loss)
-                tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
-                lr = float(schedule(step - 1))
-                logged = step % t.log_every == 0 or step == t.steps
-                if logged or stage_steps[stage] == 1:  # also show a new stage's traffic at once
-                    progress.update(
-                        task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", lr=f"{lr:.2e}",
-                        stage=f"{stage} " if staged else "", comm=format_bytes(stage_bytes),
-                    )
-                if logged and metrics_file is not None:
-                    record = {
-                        "step": step,
-                        "loss": loss,
-                        "tokens_per_s": tps,
-                        "lr": lr,
-                        "grad_norm": grad_norm,
-                        "stage": stage,
-                        "data_bytes": stage_bytes,
-                    }
-                    metrics_file.write(json.dumps(record) + "\n")
-                    metrics_file.flush()
-                if step % t.eval_every == 0 and step != t.steps:
-                    heldout = self.evaluate(params)
-                    evaluations.append((step, heldout))
-                    progress.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})")
-                progress.advance(task)
-            heldout = self.evaluate(params)
-            evaluations.append((t.steps, heldout))
+        try:
+            with progress:
+                task = progress.add_task("train", total=t.steps, completed=position.step, loss="-", tps="-", lr="-",
+                                         stage="", comm="-")
+                for step in range(position.step + 1, t.steps + 1):
+                    stage = self.optimizer.stage_at(updates)
+                    batch = stream.next(self.steps.batch_sharding)
+                    tick = time.perf_counter()
+                    params, opt_state, metrics = self.steps.train(params, opt_state, batch, stage)
+                    on_event("dispatched", step)
+                    loss, grad_norm = metrics.mean()  # blocks until the step is done
+                    elapsed = time.perf_counter() - tick
+                    finite = math.isfinite(loss) and math.isfinite(grad_norm) and metrics.was_applied()
+                    if not finite:
+                        if t.on_nonfinite == "stop" or skipped_in_row + 1 >= t.max_skipped_steps:
+                            raise NonFiniteLossError(self._nonfinite_message(step, loss, grad_norm, store,
+                                                                             skipped_in_row + 1))
+                        skipped_in_row += 1
+                        progress.console.print(f"step {step}: loss {loss}, gradient norm {grad_norm}: update skipped")
+                    else:
+                        skipped_in_row = 0
+                        updates += 1
+                    if stage_steps[stage] > 0:  # a stage's first step includes its compilation
+                        timed_steps += 1
+                        timed_seconds += elapsed
+                    stage_bytes = self.steps.data_bytes(stage)
+                    data_bytes += stage_bytes
+                    stage_steps[stage] += 1
+                    losses.append(loss)
+                    tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
+                    lr = float(schedule(updates - 1 if finite else updates))
+                    logged = step % t.log_every == 0 or step == t.steps
+                    if logged or stage_steps[stage] == 1:  # also show a new stage's traffic at once
+                        progress.update(
+                            task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", lr=f"{lr:.2e}",
+                            stage=f"{stage} " if staged else "", comm=format_bytes(stage_bytes),
+                        )
+                    if logged and metrics_file is not None and lead:
+                        record = {
+                            "step": step,
+                            "loss": loss,
+                            "tokens_per_s": tps,
+                            "lr": lr,
+                            "grad_norm": grad_norm,
+                            "stage": stage,
+                            "data_bytes": stage_bytes,
+                        }
+                        metrics_file.write(json.dumps(record) + "\n")
+                        metrics_file.flush()
+                    if step % t.eval_every == 0 and step != t.steps:
+                        heldout = self.evaluate(params)
+                        evaluations.append((step, heldout))
+                        progress.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})")
+                    if store is not None and (step % cfg.checkpoint.every == 0 or step == t.steps):
+                        self.save(store, params, opt_state, RunPosition(step, updates, stream.position))
+                        on_event("saving", step)
+                    progress.advance(task)
+                    on_event("done", step)
+                heldout = self.evaluate(params)
+                evaluations.append((t.steps, heldout))
+        finally:
+            if store is not None:
+                store.wait()  # a save in flight completes (or the error surfaces) before we return
+                store.close()
         wall = time.perf_counter() - start
         tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
         return TrainResult(
             losses, heldout, unigram, tps, wall, t.steps, self.canonical_params(params), data_bytes, stage_steps,
-            evaluations,
+            evaluations, first_step=position.step + 1,
         )
+
+    def _nonfinite_message(self, step: int, loss: float, grad_norm: float, store, in_row: int) -> str:
+        saved = store.steps() if store is not None else []
+        where = f"the newest checkpoint (step {saved[-1]}) is intact" if saved else "no checkpoint was written"
+        if self.cfg.train.on_nonfinite == "skip":
+            return (f"step {step}: {in_row} non-finite steps in a row (loss {loss}, gradient norm {grad_norm}), "
+                    f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}; stopped, {where}; lower train.lr")
+        return (f"step {step}: loss {loss}, gradient norm {grad_norm} is not finite; stopped, {where}. "
+                "Lower train.lr (or raise train.warmup_steps), or set train.on_nonfinite=skip to skip such steps")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Training produced a NaN/Inf loss or update; the message names the step."""
+
+
+def _keep_records_up_to(metrics_file: IO[str], step: int) -> None:
+    """Drop metrics records of steps after ``step`` (a resumed run writes them again); a fresh run
+    (``step`` 0) starts the file afresh. Files that cannot be re-read (pipes) are left alone."""
+    if not (metrics_file.seekable() and metrics_file.readable()):
+        return
+    metrics_file.seek(0)
+    kept = []
+    for line in metrics_file.read().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when the run was killed
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    metrics_file.seek(0)
+    metrics_file.truncate()
+    metrics_file.writelines(kept)
+    metrics_file.flush()
+
+
+def _note(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"meshtron: {message}", file=sys.stderr)
 
 
 def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
@@ -218,7 +417,7 @@ def train_from_config(cfg: Config, metrics_path: str | None = None) -> TrainResu
     trainer = Trainer.from_config(cfg, verbose=True)
     if metrics_path:
         Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(metrics_path, "w") as f:
+        with open(metrics_path, "a+") as f:  # run() keeps the records of the steps it resumes after
             result = trainer.run(metrics_file=f)
     else:
         result = trainer.run()

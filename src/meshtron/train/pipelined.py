@@ -51,6 +51,20 @@ def to_canonical(params: Params, layers: int, stages: int, chunks: int) -> Param
     return permute_layers(params, np.argsort(stage_order(layers, stages, chunks)))
 
 
+def permute_state_layers(tree, params_treedef, perm: np.ndarray):
+    """:func:`permute_layers` applied to every subtree of ``tree`` shaped like the parameters.
+
+    Optimizer states mirror the parameters (moments, and 1-bit LAMB's per-layer ``[layers]``
+    values), so their layer axis is in stage order too and must move with the parameters.
+    """
+
+    def param_shaped(node) -> bool:
+        return isinstance(node, dict) and jax.tree.structure(node) == params_treedef
+
+    return jax.tree.map(lambda node: permute_layers(node, perm) if param_shaped(node) else node, tree,
+                        is_leaf=param_shaped)
+
+
 def gpt_stage_functions(model_def: ModelDef) -> StageFunctions:
     """The GPT cut into embedding (first virtual stage), a chunk of blocks, and head + loss (last)."""
     vocab = model_def.dims.vocab_size

@@ -46,16 +46,30 @@ SINGLE_STAGE = {"train": {}}
 
 
 class StepMetrics(NamedTuple):
-    """Per data shard (``[data]``): each shard's mean loss and the norm of the gradient it handed to
+    """Per data shard (``[data]``): each shard's mean loss, the norm of the gradient it handed to
     the optimizer (the same on every shard after a data-parallel reduction; the shard's own under
-    1-bit LAMB). :meth:`mean` averages them on the host."""
+    1-bit LAMB), and whether the update was applied (``False`` only when a non-finite update was
+    skipped). :meth:`mean` averages them on the host."""
 
     loss: jax.Array
     grad_norm: jax.Array
+    applied: jax.Array
 
     def mean(self) -> tuple[float, float]:
         """(loss, grad_norm) averaged over data shards; blocks until the step is done."""
-        return float(np.mean(np.asarray(self.loss))), float(np.mean(np.asarray(self.grad_norm)))
+        return float(np.mean(_host(self.loss))), float(np.mean(_host(self.grad_norm)))
+
+    def was_applied(self) -> bool:
+        return bool(np.all(_host(self.applied)))
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """All of ``x`` on the host; across processes, each contributes its own shards."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 class OptState(NamedTuple):
@@ -101,8 +115,14 @@ def build_steps(
     microbatches: int = 1,
     program: Program | None = None,
     stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
+    skip_nonfinite: bool = False,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
+
+    With ``skip_nonfinite`` a step whose update holds a NaN or Inf leaves parameters and optimizer
+    state as they were (``StepMetrics.applied`` is then false). The test is on the update, which
+    is the same on every data shard (it comes from reduced gradients, or 1-bit LAMB's all-reduced
+    momentum), so all replicas decide alike with no extra collective over ``data``.
 
     With a pipeline ``program`` (mesh ``pipe`` > 1) the gradients come from the pipeline runtime
     executing that schedule over the microbatches; block parameters are then in stage order
@@ -151,14 +171,21 @@ def build_steps(
         grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
         grad_norm = optax.tree.norm(grads)
         updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, params, **stages[stage])
-        params = optax.apply_updates(params, updates)
-        return params, OptState(reduction_state, optimizer_state), StepMetrics(loss[None], grad_norm[None])
+        new_params = optax.apply_updates(params, updates)
+        new_state = OptState(reduction_state, optimizer_state)
+        applied = jnp.bool_(True)
+        if skip_nonfinite:
+            applied = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+            new_params, new_state = jax.tree.map(
+                lambda new, old: jnp.where(applied, new, old), (new_params, new_state), (params, opt_state)
+            )
+        return new_params, new_state, StepMetrics(loss[None], grad_norm[None], applied[None])
 
     def train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         return data_shard_map(
             partial(per_shard_train, stage=stage),
             (P(), state_data_specs, P(DATA)),
-            (P(), state_data_specs, StepMetrics(P(DATA), P(DATA))),
+            (P(), state_data_specs, StepMetrics(P(DATA), P(DATA), P(DATA))),
         )(params, opt_state, tokens)
 
     def per_shard_gradients(params: Params, tokens: jax.Array):
@@ -197,11 +224,12 @@ class TrainSteps:
         self.stages = stages
         replicated = NamedSharding(mesh, P())
         per_shard = NamedSharding(mesh, P(DATA))
+        self.init_state_fn = init_state  # params -> fresh OptState (for abstract shapes: jax.eval_shape)
         self._init_jit = jax.jit(init_state, in_shardings=(param_shardings,), out_shardings=opt_shardings)
         self._train_jit = jax.jit(
             train,
             in_shardings=(param_shardings, opt_shardings, batch_sharding),
-            out_shardings=(param_shardings, opt_shardings, StepMetrics(per_shard, per_shard)),
+            out_shardings=(param_shardings, opt_shardings, StepMetrics(per_shard, per_shard, per_shard)),
             donate_argnums=(0, 1),
             static_argnums=3,
         )

@@ -1,0 +1,308 @@
+"""Orbax checkpoints of a training run: what is saved, integrity checks, restore onto any mesh.
+
+One checkpoint is one orbax step directory (``ocp.CheckpointManager``), committed atomically: a
+save killed half-way leaves only a temporary directory that is never listed as a step. It holds
+three items:
+
+* ``state``: ``{"params", "opt_state"}`` in the *canonical* layout -- block layers in model order
+  (not the pipeline's stage order), each array a global array whatever mesh wrote it;
+* ``errors`` (optional): 1-bit LAMB's per-device error-feedback buffers, which only mean something
+  on the mesh layout that wrote them;
+* ``meta`` (JSON): the run position (steps done, optimizer updates applied, next batch), the seed,
+  the whole config, the mesh layout, and a checksum of every saved tensor.
+
+Restoring onto another mesh needs no conversion step: the targets are ``jax.ShapeDtypeStruct`` s
+carrying the *current* run's shardings, so orbax reads for every device exactly its slice.
+
+Damage is caught two ways: orbax/tensorstore fail to decode a truncated or garbled file, and a
+checksum mismatch catches bytes that still decode. Either way that checkpoint is skipped with a
+message and the one before it is used. A checkpoint of a *different model* is not damage: it is
+refused with a message naming the first tensor that does not match.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+FORMAT_VERSION = 1
+_KNUTH = np.uint32(2654435761)  # odd multiplier: position-dependent weights make swapped values visible
+
+# Orbax logs every save and restore at INFO/WARNING; the trainer says what matters itself.
+for _name in ("absl", "orbax"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used by this run; the message names the checkpoint, the tensor and the fix."""
+
+
+@dataclass(frozen=True)
+class RunPosition:
+    """Where a run stands after ``step`` training steps."""
+
+    step: int  # training steps done (= batches consumed)
+    updates: int  # optimizer updates applied (steps minus skipped non-finite steps)
+    data_position: int  # index of the next training batch
+
+
+@dataclass
+class Restored:
+    """A checkpoint read back onto the current mesh."""
+
+    step: int
+    position: RunPosition
+    state: Any  # {"params", "opt_state"}, canonical layout, error buffers removed
+    errors: list[dict[str, Any]] | None  # 1-bit LAMB buffers, or None when they were not restored
+    meta: dict[str, Any]
+
+
+def tree_paths(tree: Any) -> list[str]:
+    """Dotted names of ``tree``'s leaves (``opt_state.optimizer.0.mu.blocks.mlp.fc1.kernel``)."""
+    return [jax.tree_util.keystr(path, simple=True, separator=".")
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _fingerprint(x: jax.Array) -> jax.Array:
+    """A uint32 checksum of ``x``'s bits, the same whatever the sharding (integer sums are exact)."""
+    width = x.dtype.itemsize * 8
+    if width not in (8, 16, 32):
+        raise TypeError(f"checksum: unsupported dtype {x.dtype}")
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}")).astype(jnp.uint32)
+    weights = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * _KNUTH + jnp.uint32(1)
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def checksums(tree: Any, mesh) -> tuple[dict[str, int], bool]:
+    """Per-leaf checksums of ``tree`` (keyed by :func:`tree_paths`) and whether every float is finite.
+
+    Computed on the devices (nothing is gathered but one scalar per tensor), replicated so that
+    every process gets them.
+    """
+    replicated = NamedSharding(mesh, P())
+    leaves = jax.tree.leaves(tree)
+    with jax.set_mesh(mesh):
+        sums, finite = jax.jit(
+            lambda xs: ([_fingerprint(x) for x in xs], _all_finite(xs)),
+            out_shardings=([replicated] * len(leaves), replicated),
+        )(leaves)
+    return {name: int(s) for name, s in zip(tree_paths(tree), sums, strict=True)}, bool(finite)
+
+
+def _saved_shapes(tree_metadata: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{dotted name: (shape, dtype)}`` of what orbax says an item holds."""
+    tree = getattr(tree_metadata, "tree", tree_metadata)
+    if tree is None:
+        raise ValueError("the state item has no readable metadata")
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="."): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+        for path, leaf in flat if leaf is not None
+    }
+
+
+def check_compatible(saved: dict[str, tuple[tuple[int, ...], str]], target: Any, where: str,
+                     resizable: frozenset[str] = frozenset()) -> None:
+    """Refuse a checkpoint whose tensors differ from the run's, naming the first one that does.
+
+    Tensors named in ``resizable`` may differ in their leading dimension only (the vocabulary
+    padding, which depends on the tensor-parallel size).
+    """
+    wanted = {name: (tuple(x.shape), str(np.dtype(x.dtype)))
+              for name, x in zip(tree_paths(target), jax.tree.leaves(target), strict=True)}
+    # Parameters first: "the model differs" is the message users need, not which moment differs.
+    for name, (shape, dtype) in sorted(wanted.items(), key=lambda item: not item[0].startswith("params.")):
+        if name not in saved:
+            raise CheckpointError(
+                f"{where} has no tensor {name} (shape {shape}): it was written by a different model or optimizer; "
+                "use the config it was trained with (its meta item records it) or another checkpoint.dir"
+            )
+        have_shape, have_dtype = saved[name]
+        same = have_shape == shape or (name in resizable and have_shape[1:] == shape[1:])
+        if not same or have_dtype != dtype:
+            raise CheckpointError(
+                f"{where}: tensor {name} is {have_dtype}{list(have_shape)} in the checkpoint but this run's model "
+                f"needs {dtype}{list(shape)}; use the model config it was trained with or another checkpoint.dir"
+            )
+    extra = sorted(set(saved) - set(wanted))
+    if extra:
+        raise CheckpointError(
+            f"{where} holds tensor {extra[0]} that this run does not have ({len(extra)} in all): it was written by a "
+            "different model or optimizer; use the config it was trained with or another checkpoint.dir"
+        )
+
+
+def _as_saved(target: Any, saved: dict[str, tuple[tuple[int, ...], str]], mesh) -> Any:
+    """``target`` with every leaf whose saved shape differs replaced by the saved shape, replicated
+    (it is resized on the devices after reading: :func:`_resize_to`)."""
+    replicated = NamedSharding(mesh, P())
+    names = tree_paths(target)
+
+    def read_as(name: str, t: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        shape = saved[name][0]
+        return t if shape == t.shape else jax.ShapeDtypeStruct(shape, t.dtype, sharding=replicated)
+
+    leaves = [read_as(n, t) for n, t in zip(names, jax.tree.leaves(target), strict=True)]
+    return jax.tree.structure(target).unflatten(leaves)
+
+
+def _resize_to(tree: Any, target: Any, mesh) -> Any:
+    """Pad with zeros (or cut) the leading dimension of leaves read at another size, onto ``target``."""
+
+    def fit(x: jax.Array, t: jax.ShapeDtypeStruct) -> jax.Array:
+        if x.shape == t.shape:
+            return x
+        rows = t.shape[0]
+        x = x[:rows] if x.shape[0] >= rows else jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+        return x
+
+    shardings = jax.tree.map(lambda t: t.sharding, target)
+    with jax.set_mesh(mesh):
+        return jax.jit(lambda xs: jax.tree.map(fit, xs, target), out_shardings=shardings)(tree)
+
+
+def abstract_like(tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct`` targets with the given shardings: what orbax restores onto."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _warn(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"meshtron: {message}", file=sys.stderr)
+
+
+class CheckpointStore:
+    """A directory of checkpoints: async saves, ``keep`` newest kept, restore of the newest good one."""
+
+    def __init__(self, directory: str | Path, *, keep: int, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=1, enable_async_checkpointing=async_save, create=True
+        )
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "errors": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        }
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints, oldest first (interrupted saves are never listed)."""
+        return sorted(self._manager.all_steps(read=True))
+
+    def save(self, position: RunPosition, state: Any, errors: list[dict[str, Any]] | None, mesh,
+             extra_meta: dict[str, Any]) -> None:
+        """Start saving ``state`` (canonical layout) at ``position.step``; returns once the arrays are
+        copied to host memory, while files are written in the background."""
+        tree = {"state": state} if errors is None else {"state": state, "errors": errors}
+        sums, finite = checksums(tree, mesh)
+        if not finite:
+            raise FloatingPointError(f"step {position.step}: the state holds NaN/Inf; not saving a poisoned checkpoint")
+        meta = {
+            "format": FORMAT_VERSION, "step": position.step, "updates": position.updates,
+            "data_position": position.data_position, "has_errors": errors is not None, "checksums": sums,
+            **extra_meta,
+        }
+        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+        if errors is not None:
+            items["errors"] = ocp.args.StandardSave(errors)
+        self._manager.save(position.step, args=ocp.args.Composite(**items))
+
+    def wait(self) -> None:
+        """Block until every save started so far is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged step directories to ``<step>.damaged`` (kept for inspection, never deleted) so
+        the resumed run can save those steps again."""
+        if jax.process_index() == 0:
+            for step in steps:
+                source = self.directory / str(step)
+                target = self.directory / f"{step}.damaged"
+                suffix = 1
+                while target.exists():
+                    suffix += 1
+                    target = self.directory / f"{step}.damaged.{suffix}"
+                source.rename(target)
+                _warn(f"moved {source} to {target.name}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("meshtron: damaged checkpoints set aside")
+        self._manager.reload()
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+            raise ValueError(f"meta item is not a meshtron format-{FORMAT_VERSION} record")
+        return meta
+
+    def restore_newest(self, target_state: Any, target_errors: Any | None, mesh, *,
+                       use_errors=lambda meta: False, resizable: frozenset[str] = frozenset()) -> Restored | None:
+        """The newest checkpoint that reads back intact, on the shardings of ``target_state``
+        (``ShapeDtypeStruct`` s); ``None`` when the directory has none.
+
+        ``use_errors(meta)`` says whether the saved error buffers fit this run (then they are read
+        onto ``target_errors``). Leaves named in ``resizable`` may have been saved with another
+        leading size (vocabulary padding): they are cut or zero-padded to the target. Damaged checkpoints are skipped with a message; a checkpoint of a
+        different model raises :class:`CheckpointError`.
+        """
+        steps = self.steps()
+        damaged: list[int] = []
+        for step in reversed(steps):
+            where = f"checkpoint {self.directory}/{step}"
+            try:
+                meta = self.read_meta(step)
+                saved = _saved_shapes(self._manager.item_metadata(step)["state"])
+                check_compatible(saved, target_state, where, resizable)
+                with_errors = target_errors is not None and meta.get("has_errors") and use_errors(meta)
+                items = {"state": ocp.args.StandardRestore(_as_saved(target_state, saved, mesh))}
+                if with_errors:
+                    items["errors"] = ocp.args.StandardRestore(target_errors)
+                restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+                tree = {"state": restored["state"]}
+                if with_errors:
+                    tree["errors"] = restored["errors"]
+                sums, _ = checksums(tree, mesh)
+                bad = [name for name, value in sums.items() if meta["checksums"].get(name) != value]
+                if bad:
+                    raise ValueError(f"checksum mismatch in {len(bad)} tensor(s), first {bad[0]}")
+            except CheckpointError:
+                raise
+            except Exception as err:  # noqa: BLE001 -- any failure to read back means: damaged, try the one before
+                reason = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+                damaged.append(step)
+                _warn(f"{where} is damaged or incomplete ({reason}); skipping it")
+                continue
+            position = RunPosition(meta["step"], meta["updates"], meta["data_position"])
+            state = _resize_to(restored["state"], target_state, mesh)
+            errors = restored["errors"] if with_errors else None
+            if damaged:
+                self._set_aside(damaged)
+                _warn(f"resuming from step {step}, the newest intact checkpoint")
+            return Restored(step, position, state, errors, meta)
+        if damaged:
+            raise CheckpointError(
+                f"checkpoint.dir {self.directory}: every checkpoint is damaged (steps {damaged}); move them away or "
+                "choose another checkpoint.dir to start afresh (nothing is deleted automatically)"
+            )
+        return None
+

@@ -1,0 +1,229 @@
+"""Checkpoints: exact resume, restore onto other meshes, damaged and foreign checkpoints, NaN handling.
+
+A "kill" here is an exception raised from the trainer's event hook right after a step (the
+in-process stand-in; tests/test_faults.py kills real processes with SIGKILL).
+"""
+
+import json
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from meshtron.checkpoint import CheckpointError, CheckpointStore, checksums
+from meshtron.config import ConfigError, MeshConfig, load_config
+from meshtron.mesh import build_mesh
+from meshtron.train.loop import NonFiniteLossError, Trainer
+
+MODEL = ["model.layers=4", "model.hidden=32", "model.heads=8", "model.mlp_dim=64", "model.seq_len=16",
+         "train.batch_size=16", "train.warmup_steps=2", "train.eval_every=1000", "train.eval_batches=1"]
+
+
+def mesh(data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=1):
+    return [f"mesh.data={data}", f"mesh.pipe={pipe}", f"mesh.tensor={tensor}", f"pipeline.schedule={schedule}",
+            f"pipeline.chunks={chunks}", f"train.microbatches={microbatches}"]
+
+
+INTERLEAVED_222 = mesh(2, 2, 2, "interleaved", 2, 2)
+
+
+def trainer(*overrides) -> Trainer:
+    return Trainer.from_config(load_config(None, [*MODEL, *overrides]))
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_after(step):
+    def hook(event, at):
+        if event == "done" and at == step:
+            raise Killed(step)
+    return hook
+
+
+def run(*overrides, kill_at=None):
+    t = trainer(*overrides)
+    if kill_at is None:
+        return t.run()
+    with pytest.raises(Killed):
+        t.run(on_event=kill_after(kill_at))
+    return None
+
+
+def without_checkpoints(t: Trainer) -> Trainer:
+    """The same trainer (compiled steps shared) with checkpointing off: the uninterrupted reference."""
+    return replace(t, cfg=replace(t.cfg, checkpoint=replace(t.cfg.checkpoint, dir=None)))
+
+
+def killed_at(t: Trainer, step: int) -> None:
+    with pytest.raises(Killed):
+        t.run(on_event=kill_after(step))
+
+
+@pytest.mark.parametrize("optimizer, layout", [
+    ("adamw", INTERLEAVED_222),
+    ("lamb", mesh(4, 1, 2)),
+])
+def test_resume_is_bitwise(tmp_path, optimizer, layout):
+    t = trainer(*layout, f"train.optimizer={optimizer}", "train.steps=6", f"checkpoint.dir={tmp_path}",
+                "checkpoint.every=3")
+    straight = without_checkpoints(t).run()
+    killed_at(t, 4)  # one step after the checkpoint at 3: that step is redone
+    resumed = t.run()
+    assert resumed.first_step == 4
+    assert resumed.losses == straight.losses[3:]  # bitwise
+    np.testing.assert_array_equal(jax.device_get(resumed.params["wte"]), jax.device_get(straight.params["wte"]))
+
+
+def test_onebit_resume_is_bitwise_before_and_after_the_freeze(tmp_path):
+    """Kills at step 2 (warmup; the freeze is at 3) and at step 4 (compression, error buffers kept)."""
+    t = trainer(*mesh(4, 1, 2), "train.optimizer=onebit_lamb", "optim.freeze_step=3", "train.steps=6",
+                f"checkpoint.dir={tmp_path}", "checkpoint.every=2")
+    straight = without_checkpoints(t).run()
+    killed_at(t, 2)
+    killed_at(t, 4)
+    resumed = t.run()
+    assert resumed.first_step == 5 and resumed.stage_steps == {"warmup": 0, "compression": 2}
+    assert resumed.losses == straight.losses[4:]
+    meta = CheckpointStore(tmp_path, keep=3).read_meta(4)
+    assert meta["has_errors"] and meta["layout"] == {"mesh": [4, 1, 2], "chunks": 1} and meta["updates"] == 4
+
+
+def test_onebit_errors_reset_keeps_checkpoints_small(tmp_path):
+    common = [*mesh(4, 1, 2), "train.optimizer=onebit_lamb", "optim.freeze_step=1", "train.steps=2",
+              f"checkpoint.dir={tmp_path}", "checkpoint.every=2", "checkpoint.onebit_errors=reset"]
+    run(*common)
+    assert not CheckpointStore(tmp_path, keep=3).read_meta(2)["has_errors"]
+    assert not (tmp_path / "2" / "errors").exists()
+
+
+@pytest.fixture(scope="module")
+def saved_on_222(tmp_path_factory):
+    """1-bit LAMB on (2,2,2) interleaved, saved at step 3 in the compression stage, and the loss the
+    same mesh then computes for step 4's batch."""
+    directory = tmp_path_factory.mktemp("ckpt222")
+    common = [*INTERLEAVED_222, "train.optimizer=onebit_lamb", "optim.freeze_step=2", "train.steps=4",
+              f"checkpoint.dir={directory}", "checkpoint.every=3", "checkpoint.keep=5"]
+    result = run(*common)
+    return directory, result.losses[3]
+
+
+@pytest.mark.parametrize("layout", [
+    mesh(1, 1, 8), mesh(8, 1, 1), mesh(4, 1, 2), mesh(1, 4, 2, microbatches=4),
+], ids=["1x1x8", "8x1x1", "4x1x2", "1x4x2-1f1b"])
+def test_restore_onto_another_mesh(tmp_path, saved_on_222, layout, capsys):
+    source, expected = saved_on_222
+    directory = tmp_path / "ckpt"
+    shutil.copytree(source, directory)
+    shutil.rmtree(directory / "4")  # resume from step 3
+    result = run(*layout, "train.optimizer=onebit_lamb", "optim.freeze_step=2", "train.steps=4",
+                 f"checkpoint.dir={directory}", "checkpoint.every=100")
+    assert result.first_step == 4 and result.stage_steps["compression"] == 1
+    np.testing.assert_allclose(result.losses[0], expected, rtol=2e-6)
+    assert "error buffers restart from zero" in capsys.readouterr().err
+
+
+def _newest_data_file(step_dir: Path) -> Path:
+    files = [f for f in (step_dir / "state").rglob("*") if f.is_file() and f.parent.name == "d"]
+    return max(files, key=lambda f: f.stat().st_size)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax, on the failed read
+@pytest.mark.parametrize("damage", ["truncate", "flip-a-byte"])
+def test_damaged_checkpoint_is_skipped(tmp_path, saved_on_222, damage, capsys):
+    source, _ = saved_on_222
+    directory = tmp_path / "ckpt"
+    shutil.copytree(source, directory)
+    victim = _newest_data_file(directory / "4")
+    data = bytearray(victim.read_bytes())
+    if damage == "truncate":
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[len(data) // 2] ^= 0x01  # one bit inside array data: decodes fine, caught by the checksum
+        victim.write_bytes(bytes(data))
+    t = trainer(*INTERLEAVED_222, "train.optimizer=onebit_lamb", "optim.freeze_step=2", "train.steps=4",
+                f"checkpoint.dir={directory}", "checkpoint.every=100")
+    store = t.open_checkpoints()
+    _, _, position = t.restore(store)
+    store.close()
+    err = capsys.readouterr().err
+    assert position.step == 3
+    assert f"{directory}/4 is damaged or incomplete" in err and "resuming from step 3" in err
+    assert (directory / "4.damaged").is_dir()  # kept for inspection, out of the way of new saves
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, saved_on_222):
+    source, _ = saved_on_222
+    directory = tmp_path / "ckpt"
+    shutil.copytree(source, directory)
+    t = trainer(*INTERLEAVED_222, "train.optimizer=onebit_lamb", "model.mlp_dim=128", f"checkpoint.dir={directory}")
+    with pytest.raises(CheckpointError, match=r"tensor params\.blocks\.mlp\.fc1\.bias is float32\[4, 64\] in the "
+                                              r"checkpoint but this run's model needs float32\[4, 128\]"):
+        t.restore(t.open_checkpoints())
+    other = trainer(*INTERLEAVED_222, "train.optimizer=adamw", f"checkpoint.dir={directory}")
+    with pytest.raises(CheckpointError, match="different model or optimizer"):
+        other.restore(other.open_checkpoints())
+
+
+def test_resume_false_refuses_a_directory_with_checkpoints(tmp_path, saved_on_222):
+    source, _ = saved_on_222
+    t = trainer(*INTERLEAVED_222, "train.optimizer=onebit_lamb", f"checkpoint.dir={source}", "checkpoint.resume=false")
+    with pytest.raises(ConfigError, match=r"checkpoint\.dir: .* already holds checkpoints \(newest step 4\)"):
+        t.open_checkpoints()
+
+
+def test_checksums_do_not_depend_on_the_layout():
+    x = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    a = build_mesh(MeshConfig(2, 2, 2))
+    b = build_mesh(MeshConfig(8, 1, 1))
+    on_a = jax.device_put(x, jax.sharding.NamedSharding(a, jax.sharding.PartitionSpec("pipe", "tensor")))
+    on_b = jax.device_put(x, jax.sharding.NamedSharding(b, jax.sharding.PartitionSpec(None, "data")))
+    assert checksums({"x": on_a}, a) == checksums({"x": on_b}, b)
+    swapped = x.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    replicated = jax.sharding.NamedSharding(b, jax.sharding.PartitionSpec())
+    assert checksums({"x": jax.device_put(swapped, replicated)}, b)[0] != checksums({"x": on_b}, b)[0]
+    assert checksums({"x": jax.device_put(x * np.nan, replicated)}, b)[1] is False
+
+
+def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(tmp_path):
+    t = trainer(*mesh(4, 1, 2), "train.lr=1e12", "train.warmup_steps=0", "train.steps=30",
+                f"checkpoint.dir={tmp_path}", "checkpoint.every=1", "checkpoint.async_save=false")
+    pattern = r"step (\d+): loss .* is not finite; stopped, the newest checkpoint \(step (\d+)\) is intact"
+    with pytest.raises(NonFiniteLossError, match=pattern) as info:
+        t.run()
+    failed, newest = (int(g) for g in re.search(pattern, str(info.value)).groups())
+    assert newest == failed - 1
+    assert CheckpointStore(tmp_path, keep=3).steps()[-1] == newest
+    # the newest checkpoint reads back, checksums and all, with finite values only
+    resumed = trainer(*mesh(4, 1, 2), "train.lr=1e12", "train.warmup_steps=0", f"train.steps={newest}",
+                      f"checkpoint.dir={tmp_path}")
+    params, _, position = resumed.restore(resumed.open_checkpoints())
+    assert position.step == newest
+    assert all(np.isfinite(np.asarray(jax.device_get(p))).all() for p in jax.tree.leaves(params))
+
+
+def test_nonfinite_steps_can_be_skipped(tmp_path):
+    t = trainer(*mesh(4, 1, 2), "train.lr=1e12", "train.warmup_steps=0", "train.steps=30",
+                "train.on_nonfinite=skip", "train.max_skipped_steps=3")
+    with pytest.raises(NonFiniteLossError, match=r"3 non-finite steps in a row .* train\.max_skipped_steps=3"):
+        t.run()
+
+
+def test_metrics_of_redone_steps_are_replaced(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    common = [*mesh(8, 1, 1), "train.steps=4", "train.log_every=1", f"checkpoint.dir={tmp_path / 'c'}",
+              "checkpoint.every=2"]
+    with open(metrics, "a+") as f:
+        with pytest.raises(Killed):
+            trainer(*common).run(metrics_file=f, on_event=kill_after(3))
+        f.write('{"step": 4, "loss"')  # a line cut short by the kill
+    with open(metrics, "a+") as f:
+        trainer(*common).run(metrics_file=f)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
