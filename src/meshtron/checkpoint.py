@@ -35,6 +35,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtron.trees import leaf_names
+
 FORMAT_VERSION = 1
 _KNUTH = np.uint32(2654435761)  # odd multiplier: position-dependent weights make swapped values visible
 
@@ -67,12 +69,6 @@ class Restored:
     meta: dict[str, Any]
 
 
-def tree_paths(tree: Any) -> list[str]:
-    """Dotted names of ``tree``'s leaves (``opt_state.optimizer.0.mu.blocks.mlp.fc1.kernel``)."""
-    return [jax.tree_util.keystr(path, simple=True, separator=".")
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def _fingerprint(x: jax.Array) -> jax.Array:
     """A uint32 checksum of ``x``'s bits, the same whatever the sharding (integer sums are exact)."""
     width = x.dtype.itemsize * 8
@@ -89,7 +85,7 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def checksums(tree: Any, mesh) -> tuple[dict[str, int], bool]:
-    """Per-leaf checksums of ``tree`` (keyed by :func:`tree_paths`) and whether every float is finite.
+    """Per-leaf checksums of ``tree`` (keyed by :func:`leaf_names`) and whether every float is finite.
 
     Computed on the devices (nothing is gathered but one scalar per tensor), replicated so that
     every process gets them.
@@ -101,7 +97,7 @@ def checksums(tree: Any, mesh) -> tuple[dict[str, int], bool]:
             lambda xs: ([_fingerprint(x) for x in xs], _all_finite(xs)),
             out_shardings=([replicated] * len(leaves), replicated),
         )(leaves)
-    return {name: int(s) for name, s in zip(tree_paths(tree), sums, strict=True)}, bool(finite)
+    return {name: int(s) for name, s in zip(leaf_names(tree), sums, strict=True)}, bool(finite)
 
 
 def _saved_shapes(tree_metadata: Any) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -117,14 +113,15 @@ def _saved_shapes(tree_metadata: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_compatible(saved: dict[str, tuple[tuple[int, ...], str]], target: Any, where: str,
-                     resizable: frozenset[str] = frozenset()) -> None:
+                     resizable: frozenset[str] = frozenset(), partial: bool = False) -> None:
     """Refuse a checkpoint whose tensors differ from the run's, naming the first one that does.
 
     Tensors named in ``resizable`` may differ in their leading dimension only (the vocabulary
-    padding, which depends on the tensor-parallel size).
+    padding, which depends on the tensor-parallel size). With ``partial``, saved tensors the
+    target does not ask for are fine.
     """
     wanted = {name: (tuple(x.shape), str(np.dtype(x.dtype)))
-              for name, x in zip(tree_paths(target), jax.tree.leaves(target), strict=True)}
+              for name, x in zip(leaf_names(target), jax.tree.leaves(target), strict=True)}
     # Parameters first: "the model differs" is the message users need, not which moment differs.
     for name, (shape, dtype) in sorted(wanted.items(), key=lambda item: not item[0].startswith("params.")):
         if name not in saved:
@@ -140,7 +137,7 @@ def check_compatible(saved: dict[str, tuple[tuple[int, ...], str]], target: Any,
                 f"needs {dtype}{list(shape)}; use the model config it was trained with or another checkpoint.dir"
             )
     extra = sorted(set(saved) - set(wanted))
-    if extra:
+    if extra and not partial:
         raise CheckpointError(
             f"{where} holds tensor {extra[0]} that this run does not have ({len(extra)} in all): it was written by a "
             "different model or optimizer; use the config it was trained with or another checkpoint.dir"
@@ -151,7 +148,7 @@ def _as_saved(target: Any, saved: dict[str, tuple[tuple[int, ...], str]], mesh) 
     """``target`` with every leaf whose saved shape differs replaced by the saved shape, replicated
     (it is resized on the devices after reading: :func:`_resize_to`)."""
     replicated = NamedSharding(mesh, P())
-    names = tree_paths(target)
+    names = leaf_names(target)
 
     def read_as(name: str, t: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         shape = saved[name][0]
@@ -159,6 +156,12 @@ def _as_saved(target: Any, saved: dict[str, tuple[tuple[int, ...], str]], mesh) 
 
     leaves = [read_as(n, t) for n, t in zip(names, jax.tree.leaves(target), strict=True)]
     return jax.tree.structure(target).unflatten(leaves)
+
+
+def _restore_args(target: Any, partial: bool) -> ocp.args.PyTreeRestore:
+    return ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=partial
+    )
 
 
 def _resize_to(tree: Any, target: Any, mesh) -> Any:
@@ -195,8 +198,8 @@ class CheckpointStore:
             max_to_keep=keep, save_interval_steps=1, enable_async_checkpointing=async_save, create=True
         )
         handlers = {
-            "state": ocp.StandardCheckpointHandler(),
-            "errors": ocp.StandardCheckpointHandler(),
+            "state": ocp.PyTreeCheckpointHandler(),
+            "errors": ocp.PyTreeCheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler(),
         }
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -218,9 +221,9 @@ class CheckpointStore:
             "data_position": position.data_position, "has_errors": errors is not None, "checksums": sums,
             **extra_meta,
         }
-        items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+        items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(meta)}
         if errors is not None:
-            items["errors"] = ocp.args.StandardSave(errors)
+            items["errors"] = ocp.args.PyTreeSave(errors)
         self._manager.save(position.step, args=ocp.args.Composite(**items))
 
     def wait(self) -> None:
@@ -256,14 +259,16 @@ class CheckpointStore:
         return meta
 
     def restore_newest(self, target_state: Any, target_errors: Any | None, mesh, *,
-                       use_errors=lambda meta: False, resizable: frozenset[str] = frozenset()) -> Restored | None:
+                       use_errors=lambda meta: False, resizable: frozenset[str] = frozenset(),
+                       partial: bool = False) -> Restored | None:
         """The newest checkpoint that reads back intact, on the shardings of ``target_state``
         (``ShapeDtypeStruct`` s); ``None`` when the directory has none.
 
         ``use_errors(meta)`` says whether the saved error buffers fit this run (then they are read
         onto ``target_errors``). Leaves named in ``resizable`` may have been saved with another
         leading size (vocabulary padding): they are cut or zero-padded to the target. Damaged checkpoints are skipped with a message; a checkpoint of a
-        different model raises :class:`CheckpointError`.
+        different model raises :class:`CheckpointError`. With ``partial`` the target may name a subset
+        of the saved tensors (``{"params": ...}`` to sample from a model without its optimizer state).
         """
         steps = self.steps()
         damaged: list[int] = []
@@ -272,11 +277,11 @@ class CheckpointStore:
             try:
                 meta = self.read_meta(step)
                 saved = _saved_shapes(self._manager.item_metadata(step)["state"])
-                check_compatible(saved, target_state, where, resizable)
+                check_compatible(saved, target_state, where, resizable, partial)
                 with_errors = target_errors is not None and meta.get("has_errors") and use_errors(meta)
-                items = {"state": ocp.args.StandardRestore(_as_saved(target_state, saved, mesh))}
+                items = {"state": _restore_args(_as_saved(target_state, saved, mesh), partial)}
                 if with_errors:
-                    items["errors"] = ocp.args.StandardRestore(target_errors)
+                    items["errors"] = _restore_args(target_errors, False)
                 restored = self._manager.restore(step, args=ocp.args.Composite(**items))
                 tree = {"state": restored["state"]}
                 if with_errors:

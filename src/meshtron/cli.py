@@ -1,4 +1,4 @@
-"""``meshtron train | describe``: the command line.
+"""``meshtron train | describe | generate | launch``: the command line.
 
 The config is read and validated *before* JAX is imported, so that on a CPU-only machine the CLI
 can still ask XLA for as many simulated host devices as the mesh needs (appending to any
@@ -9,9 +9,11 @@ and the fix, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-from meshtron.config import Config, ConfigError, load_config
+from meshtron.config import Config, ConfigError, MeshConfig, load_config
+from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.mesh import devices_requested, ensure_cpu_devices
 
 # Planning presets (the paper's 1T model) may ask for thousands of devices; only simulate small meshes.
@@ -27,25 +29,126 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", parents=[common], help="train a GPT on the mesh")
     train.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line per logged step")
     sub.add_parser("describe", parents=[common], help="mesh, parameter layout and the compiled step's collectives")
+    launch = sub.add_parser("launch", parents=[common], help="train in N local processes (one distributed run)")
+    launch.add_argument("--processes", type=int, required=True, metavar="N")
+    launch.add_argument("--metrics", metavar="FILE.jsonl", help="written by process 0")
+    gen = sub.add_parser("generate", help="sample text from a checkpoint, on any mesh")
+    gen.add_argument("--checkpoint", required=True, metavar="DIR", help="a run's checkpoint.dir (newest intact step)")
+    gen.add_argument("--prompt", required=True, metavar="TEXT")
+    gen.add_argument("--max-tokens", type=int, default=200, metavar="N", help="new tokens to generate (default 200)")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("overrides", nargs="*", metavar="mesh.key=value",
+                     help="the mesh to sample on, e.g. mesh.tensor=4 (default: the mesh that trained it)")
     return parser
 
 
-def _load(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config, args.overrides)
-    needed = devices_requested(cfg.mesh)
+def _saved_mesh(directory: str) -> MeshConfig:
+    """The mesh recorded by the newest checkpoint, read as plain JSON (before JAX starts, so the CPU
+    device count can still be set); the default mesh if it cannot be read."""
+    from pathlib import Path
+
+    steps = sorted((int(p.name) for p in Path(directory).glob("*") if p.name.isdigit()), reverse=True)
+    for step in steps:
+        try:
+            saved = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())["config"]["mesh"]
+            return MeshConfig(**saved)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return MeshConfig()
+
+
+def _generation_mesh(args: argparse.Namespace) -> MeshConfig:
+    mesh = _saved_mesh(args.checkpoint)
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section != "mesh" or name not in ("data", "pipe", "tensor"):
+            raise ConfigError(f"override {item!r}: generate takes mesh.data=, mesh.pipe= or mesh.tensor= only")
+        try:
+            setattr(mesh, name, int(value))
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer size, got {value!r}") from None
+    return mesh
+
+
+def _generate(args: argparse.Namespace) -> None:
+    mesh = _generation_mesh(args)
+    needed = devices_requested(mesh)
     if needed <= MAX_SIMULATED_DEVICES:
         ensure_cpu_devices(needed)
-    return cfg
+    from meshtron.generate import sample
+    from meshtron.pretrained import load_pretrained
+
+    model = load_pretrained(args.checkpoint, mesh)
+    try:
+        result = sample(model.model_def, model.params, model.mesh, args.prompt, max_new_tokens=args.max_tokens,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    shape = "x".join(str(model.mesh.shape[a]) for a in ("data", "pipe", "tensor"))
+    print(f"meshtron: step {model.step} of {args.checkpoint}, mesh {shape}", file=sys.stderr)
+    print(result.text)
+
+
+def _load(args: argparse.Namespace) -> tuple[Config, ProcessGroup | None]:
+    cfg = load_config(args.config, args.overrides)
+    group = resolve_group(cfg.distributed) if args.command == "train" else None
+    needed = devices_requested(cfg.mesh)
+    if group is not None:  # this process simulates its share of the mesh (on CPU)
+        needed = cfg.distributed.local_devices or max(1, needed // group.num_processes)
+    if needed <= MAX_SIMULATED_DEVICES:
+        ensure_cpu_devices(needed)
+    return cfg, group
+
+
+def _train(cfg: Config, group: ProcessGroup | None, metrics: str | None) -> None:
+    from meshtron.train.loop import train_from_config
+
+    if group is None:
+        train_from_config(cfg, metrics)
+        return
+    from meshtron import distributed
+
+    distributed.initialize(cfg.distributed, group)
+    try:
+        train_from_config(cfg, metrics)
+    except BaseException as err:  # noqa: BLE001 -- every way out of a distributed run must tell the peers
+        import traceback
+
+        status = 2 if isinstance(err, ConfigError) else 130 if isinstance(err, KeyboardInterrupt) else 3
+        message = distributed.explain(err)
+        if message is None and status == 3 and not _is_reported(err):
+            traceback.print_exc()
+        print(message or f"meshtron: error: {err}", file=sys.stderr)
+        distributed.fail(f"{type(err).__name__}: {err}", status)
+    distributed.finish()
+
+
+def _is_reported(err: BaseException) -> bool:
+    """Errors whose message says all a user needs (no traceback)."""
+    return type(err).__name__ in REPORTED_ERRORS
+
+
+REPORTED_ERRORS = ("NonFiniteLossError", "CheckpointError", "FloatingPointError")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        cfg = _load(args)
-        if args.command == "train":
-            from meshtron.train.loop import train_from_config
+        if args.command == "generate":
+            _generate(args)
+            return 0
+        if args.command == "launch":
+            from meshtron.launch import launch
 
-            train_from_config(cfg, args.metrics)
+            train_args = ([f"--config={args.config}"] if args.config else []) + (
+                [f"--metrics={args.metrics}"] if args.metrics else []) + list(args.overrides)
+            return launch(args.processes, train_args, args.config, args.overrides)
+        cfg, group = _load(args)
+        if args.command == "train":
+            _train(cfg, group, args.metrics)
         else:
             from meshtron.describe import describe
 
@@ -53,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"meshtron: error: {err}", file=sys.stderr)
         return 2
+    except (FloatingPointError, ValueError) as err:  # NaN loss, unusable checkpoint: messages name step/tensor
+        if not _is_reported(err):
+            raise
+        print(f"meshtron: error: {err}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("meshtron: interrupted", file=sys.stderr)
         return 130

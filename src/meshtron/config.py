@@ -177,6 +177,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     return cfg
 
 
+def config_from_dict(values: dict, origin: str) -> Config:
+    """A :class:`Config` from a plain dict (as a checkpoint records it), type-checked, not validated
+    against devices or files (a recorded ``data.path`` need not exist where the model is used)."""
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), values))
+    except OmegaConfBaseException as err:
+        raise _explain(err, origin) from None
+    assert isinstance(cfg, Config)
+    return cfg
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file; pass a YAML file such as mesh_configs/cpu8.yaml")
@@ -246,18 +257,7 @@ def validate(cfg: Config) -> None:
     for name in ("dtype", "param_dtype"):
         _need(getattr(m, name) in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {getattr(m, name)!r}")
     _need(m.remat in ("none", "full"), "model.remat", f"must be 'none' or 'full', got {m.remat!r}")
-    if mesh.tensor > 1:
-        _need(
-            m.heads % mesh.tensor == 0,
-            "model.heads",
-            f"{m.heads} heads cannot be split over mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor} "
-            "or a tensor size that divides the head count",
-        )
-        _need(
-            m.mlp_dim % mesh.tensor == 0,
-            "model.mlp_dim",
-            f"{m.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
-        )
+    validate_tensor_split(m, mesh)
 
     t = cfg.train
     for name in ("steps", "batch_size", "microbatches", "eval_every", "log_every", "eval_batches"):
@@ -290,6 +290,22 @@ def validate(cfg: Config) -> None:
             "data.path",
             f"{cfg.data.path!r} does not exist; give a UTF-8 text file or leave data.path unset for the "
             "built-in corpus",
+        )
+
+
+def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
+    """Megatron's tensor-parallel split needs whole heads and equal MLP slices on every shard."""
+    if mesh.tensor > 1:
+        _need(
+            m.heads % mesh.tensor == 0,
+            "model.heads",
+            f"{m.heads} heads cannot be split over mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor} "
+            "or a tensor size that divides the head count",
+        )
+        _need(
+            m.mlp_dim % mesh.tensor == 0,
+            "model.mlp_dim",
+            f"{m.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
         )
 
 

@@ -26,7 +26,7 @@ from rich.progress import (
 )
 
 from meshtron.analysis import format_bytes
-from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like, tree_paths
+from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
 from meshtron.config import Config, ConfigError, MeshConfig, to_dict, validate
 from meshtron.data import BatchStream, Corpus, heldout_stream
 from meshtron.mesh import build_mesh, resolve_sizes
@@ -198,7 +198,7 @@ class Trainer:
         restored = store.restore_newest(
             state_target, error_target if any(x.size for x in jax.tree.leaves(error_target)) else None, self.mesh,
             use_errors=lambda meta: meta.get("layout") == layout and self.cfg.checkpoint.onebit_errors == "keep",
-            resizable=self._vocab_leaves(state_target),
+            resizable=self.model_def.resizable_in(state_target),
         )
         if restored is None:
             return None
@@ -211,19 +211,6 @@ class Trainer:
                       f"this run {layout})")
         params, opt_state = self.training_state(restored.state, errors or [])
         return params, opt_state, restored.position
-
-    def _vocab_leaves(self, state: dict[str, Any]) -> frozenset[str]:
-        """Checkpoint tensors whose leading axis is the padded vocabulary (the embedding and its
-        moments): their padding depends on the tensor-parallel size, so they may be resized."""
-        vocab_params = {name for name, axes in zip(tree_paths(self.model_def.shapes()),
-                                                   jax.tree.leaves(self.model_def.logical_axes(),
-                                                                   is_leaf=lambda x: isinstance(x, tuple)), strict=True)
-                        if axes and axes[0] == "vocab"}
-        rows = self.model_def.dims.vocab_padded
-        return frozenset(
-            name for name, x in zip(tree_paths(state), jax.tree.leaves(state), strict=True)
-            if x.ndim and x.shape[0] == rows and any(name.endswith("." + v) for v in vocab_params)
-        )
 
     def save(self, store: CheckpointStore, params: Params, opt_state, position: RunPosition) -> None:
         state, errors = self.canonical_state(params, opt_state)
@@ -253,7 +240,7 @@ class Trainer:
             position = RunPosition(0, 0, 0)
         else:
             params, opt_state, position = resumed
-            console.print(f"resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})")
+            console.print(f"resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})", soft_wrap=True)
         if metrics_file is not None and lead:
             _keep_records_up_to(metrics_file, position.step)
         stream = self.train_stream(position.data_position)
@@ -302,7 +289,7 @@ class Trainer:
                             raise NonFiniteLossError(self._nonfinite_message(step, loss, grad_norm, store,
                                                                              skipped_in_row + 1))
                         skipped_in_row += 1
-                        progress.console.print(f"step {step}: loss {loss}, gradient norm {grad_norm}: update skipped")
+                        progress.console.print(f"step {step}: loss {loss}, gradient norm {grad_norm}: update skipped", soft_wrap=True)
                     else:
                         skipped_in_row = 0
                         updates += 1
@@ -414,12 +401,15 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
 
 
 def train_from_config(cfg: Config, metrics_path: str | None = None) -> TrainResult:
-    trainer = Trainer.from_config(cfg, verbose=True)
-    if metrics_path:
+    """The CLI's run: train (resuming from ``checkpoint.dir``), print the summary; in a multi-process
+    run only process 0 writes metrics and prints."""
+    trainer = Trainer.from_config(cfg, verbose=jax.process_index() == 0)
+    if metrics_path and jax.process_index() == 0:
         Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
         with open(metrics_path, "a+") as f:  # run() keeps the records of the steps it resumes after
             result = trainer.run(metrics_file=f)
     else:
         result = trainer.run()
-    print_summary(result, trainer)
+    if jax.process_index() == 0:
+        print_summary(result, trainer)
     return result

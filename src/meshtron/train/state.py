@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshtron.config import ModelConfig, padded_vocab_size
 from meshtron.models.gpt import GPT, GPTDims
 from meshtron.sharding import logical_to_spec, variable_axes
+from meshtron.trees import leaf_names
 
 Params = dict[str, Any]
 
@@ -77,6 +78,20 @@ class ModelDef:
                 self.abstract_state,
                 is_leaf=_is_variable,
             )
+        )
+
+    def vocab_parameters(self) -> set[str]:
+        """Dotted names of parameters whose leading axis is the (padded) vocabulary."""
+        axes = jax.tree.leaves(self.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
+        return {name for name, a in zip(leaf_names(self.shapes()), axes, strict=True) if a and a[0] == "vocab"}
+
+    def resizable_in(self, state: Any) -> frozenset[str]:
+        """Leaves of a checkpoint ``state`` (parameters, moments) laid out ``[vocab_padded, ...]``: their
+        padding depends on the tensor-parallel size, so a checkpoint may resize them."""
+        vocab = self.vocab_parameters()
+        return frozenset(
+            name for name, x in zip(leaf_names(state), jax.tree.leaves(state), strict=True)
+            if x.ndim and x.shape[0] == self.dims.vocab_padded and any(name.endswith("." + v) for v in vocab)
         )
 
     def shardings(self, mesh: Mesh) -> Params:

@@ -1,0 +1,73 @@
+"""A trained model from a checkpoint directory, on any mesh: what ``meshtron generate`` samples from.
+
+Only the parameters are read (orbax partial restore: the optimizer state stays on disk), straight
+onto the shardings of the mesh asked for; the model's shape comes from the config the checkpoint
+recorded, so nothing but the directory is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
+from meshtron.config import Config, ConfigError, MeshConfig, config_from_dict, validate_tensor_split
+from meshtron.mesh import build_mesh, resolve_sizes
+from meshtron.train.state import ModelDef, Params, dims_from_config
+
+
+@dataclass
+class Pretrained:
+    """Canonical parameters (layers in model order) laid out on ``mesh``, and where they came from."""
+
+    model_def: ModelDef
+    params: Params
+    mesh: Mesh
+    step: int
+    config: Config
+
+
+def saved_config(directory: str | Path) -> tuple[CheckpointStore, Config]:
+    """The run config recorded by the newest readable checkpoint in ``directory``."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"--checkpoint {directory}: no such directory; give a run's checkpoint.dir")
+    store = CheckpointStore(path, keep=1_000_000)  # reading only: nothing is ever deleted from here
+    for step in reversed(store.steps()):
+        try:
+            return store, config_from_dict(store.read_meta(step)["config"], f"checkpoint {path}/{step}")
+        except (ValueError, KeyError, OSError):  # damaged: restore_newest says so, and falls back
+            continue
+    store.close()
+    raise CheckpointError(f"--checkpoint {directory}: holds no readable meshtron checkpoint")
+
+
+def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devices=None) -> Pretrained:
+    """The newest intact checkpoint's parameters on ``mesh`` (default: the mesh that trained them).
+
+    Any mesh whose tensor size splits the model's heads and MLP works; the vocabulary padding is
+    adjusted to the tensor size (padded rows are never sampled).
+    """
+    store, cfg = saved_config(directory)
+    try:
+        devices = list(jax.devices() if devices is None else devices)
+        mesh_cfg = mesh or cfg.mesh
+        data, pipe, tensor = resolve_sizes(mesh_cfg, len(devices))
+        mesh_cfg = MeshConfig(data=data, pipe=pipe, tensor=tensor)
+        validate_tensor_split(cfg.model, mesh_cfg)
+        if cfg.model.layers % pipe:
+            raise ConfigError(f"mesh.pipe: {pipe} does not divide the model's {cfg.model.layers} layers; "
+                              "use a pipe size that does (or 1)")
+        device_mesh = build_mesh(mesh_cfg, devices)
+        model_def = ModelDef.create(dims_from_config(cfg.model, tensor))
+        target = {"params": abstract_like(model_def.shapes(), model_def.shardings(device_mesh))}
+        restored = store.restore_newest(target, None, device_mesh, resizable=model_def.resizable_in(target),
+                                        partial=True)
+    finally:
+        store.close()
+    if restored is None:
+        raise CheckpointError(f"--checkpoint {directory}: holds no checkpoint")
+    return Pretrained(model_def, restored.state["params"], device_mesh, restored.step, replace(cfg, mesh=mesh_cfg))

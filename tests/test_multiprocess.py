@@ -1,0 +1,110 @@
+"""Two processes x four CPU devices (gloo) as one run: the same losses as one 8-device process,
+checkpoints written and read by both, and a dead process ending the other with a clear error."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from meshtron.config import load_config
+from meshtron.launch import free_port
+from meshtron.train.loop import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=16", "train.batch_size=8",
+       "train.steps=6", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1"]
+
+
+def cli_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshtron.cli", "launch", "--processes", "2", *args], cwd=ROOT,
+                          env=cli_env(), capture_output=True, text=True, timeout=400, check=False)
+
+
+def losses(metrics: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def test_two_processes_train_and_resume_like_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ["--config", "mesh_configs/cpu8.yaml", *RUN, f"checkpoint.dir={ckpt}", "checkpoint.every=3"]
+    first = launch("--metrics", str(tmp_path / "a.jsonl"), *args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "2 processes x 4 devices" in first.stderr and "[p0] held-out loss" in first.stdout
+    assert (ckpt / "6" / "state" / "ocdbt.process_1").is_dir()  # each process wrote its own shards
+
+    shutil.rmtree(ckpt / "6")  # both processes read step 3 back and redo 4..6
+    second = launch("--metrics", str(tmp_path / "b.jsonl"), *args)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"resumed from {ckpt}/3" in second.stdout
+
+    straight = Trainer.from_config(load_config("mesh_configs/cpu8.yaml", RUN)).run()
+    assert losses(tmp_path / "a.jsonl") == straight.losses  # bitwise
+    assert losses(tmp_path / "b.jsonl") == straight.losses[3:]
+
+
+def test_a_dead_process_ends_the_other_with_a_clear_error(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    metrics = tmp_path / "m.jsonl"
+    procs = []
+    for rank in range(2):
+        env = dict(cli_env(), MESHTRON_COORDINATOR_ADDRESS=address, MESHTRON_NUM_PROCESSES="2",
+                   MESHTRON_PROCESS_ID=str(rank))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "meshtron.cli", "train", "--config", "mesh_configs/cpu8.yaml", "--metrics",
+             str(metrics), *RUN, "train.steps=100000"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].stderr.read()
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        status = procs[0].wait(timeout=90)
+        waited = time.monotonic() - killed
+        err = procs[0].stderr.read()
+    finally:
+        for p in procs:
+            p.kill()
+    # Either gloo notices the closed connection inside the step, or the watchdog the missing heartbeats.
+    assert waited < 60
+    assert (status == 3 and "meshtron: error (process 0): lost a peer process in a collective" in err) \
+        or (status == 70 and "meshtron: error (process 0): process 1 of 2 sent no heartbeat" in err), err
+    assert "it has probably died" in err
+
+
+def probes(behaviours: list[str]) -> list[subprocess.Popen]:
+    address = f"127.0.0.1:{free_port()}"
+    return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "distributed_probe.py"), address, str(rank), b],
+                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank, b in enumerate(behaviours)]
+
+
+def test_watchdog_names_a_silent_peer_and_a_failed_one():
+    """Where no collective notices (the process waits in Python), the heartbeat watchdog does."""
+    killed, failing = probes(["wait", "wait"]), probes(["wait", "fail"])
+    try:
+        for p in (*killed, *failing):
+            assert p.stdout.readline() == "joined\n"
+        killed[1].send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        status = killed[0].wait(timeout=60)
+        waited = time.monotonic() - start
+        assert status == 70 and waited < 15  # distributed.heartbeat_timeout=10, heartbeats every 2 s
+        assert "process 1 of 2 sent no heartbeat for" in killed[0].stderr.read()
+
+        assert failing[1].wait(timeout=60) == 3
+        assert failing[0].wait(timeout=10) == 70  # told at once through the key-value store
+        assert "meshtron: error (process 0): process 1 failed: ValueError: this process gave up" in failing[0].stderr.read()
+    finally:
+        for p in (*killed, *failing):
+            p.kill()
