@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from meshtron.config import MeshConfig
+from meshtron.generate import sample
+from meshtron.pretrained import load_pretrained
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=32", "train.batch_size=8"]
 
@@ -28,6 +32,7 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
         "train.steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
         "train.optimizer=onebit_lamb", "optim.freeze_step=3",
         "mesh.data=4", "mesh.pipe=1", "pipeline.chunks=1", "train.microbatches=2",  # quicker to compile
+        f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=3",
     )
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -39,6 +44,18 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
     assert "held-out loss" in run.stdout and "unigram baseline" in run.stdout and "wall time" in run.stdout
     assert "sent over data" in run.stdout and "(warmup: 3 steps, compression: 3 steps)" in run.stdout
     assert "step 3: held-out loss" in run.stderr  # periodic evaluation, shown above the progress bar
+    assert f"checkpoints       {tmp_path / 'ckpt'}: steps 3, 6" in run.stdout
+
+    # The trained model samples the same text on another mesh (greedy), from the CLI and from Python.
+    sampled = meshtron("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "The ", "--max-tokens", "12",
+                       "mesh.data=1", "mesh.tensor=2")
+    assert sampled.returncode == 0, sampled.stderr
+    assert "step 6 of" in sampled.stderr and "mesh 1x1x2" in sampled.stderr
+    model = load_pretrained(tmp_path / "ckpt", MeshConfig(data=8, pipe=1, tensor=1))
+    here = sample(model.model_def, model.params, model.mesh, "The ", max_new_tokens=12)
+    assert sampled.stdout == here.text + "\n" and len(here.new_tokens) == 12
+    bad = meshtron("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "x", "model.hidden=64")
+    assert bad.returncode == 2 and "generate takes mesh.data=, mesh.pipe= or mesh.tensor= only" in bad.stderr
 
 
 def test_describe_prints_layout_and_compiled_collectives():

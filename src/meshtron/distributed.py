@@ -12,7 +12,9 @@ daemon thread that writes a heartbeat into the coordination service's key-value 
 couple of seconds and reads everyone's; a peer silent for ``distributed.heartbeat_timeout``
 seconds, or one that reported a failure, ends this process at once with a message naming it
 (``os._exit``: the main thread is stuck in the collective, and JAX's exit-time shutdown barrier
-would wait for the dead peer). JAX's own heartbeat timeout is set a little longer, as a backstop.
+would wait for the dead peer). JAX's own heartbeat timeout is set 10 s longer, as a backstop for
+the case where the watchdog thread cannot run (the main thread holding the GIL inside a C++ call):
+JAX then aborts the process itself, naming the task that stopped sending heartbeats.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def initialize(cfg: DistributedConfig, group: ProcessGroup) -> None:
     timeouts = {
         "initialization_timeout": cfg.initialization_timeout,
         # JAX's own detector is the backstop: it aborts without naming the peer, so ours goes first.
-        "heartbeat_timeout_seconds": cfg.heartbeat_timeout + 15,
+        "heartbeat_timeout_seconds": cfg.heartbeat_timeout + 10,
         "shutdown_timeout_seconds": max(60, 2 * cfg.heartbeat_timeout),
     }
     try:

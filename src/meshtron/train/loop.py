@@ -59,6 +59,7 @@ class TrainResult:
     stage_steps: dict[str, int] = field(default_factory=dict)  # optimizer steps run in each stage
     evaluations: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss), the last at the end
     first_step: int = 1  # the step ``losses[0]`` belongs to (> 1 when the run resumed from a checkpoint)
+    checkpoints: list[int] = field(default_factory=list)  # complete checkpoints in checkpoint.dir at the end
 
 
 @dataclass
@@ -334,12 +335,13 @@ class Trainer:
         finally:
             if store is not None:
                 store.wait()  # a save in flight completes (or the error surfaces) before we return
+                saved = store.steps()
                 store.close()
         wall = time.perf_counter() - start
         tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
         return TrainResult(
             losses, heldout, unigram, tps, wall, t.steps, self.canonical_params(params), data_bytes, stage_steps,
-            evaluations, first_step=position.step + 1,
+            evaluations, first_step=position.step + 1, checkpoints=saved if store is not None else [],
         )
 
     def _nonfinite_message(self, step: int, loss: float, grad_norm: float, store, in_row: int) -> str:
@@ -397,6 +399,9 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
          + ", ".join(f"{name}: {n} steps" for name, n in result.stage_steps.items()) + ")"),
         f"wall time         {result.wall_time_s:.1f} s",
     ]
+    if trainer.cfg.checkpoint.dir is not None:
+        lines.append(f"checkpoints       {trainer.cfg.checkpoint.dir}: steps "
+                     + (", ".join(map(str, result.checkpoints)) or "none"))
     print("\n".join(lines), file=out)
 
 
