@@ -22,6 +22,7 @@ refused with a message naming the first tensor that does not match.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from dataclasses import dataclass
@@ -90,14 +91,18 @@ def checksums(tree: Any, mesh) -> tuple[dict[str, int], bool]:
     Computed on the devices (nothing is gathered but one scalar per tensor), replicated so that
     every process gets them.
     """
-    replicated = NamedSharding(mesh, P())
     leaves = jax.tree.leaves(tree)
     with jax.set_mesh(mesh):
-        sums, finite = jax.jit(
-            lambda xs: ([_fingerprint(x) for x in xs], _all_finite(xs)),
-            out_shardings=([replicated] * len(leaves), replicated),
-        )(leaves)
+        sums, finite = _checksum_program(mesh, len(leaves))(leaves)
     return {name: int(s) for name, s in zip(leaf_names(tree), sums, strict=True)}, bool(finite)
+
+
+@functools.cache
+def _checksum_program(mesh, count: int):
+    """One jitted program per mesh and leaf count, so a run's saves compile it once."""
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(lambda xs: ([_fingerprint(x) for x in xs], _all_finite(xs)),
+                   out_shardings=([replicated] * count, replicated))
 
 
 def _saved_shapes(tree_metadata: Any) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -260,15 +265,17 @@ class CheckpointStore:
 
     def restore_newest(self, target_state: Any, target_errors: Any | None, mesh, *,
                        use_errors=lambda meta: False, resizable: frozenset[str] = frozenset(),
-                       partial: bool = False) -> Restored | None:
+                       partial: bool = False, read_only: bool = False) -> Restored | None:
         """The newest checkpoint that reads back intact, on the shardings of ``target_state``
         (``ShapeDtypeStruct`` s); ``None`` when the directory has none.
 
         ``use_errors(meta)`` says whether the saved error buffers fit this run (then they are read
         onto ``target_errors``). Leaves named in ``resizable`` may have been saved with another
-        leading size (vocabulary padding): they are cut or zero-padded to the target. Damaged checkpoints are skipped with a message; a checkpoint of a
-        different model raises :class:`CheckpointError`. With ``partial`` the target may name a subset
-        of the saved tensors (``{"params": ...}`` to sample from a model without its optimizer state).
+        leading size (vocabulary padding): they are cut or zero-padded to the target. Damaged
+        checkpoints are skipped with a message and, unless ``read_only``, renamed out of the way of
+        the resumed run's saves; a checkpoint of a different model raises :class:`CheckpointError`.
+        With ``partial`` the target may name a subset of the saved tensors (``{"params": ...}`` to
+        sample from a model without its optimizer state).
         """
         steps = self.steps()
         damaged: list[int] = []
@@ -301,8 +308,9 @@ class CheckpointStore:
             state = _resize_to(restored["state"], target_state, mesh)
             errors = restored["errors"] if with_errors else None
             if damaged:
-                self._set_aside(damaged)
-                _warn(f"resuming from step {step}, the newest intact checkpoint")
+                if not read_only:
+                    self._set_aside(damaged)
+                _warn(f"using step {step}, the newest intact checkpoint")
             return Restored(step, position, state, errors, meta)
         if damaged:
             raise CheckpointError(

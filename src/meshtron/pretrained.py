@@ -65,7 +65,7 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         model_def = ModelDef.create(dims_from_config(cfg.model, tensor))
         target = {"params": abstract_like(model_def.shapes(), model_def.shardings(device_mesh))}
         restored = store.restore_newest(target, None, device_mesh, resizable=model_def.resizable_in(target),
-                                        partial=True)
+                                        partial=True, read_only=True)
     finally:
         store.close()
     if restored is None:

@@ -72,6 +72,7 @@ class Trainer:
     steps: TrainSteps
     corpus: Corpus
     optimizer: OptimizerSetup
+    programs: dict[Any, Any] = field(default_factory=dict, repr=False)  # jitted helpers, compiled once per run
 
     @classmethod
     def from_config(cls, cfg: Config, devices=None, *, verbose: bool = False) -> Trainer:
@@ -136,33 +137,34 @@ class Trainer:
         order = stage_order(self.cfg.model.layers, pipe, self.cfg.pipeline.chunks)
         return order if to_stage else np.argsort(order)
 
+    def _move_layers(self, params: Params, opt_state, *, to_stage: bool):
+        """Parameters and optimizer state with the stacked layer axis moved to stage order (or back);
+        the jitted program is kept, so periodic saves compile it once."""
+        key = ("move_layers", to_stage)
+        if key not in self.programs:
+            perm, treedef = self._layer_perm(to_stage), jax.tree.structure(params)
+            self.programs[key] = jax.jit(
+                lambda p, s: (permute_layers(p, perm), permute_state_layers(s, treedef, perm)),
+                out_shardings=(self.steps.param_shardings, self.steps.opt_shardings),
+                donate_argnums=(0, 1) if to_stage else (),  # restored arrays are not needed twice
+            )
+        with jax.set_mesh(self.mesh):
+            return self.programs[key](params, opt_state)
+
     def canonical_state(self, params: Params, opt_state) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """What a checkpoint stores: ``{"params", "opt_state"}`` with block layers in model order, and
         1-bit LAMB's per-device error buffers apart (a new array is made only where layers move)."""
-        perm = self._layer_perm(to_stage=False)
-        if perm is not None:
-            treedef = jax.tree.structure(params)
-            with jax.set_mesh(self.mesh):
-                params, opt_state = jax.jit(
-                    lambda p, s: (permute_layers(p, perm), permute_state_layers(s, treedef, perm)),
-                    out_shardings=(self.steps.param_shardings, self.steps.opt_shardings),
-                )(params, opt_state)
+        if self._layer_perm(to_stage=False) is not None:
+            params, opt_state = self._move_layers(params, opt_state, to_stage=False)
         opt_state, errors = split_error_buffers(opt_state)
         return {"params": params, "opt_state": opt_state}, errors
 
     def training_state(self, state: dict[str, Any], errors: list[dict[str, Any]]):
         """Inverse of :meth:`canonical_state`: ``(params, opt_state)`` laid out for this run's steps."""
         params, opt_state = state["params"], merge_error_buffers(state["opt_state"], errors)
-        perm = self._layer_perm(to_stage=True)
-        if perm is None:
+        if self._layer_perm(to_stage=True) is None:
             return params, opt_state
-        treedef = jax.tree.structure(params)
-        with jax.set_mesh(self.mesh):
-            return jax.jit(
-                lambda p, s: (permute_layers(p, perm), permute_state_layers(s, treedef, perm)),
-                out_shardings=(self.steps.param_shardings, self.steps.opt_shardings),
-                donate_argnums=(0, 1),
-            )(params, opt_state)
+        return self._move_layers(params, opt_state, to_stage=True)
 
     def layout(self) -> dict[str, Any]:
         """What the per-device error buffers depend on: restored only onto the same layout."""
