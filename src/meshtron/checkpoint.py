@@ -36,7 +36,10 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtron.errors import CheckpointError
 from meshtron.trees import leaf_names
+
+__all__ = ["CheckpointError", "CheckpointStore", "Restored", "RunPosition", "abstract_like", "checksums"]
 
 FORMAT_VERSION = 1
 _KNUTH = np.uint32(2654435761)  # odd multiplier: position-dependent weights make swapped values visible
@@ -44,10 +47,6 @@ _KNUTH = np.uint32(2654435761)  # odd multiplier: position-dependent weights mak
 # Orbax logs every save and restore at INFO/WARNING; the trainer says what matters itself.
 for _name in ("absl", "orbax"):
     logging.getLogger(_name).setLevel(logging.ERROR)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used by this run; the message names the checkpoint, the tensor and the fix."""
 
 
 @dataclass(frozen=True)

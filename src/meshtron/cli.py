@@ -14,6 +14,7 @@ import sys
 
 from meshtron.config import Config, ConfigError, MeshConfig, load_config
 from meshtron.distributed import ProcessGroup, resolve_group
+from meshtron.errors import CheckpointError, NonFiniteLossError
 from meshtron.mesh import devices_requested, ensure_cpu_devices
 
 # Planning presets (the paper's 1T model) may ask for thousands of devices; only simulate small meshes.
@@ -117,21 +118,19 @@ def _train(cfg: Config, group: ProcessGroup | None, metrics: str | None) -> None
     except BaseException as err:  # noqa: BLE001 -- every way out of a distributed run must tell the peers
         import traceback
 
-        status = 2 if isinstance(err, ConfigError) else 130 if isinstance(err, KeyboardInterrupt) else 3
+        status = (2 if isinstance(err, (ConfigError, CheckpointError))
+                  else 130 if isinstance(err, KeyboardInterrupt) else 3)
         message = distributed.explain(err)
-        if message is None and status == 3 and not _is_reported(err):
+        if message is None and status == 3 and not isinstance(err, REPORTED_ERRORS):
             traceback.print_exc()
         print(message or f"meshtron: error: {err}", file=sys.stderr)
         distributed.fail(f"{type(err).__name__}: {err}", status)
     distributed.finish()
 
 
-def _is_reported(err: BaseException) -> bool:
-    """Errors whose message says all a user needs (no traceback)."""
-    return type(err).__name__ in REPORTED_ERRORS
-
-
-REPORTED_ERRORS = ("NonFiniteLossError", "CheckpointError", "FloatingPointError")
+# Errors whose message says all a user needs (no traceback). FloatingPointError: a poisoned state
+# the checkpoint refused to save (names the step).
+REPORTED_ERRORS = (NonFiniteLossError, CheckpointError, FloatingPointError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,11 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"meshtron: error: {err}", file=sys.stderr)
         return 2
-    except (FloatingPointError, ValueError) as err:  # NaN loss, unusable checkpoint: messages name step/tensor
-        if not _is_reported(err):
-            raise
+    except REPORTED_ERRORS as err:  # NaN loss, unusable checkpoint: the messages name the step or tensor
         print(f"meshtron: error: {err}", file=sys.stderr)
-        return 3
+        return 2 if isinstance(err, CheckpointError) else 3  # bad input, or a run that went wrong
     except KeyboardInterrupt:
         print("meshtron: interrupted", file=sys.stderr)
         return 130

@@ -29,6 +29,7 @@ from meshtron.analysis import format_bytes
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
 from meshtron.config import Config, ConfigError, MeshConfig, to_dict, validate
 from meshtron.data import BatchStream, Corpus, heldout_stream
+from meshtron.errors import NonFiniteLossError
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
@@ -354,10 +355,6 @@ class Trainer:
                     f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}; stopped, {where}; lower train.lr")
         return (f"step {step}: loss {loss}, gradient norm {grad_norm} is not finite; stopped, {where}. "
                 "Lower train.lr (or raise train.warmup_steps), or set train.on_nonfinite=skip to skip such steps")
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Training produced a NaN/Inf loss or update; the message names the step."""
 
 
 def _keep_records_up_to(metrics_file: IO[str], step: int) -> None:
