@@ -209,6 +209,7 @@ class HloInstruction:
     opcode: str
     shape: Shape
     attributes: str  # everything after the operand list, verbatim
+    operands: tuple[str, ...] = ()  # names of the instructions it reads, in order
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ class HloModule:
 _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([A-Za-z_][\w.\-]*)\s*\(")
 _INSTRUCTION_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([A-Za-z_][\w.\-]*)\s*=\s*")
 _OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\s*\(")
+_OPERAND_NAME = re.compile(r"%([A-Za-z_][\w.\-]*)")
 
 
 def parse_hlo_module(text: str) -> HloModule:
@@ -268,7 +270,8 @@ def _parse_instruction(line: str) -> HloInstruction | None:
     if opcode is None:
         return None
     operands_end = _matching_close(line, opcode.end() - 1)
-    return HloInstruction(head.group(1), opcode.group(1), shape, line[operands_end + 1 :])
+    operands = tuple(_OPERAND_NAME.findall(line, opcode.end(), operands_end))
+    return HloInstruction(head.group(1), opcode.group(1), shape, line[operands_end + 1 :], operands)
 
 
 # --------------------------------------------------------------------------------------------------

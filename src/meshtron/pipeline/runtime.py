@@ -17,11 +17,35 @@ runtime is a ``lax.scan`` over ticks that, on each device, picks its own column:
   gradients are accumulated over microbatches.
 
 Idle slots are *skipped*: each device runs its forward/backward under a ``lax.cond`` on its own
-instruction, so a stage with nothing to do does no compute. Ticks are grouped into segments with
-the same static shape (does any stage run a forward? a backward? send?), one ``scan`` per segment,
-so phases in which no stage sends have no ``ppermute`` at all and the HLO's loop trip counts equal
-the real number of transfers. Parameters shared across stages (embedding, final norm) get their
-gradients summed over the pipeline axis once, after the loop.
+instruction, so a stage with nothing to do does no compute. The stage's layers are one piece of
+code for every kind of virtual stage (the embedding and the head + loss are small ``cond``-s
+around it), and ticks are grouped into segments with the same static shape (does any stage run a
+forward? a backward? send?), one ``scan`` per segment, so phases in which no stage sends have no
+``ppermute`` at all and the HLO's loop trip counts equal the real number of transfers. Parameters
+shared across stages (embedding, final norm) get their gradients summed over the pipeline axis
+once, after the loop.
+
+**Why it cannot deadlock.** A collective completes only when every device of its group has
+entered it, so two devices that start the same two collectives in opposite orders wait for each
+other forever. Per-device ``cond``-s put the tensor-parallel all-reduces of a stage inside
+device-divergent control flow, and an XLA runtime schedules a ``conditional`` (a nested executor)
+as soon as its operands are ready -- concurrently with, and on different devices in a different
+order than, the ``ppermute``-s around it (jaxlib 0.10.2's CPU runtime did exactly that: one
+device of a tensor group entered the all-reduce of the last stage's loss while its partner entered
+the next ``ppermute``). ``optimization_barrier`` does not help: XLA removes it before scheduling.
+The rule this runtime follows instead:
+
+    every operation that runs collectives is ordered after the previous one by a *data*
+    dependency, so the order is one chain that every device must follow: per tick, the
+    messages received -> the forward ``cond`` -> the backward ``cond`` -> the forward send -> the
+    backward send -> the next tick; after the loop, the one reduction over ``axis``.
+
+The chain is a scalar ``seq``, always exactly zero, that each step reads (``x + seq``) and extends with a
+token of its own output (one element times zero, which XLA cannot fold for floating point).
+Collectives *inside* a ``cond`` are the tensor all-reduces of that stage, whose devices all take
+the same branch. :func:`meshtron.collective_order.unordered_collectives` checks the rule on the
+optimized HLO of every compiled step (tests/test_deadlock.py); a stress test runs schedules x
+meshes under a timeout.
 
 The runtime knows nothing about GPT: the model enters as three functions (:class:`StageFunctions`).
 """
@@ -101,6 +125,20 @@ def _chunk(stage_params: PyTree, chunk: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, keepdims=False), stage_params)
 
 
+def _token(tree: PyTree) -> jax.Array:
+    """``0.0`` as an f32 scalar that *depends on* ``tree`` (one element of its first leaf, made finite,
+    times zero). XLA does not fold ``x * 0`` for floating point (NaN semantics), so whatever consumes
+    the token is ordered after whatever produced ``tree``; the value is exactly zero (or -0.0)."""
+    leaf = jax.tree.leaves(tree)[0]
+    v = jnp.ravel(leaf)[0].astype(jnp.float32)
+    return jnp.where(jnp.isfinite(v), v, 0.0) * 0.0
+
+
+def _after(tree: PyTree, seq: jax.Array) -> PyTree:
+    """``tree`` unchanged in value (``x + 0.0``), but computed after ``seq`` exists."""
+    return jax.tree.map(lambda x: x + seq.astype(x.dtype), tree)
+
+
 def run_pipeline(
     program: Program,
     fns: StageFunctions,
@@ -120,8 +158,8 @@ def run_pipeline(
     stage (summed over ``axis``), stage gradients are this stage's own.
     """
     schedule = program.schedule
-    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
-    last_virtual = p * v - 1
+    p, m = schedule.stages, schedule.microbatches
+    last_virtual = p * schedule.chunks - 1
     stage_index = jax.lax.axis_index(axis)
     inv_m = 1.0 / m
 
@@ -144,75 +182,57 @@ def run_pipeline(
     zeros_act = zeros(act)
     zero_loss = zeros(jax.ShapeDtypeStruct((), jnp.float32))
 
-    def kind_of(chunk: jax.Array) -> jax.Array:
+    def virtual_stage(chunk_params, shared, x_stash, chunk, tok):
+        """One virtual stage, (y, loss): the embedding replaces the stashed input on the first virtual
+        stage and the head + loss run after the last; the layers are the same code for every kind,
+        so each segment compiles them once."""
         virtual = chunk * p + stage_index
-        return jnp.where(virtual == 0, 1, jnp.where(virtual == last_virtual, 2, 0))
+        x = jax.lax.cond(virtual == 0, lambda: fns.embed(shared, tok), lambda: x_stash)
+        y = fns.stage(chunk_params, x)
+        loss = jax.lax.cond(virtual == last_virtual,
+                            lambda: fns.loss(shared, y, tok).astype(jnp.float32), lambda: zero_loss)
+        return y, loss
 
-    def forward(row, stash, params, shared):
-        tok = tokens[row["fwd_mb"]]
-        chunk_params = _chunk(params, row["fwd_chunk"])
+    def forward(row, stash, seq):
+        chunk = row["fwd_chunk"]
+        y, loss = virtual_stage(_chunk(stage_params, chunk), shared_params,
+                                _after(_read(stash, row["fwd_slot"]), seq), chunk, tokens[row["fwd_mb"]])
+        return y, loss, seq + _token((y, loss))
 
-        def middle():
-            return fns.stage(chunk_params, _read(stash, row["fwd_slot"])), zero_loss
-
-        def first():
-            return fns.stage(chunk_params, fns.embed(shared, tok)), zero_loss
-
-        def last():
-            y = fns.stage(chunk_params, _read(stash, row["fwd_slot"]))
-            return zeros_act, fns.loss(shared, y, tok).astype(jnp.float32)
-
-        return jax.lax.switch(kind_of(row["fwd_chunk"]), (middle, first, last))
-
-    def backward(row, stash, gbuf, params, shared):
+    def backward(row, stash, gbuf, seq):
+        chunk = row["bwd_chunk"]
         tok = tokens[row["bwd_mb"]]
-        chunk_params = _chunk(params, row["bwd_chunk"])
-        zero_shared = zeros(shared)
-
-        def middle():
-            _, pullback = jax.vjp(fns.stage, chunk_params, _read(stash, row["bwd_stash_slot"]))
-            d_params, d_x = pullback(_read(gbuf, row["bwd_grad_slot"]))
-            return d_x, d_params, zero_shared
-
-        def first():
-            _, pullback = jax.vjp(lambda cp, sh: fns.stage(cp, fns.embed(sh, tok)), chunk_params, shared)
-            d_params, d_shared = pullback(_read(gbuf, row["bwd_grad_slot"]))
-            return zeros_act, d_params, d_shared
-
-        def last():
-            def loss_of(cp, sh, x):
-                return fns.loss(sh, fns.stage(cp, x), tok).astype(jnp.float32)
-
-            _, pullback = jax.vjp(loss_of, chunk_params, shared, _read(stash, row["bwd_stash_slot"]))
-            d_params, d_shared, d_x = pullback(zero_loss + inv_m)
-            return d_x, d_params, d_shared
-
-        return jax.lax.switch(kind_of(row["bwd_chunk"]), (middle, first, last))
+        is_last = chunk * p + stage_index == last_virtual
+        x = _after(_read(stash, row["bwd_stash_slot"]), seq)
+        _, pullback = jax.vjp(lambda cp, sh, xs: virtual_stage(cp, sh, xs, chunk, tok),
+                              _chunk(stage_params, chunk), shared_params, x)
+        dy = jnp.where(is_last, zeros_act, _read(gbuf, row["bwd_grad_slot"]))
+        d_params, d_shared, d_x = pullback((dy, jnp.where(is_last, zero_loss + inv_m, zero_loss)))
+        return d_x, d_params, d_shared, seq + _token((d_x, d_params))
 
     def make_tick(seg: _Segment):
         def tick(carry, row_all):
-            stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum = carry
+            stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
             row = {k: jax.lax.dynamic_index_in_dim(row_all[k], stage_index, keepdims=False) for k in row_all}
             stash = _write(stash, row["recv_fwd_slot"], f_msg)
             gbuf = _write(gbuf, row["recv_bwd_slot"], b_msg)
+            # `seq` threads one data dependency through every collective-bearing operation of the
+            # tick, in one fixed order (see the module docstring): forward, backward, send forward,
+            # send backward, then the next tick.
+            seq = seq + _token(f_msg) + _token(b_msg)
             y_out, dx_out = f_msg, b_msg
             if seg.forward:
-                y_out, loss = jax.lax.cond(
+                y_out, loss, seq = jax.lax.cond(
                     row["fwd_mb"] >= 0,
-                    lambda: forward(row, stash, stage_params, shared_params),
-                    lambda: (zeros_act, zero_loss),
+                    lambda: forward(row, stash, seq),
+                    lambda: (zeros_act, zero_loss, seq),
                 )
                 loss_sum = loss_sum + loss
-                # Every device must meet the collectives of a tick in one order (the tensor
-                # all-reduces inside the stage branches, then the sends): XLA's CPU runtime may
-                # otherwise start independent ones in a different order on different devices and
-                # deadlock. The barriers turn "independent" into "after".
-                y_out, stash, gbuf = jax.lax.optimization_barrier((y_out, stash, gbuf))
             if seg.backward:
-                dx_out, d_params, d_shared = jax.lax.cond(
+                dx_out, d_params, d_shared, seq = jax.lax.cond(
                     row["bwd_mb"] >= 0,
-                    lambda: backward(row, stash, gbuf, stage_params, shared_params),
-                    lambda: (zeros_act, zeros(_chunk(stage_params, 0)), zeros(shared_params)),
+                    lambda: backward(row, stash, gbuf, seq),
+                    lambda: (zeros_act, zeros(_chunk(stage_params, 0)), zeros(shared_params), seq),
                 )
                 chunk = jnp.maximum(row["bwd_chunk"], 0)
                 g_stage = jax.tree.map(
@@ -222,13 +242,12 @@ def run_pipeline(
                     g_stage, d_params,
                 )
                 g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
-                dx_out, y_out, g_stage = jax.lax.optimization_barrier((dx_out, y_out, g_stage))
             if seg.send_forward:
-                f_msg = jax.lax.ppermute(y_out, axis, [(i, (i + 1) % p) for i in range(p)])
-                f_msg, dx_out = jax.lax.optimization_barrier((f_msg, dx_out))
+                f_msg = jax.lax.ppermute(_after(y_out, seq), axis, [(i, (i + 1) % p) for i in range(p)])
+                seq = seq + _token(f_msg)
             if seg.send_backward:
-                b_msg = jax.lax.ppermute(dx_out, axis, [(i, (i - 1) % p) for i in range(p)])
-            return (stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum), None
+                b_msg = jax.lax.ppermute(_after(dx_out, seq), axis, [(i, (i - 1) % p) for i in range(p)])
+            return (stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq), None
 
         return tick
 
@@ -240,13 +259,15 @@ def run_pipeline(
         zeros(stage_params),
         zeros(shared_params),
         zero_loss,
+        zero_loss,
     )
     rows = {name: np.asarray(getattr(program, name), np.int32) for name in _ROW_FIELDS}
     for seg in segments(program):
         xs = {name: jnp.asarray(arr[seg.start : seg.stop]) for name, arr in rows.items()}
         carry, _ = jax.lax.scan(make_tick(seg), carry, xs)
-    _, _, _, _, g_stage, g_shared, loss_sum = carry
-    # The loss lives on the last stage and the shared gradients on the first and last: one sum each.
-    loss = jax.lax.psum(loss_sum * inv_m, axis)
-    g_shared = jax.lax.psum(g_shared, axis)
+    _, _, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
+    # The loss lives on the last stage and the shared gradients on the first and last: one sum of
+    # both, after everything the loop ran (the last messages included).
+    seq = seq + _token(f_msg) + _token(b_msg) + _token(g_stage)
+    loss, g_shared = jax.lax.psum(_after((loss_sum * inv_m, g_shared), seq), axis)
     return loss, g_stage, g_shared
