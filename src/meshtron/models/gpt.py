@@ -65,7 +65,7 @@ def _padded_vocab_init(dims: GPTDims):
     """
 
     def init(key: jax.Array, shape: tuple[int, int], dtype=jnp.float32) -> jax.Array:
-        real = jax.random.normal(key, (dims.vocab_size, shape[1]), dtype) * _INIT_STD
+        real = nnx.initializers.normal(_INIT_STD)(key, (dims.vocab_size, shape[1]), dtype)
         return jnp.pad(real, ((0, shape[0] - dims.vocab_size), (0, 0)))
 
     return nnx.with_partitioning(init, ("vocab", "embed"))

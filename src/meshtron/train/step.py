@@ -193,15 +193,19 @@ def build_steps(
         return mean_over(loss, DATA), mean_over(grads, DATA)
 
     def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
+        return mean_over(lm_loss(model_def.bind(params), tokens), DATA)
+
+    def evaluate(params: Params, tokens: jax.Array) -> jax.Array:
         # Evaluation runs the plain forward pass (the compiler gathers the pipe-sharded layers),
-        # so block layers go back to canonical order first.
+        # so block layers go back to canonical order first -- before the data-parallel shard_map:
+        # inside it (data manual), XLA 0.12's SPMD partitioner aborts on this gather of an operand
+        # sharded over both pipe and tensor (spmd_partitioner_util.cc CHECK).
         if program is not None:
             sched = program.schedule
             params = to_canonical(params, model_def.dims.layers, sched.stages, sched.chunks)
-        return mean_over(lm_loss(model_def.bind(params), tokens), DATA)
+        return data_shard_map(per_shard_eval, (P(), P(DATA)), P())(params, tokens)
 
     gradients = data_shard_map(per_shard_gradients, (P(), P(DATA)), (P(), P()))
-    evaluate = data_shard_map(per_shard_eval, (P(), P(DATA)), P())
     return TrainSteps(
         mesh, param_shardings, opt_shardings, batch_sharding, tuple(stages),
         train=train, evaluate=evaluate, gradients=gradients, init_state=init_state,
