@@ -133,7 +133,7 @@ def test_stress_run_finishes(name, tmp_path):
     args = [sys.executable, "-m", "meshtron.cli", "train", "--config", str(ROOT / "mesh_configs" / "cpu8.yaml"),
             *STRESS[name], "train.steps=4", "train.eval_every=100", "train.eval_batches=2", "train.log_every=1", "model.dtype=float32"]
     try:
-        done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=STRESS_TIMEOUT_S,
+        done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=STRESS_TIMEOUT_S, check=False,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{name}: no exit after {STRESS_TIMEOUT_S} s (a hang)\n{(err.stderr or b'')[-3000:]!r}")

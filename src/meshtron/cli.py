@@ -1,4 +1,4 @@
-"""``meshtron train | describe | generate | launch``: the command line.
+"""``meshtron train | describe | generate | launch | configs``: the command line.
 
 The config is read and validated *before* JAX is imported, so that on a CPU-only machine the CLI
 can still ask XLA for as many simulated host devices as the mesh needs (appending to any
@@ -12,9 +12,11 @@ import argparse
 import json
 import sys
 
-from meshtron.config import Config, ConfigError, MeshConfig, load_config
+import yaml
+
+from meshtron.config import Config, ConfigError, MeshConfig, load_config, to_dict
 from meshtron.distributed import ProcessGroup, resolve_group
-from meshtron.errors import CheckpointError, NonFiniteLossError
+from meshtron.errors import EXIT_STOPPED, CheckpointError, NonFiniteLossError, RunStopped
 from meshtron.mesh import devices_requested, ensure_cpu_devices
 
 # Planning presets (the paper's 1T model) may ask for thousands of devices; only simulate small meshes.
@@ -25,10 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshtron", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", metavar="FILE", help="YAML config (e.g. mesh_configs/cpu8.yaml)")
+    common.add_argument("--config", metavar="FILE|NAME",
+                        help="a YAML file, or a bundled config's name (e.g. cpu8, paper/gpt_1t: meshtron configs)")
     common.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. mesh.tensor=4")
     train = sub.add_parser("train", parents=[common], help="train a GPT on the mesh")
     train.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line per logged step")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the merged, validated config as YAML and exit (no training)")
     sub.add_parser("describe", parents=[common], help="mesh, parameter layout and the compiled step's collectives")
     launch = sub.add_parser("launch", parents=[common], help="train in N local processes (one distributed run)")
     launch.add_argument("--processes", type=int, required=True, metavar="N")
@@ -42,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("overrides", nargs="*", metavar="mesh.key=value",
                      help="the mesh to sample on, e.g. mesh.tensor=4 (default: the mesh that trained it)")
+    sub.add_parser("configs", help="list the bundled configs: names for --config, mesh and model size")
     return parser
 
 
@@ -115,6 +121,9 @@ def _train(cfg: Config, group: ProcessGroup | None, metrics: str | None) -> None
     distributed.initialize(cfg.distributed, group)
     try:
         train_from_config(cfg, metrics)
+    except RunStopped:  # every process stopped at the same step and saved it together: a clean end
+        distributed.finish()
+        raise
     except BaseException as err:  # noqa: BLE001 -- every way out of a distributed run must tell the peers
         import traceback
 
@@ -136,6 +145,14 @@ REPORTED_ERRORS = (NonFiniteLossError, CheckpointError, FloatingPointError)
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "configs":
+            from meshtron.bundled_configs import listing
+
+            print("\n".join(listing()))
+            return 0
+        if args.command == "train" and args.print_config:
+            print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False), end="")
+            return 0
         if args.command == "generate":
             _generate(args)
             return 0
@@ -158,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     except REPORTED_ERRORS as err:  # NaN loss, unusable checkpoint: the messages name the step or tensor
         print(f"meshtron: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, CheckpointError) else 3  # bad input, or a run that went wrong
+    except RunStopped:  # SIGTERM/SIGINT/train.max_minutes: checkpoint written, the trainer said so in one line
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         print("meshtron: interrupted", file=sys.stderr)
         return 130

@@ -69,6 +69,7 @@ class TrainConfig:
     log_every: int = 10
     on_nonfinite: str = "stop"  # a NaN/Inf loss or update: "stop" the run, or "skip" that step's update
     max_skipped_steps: int = 10  # with "skip": stop after this many non-finite steps in a row
+    max_minutes: float | None = None  # wall-clock budget of a run: stop (with a checkpoint) at the step that passes it
 
 
 OPTIMIZERS = ("adamw", "lamb", "onebit_lamb")
@@ -163,7 +164,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     merged = OmegaConf.structured(Config)
     layers: list[tuple[str, Any]] = []
     if path is not None:
-        layers.append((f"config file {path}", _read_yaml(Path(path))))
+        from meshtron.bundled_configs import resolve  # a file, else a bundled config's name (cpu8)
+
+        layers.append((f"config file {path}", _read_yaml(resolve(path))))
     if overrides:
         layers.append(("command line", _parse_overrides(overrides)))
     for origin, layer in layers:
@@ -278,6 +281,8 @@ def validate(cfg: Config) -> None:
 
     _need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     _need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
+    _need(t.max_minutes is None or t.max_minutes > 0, "train.max_minutes",
+          f"must be > 0 (minutes of wall-clock time) or null for no limit, got {t.max_minutes}")
 
     validate_pipeline(cfg)
     validate_optim(cfg.optim)

@@ -95,6 +95,10 @@ def initialize(cfg: DistributedConfig, group: ProcessGroup) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service would take SIGTERM (a C handler that only records it): the trainer
+    # handles SIGTERM itself during a run and agrees on the stopping step with its peers; outside a
+    # run SIGTERM keeps its default meaning.
+    jax.config.update("jax_enable_preemption_service", False)
     timeouts = {
         "initialization_timeout": cfg.initialization_timeout,
         # JAX's own detector is the backstop: it aborts without naming the peer, so ours goes first.

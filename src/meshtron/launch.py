@@ -7,7 +7,10 @@ its share of the mesh's devices. Output lines are prefixed ``[pI]``.
 
 If a process fails, the others are given a few seconds to report (their watchdogs name the failed
 process), then killed: a survivor blocked in a collective with a dead peer never returns by itself.
-Ctrl-C stops them all. The exit status is the first failure's (128 + signal for a signal).
+SIGTERM or Ctrl-C is passed on to every process, which stop together after the step in flight
+with a checkpoint and exit status 75 (see :mod:`meshtron.train.stopping`); launch waits for them
+and exits 75 too. A second signal kills them at once. Otherwise the exit status is the first
+failure's (128 + signal for a signal).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 
 from meshtron.config import ConfigError, load_config
 from meshtron.distributed import ENV_ADDRESS, ENV_PROCESS_ID, ENV_PROCESSES
+from meshtron.errors import EXIT_STOPPED
 from meshtron.mesh import devices_requested
 
 GRACE_S = 5.0
@@ -74,12 +78,12 @@ def launch(processes: int, train_args: list[str], config: str | None, overrides:
                     pass
 
     def on_signal(signum, _frame) -> None:
-        # JAX answers SIGTERM with its preemption handler and keeps going: children get SIGINT, then SIGKILL.
+        # The children stop cleanly on their own (a checkpoint, then exit 75); a second signal kills them.
         if interrupted:
             signal_all(signal.SIGKILL)
             return
         interrupted["at"], interrupted["signal"] = time.monotonic(), signum
-        signal_all(signal.SIGINT)
+        signal_all(signum)
 
     # Installed before the children start, so they inherit default handlers (not an ignored SIGINT).
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -108,6 +112,8 @@ def launch(processes: int, train_args: list[str], config: str | None, overrides:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         signal_all(signal.SIGKILL)
+    if children and all(child.returncode == EXIT_STOPPED for child in children):
+        return EXIT_STOPPED  # stopped together at one step, with a checkpoint
     if interrupted:
         return 130 if interrupted["signal"] == signal.SIGINT else 143
     if failed is not None:
@@ -129,7 +135,7 @@ def _supervise(children: list[subprocess.Popen], interrupted: dict, signal_all) 
     while any(child.poll() is None for child in children):
         for rank, child in enumerate(children):
             status = child.poll()
-            if status not in (None, 0):
+            if status not in (None, 0, EXIT_STOPPED):  # a stopped process waits for its peers' stop
                 alive = [r for r, c in enumerate(children) if c.poll() is None]
                 print(f"meshtron launch: process {rank} failed ({describe_status(status)}); stopping processes "
                       f"{alive}", file=sys.stderr, flush=True)
@@ -140,9 +146,7 @@ def _supervise(children: list[subprocess.Popen], interrupted: dict, signal_all) 
                 for c in children:
                     c.wait()
                 return rank
-        if interrupted and time.monotonic() - interrupted["at"] > GRACE_S:
-            signal_all(signal.SIGKILL)
         time.sleep(0.05)
-    failures = [rank for rank, child in enumerate(children) if child.returncode != 0]
+    failures = [rank for rank, child in enumerate(children) if child.returncode not in (0, EXIT_STOPPED)]
     return failures[0] if failures else None
 

@@ -29,7 +29,7 @@ from meshtron.analysis import format_bytes
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
 from meshtron.config import Config, ConfigError, MeshConfig, to_dict, validate
 from meshtron.data import BatchStream, Corpus, heldout_stream
-from meshtron.errors import NonFiniteLossError
+from meshtron.errors import NonFiniteLossError, RunStopped
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
@@ -43,6 +43,7 @@ from meshtron.train.pipelined import (
 )
 from meshtron.train.state import ModelDef, Params, dims_from_config
 from meshtron.train.step import TrainSteps, build_steps
+from meshtron.train.stopping import STOP_REASONS, RunStopper
 
 
 @dataclass
@@ -231,7 +232,19 @@ class Trainer:
 
         ``on_event(event, step)`` is called at ``"dispatched"`` (the step is queued on the devices),
         ``"saving"`` (a checkpoint's arrays are on the host, files being written) and ``"done"``.
+
+        SIGTERM and SIGINT (handled only while this runs, from the main thread), and
+        ``train.max_minutes`` counted from this call, end the run after the step in flight: a
+        checkpoint of that step is written and on disk (with ``checkpoint.dir``), its metrics record
+        is written, one line says why, and :class:`~meshtron.errors.RunStopped` is raised.
         """
+        stopper = RunStopper(self.cfg.train.max_minutes, lead=jax.process_index() == 0,
+                           saving=self.cfg.checkpoint.dir is not None)
+        with stopper:
+            return self._run(stopper, metrics_file, console, on_event)
+
+    def _run(self, stopper: RunStopper, metrics_file: IO[str] | None, console: Console | None,
+             on_event: Callable[[str, int], None] | None) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         lead = jax.process_index() == 0
         console = console or Console(stderr=True, quiet=not lead)
@@ -258,6 +271,7 @@ class Trainer:
         data_bytes, stage_steps = 0.0, {name: 0 for name in self.steps.stages}
         evaluations: list[tuple[int, float]] = []
         updates, skipped_in_row = position.updates, 0
+        stopped: tuple[int, int] | None = None  # (step, stop code) when the run stops early
         staged = len(self.steps.stages) > 1
         start = time.perf_counter()
         progress = Progress(
@@ -306,7 +320,8 @@ class Trainer:
                     losses.append(loss)
                     tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
                     lr = float(schedule(updates - 1 if finite else updates))
-                    logged = step % t.log_every == 0 or step == t.steps
+                    stop = stopper.poll() if step < t.steps else 0  # (multi-process: agreed by all processes)
+                    logged = step % t.log_every == 0 or step == t.steps or stop
                     if logged or stage_steps[stage] == 1:  # also show a new stage's traffic at once
                         progress.update(
                             task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", lr=f"{lr:.2e}",
@@ -324,22 +339,31 @@ class Trainer:
                         }
                         metrics_file.write(json.dumps(record) + "\n")
                         metrics_file.flush()
-                    if step % t.eval_every == 0 and step != t.steps:
+                    if step % t.eval_every == 0 and step != t.steps and not stop:
                         heldout = self.evaluate(params)
                         evaluations.append((step, heldout))
                         progress.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})")
-                    if store is not None and (step % cfg.checkpoint.every == 0 or step == t.steps):
+                    if store is not None and (step % cfg.checkpoint.every == 0 or step == t.steps or stop):
                         self.save(store, params, opt_state, RunPosition(step, updates, stream.position))
                         on_event("saving", step)
                     progress.advance(task)
                     on_event("done", step)
-                heldout = self.evaluate(params)
-                evaluations.append((t.steps, heldout))
+                    if stop:
+                        stopped = (step, stop)
+                        break
+                else:
+                    heldout = self.evaluate(params)
+                    evaluations.append((t.steps, heldout))
         finally:
             if store is not None:
                 store.wait()  # a save in flight completes (or the error surfaces) before we return
                 saved = store.steps()
                 store.close()
+        if stopped is not None:  # the checkpoint is on disk (the wait above), the progress bar closed
+            message = stopper.describe(*stopped, t, store.directory if store is not None else None)
+            console.print(message, soft_wrap=True)
+            raise RunStopped(message, step=stopped[0], reason=STOP_REASONS[stopped[1]],
+                             checkpoint=f"{store.directory}/{stopped[0]}" if store is not None else None)
         wall = time.perf_counter() - start
         tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
         return TrainResult(
