@@ -1,11 +1,16 @@
 # Two commands for users: `make train` and `make test`. Both create .venv on first use,
-# installing the pinned, tested stack from constraints.txt.
+# installing the pinned, tested stack from constraints.txt (Python 3.11, jax 0.10.2).
+# `make test-py312` runs the suite on the second tested stack (constraints-py312.txt: Python 3.12,
+# jax 0.12.0.1) in .venv-py312; .ci/run runs both.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshtron-installed
+PY312 ?= $(shell .ci/python312)
+VENV312 := .venv-py312
+STAMP312 := $(VENV312)/.meshtron-installed
 
-.PHONY: train test bench lint clean
+.PHONY: train test test-py312 bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +25,16 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+$(STAMP312): pyproject.toml constraints-py312.txt
+	@test -n "$(PY312)" || { echo "make test-py312: no Python 3.12 found (pyenv's versions, or python3.12 on PATH)" >&2; exit 1; }
+	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-py312.txt -e ".[dev]"
+	touch $(STAMP312)
+
+test-py312: $(STAMP312)
+	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "make test-py312: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/comm_volume.py
 	$(BIN)/python benchmarks/throughput.py
@@ -28,4 +43,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(VENV312) build src/*.egg-info

@@ -13,7 +13,12 @@ long as 1F1B; if they are skipped, the two take about the same time. The second 
 the measured ratio with both predictions. (The simulated devices share two cores, so absolute
 times mix work with whatever parallelism two cores give.)
 
-    .venv/bin/python benchmarks/pipeline.py [--steps N]
+Compile time (``--part compile``): the pipelined train step of the issue-10 model (4 layers,
+hidden 256, seq 128, vocabulary 1024, 8 sequences, m = 4) on mesh 2x2x2 for each schedule, next to
+the unpipelined step of the same model, batch per data shard and microbatches on 2x1x2; median
+of ``--repeats`` fresh lowerings and compilations, and the size of the optimized HLO.
+
+    .venv/bin/python benchmarks/pipeline.py [--steps N] [--part all|schedules|compile] [--repeats R]
 """
 
 from __future__ import annotations
@@ -60,10 +65,73 @@ def step_time_and_memory(p: int, m: int, schedule: str | None, chunks: int, step
     return statistics.median(times[1:]), memory
 
 
+COMPILE_MODEL = ModelConfig(vocab_size=1024, hidden=256, heads=4, layers=4, mlp_dim=1024, seq_len=128)
+COMPILE_LAYOUTS = [((2, 1, 2), None, 1), ((2, 2, 2), "gpipe", 1), ((2, 2, 2), "1f1b", 1),
+                   ((2, 2, 2), "interleaved", 2)]
+
+
+def compile_seconds(mesh_shape: tuple[int, int, int], schedule: str | None, chunks: int, m: int = 4,
+                    batch: int = 8) -> tuple[float, float, int]:
+    """(lowering s, XLA compile s, instructions in the optimized HLO) of one fresh train step."""
+    jax.clear_caches()
+    md = ModelDef.create(dims_from_config(COMPILE_MODEL, mesh_shape[2]))
+    mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
+    p = mesh_shape[1]
+    program = compile_program(make_schedule(schedule, p, m, chunks)) if p > 1 else None
+    train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig()), microbatches=m,
+                        program=program)
+    params = md.init(mesh, 0)
+    if p > 1:
+        params = jax.device_put(to_stage_order(jax.device_get(params), COMPILE_MODEL.layers, p, chunks),
+                                train.param_shardings)
+    opt_state = train.init_opt_state(params)
+    tokens = jax.device_put(np.zeros((batch, COMPILE_MODEL.seq_len + 1), np.int32), train.batch_sharding)
+    start = time.perf_counter()
+    lowered = train.lower(params, opt_state, tokens)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    done = time.perf_counter()
+    instructions = sum(1 for line in compiled.as_text().splitlines() if " = " in line)
+    return lowered_at - start, done - lowered_at, instructions
+
+
+def compile_table(repeats: int) -> tuple[list[list], list[dict]]:
+    rows, results = [], []
+    base = None
+    for mesh_shape, schedule, chunks in COMPILE_LAYOUTS:
+        runs = [compile_seconds(mesh_shape, schedule, chunks) for _ in range(repeats)]
+        lower = statistics.median(r[0] for r in runs)
+        comp = statistics.median(r[1] for r in runs)
+        total = lower + comp
+        base = base or total
+        label = schedule or "none (pipe=1)"
+        results.append({"mesh": list(mesh_shape), "schedule": schedule, "chunks": chunks, "lower_s": lower,
+                        "compile_s": comp, "total_s": total, "ratio_to_unpipelined": total / base,
+                        "hlo_instructions": runs[0][2]})
+        rows.append([label, "x".join(map(str, mesh_shape)), f"{lower:.1f}", f"{comp:.1f}", f"{total:.1f}",
+                     f"{total / base:.2f}", runs[0][2]])
+        print(rows[-1], flush=True)
+    return rows, results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--part", choices=("all", "schedules", "compile"), default="all")
+    parser.add_argument("--repeats", type=int, default=3, help="compilations per layout (median)")
     args = parser.parse_args()
+    if args.part in ("all", "compile"):
+        rows, compile_results = compile_table(args.repeats)
+        print(f"\ncompile time of the train step, model {COMPILE_MODEL.layers}x{COMPILE_MODEL.hidden}, "
+              f"seq {COMPILE_MODEL.seq_len}, vocab {COMPILE_MODEL.vocab_size}, m=4; median of {args.repeats}")
+        _common.print_table(["schedule", "mesh", "lower s", "compile s", "total s", "x unpipelined",
+                             "HLO instructions"], rows)
+        path = _common.write_results("pipeline_compile", {"model": COMPILE_MODEL.__dict__, "microbatches": 4,
+                                                          "repeats": args.repeats, "results": compile_results})
+        plot_compile(compile_results)
+        print(f"wrote {path}")
+    if args.part == "compile":
+        return
     rows, results = [], []
     for p in (2, 4):
         for m in (p, 2 * p, 4 * p):
@@ -104,6 +172,23 @@ def idle_slot_evidence(results: list[dict]) -> list[list]:
         f = next(r for r in results if r["schedule"] == "1f1b" and r["p"] == g["p"] and r["m"] == g["m"])
         out.append([g["p"], g["m"], f"{g['step_s'] / f['step_s']:.2f}", f"{g['ticks'] / f['ticks']:.2f}", "1.00"])
     return out
+
+
+def plot_compile(results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["schedule"] or "pipe=1" for r in results]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, [r["lower_s"] for r in results], label="lowering (trace + StableHLO)")
+    ax.bar(labels, [r["compile_s"] for r in results], bottom=[r["lower_s"] for r in results], label="XLA compile")
+    ax.axhline(2 * results[0]["total_s"], color="k", linestyle="--", linewidth=1, label="2x unpipelined")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(_common.RESULTS / "pipeline_compile.png", dpi=120)
 
 
 def plot(results: list[dict]) -> None:
