@@ -19,11 +19,12 @@ runtime is a ``lax.scan`` over ticks that, on each device, picks its own column:
 Idle slots are *skipped*: each device runs its forward/backward under a ``lax.cond`` on its own
 instruction, so a stage with nothing to do does no compute. The stage's layers are one piece of
 code for every kind of virtual stage (the embedding and the head + loss are small ``cond``-s
-around it), and ticks are grouped into segments with the same static shape (does any stage run a
-forward? a backward? send?), one ``scan`` per segment, so phases in which no stage sends have no
-``ppermute`` at all and the HLO's loop trip counts equal the real number of transfers. Parameters
-shared across stages (embedding, final norm) get their gradients summed over the pipeline axis
-once, after the loop.
+around it). Ticks are grouped into segments with one static shape (does any stage run a forward?
+a backward? send?), one ``scan`` per segment, so phases in which no stage sends have no
+``ppermute`` and the HLO's loop trip counts are the transfers made; neighbouring
+segments are merged while the extra transfers stay within the bubble's share (:func:`segments`),
+since every segment compiles its own copy of the stage code. Parameters shared across stages
+(embedding, final norm) get their gradients summed over the pipeline axis once, after the loop.
 
 **Why it cannot deadlock.** A collective completes only when every device of its group has
 entered it, so two devices that start the same two collectives in opposite orders wait for each
@@ -95,7 +96,7 @@ class _Segment:
     send_backward: bool
 
 
-def segments(program: Program) -> list[_Segment]:
+def exact_segments(program: Program) -> list[_Segment]:
     """Maximal runs of ticks with the same static work/communication pattern."""
     fwd = (program.fwd_mb >= 0).any(axis=1)
     bwd = (program.bwd_mb >= 0).any(axis=1)
@@ -107,6 +108,42 @@ def segments(program: Program) -> list[_Segment]:
         length = len(list(group))
         out.append(_Segment(tick, tick + length, *(bool(k) for k in key)))
         tick += length
+    return out
+
+
+def _sends(seg: _Segment) -> int:
+    return (seg.stop - seg.start) * (int(seg.send_forward) + int(seg.send_backward))
+
+
+def _merged(a: _Segment, b: _Segment) -> _Segment:
+    return _Segment(a.start, b.stop, a.forward or b.forward, a.backward or b.backward,
+                    a.send_forward or b.send_forward, a.send_backward or b.send_backward)
+
+
+def segments(program: Program) -> list[_Segment]:
+    """The runtime's segments: :func:`exact_segments`, with neighbours merged while the extra
+    transfers stay within the bubble's share of Megatron's minimum.
+
+    Every segment compiles its own copy of the stage's forward and/or backward, which is most of
+    the step's compile time. Merging two neighbours saves a copy and costs the sends the merged
+    segment makes in ticks where the exact table sends nothing (the receiver ignores them: its
+    ``recv`` slot is -1 there). Minimum: each microbatch crosses each of its ``v`` boundaries once
+    each way, ``2·m·v`` transfers per device; the budget is ``(1 + bubble)`` times that, bubble
+    ``(p - 1)/(v·m)``, i.e. ``2·(p - 1)`` extra transfers -- what the table's ramp-up and ramp-down
+    cost in compute anyway. Cheapest merges first.
+    """
+    sched = program.schedule
+    minimum = 2 * sched.microbatches * sched.chunks
+    budget = minimum + 2 * (sched.stages - 1)
+    out = exact_segments(program)
+    sent = sum(_sends(seg) for seg in out)
+    while len(out) > 1:
+        costs = [_sends(_merged(a, b)) - _sends(a) - _sends(b) for a, b in itertools.pairwise(out)]
+        best = min(range(len(costs)), key=costs.__getitem__)
+        if sent + costs[best] > budget:
+            break
+        sent += costs[best]
+        out[best : best + 2] = [_merged(out[best], out[best + 1])]
     return out
 
 
