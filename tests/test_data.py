@@ -1,5 +1,8 @@
 """Data: built-in corpus, deterministic resumable batches, per-shard construction, bad input."""
 
+import hashlib
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -7,12 +10,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.config import ConfigError, DataConfig, MeshConfig
-from meshtron.data import BatchStream, Corpus
+from meshtron.data import BatchStream, Corpus, builtin_text
 from meshtron.mesh import build_mesh
 
 
 def corpus(**kw):
     return Corpus.from_config(DataConfig(**kw), seq_len=32, batch_size=8, vocab_size=256)
+
+
+def test_builtin_corpus_is_the_same_bytes_on_every_python():
+    """The default run trains on the shipped text, not the running Python's pydoc topics (which differ
+    between CPython releases: 3.12.1's are 6% longer)."""
+    text = builtin_text().encode("utf-8")
+    assert len(text) == 466_273
+    assert hashlib.sha256(text).hexdigest() == "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
+    if sys.version_info[:3] == (3, 11, 7):  # where it came from
+        from pydoc_data.topics import topics
+
+        assert text == "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
+    assert corpus().source == "built-in (CPython 3.11.7 pydoc topics)"
 
 
 def test_builtin_corpus_split_and_unigram_baseline():

@@ -139,6 +139,7 @@ def test_the_wheel_trains_from_a_directory_without_a_checkout(tmp_path):
     modules = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "meshtron").rglob("*.py")}
     assert modules <= members, f"not in the wheel (pyproject.toml's package list): {sorted(modules - members)}"
     assert {f"meshtron/mesh_configs/{name}.yaml" for name in SHIPPED} <= members
+    assert {"meshtron/builtin_corpus.txt.gz", "meshtron/builtin_corpus.NOTICE.txt"} <= members  # the default data
 
     # A fresh environment with the wheel alone; its dependencies (jax, ...) are the current environment's,
     # seen through a .pth line. That adds the directory only: its own .pth files (this checkout's editable

@@ -1,8 +1,11 @@
 """Text -> byte tokens -> batches sharded over ``data``, deterministic and resumable.
 
-The built-in corpus is the text of CPython's ``pydoc_data.topics`` (about 465k characters of
-English technical prose that ships with Python, so nothing is downloaded). Any UTF-8 text file
-can replace it through ``data.path``. Tokens are bytes (vocabulary 256).
+The built-in corpus is the text of CPython 3.11.7's ``pydoc_data.topics`` (466,273 bytes of English
+technical prose), shipped gzip-compressed in the package (``builtin_corpus.txt.gz``, under the PSF
+license in ``builtin_corpus.NOTICE.txt``) rather than read from the running Python: the module's text
+changes between CPython releases (3.12.1's is 6% longer), and the default run must train on the same
+bytes on every supported Python. Any UTF-8 text file can replace it through ``data.path``. Tokens are
+bytes (vocabulary 256).
 
 Batch ``i`` is a set of random windows whose start offsets depend only on ``(seed, i)``; the
 stream's whole state is the index of the next batch (:attr:`BatchStream.position`), so saving
@@ -12,7 +15,10 @@ that its own devices hold (``jax.make_array_from_callback`` asks for those slice
 
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +28,21 @@ from meshtron.config import ConfigError, DataConfig
 BYTE_VOCAB = 256
 
 
-def builtin_text() -> str:
-    """CPython's pydoc topic texts, in a fixed (sorted-key) order."""
-    from pydoc_data.topics import topics
+BUILTIN_SOURCE = "built-in (CPython 3.11.7 pydoc topics)"
 
-    return "\n\n".join(topics[key] for key in sorted(topics))
+
+@cache
+def builtin_text() -> str:
+    """The shipped corpus: CPython 3.11.7's pydoc topic texts in sorted-key order."""
+    return gzip.decompress((files("meshtron") / "builtin_corpus.txt.gz").read_bytes()).decode("utf-8")
 
 
 def load_text(cfg: DataConfig) -> str:
     if cfg.path is None:
         return builtin_text()
     path = Path(cfg.path)
+    if path.is_dir():
+        raise ConfigError(f"data.path: {str(path)!r} is a directory; give a UTF-8 text file in it")
     if not path.is_file():
         raise ConfigError(f"data.path: {str(path)!r} does not exist; give a UTF-8 text file or unset data.path")
     try:
@@ -57,7 +67,7 @@ class Corpus:
             )
         tokens = np.frombuffer(load_text(cfg).encode("utf-8"), dtype=np.uint8)
         split = int(len(tokens) * (1 - cfg.holdout_fraction))
-        corpus = cls(tokens[:split], tokens[split:], cfg.path or "built-in (pydoc_data.topics)")
+        corpus = cls(tokens[:split], tokens[split:], cfg.path or BUILTIN_SOURCE)
         window = seq_len + 1
         need = batch_size * window
         if len(corpus.train) < need:
