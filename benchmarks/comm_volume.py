@@ -17,7 +17,7 @@ from meshtron import analysis
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
-from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
 MESHES = [(8, 1, 1), (4, 1, 2), (2, 1, 4), (1, 1, 8)]
@@ -28,15 +28,15 @@ BATCH, MICROBATCHES = 32, 2
 def measure(mesh_shape, remat: str) -> dict:
     mesh = build_mesh(MeshConfig(*mesh_shape))
     cfg = ModelConfig(**{**MODEL.__dict__, "remat": remat})
-    md = ModelDef.create(dims_from_config(cfg, mesh.shape["tensor"]))
-    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig()), microbatches=MICROBATCHES)
+    md = model_def_from_config(cfg, mesh.shape["tensor"])
+    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=MICROBATCHES)
     params = md.init(mesh, 0)
     opt_state = steps.init_opt_state(params)
     tokens = jax.device_put(np.zeros((BATCH, cfg.seq_len + 1), np.int32), steps.batch_sharding)
     colls = analysis.collectives(steps.lower(params, opt_state, tokens).compile(), mesh)
     measured = analysis.bytes_by_axes(colls)
     fig = analysis.megatron_figures(
-        vocab_size=md.dims.vocab_padded, hidden=cfg.hidden, layers=cfg.layers, seq_len=cfg.seq_len,
+        vocab_size=md.vocab_padded, hidden=cfg.hidden, layers=cfg.layers, seq_len=cfg.seq_len,
         heads=cfg.heads, global_batch=BATCH, data=mesh_shape[0], pipe=1, tensor=mesh_shape[2],
         microbatches=MICROBATCHES, remat=remat == "full",
     )

@@ -36,7 +36,7 @@ from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.pipeline.schedules import check, compile_program, make_schedule
 from meshtron.train.pipelined import to_stage_order
-from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
 MODEL = ModelConfig(hidden=128, heads=4, layers=8, mlp_dim=512, seq_len=64)
@@ -44,10 +44,10 @@ ROWS = 2  # sequences per microbatch
 
 
 def step_time_and_memory(p: int, m: int, schedule: str | None, chunks: int, steps: int) -> tuple[float, int]:
-    md = ModelDef.create(dims_from_config(MODEL, 1))
+    md = model_def_from_config(MODEL, 1)
     mesh = build_mesh(MeshConfig(1, p, 1), jax.devices()[:p])
     program = compile_program(make_schedule(schedule, p, m, chunks)) if p > 1 else None
-    train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig()), microbatches=m,
+    train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=m,
                         program=program)
     params = md.init(mesh, 0)
     if p > 1:
@@ -74,11 +74,11 @@ def compile_seconds(mesh_shape: tuple[int, int, int], schedule: str | None, chun
                     batch: int = 8) -> tuple[float, float, int]:
     """(lowering s, XLA compile s, instructions in the optimized HLO) of one fresh train step."""
     jax.clear_caches()
-    md = ModelDef.create(dims_from_config(COMPILE_MODEL, mesh_shape[2]))
+    md = model_def_from_config(COMPILE_MODEL, mesh_shape[2])
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
     p = mesh_shape[1]
     program = compile_program(make_schedule(schedule, p, m, chunks)) if p > 1 else None
-    train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig()), microbatches=m,
+    train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=m,
                         program=program)
     params = md.init(mesh, 0)
     if p > 1:

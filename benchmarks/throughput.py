@@ -25,7 +25,6 @@ import optax
 from meshtron import analysis
 from meshtron.config import load_config
 from meshtron.data import BatchStream, Corpus
-from meshtron.models.gpt import lm_loss
 from meshtron.optim import build_optimizer
 from meshtron.train.loop import Trainer
 
@@ -68,12 +67,12 @@ def plain_step_times(cfg, steps: int) -> list[float]:
     md = trainer.model_def
     device = jax.devices()[0]
     params = jax.device_put(jax.device_get(md.init(trainer.mesh, cfg.train.seed)), device)
-    tx = build_optimizer(cfg.train)
+    tx = build_optimizer(cfg.train, md.logical_axes())
     opt_state = tx.init(params)
 
     @jax.jit
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(lambda p: lm_loss(md.bind(p), tokens))(params)
+        loss, grads = jax.value_and_grad(md.loss)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

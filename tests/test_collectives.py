@@ -9,18 +9,24 @@ from meshtron import analysis
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
-from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
 BATCH, SEQ, HIDDEN, LAYERS = 16, 16, 64, 2
 F32 = 4
 
 
-def compiled_step(mesh_shape, microbatches, remat):
-    cfg = ModelConfig(hidden=HIDDEN, heads=4, layers=LAYERS, mlp_dim=128, seq_len=SEQ, remat=remat)
+FAMILIES = {  # Llama: grouped-query attention, 8 query heads sharing 4 key/value heads (split over tensor=4)
+    "gpt": {"family": "gpt", "heads": 4},
+    "llama": {"family": "llama", "heads": 8, "kv_heads": 4},
+}
+
+
+def compiled_step(mesh_shape, microbatches, remat, family="gpt"):
+    cfg = ModelConfig(hidden=HIDDEN, layers=LAYERS, mlp_dim=128, seq_len=SEQ, remat=remat, **FAMILIES[family])
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
-    md = ModelDef.create(dims_from_config(cfg, mesh.shape["tensor"]))
-    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig()), microbatches=microbatches)
+    md = model_def_from_config(cfg, mesh.shape["tensor"])
+    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=microbatches)
     params = md.init(mesh, 0)
     opt_state = steps.init_opt_state(params)
     tokens = jax.device_put(jnp.zeros((BATCH, SEQ + 1), jnp.int32), steps.batch_sharding)
@@ -28,10 +34,11 @@ def compiled_step(mesh_shape, microbatches, remat):
     return analysis.collectives(steps.lower(params, opt_state, tokens).compile(), mesh), local_param_bytes
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("microbatches, remat", [(1, "none"), (4, "none"), (4, "full")])
-def test_tensor_collectives_match_megatron(microbatches, remat):
+def test_tensor_collectives_match_megatron(microbatches, remat, family):
     data = 2
-    colls, _ = compiled_step((data, 1, 4), microbatches, remat)
+    colls, _ = compiled_step((data, 1, 4), microbatches, remat, family)
     b = BATCH // (data * microbatches)  # microbatch rows per data shard
     bsh, bs = b * SEQ * HIDDEN * F32, b * SEQ * F32
 
@@ -39,10 +46,14 @@ def test_tensor_collectives_match_megatron(microbatches, remat):
     tensor = [c for c in colls if c.axes == ("tensor",)]
     assert {c.axes for c in colls} <= {("tensor",), ("data",)}
 
-    activations = sum(c.count for c in tensor if c.bytes == bsh)
+    # XLA's combiner may merge an activation all-reduce with others (several [b, s, h] terms, or one
+    # with the gradient norm's scalars) into one: each collective counts its whole [b, s, h] multiples.
+    activations = sum(c.count * (c.bytes // bsh) for c in tensor)
     # Per layer and microbatch: 2 forward (attention out-proj, fc2) + 2 backward (before QKV, fc1).
     # With full recomputation the re-run forward needs only the attention all-reduce: the block's
     # final (fc2) all-reduce feeds nothing in the backward pass, so XLA drops it (Megatron re-runs it).
+    # (Llama's SwiGLU has two column-parallel inputs, gate and up, whose input gradients XLA sums
+    # before the one all-reduce, as Megatron does with its fused gate/up projection.)
     per_layer = 4 + (1 if remat == "full" else 0)
     embedding_and_head = 2  # embedding forward (vocab-parallel lookup) + LM-head input gradient
     assert activations == microbatches * (LAYERS * per_layer + embedding_and_head)
@@ -51,15 +62,16 @@ def test_tensor_collectives_match_megatron(microbatches, remat):
     # target logit, sum-exp) and, once per step, scalar partial sums of the global gradient norm.
     # XLA's combiner may fuse the last loss term with those scalars into one all-reduce, so the
     # terms are counted by bytes: the scalars are fewer than 64 floats, less than one [b, s] term.
-    rest = [c for c in tensor if c.bytes != bsh]
-    loss_terms, scalars = divmod(sum(c.total_bytes for c in rest), bs)
+    rest = [c for c in tensor if c.bytes % bsh]
+    loss_terms, scalars = divmod(sum(c.count * (c.bytes % bsh) for c in rest), bs)
     assert loss_terms == microbatches * 3 and scalars < 64 * F32, rest
     assert all(c.bytes % bs == 0 for c in rest if c.count > 1), "only loss terms repeat per microbatch"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("microbatches", [1, 4])
-def test_data_parallel_reduction_happens_once_per_step(microbatches):
-    colls, local_param_bytes = compiled_step((2, 1, 4), microbatches, "none")
+def test_data_parallel_reduction_happens_once_per_step(microbatches, family):
+    colls, local_param_bytes = compiled_step((2, 1, 4), microbatches, "none", family)
     data = [c for c in colls if c.axes == ("data",)]
     assert data and all(c.count == 1 for c in data), "the data reduction must not sit inside the microbatch loop"
     # One gradient all-reduce of this device's parameter shard and nothing else (metrics are

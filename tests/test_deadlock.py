@@ -24,7 +24,7 @@ from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.pipeline.schedules import compile_program, make_schedule
 from meshtron.train.pipelined import to_stage_order
-from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,10 +88,10 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("mesh_shape, schedule, chunks, microbatches", LAYOUTS)
 def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, chunks, microbatches):
-    md = ModelDef.create(dims_from_config(MODEL, mesh_shape[2]))
+    md = model_def_from_config(MODEL, mesh_shape[2])
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
     program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks))
-    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig()), microbatches=microbatches,
+    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=microbatches,
                         program=program)
     params = jax.device_put(to_stage_order(jax.device_get(md.init(mesh, 0)), MODEL.layers, mesh_shape[1], chunks),
                             steps.param_shardings)

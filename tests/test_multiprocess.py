@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from meshtron.config import load_config
 from meshtron.launch import free_port
 from meshtron.train.loop import Trainer
@@ -49,8 +51,12 @@ def test_two_processes_train_and_resume_like_one(tmp_path):
     assert f"resumed from {ckpt}/3" in second.stdout
 
     straight = Trainer.from_config(load_config("mesh_configs/cpu8.yaml", RUN)).run()
-    assert losses(tmp_path / "a.jsonl") == straight.losses  # bitwise
-    assert losses(tmp_path / "b.jsonl") == straight.losses[3:]
+    # Resuming is bitwise (the same process layout, the same programs). Against one process of 8 devices
+    # the losses agree to float rounding, not bitwise: XLA's CPU code for jax.nn.dot_product_attention's
+    # contractions rounds differently with 4 devices per process than with 8 (the explicit-softmax
+    # attention it replaced happened to be bitwise equal; measured: 1 ulp at step 3).
+    assert losses(tmp_path / "b.jsonl") == losses(tmp_path / "a.jsonl")[3:]
+    np.testing.assert_allclose(losses(tmp_path / "a.jsonl"), straight.losses, rtol=1e-6)
 
 
 def test_a_dead_process_ends_the_other_with_a_clear_error(tmp_path):

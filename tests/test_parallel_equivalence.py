@@ -9,7 +9,7 @@ import pytest
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
-from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.train.step import build_steps
 
 MESHES = [(1, 1, 8), (2, 1, 4), (4, 1, 2), (8, 1, 1)]
@@ -20,7 +20,7 @@ BATCH = 8
 def model_def(remat: bool = False) -> ModelDef:
     # The vocabulary is padded for tensor=8 on every mesh so all runs share one parameter shape.
     cfg = ModelConfig(**{**MODEL.__dict__, "remat": "full" if remat else "none"})
-    return ModelDef.create(dims_from_config(cfg, tensor=8))
+    return model_def_from_config(cfg, tensor=8)
 
 
 def tokens(seed: int = 0) -> np.ndarray:
@@ -29,7 +29,7 @@ def tokens(seed: int = 0) -> np.ndarray:
 
 def steps_on(mesh_shape, md, microbatches=1, optimizer=None):
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
-    opt = optimizer or build_optimizer(TrainConfig(steps=10, warmup_steps=2, lr=1e-2))
+    opt = optimizer or build_optimizer(TrainConfig(steps=10, warmup_steps=2, lr=1e-2), md.logical_axes())
     return build_steps(md, mesh, data_parallel_mean(), opt, microbatches=microbatches)
 
 
@@ -101,7 +101,7 @@ def test_recomputation_does_not_change_gradients(reference):
 
 def test_bf16_compute_with_fp32_params_trains():
     cfg = ModelConfig(**{**MODEL.__dict__, "dtype": "bfloat16"})
-    md = ModelDef.create(dims_from_config(cfg, tensor=2))
+    md = model_def_from_config(cfg, tensor=2)
     steps = steps_on((2, 1, 2), md)
     params = md.init(steps.mesh, seed=0)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
@@ -117,7 +117,7 @@ def test_bf16_compute_with_fp32_params_trains():
 
 def test_lamb_trains_and_init_layout_is_checked():
     md = model_def()
-    steps = steps_on((2, 1, 4), md, optimizer=build_optimizer(TrainConfig(optimizer="lamb", lr=1e-2, warmup_steps=1)))
+    steps = steps_on((2, 1, 4), md, optimizer=build_optimizer(TrainConfig(optimizer="lamb", lr=1e-2, warmup_steps=1), md.logical_axes()))
     params = md.init(steps.mesh, seed=0)
     # Every parameter really is split as declared: the MLP's fc1 kernel holds mlp/4 columns per device.
     fc1 = params["blocks"]["mlp"]["fc1"]["kernel"]

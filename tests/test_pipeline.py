@@ -14,7 +14,7 @@ from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.pipeline.schedules import compile_program, make_schedule
 from meshtron.train.pipelined import stage_order, to_canonical, to_stage_order
-from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.train.step import build_steps
 
 LAYERS, HIDDEN, SEQ, BATCH = 8, 32, 16, 16
@@ -23,7 +23,7 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 
 
 def model_def(**overrides) -> ModelDef:
-    return ModelDef.create(dims_from_config(ModelConfig(**{**MODEL.__dict__, **overrides}), tensor=4))
+    return model_def_from_config(ModelConfig(**{**MODEL.__dict__, **overrides}), tensor=4)
 
 
 def tokens(rows=BATCH, seed=0) -> np.ndarray:
@@ -35,14 +35,14 @@ def build(md, mesh_shape, schedule=None, chunks=1, microbatches=1, lr=1e-2):
     program = None
     if mesh_shape[1] > 1:
         program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks))
-    opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1, lr=lr))
+    opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1, lr=lr), md.logical_axes())
     return build_steps(md, mesh, data_parallel_mean(), opt, microbatches=microbatches, program=program)
 
 
 def place(params, steps, md, chunks):
     """Canonical host params -> this run's training layout (stage order, sharded)."""
     p = steps.mesh.shape["pipe"]
-    return jax.device_put(to_stage_order(params, md.dims.layers, p, chunks), steps.param_shardings)
+    return jax.device_put(to_stage_order(params, md.layers, p, chunks), steps.param_shardings)
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +223,19 @@ def test_merged_segments_cover_the_table_within_the_bubbles_transfers(schedule, 
     sends = sum((s.stop - s.start) * (s.send_forward + s.send_backward) for s in merged)
     assert sends <= 2 * m * v + 2 * (p - 1)  # Megatron's minimum times (1 + bubble)
     assert len(merged) <= len(exact)
+
+
+@pytest.mark.parametrize("schedule, chunks, mesh_shape", [("interleaved", 2, (2, 2, 2)), ("1f1b", 1, (1, 4, 2))])
+def test_evaluation_is_a_forward_pipeline_that_gathers_no_layers(reference, schedule, chunks, mesh_shape):
+    """Held-out evaluation with pipe > 1 keeps every layer on its stage: no all-gather over ``pipe`` (the
+    plain forward pass gathers every pipe-sharded layer onto each device), and its loss is the model's."""
+    md, params, _, _ = reference
+    p = mesh_shape[1]
+    steps = build(md, mesh_shape, schedule, chunks, microbatches=2 * p)
+    placed, batch = place(params, steps, md, chunks), jax.device_put(tokens(), steps.batch_sharding)
+    colls = analysis.collectives(steps.lower_eval(placed, batch).compile(), steps.mesh)
+    assert not [c for c in colls if c.kind == "all-gather" and "pipe" in c.axes], colls
+    assert [c for c in colls if c.kind == "collective-permute" and c.axes == ("pipe",)]
+    plain = build(md, (1, 1, 1))
+    expected = plain.eval(jax.device_put(params, plain.param_shardings), jax.device_put(tokens(), plain.batch_sharding))
+    assert float(steps.eval(placed, batch)) == pytest.approx(float(expected), rel=1e-6)

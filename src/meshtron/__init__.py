@@ -11,7 +11,24 @@ from meshtron.config import (
     load_config,
 )
 
+# The training API imports JAX; it loads on first use so `meshtron configs` and config handling stay light.
+_LAZY = {
+    "Trainer": "meshtron.train.loop",
+    "check_parity": "meshtron.testing",
+    "load_pretrained": "meshtron.pretrained",
+    "sample": "meshtron.generate",
+}
+
 __all__ = [
-    "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "PipelineConfig", "TrainConfig", "load_config",
+    "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "PipelineConfig", "TrainConfig", "Trainer",
+    "check_parity", "load_config", "load_pretrained", "sample",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'meshtron' has no attribute {name!r}")
 __version__ = "0.1.0"

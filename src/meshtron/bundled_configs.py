@@ -97,18 +97,30 @@ def _devices(mesh: MeshConfig) -> int:
 
 
 def summary(cfg: Config) -> str:
-    """One line about a config: its mesh, and the GPT's size and shape."""
+    """One line about a config: its mesh, and the model's family, size and shape (counted without JAX)."""
     mesh, m = cfg.mesh, cfg.model
     sizes = {"data": mesh.data, "pipe": mesh.pipe, "tensor": mesh.tensor}
     layout = " x ".join(f"{axis} {'rest' if size == -1 else size}" for axis, size in sizes.items())
     if _devices(mesh):
         layout += f" = {_devices(mesh)} devices"
-    # Pre-LN blocks with biases (attention 4h^2 + 4h, MLP 2hm + m + h, two LayerNorms 4h), token and
-    # position embeddings (the LM head is tied), final LayerNorm.
+    if m.factory is not None:
+        return f"{layout}; model from {m.factory}: seq {m.seq_len}, {m.dtype}"
     h = m.hidden
-    params = m.layers * (4 * h * h + 2 * h * m.mlp_dim + 9 * h + m.mlp_dim) + (m.vocab_size + m.seq_len) * h + 2 * h
-    return (f"{layout}; GPT {_count(params)} params: {m.layers} layers, hidden {h}, {m.heads} heads, "
-            f"seq {m.seq_len}, {m.dtype}")
+    if m.family == "llama":
+        # No biases: attention (2 + 2 kv/heads) h^2, SwiGLU 3hm, two RMSNorms 2h; untied embedding and
+        # head, final RMSNorm.
+        kv = m.kv_heads or m.heads
+        attention = 2 * h * h + 2 * h * (h // m.heads) * kv
+        params = m.layers * (attention + 3 * h * m.mlp_dim + 2 * h) + 2 * m.vocab_size * h + h
+        heads = f"{m.heads} heads ({kv} kv)"
+    else:
+        # Pre-LN blocks with biases (attention 4h^2 + 4h, MLP 2hm + m + h, two LayerNorms 4h), token and
+        # position embeddings (the LM head is tied), final LayerNorm.
+        params = (m.layers * (4 * h * h + 2 * h * m.mlp_dim + 9 * h + m.mlp_dim) + (m.vocab_size + m.seq_len) * h
+                  + 2 * h)
+        heads = f"{m.heads} heads"
+    return (f"{layout}; {m.family.capitalize() if m.family == 'llama' else 'GPT'} {_count(params)} params: "
+            f"{m.layers} layers, hidden {h}, {heads}, seq {m.seq_len}, {m.dtype}")
 
 
 def listing() -> list[str]:

@@ -91,7 +91,8 @@ def _generate(args: argparse.Namespace) -> None:
     model = load_pretrained(args.checkpoint, mesh)
     try:
         result = sample(model.model_def, model.params, model.mesh, args.prompt, max_new_tokens=args.max_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                        context=model.config.model.seq_len)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     shape = "x".join(str(model.mesh.shape[a]) for a in ("data", "pipe", "tensor"))

@@ -36,10 +36,21 @@ class MeshConfig:
     tensor: int = 1
 
 
+FAMILIES = ("gpt", "llama")
+
+
 @dataclass
 class ModelConfig:
-    """A GPT: sizes, compute/parameter dtypes and activation recomputation."""
+    """The model: a built-in ``family`` (gpt, llama) or a user's ``factory`` (``package.module:function``
+    called as ``function(model_config, rngs)``), its sizes, dtypes and activation recomputation.
 
+    ``kv_heads`` (llama): key/value heads for grouped-query attention, null = ``heads``. ``rules``:
+    additions to or overrides of the logical -> mesh axis table, e.g. ``{ffn: tensor}`` for a model's
+    own axis name, ``{kv_heads: null}`` to replicate one.
+    """
+
+    family: str = "gpt"
+    factory: str | None = None
     vocab_size: int = 256
     hidden: int = 128
     heads: int = 4
@@ -49,6 +60,9 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    rules: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,7 +112,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Where the text comes from; ``path: null`` is the built-in corpus (CPython's pydoc topics)."""
+    """Where the text comes from; ``path: null`` is the built-in corpus (CPython 3.11.7's pydoc topics, shipped)."""
 
     path: str | None = None
     holdout_fraction: float = 0.1
@@ -260,6 +274,15 @@ def validate(cfg: Config) -> None:
     for name in ("dtype", "param_dtype"):
         _need(getattr(m, name) in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {getattr(m, name)!r}")
     _need(m.remat in ("none", "full"), "model.remat", f"must be 'none' or 'full', got {m.remat!r}")
+    _need(m.factory is not None or m.family in FAMILIES, "model.family",
+          f"must be one of {', '.join(FAMILIES)} (or set model.factory=package.module:function), got {m.family!r}")
+    if m.kv_heads is not None:
+        _need(m.kv_heads >= 1 and m.heads % m.kv_heads == 0, "model.kv_heads",
+              f"{m.kv_heads} must be >= 1 and divide model.heads={m.heads} (each key/value head serves a group "
+              "of query heads)")
+    for name, axis in m.rules.items():
+        _need(axis is None or axis in ("data", "pipe", "tensor"), f"model.rules.{name}",
+              f"{axis!r} is not a mesh axis; use data, pipe, tensor or null (replicated)")
     validate_tensor_split(m, mesh)
 
     t = cfg.train
@@ -290,6 +313,8 @@ def validate(cfg: Config) -> None:
     validate_distributed(cfg.distributed)
     _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
     if cfg.data.path is not None:
+        _need(not Path(cfg.data.path).is_dir(), "data.path",
+              f"{cfg.data.path!r} is a directory; give a UTF-8 text file in it")
         _need(
             Path(cfg.data.path).is_file(),
             "data.path",
@@ -299,8 +324,9 @@ def validate(cfg: Config) -> None:
 
 
 def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
-    """Megatron's tensor-parallel split needs whole heads and equal MLP slices on every shard."""
-    if mesh.tensor > 1:
+    """Megatron's tensor-parallel split needs whole heads and equal MLP slices on every shard (for the
+    built-in families; a user's model is checked parameter by parameter when it is laid out)."""
+    if mesh.tensor > 1 and m.factory is None:
         _need(
             m.heads % mesh.tensor == 0,
             "model.heads",
@@ -311,6 +337,13 @@ def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
             m.mlp_dim % mesh.tensor == 0,
             "model.mlp_dim",
             f"{m.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
+        )
+        kv = m.kv_heads or m.heads
+        _need(
+            kv % mesh.tensor == 0 or mesh.tensor % kv == 0,
+            "model.kv_heads",
+            f"{kv} key/value heads can be neither split over nor replicated across mesh.tensor={mesh.tensor}; "
+            f"use a divisor or a multiple of {mesh.tensor}",
         )
 
 

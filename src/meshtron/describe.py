@@ -17,22 +17,26 @@ import numpy as np
 from meshtron import analysis
 from meshtron.config import Config, MeshConfig
 from meshtron.mesh import AXES, resolve_sizes
-from meshtron.sharding import logical_to_spec
-from meshtron.train.state import ModelDef, dims_from_config
+from meshtron.sharding import logical_to_spec, placing_rules
+from meshtron.train.state import ModelDef, model_def_from_config
 
 
-def parameter_rows(model_def: ModelDef, mesh_sizes: dict[str, int]) -> list[tuple[str, tuple, str, str, int]]:
-    """(name, shape, logical axes, mesh spec, bytes per device) for every parameter."""
+def parameter_rows(model_def: ModelDef, mesh_sizes: dict[str, int]) -> list[tuple[str, tuple, str, str, int, str]]:
+    """(name, shape, logical axes, mesh spec, bytes per device, rules) for every parameter; ``rules``
+    names the rules-table entries (``#index name->axis``) that placed its split dimensions."""
     rows = []
     shapes = jax.tree_util.tree_leaves_with_path(model_def.shapes())
     axes = jax.tree.leaves(model_def.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
+    table = model_def.rules
     for (path, shape), names in zip(shapes, axes, strict=True):
-        spec = logical_to_spec(names)
+        spec = logical_to_spec(names, table)
         split = math.prod(mesh_sizes[a] for a in spec if a is not None)
         per_device = math.prod(shape.shape) * shape.dtype.itemsize // split
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         logical = "(" + ", ".join(str(n) for n in names) + ")"
-        rows.append((name, tuple(shape.shape), logical, str(spec), per_device))
+        placed = [f"#{i} {table[i][0]}->{table[i][1]}" for i in placing_rules(names, table)
+                  if i is not None and table[i][1] is not None]
+        rows.append((name, tuple(shape.shape), logical, str(spec), per_device, ", ".join(placed) or "replicated"))
     return rows
 
 
@@ -52,24 +56,26 @@ def describe(cfg: Config, out=None) -> None:
     sizes = resolve_sizes(cfg.mesh, len(devices)) if fits else tuple(requested)
     mesh_sizes = dict(zip(AXES, sizes))
     cfg = replace(cfg, mesh=MeshConfig(*sizes))
-    model_def = ModelDef.create(dims_from_config(cfg.model, mesh_sizes["tensor"]))
-    dims = model_def.dims
+    model_def = model_def_from_config(cfg.model, mesh_sizes["tensor"])
+    m = cfg.model
 
     print(f"mesh      {mesh_sizes}  ({math.prod(sizes)} devices; this machine has {len(devices)} "
           f"{devices[0].platform.upper()} devices)", file=out)
-    print(f"model     {dims.layers} layers, hidden {dims.hidden}, {dims.heads} heads, mlp {dims.mlp_dim}, "
-          f"seq {dims.seq_len}, vocab {dims.vocab_size} (padded to {dims.vocab_padded}), "
-          f"dtype {cfg.model.dtype}, params {cfg.model.param_dtype}, remat {cfg.model.remat}", file=out)
+    family = f"{m.family}" if m.factory is None else f"factory {m.factory}"
+    kv = f" ({m.kv_heads} kv)" if m.kv_heads and m.factory is None else ""
+    print(f"model     {family}: {model_def.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, mlp {m.mlp_dim}, "
+          f"seq {m.seq_len}, vocab {model_def.vocab_size} (padded to {model_def.vocab_padded}), "
+          f"dtype {m.dtype}, params {m.param_dtype}, remat {m.remat}", file=out)
     rows = parameter_rows(model_def, mesh_sizes)
     total = sum(math.prod(r[1]) for r in rows)
     print(f"\nparameters ({total:,} in all, {analysis.format_bytes(sum(r[4] for r in rows))} per device)", file=out)
-    print(_table(("name", "shape", "logical axes", "mesh spec", "bytes/device"), rows), file=out)
+    print(_table(("name", "shape", "logical axes", "mesh spec", "bytes/device", "placed by rule"), rows), file=out)
 
     t = cfg.train
     fig = analysis.megatron_figures(
-        vocab_size=dims.vocab_padded, hidden=dims.hidden, layers=dims.layers, seq_len=dims.seq_len,
-        heads=dims.heads, global_batch=t.batch_size, data=sizes[0], pipe=sizes[1], tensor=sizes[2],
-        microbatches=t.microbatches, remat=dims.remat, bytes_per_element=np.dtype(dims.dtype).itemsize,
+        vocab_size=model_def.vocab_padded, hidden=m.hidden, layers=model_def.layers, seq_len=m.seq_len,
+        heads=m.heads, global_batch=t.batch_size, data=sizes[0], pipe=sizes[1], tensor=sizes[2],
+        microbatches=t.microbatches, remat=model_def.remat, bytes_per_element=np.dtype(m.dtype).itemsize,
     )
     print("\nMegatron analytical figures per step and device (Narayanan et al. 2021)", file=out)
     print(f"  parameters (eq. 2)       {fig.params:,}", file=out)
@@ -88,7 +94,7 @@ def describe(cfg: Config, out=None) -> None:
     params = trainer.init_params()
     opt_state = trainer.steps.init_opt_state(params)
     tokens = jax.device_put(
-        np.zeros((t.batch_size, dims.seq_len + 1), np.int32), trainer.steps.batch_sharding
+        np.zeros((t.batch_size, m.seq_len + 1), np.int32), trainer.steps.batch_sharding
     )
     staged = len(trainer.steps.stages) > 1
     for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently

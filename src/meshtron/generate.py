@@ -1,27 +1,48 @@
-"""Text generation from a trained GPT: greedy or temperature / top-k sampling on any mesh.
+"""Text generation from a trained model: greedy or temperature / top-k sampling on any mesh.
 
 Decoding runs as one compiled program per (model, mesh), whatever the prompt, the number of new
 tokens or the sampling settings:
 
-* The context is a fixed-size token buffer of ``dims.seq_len`` tokens (the model's positions are
-  learned embeddings, so it has no position beyond ``seq_len``). Attention is causal, so the
-  tokens after the current position never change the logits at the current position: every step
-  runs the full forward pass over the whole buffer, unused slots included, and reads the logits
-  at the last filled position. No KV cache is kept; a step costs one full forward pass.
-* When the text outgrows the buffer the window slides: the buffer keeps the last ``seq_len``
-  tokens, which then take positions ``0 .. seq_len - 1`` (the model was trained on windows that
-  start anywhere in the text, so a window that starts mid-text is what it knows). A prompt longer
-  than ``seq_len`` likewise starts from its last ``seq_len`` tokens.
+* The context is a fixed-size token buffer of ``context`` tokens (default: the model's
+  ``max_len``; a GPT's positions are learned embeddings, so it has no position beyond its
+  ``seq_len``). When the text outgrows the buffer the window slides: the buffer keeps the last
+  ``context`` tokens, which then take positions ``0 .. context - 1`` (the model was trained on
+  windows that start anywhere in the text, so a window that starts mid-text is what it knows). A
+  prompt longer than ``context`` likewise starts from its last ``context`` tokens.
+* **KV cache** (models with ``init_cache``, on a mesh with ``pipe=1``; the default there). A cache
+  of ``context`` positions per layer holds every key and value computed so far. The first step
+  *prefills* it: one forward pass over the whole buffer, padded to ``context`` tokens so that one
+  program serves every prompt length. The pad tokens' entries are written too but never read:
+  :func:`meshtron.models.attention.causal_attention` lets a query see only the entries at
+  positions ``<=`` its own, and the step at position ``p`` writes entry ``p`` before attending, so
+  each pad entry is overwritten by the real token before any query can see it. Every later step
+  feeds one token (the last one chosen, at its position ``length - 1``) through the model, writes
+  its key/value and reads the logits: one token's work instead of a whole window's. Once the
+  window is full and slides, every token sits at a new position, so the cached entries are stale:
+  that step re-prefills the slid window (a ``lax.cond`` between the one-token step and the
+  prefill), which keeps exactly the sliding-window semantics of the full-window path (the same
+  tokens at every length, up to floating-point rounding).
+* **Full window** (models without ``init_cache``, meshes with ``pipe > 1``, or
+  ``use_cache=False``). Attention is causal, so the tokens after the current position never
+  change the logits at the current position: every step runs the forward pass over the whole
+  buffer, unused slots included, and reads the logits at the last filled position.
 * Steps run in a ``lax.fori_loop`` over a fixed-size chunk of output slots; the number of steps,
   the prompt length, the temperature and top-k are run-time values, so none of them recompiles.
   Step ``i`` draws from ``fold_in(key(seed), i)``: a seed gives the same text whatever the chunk
-  size, and on another mesh layout too (up to floating-point rounding of the logits, as JAX's
-  default random bits do not depend on sharding).
+  size, with or without the cache, and on another mesh layout too (up to floating-point rounding
+  of the logits, as JAX's default random bits do not depend on sharding).
 
 The forward pass is plain ``jax.jit`` on the parameters' own layout: the compiler handles the
-tensor-sharded weights and the pipe-sharded ``layers`` axis (inserting the communication the
-layer scan needs). The single sequence is replicated over ``data``. Padded vocabulary ids
-(``>= dims.vocab_size``) are masked out before any choice, so they can never be produced.
+tensor-sharded weights (and, on the full-window path, the pipe-sharded ``layers`` axis, inserting
+the communication the layer scan needs). The single sequence is replicated over ``data``. The
+cache follows the tensor split of the keys and values: it is laid out by the logical names
+``(layers, batch, seq, kv_heads, head_dim)``, so its ``kv_heads`` axis splits over ``tensor``
+exactly when the model's key/value heads do (replicated when there are fewer key/value heads than
+tensor ranks). The cached path needs ``pipe=1``: by default a ``pipe > 1`` mesh decodes with the
+full window (same tokens, slower); asking for ``use_cache=True`` there is an error that says to
+sample on a mesh without pipeline stages (``meshtron generate ... mesh.pipe=1``). Padded
+vocabulary ids (``>= vocab_size``) are masked out before any choice, so they can never be
+produced.
 
 Tokens are bytes (:mod:`meshtron.data`); decoding uses ``errors="replace"`` because sampled bytes
 need not form valid UTF-8, and ids above 255 (a vocabulary larger than the byte range) decode to
@@ -40,10 +61,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtron.sharding import axis_rules, current_rules
+from meshtron.models.attention import KVCache
+from meshtron.models.contract import Context, run_blocks
+from meshtron.sharding import axis_rules, constrain
 from meshtron.train.state import ModelDef, Params
 
 DEFAULT_CHUNK = 64
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # logical layout of a stacked KVCache
 _REPLACEMENT = "\ufffd"
 
 
@@ -164,22 +188,61 @@ class Sampler:
     """The compiled decoder of one model on one mesh; reuse it to sample many times without recompiling.
 
     ``chunk`` is how many tokens one call of the compiled program can produce (longer requests
-    call it again); it changes speed only, never the tokens.
+    call it again); it changes speed only, never the tokens. ``context`` is the number of tokens
+    the model sees (default: the model's ``max_len``). ``use_cache``: decode with a KV cache (one
+    prefill, then one token's forward pass per step) or re-run the whole window every step;
+    ``None`` (default) uses the cache when the model has ``init_cache`` and the mesh has
+    ``pipe=1``, ``True`` insists (an error otherwise), ``False`` never uses it. Both give the same
+    tokens; :attr:`use_cache` says which one this sampler runs.
     """
 
-    def __init__(self, model_def: ModelDef, mesh: Mesh, *, chunk: int = DEFAULT_CHUNK):
+    def __init__(
+        self,
+        model_def: ModelDef,
+        mesh: Mesh,
+        *,
+        chunk: int = DEFAULT_CHUNK,
+        context: int | None = None,
+        use_cache: bool | None = None,
+    ):
         if chunk < 1:
             raise ValueError(f"chunk: must be >= 1, got {chunk}")
+        context = context or model_def.max_len
+        if context is None:
+            raise ValueError("context: this model has no max_len; give the context length (e.g. the training seq_len)")
+        if model_def.max_len is not None and context > model_def.max_len:
+            raise ValueError(f"context: {context} is longer than the model's {model_def.max_len} positions")
+        pipe = dict(mesh.shape).get("pipe", 1)
+        if use_cache is None:
+            use_cache = model_def.can_cache and pipe == 1
+        elif use_cache and not model_def.can_cache:
+            raise ValueError(
+                "use_cache: this model has no init_cache(batch, max_len), so it cannot decode with a KV cache; "
+                "add one (see meshtron.models.contract) or pass use_cache=None / False to re-run the full window"
+            )
+        elif use_cache and pipe > 1:
+            raise ValueError(
+                f"use_cache: the KV cache needs a mesh with pipe=1, this one has pipe={pipe}; sample on a mesh "
+                "without pipeline stages (meshtron generate ... mesh.pipe=1, e.g. with mesh.tensor= for the "
+                "devices), or pass use_cache=None to fall back to re-running the full window"
+            )
+        self.context = context
         self.model_def = model_def
         self.mesh = mesh
         self.chunk = chunk
+        self.use_cache = bool(use_cache)
         self.param_shardings = model_def.shardings(mesh)
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._decode = jax.jit(self._decode_chunk)
+        # The cache is carried from one chunk to the next: donated, each call updates it in place.
+        self._decode = jax.jit(self._decode_chunk, donate_argnames="cache")
+        self._empty_cache = jax.jit(self._new_cache)
+        self._traces = 0  # how many times the decoding program was traced (tests: it compiles once)
         # A batch of one sequence has nothing to split over ``data`` (the constraint would pad it
         # to one row per data shard): activations keep their tensor-parallel layout but the batch
         # axis is replicated.
-        self._rules = tuple((name, None if name == "batch" else axis) for name, axis in current_rules())
+        self._rules = tuple((name, None if name == "batch" else axis) for name, axis in model_def.rules)
+        named = {name for name, _ in self._rules}
+        self._cache_layout = all(name in named for name in CACHE_AXES)
 
     def sample(
         self,
@@ -192,62 +255,109 @@ class Sampler:
         seed: int = 0,
     ) -> SampleResult:
         """Continue ``prompt`` by ``max_new_tokens`` tokens (see :func:`sample`)."""
-        dims = self.model_def.dims
+        vocab_size = self.model_def.vocab_size
         prompt_ids = encode_prompt(prompt)
-        validate_request(prompt_ids, dims.vocab_size, max_new_tokens, temperature, top_k)
+        validate_request(prompt_ids, vocab_size, max_new_tokens, temperature, top_k)
         # Already-placed parameters stay put; host arrays (e.g. a restored checkpoint) are placed.
         params = jax.device_put(params, self.param_shardings)
         window, length = self._initial_window(prompt_ids)
+        # ``fresh``: the cache holds the window's positions 0 .. length - 2 (False: prefill first).
+        fresh = self._put((np.bool_(False),))[0]
         settings = self._put(
-            (jax.random.key(seed), np.float32(temperature), np.int32(top_k or dims.vocab_size))
+            (jax.random.key(seed), np.float32(temperature), np.int32(top_k or vocab_size))
         )
         pieces = []
         with jax.set_mesh(self.mesh), axis_rules(self._rules):
+            cache = self._empty_cache(params) if self.use_cache else None
             for start in range(0, max_new_tokens, self.chunk):
                 steps = min(self.chunk, max_new_tokens - start)
-                window, length, tokens = self._decode(
-                    params, window, length, *settings, *self._put((np.int32(start), np.int32(steps)))
+                window, length, fresh, cache, tokens = self._decode(
+                    params, window, length, fresh, cache, *settings, *self._put((np.int32(start), np.int32(steps)))
                 )
                 pieces.append((tokens, steps))
         new = [int(t) for tokens, steps in pieces for t in np.asarray(jax.device_get(tokens))[:steps]]
         return SampleResult(tuple(prompt_ids), tuple(new))
 
     def _initial_window(self, prompt_ids: list[int]) -> tuple[jax.Array, jax.Array]:
-        """The context buffer holding the prompt's last ``seq_len`` tokens, zeros after them."""
-        seq_len = self.model_def.dims.seq_len
-        kept = prompt_ids[-seq_len:]
-        window = np.zeros(seq_len, np.int32)
+        """The context buffer holding the prompt's last ``context`` tokens, zeros after them."""
+        kept = prompt_ids[-self.context:]
+        window = np.zeros(self.context, np.int32)
         window[: len(kept)] = kept
         return self._put((window, np.int32(len(kept))))
 
     def _put(self, values: tuple[Any, ...]) -> tuple[jax.Array, ...]:
         return tuple(jax.device_put(v, self._replicated) for v in values)
 
+    def _new_cache(self, params: Params) -> Any:
+        """The model's zeroed caches for one sequence of ``context`` positions, laid out on the mesh."""
+        return self._laid_out(self.model_def.bind(params).init_cache(1, self.context))
+
+    def _laid_out(self, caches: Any) -> Any:
+        """Pin stacked :class:`KVCache` arrays ``[layers, batch, seq, kv_heads, head_dim]`` by logical
+        names, so the cache's head axis follows the keys' and values' tensor split; other caches (a
+        user's model's own) are left to the compiler."""
+        if not self._cache_layout:
+            return caches
+
+        def pin(cache: Any) -> Any:
+            if isinstance(cache, KVCache) and cache.k.ndim == len(CACHE_AXES):
+                return KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES))
+            return cache
+
+        return jax.tree.map(pin, caches, is_leaf=lambda x: isinstance(x, KVCache))
+
     def _decode_chunk(
         self,
         params: Params,
         window: jax.Array,
         length: jax.Array,
+        fresh: jax.Array,
+        cache: Any,
         key: jax.Array,
         temperature: jax.Array,
         top_k: jax.Array,
         start: jax.Array,
         steps: jax.Array,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``steps`` (<= chunk) decoding steps; returns the new window, its fill and the chunk's tokens."""
+    ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array]:
+        """``steps`` (<= chunk) decoding steps; returns the new window, its fill, whether the cache
+        is fresh, the cache (``None`` on the full-window path) and the chunk's tokens."""
+        self._traces += 1
         model = self.model_def.bind(params)
-        vocab_size = self.model_def.dims.vocab_size
+        vocab_size = self.model_def.vocab_size
+        context = self.context
+
+        def window_logits(window, length, cache):
+            """The whole buffer at positions 0 .. context - 1 (writing the cache, if any); the
+            logits at position ``length - 1``. Only that position goes through the head."""
+            ctx = Context.for_sequence(1, context, 0, cache)
+            x = run_blocks(model.blocks, model.embed(window[None], ctx), ctx)
+            x, cache = x if cache is not None else (x, None)
+            last = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
+            return model.head(last)[0, 0], cache
+
+        def token_logits(window, length, cache):
+            """One token, the last of the buffer (position ``length - 1``), against the cache."""
+            ctx = Context.for_sequence(1, 1, length - 1, cache)
+            token = jax.lax.dynamic_slice_in_dim(window, length - 1, 1)[None]
+            x, cache = run_blocks(model.blocks, model.embed(token, ctx), ctx)
+            return model.head(x)[0, 0], cache
 
         def step(i, carry):
-            window, length, out = carry
-            logits = model(window[None])[0]  # [seq_len, vocab_padded]
-            last = jax.lax.dynamic_index_in_dim(logits, length - 1, axis=0, keepdims=False)
-            token = choose_token(last, jax.random.fold_in(key, start + i), temperature, top_k, vocab_size)
+            window, length, fresh, cache, out = carry
+            if cache is None:
+                logits, _ = window_logits(window, length, None)
+            else:
+                logits, cache = jax.lax.cond(fresh, token_logits, window_logits, window, length, cache)
+                cache = self._laid_out(cache)
+            token = choose_token(logits, jax.random.fold_in(key, start + i), temperature, top_k, vocab_size)
+            # Growing keeps the cache valid (it holds positions 0 .. length - 1, the new token comes
+            # next); sliding moves every token to a new position, so the next step prefills again.
+            fresh = length < context
             window, length = append_token(window, length, token)
-            return window, length, out.at[i].set(token)
+            return window, length, fresh, cache, out.at[i].set(token)
 
         out = jnp.zeros(self.chunk, jnp.int32)
-        return jax.lax.fori_loop(0, steps, step, (window, length, out))
+        return jax.lax.fori_loop(0, steps, step, (window, length, fresh, cache, out))
 
 
 def sample(
@@ -260,6 +370,8 @@ def sample(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
+    context: int | None = None,
+    use_cache: bool | None = None,
 ) -> SampleResult:
     """Continue ``prompt`` with ``max_new_tokens`` tokens from the model ``params`` on ``mesh``.
 
@@ -268,11 +380,13 @@ def sample(
     ``model_def.shardings(mesh)``; anything else is moved there first. ``prompt`` is text (its
     UTF-8 bytes are the tokens) or a list of token ids. ``temperature`` 0 is greedy decoding;
     above 0 tokens are drawn from ``softmax(logits / temperature)``, restricted to the ``top_k``
-    most likely when given. ``seed`` makes sampling reproducible.
+    most likely when given. ``seed`` makes sampling reproducible. ``context`` and ``use_cache``:
+    see :class:`Sampler` (by default a KV cache whenever the model has one and ``mesh`` has
+    ``pipe=1``).
 
     Builds and compiles a :class:`Sampler`; to sample repeatedly from one model, keep a
     ``Sampler`` instead.
     """
-    return Sampler(model_def, mesh).sample(
+    return Sampler(model_def, mesh, context=context, use_cache=use_cache).sample(
         params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
     )

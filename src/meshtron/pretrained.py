@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from meshtron.config import Config, ConfigError, MeshConfig, config_from_dict, validate_tensor_split
 from meshtron.mesh import build_mesh, resolve_sizes
-from meshtron.train.state import ModelDef, Params, dims_from_config
+from meshtron.models.contract import ModelFactory
+from meshtron.train.state import ModelDef, Params, model_def_from_config
 
 
 @dataclass
@@ -45,8 +46,12 @@ def saved_config(directory: str | Path) -> tuple[CheckpointStore, Config]:
     raise CheckpointError(f"--checkpoint {directory}: holds no readable meshtron checkpoint")
 
 
-def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devices=None) -> Pretrained:
+def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devices=None, *,
+                    model: ModelFactory | None = None, rules: dict[str, str | None] | None = None) -> Pretrained:
     """The newest intact checkpoint's parameters on ``mesh`` (default: the mesh that trained them).
+
+    ``model`` and ``rules``: the factory and rules a run of your own model was trained with
+    (``Trainer.from_config(..., model=, rules=)``); the config's family or factory otherwise.
 
     Any mesh whose tensor size splits the model's heads and MLP works; the vocabulary padding is
     adjusted to the tensor size (padded rows are never sampled).
@@ -57,12 +62,14 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         mesh_cfg = mesh or cfg.mesh
         data, pipe, tensor = resolve_sizes(mesh_cfg, len(devices))
         mesh_cfg = MeshConfig(data=data, pipe=pipe, tensor=tensor)
-        validate_tensor_split(cfg.model, mesh_cfg)
+        if model is None:  # a model passed in is checked parameter by parameter (check_mesh below)
+            validate_tensor_split(cfg.model, mesh_cfg)
         if cfg.model.layers % pipe:
             raise ConfigError(f"mesh.pipe: {pipe} does not divide the model's {cfg.model.layers} layers; "
                               "use a pipe size that does (or 1)")
         device_mesh = build_mesh(mesh_cfg, devices)
-        model_def = ModelDef.create(dims_from_config(cfg.model, tensor))
+        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model)
+        model_def.check_mesh(device_mesh)
         target = {"params": abstract_like(model_def.shapes(), model_def.shardings(device_mesh))}
         restored = store.restore_newest(target, None, device_mesh, resizable=model_def.resizable_in(target),
                                         partial=True, read_only=True)

@@ -1,17 +1,18 @@
 """Logical axis names -> mesh axes: the one table that decides the parallel layout.
 
-Model code names *logical* axes only (``batch``, ``seq``, ``embed``, ``heads``, ``kv``, ``qkv``,
-``mlp``, ``vocab``, ``layers``). :data:`MEGATRON_RULES` maps them onto the mesh the way
+Model code names *logical* axes only (``batch``, ``seq``, ``embed``, ``heads``, ``kv_heads``,
+``head_dim``, ``qkv``, ``mlp``, ``vocab``, ``layers``). :data:`MEGATRON_RULES` maps them onto the mesh the way
 Megatron-LM splits a transformer: attention by heads and the MLP's inner dimension over
 ``tensor`` (column-parallel in, row-parallel out), the vocabulary over ``tensor`` (vocab-parallel
 embedding and cross-entropy), the batch over ``data`` and the stacked layer axis over ``pipe``.
-Changing the layout means changing this table, never the model.
+Changing the layout means changing this table, never the model: :func:`extend_rules` adds a
+model's own logical names or overrides a mapping (``model.rules`` in a config).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 from flax import nnx
@@ -27,9 +28,10 @@ MEGATRON_RULES: Rules = (
     ("layers", "pipe"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("embed", None),
-    ("kv", None),
+    ("head_dim", None),
     ("qkv", None),
     ("seq", None),
     ("pos", None),
@@ -38,9 +40,21 @@ MEGATRON_RULES: Rules = (
 _active_rules: list[Rules] = [MEGATRON_RULES]
 
 
+def extend_rules(rules: Rules, overrides: Mapping[str, str | None]) -> Rules:
+    """``rules`` with ``overrides`` applied: a name already in the table is remapped in place (every
+    rule for it is replaced by one), a new name is appended. ``None`` means replicated."""
+    for name, axis in overrides.items():
+        if axis is not None and axis not in MESH_AXES:
+            raise ValueError(f"model.rules.{name}: {axis!r} is not a mesh axis; use one of {MESH_AXES} or null")
+    table = [(n, overrides.get(n, a)) for n, a in rules]
+    table = list(dict.fromkeys(table)) if overrides else table
+    seen = {n for n, _ in rules}
+    return tuple(table + [(n, a) for n, a in overrides.items() if n not in seen])
+
+
 @contextlib.contextmanager
 def axis_rules(rules: Rules) -> Iterator[None]:
-    """Use another rules table inside the block (for experiments and tests)."""
+    """Use another rules table inside the block: model code traced here constrains its activations by it."""
     _active_rules.append(tuple(rules))
     try:
         with nnx.logical_axis_rules(list(rules)):
@@ -53,25 +67,40 @@ def current_rules() -> Rules:
     return _active_rules[-1]
 
 
-def logical_to_spec(axes: LogicalAxes, rules: Rules | None = None) -> PartitionSpec:
-    """First matching rule wins; a mesh axis already used by an earlier dimension is skipped."""
+def placing_rules(axes: LogicalAxes, rules: Rules | None = None) -> list[int | None]:
+    """For every dimension, the index in ``rules`` of the rule that places it (``None`` for an unnamed
+    dimension). First matching rule wins; a rule whose mesh axis an earlier dimension already uses is
+    skipped."""
     table = current_rules() if rules is None else rules
     used: set[str] = set()
-    spec: list[str | None] = []
+    chosen: list[int | None] = []
     for name in axes:
-        target = None
+        index = None
         if name is not None:
-            for logical, mesh_axis in table:
+            for i, (logical, mesh_axis) in enumerate(table):
                 if logical == name and (mesh_axis is None or mesh_axis not in used):
-                    target = mesh_axis
+                    index = i
                     break
             else:
                 if name not in {logical for logical, _ in table}:
                     raise KeyError(f"logical axis {name!r} has no rule; add it to the rules table")
-        if target is not None:
-            used.add(target)
-        spec.append(target)
-    return PartitionSpec(*spec)
+        if index is not None and table[index][1] is not None:
+            used.add(table[index][1])
+        chosen.append(index)
+    return chosen
+
+
+def logical_to_spec(axes: LogicalAxes, rules: Rules | None = None) -> PartitionSpec:
+    """The mesh layout of logical ``axes`` under ``rules`` (default: the active table); see :func:`placing_rules`."""
+    table = current_rules() if rules is None else rules
+    return PartitionSpec(*(None if i is None else table[i][1] for i in placing_rules(axes, table)))
+
+
+def same_layout(a: str, b: str) -> bool:
+    """Whether logical axes ``a`` and ``b`` are placed alike by the active rules (a model may choose a
+    computation by it -- e.g. join two kernels only when that is a local operation -- without
+    naming a mesh axis)."""
+    return logical_to_spec((a,)) == logical_to_spec((b,))
 
 
 def logical_sharding(mesh: Mesh, axes: LogicalAxes, rules: Rules | None = None) -> NamedSharding:
@@ -98,7 +127,7 @@ def variable_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
     meta = variable.get_metadata()
     axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
     if axes is None:
-        raise ValueError(f"parameter of shape {variable.value.shape} has no logical axes; annotate it")
+        raise ValueError(f"parameter of shape {variable.get_value().shape} has no logical axes; annotate it")
     return tuple(axes)
 
 

@@ -6,20 +6,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import optax
 
 from meshtron.config import Config, OptimConfig, TrainConfig, freeze_step
 from meshtron.optim.compression import compressed_allreduce
 from meshtron.optim.lamb import layerwise_lamb
 from meshtron.optim.layout import manual_part, opt_state_specs
+from meshtron.optim.masks import decay_from_axes, stacked_from_axes
 from meshtron.optim.onebit_lamb import OnebitLamb, OnebitLambState, onebit_lamb
 from meshtron.optim.reduce import data_parallel_mean
 
 __all__ = [
     "OnebitLamb", "OnebitLambState", "OptimizerSetup", "build_optimizer", "compressed_allreduce",
-    "data_parallel_mean", "decay_mask", "grad_clip_norm", "layerwise_lamb", "learning_rate_schedule", "manual_part",
-    "onebit_lamb", "opt_state_specs", "optimizer_setup",
+    "data_parallel_mean", "decay_from_axes", "grad_clip_norm", "layerwise_lamb", "learning_rate_schedule",
+    "manual_part", "onebit_lamb", "opt_state_specs", "optimizer_setup", "stacked_from_axes",
 ]
 
 
@@ -30,16 +30,6 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=max(cfg.steps, warmup + 1),
         end_value=cfg.lr * 0.1,
     )
-
-
-def decay_mask(params) -> dict:
-    """Weight decay on matrices (kernels and embeddings) only, never on biases or LayerNorm (as Megatron)."""
-
-    def wants_decay(path, _leaf) -> bool:
-        name = str(getattr(path[-1], "key", path[-1]))
-        return name in ("kernel", "wte", "wpe")
-
-    return jax.tree_util.tree_map_with_path(wants_decay, params)
 
 
 _MOMENTS = {"adamw": (0.9, 0.95, 1e-8), "lamb": (0.9, 0.999, 1e-6), "onebit_lamb": (0.9, 0.999, 1e-8)}
@@ -70,17 +60,23 @@ def _clipped(cfg: TrainConfig, base: optax.GradientTransformation) -> optax.Grad
     return optax.chain(optax.clip_by_global_norm(norm), base) if norm > 0 else base
 
 
-def build_optimizer(cfg: TrainConfig, optim: OptimConfig | None = None) -> optax.GradientTransformation:
-    """Clipping + AdamW or (layerwise) LAMB on the learning-rate schedule; expects reduced gradients."""
+def build_optimizer(cfg: TrainConfig, axes: Any, optim: OptimConfig | None = None) -> optax.GradientTransformation:
+    """Clipping + AdamW or (layerwise) LAMB on the learning-rate schedule; expects reduced gradients.
+
+    ``axes``: the model's logical axes (a tree shaped like the parameters, e.g.
+    ``ModelDef.logical_axes()``); weight decay and LAMB's per-layer trust ratios are read from them.
+    """
     optim = optim or OptimConfig()
     schedule = learning_rate_schedule(cfg)
     if cfg.optimizer == "onebit_lamb":
         raise ValueError("onebit_lamb reduces its own gradients and has two stages: build it with optimizer_setup()")
     b1, b2, eps = _moments(cfg.optimizer, optim)
+    decay = decay_from_axes(axes)
     if cfg.optimizer == "adamw":
-        base = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+        base = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=cfg.weight_decay, mask=decay)
     else:
-        base = layerwise_lamb(schedule, b1=b1, b2=b2, eps=eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+        base = layerwise_lamb(schedule, b1=b1, b2=b2, eps=eps, weight_decay=cfg.weight_decay, mask=decay,
+                              stacked=stacked_from_axes(axes))
     return _clipped(cfg, base)
 
 
@@ -105,14 +101,15 @@ class OptimizerSetup:
         return "compression" if updates_done >= self.freeze_step else "warmup"
 
 
-def optimizer_setup(cfg: Config, param_specs: Any = None) -> OptimizerSetup:
-    """The configured optimizer. For 1-bit LAMB, ``param_specs`` (the parameters' shardings or
+def optimizer_setup(cfg: Config, axes: Any, param_specs: Any = None) -> OptimizerSetup:
+    """The configured optimizer for a model with logical ``axes`` (weight decay and per-layer trust
+    ratios follow from them: :mod:`meshtron.optim.masks`). For 1-bit LAMB, ``param_specs`` (the parameters' shardings or
     specs) let every device compress its own shard of the momentum under tensor/pipeline
     parallelism; gradient clipping, if asked for, sees each shard's local gradient (as in
     DeepSpeed's compression stage)."""
     t = cfg.train
     if t.optimizer != "onebit_lamb":
-        return OptimizerSetup(build_optimizer(t, cfg.optim), data_parallel_mean("data"))
+        return OptimizerSetup(build_optimizer(t, axes, cfg.optim), data_parallel_mean("data"))
     o = cfg.optim
     b1, b2, eps = _moments("onebit_lamb", o)
     warmup = freeze_step(cfg)
@@ -120,7 +117,7 @@ def optimizer_setup(cfg: Config, param_specs: Any = None) -> OptimizerSetup:
         learning_rate_schedule(t), freeze_step=warmup, axis_name="data", b1=b1, b2=b2, eps=eps,
         weight_decay=t.weight_decay, max_coeff=o.max_coeff, min_coeff=o.min_coeff, coeff_beta=o.coeff_beta,
         factor_max=o.factor_max, factor_min=o.factor_min, factor_threshold=o.factor_threshold,
-        mask=decay_mask, param_specs=param_specs,
+        mask=decay_from_axes(axes), stacked=stacked_from_axes(axes), param_specs=param_specs,
     )
     stages = {"warmup": {"compression_stage": False}, "compression": {"compression_stage": True}}
     return OptimizerSetup(_clipped(t, tx), optax.identity(), stages, warmup)

@@ -10,11 +10,13 @@ over ``pipe`` the per-slice norms need no communication.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from meshtron.optim.masks import tree_or_call
 
 
 def layer_norm(x: jax.Array, stacked: bool) -> jax.Array:
@@ -34,8 +36,10 @@ def _trust_scale(update: jax.Array, param: jax.Array, stacked: bool) -> jax.Arra
     return update * per_layer(ratio, update).astype(update.dtype)
 
 
-def scale_by_layerwise_trust_ratio(stacked: Callable[[optax.Params], object]) -> optax.GradientTransformation:
-    """Scale each layer's update by ``||w|| / ||u||``; ``stacked(params)`` marks leaves with a leading layers axis."""
+def scale_by_layerwise_trust_ratio(stacked: Any = None) -> optax.GradientTransformation:
+    """Scale each layer's update by ``||w|| / ||u||``. ``stacked`` (a tree of bools, or a function of the
+    parameters returning one; ``None``: no stacked leaves) marks leaves with a leading layers axis --
+    :func:`meshtron.optim.stacked_from_axes` reads it from the model's logical axes."""
 
     def init(params: optax.Params) -> optax.EmptyState:
         del params
@@ -44,15 +48,11 @@ def scale_by_layerwise_trust_ratio(stacked: Callable[[optax.Params], object]) ->
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("scale_by_layerwise_trust_ratio needs the parameters: pass params to update()")
-        scaled = jax.tree.map(_trust_scale, updates, params, stacked(params))
+        flags = jax.tree.map(lambda _: False, params) if stacked is None else tree_or_call(stacked, params)
+        scaled = jax.tree.map(_trust_scale, updates, params, flags)
         return scaled, state
 
     return optax.GradientTransformation(init, update)
-
-
-def stacked_blocks(params) -> dict:
-    """True for leaves under ``blocks`` (meshtron's ``[layers, ...]`` stacks)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: str(getattr(path[0], "key", path[0])) == "blocks", params)
 
 
 def layerwise_lamb(
@@ -63,7 +63,7 @@ def layerwise_lamb(
     eps: float = 1e-6,
     weight_decay: float = 0.0,
     mask=None,
-    stacked: Callable[[optax.Params], object] = stacked_blocks,
+    stacked: Any = None,
 ) -> optax.GradientTransformation:
     """``optax.lamb`` with per-layer trust ratios for stacked leaves (same chain otherwise)."""
     return optax.chain(

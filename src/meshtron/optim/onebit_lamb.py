@@ -59,7 +59,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.optim.compression import compressed_allreduce, error_lengths
-from meshtron.optim.lamb import layer_norm, per_layer, stacked_blocks
+from meshtron.optim.lamb import layer_norm, per_layer
+from meshtron.optim.masks import tree_or_call
 from meshtron.optim.reduce import mean_over
 from meshtron.sharding import manual_part, spec_axes
 
@@ -111,7 +112,7 @@ def onebit_lamb(
     mask: PyTree | Callable[[optax.Params], PyTree] | None = None,
     momentum_mask: PyTree | Callable[[optax.Params], PyTree] | None = None,
     param_specs: SpecsLike = None,
-    stacked: Callable[[optax.Params], PyTree] = stacked_blocks,
+    stacked: PyTree | Callable[[optax.Params], PyTree] | None = None,
 ) -> OnebitLamb:
     """1-bit LAMB; defaults are DeepSpeed's.
 
@@ -134,7 +135,9 @@ def onebit_lamb(
       param_specs: the parameters' ``PartitionSpec`` s (or ``NamedSharding`` s, or a function of
         the parameters returning either) when the mesh has axes besides ``axis_name``; ``None``
         treats every parameter as replicated over them.
-      stacked: marks leaves whose leading axis stacks layers (trust ratio per layer).
+      stacked: marks leaves whose leading axis stacks layers (trust ratio per layer): a tree of
+        bools or a function of the parameters returning one, e.g.
+        ``meshtron.optim.stacked_from_axes(axes)`` from the model's logical axes; ``None``: none.
     """
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, (int, np.integer)) or freeze_step < 1:
         raise ValueError(f"freeze_step: must be an integer >= 1 (warmup updates before compression), got {freeze_step!r}")
@@ -297,8 +300,10 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
-def _flags(stacked: Callable[[optax.Params], PyTree], params, treedef) -> list[bool]:
-    return [bool(x) for x in treedef.flatten_up_to(stacked(params))]
+def _flags(stacked, params, treedef) -> list[bool]:
+    if stacked is None:
+        return [False] * treedef.num_leaves
+    return [bool(x) for x in treedef.flatten_up_to(tree_or_call(stacked, params))]
 
 
 def _mask_leaves(mask, params, treedef, default):

@@ -48,6 +48,12 @@ the same branch. :func:`meshtron.collective_order.unordered_collectives` checks 
 optimized HLO of every compiled step (tests/test_deadlock.py); a stress test runs schedules x
 meshes under a timeout.
 
+**Held-out evaluation** (:func:`run_pipeline_forward`) runs a forward-only program
+(:func:`meshtron.pipeline.schedules.forward_only`) through the same tick loop with the backward half
+switched off: no gradient buffer, no ``vjp``, no backward ``ppermute``, the same ``seq`` chain.
+Evaluating with the unpipelined model instead would gather every pipe-sharded layer onto every
+device.
+
 The runtime knows nothing about GPT: the model enters as three functions (:class:`StageFunctions`).
 """
 
@@ -66,10 +72,8 @@ from meshtron.pipeline.schedules import Program
 
 PyTree = Any
 
-_ROW_FIELDS = (
-    "fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot",
-    "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
-)
+_FORWARD_FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot")
+_ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot")
 
 
 @dataclass(frozen=True)
@@ -128,13 +132,15 @@ def segments(program: Program) -> list[_Segment]:
     the step's compile time. Merging two neighbours saves a copy and costs the sends the merged
     segment makes in ticks where the exact table sends nothing (the receiver ignores them: its
     ``recv`` slot is -1 there). Minimum: each microbatch crosses each of its ``v`` boundaries once
-    each way, ``2·m·v`` transfers per device; the budget is ``(1 + bubble)`` times that, bubble
-    ``(p - 1)/(v·m)``, i.e. ``2·(p - 1)`` extra transfers -- what the table's ramp-up and ramp-down
-    cost in compute anyway. Cheapest merges first.
+    each way, ``2·m·v`` transfers per device (``m·v``, one way, for a forward-only program); the
+    budget is ``(1 + bubble)`` times that, bubble ``(p - 1)/(v·m)``, i.e. ``2·(p - 1)`` (``p - 1``)
+    extra transfers -- what the table's ramp-up and ramp-down cost in compute anyway. Cheapest
+    merges first.
     """
     sched = program.schedule
-    minimum = 2 * sched.microbatches * sched.chunks
-    budget = minimum + 2 * (sched.stages - 1)
+    directions = 1 if sched.forward_only else 2
+    minimum = directions * sched.microbatches * sched.chunks
+    budget = minimum + directions * (sched.stages - 1)
     out = exact_segments(program)
     sent = sum(_sends(seg) for seg in out)
     while len(out) > 1:
@@ -194,7 +200,53 @@ def run_pipeline(
     ``(loss, stage_grads, shared_grads)``: the loss and shared gradients are identical on every
     stage (summed over ``axis``), stage gradients are this stage's own.
     """
+    if program.schedule.forward_only:
+        raise ValueError("run_pipeline: a forward-only program computes no gradients; "
+                         "use run_pipeline_forward")
+    return _run(program, fns, stage_params, shared_params, tokens, axis, check_vma)
+
+
+def run_pipeline_forward(
+    program: Program,
+    fns: StageFunctions,
+    stage_params: PyTree,
+    shared_params: PyTree,
+    tokens: jax.Array,
+    *,
+    axis: str = "pipe",
+    check_vma: bool = True,
+) -> jax.Array:
+    """Mean loss over the microbatches, computed stage by stage: held-out evaluation with pipe > 1.
+
+    ``program`` must be compiled from :func:`meshtron.pipeline.schedules.forward_only` (a training
+    table would idle through its backward ticks and keep its stash for them). Arguments as for
+    :func:`run_pipeline`; the layers stay on their stage, only activations move (one forward
+    ``ppermute`` per tick that sends), and the loss is identical on every stage after one sum over
+    ``axis``.
+    """
+    if not program.schedule.forward_only:
+        raise ValueError(
+            f"run_pipeline_forward: needs a forward-only program (schedules.forward_only), got a "
+            f"{program.schedule.name!r} training program"
+        )
+    loss, _, _ = _run(program, fns, stage_params, shared_params, tokens, axis, check_vma)
+    return loss
+
+
+def _run(
+    program: Program,
+    fns: StageFunctions,
+    stage_params: PyTree,
+    shared_params: PyTree,
+    tokens: jax.Array,
+    axis: str,
+    check_vma: bool,
+) -> tuple[jax.Array, PyTree | None, PyTree | None]:
+    """The tick loop of both entry points. With a forward-only program the backward half (gradient
+    buffer, backward message, gradient accumulators) is ``None`` in the carry and never traced, so
+    the forward-only step holds no gradient-sized state and runs no ``vjp``."""
     schedule = program.schedule
+    train = not schedule.forward_only
     p, m = schedule.stages, schedule.microbatches
     last_virtual = p * schedule.chunks - 1
     stage_index = jax.lax.axis_index(axis)
@@ -214,6 +266,7 @@ def run_pipeline(
     if check_vma:
         # Local copies on every stage: differentiating w.r.t. a value replicated over `axis` would
         # make autodiff insert its own psum inside the stage's branch; gradients are summed once below.
+        # (Forward-only runs need no copies, but a cast moves no data, so both modes share it.)
         shared_params = jax.lax.pcast(shared_params, axis, to="varying")
     act = jax.eval_shape(fns.embed, shared_params, tokens[0])
     zeros_act = zeros(act)
@@ -252,11 +305,13 @@ def run_pipeline(
             stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
             row = {k: jax.lax.dynamic_index_in_dim(row_all[k], stage_index, keepdims=False) for k in row_all}
             stash = _write(stash, row["recv_fwd_slot"], f_msg)
-            gbuf = _write(gbuf, row["recv_bwd_slot"], b_msg)
             # `seq` threads one data dependency through every collective-bearing operation of the
             # tick, in one fixed order (see the module docstring): forward, backward, send forward,
             # send backward, then the next tick.
-            seq = seq + _token(f_msg) + _token(b_msg)
+            seq = seq + _token(f_msg)
+            if train:
+                gbuf = _write(gbuf, row["recv_bwd_slot"], b_msg)
+                seq = seq + _token(b_msg)
             y_out, dx_out = f_msg, b_msg
             if seg.forward:
                 y_out, loss, seq = jax.lax.cond(
@@ -288,23 +343,29 @@ def run_pipeline(
 
         return tick
 
+    def buffer(slots: int) -> jax.Array:
+        return zeros(jax.ShapeDtypeStruct((max(slots, 1), *act.shape), act.dtype))
+
     carry = (
-        zeros(jax.ShapeDtypeStruct((max(program.stash_slots, 1), *act.shape), act.dtype)),
-        zeros(jax.ShapeDtypeStruct((max(program.grad_slots, 1), *act.shape), act.dtype)),
+        buffer(program.stash_slots),
+        buffer(program.grad_slots) if train else None,
         zeros_act,
-        zeros_act,
-        zeros(stage_params),
-        zeros(shared_params),
+        zeros_act if train else None,
+        zeros(stage_params) if train else None,
+        zeros(shared_params) if train else None,
         zero_loss,
         zero_loss,
     )
-    rows = {name: np.asarray(getattr(program, name), np.int32) for name in _ROW_FIELDS}
+    fields = _ROW_FIELDS if train else _FORWARD_FIELDS
+    rows = {name: np.asarray(getattr(program, name), np.int32) for name in fields}
     for seg in segments(program):
         xs = {name: jnp.asarray(arr[seg.start : seg.stop]) for name, arr in rows.items()}
         carry, _ = jax.lax.scan(make_tick(seg), carry, xs)
     _, _, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
     # The loss lives on the last stage and the shared gradients on the first and last: one sum of
     # both, after everything the loop ran (the last messages included).
-    seq = seq + _token(f_msg) + _token(b_msg) + _token(g_stage)
+    seq = seq + _token(f_msg)
+    if train:
+        seq = seq + _token(b_msg) + _token(g_stage)
     loss, g_shared = jax.lax.psum(_after((loss_sum * inv_m, g_shared), seq), axis)
     return loss, g_stage, g_shared

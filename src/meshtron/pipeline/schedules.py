@@ -22,6 +22,11 @@ forwards (GPipe) or as soon as the last virtual stage has the first microbatch's
 interleaved). The lockstep shift costs memory, not time: the bubble is exactly the textbook one,
 but stage 0 holds ``2p - 1`` microbatches in flight instead of Megatron's ``p`` (it cannot start
 a backward before the gradient has travelled back through the whole ring).
+
+Held-out evaluation uses a fourth, forward-only table (:func:`forward_only`): the same lockstep
+forward order with no backward work. Evaluating with the unpipelined model instead would make the
+compiler gather every pipe-sharded layer onto every device; the forward-only table keeps each
+stage's layers where they are and moves only activations, like training.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 T_FORWARD, T_BACKWARD = 1.0, 2.0  # unit cost model: a backward costs two forwards
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # training schedules, as configs name them
+FORWARD_ONLY = "forward-only"  # the name of :func:`forward_only` tables (not a training schedule)
 
 
 class ScheduleError(ValueError):
@@ -65,6 +71,12 @@ class Schedule:
     @property
     def ticks(self) -> int:
         return len(self.forward)
+
+    @property
+    def forward_only(self) -> bool:
+        """An evaluation table (:func:`forward_only`): the checker then requires *no* backward work,
+        where for a training table a missing backward is an error."""
+        return self.name == FORWARD_ONLY
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,6 +122,10 @@ def _validate(name: str, stages: int, microbatches: int, chunks: int) -> None:
         raise ScheduleError(f"stages: need at least 1 pipeline stage, got {stages}")
     if chunks < 1:
         raise ScheduleError(f"chunks: need at least 1 model chunk per stage, got {chunks}")
+    if name == FORWARD_ONLY:  # no backward to overlap with: any m >= 1 and v >= 1 is a valid table
+        if microbatches < 1:
+            raise ScheduleError(f"microbatches: need at least 1 microbatch, got {microbatches}")
+        return
     if microbatches < stages:
         raise ScheduleError(
             f"microbatches: m={microbatches} < p={stages}: the pipeline cannot fill; use at least {stages}"
@@ -148,6 +164,32 @@ def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
     return _shifted("interleaved", stages, microbatches, chunks, first_backward=chunks * stages - 1)
 
 
+def forward_only(stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """Forwards only, for held-out evaluation: every microbatch passes every virtual stage once, in
+    order, with nothing kept for a backward.
+
+    The op order is the training schedules' (:func:`_megatron_order`; for ``v = 1`` GPipe's fill),
+    so stage ``s`` chunk ``c`` holds the same layers as in training (stage-ordered interleaved
+    parameters work unchanged), and stage ``s`` runs op ``j`` in tick ``j + s``: every activation
+    is consumed the tick it arrives, so each stage needs one stash slot whatever ``m``. Unlike
+    training, ``m`` need not fill the pipeline nor be a multiple of ``p``: the order is laid out
+    for whole groups of ``p`` microbatches and the missing ones of a last, partial group leave their
+    cells idle (the ring hand-off of chunk ``c`` to ``c + 1`` needs that spacing), then trailing
+    idle ticks are dropped.
+    """
+    _validate(FORWARD_ONLY, stages, microbatches, chunks)
+    padded = -(-microbatches // stages) * stages
+    cells = {
+        (j + stage, stage): work
+        for j, work in enumerate(_megatron_order(stages, padded, chunks))
+        if work.microbatch < microbatches
+        for stage in range(stages)
+    }
+    ticks = 1 + max(tick for tick, _ in cells)
+    forward = tuple(tuple(cells.get((tick, stage)) for stage in range(stages)) for tick in range(ticks))
+    return Schedule(FORWARD_ONLY, stages, microbatches, chunks, forward, ((None,) * stages,) * ticks)
+
+
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
     """Build a schedule by name (``"gpipe"``, ``"1f1b"`` or ``"interleaved"``), as configs spell it."""
     if name not in SCHEDULES:
@@ -169,8 +211,8 @@ class ScheduleStats:
     """What a valid table costs: ticks, bubble (unit costs ``t_b = 2 t_f``) and activation memory."""
 
     ticks: int
-    bubble_fraction: float  # (lockstep run time - m·(t_f + t_b)) / m·(t_f + t_b)
-    ideal_bubble: float  # the textbook value: (p-1)/m, or (p-1)/(v·m) interleaved
+    bubble_fraction: float  # (lockstep run time - m·(t_f + t_b)) / m·(t_f + t_b); forward-only: m·t_f
+    ideal_bubble: float  # the textbook value: (p-1)/m, or (p-1)/(v·m) interleaved (and forward-only)
     peak_in_flight: tuple[int, ...]  # per stage, in chunk-microbatches (stage inputs stashed)
     megatron_peak_in_flight_stage0: int  # Megatron's asynchronous schedule on rank 0, for comparison
 
@@ -272,12 +314,13 @@ def _run_time(schedule: Schedule) -> float:
 
 def _peak_in_flight(schedule: Schedule, stage: int) -> int:
     """Most (microbatch, chunk) pairs forwarded but not yet backwarded on ``stage``, counted after
-    a tick's forward and before its backward (when a stage's stash is fullest)."""
+    a tick's forward and before its backward (when a stage's stash is fullest). A forward-only
+    table drops a stage input as soon as its forward has run."""
     live = peak = 0
     for frow, brow in zip(schedule.forward, schedule.backward):
         live += frow[stage] is not None
         peak = max(peak, live)
-        live -= brow[stage] is not None
+        live -= (frow if schedule.forward_only else brow)[stage] is not None
     return peak
 
 
@@ -285,21 +328,40 @@ def _megatron_peak_stage0(name: str, stages: int, microbatches: int, chunks: int
     """Megatron-LM's asynchronous schedules keep ``warmup + 1`` chunk-microbatches on rank 0:
     warmup is ``p - 1`` for 1F1B and ``2(p-1) + (v-1)p`` interleaved (capped at all ``m·v``)."""
     total = microbatches * chunks
+    if name == FORWARD_ONLY:  # Megatron's forward_only mode frees each stage input after its forward
+        return min(total, 1)
     if name == "gpipe":
         return total
     warmup = stages - 1 if chunks == 1 else 2 * (stages - 1) + (chunks - 1) * stages
     return min(total, warmup + 1)
 
 
+def _check_no_backward(schedule: Schedule) -> None:
+    """A forward-only table must not run backwards: its program keeps no stage inputs for them."""
+    p = schedule.stages
+    for tick, row in enumerate(schedule.backward):
+        for stage, work in enumerate(row):
+            if work is not None:
+                raise ScheduleError(
+                    f"tick {tick}, stage {stage}: a forward-only table runs no backward, but this one "
+                    f"runs the {_describe('backward', work.microbatch, work.chunk * p + stage, p)}"
+                )
+
+
 def check(schedule: Schedule) -> ScheduleStats:
     """Prove ``schedule`` runs every forward and backward exactly once on the right stage and
-    respects every dependency; report its cost. Raises :class:`ScheduleError` naming the first
-    problem (tick, stage and what is wrong)."""
+    respects every dependency; report its cost. A forward-only table must run every forward and no
+    backward. Raises :class:`ScheduleError` naming the first problem (tick, stage and what is wrong)."""
     _check_shape(schedule)
-    fwd, bwd = _placement(schedule, "forward"), _placement(schedule, "backward")
+    fwd = _placement(schedule, "forward")
+    if schedule.forward_only:
+        _check_no_backward(schedule)
+        bwd: Placement = {}
+    else:
+        bwd = _placement(schedule, "backward")
     _check_dependencies(schedule, fwd, bwd)
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
-    ideal = m * (T_FORWARD + T_BACKWARD)
+    ideal = m * (T_FORWARD + (0.0 if schedule.forward_only else T_BACKWARD))
     return ScheduleStats(
         ticks=schedule.ticks,
         bubble_fraction=(_run_time(schedule) - ideal) / ideal,
@@ -336,7 +398,8 @@ def render(schedule: Schedule) -> str:
 class Program:
     """Per-tick, per-stage instructions for the runtime; read-only int32 arrays ``[ticks, stages]``,
     -1 = none. Received values wait in per-stage slot buffers (``stash`` for activations, ``grad``
-    for output gradients) whose sizes are ``stash_slots`` and ``grad_slots``."""
+    for output gradients) whose sizes are ``stash_slots`` and ``grad_slots``. A forward-only
+    program has no backward instructions (all -1 / 0) and ``grad_slots == 0``."""
 
     schedule: Schedule
     fwd_mb: np.ndarray
@@ -386,8 +449,9 @@ def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]]
     """One stage's instruction columns plus its stash and grad buffer sizes.
 
     A slot is taken when a value arrives (start of tick ``t``) and released by the backward that
-    consumes it; since arrivals are handled before that tick's work, a released slot is first
-    reused by a value arriving in a later tick, so nothing is overwritten while live.
+    consumes it -- by the forward in a forward-only table, where nothing is recomputed; since
+    arrivals are handled before that tick's work, a released slot is first reused by a value
+    arriving in a later tick, so nothing is overwritten while live.
     """
     p, ticks = schedule.stages, schedule.ticks
     last = p * schedule.chunks - 1
@@ -408,7 +472,7 @@ def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]]
         if work is not None:
             key = (work.microbatch, work.chunk * p + stage)
             col["fwd_mb"][tick], col["fwd_chunk"][tick] = work.microbatch, work.chunk
-            col["fwd_slot"][tick] = stash.owner.get(key, -1)
+            col["fwd_slot"][tick] = stash.release(key) if schedule.forward_only else stash.owner.get(key, -1)
             col["fwd_send"][tick] = int(key[1] < last)
         work = schedule.backward[tick][stage]
         if work is not None:

@@ -27,10 +27,11 @@ from rich.progress import (
 
 from meshtron.analysis import format_bytes
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
-from meshtron.config import Config, ConfigError, MeshConfig, to_dict, validate
+from meshtron.config import Config, ConfigError, MeshConfig, to_dict, validate, validate_pipeline
 from meshtron.data import BatchStream, Corpus, heldout_stream
 from meshtron.errors import NonFiniteLossError, RunStopped
 from meshtron.mesh import build_mesh, resolve_sizes
+from meshtron.models.contract import ModelFactory
 from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
 from meshtron.pipeline.schedules import compile_program, make_schedule
@@ -41,7 +42,7 @@ from meshtron.train.pipelined import (
     to_canonical,
     to_stage_order,
 )
-from meshtron.train.state import ModelDef, Params, dims_from_config
+from meshtron.train.state import ModelDef, Params, model_def_from_config
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
 
@@ -77,21 +78,32 @@ class Trainer:
     programs: dict[Any, Any] = field(default_factory=dict, repr=False)  # jitted helpers, compiled once per run
 
     @classmethod
-    def from_config(cls, cfg: Config, devices=None, *, verbose: bool = False) -> Trainer:
+    def from_config(cls, cfg: Config, devices=None, *, verbose: bool = False, model: ModelFactory | None = None,
+                    rules: dict[str, str | None] | None = None) -> Trainer:
+        """The run ``cfg`` describes. ``model``: a factory ``rngs -> nnx.Module`` of your own model (any
+        :mod:`meshtron.models.contract` model) instead of ``model.family``/``model.factory``; ``rules``:
+        its logical axis names -> mesh axes, on top of Megatron's table and ``model.rules``."""
         devices = list(jax.devices() if devices is None else devices)
         data, pipe, tensor = resolve_sizes(cfg.mesh, len(devices))
         cfg = replace(cfg, mesh=MeshConfig(data=data, pipe=pipe, tensor=tensor))
         validate(cfg)  # again, now that a -1 axis has its real size
         mesh = build_mesh(cfg.mesh, devices, verbose=verbose)
+        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model)
+        if model_def.layers != cfg.model.layers:  # a user's model: its own depth decides the pipeline split
+            cfg = replace(cfg, model=replace(cfg.model, layers=model_def.layers))
+            validate_pipeline(cfg)
+        if model_def.max_len is not None and model_def.max_len < cfg.model.seq_len:
+            raise ConfigError(f"model.seq_len: {cfg.model.seq_len} is longer than the model's {model_def.max_len} "
+                              f"positions; use model.seq_len <= {model_def.max_len}")
+        model_def.check_mesh(mesh)
         corpus = Corpus.from_config(
-            cfg.data, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size, vocab_size=cfg.model.vocab_size
+            cfg.data, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size, vocab_size=model_def.vocab_size
         )
-        model_def = ModelDef.create(dims_from_config(cfg.model, tensor))
         program = None
         if pipe > 1:
             schedule = make_schedule(cfg.pipeline.schedule, pipe, cfg.train.microbatches, cfg.pipeline.chunks)
             program = compile_program(schedule)
-        optimizer = optimizer_setup(cfg, param_specs=model_def.shardings(mesh))
+        optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=model_def.shardings(mesh))
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
             microbatches=cfg.train.microbatches, program=program, stages=optimizer.stages,
@@ -105,7 +117,7 @@ class Trainer:
         pipe = self.mesh.shape["pipe"]
         if pipe == 1:
             return params
-        reorder = partial(to_stage_order, layers=self.cfg.model.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
+        reorder = partial(to_stage_order, layers=self.model_def.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
         with jax.set_mesh(self.mesh):
             return jax.jit(reorder, out_shardings=self.steps.param_shardings, donate_argnums=0)(params)
 
@@ -114,7 +126,7 @@ class Trainer:
         pipe = self.mesh.shape["pipe"]
         if pipe == 1:
             return params
-        reorder = partial(to_canonical, layers=self.cfg.model.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
+        reorder = partial(to_canonical, layers=self.model_def.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
         with jax.set_mesh(self.mesh):
             return jax.jit(reorder, out_shardings=self.steps.param_shardings)(params)
 
@@ -136,7 +148,7 @@ class Trainer:
         pipe = self.mesh.shape["pipe"]
         if pipe == 1:
             return None
-        order = stage_order(self.cfg.model.layers, pipe, self.cfg.pipeline.chunks)
+        order = stage_order(self.model_def.layers, pipe, self.cfg.pipeline.chunks)
         return order if to_stage else np.argsort(order)
 
     def _move_layers(self, params: Params, opt_state, *, to_stage: bool):
@@ -257,6 +269,11 @@ class Trainer:
             position = RunPosition(0, 0, 0)
         else:
             params, opt_state, position = resumed
+            if position.step > t.steps:
+                store.close()
+                raise ConfigError(
+                    f"train.steps: {t.steps} is below the step of the newest checkpoint in {store.directory} "
+                    f"({position.step}); raise train.steps to train on from it, or use another checkpoint.dir")
             console.print(f"resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})", soft_wrap=True)
         if metrics_file is not None and lead:
             _keep_records_up_to(metrics_file, position.step)
@@ -412,7 +429,7 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
     margin = result.unigram_loss - result.heldout_loss
     lines = [
         "",
-        (f"mesh {mesh}  model {trainer.cfg.model.layers}x{trainer.cfg.model.hidden}  "
+        (f"mesh {mesh}  model {trainer.model_def.describe()}  "
         f"steps {result.steps}  data {trainer.corpus.source}"),
         f"held-out loss     {result.heldout_loss:.4f} nats/token",
         (f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "

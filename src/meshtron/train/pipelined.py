@@ -1,4 +1,4 @@
-"""GPT <-> pipeline glue: cutting the model into stage functions and placing layers on stages.
+"""Model <-> pipeline glue: cutting any contract model into stage functions and placing layers on stages.
 
 The canonical parameter tree stacks blocks as ``[layers, ...]``. Pipelining shards that axis over
 ``pipe``; for the interleaved schedule stage ``s`` must hold, for every chunk ``c``, layers
@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtron.models.gpt import run_blocks, vocab_parallel_cross_entropy
-from meshtron.pipeline.runtime import StageFunctions, run_pipeline
-from meshtron.pipeline.schedules import Program
+from meshtron.models.contract import Context, run_blocks, token_losses
+from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
+from meshtron.pipeline.schedules import Program, compile_program, forward_only
 from meshtron.train.state import ModelDef, Params
 
 PIPE = "pipe"
@@ -65,19 +65,21 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
                         is_leaf=param_shaped)
 
 
-def gpt_stage_functions(model_def: ModelDef) -> StageFunctions:
-    """The GPT cut into embedding (first virtual stage), a chunk of blocks, and head + loss (last)."""
-    vocab = model_def.dims.vocab_size
+def stage_functions(model_def: ModelDef) -> StageFunctions:
+    """A contract model cut into embedding (first virtual stage), a chunk of blocks, and head + loss
+    (last virtual stage). Activations between stages are ``x`` [rows, seq, hidden]; every stage
+    knows its positions from the shape (training sequences start at position 0)."""
 
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
-        return model_def.bind(shared).embed(tokens[:, :-1])
+        inputs = tokens[:, :-1]
+        return model_def.bind(shared).embed(inputs, Context.for_sequence(*inputs.shape))
 
     def stage(chunk_blocks: Params, x: jax.Array) -> jax.Array:
-        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x)
+        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_sequence(*x.shape[:2]))
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
-        logits = model_def.bind(shared).head(y)
-        return jnp.mean(vocab_parallel_cross_entropy(logits, tokens[:, 1:], vocab))
+        model = model_def.bind(shared)
+        return jnp.mean(token_losses(model, model.head(y), tokens[:, 1:]))
 
     return StageFunctions(embed, stage, loss)
 
@@ -87,7 +89,7 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool):
 
     Called inside the trainer's data-parallel region; gradients are local to the data shard.
     """
-    fns = gpt_stage_functions(model_def)
+    fns = stage_functions(model_def)
     chunks = program.schedule.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
@@ -112,3 +114,29 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool):
         return loss, {**g_shared, "blocks": g_blocks}
 
     return gradients
+
+
+def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bool):
+    """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
+
+    Same stages, layer placement and microbatches as training (``schedule_program``'s), but a
+    forward-only table: every stage keeps its own layers, so nothing is gathered over ``pipe``
+    (the plain forward pass would all-gather every pipe-sharded layer onto each device).
+    """
+    sched = schedule_program.schedule
+    program = compile_program(forward_only(sched.stages, sched.microbatches, sched.chunks))
+    fns = stage_functions(model_def)
+    chunks = sched.chunks
+
+    def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
+        by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
+        return run_pipeline_forward(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma)
+
+    def loss(params: Params, tokens: jax.Array) -> jax.Array:
+        stage_map = jax.shard_map(
+            per_stage, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(PIPE), P(), P()), out_specs=P(),
+            axis_names={PIPE}, check_vma=check_vma,
+        )
+        return stage_map(params["blocks"], {k: v for k, v in params.items() if k != "blocks"}, tokens)
+
+    return loss

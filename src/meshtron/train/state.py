@@ -1,44 +1,32 @@
-"""The GPT's parameter tree, its logical layout, and sharded initialisation.
+"""A model's parameter tree, its logical layout, and sharded initialisation -- for any model that
+follows :mod:`meshtron.models.contract`.
 
 Parameters are kept as a plain nested dict of arrays (the canonical tree a checkpoint sees);
 :class:`ModelDef` knows how to rebuild the NNX module from such a dict (``bind``), what logical
-axes every leaf carries, and how to create the tree *already sharded*: initialisation runs
-under ``jax.jit`` with ``out_shardings`` from the rules table, so no parameter is ever
-materialised whole on one device.
+axes every leaf carries, which rules table places them, and how to create the tree *already
+sharded*: initialisation runs under ``jax.jit`` with ``out_shardings`` from the rules table, so no
+parameter is ever materialised whole on one device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshtron.config import ModelConfig, padded_vocab_size
-from meshtron.models.gpt import GPT, GPTDims
-from meshtron.sharding import logical_to_spec, variable_axes
+from meshtron.config import ConfigError, ModelConfig
+from meshtron.models.contract import LAYERS, ModelFactory, check_model, lm_loss
+from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
 
 Params = dict[str, Any]
-
-
-def dims_from_config(cfg: ModelConfig, tensor: int = 1) -> GPTDims:
-    """Static model shape; the vocabulary is padded to a multiple of 128 x tensor as in Megatron."""
-    return GPTDims(
-        vocab_size=cfg.vocab_size,
-        vocab_padded=padded_vocab_size(cfg.vocab_size, tensor),
-        hidden=cfg.hidden,
-        heads=cfg.heads,
-        layers=cfg.layers,
-        mlp_dim=cfg.mlp_dim,
-        seq_len=cfg.seq_len,
-        dtype=jnp.dtype(cfg.dtype),
-        param_dtype=jnp.dtype(cfg.param_dtype),
-        remat=cfg.remat == "full",
-    )
 
 
 def _is_variable(x: Any) -> bool:
@@ -47,20 +35,97 @@ def _is_variable(x: Any) -> bool:
 
 @dataclass(frozen=True)
 class ModelDef:
-    """A GPT's structure without its values: rebuilds modules from parameter dicts."""
+    """A model's structure without its values: rebuilds modules from parameter dicts.
 
-    dims: GPTDims
+    ``factory(rngs)`` makes the model (any :mod:`~meshtron.models.contract` model); ``rules`` is the
+    logical -> mesh axis table that lays it out; ``remat`` recomputes each block in the backward pass.
+    """
+
+    factory: ModelFactory
     graphdef: Any
     abstract_state: Any  # nnx.State of abstract Param variables (shapes + logical-axis metadata)
+    rules: Rules
+    vocab_size: int  # the real vocabulary (logits may be padded beyond it)
+    max_len: int | None  # the model's own context limit (learned positions), if it has one
+    can_cache: bool  # the model provides init_cache: generation decodes with a KV cache
+    remat: bool = False
 
     @classmethod
-    def create(cls, dims: GPTDims) -> ModelDef:
-        with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: GPT(dims, rngs=nnx.Rngs(0)))
+    def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: bool = False) -> ModelDef:
+        """Trace ``factory`` abstractly (no parameter is created) and check the model contract."""
+        rules = tuple(rules)
+        with axis_rules(rules), nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+        check_model(abstract, rules)
+        max_len = getattr(abstract, "max_len", None)
+        can_cache = callable(getattr(abstract, "init_cache", None))
         graphdef, state = nnx.split(abstract, nnx.Param)
-        return cls(dims, graphdef, state)
+        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat)
 
-    def bind(self, params: Params) -> GPT:
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Trace model code inside this: its activation constraints follow this model's rules."""
+        with axis_rules(self.rules):
+            yield
+
+    def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` traced under this model's rules (wrap what ``jax.jit`` traces)."""
+
+        @functools.wraps(fn)
+        def within_rules(*args, **kwargs):
+            with self.scope():
+                return fn(*args, **kwargs)
+
+        return within_rules
+
+    @property
+    def layers(self) -> int:
+        """Depth of the block stack (the leading size of every block parameter)."""
+        return jax.tree.leaves(self.shapes()["blocks"])[0].shape[0]
+
+    @property
+    def vocab_padded(self) -> int:
+        """The vocabulary as the parameters hold it (the leading size of a ``vocab``-first parameter)."""
+        sizes = [s.shape[0] for s, a in zip(jax.tree.leaves(self.shapes()), self._axes_leaves(), strict=True)
+                 if a and a[0] == "vocab"]
+        return max(sizes, default=self.vocab_size)
+
+    def parameter_count(self) -> int:
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes()))
+
+    def describe(self) -> str:
+        """One line: the model's class, size and depth (run summaries)."""
+        return f"{type(nnx.merge(self.graphdef, self.abstract_state)).__name__} {_count(self.parameter_count())} params, {self.layers} layers"
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Every sharded dimension must split evenly over its mesh axes; one line naming the parameter,
+        the logical axis and the fix otherwise (instead of JAX's error from inside ``jit``)."""
+        for name, shape, axes in zip(leaf_names(self.shapes()), jax.tree.leaves(self.shapes()), self._axes_leaves(),
+                                     strict=True):
+            spec = logical_to_spec(axes, self.rules)
+            for size, logical, entry in zip(shape.shape, axes, spec, strict=False):
+                names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+                split = math.prod(mesh.shape[a] for a in names)
+                if size % split:
+                    where = "x".join(f"{a}={mesh.shape[a]}" for a in names)
+                    raise ConfigError(
+                        f"model: parameter {name} has {logical!r} of size {size}, which {where} does not divide; "
+                        f"use a size divisible by {split}, a smaller mesh axis, or model.rules={{{logical}: null}} "
+                        "to replicate it")
+
+    def loss(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """Mean next-token loss of ``tokens`` [batch, seq + 1] through the contract."""
+        return lm_loss(self.bind(params), tokens, remat=self.remat)
+
+    def stacked(self) -> Params:
+        """``True`` for parameters with a leading ``layers`` axis (per-layer optimizer choices)."""
+        return jax.tree.map(lambda a: bool(a) and a[0] == LAYERS, self.logical_axes(),
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    def _axes_leaves(self) -> list[tuple[str | None, ...]]:
+        return jax.tree.leaves(self.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
+
+    def bind(self, params: Params) -> nnx.Module:
         """The NNX module for a parameter dict (inside jit this costs nothing at run time)."""
         state = jax.tree.map(lambda v: v, self.abstract_state, is_leaf=_is_variable)
         nnx.replace_by_pure_dict(state, params)
@@ -82,8 +147,8 @@ class ModelDef:
 
     def vocab_parameters(self) -> set[str]:
         """Dotted names of parameters whose leading axis is the (padded) vocabulary."""
-        axes = jax.tree.leaves(self.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
-        return {name for name, a in zip(leaf_names(self.shapes()), axes, strict=True) if a and a[0] == "vocab"}
+        return {name for name, a in zip(leaf_names(self.shapes()), self._axes_leaves(), strict=True)
+                if a and a[0] == "vocab"}
 
     def resizable_in(self, state: Any) -> frozenset[str]:
         """Leaves of a checkpoint ``state`` (parameters, moments) laid out ``[vocab_padded, ...]``: their
@@ -91,28 +156,27 @@ class ModelDef:
         vocab = self.vocab_parameters()
         return frozenset(
             name for name, x in zip(leaf_names(state), jax.tree.leaves(state), strict=True)
-            if x.ndim and x.shape[0] == self.dims.vocab_padded and any(name.endswith("." + v) for v in vocab)
+            if x.ndim and x.shape[0] == self.vocab_padded and any(name.endswith("." + v) for v in vocab)
         )
 
     def shardings(self, mesh: Mesh) -> Params:
-        """Where every parameter lives on ``mesh`` according to the active rules table."""
+        """Where every parameter lives on ``mesh`` according to this model's rules table."""
         return jax.tree.map(
-            lambda names: NamedSharding(mesh, logical_to_spec(names)),
+            lambda names: NamedSharding(mesh, logical_to_spec(names, self.rules)),
             self.logical_axes(),
             is_leaf=lambda x: isinstance(x, tuple),
         )
 
     def init(self, mesh: Mesh, seed: int) -> Params:
         """Parameters created sharded (jit with ``out_shardings``), then checked against the layout."""
-        dims = self.dims
 
         def create() -> Params:
             with nnx.use_eager_sharding(False):
-                model = GPT(dims, rngs=nnx.Rngs(params=seed))
+                model = self.factory(nnx.Rngs(params=seed))
             return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
         shardings = self.shardings(mesh)
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), self.scope():
             params = jax.jit(create, out_shardings=shardings)()
         check_layout(params, shardings)
         return params
@@ -135,3 +199,22 @@ def check_layout(params: Params, shardings: Params) -> None:
             wrong.append(f"{jax.tree_util.keystr(path)}: has {array.sharding.spec}, declared {sharding.spec}")
     if wrong:
         raise AssertionError("parameters are not laid out as declared:\n  " + "\n  ".join(wrong))
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[str, str | None] | None = None,
+                          factory: ModelFactory | None = None) -> ModelDef:
+    """The :class:`ModelDef` of a run: ``factory`` (a user's model), else ``model.factory`` or
+    ``model.family`` from the config; Megatron's rules extended by the family's own, then by
+    ``model.rules`` and ``rules`` (later ones win)."""
+    from meshtron.models.registry import family_rules, model_factory
+
+    table = extend_rules(MEGATRON_RULES, family_rules(cfg, tensor) if factory is None else {})
+    table = extend_rules(extend_rules(table, cfg.rules), rules or {})
+    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat == "full")

@@ -34,11 +34,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron import analysis
-from meshtron.models.gpt import lm_loss
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
 from meshtron.pipeline.schedules import Program
-from meshtron.train.pipelined import pipelined_gradients, to_canonical
+from meshtron.train.pipelined import pipelined_gradients, pipelined_loss
 from meshtron.train.state import ModelDef, Params
 
 DATA = "data"
@@ -85,10 +84,7 @@ def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, micr
     ``params`` must already be varying over ``data`` so the gradients stay local.
     """
 
-    def loss_of(p: Params, batch: jax.Array) -> jax.Array:
-        return lm_loss(model_def.bind(p), batch)
-
-    grad_fn = jax.value_and_grad(loss_of)
+    grad_fn = jax.value_and_grad(model_def.loss)
     if microbatches == 1:
         return grad_fn(params, tokens)
 
@@ -144,16 +140,26 @@ def build_steps(
         )
 
     batch_sharding = NamedSharding(mesh, P(DATA, None))
+
+    def as_microbatches(tokens: jax.Array) -> jax.Array:
+        return tokens.reshape(microbatches, tokens.shape[0] // microbatches, tokens.shape[1])
+
     if program is not None:
         run_schedule = pipelined_gradients(model_def, program, check_vma)
+        run_forward = pipelined_loss(model_def, program, check_vma)
 
         def shard_gradients(params: Params, tokens: jax.Array):
-            rows = tokens.shape[0] // microbatches
-            return run_schedule(params, tokens.reshape(microbatches, rows, tokens.shape[1]))
+            return run_schedule(params, as_microbatches(tokens))
+
+        def shard_loss(params: Params, tokens: jax.Array) -> jax.Array:
+            return run_forward(params, as_microbatches(tokens))
     else:
 
         def shard_gradients(params: Params, tokens: jax.Array):
             return local_gradients(model_def, params, tokens, microbatches)
+
+        def shard_loss(params: Params, tokens: jax.Array) -> jax.Array:
+            return model_def.loss(params, tokens)
 
     def init_state(p: Params) -> OptState:
         return OptState(reduction.init(p), optimizer.init(p))
@@ -193,22 +199,18 @@ def build_steps(
         return mean_over(loss, DATA), mean_over(grads, DATA)
 
     def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
-        return mean_over(lm_loss(model_def.bind(params), tokens), DATA)
+        return mean_over(shard_loss(params, tokens), DATA)
 
     def evaluate(params: Params, tokens: jax.Array) -> jax.Array:
-        # Evaluation runs the plain forward pass (the compiler gathers the pipe-sharded layers),
-        # so block layers go back to canonical order first -- before the data-parallel shard_map:
-        # inside it (data manual), XLA 0.12's SPMD partitioner aborts on this gather of an operand
-        # sharded over both pipe and tensor (spmd_partitioner_util.cc CHECK).
-        if program is not None:
-            sched = program.schedule
-            params = to_canonical(params, model_def.dims.layers, sched.stages, sched.chunks)
+        # With a pipeline, evaluation is a forward-only pipeline program over the same stages
+        # (layers stay where training keeps them: nothing is gathered over ``pipe``).
         return data_shard_map(per_shard_eval, (P(), P(DATA)), P())(params, tokens)
 
     gradients = data_shard_map(per_shard_gradients, (P(), P(DATA)), (P(), P()))
+    scoped = model_def.traced
     return TrainSteps(
         mesh, param_shardings, opt_shardings, batch_sharding, tuple(stages),
-        train=train, evaluate=evaluate, gradients=gradients, init_state=init_state,
+        train=scoped(train), evaluate=scoped(evaluate), gradients=scoped(gradients), init_state=init_state,
     )
 
 
@@ -279,8 +281,14 @@ class TrainSteps:
         return self._data_bytes.get(stage)
 
     def eval(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """Mean loss of ``tokens`` (no update); with a pipeline, a forward-only pipeline program."""
         with jax.set_mesh(self.mesh):
             return self._eval_jit(params, tokens)
+
+    def lower_eval(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
+        """The lowered evaluation step, for compiled-program analysis."""
+        with jax.set_mesh(self.mesh):
+            return self._eval_jit.lower(params, tokens)
 
     def gradients(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, Params]:
         """Mean loss and the gradient averaged over ``data`` (what plain data parallelism reduces)."""

@@ -1,0 +1,217 @@
+"""The model contract: what a causal language model provides so that meshtron can train it data x
+pipeline x tensor parallel, checkpoint it, evaluate it and generate from it.
+
+Every consumer -- the train step, the pipeline's stage functions, stage-order layer placement,
+evaluation, checkpoints, ``describe``, ``generate`` and the optimizer's per-layer choices -- goes
+through this contract and nothing else, so GPT and Llama are two implementations of it and a
+user's model is a third. A model is any ``nnx.Module`` with:
+
+``vocab_size: int``
+    The real vocabulary. Logits may be padded beyond it (Megatron pads to a multiple of
+    128 x tensor); padded ids are masked out of the loss and never generated.
+``embed(tokens [b, s], ctx) -> x [b, s, h]``
+    Token (and, if the model has them, position) embeddings: the first virtual pipeline stage.
+``blocks``
+    One block class, its parameters stacked on a leading ``layers`` axis: build it with
+    :func:`stack_blocks` from any function that makes one block. A block is called
+    ``block(x, ctx) -> x``; during cached decoding ``ctx.cache`` holds the block's own cache and
+    the block returns ``(x, new_cache)`` (:func:`meshtron.models.attention.causal_attention`
+    does both).
+``head(x [b, s, h]) -> logits [b, s, V]``
+    Final norm and output projection: the last virtual stage. Logits stay split over the
+    vocabulary when the head's parameters are (logical axis ``vocab``).
+``loss(logits, targets) -> [b, s]`` (optional)
+    Per-token loss; default :func:`vocab_parallel_cross_entropy` over ``vocab_size``.
+``max_len: int`` (optional)
+    The longest sequence the model can attend over (learned positions); generation keeps at
+    most this many tokens of context. Without it, the run's ``model.seq_len``.
+``init_cache(batch, max_len) -> caches`` (optional)
+    Zeroed per-layer decoding caches stacked ``[layers, ...]``; with it, ``generate`` runs one
+    prefill and one compiled step per token instead of re-running the whole window.
+
+Every ``nnx.Param`` carries logical axis names (``nnx.with_partitioning(init, names)``); the
+rules table (:mod:`meshtron.sharding`) maps them to mesh axes, so the model names no mesh axis.
+:func:`check_model` enforces all of this with one error that names what is missing and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshtron.config import ConfigError
+from meshtron.sharding import Rules, variable_axes
+
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+LAYERS = "layers"
+
+
+class ModelContractError(ConfigError):
+    """The model does not provide what :mod:`meshtron.models.contract` asks for; the message says what and how to fix it."""
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Context:
+    """What a block needs besides its input ``x``.
+
+    ``positions`` [b, s] are the absolute positions of ``x``'s tokens (rotary embeddings use them);
+    ``cache`` is, during cached decoding, this block's own cache (the layer scan hands every block
+    its slice of the stacked caches), else ``None``.
+    """
+
+    positions: jax.Array
+    cache: Any = None
+
+    @classmethod
+    def for_sequence(cls, batch: int, seq: int, start: int | jax.Array = 0, cache: Any = None) -> Context:
+        """Positions ``start .. start + seq - 1`` for every row."""
+        positions = jnp.arange(seq, dtype=jnp.int32)[None, :] + jnp.asarray(start, jnp.int32)
+        return cls(jnp.broadcast_to(positions, (batch, seq)), cache)
+
+
+def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``layers`` independent blocks made by ``make_block(rngs)``, their parameters stacked on a leading
+    ``layers`` axis (the canonical layout pipeline placement and checkpoints rely on).
+
+    Each block draws from its own key, split from ``rngs.params()``.
+    """
+    keys = jax.random.split(rngs.params(), layers)
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def make(key: jax.Array) -> nnx.Module:
+        return make_block(nnx.Rngs(params=key))
+
+    return make(keys)
+
+
+def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: bool = False):
+    """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
+
+    With ``ctx.cache`` (stacked caches ``[layers, ...]``) every block gets its own and the result is
+    ``(x, new_caches)``; otherwise ``x``. With ``remat`` each block's activations are recomputed in
+    the backward pass (Megatron's full activation recomputation: only block inputs are kept).
+    """
+    graphdef, state = nnx.split(blocks)
+    if ctx.cache is None:
+        def one_layer(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, ctx), None
+
+        if remat:
+            one_layer = jax.checkpoint(one_layer, prevent_cse=False)
+        x, _ = jax.lax.scan(one_layer, x, state)
+        return x
+
+    # The stacked caches ride in the carry and each layer updates its own slice in place: as scan
+    # inputs and outputs they would be copied whole every decoding step.
+    def cached_layer(carry, layer_state):
+        h, caches, i = carry
+        cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), caches)
+        h, cache = nnx.merge(graphdef, layer_state)(h, replace(ctx, cache=cache))
+        caches = jax.tree.map(lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n, i, 0), caches, cache)
+        return (h, caches, i + 1), None
+
+    (x, caches, _), _ = jax.lax.scan(cached_layer, (x, ctx.cache, jnp.int32(0)), state)
+    return x, caches
+
+
+def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
+    """Per-token cross-entropy computed on vocabulary shards, as Megatron's ``_VocabParallelCrossEntropy``.
+
+    Written so that every reduction over the vocabulary is a plain max/sum: with logits split over
+    ``vocab`` the compiler turns them into three small all-reduces of [batch, seq] (max, target
+    logit, sum of exponentials), and the full logits are never gathered. Padded vocabulary entries
+    (ids >= ``vocab_size``) are masked out of the softmax.
+    """
+    logits = logits.astype(jnp.float32)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    logits = jnp.where(ids < vocab_size, logits, jnp.finfo(logits.dtype).min)
+    shifted = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    log_normaliser = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    target_logit = jnp.sum(jnp.where(ids == targets[..., None], shifted, 0.0), axis=-1)
+    return log_normaliser - target_logit
+
+
+def token_losses(model: nnx.Module, logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Per-token loss [b, s]: the model's own ``loss`` if it has one, else the vocab-parallel cross-entropy."""
+    own = getattr(model, "loss", None)
+    if own is not None:
+        return own(logits, targets)
+    return vocab_parallel_cross_entropy(logits, targets, model.vocab_size)
+
+
+def logits_of(model: nnx.Module, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
+    """The full forward pass through the contract: embed -> blocks -> head."""
+    ctx = Context.for_sequence(*tokens.shape)
+    return model.head(run_blocks(model.blocks, model.embed(tokens, ctx), ctx, remat=remat))
+
+
+def lm_loss(model: nnx.Module, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
+    """Mean next-token loss of ``tokens`` [batch, seq_len + 1]."""
+    return jnp.mean(token_losses(model, logits_of(model, tokens[:, :-1], remat=remat), tokens[:, 1:]))
+
+
+# ---- checking a model -------------------------------------------------------------------------
+
+
+def _fail(what: str, fix: str) -> None:
+    raise ModelContractError(f"model: {what}; {fix} (see meshtron.models.contract)")
+
+
+def _path(path: tuple) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def check_model(model: Any, rules: Rules) -> None:
+    """Raise :class:`ModelContractError` (one line: what is missing, and the fix) unless ``model``
+    (typically abstract, from ``nnx.eval_shape``) follows the contract under ``rules``."""
+    kind = type(model).__name__
+    if not isinstance(model, nnx.Module):
+        _fail(f"the factory returned a {kind}, not an nnx.Module", "return the model instance from the factory")
+    for method in ("embed", "head"):
+        if not callable(getattr(model, method, None)):
+            _fail(f"{kind} has no method {method}()",
+                  "add embed(tokens, ctx) -> x and head(x) -> logits" if method == "embed" else
+                  "add head(x) -> logits (final norm + output projection)")
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nnx.Module):
+        _fail(f"{kind} has no attribute 'blocks' holding stacked blocks",
+              "set self.blocks = meshtron.models.stack_blocks(make_block, layers, rngs)")
+    vocab = getattr(model, "vocab_size", None)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        _fail(f"{kind}.vocab_size is {vocab!r}, not a positive int",
+              "give the model a vocab_size attribute (the real vocabulary, before padding)")
+    named = {name for name, _ in rules}
+    depth = None
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        where = _path(path)
+        try:
+            axes = variable_axes(var)
+        except ValueError:
+            _fail(f"parameter {where} has no logical axis names",
+                  "create it with nnx.with_partitioning(init, (names...)) or pass kernel_init/bias_init that do")
+        shape = var.get_value().shape
+        if len(axes) != len(shape):
+            _fail(f"parameter {where} has shape {shape} but {len(axes)} axis names {axes}", "name every axis once")
+        unknown = [a for a in axes if a is not None and a not in named]
+        if unknown:
+            _fail(f"parameter {where} uses logical axis {unknown[0]!r}, which no sharding rule maps",
+                  f"add a rule, e.g. model.rules={{{unknown[0]}: null}} (replicated) or rules={{'{unknown[0]}': 'tensor'}}")
+        in_blocks = where.startswith("blocks.")
+        if in_blocks and axes[0] != LAYERS:
+            _fail(f"parameter {where} is under blocks but its first axis is {axes[0]!r}, not 'layers'",
+                  "build blocks with meshtron.models.stack_blocks(make_block, layers, rngs)")
+        if not in_blocks and LAYERS in axes:
+            _fail(f"parameter {where} has a 'layers' axis outside blocks",
+                  "keep stacked layers under the model's blocks attribute")
+        if in_blocks:
+            if depth is not None and shape[0] != depth:
+                _fail(f"parameter {where} stacks {shape[0]} layers, others {depth}", "stack every block parameter once")
+            depth = shape[0]
+    if depth is None:
+        _fail(f"{kind}.blocks holds no parameters", "build blocks with meshtron.models.stack_blocks")

@@ -1,0 +1,67 @@
+"""From a config to a model factory: ``model.family`` (gpt, llama) or ``model.factory`` (a user's model).
+
+Families are named by import path, exactly like a user's factory, so nothing here (and nothing
+that uses this module: the trainer, ``describe``, ``generate``) imports a model family: GPT is
+reached the same way as any model a user brings.
+
+A family module provides ``build(cfg: ModelConfig, rngs, *, tensor) -> nnx.Module`` and may
+provide ``extra_rules(cfg, tensor) -> {logical name: mesh axis or None}``. A user factory named by
+``model.factory=package.module:function`` is called as ``function(cfg: ModelConfig, rngs)``; its
+own logical names are mapped with ``model.rules``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from meshtron.config import ConfigError, ModelConfig
+from meshtron.models.contract import ModelFactory
+
+FAMILIES = {"gpt": "meshtron.models.gpt", "llama": "meshtron.models.llama"}
+
+
+def _family(name: str) -> Any:
+    if name not in FAMILIES:
+        raise ConfigError(f"model.family: unknown family {name!r}; use one of {', '.join(FAMILIES)} "
+                          "or model.factory=package.module:function for your own model")
+    return importlib.import_module(FAMILIES[name])
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The function named ``package.module:function``; one clear line if it cannot be found."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"model.factory: {spec!r} is not of the form package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"model.factory: cannot import {module_name!r} ({err}); check the name and that "
+                          "it is on PYTHONPATH") from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"model.factory: {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"model.factory: {spec} is not callable; name a function (cfg, rngs) -> model")
+    return fn
+
+
+def model_factory(cfg: ModelConfig, tensor: int = 1) -> ModelFactory:
+    """``rngs -> model`` for a run's model config (``tensor``: the tensor-parallel size, which sets the
+    built-in families' vocabulary padding)."""
+    if cfg.factory:
+        fn = load_factory(cfg.factory)
+        return lambda rngs: fn(cfg, rngs)
+    build = _family(cfg.family).build
+    return lambda rngs: build(cfg, rngs, tensor=tensor)
+
+
+def family_rules(cfg: ModelConfig, tensor: int = 1) -> dict[str, str | None]:
+    """The built-in family's own additions to the rules table for this config and tensor size."""
+    if cfg.factory:
+        return {}
+    extra = getattr(_family(cfg.family), "extra_rules", None)
+    return dict(extra(cfg, tensor)) if extra is not None else {}

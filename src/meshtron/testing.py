@@ -1,0 +1,155 @@
+"""A parity oracle for any model: its loss and every gradient on parallel layouts equal one device's.
+
+The check a user runs before trusting a new model (or a new rule in the rules table) on a big
+mesh. For each layout it builds exactly the program training runs -- the data-parallel
+``shard_map``, the tensor split from the model's logical axes, the pipeline schedule over ``pipe``
+with layers in stage order -- computes the mean loss and the data-parallel-reduced gradients of one
+batch, brings the gradients back to canonical layer order, and compares them with the single-device
+result, leaf by leaf::
+
+    from meshtron.testing import check_parity
+
+    reports = check_parity(lambda rngs: MyLM(rngs=rngs), [(1, 1, 8), (2, 2, 2, "interleaved", 2)],
+                           rules={"ffn": "tensor"}, seq_len=32)
+
+Each layout is ``(data, pipe, tensor)`` or ``(data, pipe, tensor, schedule, chunks)``, or a
+:class:`Layout`. A mismatch raises :class:`ParityError` naming the layout, the parameter and the
+numbers (``raise_on_mismatch=False`` returns the reports instead).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import optax
+
+from meshtron.config import MeshConfig
+from meshtron.mesh import build_mesh
+from meshtron.models.contract import ModelFactory
+from meshtron.optim import data_parallel_mean
+from meshtron.pipeline.schedules import compile_program, make_schedule
+from meshtron.sharding import MEGATRON_RULES, extend_rules
+from meshtron.train.pipelined import to_canonical, to_stage_order
+from meshtron.train.state import ModelDef, Params
+from meshtron.train.step import build_steps
+from meshtron.trees import leaf_names
+
+
+class ParityError(AssertionError):
+    """A layout's loss or gradients differ from the single-device run."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh and, with ``pipe > 1``, the pipeline schedule (``chunks`` = v for interleaved)."""
+
+    data: int
+    pipe: int
+    tensor: int
+    schedule: str = "1f1b"
+    chunks: int = 1
+    microbatches: int | None = None  # default: 2·pipe with a pipeline (enough to fill it), else 1
+
+    @classmethod
+    def of(cls, spec: Layout | Sequence) -> Layout:
+        return spec if isinstance(spec, Layout) else cls(*spec)
+
+    def __str__(self) -> str:
+        mesh = f"{self.data}x{self.pipe}x{self.tensor}"
+        return mesh if self.pipe == 1 else f"{mesh} {self.schedule} v={self.chunks} m={self.m}"
+
+    @property
+    def m(self) -> int:
+        return self.microbatches or (2 * self.pipe if self.pipe > 1 else 1)
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """One layout against the single-device run: losses, and the largest gradient difference."""
+
+    layout: Layout
+    loss: float
+    reference_loss: float
+    worst_parameter: str
+    worst_abs_diff: float
+    ok: bool
+
+
+def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray, devices) -> tuple[float, Params]:
+    """Loss and canonical-order gradients of ``tokens`` on ``layout`` (parameters given canonical)."""
+    mesh = build_mesh(MeshConfig(layout.data, layout.pipe, layout.tensor), devices[: layout.data * layout.pipe *
+                                                                                     layout.tensor])
+    md.check_mesh(mesh)
+    program = None
+    if layout.pipe > 1:
+        program = compile_program(make_schedule(layout.schedule, layout.pipe, layout.m, layout.chunks))
+    steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, program=program)
+    if program is not None:  # training keeps block layers in stage order (meshtron.train.pipelined)
+        params = jax.device_get(to_stage_order(params, md.layers, layout.pipe, layout.chunks))
+    placed = jax.device_put(params, steps.param_shardings)
+    loss, grads = steps.gradients(placed, jax.device_put(tokens, steps.batch_sharding))
+    if program is not None:
+        grads = to_canonical(grads, md.layers, layout.pipe, layout.chunks)
+    return float(loss), jax.device_get(grads)
+
+
+def check_parity(
+    model: ModelFactory | ModelDef,
+    layouts: Sequence[Layout | Sequence],
+    *,
+    rules: Mapping[str, str | None] | None = None,
+    seq_len: int = 16,
+    batch: int | None = None,
+    seed: int = 0,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+    loss_rtol: float = 1e-5,
+    raise_on_mismatch: bool = True,
+    devices=None,
+) -> list[ParityReport]:
+    """Compare the loss and gradients of one random batch on each of ``layouts`` with one device.
+
+    ``model`` is a factory ``rngs -> model`` (with ``rules`` added to Megatron's table) or a
+    :class:`ModelDef`. ``batch`` must be divisible by every layout's data size times its microbatches.
+    Gradients match when ``|g - g_ref| <= atol + rtol·|g_ref|`` everywhere.
+    """
+    md = model if isinstance(model, ModelDef) else ModelDef.create(
+        model, rules=extend_rules(MEGATRON_RULES, rules or {}))
+    devices = list(jax.devices() if devices is None else devices)
+    chosen = [Layout.of(spec) for spec in layouts]
+    batch = batch or math.lcm(8, *(layout.data * layout.m for layout in chosen))
+    for layout in chosen:
+        if layout.data * layout.pipe * layout.tensor > len(devices):
+            raise ValueError(f"layouts: {layout} needs {layout.data * layout.pipe * layout.tensor} devices, "
+                             f"{len(devices)} are present")
+        if batch % (layout.data * layout.m):
+            raise ValueError(f"batch: {batch} rows do not split into data={layout.data} x {layout.m} microbatches")
+    tokens = np.random.default_rng(seed).integers(0, md.vocab_size, size=(batch, seq_len + 1), dtype=np.int32)
+    single = build_mesh(MeshConfig(1, 1, 1), devices[:1])
+    params = jax.device_get(md.init(single, seed))
+    ref_loss, ref_grads = _gradients(md, Layout(1, 1, 1), params, tokens, devices)
+    names = leaf_names(ref_grads)
+
+    reports = []
+    for layout in chosen:
+        loss, grads = _gradients(md, layout, params, tokens, devices)
+        worst, worst_diff, ok = "", 0.0, math.isclose(loss, ref_loss, rel_tol=loss_rtol)
+        for name, g, r in zip(names, jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+            excess = np.abs(g - r) - (atol + rtol * np.abs(r))
+            diff = float(np.max(np.abs(g - r))) if g.size else 0.0
+            if diff >= worst_diff:
+                worst, worst_diff = name, diff
+            if g.size and np.max(excess) > 0:
+                ok = False
+                if raise_on_mismatch:
+                    raise ParityError(f"{layout}: gradient of {name} differs from one device by up to {diff:.3g} "
+                                      f"(rtol {rtol}, atol {atol}); loss {loss:.7g} vs {ref_loss:.7g}")
+        if not ok and raise_on_mismatch:
+            raise ParityError(f"{layout}: loss {loss:.7g} differs from one device's {ref_loss:.7g}")
+        reports.append(ParityReport(layout, loss, ref_loss, worst, worst_diff, ok))
+    return reports

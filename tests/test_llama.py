@@ -1,0 +1,55 @@
+"""Llama, built on the public contract only: the parity oracle on every kind of layout, with fewer
+and with more key/value heads than tensor ranks, and the key/value layout rule."""
+
+import jax
+import pytest
+
+from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config, validate
+from meshtron.mesh import build_mesh
+from meshtron.testing import Layout, check_parity
+from meshtron.train.state import model_def_from_config
+
+LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(2, 4, 1, "1f1b"), Layout(1, 2, 4, "gpipe")]
+
+
+def llama(kv_heads: int) -> ModelConfig:
+    return ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=kv_heads, layers=4, mlp_dim=128,
+                       seq_len=16)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8], ids=["kv2", "kv8"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_loss_and_gradients_equal_one_device(layout, kv_heads):
+    # The model as a run on this layout builds it: vocabulary padding and key/value rule for its tensor size.
+    md = model_def_from_config(llama(kv_heads), layout.tensor)
+    [report] = check_parity(md, [layout])
+    assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads, tensor, spec", [
+    (8, 8, ("pipe", None, "tensor", None)),  # split: one kv head per rank
+    (8, 2, ("pipe", None, "tensor", None)),
+    (2, 8, ("pipe", None, None, None)),      # fewer kv heads than ranks: replicated (Megatron)
+    (2, 2, ("pipe", None, "tensor", None)),
+])
+def test_key_value_heads_split_or_replicate(kv_heads, tensor, spec):
+    md = model_def_from_config(llama(kv_heads), tensor)
+    mesh = build_mesh(MeshConfig(8 // tensor, 1, tensor), jax.devices())
+    shardings = md.shardings(mesh)
+    assert shardings["blocks"]["attn"]["wk"]["kernel"].spec == jax.sharding.PartitionSpec(*spec)
+    assert shardings["blocks"]["attn"]["wq"]["kernel"].spec == jax.sharding.PartitionSpec("pipe", None, "tensor", None)
+    assert md.logical_axes()["blocks"]["attn"]["wk"]["kernel"] == ("layers", "embed", "kv_heads", "head_dim")
+
+
+def test_kv_heads_that_fit_neither_way_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"^model.kv_heads: 6 key/value heads can be neither split over nor "
+                                          r"replicated across mesh.tensor=8; use a divisor or a multiple of 8"):
+        _validated(["model.heads=24", "model.kv_heads=6", "mesh.tensor=8"])
+    with pytest.raises(ConfigError, match=r"^model.kv_heads: 3 must be >= 1 and divide model.heads=4"):
+        _validated(["model.kv_heads=3"])
+
+
+def _validated(overrides):
+    cfg = load_config("llama_cpu8", ["mesh.data=1", "mesh.pipe=1", "model.hidden=192", *overrides])
+    validate(cfg)
+    return cfg
