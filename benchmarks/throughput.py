@@ -72,7 +72,7 @@ def plain_step_times(cfg, steps: int) -> list[float]:
 
     @jax.jit
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(md.loss)(params)
+        loss, grads = jax.value_and_grad(md.loss)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

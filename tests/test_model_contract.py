@@ -183,3 +183,27 @@ def test_fewer_steps_than_the_checkpoint_is_an_error_not_a_silent_no_op(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"meshtron: error: train.steps: 1 is below the step of the newest checkpoint in {tmp_path} (2); "
                        "raise train.steps to train on from it, or use another checkpoint.dir"), err
+
+
+def test_model_attention_reaches_dot_product_attention(monkeypatch):
+    """``model.attention`` picks jax.nn.dot_product_attention's implementation for every model (cudnn:
+    flash attention on GPUs); on CPU cudnn is one config error."""
+    seen = []
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **k: seen.append(implementation) or real(*a, **k))
+    md = model_def_from_config(ModelConfig(layers=1, seq_len=8), 1)
+    params = md.init(build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), 0)
+    with md.scope():
+        jax.jit(md.loss)(params, jnp.zeros((1, 9), jnp.int32))
+    assert seen == ["xla"]
+    with pytest.raises(ConfigError, match="^model.attention: cudnn .flash attention. needs GPUs, this run has cpu"):
+        model_def_from_config(ModelConfig(attention="cudnn"), 1)
+    with pytest.raises(ConfigError, match="^model.attention: must be 'xla' or 'cudnn'"):
+        _validate_attention("flash")
+
+
+def _validate_attention(name):
+    from meshtron.config import Config, validate
+
+    validate(Config(model=ModelConfig(attention=name)))

@@ -20,11 +20,15 @@ from meshtron.config import MeshConfig
 from meshtron.testing import Layout, ParityError, check_parity
 
 
-def test_oracle_equal_on_every_kind_of_layout():
-    reports = check_parity(parallel_lm.factory, [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2),
-                                                 Layout(2, 4, 1, "1f1b"), Layout(1, 2, 4, "gpipe")],
-                           rules=parallel_lm.RULES, seq_len=16)
-    assert all(r.ok for r in reports)
+def test_the_readme_oracle_example_passes_on_every_kind_of_layout(capsys):
+    from test_readme import example
+
+    namespace: dict = {}
+    exec(compile(example("parity"), "README.md (parity example)", "exec"), namespace)  # noqa: S102 (the README's own code)
+    reports = namespace["reports"]
+    assert [str(r.layout) for r in reports] == ["1x1x8", "2x2x2 interleaved v=2 m=4", "2x4x1 1f1b v=1 m=8",
+                                                "1x2x4 gpipe v=1 m=4"]
+    assert all(r.ok for r in reports) and len(capsys.readouterr().out.splitlines()) == 4
 
 
 class BatchCoupledLM(parallel_lm.ParallelLM):

@@ -62,6 +62,7 @@ class ModelConfig:
     remat: str = "none"
     kv_heads: int | None = None
     rope_theta: float = 10000.0
+    attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
     rules: dict[str, str | None] = field(default_factory=dict)
 
 
@@ -280,6 +281,8 @@ def validate(cfg: Config) -> None:
         _need(m.kv_heads >= 1 and m.heads % m.kv_heads == 0, "model.kv_heads",
               f"{m.kv_heads} must be >= 1 and divide model.heads={m.heads} (each key/value head serves a group "
               "of query heads)")
+    _need(m.attention in ("xla", "cudnn"), "model.attention",
+          f"must be 'xla' or 'cudnn' (cuDNN flash attention, GPUs only), got {m.attention!r}")
     for name, axis in m.rules.items():
         _need(axis is None or axis in ("data", "pipe", "tensor"), f"model.rules.{name}",
               f"{axis!r} is not a mesh axis; use data, pipe, tensor or null (replicated)")

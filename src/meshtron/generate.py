@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshtron.models.attention import KVCache
+from meshtron.models.attention import KVCache, attention_implementation
 from meshtron.models.contract import Context, run_blocks
 from meshtron.sharding import axis_rules, constrain
 from meshtron.train.state import ModelDef, Params
@@ -267,7 +267,7 @@ class Sampler:
             (jax.random.key(seed), np.float32(temperature), np.int32(top_k or vocab_size))
         )
         pieces = []
-        with jax.set_mesh(self.mesh), axis_rules(self._rules):
+        with jax.set_mesh(self.mesh), axis_rules(self._rules), attention_implementation(self.model_def.attention):
             cache = self._empty_cache(params) if self.use_cache else None
             for start in range(0, max_new_tokens, self.chunk):
                 steps = min(self.chunk, max_new_tokens - start)

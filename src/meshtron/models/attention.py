@@ -17,8 +17,9 @@ fast paths:
   softmax in fp32; the probabilities are then rounded to the inputs' dtype for the ``probs @ v``
   product (as flash attention does), and the output has ``v``'s dtype. Nothing has to be upcast
   here, which would double the memory of ``q`` and ``k`` for nothing.
-* **Backends.** ``implementation=None`` is JAX's choice: today (jax 0.10 / 0.12) always XLA.
-  On GPUs pass ``implementation="cudnn"`` for cuDNN flash attention (fp16/bf16 only, a subset of
+* **Backends.** ``implementation=None`` is the run's choice (:func:`attention_implementation`,
+  set from ``model.attention`` by the trainer), and else JAX's: today (jax 0.10 / 0.12) always XLA.
+  On GPUs choose ``"cudnn"`` for cuDNN flash attention (fp16/bf16 only, a subset of
   head sizes; it raises, at trace time, for what it does not support). The cached path's
   explicit mask is turned into an additive bias by the cuDNN path.
 * **Tensor parallelism.** Nothing here names a mesh axis: with ``q`` split over heads (and ``k``/
@@ -30,7 +31,9 @@ Shapes: ``q`` ``[batch, seq, heads, head_dim]``; ``k``, ``v`` ``[batch, seq, kv_
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -59,6 +62,20 @@ class KVCache:
         """An empty cache for ``max_len`` positions, in ``dtype`` (new keys/values are cast to it)."""
         shape = (batch, max_len, kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+_implementation: list[Implementation] = [None]
+
+
+@contextlib.contextmanager
+def attention_implementation(name: Implementation) -> Iterator[None]:
+    """Inside the block, :func:`causal_attention` calls without ``implementation`` use ``name``
+    (``model.attention``: ``"xla"`` or ``"cudnn"``); models need not pass it down."""
+    _implementation.append(name)
+    try:
+        yield
+    finally:
+        _implementation.pop()
 
 
 def stacked_caches(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
@@ -129,6 +146,7 @@ def causal_attention(
     checked here.
     """
     _check_shapes(q, k, v)
+    implementation = implementation or _implementation[-1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if cache is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=implementation)

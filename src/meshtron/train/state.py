@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from meshtron.config import ConfigError, ModelConfig
+from meshtron.models.attention import attention_implementation
 from meshtron.models.contract import LAYERS, ModelFactory, check_model, lm_loss
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
@@ -49,9 +50,11 @@ class ModelDef:
     max_len: int | None  # the model's own context limit (learned positions), if it has one
     can_cache: bool  # the model provides init_cache: generation decodes with a KV cache
     remat: bool = False
+    attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's choice)
 
     @classmethod
-    def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: bool = False) -> ModelDef:
+    def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: bool = False,
+               attention: str | None = None) -> ModelDef:
         """Trace ``factory`` abstractly (no parameter is created) and check the model contract."""
         rules = tuple(rules)
         with axis_rules(rules), nnx.use_eager_sharding(False):
@@ -60,12 +63,13 @@ class ModelDef:
         max_len = getattr(abstract, "max_len", None)
         can_cache = callable(getattr(abstract, "init_cache", None))
         graphdef, state = nnx.split(abstract, nnx.Param)
-        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat)
+        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat, attention)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        """Trace model code inside this: its activation constraints follow this model's rules."""
-        with axis_rules(self.rules):
+        """Trace model code inside this: its activation constraints follow this model's rules, its
+        attention uses this run's implementation."""
+        with axis_rules(self.rules), attention_implementation(self.attention):
             yield
 
     def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -217,4 +221,8 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
 
     table = extend_rules(MEGATRON_RULES, family_rules(cfg, tensor) if factory is None else {})
     table = extend_rules(extend_rules(table, cfg.rules), rules or {})
-    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat == "full")
+    if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "
+                          "devices; use model.attention=xla")
+    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat == "full",
+                           attention=cfg.attention)
