@@ -651,6 +651,14 @@ def format_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_count(n: float) -> str:
+    """Decimal-suffixed count (parameters): ``842.5K``, ``1.0T``."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(int(n))
+
+
 @dataclass(frozen=True)
 class MemoryFigures:
     """Per-device buffer sizes XLA reports for a compiled program."""

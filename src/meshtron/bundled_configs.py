@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from meshtron.analysis import format_count
 from meshtron.config import Config, ConfigError, MeshConfig, config_from_dict
 
 PACKAGE = "meshtron.mesh_configs"
@@ -74,13 +75,6 @@ def resolve(config: str | os.PathLike) -> Path | Traversable:
     )
 
 
-def _count(n: float) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(int(n))
-
-
 def read(name: str, source: Traversable) -> Config:
     """A bundled config as a :class:`Config` (type-checked; not validated against this machine)."""
     try:
@@ -119,7 +113,7 @@ def summary(cfg: Config) -> str:
         params = (m.layers * (4 * h * h + 2 * h * m.mlp_dim + 9 * h + m.mlp_dim) + (m.vocab_size + m.seq_len) * h
                   + 2 * h)
         heads = f"{m.heads} heads"
-    return (f"{layout}; {m.family.capitalize() if m.family == 'llama' else 'GPT'} {_count(params)} params: "
+    return (f"{layout}; { {'gpt': 'GPT', 'llama': 'Llama'}[m.family]} {format_count(params)} params: "
             f"{m.layers} layers, hidden {h}, {heads}, seq {m.seq_len}, {m.dtype}")
 
 

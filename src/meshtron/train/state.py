@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from meshtron.analysis import format_count
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.models.attention import attention_implementation
 from meshtron.models.contract import LAYERS, ModelFactory, check_model, lm_loss
@@ -99,7 +100,7 @@ class ModelDef:
 
     def describe(self) -> str:
         """One line: the model's class, size and depth (run summaries)."""
-        return f"{type(nnx.merge(self.graphdef, self.abstract_state)).__name__} {_count(self.parameter_count())} params, {self.layers} layers"
+        return f"{type(nnx.merge(self.graphdef, self.abstract_state)).__name__} {format_count(self.parameter_count())} params, {self.layers} layers"
 
     def check_mesh(self, mesh: Mesh) -> None:
         """Every sharded dimension must split evenly over its mesh axes; one line naming the parameter,
@@ -203,13 +204,6 @@ def check_layout(params: Params, shardings: Params) -> None:
             wrong.append(f"{jax.tree_util.keystr(path)}: has {array.sharding.spec}, declared {sharding.spec}")
     if wrong:
         raise AssertionError("parameters are not laid out as declared:\n  " + "\n  ".join(wrong))
-
-
-def _count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
 
 
 def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[str, str | None] | None = None,
