@@ -73,6 +73,7 @@ def test_planning_presets_describe_without_devices():
     run = meshtron("describe", "--config", "mesh_configs/paper/gpt_1t.yaml")
     assert run.returncode == 0, run.stderr
     assert "1,008,038,758,400" in run.stdout and "planning mode" in run.stdout
+    assert "activation memory per device" in run.stdout and "stashed stage inputs" in run.stdout
 
 
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):

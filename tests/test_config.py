@@ -32,7 +32,7 @@ def test_every_shipped_config_loads(name):
         (["model.hiden=3"], "model.hiden", "valid keys"),
         (["trian.steps=3"], "trian", "sections are"),
         (["train.steps=abc"], "train.steps", "cannot use 'abc'"),
-        (["model.remat=some"], "model.remat", "'none' or 'full'"),
+        (["model.remat=some"], "model.remat", "none, full, selective"),
         (["mesh.tensor=3"], "model.heads", "multiple of 3"),
         (["mesh.tensor=8", "model.heads=8", "model.mlp_dim=100"], "model.mlp_dim", "multiple of 8"),
         (["mesh.data=4", "train.batch_size=12", "train.microbatches=2"], "train.batch_size", "multiple of 8"),

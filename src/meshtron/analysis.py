@@ -8,6 +8,8 @@ Two halves that are meant to be compared with each other:
   step. Reading the text rather than trusting the Python code is the point: a misplaced sharding
   annotation shows up here as an unexpected all-gather over ``data``, long before it shows up as a
   slow step on real hardware.
+* :func:`layer_activation_bytes` and friends give the activation memory of Korthikanti et al.
+  (2022), Table 2, with the constants of meshtron's blocks, next to the compiled ``memory_analysis``.
 * :func:`megatron_figures` gives the analytical parameter, FLOP and communication figures from
   Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM" (SC21), in the same bytes convention, so a test or a benchmark can put the two side
@@ -27,17 +29,21 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+from meshtron.config import REMAT_MODES
 
 if TYPE_CHECKING:
     import jax
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "MESHTRON_BLOCK",
     "ArrayShape",
+    "BlockActivations",
     "Collective",
     "HloComputation",
     "HloInstruction",
@@ -52,9 +58,13 @@ __all__ = [
     "execution_counts",
     "format_bytes",
     "iota_device_groups",
+    "layer_activation_bytes",
     "megatron_figures",
+    "megatron_stage_activation_bytes",
+    "paper_layer_activation_bytes",
     "parse_hlo_module",
     "parse_shape",
+    "pipeline_activation_bytes",
     "ring_wire_bytes",
 ]
 
@@ -210,6 +220,7 @@ class HloInstruction:
     shape: Shape
     attributes: str  # everything after the operand list, verbatim
     operands: tuple[str, ...] = ()  # names of the instructions it reads, in order
+    parameter_number: int | None = None  # for ``parameter(n)``: n
 
 
 @dataclass(frozen=True)
@@ -271,7 +282,11 @@ def _parse_instruction(line: str) -> HloInstruction | None:
         return None
     operands_end = _matching_close(line, opcode.end() - 1)
     operands = tuple(_OPERAND_NAME.findall(line, opcode.end(), operands_end))
-    return HloInstruction(head.group(1), opcode.group(1), shape, line[operands_end + 1 :], operands)
+    number = None
+    if opcode.group(1) == "parameter":
+        inside = line[opcode.end() : operands_end].strip()
+        number = int(inside) if inside.isdigit() else None
+    return HloInstruction(head.group(1), opcode.group(1), shape, line[operands_end + 1 :], operands, number)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -520,6 +535,9 @@ class Collective:
     ``bytes`` is the per-device size of one execution's result (tuple results of combined
     collectives summed; for async ops the data, not the start's bookkeeping tuple); ``count`` is
     executions per program run (product of enclosing loop trip counts, summed over call sites).
+    ``from_all_reduce``: a reduce-scatter found as an all-reduce whose result is only ever sliced to
+    the device's part -- how XLA's partitioner writes it before the GPU compiler turns it into one;
+    the CPU compiler runs the all-reduce (see :func:`collectives`).
     """
 
     kind: str
@@ -530,6 +548,7 @@ class Collective:
     group_size: int
     name: str
     unknown_trip_count: bool = False
+    from_all_reduce: bool = False  # a reduce-scatter the CPU compiler runs as all-reduce + slice
 
     @property
     def total_bytes(self) -> int:
@@ -565,11 +584,95 @@ def collectives(compiled_or_hlo_text: _HasHloText | str, mesh: MeshOrSizes) -> l
         if computation.name not in counts:
             continue
         count, unknown = counts[computation.name]
+        users = _users(computation)
         for instruction in computation.instructions:
             collective = _collective(instruction, count, unknown, axis_sizes)
-            if collective is not None:
+            if collective is not None and collective.kind == "all-reduce" and instruction.opcode == "all-reduce":
+                found.extend(_as_reduce_scatter(collective, instruction, users, module))
+            elif collective is not None:
                 found.append(collective)
     return found
+
+
+# XLA's SPMD partitioner writes a reduce-scatter as an all-reduce whose result every user slices to
+# its own 1/n part (a ``dynamic-slice``, often fused into the consumer). XLA's GPU compiler rewrites
+# exactly that pattern into a ``reduce-scatter`` (its ReduceScatterCreator pass); the CPU compiler
+# has no such pass and runs the all-reduce. Counting the pattern as the reduce-scatter it is keeps
+# this module's figures those of the program a GPU runs (sequence parallelism's reduce-scatters).
+_LAYOUT_ONLY = ("bitcast", "copy", "reshape")
+
+
+def _users(computation: HloComputation) -> dict[str, list[HloInstruction]]:
+    users: dict[str, list[HloInstruction]] = defaultdict(list)
+    for instruction in computation.instructions:
+        for operand in dict.fromkeys(instruction.operands):
+            users[operand].append(instruction)
+    return users
+
+
+_CALLS = re.compile(r"\bcalls=%?([A-Za-z_][\w.\-]*)")
+_TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _sliced_to_part(name: str, elements: int, parts: int, users: Mapping[str, list[HloInstruction]],
+                    module: HloModule, depth: int = 0) -> bool:
+    """Whether every use of value ``name`` (``elements`` elements) keeps only ``1/parts`` of it through a
+    ``dynamic-slice`` -- directly, behind layout-only ops, or inside a fusion that receives it."""
+    uses = users.get(name, [])
+    if not uses or depth > 4:
+        return False
+    for use in uses:
+        if use.opcode == "dynamic-slice":
+            if use.operands[0] != name or sum(leaf.elements for leaf in _leaves(use.shape)) * parts != elements:
+                return False
+        elif use.opcode in _LAYOUT_ONLY:
+            if not _sliced_to_part(use.name, elements, parts, users, module, depth + 1):
+                return False
+        elif use.opcode == "fusion":
+            callee = _CALLS.search(_STRING_LITERAL.sub('""', use.attributes))
+            fused = module.computations.get(callee.group(1)) if callee else None
+            if fused is None:
+                return False
+            fused_users = _users(fused)
+            params = {i.parameter_number: i.name for i in fused.instructions if i.opcode == "parameter"}
+            for position, operand in enumerate(use.operands):
+                if operand == name and (position not in params or
+                                        not _sliced_to_part(params[position], elements, parts, fused_users, module,
+                                                            depth + 1)):
+                    return False
+        else:
+            return False
+    return True
+
+
+def _as_reduce_scatter(collective: Collective, instruction: HloInstruction,
+                       users: Mapping[str, list[HloInstruction]], module: HloModule) -> list[Collective]:
+    """``collective`` (an all-reduce), with the parts of its result that are only ever sliced to this
+    device's ``1/n`` counted as a reduce-scatter (see above); one or two records."""
+    n = collective.group_size
+    leaves = _leaves(_payload_shape(instruction.opcode, instruction.shape))
+    if n < 2:
+        return [collective]
+    if isinstance(instruction.shape, tuple):
+        element_users: dict[int, list[str]] = defaultdict(list)
+        for use in users.get(instruction.name, []):
+            index = _TUPLE_INDEX.search(use.attributes) if use.opcode == "get-tuple-element" else None
+            if index is None:
+                return [collective]
+            element_users[int(index.group(1))].append(use.name)
+        scattered = [bool(element_users.get(i)) and all(_sliced_to_part(u, leaf.elements, n, users, module)
+                                                        for u in element_users[i])
+                     for i, leaf in enumerate(leaves)]
+    else:
+        scattered = [_sliced_to_part(instruction.name, leaves[0].elements, n, users, module)]
+    if not any(scattered):
+        return [collective]
+    rs_bytes = sum(leaf.nbytes for leaf, s in zip(leaves, scattered, strict=True) if s) // n
+    ar_bytes = sum(leaf.nbytes for leaf, s in zip(leaves, scattered, strict=True) if not s)
+    out = [replace(collective, kind="reduce-scatter", bytes=rs_bytes, from_all_reduce=True)]
+    if ar_bytes:
+        out.append(replace(collective, bytes=ar_bytes, name=collective.name + "(rest)"))
+    return out
 
 
 def _collective(
@@ -895,3 +998,123 @@ def megatron_figures(
         pipe_bytes=2 * microbatches * activation_bytes if pipe > 1 else 0,
         data_bytes=round(params * bytes_per_element / (tensor * pipe)) if data > 1 else 0,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation memory (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+# Transformer Models", Table 2), and the same model with the constants of meshtron's blocks
+# --------------------------------------------------------------------------------------------------
+
+def _check_activation_args(seq_len: int, microbatch: int, hidden: int, heads: int, tensor: int,
+                           remat: str) -> None:
+    for name, value in (("seq_len", seq_len), ("microbatch", microbatch), ("hidden", hidden), ("heads", heads),
+                        ("tensor", tensor)):
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+
+
+def paper_layer_activation_bytes(*, seq_len: int, microbatch: int, hidden: int, heads: int, tensor: int = 1,
+                                 sequence_parallel: bool = False, remat: str = "none") -> float:
+    """Activation bytes one transformer layer keeps for its backward pass -- Korthikanti et al., Table 2,
+    verbatim (GPT block, fp16 activations, 1-byte dropout masks):
+
+    * no parallelism ``s·b·h·(34 + 5·a·s/h)``; tensor parallel ``s·b·h·(10 + 24/t + 5·a·s/(h·t))``;
+    * tensor + sequence parallel ``s·b·h·(34 + 5·a·s/h)/t``;
+    * selective recomputation drops the ``5·a·s/h`` attention-core term (``s·b·h·34/t`` with SP);
+    * full recomputation keeps the layer input only: ``2·s·b·h`` (``/t`` with SP).
+    """
+    _check_activation_args(seq_len, microbatch, hidden, heads, tensor, remat)
+    s, b, h, a, t = seq_len, microbatch, hidden, heads, tensor
+    if remat == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    core = 0.0 if remat == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return s * b * h * (34 + core) / t
+    return s * b * h * (10 + 24 / t + core / t)
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """What one block keeps for its backward pass, per token, in elements: the constants of Table 2
+    for a given block (the paper's are bytes at fp16 with dropout; these are elements).
+
+    Outside the tensor-parallel regions every tensor rank holds the residual-width arrays:
+    ``residual`` of them (norm inputs, their centred/normalized values, residual sums) are the ones
+    sequence parallelism splits over the sequence; ``gathered`` are the norm outputs the regions
+    take whole (the all-gathered input of the column-parallel projections, kept for their weight
+    gradients). Inside the regions everything is split over ``tensor``: ``query`` arrays the width
+    of the query heads (``heads·head_dim``), ``key_value`` arrays the width of the key/value heads,
+    ``mlp`` arrays the width of the MLP, and ``scores`` per-head ``[s, s]`` arrays (attention logits
+    and probabilities) -- the only term selective recomputation drops.
+    """
+
+    residual: float
+    gathered: float
+    query: float
+    key_value: float
+    mlp: float
+    scores: float
+
+
+MESHTRON_BLOCK = BlockActivations(residual=6, gathered=2, query=2, key_value=2, mlp=6, scores=2)
+"""The residuals JAX's autodiff keeps for meshtron's GPT and Llama blocks (fp32, no dropout), counted
+with ``jax.ad_checkpoint.saved_residuals`` (``tests/test_sequence_parallel.py`` holds both families to
+it): two norms' inputs and normalized values and the residual sum (6), the two norm outputs entering
+the regions (2), query and attention output (2), key and value (2), six MLP-width arrays (GELU's
+tanh-form intermediates; SwiGLU's gate, up, SiLU parts and product), logits and probabilities (2 per
+head). With ``mlp = 4h`` and as many key/value heads as query heads: ``s·b·h·(8 + 28/t + 2·a·s/(h·t))``
+elements per layer with tensor parallelism, ``s·b·h·(2 + (34 + 2·a·s/h)/t)`` with sequence
+parallelism -- against the paper's ``10 + 24/t + 5·a·s/(h·t)`` and ``(34 + 5·a·s/h)/t`` bytes at
+fp16. The ``2`` that sequence parallelism leaves whole is a choice: Megatron-LM keeps the norm
+outputs split and all-gathers them again for the weight gradients (two more all-gathers per layer
+backward); meshtron keeps them gathered, so the tensor traffic stays exactly that of the all-reduces
+it replaces."""
+
+
+def layer_activation_bytes(*, seq_len: int, microbatch: int, hidden: int, heads: int, kv_heads: int | None = None,
+                           mlp_dim: int | None = None, tensor: int = 1, sequence_parallel: bool = False,
+                           remat: str = "none", bytes_per_element: int = 4,
+                           block: BlockActivations = MESHTRON_BLOCK) -> float:
+    """Activation bytes one layer keeps for its backward pass, per device: Table 2 adapted to ``block``.
+
+    ``s·b·((R + G)·h + (Q·h + KV·h·k/a + M·f + S·a·s)/t)`` elements (``R``, ``G``, ``Q``, ``KV``,
+    ``M``, ``S`` the fields of :class:`BlockActivations`; ``k`` key/value heads, replicated on every
+    tensor rank when ``t`` does not divide them, as the rules do); sequence parallelism divides the
+    ``R`` term by ``t`` too; ``selective`` drops the ``S`` term; ``full`` keeps the layer input,
+    ``s·b·h`` (``/t`` with SP).
+    """
+    _check_activation_args(seq_len, microbatch, hidden, heads, tensor, remat)
+    s, b, h, a, t = seq_len, microbatch, hidden, heads, tensor
+    k = kv_heads or heads
+    f = mlp_dim or 4 * hidden
+    residual = h / (t if sequence_parallel else 1)
+    if remat == "full":
+        return s * b * residual * bytes_per_element
+    kv_split = t if k % t == 0 else 1
+    inside = (block.query * h + block.mlp * f) / t + block.key_value * h * k / a / kv_split
+    if remat == "none":
+        inside += block.scores * a * s / t
+    return s * b * (block.residual * residual + block.gathered * h + inside) * bytes_per_element
+
+
+def pipeline_activation_bytes(*, layer_bytes: float, input_bytes: float, layers_per_chunk: int,
+                              in_flight: int) -> float:
+    """Activation bytes per device under meshtron's pipeline runtime, for one step.
+
+    The runtime keeps only each in-flight microbatch's *stage input* (``input_bytes``: ``s·b·h``
+    elements, ``/t`` with sequence parallelism) in its stash -- ``in_flight`` is the schedule's
+    ``stash_slots`` -- and recomputes a virtual stage from it at its backward tick, which holds one
+    chunk's activations (``layers_per_chunk`` × ``layer_bytes``, the model's own remat mode) at a
+    time. Megatron's runtime instead keeps every in-flight microbatch's layer activations:
+    :func:`megatron_stage_activation_bytes`.
+    """
+    return in_flight * input_bytes + layers_per_chunk * layer_bytes
+
+
+def megatron_stage_activation_bytes(*, layer_bytes: float, layers_per_stage: int, in_flight: int) -> float:
+    """Activation bytes on a pipeline stage that keeps each in-flight microbatch's layer activations
+    (Megatron-LM; Korthikanti et al. §4.2.3: with 1F1B the first stage holds ``p`` microbatches, so its
+    total is ``L/p · p`` = ``L`` layers' worth): ``in_flight × layers_per_stage × layer_bytes``."""
+    return in_flight * layers_per_stage * layer_bytes

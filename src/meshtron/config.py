@@ -37,6 +37,7 @@ class MeshConfig:
 
 
 FAMILIES = ("gpt", "llama")
+REMAT_MODES = ("none", "full", "selective")
 
 
 @dataclass
@@ -59,7 +60,8 @@ class ModelConfig:
     seq_len: int = 128
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: str = "none"
+    remat: str = "none"  # none | full (keep block inputs only) | selective (recompute the attention core)
+    sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
     kv_heads: int | None = None
     rope_theta: float = 10000.0
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
@@ -274,7 +276,16 @@ def validate(cfg: Config) -> None:
     _need(m.hidden % m.heads == 0, "model.hidden", f"{m.hidden} is not divisible by model.heads={m.heads}")
     for name in ("dtype", "param_dtype"):
         _need(getattr(m, name) in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {getattr(m, name)!r}")
-    _need(m.remat in ("none", "full"), "model.remat", f"must be 'none' or 'full', got {m.remat!r}")
+    _need(m.remat in REMAT_MODES, "model.remat", f"must be one of {', '.join(REMAT_MODES)}, got {m.remat!r}")
+    _need(isinstance(m.sequence_parallel, bool), "model.sequence_parallel",
+          f"must be true or false, got {m.sequence_parallel!r}")
+    if m.sequence_parallel and mesh.tensor != -1:
+        _need(mesh.tensor > 1, "model.sequence_parallel",
+              "splits activations over the tensor ranks and needs mesh.tensor > 1; set mesh.tensor or turn it off")
+    if m.sequence_parallel and mesh.tensor > 1:
+        _need(m.seq_len % mesh.tensor == 0, "model.sequence_parallel",
+              f"model.seq_len={m.seq_len} must be divisible by mesh.tensor={mesh.tensor} (each tensor rank holds "
+              "seq_len/tensor positions)")
     _need(m.factory is not None or m.family in FAMILIES, "model.family",
           f"must be one of {', '.join(FAMILIES)} (or set model.factory=package.module:function), got {m.family!r}")
     if m.kv_heads is not None:

@@ -48,6 +48,42 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...]) -> tuple[list[tuple[str, str]], float]:
+    """(label, value) lines of the activation-memory model for this run, and its bytes per device.
+
+    Without a pipeline one microbatch's activations live at a time (gradient accumulation runs them in
+    turn): ``layers × per-layer``. With one, the runtime stashes stage inputs of the in-flight
+    microbatches (the schedule table's ``stash_slots``) and recomputes one chunk at a time
+    (:func:`meshtron.analysis.pipeline_activation_bytes`).
+    """
+    from meshtron.pipeline.schedules import compile_program, make_schedule
+
+    m, t = cfg.model, cfg.train
+    data, pipe, tensor = sizes
+    sp = m.sequence_parallel and tensor > 1
+    itemsize = np.dtype(m.dtype).itemsize
+    microbatch = t.batch_size // (data * t.microbatches)
+    layer = analysis.layer_activation_bytes(
+        seq_len=m.seq_len, microbatch=microbatch, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
+        mlp_dim=m.mlp_dim, tensor=tensor, sequence_parallel=sp, remat=m.remat, bytes_per_element=itemsize)
+    layout = f"remat {m.remat}, {'sequence' if sp else 'no sequence'} parallelism, microbatch {microbatch}"
+    lines = [("per layer", f"{analysis.format_bytes(layer)} ({layout})")]
+    if m.factory is not None:
+        lines[0] = ("per layer", lines[0][1] + "; the built-in blocks' constants, a model of your own may differ")
+    if pipe == 1:
+        total = model_def.layers * layer
+        lines.append(("per step", f"{analysis.format_bytes(total)} ({model_def.layers} layers, one microbatch at a time)"))
+        return lines, total
+    program = compile_program(make_schedule(cfg.pipeline.schedule, pipe, t.microbatches, cfg.pipeline.chunks))
+    chunk_layers = model_def.layers // (pipe * cfg.pipeline.chunks)
+    stage_input = m.seq_len * microbatch * m.hidden * itemsize / (tensor if sp else 1)
+    total = analysis.pipeline_activation_bytes(layer_bytes=layer, input_bytes=stage_input,
+                                               layers_per_chunk=chunk_layers, in_flight=program.stash_slots)
+    stash = f"{program.stash_slots} stashed stage inputs of {analysis.format_bytes(stage_input)}"
+    lines.append(("per step", f"{analysis.format_bytes(total)} ({stash} + one chunk of {chunk_layers} layers recomputed)"))
+    return lines, total
+
+
 def describe(cfg: Config, out=None) -> None:
     out = out or sys.stdout
     devices = jax.devices()
@@ -65,7 +101,7 @@ def describe(cfg: Config, out=None) -> None:
     kv = f" ({m.kv_heads} kv)" if m.kv_heads and m.factory is None else ""
     print(f"model     {family}: {model_def.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, mlp {m.mlp_dim}, "
           f"seq {m.seq_len}, vocab {model_def.vocab_size} (padded to {model_def.vocab_padded}), "
-          f"dtype {m.dtype}, params {m.param_dtype}, remat {m.remat}", file=out)
+          f"dtype {m.dtype}, params {m.param_dtype}, remat {m.remat}, sequence parallel {m.sequence_parallel}", file=out)
     rows = parameter_rows(model_def, mesh_sizes)
     total = sum(math.prod(r[1]) for r in rows)
     print(f"\nparameters ({total:,} in all, {analysis.format_bytes(sum(r[4] for r in rows))} per device)", file=out)
@@ -75,7 +111,7 @@ def describe(cfg: Config, out=None) -> None:
     fig = analysis.megatron_figures(
         vocab_size=model_def.vocab_padded, hidden=m.hidden, layers=model_def.layers, seq_len=m.seq_len,
         heads=m.heads, global_batch=t.batch_size, data=sizes[0], pipe=sizes[1], tensor=sizes[2],
-        microbatches=t.microbatches, remat=model_def.remat, bytes_per_element=np.dtype(m.dtype).itemsize,
+        microbatches=t.microbatches, remat=model_def.remat == "full", bytes_per_element=np.dtype(m.dtype).itemsize,
     )
     print("\nMegatron analytical figures per step and device (Narayanan et al. 2021)", file=out)
     print(f"  parameters (eq. 2)       {fig.params:,}", file=out)
@@ -83,6 +119,12 @@ def describe(cfg: Config, out=None) -> None:
           f"{fig.flops_per_iteration_no_remat:.4g} without", file=out)
     for axes, nbytes in fig.bytes_by_axes.items():
         print(f"  {'/'.join(axes):8s} bytes            {analysis.format_bytes(nbytes)}", file=out)
+
+    activation, activation_bytes = activation_figures(cfg, model_def, sizes)
+    print("\nactivation memory per device (Korthikanti et al. 2022, Table 2, with meshtron's block constants)",
+          file=out)
+    for label, value in activation:
+        print(f"  {label:24s} {value}", file=out)
 
     if not fits:
         print(f"\ncompiled step: not analysed, the mesh needs {math.prod(sizes)} devices and this machine "
@@ -102,3 +144,7 @@ def describe(cfg: Config, out=None) -> None:
         label = f" ({stage} stage)" if staged else ""
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
         print(step.table(), file=out)
+        if step.memory is not None:
+            print(f"  compiled temporaries {analysis.format_bytes(step.memory.temp_size_in_bytes)} against the "
+                  f"model's {analysis.format_bytes(activation_bytes)} of activations (the rest: gradients, optimizer "
+                  "and loss temporaries, communication buffers)", file=out)

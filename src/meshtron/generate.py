@@ -239,8 +239,10 @@ class Sampler:
         self._traces = 0  # how many times the decoding program was traced (tests: it compiles once)
         # A batch of one sequence has nothing to split over ``data`` (the constraint would pad it
         # to one row per data shard): activations keep their tensor-parallel layout but the batch
-        # axis is replicated.
-        self._rules = tuple((name, None if name == "batch" else axis) for name, axis in model_def.rules)
+        # axis is replicated. Decoding steps hold one position, which sequence parallelism cannot
+        # split: the residual stream is replicated too.
+        self._rules = tuple((name, None if name in ("batch", "residual_seq") else axis)
+                            for name, axis in model_def.rules)
         named = {name for name, _ in self._rules}
         self._cache_layout = all(name in named for name in CACHE_AXES)
 

@@ -34,6 +34,7 @@ MEGATRON_RULES: Rules = (
     ("head_dim", None),
     ("qkv", None),
     ("seq", None),
+    ("residual_seq", None),
     ("pos", None),
 )
 

@@ -36,7 +36,7 @@ class ParallelBlock(nnx.Module):
         self.w_out = _param(rngs, (ffn, hidden), ("ffn", "embed"))
 
     def __call__(self, x, ctx: contract.Context):
-        h = self.norm(x)
+        h = contract.enter_parallel_region(self.norm(x))  # sequence parallelism: gathered here
         q, k, v = (jnp.einsum("bse,ehd->bshd", h, w[...]) for w in (self.wq, self.wk, self.wv))
         q, k, v = (constrain(t, ("batch", "seq", "attn_heads", "attn_dim")) for t in (q, k, v))
         cache = None
@@ -45,8 +45,8 @@ class ParallelBlock(nnx.Module):
         else:
             att, cache = attention.causal_attention(q, k, v, positions=ctx.positions, cache=ctx.cache)
         mlp = constrain(jax.nn.gelu(jnp.einsum("bse,ef->bsf", h, self.w_in[...])), ("batch", "seq", "ffn"))
-        x = x + jnp.einsum("bshd,hde->bse", att, self.wo[...]) + jnp.einsum("bsf,fe->bse", mlp, self.w_out[...])
-        x = constrain(x, ("batch", "seq", "embed"))
+        out = jnp.einsum("bshd,hde->bse", att, self.wo[...]) + jnp.einsum("bsf,fe->bse", mlp, self.w_out[...])
+        x = constrain(x + contract.exit_parallel_region(out), contract.RESIDUAL)  # ... and reduce-scattered here
         return x if cache is None else (x, cache)
 
 
@@ -65,10 +65,11 @@ class ParallelLM(nnx.Module):
 
     def embed(self, tokens, ctx: contract.Context):
         pos = jax.lax.dynamic_slice_in_dim(self.pos[...], ctx.positions[0, 0], tokens.shape[1])
-        return constrain(jnp.take(self.tok[...], tokens, axis=0) + pos, ("batch", "seq", "embed"))
+        x = constrain(jnp.take(self.tok[...], tokens, axis=0) + pos, contract.WHOLE_SEQUENCE)
+        return contract.exit_parallel_region(x)
 
     def head(self, x):
-        logits = jnp.einsum("bse,ve->bsv", self.final_norm(x), self.tok[...])
+        logits = jnp.einsum("bse,ve->bsv", contract.enter_parallel_region(self.final_norm(x)), self.tok[...])
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def init_cache(self, batch: int, max_len: int):

@@ -3,10 +3,14 @@ and the built-in families (``gpt``, ``llama``), which are reached by name (:mod:
 exactly like a user's own model."""
 
 from meshtron.models.contract import (
+    RESIDUAL,
+    WHOLE_SEQUENCE,
     Context,
     ModelContractError,
     ModelFactory,
     check_model,
+    enter_parallel_region,
+    exit_parallel_region,
     lm_loss,
     logits_of,
     run_blocks,
@@ -15,6 +19,7 @@ from meshtron.models.contract import (
 )
 
 __all__ = [
-    "Context", "ModelContractError", "ModelFactory", "check_model", "lm_loss", "logits_of", "run_blocks",
-    "stack_blocks", "vocab_parallel_cross_entropy",
+    "RESIDUAL", "WHOLE_SEQUENCE", "Context", "ModelContractError", "ModelFactory", "check_model",
+    "enter_parallel_region", "exit_parallel_region", "lm_loss", "logits_of", "run_blocks", "stack_blocks",
+    "vocab_parallel_cross_entropy",
 ]

@@ -32,8 +32,9 @@ Shapes: ``q`` ``[batch, seq, heads, head_dim]``; ``k``, ``v`` ``[batch, seq, kv_
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -65,6 +66,7 @@ class KVCache:
 
 
 _implementation: list[Implementation] = [None]
+_recompute_core: list[bool] = [False]
 
 
 @contextlib.contextmanager
@@ -76,6 +78,46 @@ def attention_implementation(name: Implementation) -> Iterator[None]:
         yield
     finally:
         _implementation.pop()
+
+
+@contextlib.contextmanager
+def selective_recompute(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, functions wrapped by :func:`attention_core` keep nothing for the backward pass
+    but their inputs (``model.remat=selective``; the trainer sets it)."""
+    _recompute_core.append(enabled)
+    try:
+        yield
+    finally:
+        _recompute_core.pop()
+
+
+def attention_core(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """Mark ``fn`` as an attention core -- scores, softmax, dropout, the weighted sum of values -- for
+    Megatron's selective activation recomputation (Korthikanti et al. 2022, §5).
+
+    Under ``model.remat=selective`` the call is ``jax.checkpoint(fn)`` with the ``nothing_saveable``
+    policy: the backward pass keeps only ``fn``'s inputs (q, k, v, which the block keeps anyway) and
+    recomputes the ``[batch, heads, seq, seq]`` scores and probabilities, the ``5·a·s/h`` term of the
+    paper's per-layer memory, at the cost of one core forward. Everything else in the block is kept.
+    This is the whole selective policy in one place, so it works for any model whose attention
+    goes through :func:`causal_attention` (or a core of its own wrapped by this); the alternative,
+    a block-level policy on named values, would need every model to name every value it keeps.
+    Outside ``selective`` the call is ``fn`` itself.
+    """
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not _recompute_core[-1]:
+            return fn(*args, **kwargs)
+        return jax.checkpoint(functools.partial(fn, **kwargs), policy=jax.checkpoint_policies.nothing_saveable,
+                              prevent_cse=False)(*args)
+
+    return call
+
+
+@attention_core
+def _causal_core(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, implementation: Implementation) -> jax.Array:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=implementation)
 
 
 def stacked_caches(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
@@ -149,7 +191,7 @@ def causal_attention(
     implementation = implementation or _implementation[-1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if cache is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=implementation)
+        return _causal_core(q, k, v, scale=scale, implementation=implementation)
 
     if positions is None:
         raise ValueError("causal_attention: decoding with a cache needs the queries' positions [batch, seq]")

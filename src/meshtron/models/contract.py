@@ -31,6 +31,18 @@ user's model is a third. A model is any ``nnx.Module`` with:
 
 Every ``nnx.Param`` carries logical axis names (``nnx.with_partitioning(init, names)``); the
 rules table (:mod:`meshtron.sharding`) maps them to mesh axes, so the model names no mesh axis.
+Activations are pinned the same way (:func:`meshtron.sharding.constrain`): the residual stream --
+what ``embed`` returns, what blocks take and return, and the running sum inside a block -- as
+:data:`RESIDUAL` ``(batch, residual_seq, embed)``, activations inside the tensor-parallel regions
+with ``seq`` (e.g. ``(batch, seq, heads, head_dim)``). That one name is what sequence parallelism
+(``model.sequence_parallel``) needs: it splits ``residual_seq`` over the tensor ranks. Where a value
+crosses between the two -- a norm's output into a region, a region's summed output (or the
+vocab-parallel embedding lookup) back into the stream -- :func:`enter_parallel_region` and
+:func:`exit_parallel_region` are Megatron's ``g`` and ``ḡ``: all-gather forward and reduce-scatter
+backward, and the reverse, so each tensor all-reduce becomes a reduce-scatter and an all-gather of
+the same bytes. :func:`run_blocks` pins block inputs and outputs itself. Without sequence
+parallelism all of these are the plain tensor-parallel layout, so a model that skips them trains
+the same; under it, it may communicate more (the compiler then chooses where to reshard).
 :func:`check_model` enforces all of this with one error that names what is missing and the fix.
 """
 
@@ -45,10 +57,60 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.config import ConfigError
-from meshtron.sharding import Rules, variable_axes
+from meshtron.sharding import Rules, constrain, variable_axes
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 LAYERS = "layers"
+RESIDUAL = ("batch", "residual_seq", "embed")
+"""Logical axes of the residual stream -- embedding output, block inputs and outputs, the inputs of
+norms and of the head. ``residual_seq`` is replicated by default and split over ``tensor`` under
+sequence parallelism (``model.sequence_parallel``); the sequence axis *inside* the tensor-parallel
+regions (attention, MLP) is ``seq`` and is never split there."""
+WHOLE_SEQUENCE = ("batch", "seq", "embed")
+"""Logical axes of a residual-width value that needs the whole sequence: the input of a
+tensor-parallel region (a norm's output, before the column-parallel projections), and an embedding
+lookup before it enters the residual stream. See :func:`enter_parallel_region`."""
+
+
+def _layout_pin(forward: tuple[str, ...], backward: tuple[str, ...]) -> Callable[[jax.Array], jax.Array]:
+    """Identity that lays its value out ``forward`` and its gradient ``backward`` (logical axes)."""
+
+    @jax.custom_vjp
+    def pin(x: jax.Array) -> jax.Array:
+        return constrain(x, forward)
+
+    pin.defvjp(lambda x: (constrain(x, forward), None), lambda _, grad: (constrain(grad, backward),))
+    return pin
+
+
+_into_region = _layout_pin(WHOLE_SEQUENCE, RESIDUAL)
+_out_of_region = _layout_pin(RESIDUAL, WHOLE_SEQUENCE)
+
+
+def enter_parallel_region(x: jax.Array) -> jax.Array:
+    """``x`` from the residual stream into a tensor-parallel region -- Megatron's ``g`` operator.
+
+    Forward, ``x`` is laid out :data:`WHOLE_SEQUENCE`; backward, its gradient is laid out
+    :data:`RESIDUAL`. Under sequence parallelism that is an all-gather forward and a reduce-scatter
+    of the region's partial input gradients backward; without it, nothing forward and the
+    all-reduce backward. A plain constraint would pin the gradient to the whole sequence too (an
+    all-reduce, then a slice), and no constraint leaves the choice to the compiler's propagation,
+    which may reshard inside attention with all-to-alls instead.
+    """
+    return _into_region(x)
+
+
+def exit_parallel_region(x: jax.Array) -> jax.Array:
+    """A tensor-parallel region's output, summed over the tensor shards, into the residual stream --
+    Megatron's ``ḡ`` operator (the output of a row-parallel projection, or of the vocab-parallel
+    embedding lookup).
+
+    Forward, laid out :data:`RESIDUAL`: the sum is an all-reduce, or under sequence parallelism a
+    reduce-scatter. Backward, its gradient is laid out :data:`WHOLE_SEQUENCE`: an all-gather under
+    sequence parallelism, so the region's backward runs on the whole sequence as its forward did
+    (without the pin the compiler may gather the projection's weights instead and reshard the
+    attention backward with all-to-alls)."""
+    return _out_of_region(x)
 
 
 class ModelContractError(ConfigError):
@@ -90,19 +152,22 @@ def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs
     return make(keys)
 
 
-def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: bool = False):
+def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none"):
     """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
 
     With ``ctx.cache`` (stacked caches ``[layers, ...]``) every block gets its own and the result is
-    ``(x, new_caches)``; otherwise ``x``. With ``remat`` each block's activations are recomputed in
-    the backward pass (Megatron's full activation recomputation: only block inputs are kept).
+    ``(x, new_caches)``; otherwise ``x``. ``remat="full"`` recomputes each block in the backward pass
+    (Megatron's full activation recomputation: only block inputs are kept); ``"selective"`` is applied
+    inside the block, to its attention core (:func:`meshtron.models.attention.attention_core`).
+    Between blocks ``x`` is the residual stream, laid out :data:`RESIDUAL` (split over the sequence
+    under sequence parallelism).
     """
     graphdef, state = nnx.split(blocks)
     if ctx.cache is None:
         def one_layer(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, ctx), None
+            return constrain(nnx.merge(graphdef, layer_state)(h, ctx), RESIDUAL), None
 
-        if remat:
+        if remat == "full":
             one_layer = jax.checkpoint(one_layer, prevent_cse=False)
         x, _ = jax.lax.scan(one_layer, x, state)
         return x
@@ -145,13 +210,13 @@ def token_losses(model: nnx.Module, logits: jax.Array, targets: jax.Array) -> ja
     return vocab_parallel_cross_entropy(logits, targets, model.vocab_size)
 
 
-def logits_of(model: nnx.Module, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
+def logits_of(model: nnx.Module, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
     """The full forward pass through the contract: embed -> blocks -> head."""
     ctx = Context.for_sequence(*tokens.shape)
     return model.head(run_blocks(model.blocks, model.embed(tokens, ctx), ctx, remat=remat))
 
 
-def lm_loss(model: nnx.Module, tokens: jax.Array, *, remat: bool = False) -> jax.Array:
+def lm_loss(model: nnx.Module, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
     """Mean next-token loss of ``tokens`` [batch, seq_len + 1]."""
     return jnp.mean(token_losses(model, logits_of(model, tokens[:, :-1], remat=remat), tokens[:, 1:]))
 

@@ -26,7 +26,14 @@ from flax import nnx
 
 from meshtron.config import ModelConfig, padded_vocab_size
 from meshtron.models.attention import KVCache, causal_attention, stacked_caches
-from meshtron.models.contract import Context, logits_of, stack_blocks
+from meshtron.models.contract import (
+    WHOLE_SEQUENCE,
+    Context,
+    enter_parallel_region,
+    exit_parallel_region,
+    logits_of,
+    stack_blocks,
+)
 from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block, zeros
 from meshtron.sharding import constrain
 
@@ -167,11 +174,11 @@ class GPT(nnx.Module):
         Positions are contiguous and shared by the rows (:class:`Context`): one slice of ``wpe``."""
         start = ctx.positions[0, 0]
         x = jnp.take(self.wte[...], tokens, axis=0) + jax.lax.dynamic_slice_in_dim(self.wpe[...], start, tokens.shape[1])
-        return constrain(x.astype(self.dims.dtype), ("batch", "seq", "embed"))
+        return exit_parallel_region(constrain(x.astype(self.dims.dtype), WHOLE_SEQUENCE))
 
     def head(self, x: jax.Array) -> jax.Array:
         """Logits over the padded vocabulary, left split over ``vocab`` (fp32 for the loss)."""
-        x = self.ln_f(x)
+        x = enter_parallel_region(self.ln_f(x))
         logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(x.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtron.models.contract import Context
+from meshtron.models.contract import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
 from meshtron.sharding import constrain
 
 INIT_STD = 0.02
@@ -42,12 +42,35 @@ def padded_vocab_init(vocab_size: int, std: float = INIT_STD):
     return nnx.with_partitioning(init, ("vocab", "embed"))
 
 
+def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *kernels: jax.Array) -> jax.Array:
+    """``einsum(spec, x, fuse(*kernels))`` whose backward pass rebuilds the fused kernel instead of keeping it.
+
+    Fusing kernels (query/key/value, gate/up) makes one matmul, so the backward pass all-reduces one
+    input gradient as Megatron's fused projections do; but the joined kernel is a new array, and
+    autodiff would keep a copy of it per layer for the backward pass -- a second copy of the block's
+    weights next to its activations. Under ``jax.checkpoint`` only ``x`` and the kernels themselves
+    (parameters, kept anyway) are saved; the join is redone in the backward pass, the matmul is not
+    (a linear map's transpose needs only its operands).
+    """
+
+    def project(x, *kernels):
+        return jnp.einsum(spec, x, fuse(*kernels).astype(x.dtype))
+
+    return jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, *kernels)
+
+
 def pre_norm_block(x: jax.Array, ctx: Context, attn_norm: Callable, attn: Callable, mlp_norm: Callable,
                    mlp: Callable):
     """``x + attn(attn_norm(x))``, then ``+ mlp(mlp_norm(.))``; ``(x, cache)`` when ``attn`` decodes with
-    ``ctx.cache`` (it then returns its output and the layer's new cache)."""
-    attended = attn(attn_norm(x), ctx)
+    ``ctx.cache`` (it then returns its output and the layer's new cache).
+
+    Norms run on the residual stream's layout (:data:`~meshtron.models.contract.RESIDUAL`: split over
+    the sequence under sequence parallelism) and their outputs enter the tensor-parallel regions
+    whole (:func:`~meshtron.models.contract.enter_parallel_region`); each region's output is summed
+    back into the stream (:func:`~meshtron.models.contract.exit_parallel_region`: an all-reduce, or a
+    reduce-scatter under sequence parallelism)."""
+    attended = attn(enter_parallel_region(attn_norm(x)), ctx)
     attended, cache = attended if ctx.cache is not None else (attended, None)
-    x = x + attended
-    x = constrain(x + mlp(mlp_norm(x)), ("batch", "seq", "embed"))
+    x = constrain(x + exit_parallel_region(attended), RESIDUAL)
+    x = constrain(x + exit_parallel_region(mlp(enter_parallel_region(mlp_norm(x)))), RESIDUAL)
     return x if cache is None else (x, cache)

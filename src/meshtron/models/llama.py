@@ -23,8 +23,15 @@ from flax import nnx
 
 from meshtron.config import ModelConfig, padded_vocab_size
 from meshtron.models.attention import KVCache, causal_attention, stacked_caches
-from meshtron.models.contract import Context, logits_of, stack_blocks
-from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block
+from meshtron.models.contract import (
+    WHOLE_SEQUENCE,
+    Context,
+    enter_parallel_region,
+    exit_parallel_region,
+    logits_of,
+    stack_blocks,
+)
+from meshtron.models.layers import INIT_STD, fused_projection, normal, ones, padded_vocab_init, pre_norm_block
 from meshtron.sharding import constrain, same_layout
 
 
@@ -91,8 +98,8 @@ class Attention(nnx.Module):
         kv = wk.shape[1]
         if not same_layout("heads", "kv_heads"):
             return self.wq(x), self.wk(x), self.wv(x)
-        w = jnp.concatenate([wq.reshape(e, kv, n // kv, d), wk[:, :, None], wv[:, :, None]], axis=2)
-        y = jnp.einsum("bse,ekgd->bskgd", x, w.astype(x.dtype))
+        y = fused_projection("bse,ekgd->bskgd", x, lambda wq, wk, wv: jnp.concatenate(
+            [wq.reshape(e, kv, n // kv, d), wk[:, :, None], wv[:, :, None]], axis=2), wq, wk, wv)
         b, s = x.shape[:2]
         return y[:, :, :, :-2].reshape(b, s, n, d), y[:, :, :, -2], y[:, :, :, -1]
 
@@ -119,8 +126,8 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         # gate and up applied as one einsum over their stacked kernels (both split on ``mlp``: a local
         # stack), so the backward pass all-reduces one input gradient, as Megatron's fused projection.
-        w = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1).astype(x.dtype)
-        y = jnp.einsum("bse,etf->bstf", x, w)
+        y = fused_projection("bse,etf->bstf", x, lambda gate, up: jnp.stack([gate, up], axis=1),
+                             self.gate.kernel[...], self.up.kernel[...])
         hidden = constrain(jax.nn.silu(y[:, :, 0]) * y[:, :, 1], ("batch", "seq", "mlp"))
         return self.down(hidden)
 
@@ -160,11 +167,11 @@ class Llama(nnx.Module):
     def embed(self, tokens: jax.Array, ctx: Context) -> jax.Array:
         del ctx  # positions enter through the rotary embedding in every block
         x = jnp.take(self.embedding[...], tokens, axis=0)
-        return constrain(x.astype(self.dims.dtype), ("batch", "seq", "embed"))
+        return exit_parallel_region(constrain(x.astype(self.dims.dtype), WHOLE_SEQUENCE))
 
     def head(self, x: jax.Array) -> jax.Array:
         """Logits over the padded vocabulary, left split over ``vocab`` (fp32 for the loss)."""
-        x = self.norm(x)
+        x = enter_parallel_region(self.norm(x))
         logits = jnp.einsum("bse,ve->bsv", x, self.lm_head[...].astype(x.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
 

@@ -82,12 +82,16 @@ class StageFunctions:
 
     ``embed(shared, tokens) -> x`` builds the first virtual stage's input from a microbatch of
     tokens; ``stage(chunk_params, x) -> y`` runs one chunk of layers; ``loss(shared, y, tokens)``
-    is the scalar loss after the last virtual stage.
+    is the scalar loss after the last virtual stage. ``layout(x) -> x`` pins an activation (or its
+    gradient) to the layout the stages produce over the compiler-managed axes; the runtime applies
+    it to everything it stores, reads and sends, so its buffers and messages keep that layout
+    (under sequence parallelism a ``seq/t`` slice) instead of one the compiler's propagation picks.
     """
 
     embed: Callable[[PyTree, jax.Array], jax.Array]
     stage: Callable[[PyTree, jax.Array], jax.Array]
     loss: Callable[[PyTree, jax.Array, jax.Array], jax.Array]
+    layout: Callable[[jax.Array], jax.Array] = lambda x: x
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,9 @@ def _token(tree: PyTree) -> jax.Array:
     times zero). XLA does not fold ``x * 0`` for floating point (NaN semantics), so whatever consumes
     the token is ordered after whatever produced ``tree``; the value is exactly zero (or -0.0)."""
     leaf = jax.tree.leaves(tree)[0]
-    v = jnp.ravel(leaf)[0].astype(jnp.float32)
+    # One element by index, not ``ravel(leaf)[0]``: flattening an array split over an auto axis (a
+    # sequence-parallel activation) would make the compiler gather all of it first.
+    v = leaf[(0,) * leaf.ndim].astype(jnp.float32)
     return jnp.where(jnp.isfinite(v), v, 0.0) * 0.0
 
 
@@ -269,7 +275,8 @@ def _run(
         # (Forward-only runs need no copies, but a cast moves no data, so both modes share it.)
         shared_params = jax.lax.pcast(shared_params, axis, to="varying")
     act = jax.eval_shape(fns.embed, shared_params, tokens[0])
-    zeros_act = zeros(act)
+    pin = fns.layout
+    zeros_act = pin(zeros(act))
     zero_loss = zeros(jax.ShapeDtypeStruct((), jnp.float32))
 
     def virtual_stage(chunk_params, shared, x_stash, chunk, tok):
@@ -277,8 +284,8 @@ def _run(
         stage and the head + loss run after the last; the layers are the same code for every kind,
         so each segment compiles them once."""
         virtual = chunk * p + stage_index
-        x = jax.lax.cond(virtual == 0, lambda: fns.embed(shared, tok), lambda: x_stash)
-        y = fns.stage(chunk_params, x)
+        x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(shared, tok), lambda: x_stash))
+        y = pin(fns.stage(chunk_params, x))
         loss = jax.lax.cond(virtual == last_virtual,
                             lambda: fns.loss(shared, y, tok).astype(jnp.float32), lambda: zero_loss)
         return y, loss
@@ -286,18 +293,19 @@ def _run(
     def forward(row, stash, seq):
         chunk = row["fwd_chunk"]
         y, loss = virtual_stage(_chunk(stage_params, chunk), shared_params,
-                                _after(_read(stash, row["fwd_slot"]), seq), chunk, tokens[row["fwd_mb"]])
+                                pin(_after(_read(stash, row["fwd_slot"]), seq)), chunk, tokens[row["fwd_mb"]])
         return y, loss, seq + _token((y, loss))
 
     def backward(row, stash, gbuf, seq):
         chunk = row["bwd_chunk"]
         tok = tokens[row["bwd_mb"]]
         is_last = chunk * p + stage_index == last_virtual
-        x = _after(_read(stash, row["bwd_stash_slot"]), seq)
+        x = pin(_after(_read(stash, row["bwd_stash_slot"]), seq))
         _, pullback = jax.vjp(lambda cp, sh, xs: virtual_stage(cp, sh, xs, chunk, tok),
                               _chunk(stage_params, chunk), shared_params, x)
-        dy = jnp.where(is_last, zeros_act, _read(gbuf, row["bwd_grad_slot"]))
+        dy = pin(jnp.where(is_last, zeros_act, _read(gbuf, row["bwd_grad_slot"])))
         d_params, d_shared, d_x = pullback((dy, jnp.where(is_last, zero_loss + inv_m, zero_loss)))
+        d_x = pin(d_x)
         return d_x, d_params, d_shared, seq + _token((d_x, d_params))
 
     def make_tick(seg: _Segment):
@@ -335,10 +343,10 @@ def _run(
                 )
                 g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
             if seg.send_forward:
-                f_msg = jax.lax.ppermute(_after(y_out, seq), axis, [(i, (i + 1) % p) for i in range(p)])
+                f_msg = pin(jax.lax.ppermute(pin(_after(y_out, seq)), axis, [(i, (i + 1) % p) for i in range(p)]))
                 seq = seq + _token(f_msg)
             if seg.send_backward:
-                b_msg = jax.lax.ppermute(_after(dx_out, seq), axis, [(i, (i - 1) % p) for i in range(p)])
+                b_msg = pin(jax.lax.ppermute(pin(_after(dx_out, seq)), axis, [(i, (i - 1) % p) for i in range(p)]))
             return (stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq), None
 
         return tick

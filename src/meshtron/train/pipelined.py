@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshtron.models.contract import Context, run_blocks, token_losses
+from meshtron.models.contract import RESIDUAL, Context, run_blocks, token_losses
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.pipeline.schedules import Program, compile_program, forward_only
+from meshtron.sharding import constrain
 from meshtron.train.state import ModelDef, Params
 
 PIPE = "pipe"
@@ -75,13 +76,14 @@ def stage_functions(model_def: ModelDef) -> StageFunctions:
         return model_def.bind(shared).embed(inputs, Context.for_sequence(*inputs.shape))
 
     def stage(chunk_blocks: Params, x: jax.Array) -> jax.Array:
-        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_sequence(*x.shape[:2]))
+        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_sequence(*x.shape[:2]),
+                          remat=model_def.remat)
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         model = model_def.bind(shared)
         return jnp.mean(token_losses(model, model.head(y), tokens[:, 1:]))
 
-    return StageFunctions(embed, stage, loss)
+    return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL))
 
 
 def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool):

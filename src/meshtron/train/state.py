@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshtron.analysis import format_count
 from meshtron.config import ConfigError, ModelConfig
-from meshtron.models.attention import attention_implementation
+from meshtron.models.attention import attention_implementation, selective_recompute
 from meshtron.models.contract import LAYERS, ModelFactory, check_model, lm_loss
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
@@ -40,7 +40,8 @@ class ModelDef:
     """A model's structure without its values: rebuilds modules from parameter dicts.
 
     ``factory(rngs)`` makes the model (any :mod:`~meshtron.models.contract` model); ``rules`` is the
-    logical -> mesh axis table that lays it out; ``remat`` recomputes each block in the backward pass.
+    logical -> mesh axis table that lays it out; ``remat`` is ``model.remat``: ``none``, ``full``
+    (each block recomputed in the backward pass) or ``selective`` (attention cores recomputed).
     """
 
     factory: ModelFactory
@@ -50,11 +51,11 @@ class ModelDef:
     vocab_size: int  # the real vocabulary (logits may be padded beyond it)
     max_len: int | None  # the model's own context limit (learned positions), if it has one
     can_cache: bool  # the model provides init_cache: generation decodes with a KV cache
-    remat: bool = False
+    remat: str = "none"
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's choice)
 
     @classmethod
-    def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: bool = False,
+    def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: str = "none",
                attention: str | None = None) -> ModelDef:
         """Trace ``factory`` abstractly (no parameter is created) and check the model contract."""
         rules = tuple(rules)
@@ -70,7 +71,8 @@ class ModelDef:
     def scope(self) -> Iterator[None]:
         """Trace model code inside this: its activation constraints follow this model's rules, its
         attention uses this run's implementation."""
-        with axis_rules(self.rules), attention_implementation(self.attention):
+        with axis_rules(self.rules), attention_implementation(self.attention), \
+                selective_recompute(self.remat == "selective"):
             yield
 
     def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -210,13 +212,22 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
                           factory: ModelFactory | None = None) -> ModelDef:
     """The :class:`ModelDef` of a run: ``factory`` (a user's model), else ``model.factory`` or
     ``model.family`` from the config; Megatron's rules extended by the family's own, then by
-    ``model.rules`` and ``rules`` (later ones win)."""
+    ``model.rules`` and ``rules`` (later ones win). ``model.sequence_parallel`` maps the residual
+    stream's ``residual_seq`` onto ``tensor`` (:data:`meshtron.models.contract.RESIDUAL`)."""
     from meshtron.models.registry import family_rules, model_factory
 
     table = extend_rules(MEGATRON_RULES, family_rules(cfg, tensor) if factory is None else {})
     table = extend_rules(extend_rules(table, cfg.rules), rules or {})
+    if cfg.sequence_parallel:
+        if tensor < 2:
+            raise ConfigError("model.sequence_parallel: splits activations over the tensor ranks and needs "
+                              f"mesh.tensor > 1 (this mesh has tensor={tensor}); set mesh.tensor or turn it off")
+        if cfg.seq_len % tensor:
+            raise ConfigError(f"model.sequence_parallel: model.seq_len={cfg.seq_len} must be divisible by "
+                              f"mesh.tensor={tensor} (each tensor rank holds seq_len/tensor positions)")
+        table = extend_rules(table, {"residual_seq": "tensor"})
     if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "
                           "devices; use model.attention=xla")
-    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat == "full",
+    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat,
                            attention=cfg.attention)
