@@ -98,6 +98,18 @@ def test_sigterm_stops_a_cli_run_with_a_checkpoint_and_the_resumed_run_is_bitwis
     assert [r["loss"] for r in records(metrics)] == straight  # bitwise, every logged step
 
 
+@pytest.fixture
+def sigint_not_ignored():
+    """SIGINT as an interactive shell leaves it. A suite started in the background (``cmd &`` from a
+    script) inherits SIGINT ignored, and the run rightly keeps an ignored signal ignored."""
+    inherited = signal.getsignal(signal.SIGINT)
+    if inherited is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
+@pytest.mark.usefixtures("sigint_not_ignored")
 def test_sigint_once_stops_after_the_step_in_flight(tmp_path, trainer, straight, capsys):
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     t = configured(trainer, tmp_path, log_every=4)
