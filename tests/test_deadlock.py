@@ -83,6 +83,8 @@ LAYOUTS = [
     ((1, 4, 2), "1f1b", 1, 8),
     ((2, 4, 1), "interleaved", 2, 4),
     ((1, 2, 4), "1f1b", 1, 4),
+    ((2, 2, 2), "zb-h1", 1, 4),  # a third kind of work (W) in its own conditional
+    ((1, 4, 2), "1f1b-p", 1, 8),
 ]
 
 

@@ -70,6 +70,8 @@ SCHEDULE_MESHES = [
     *((schedule, chunks, mesh) for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
       for mesh in ((2, 2, 2), (1, 4, 2), (2, 4, 1))),
     ("1f1b", 1, (1, 4, 1)), ("1f1b", 1, (1, 2, 4)), ("interleaved", 2, (1, 2, 1)), ("interleaved", 2, (1, 2, 4)),
+    # Zero bubble (backward split into B and W) and Megatron's p-in-flight 1F1B.
+    *((schedule, 1, mesh) for schedule in ("zb-h1", "1f1b-p") for mesh in ((1, 4, 2), (2, 2, 2), (1, 2, 4))),
 ]
 
 

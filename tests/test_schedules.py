@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from meshtron.pipeline.schedules import (
+    Costs,
     Program,
     Schedule,
     ScheduleError,
@@ -32,6 +33,8 @@ CASES = [
 ]
 # Odd corners the runtime may meet: a single stage, an odd stage count, more chunks.
 EXTRA = [("1f1b", 1, 3, 1), ("interleaved", 1, 2, 3), ("gpipe", 3, 5, 1), ("1f1b", 3, 7, 1), ("interleaved", 3, 6, 3)]
+# Zero bubble (ZB-H1) and Megatron's p-in-flight 1F1B: greedy tables with their own bounds.
+BOUNDED = [(name, p, m, 1) for name in ("zb-h1", "1f1b-p") for p in (1, 2, 3, 4, 8) for m in (p, 2 * p, 4 * p, 2 * p + 1)]
 
 
 def ids(case):
@@ -241,9 +244,10 @@ def simulate(program: Program) -> tuple[int, int]:
     p, m, last = sched.stages, sched.microbatches, sched.stages * sched.chunks - 1
     stash = [[None] * program.stash_slots for _ in range(p)]
     grads = [[None] * program.grad_slots for _ in range(p)]
+    weights = [[None] * program.weight_slots for _ in range(p)]  # split backward: what B leaves for W
     to_next: list = [None] * p  # to_next[s]: activation stage s sent to stage s + 1 last tick
     to_prev: list = [None] * p  # to_prev[s]: gradient stage s sent to stage s - 1 last tick
-    forwarded, backwarded = set(), set()
+    forwarded, backwarded, weighted = set(), set(), set()
     peak_stash = peak_grads = 0
 
     def store(buffer, slot, value, what):
@@ -297,20 +301,30 @@ def simulate(program: Program) -> tuple[int, int]:
                 else:
                     take(grads[s], int(program.bwd_grad_slot[t, s]), ("dy", mb, k), f"{where}: backward gradient")
                 backwarded.add((mb, k))
+                if sched.split_backward:
+                    store(weights[s], int(program.bwd_weight_slot[t, s]), ("w", mb, k), f"{where}: B's boundary")
+                else:
+                    assert program.bwd_weight_slot[t, s] == -1, f"{where}: a fused backward leaves nothing for W"
                 assert program.bwd_send[t, s] == int(k > 0), f"{where}: bwd_send"
                 if k > 0:
                     to_prev[s] = ("dy", mb, k - 1)
             else:
                 assert program.bwd_chunk[t, s] == program.bwd_stash_slot[t, s] == program.bwd_grad_slot[t, s] == -1
                 assert program.bwd_send[t, s] == 0
+            mb, chunk = int(program.wgt_mb[t, s]), int(program.wgt_chunk[t, s])
+            if mb >= 0:  # W: after its own B (this tick or earlier), from the slot B filled
+                k = chunk * p + s
+                take(weights[s], int(program.wgt_slot[t, s]), ("w", mb, k), f"{where}: weight gradient")
+                weighted.add((mb, k))
     everything = {(mb, k) for mb in range(m) for k in range(last + 1)}
     assert forwarded == everything and backwarded == everything
+    assert weighted == (everything if sched.split_backward else set())
     assert to_next == [None] * p and to_prev == [None] * p, "a value is sent in the last tick and lost"
-    assert all(x is None for buf in stash + grads for x in buf), "a buffer slot is never freed"
+    assert all(x is None for buf in stash + grads + weights for x in buf), "a buffer slot is never freed"
     return peak_stash, peak_grads
 
 
-@pytest.mark.parametrize("case", CASES + EXTRA, ids=ids)
+@pytest.mark.parametrize("case", CASES + EXTRA + BOUNDED, ids=ids)
 def test_compiled_program_moves_the_right_values(case):
     program = compile_program(make_schedule(*case))
     peak_stash, peak_grads = simulate(program)
@@ -366,3 +380,51 @@ def test_render_shows_chunks_when_interleaved():
         "stage 0: F0.0     F1.0     F0.1     F1.1     B0.1     B1.1     B0.0     B1.0",
         "stage 1: .        F0.0     F1.0     F0.1B0.1 F1.1B1.1 B0.0     B1.0     .",
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero bubble and p-in-flight 1F1B
+
+
+@pytest.mark.parametrize("case", [c for c in BOUNDED if c[0] == "zb-h1"], ids=ids)
+def test_zb_h1_bubble_is_exactly_a_third_of_1f1bs_with_1f1bs_stash(case):
+    _, p, m, _ = case
+    schedule = make_schedule("zb-h1", p, m)
+    stats = check(schedule)
+    assert stats.ticks == 3 * m + p - 1
+    assert abs(stats.bubble_fraction - (p - 1) / (3 * m)) < 1e-12 and abs(stats.ideal_bubble - (p - 1) / (3 * m)) < 1e-12
+    assert stats.peak_in_flight == tuple(p - s for s in range(p))  # stage 0 holds p, as Megatron's 1F1B
+    assert max(stats.peak_weight_pending) <= p  # what W keeps is bounded too
+    assert schedule.split_backward and not make_schedule("1f1b", max(p, 1), m).split_backward
+
+
+def test_zb_h1_bubble_follows_the_papers_formula_for_other_costs():
+    # Qi et al.: (p-1)(t_F + t_B - t_W) over m(t_F + t_B + t_W); with t_W = 0 it is 1F1B's bubble.
+    stats = check(make_schedule("zb-h1", 4, 8), Costs(forward=1.0, backward=1.0, weight=0.5))
+    assert stats.ideal_bubble == pytest.approx(3 * 1.5 / (8 * 2.5))
+    assert stats.bubble_fraction >= stats.ideal_bubble - 1e-12
+
+
+@pytest.mark.parametrize("case", [c for c in BOUNDED if c[0] == "1f1b-p"], ids=ids)
+def test_p_in_flight_1f1b_holds_at_most_p_microbatches_on_stage_0(case):
+    _, p, m, _ = case
+    stats = check(make_schedule("1f1b-p", p, m))
+    assert stats.peak_in_flight == tuple(min(p - s, m) for s in range(p))
+    assert stats.peak_in_flight[0] <= p == stats.megatron_peak_in_flight_stage0 or m < p
+
+
+def test_weight_gradient_before_its_input_gradient_is_named():
+    schedule = make_schedule("zb-h1", 2, 2)
+    rows = [list(row) for row in schedule.weight]
+    first_w = next(t for t, row in enumerate(rows) if row[1] is not None)
+    work, rows[first_w][1] = rows[first_w][1], None
+    rows[0][1] = work  # stage 1's first W moved to tick 0, before any backward
+    broken = dataclasses.replace(schedule, weight=tuple(map(tuple, rows)))
+    with pytest.raises(ScheduleError, match=r"^tick 0, stage 1: weight gradient of microbatch 0 .* before its own "
+                                            r"input-gradient backward"):
+        check(broken)
+
+
+def test_render_shows_weight_gradients():
+    text = render(make_schedule("zb-h1", 2, 2))
+    assert text.splitlines()[0].split() == ["stage", "0:", "F0", "F1", ".", "B0", "W0", "B1", "W1"]

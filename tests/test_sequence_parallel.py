@@ -104,6 +104,16 @@ def test_loss_and_gradients_equal_one_device_on_every_layout(family, remat):
     assert [str(r.layout) for r in reports] == [str(layout) for layout in layouts] and all(r.ok for r in reports)
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_zero_bubble_splits_the_backward_of_a_sequence_parallel_model(family, remat):
+    # B and W are cut from the layer's own pullback: the reduce-scatters and all-gathers of sequence
+    # parallelism and selective recomputation's checkpoint must land on the right side of the cut.
+    md = model_def_from_config(config(family, layers=4, sequence_parallel=True, remat=remat), 4)
+    [report] = check_parity(md, [Layout(1, 2, 4, "zb-h1")], seq_len=S)
+    assert report.ok
+
+
 def test_a_users_model_gets_sequence_parallelism_from_the_contract():
     import sys
     from pathlib import Path

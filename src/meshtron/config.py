@@ -19,6 +19,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from meshtron.pipeline.schedules import SCHEDULES
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
@@ -366,9 +368,9 @@ def validate_pipeline(cfg: Config) -> None:
     pipe, pl = cfg.mesh.pipe, cfg.pipeline
     layers, m = cfg.model.layers, cfg.train.microbatches
     _need(
-        pl.schedule in ("gpipe", "1f1b", "interleaved"),
+        pl.schedule in SCHEDULES,
         "pipeline.schedule",
-        f"must be 'gpipe', '1f1b' or 'interleaved', got {pl.schedule!r}",
+        f"must be one of {', '.join(repr(name) for name in SCHEDULES)}, got {pl.schedule!r}",
     )
     _need(pl.chunks >= 1, "pipeline.chunks", f"must be >= 1, got {pl.chunks}")
     _need(

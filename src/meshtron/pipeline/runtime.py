@@ -69,11 +69,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtron.pipeline.schedules import Program
+from meshtron.pipeline.split_backward import SplitPullback, residuals
 
 PyTree = Any
 
 _FORWARD_FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot")
-_ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot")
+_ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
+               "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot")
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,18 @@ class StageFunctions:
     gradient) to the layout the stages produce over the compiler-managed axes; the runtime applies
     it to everything it stores, reads and sends, so its buffers and messages keep that layout
     (under sequence parallelism a ``seq/t`` slice) instead of one the compiler's propagation picks.
+
+    ``layer(layer_params, x) -> y`` is one layer of a chunk (``stage`` applied to a chunk equals
+    ``layer`` applied to each of its layers in order, the chunk's leaves being ``[layers, ...]``);
+    schedules with a split backward (zero bubble) need it, to cut each layer's backward into the
+    input gradient and the weight gradient (:mod:`meshtron.pipeline.split_backward`).
     """
 
     embed: Callable[[PyTree, jax.Array], jax.Array]
     stage: Callable[[PyTree, jax.Array], jax.Array]
     loss: Callable[[PyTree, jax.Array, jax.Array], jax.Array]
     layout: Callable[[jax.Array], jax.Array] = lambda x: x
+    layer: Callable[[PyTree, jax.Array], jax.Array] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,7 @@ class _Segment:
     backward: bool
     send_forward: bool
     send_backward: bool
+    weight: bool = False
 
 
 def exact_segments(program: Program) -> list[_Segment]:
@@ -110,7 +119,8 @@ def exact_segments(program: Program) -> list[_Segment]:
     bwd = (program.bwd_mb >= 0).any(axis=1)
     send_f = (program.fwd_send > 0).any(axis=1)
     send_b = (program.bwd_send > 0).any(axis=1)
-    keys = list(zip(fwd, bwd, send_f, send_b))
+    wgt = (program.wgt_mb >= 0).any(axis=1)
+    keys = list(zip(fwd, bwd, send_f, send_b, wgt))
     out, tick = [], 0
     for key, group in itertools.groupby(keys):
         length = len(list(group))
@@ -125,7 +135,7 @@ def _sends(seg: _Segment) -> int:
 
 def _merged(a: _Segment, b: _Segment) -> _Segment:
     return _Segment(a.start, b.stop, a.forward or b.forward, a.backward or b.backward,
-                    a.send_forward or b.send_forward, a.send_backward or b.send_backward)
+                    a.send_forward or b.send_forward, a.send_backward or b.send_backward, a.weight or b.weight)
 
 
 def segments(program: Program) -> list[_Segment]:
@@ -308,9 +318,46 @@ def _run(
         d_x = pin(d_x)
         return d_x, d_params, d_shared, seq + _token((d_x, d_params))
 
+    split = _SplitBackward(program, fns, stage_params, zeros_act, pin, zeros) if schedule.split_backward else None
+
+    def backward_input(row, stash, gbuf, seq):
+        """The split backward's B: input gradient (sent at once) and the embedding/head gradients;
+        the layers' weight gradients are left to W, with what they need in the returned boundary."""
+        chunk = row["bwd_chunk"]
+        tok = tokens[row["bwd_mb"]]
+        virtual = chunk * p + stage_index
+        is_last = virtual == last_virtual
+        chunk_params = _chunk(stage_params, chunk)
+        x = pin(_after(_read(stash, row["bwd_stash_slot"]), seq))
+        x0, pull_in = jax.vjp(
+            lambda sh, xs: pin(jax.lax.cond(virtual == 0, lambda: fns.embed(sh, tok), lambda: xs)), shared_params, x)
+        y, stored = split.layers_forward(chunk_params, x0)
+        _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
+            is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), shared_params, y)
+        d_shared_out, dy_loss = pull_out(jnp.where(is_last, zero_loss + inv_m, zero_loss))
+        dy = pin(jnp.where(is_last, dy_loss, _read(gbuf, row["bwd_grad_slot"])))
+        dx0, boundary = split.layers_input_gradient(chunk_params, stored, dy)
+        d_shared_in, d_x = pull_in(pin(dx0))
+        d_x = pin(d_x)
+        return d_x, jax.tree.map(jnp.add, d_shared_out, d_shared_in), boundary, seq + _token(d_x)
+
+    def weight_gradient(row, wbuf, seq):
+        """The split backward's W: this chunk's layer gradients from what its B left in ``wbuf``."""
+        boundary = _after([_read(b, row["wgt_slot"]) for b in wbuf], seq)
+        d_params = split.layers_weight_gradient(_chunk(stage_params, row["wgt_chunk"]), boundary)
+        return d_params, seq + _token(d_params)
+
+    def add_to_chunk(g_stage, chunk, d_params):
+        chunk = jnp.maximum(chunk, 0)
+        return jax.tree.map(
+            lambda g, d: jax.lax.dynamic_update_index_in_dim(
+                g, jax.lax.dynamic_index_in_dim(g, chunk, keepdims=False) + d, chunk, 0),
+            g_stage, d_params,
+        )
+
     def make_tick(seg: _Segment):
         def tick(carry, row_all):
-            stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
+            stash, gbuf, wbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
             row = {k: jax.lax.dynamic_index_in_dim(row_all[k], stage_index, keepdims=False) for k in row_all}
             stash = _write(stash, row["recv_fwd_slot"], f_msg)
             # `seq` threads one data dependency through every collective-bearing operation of the
@@ -328,26 +375,35 @@ def _run(
                     lambda: (zeros_act, zero_loss, seq),
                 )
                 loss_sum = loss_sum + loss
-            if seg.backward:
+            if seg.backward and split is None:
                 dx_out, d_params, d_shared, seq = jax.lax.cond(
                     row["bwd_mb"] >= 0,
                     lambda: backward(row, stash, gbuf, seq),
                     lambda: (zeros_act, zeros(_chunk(stage_params, 0)), zeros(shared_params), seq),
                 )
-                chunk = jnp.maximum(row["bwd_chunk"], 0)
-                g_stage = jax.tree.map(
-                    lambda g, d: jax.lax.dynamic_update_index_in_dim(
-                        g, jax.lax.dynamic_index_in_dim(g, chunk, keepdims=False) + d, chunk, 0
-                    ),
-                    g_stage, d_params,
-                )
+                g_stage = add_to_chunk(g_stage, row["bwd_chunk"], d_params)
                 g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
+            elif seg.backward:
+                dx_out, d_shared, boundary, seq = jax.lax.cond(
+                    row["bwd_mb"] >= 0,
+                    lambda: backward_input(row, stash, gbuf, seq),
+                    lambda: (zeros_act, zeros(shared_params), split.zero_boundary(), seq),
+                )
+                wbuf = [_write(b, row["bwd_weight_slot"], v) for b, v in zip(wbuf, boundary)]
+                g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
+            if seg.weight:
+                d_params, seq = jax.lax.cond(
+                    row["wgt_mb"] >= 0,
+                    lambda: weight_gradient(row, wbuf, seq),
+                    lambda: (zeros(_chunk(stage_params, 0)), seq),
+                )
+                g_stage = add_to_chunk(g_stage, row["wgt_chunk"], d_params)
             if seg.send_forward:
                 f_msg = pin(jax.lax.ppermute(pin(_after(y_out, seq)), axis, [(i, (i + 1) % p) for i in range(p)]))
                 seq = seq + _token(f_msg)
             if seg.send_backward:
                 b_msg = pin(jax.lax.ppermute(pin(_after(dx_out, seq)), axis, [(i, (i - 1) % p) for i in range(p)]))
-            return (stash, gbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq), None
+            return (stash, gbuf, wbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq), None
 
         return tick
 
@@ -357,6 +413,7 @@ def _run(
     carry = (
         buffer(program.stash_slots),
         buffer(program.grad_slots) if train else None,
+        split.buffers(program.weight_slots) if split is not None else None,
         zeros_act,
         zeros_act if train else None,
         zeros(stage_params) if train else None,
@@ -369,7 +426,7 @@ def _run(
     for seg in segments(program):
         xs = {name: jnp.asarray(arr[seg.start : seg.stop]) for name, arr in rows.items()}
         carry, _ = jax.lax.scan(make_tick(seg), carry, xs)
-    _, _, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
+    _, _, _, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
     # The loss lives on the last stage and the shared gradients on the first and last: one sum of
     # both, after everything the loop ran (the last messages included).
     seq = seq + _token(f_msg)
@@ -377,3 +434,65 @@ def _run(
         seq = seq + _token(b_msg) + _token(g_stage)
     loss, g_shared = jax.lax.psum(_after((loss_sum * inv_m, g_shared), seq), axis)
     return loss, g_stage, g_shared
+
+
+class _SplitBackward:
+    """The per-layer pieces of a split stage backward (B then, later, W).
+
+    Built once per program from the first layer of chunk 0 (every layer of a uniform stack has the
+    same pullback): ``layers_forward`` recomputes the chunk from its input keeping each layer's
+    pullback residuals (what the fused backward's ``jax.vjp`` keeps), ``layers_input_gradient``
+    walks the layers backwards computing only the input gradient and returning, per layer, what
+    the weight gradient will need; ``layers_weight_gradient`` computes the weight gradients from
+    that, in any later tick.
+    """
+
+    def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, example_x: jax.Array,
+                 pin: Callable[[jax.Array], jax.Array], zeros: Callable[[PyTree], PyTree]):
+        if fns.layer is None:
+            raise ValueError(f"schedule {program.schedule.name!r} splits the backward per layer: "
+                             "StageFunctions.layer (one layer of a chunk) is required")
+        self._layer, self._pin, self._zeros = fns.layer, pin, zeros
+        first = jax.tree.map(lambda a: a[0, 0], stage_params)  # chunk 0, layer 0
+        self._layers = jax.tree.leaves(stage_params)[0].shape[1]
+        y, stored, treedef, self._slots = residuals(self._layer, first, example_x)
+        self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y)
+
+    def _residuals(self, layer_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        y, stored, _, slots = residuals(self._layer, layer_params, x)
+        if slots != self._slots:  # a layer whose pullback differs from the first one's
+            raise ValueError("split backward: the layers of a chunk must share one structure "
+                             f"(residuals that are parameters: {slots} vs {self._slots})")
+        return self._pin(y), stored
+
+    def layers_forward(self, chunk_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        return jax.lax.scan(lambda h, lp: self._residuals(lp, h), x, chunk_params)
+
+    def layers_input_gradient(self, chunk_params: PyTree, stored: list[jax.Array],
+                              dy: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        def layer_back(d, xs):
+            lp, res = xs
+            dx, boundary = self._pullback.input_gradient(res, jax.tree.leaves(lp), d)
+            return self._pin(dx), boundary
+
+        return jax.lax.scan(layer_back, dy, (chunk_params, stored), reverse=True)
+
+    def layers_weight_gradient(self, chunk_params: PyTree, boundary: list[jax.Array]) -> PyTree:
+        def layer_weights(_, xs):
+            lp, b = xs
+            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), b)
+            return None, jax.tree.unflatten(jax.tree.structure(lp), flat)
+
+        return jax.lax.scan(layer_weights, None, (chunk_params, boundary))[1]
+
+    def _stacked(self, slots: int | None) -> list[jax.ShapeDtypeStruct]:
+        lead = (self._layers,) if slots is None else (max(slots, 1), self._layers)
+        return [jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype) for a in self._pullback.boundary_avals]
+
+    def zero_boundary(self) -> list[jax.Array]:
+        """What an idle B returns: a chunk's boundary values, all zero."""
+        return self._zeros(self._stacked(None))
+
+    def buffers(self, slots: int) -> list[jax.Array]:
+        """The B-to-W buffers: ``slots`` chunks' boundary values per stage."""
+        return self._zeros(self._stacked(slots))

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-T_FORWARD, T_BACKWARD = 1.0, 2.0  # unit cost model: a backward costs two forwards
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # training schedules, as configs name them
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "1f1b-p", "zb-h1")  # training schedules, as configs name them
+SPLIT_SCHEDULES = ("zb-h1",)  # schedules whose backward is split into B (input) and W (weight)
 FORWARD_ONLY = "forward-only"  # the name of :func:`forward_only` tables (not a training schedule)
 
 
@@ -57,20 +57,49 @@ class Work:
     chunk: int
 
 
+Table = tuple[tuple["Work | None", ...], ...]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Unit costs of the three kinds of work (Qi et al.'s t_F, t_B, t_W). A backward that is not
+    split costs ``backward + weight``; the defaults make it twice a forward, the usual assumption
+    (and the paper's t_F = t_B = t_W)."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+    weight: float = 1.0
+
+
+UNIT_COSTS = Costs()
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """``forward[tick][stage]`` and ``backward[tick][stage]``: the work, or None when idle."""
+    """``forward[tick][stage]`` and ``backward[tick][stage]``: the work, or None when idle.
+
+    ``weight`` is empty unless the backward is *split* (zero-bubble schedules): then
+    ``backward`` holds the input-gradient halves (B) and ``weight[tick][stage]`` the
+    weight-gradient halves (W), each of which must run at or after its own B. Within a tick a
+    stage runs its forward, then its backward, then its weight work.
+    """
 
     name: str
     stages: int
     microbatches: int
     chunks: int
-    forward: tuple[tuple[Work | None, ...], ...]
-    backward: tuple[tuple[Work | None, ...], ...]
+    forward: Table
+    backward: Table
+    weight: Table = ()
 
     @property
     def ticks(self) -> int:
         return len(self.forward)
+
+    @property
+    def split_backward(self) -> bool:
+        """True when the table schedules weight gradients (W) apart from input gradients (B)."""
+        return bool(self.weight)
 
     @property
     def forward_only(self) -> bool:
@@ -164,6 +193,89 @@ def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
     return _shifted("interleaved", stages, microbatches, chunks, first_backward=chunks * stages - 1)
 
 
+def _greedy(name: str, stages: int, microbatches: int, *, split: bool, in_flight: list[int],
+            weight_cap: list[int] | None = None) -> Schedule:
+    """Lay one chunk per stage out tick by tick, each stage doing the most urgent ready work.
+
+    Urgency, per stage and tick: a weight gradient once ``weight_cap[s]`` of them are pending
+    (bounding what W keeps); the backward of the oldest microbatch whose output gradient has
+    arrived; the forward of the next microbatch whose input has arrived, if fewer than
+    ``in_flight[s]`` are forwarded but not backwarded (the stage's stash bound); a pending weight
+    gradient (W fills what would be a bubble). Without ``split`` a stage may run a forward and a
+    backward in the same tick (as the lockstep 1F1B does), which needs no W at all. Values
+    produced in a tick are usable from the next, exactly as :func:`check` requires.
+    """
+    p, m = stages, microbatches
+    f_tick = [[-1] * m for _ in range(p)]
+    b_tick = [[-1] * m for _ in range(p)]
+    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    forward: list[list[Work | None]] = []
+    backward: list[list[Work | None]] = []
+    weight: list[list[Work | None]] = []
+    tick = 0
+    while min(nw if split else nb) < m:
+        if tick > 4 * m * p + 4 * p:  # cannot happen for the bounds used here; guards a bad bound
+            raise ScheduleError(f"{name}: no progress with stage bounds {in_flight} (p={p}, m={m})")
+        frow: list[Work | None] = [None] * p
+        brow: list[Work | None] = [None] * p
+        wrow: list[Work | None] = [None] * p
+        for s in range(p):
+            ready_f = nf[s] < m and (s == 0 or 0 <= f_tick[s - 1][nf[s]] < tick)
+            can_f = ready_f and nf[s] - nb[s] < in_flight[s]
+            mb = nb[s]  # the next backward: its output gradient must have arrived (or be the loss)
+            grad_here = mb < m and (s == p - 1 or 0 <= b_tick[s + 1][mb] < tick)
+            if split:  # one unit of work per tick; B needs its forward in an earlier tick
+                pending = nb[s] - nw[s]
+                if weight_cap is not None and pending >= weight_cap[s]:
+                    wrow[s] = Work(nw[s], 0)
+                elif grad_here and mb < nf[s]:
+                    brow[s] = Work(mb, 0)
+                elif can_f:
+                    frow[s] = Work(nf[s], 0)
+                elif pending:
+                    wrow[s] = Work(nw[s], 0)
+            else:  # forward then backward in one tick, as the lockstep tables do
+                if can_f:
+                    frow[s] = Work(nf[s], 0)
+                if grad_here and mb < nf[s] + (frow[s] is not None):
+                    brow[s] = Work(mb, 0)
+        for s in range(p):  # commit the tick: every decision above saw only earlier ticks
+            if frow[s] is not None:
+                f_tick[s][nf[s]] = tick
+                nf[s] += 1
+            if brow[s] is not None:
+                b_tick[s][nb[s]] = tick
+                nb[s] += 1
+            if wrow[s] is not None:
+                nw[s] += 1
+        forward.append(frow)
+        backward.append(brow)
+        weight.append(wrow)
+        tick += 1
+    return Schedule(name, p, m, 1, _as_table(forward), _as_table(backward), _as_table(weight) if split else ())
+
+
+def _as_table(rows: list[list[Work | None]]) -> Table:
+    return tuple(map(tuple, rows))
+
+
+def one_f_one_b_p_in_flight(stages: int, microbatches: int) -> Schedule:
+    """1F1B as Megatron-LM runs it: stage ``s`` holds at most ``p - s`` microbatches (stage 0: ``p``,
+    where the lockstep :func:`one_f_one_b` holds ``2p - 1``). A stage whose stash is full waits for
+    a gradient before its next forward, which costs ticks where the lockstep table overlaps."""
+    _validate("1f1b-p", stages, microbatches, 1)
+    return _greedy("1f1b-p", stages, microbatches, split=False, in_flight=[stages - s for s in range(stages)])
+
+
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al., 2023): the backward split into B and W, 1F1B's stash bound (``p - s`` on
+    stage ``s``), W deferred into what would be bubbles. With t_F = t_B = t_W the run takes
+    ``3m + p - 1`` ticks: bubble ``(p - 1)/(3m)``, a third of 1F1B's."""
+    _validate("zb-h1", stages, microbatches, 1)
+    return _greedy("zb-h1", stages, microbatches, split=True, in_flight=[stages - s for s in range(stages)],
+                   weight_cap=[stages] * stages)
+
+
 def forward_only(stages: int, microbatches: int, chunks: int = 1) -> Schedule:
     """Forwards only, for held-out evaluation: every microbatch passes every virtual stage once, in
     order, with nothing kept for a backward.
@@ -191,15 +303,14 @@ def forward_only(stages: int, microbatches: int, chunks: int = 1) -> Schedule:
 
 
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """Build a schedule by name (``"gpipe"``, ``"1f1b"`` or ``"interleaved"``), as configs spell it."""
+    """Build a schedule by name (one of :data:`SCHEDULES`), as configs spell it."""
     if name not in SCHEDULES:
         raise ScheduleError(f"schedule: unknown {name!r}; use one of {', '.join(map(repr, SCHEDULES))}")
     _validate(name, stages, microbatches, chunks)
-    if name == "gpipe":
-        return gpipe(stages, microbatches)
-    if name == "1f1b":
-        return one_f_one_b(stages, microbatches)
-    return interleaved(stages, microbatches, chunks)
+    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-p": one_f_one_b_p_in_flight, "zb-h1": zb_h1}
+    if name == "interleaved":
+        return interleaved(stages, microbatches, chunks)
+    return builders[name](stages, microbatches)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,13 +319,14 @@ def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) ->
 
 @dataclass(frozen=True)
 class ScheduleStats:
-    """What a valid table costs: ticks, bubble (unit costs ``t_b = 2 t_f``) and activation memory."""
+    """What a valid table costs: ticks, bubble (under :class:`Costs`) and activation memory."""
 
     ticks: int
-    bubble_fraction: float  # (lockstep run time - m·(t_f + t_b)) / m·(t_f + t_b); forward-only: m·t_f
-    ideal_bubble: float  # the textbook value: (p-1)/m, or (p-1)/(v·m) interleaved (and forward-only)
+    bubble_fraction: float  # (lockstep run time - m·(t_F + t_B + t_W)) / m·(t_F + t_B + t_W); forward-only: m·t_F
+    ideal_bubble: float  # the textbook value: (p-1)/m, (p-1)/(v·m) interleaved, (p-1)(t_F+t_B-t_W)/(m·Σt) ZB-H1
     peak_in_flight: tuple[int, ...]  # per stage, in chunk-microbatches (stage inputs stashed)
     megatron_peak_in_flight_stage0: int  # Megatron's asynchronous schedule on rank 0, for comparison
+    peak_weight_pending: tuple[int, ...] = ()  # per stage, most Bs whose W has not run (what W keeps)
 
 
 Placement = dict[tuple[int, int], int]  # (microbatch, virtual stage) -> tick
@@ -230,7 +342,11 @@ def _check_shape(schedule: Schedule) -> None:
         raise ScheduleError(
             f"tables: forward has {len(schedule.forward)} ticks but backward has {len(schedule.backward)}"
         )
-    for label, table in (("forward", schedule.forward), ("backward", schedule.backward)):
+    if schedule.weight and len(schedule.weight) != len(schedule.forward):
+        raise ScheduleError(
+            f"tables: forward has {len(schedule.forward)} ticks but weight has {len(schedule.weight)}"
+        )
+    for label, table in (("forward", schedule.forward), ("backward", schedule.backward), ("weight", schedule.weight)):
         for tick, row in enumerate(table):
             if len(row) != p:
                 raise ScheduleError(f"{label} table, tick {tick}: needs one entry per stage ({p}), got {len(row)}")
@@ -253,7 +369,8 @@ def _occurrences(schedule: Schedule, table: tuple[tuple[Work | None, ...], ...],
 def _placement(schedule: Schedule, kind: str) -> Placement:
     """Where each (microbatch, virtual stage) runs; every one exactly once, on its own stage."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
-    seen = _occurrences(schedule, schedule.forward if kind == "forward" else schedule.backward, kind)
+    table = {"forward": schedule.forward, "backward": schedule.backward, "weight": schedule.weight}[kind]
+    seen = _occurrences(schedule, table, kind)
     missing = [(mb, k) for mb in range(m) for k in range(p * v) if (mb, k) not in seen]
     doubled = sorted((where[1], where[0][0], key) for key, where in seen.items() if len(where) > 1)
     for (tick, stage), first, (mb, k) in doubled:
@@ -274,15 +391,23 @@ def _placement(schedule: Schedule, kind: str) -> Placement:
     return {key: where[0][0] for key, where in seen.items()}
 
 
-def _check_dependencies(schedule: Schedule, fwd: Placement, bwd: Placement) -> None:
-    """Walk the work in execution order (tick, stage, forward before backward) and stop at the
-    first value that is used before it can have arrived."""
+def _check_dependencies(schedule: Schedule, fwd: Placement, bwd: Placement, wgt: Placement | None = None) -> None:
+    """Walk the work in execution order (tick, stage, forward before backward before weight) and
+    stop at the first value that is used before it can have arrived."""
     p = schedule.stages
     last = p * schedule.chunks - 1
     events = sorted([(t, k % p, 0, mb, k) for (mb, k), t in fwd.items()] +
-                    [(t, k % p, 1, mb, k) for (mb, k), t in bwd.items()])
+                    [(t, k % p, 1, mb, k) for (mb, k), t in bwd.items()] +
+                    [(t, k % p, 2, mb, k) for (mb, k), t in (wgt or {}).items()])
     for tick, stage, phase, mb, k in events:
         where = f"tick {tick}, stage {stage}: "
+        if phase == 2:
+            if bwd[(mb, k)] > tick:
+                raise ScheduleError(
+                    where + f"{_describe('weight gradient', mb, k, p)} runs before its own input-gradient "
+                    f"backward (tick {bwd[(mb, k)]}): W reads what B leaves behind"
+                )
+            continue
         if phase == 0:
             if k > 0 and fwd[(mb, k - 1)] >= tick:
                 sent = fwd[(mb, k - 1)]
@@ -303,13 +428,38 @@ def _check_dependencies(schedule: Schedule, fwd: Placement, bwd: Placement) -> N
             )
 
 
-def _run_time(schedule: Schedule) -> float:
-    """Lockstep time: each tick lasts as long as its busiest stage (per chunk ``t_f/v``, ``t_b/v``)."""
-    cost_f, cost_b = T_FORWARD / schedule.chunks, T_BACKWARD / schedule.chunks
+def _run_time(schedule: Schedule, costs: Costs) -> float:
+    """Lockstep time: each tick lasts as long as its busiest stage (per chunk, costs divided by ``v``;
+    an unsplit backward costs ``t_B + t_W``)."""
+    v = schedule.chunks
+    cost_f = costs.forward / v
+    cost_b = (costs.backward if schedule.split_backward else costs.backward + costs.weight) / v
+    cost_w = costs.weight / v
+    weight = schedule.weight or ((None,) * schedule.stages,) * schedule.ticks
     return sum(
-        max((cost_f if f is not None else 0.0) + (cost_b if b is not None else 0.0) for f, b in zip(frow, brow))
-        for frow, brow in zip(schedule.forward, schedule.backward)
+        max(cost_f * (f is not None) + cost_b * (b is not None) + cost_w * (w is not None)
+            for f, b, w in zip(frow, brow, wrow))
+        for frow, brow, wrow in zip(schedule.forward, schedule.backward, weight)
     )
+
+
+def _peak_weight_pending(schedule: Schedule, stage: int) -> int:
+    """Most input-gradient backwards on ``stage`` whose weight gradient has not run yet, counted
+    after a tick's B and before its W: each holds B's boundary values (see split_backward)."""
+    live = peak = 0
+    for brow, wrow in zip(schedule.backward, schedule.weight):
+        live += brow[stage] is not None
+        peak = max(peak, live)
+        live -= wrow[stage] is not None
+    return peak
+
+
+def _ideal_bubble(schedule: Schedule, costs: Costs) -> float:
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    if schedule.name == "zb-h1":  # Qi et al.: (p-1)(t_F + t_B - t_W) over m(t_F + t_B + t_W)
+        total = costs.forward + costs.backward + costs.weight
+        return (p - 1) * max(costs.forward + costs.backward - costs.weight, 0.0) / (m * total)
+    return (p - 1) / (v * m)
 
 
 def _peak_in_flight(schedule: Schedule, stage: int) -> int:
@@ -348,40 +498,49 @@ def _check_no_backward(schedule: Schedule) -> None:
                 )
 
 
-def check(schedule: Schedule) -> ScheduleStats:
-    """Prove ``schedule`` runs every forward and backward exactly once on the right stage and
-    respects every dependency; report its cost. A forward-only table must run every forward and no
-    backward. Raises :class:`ScheduleError` naming the first problem (tick, stage and what is wrong)."""
+def check(schedule: Schedule, costs: Costs = UNIT_COSTS) -> ScheduleStats:
+    """Prove ``schedule`` runs every forward and backward (and, split, every weight gradient)
+    exactly once on the right stage and respects every dependency; report its cost under ``costs``.
+    A forward-only table must run every forward and no backward. Raises :class:`ScheduleError`
+    naming the first problem (tick, stage and what is wrong)."""
     _check_shape(schedule)
     fwd = _placement(schedule, "forward")
+    wgt: Placement | None = None
     if schedule.forward_only:
         _check_no_backward(schedule)
         bwd: Placement = {}
     else:
         bwd = _placement(schedule, "backward")
-    _check_dependencies(schedule, fwd, bwd)
+        if schedule.split_backward:
+            wgt = _placement(schedule, "weight")
+    _check_dependencies(schedule, fwd, bwd, wgt)
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
-    ideal = m * (T_FORWARD + (0.0 if schedule.forward_only else T_BACKWARD))
+    per_microbatch = costs.forward + (0.0 if schedule.forward_only else costs.backward + costs.weight)
+    ideal = m * per_microbatch
     return ScheduleStats(
         ticks=schedule.ticks,
-        bubble_fraction=(_run_time(schedule) - ideal) / ideal,
-        ideal_bubble=(p - 1) / (v * m),
+        bubble_fraction=(_run_time(schedule, costs) - ideal) / ideal,
+        ideal_bubble=_ideal_bubble(schedule, costs),
         peak_in_flight=tuple(_peak_in_flight(schedule, s) for s in range(p)),
         megatron_peak_in_flight_stage0=_megatron_peak_stage0(schedule.name, p, m, v),
+        peak_weight_pending=tuple(_peak_weight_pending(schedule, s) for s in range(p)) if wgt else (0,) * p,
     )
 
 
 def render(schedule: Schedule) -> str:
-    """Ticks left to right, one row per stage: ``F3`` forward of microbatch 3, ``B1`` backward,
-    ``F3B1`` both in one tick, ``.`` idle; with chunks > 1 the chunk follows (``F3.1``)."""
+    """Ticks left to right, one row per stage: ``F3`` forward of microbatch 3, ``B1`` backward
+    (split: its input gradient), ``W1`` its weight gradient, ``F3B1`` both in one tick, ``.`` idle;
+    with chunks > 1 the chunk follows (``F3.1``)."""
 
     def one(tag: str, work: Work | None) -> str:
         if work is None:
             return ""
         return f"{tag}{work.microbatch}" + (f".{work.chunk}" if schedule.chunks > 1 else "")
 
+    weight = schedule.weight or ((None,) * schedule.stages,) * schedule.ticks
     cells = [
-        [(one("F", schedule.forward[t][s]) + one("B", schedule.backward[t][s])) or "." for t in range(schedule.ticks)]
+        [(one("F", schedule.forward[t][s]) + one("B", schedule.backward[t][s]) + one("W", weight[t][s])) or "."
+         for t in range(schedule.ticks)]
         for s in range(schedule.stages)
     ]
     width = max((len(c) for row in cells for c in row), default=1)
@@ -413,13 +572,19 @@ class Program:
     bwd_grad_slot: np.ndarray  # gradient-buffer slot with d(output); -1 on the last virtual stage (loss)
     bwd_send: np.ndarray  # 1 if the input gradient goes to the previous stage (all but virtual stage 0)
     recv_bwd_slot: np.ndarray  # gradient-buffer slot for the gradient arriving at the start of the tick
+    bwd_weight_slot: np.ndarray  # split backward: weight-buffer slot where B leaves what W needs; else -1
+    wgt_mb: np.ndarray  # split backward: the weight gradient (W) of this tick
+    wgt_chunk: np.ndarray
+    wgt_slot: np.ndarray  # weight-buffer slot W reads (and frees)
     stash_slots: int
     grad_slots: int
+    weight_slots: int = 0  # split backward: B-to-W buffers per stage (the table's peak_weight_pending)
 
 
 _COLUMNS = (
     "fwd_mb", "fwd_chunk", "fwd_slot", "fwd_send", "recv_fwd_slot",
     "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "bwd_send", "recv_bwd_slot",
+    "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot",
 )
 
 
@@ -445,8 +610,8 @@ class _Slots:
         return slot
 
 
-def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]], int, int]:
-    """One stage's instruction columns plus its stash and grad buffer sizes.
+def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]], int, int, int]:
+    """One stage's instruction columns plus its stash, grad and weight buffer sizes.
 
     A slot is taken when a value arrives (start of tick ``t``) and released by the backward that
     consumes it -- by the forward in a forward-only table, where nothing is recomputed; since
@@ -459,7 +624,7 @@ def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]]
     col = {name: [-1] * ticks for name in _COLUMNS}
     col["fwd_send"] = [0] * ticks
     col["bwd_send"] = [0] * ticks
-    stash, grads = _Slots(), _Slots()
+    stash, grads, weights = _Slots(), _Slots(), _Slots()
     for tick in range(ticks):
         if tick > 0:
             sent = schedule.forward[tick - 1][prev]
@@ -481,7 +646,15 @@ def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]]
             col["bwd_stash_slot"][tick] = stash.release(key)
             col["bwd_grad_slot"][tick] = grads.release(key)
             col["bwd_send"][tick] = int(key[1] > 0)
-    return col, stash.size, grads.size
+            if schedule.split_backward:
+                col["bwd_weight_slot"][tick] = weights.take(key)
+        work = schedule.weight[tick][stage] if schedule.split_backward else None
+        if work is not None:
+            # W runs after B in its tick, so a slot W frees is first reused by the next tick's B.
+            key = (work.microbatch, work.chunk * p + stage)
+            col["wgt_mb"][tick], col["wgt_chunk"][tick] = work.microbatch, work.chunk
+            col["wgt_slot"][tick] = weights.release(key)
+    return col, stash.size, grads.size, weights.size
 
 
 def compile_program(schedule: Schedule) -> Program:
@@ -491,12 +664,13 @@ def compile_program(schedule: Schedule) -> Program:
     per_stage = [_compile_stage(schedule, s) for s in range(schedule.stages)]
     arrays = {}
     for name in _COLUMNS:
-        array = np.array([col[name] for col, _, _ in per_stage], np.int32).T.copy()  # [ticks, stages]
+        array = np.array([col[name] for col, *_ in per_stage], np.int32).T.copy()  # [ticks, stages]
         array.setflags(write=False)
         arrays[name] = array
     return Program(
         schedule,
         **arrays,
-        stash_slots=max(size for _, size, _ in per_stage),
-        grad_slots=max(size for _, _, size in per_stage),
+        stash_slots=max(sizes[1] for sizes in per_stage),
+        grad_slots=max(sizes[2] for sizes in per_stage),
+        weight_slots=max(sizes[3] for sizes in per_stage),
     )

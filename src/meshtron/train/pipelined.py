@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshtron.models.contract import RESIDUAL, Context, run_blocks, token_losses
@@ -83,7 +84,12 @@ def stage_functions(model_def: ModelDef) -> StageFunctions:
         model = model_def.bind(shared)
         return jnp.mean(token_losses(model, model.head(y), tokens[:, 1:]))
 
-    return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL))
+    def layer(layer_blocks: Params, x: jax.Array) -> jax.Array:
+        # One block, as run_blocks applies each: the stacked module's graph with one layer's values.
+        graphdef, state = nnx.split(model_def.bind({"blocks": layer_blocks}).blocks)
+        return constrain(nnx.merge(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
+
+    return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer)
 
 
 def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool):

@@ -1,0 +1,232 @@
+"""A layer's backward pass cut in two: the input gradient now, the weight gradient later.
+
+Zero-bubble pipelining (Qi et al., 2023) runs the input gradient ``B`` of a stage at once -- the
+previous stage waits for it -- and defers the weight gradient ``W`` into what would otherwise be
+pipeline bubbles. In PyTorch that split is written by hand per operator. Here it is derived from
+the program JAX already has: the pullback of ``jax.vjp(layer, params, x)`` is a jaxpr of
+primitives, and
+
+* ``B`` = every equation the input gradient ``dx`` depends on (the cotangent chain through the
+  layer, which every weight gradient also needs);
+* ``W`` = the remaining equations the parameter gradients depend on (for a dense layer
+  ``dW = xᵀ·dy``: the matmuls that only produce weight gradients, and whatever feeds only them);
+* the *boundary* = the values ``W`` reads that ``B`` (or the forward) produced: the cotangents at
+  the weight-bearing operations and the forward activations they multiply. ``B`` returns them;
+  whoever runs ``W`` later keeps them until then.
+
+No equation runs twice, so ``B`` + ``W`` cost what the full pullback costs, and ``W(B(...))``
+equals the pullback exactly (the same primitives on the same values). Nested ``jit`` calls are
+inlined first so a jitted helper that computes both kinds of gradient is split too; other
+higher-order primitives (``checkpoint``, ``custom_jvp_call``, control flow) stay whole and go to
+``B`` when ``dx`` needs any of their outputs.
+
+The forward of the layer is taken apart the same way: :func:`residuals` runs ``jax.vjp`` and
+keeps the pullback's residual arrays (a pullback is a pytree whose leaves are exactly those), so
+a loop over layers can store them and :class:`SplitPullback` can run the backward from them.
+Residuals that *are* the layer's parameters are not stored: they are read from the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+PyTree = Any
+
+
+_INLINED = ("jit", "pjit", "checkpoint", "remat", "remat2")  # primitives whose body is split, not kept whole
+
+
+def _is_literal(atom: Any) -> bool:
+    return isinstance(atom, jcore.Literal)
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One primitive application of the flattened pullback: inputs and outputs are jaxpr atoms."""
+
+    primitive: Any
+    params: dict
+    inputs: tuple
+    outputs: tuple
+    context: Any  # the equation's JaxprEqnContext (compute type, layouts) to bind under
+
+
+def _flatten(jaxpr: Any, consts: Sequence[Any], alias: dict, ops: list[_Op]) -> None:
+    """Append ``jaxpr``'s equations to ``ops`` with nested ``jit`` calls inlined. ``alias`` maps a
+    variable to the atom (variable, literal or constant) it stands for."""
+
+    def atom(a):
+        return a if _is_literal(a) else alias.get(a, a)
+
+    for var, value in zip(jaxpr.constvars, consts):
+        alias[var] = _Const(value)
+    for eqn in jaxpr.eqns:
+        inner = eqn.params.get("jaxpr") if eqn.primitive.name in _INLINED else None
+        if inner is not None:
+            # `jit` holds a ClosedJaxpr; `checkpoint` (a recomputation inside the backward, which
+            # needs no protection there: the forward it would be fused with is not in this program)
+            # an open Jaxpr.
+            body, body_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+            for var, outer in zip(body.invars, eqn.invars):
+                alias[var] = atom(outer)
+            _flatten(body, body_consts, alias, ops)
+            for outer, inner_out in zip(eqn.outvars, body.outvars):
+                alias[outer] = atom(inner_out)
+            continue
+        ops.append(_Op(eqn.primitive, eqn.params, tuple(atom(a) for a in eqn.invars), tuple(eqn.outvars), eqn.ctx))
+
+
+@dataclass(frozen=True)
+class _Const:
+    """A constant captured by a traced function (not a jaxpr variable)."""
+
+    value: Any
+
+
+def _is_var(a: Any) -> bool:
+    return not _is_literal(a) and not isinstance(a, _Const)
+
+
+def _slice(ops: Sequence[_Op], roots: Sequence[Any], exclude: set[int]) -> set[int]:
+    """Indices of the ops (not in ``exclude``) that the atoms ``roots`` depend on."""
+    producer = {id(out): i for i, op in enumerate(ops) for out in op.outputs}
+    wanted = [a for a in roots if _is_var(a)]
+    seen: set[int] = set()
+    picked: set[int] = set()
+    while wanted:
+        a = wanted.pop()
+        if id(a) in seen:
+            continue
+        seen.add(id(a))
+        i = producer.get(id(a))
+        if i is None or i in exclude or i in picked:
+            continue
+        picked.add(i)
+        wanted.extend(x for x in ops[i].inputs if _is_var(x))
+    return picked
+
+
+def _evaluate(ops: Sequence[_Op], env: dict) -> None:
+    """Run ``ops`` in order, reading and writing values in ``env`` (keyed by ``id(variable)``)."""
+
+    read = _reader(env)
+    for op in ops:
+        bind_params = op.primitive.get_bind_params(op.params)
+        subfuns: tuple = ()
+        if isinstance(bind_params, tuple):  # JAX releases before 0.7 returned (subfuns, params)
+            subfuns, bind_params = bind_params
+        with op.context.manager:
+            out = op.primitive.bind(*subfuns, *map(read, op.inputs), **bind_params)
+        outs = out if op.primitive.multiple_results else (out,)
+        for var, value in zip(op.outputs, outs):
+            env[id(var)] = value
+
+
+class SplitPullback:
+    """The pullback of ``layer`` at given residuals, as ``input_gradient`` then ``weight_gradient``.
+
+    Build it once per layer *shape* (every layer of a uniform stack shares it) from example
+    residuals and an example output cotangent; then ``input_gradient(res, dy) -> (dx, boundary)``
+    and ``weight_gradient(res, boundary) -> dparams`` may be traced anywhere, in different loops.
+    ``res`` are the residual arrays :func:`residuals` stored (parameters excluded: pass them in
+    ``params``).
+    """
+
+    def __init__(self, treedef: Any, param_slots: Sequence[int | None], example_res: Sequence[jax.Array],
+                 example_params: Sequence[jax.Array], example_dy: jax.Array):
+        self._treedef = treedef
+        self._param_slots = tuple(param_slots)  # for each pullback residual: params index, or None
+
+        def full(res, params, dy):
+            return treedef.unflatten(self._merge(res, params))(dy)
+
+        closed = jax.make_jaxpr(full)(list(example_res), list(example_params), example_dy)
+        jaxpr = closed.jaxpr
+        ops: list[_Op] = []
+        alias: dict = {}
+        _flatten(jaxpr, closed.consts, alias, ops)
+
+        def out_atom(a):
+            return a if _is_literal(a) else alias.get(a, a)
+
+        outs = [out_atom(a) for a in jaxpr.outvars]
+        n_res, n_par = len(example_res), len(example_params)
+        self._res_vars = tuple(jaxpr.invars[:n_res])
+        self._param_vars = tuple(jaxpr.invars[n_res:n_res + n_par])
+        self._dy_var = jaxpr.invars[n_res + n_par]
+        *self._dparam_atoms, self._dx_atom = outs  # the pullback returns (dparams..., dx)
+        b_ops = _slice(ops, [self._dx_atom], set())
+        w_ops = _slice(ops, self._dparam_atoms, b_ops)
+        self._b_ops = [ops[i] for i in sorted(b_ops)]
+        self._w_ops = [ops[i] for i in sorted(w_ops)]
+        produced_in_w = {id(out) for op in self._w_ops for out in op.outputs}
+        param_ids = {id(v) for v in self._param_vars}
+        boundary: dict[int, Any] = {}
+        for a in [x for op in self._w_ops for x in op.inputs] + list(self._dparam_atoms):
+            if _is_var(a) and id(a) not in produced_in_w and id(a) not in param_ids:
+                boundary.setdefault(id(a), a)
+        self._boundary = tuple(boundary.values())
+
+    def _merge(self, res: Sequence[Any], params: Sequence[Any]) -> list[Any]:
+        stored = iter(res)
+        return [params[slot] if slot is not None else next(stored) for slot in self._param_slots]
+
+    def _env(self, res: Sequence[Any], params: Sequence[Any]) -> dict:
+        env = {id(v): x for v, x in zip(self._res_vars, res)}
+        env.update({id(v): x for v, x in zip(self._param_vars, params)})
+        return env
+
+    @property
+    def boundary_avals(self) -> list[jax.core.ShapedArray]:
+        """What ``W`` needs from ``B``: shapes and dtypes of the values to keep between them."""
+        return [a.aval for a in self._boundary]
+
+    def input_gradient(self, res: Sequence[jax.Array], params: Sequence[jax.Array],
+                       dy: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        """``(dx, boundary)``: the gradient w.r.t. the layer input and what ``W`` will need."""
+        env = self._env(res, params)
+        env[id(self._dy_var)] = dy
+        _evaluate(self._b_ops, env)
+        read = _reader(env)
+        return read(self._dx_atom), [read(a) for a in self._boundary]
+
+    def weight_gradient(self, params: Sequence[jax.Array], boundary: Sequence[jax.Array]) -> list[jax.Array]:
+        """The parameter gradients (flat, in ``params`` order), from ``B``'s boundary values."""
+        env = {id(v): x for v, x in zip(self._param_vars, params)}
+        env.update({id(a): x for a, x in zip(self._boundary, boundary)})
+        _evaluate(self._w_ops, env)
+        read = _reader(env)
+        return [read(a) for a in self._dparam_atoms]
+
+
+def _reader(env: dict) -> Callable[[Any], Any]:
+    def read(a):
+        if _is_literal(a):
+            return a.val
+        if isinstance(a, _Const):
+            return a.value
+        return env[id(a)]
+
+    return read
+
+
+def residuals(layer: Callable[[PyTree, jax.Array], jax.Array], params: PyTree,
+              x: jax.Array) -> tuple[jax.Array, list[jax.Array], Any, tuple[int | None, ...]]:
+    """``(y, stored, treedef, param_slots)``: the layer's output and its pullback's residuals.
+
+    ``stored`` are the residual arrays that are not parameters; ``param_slots[i]`` says which flat
+    parameter the ``i``-th residual is (``None``: it is in ``stored``), so the parameters are read
+    where they live instead of being stored a second time per microbatch.
+    """
+    y, pullback = jax.vjp(lambda p, h: layer(p, h), params, x)
+    leaves, treedef = jax.tree.flatten(pullback)
+    flat_params = jax.tree.leaves(params)
+    by_id = {id(p): i for i, p in enumerate(flat_params)}
+    slots = tuple(by_id.get(id(leaf)) for leaf in leaves)
+    stored = [leaf for leaf, slot in zip(leaves, slots) if slot is None]
+    return y, stored, treedef, slots
