@@ -89,3 +89,20 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     )
     missing = meshtron("train", "--config", "mesh_configs/cpu8.yaml", "data.path=/nope.txt")
     assert missing.returncode == 2 and "data.path" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_schedule_prints_the_table_its_report_and_draws_it(tmp_path):
+    png = tmp_path / "zb.png"
+    run = meshtron("schedule", "zb-h1", "--pipe", "2", "--microbatches", "4", "--png", str(png))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[1].split() == ["stage", "0:", "F0", "F1", ".", "B0", "F2", "B1", "W0", "F3", "B2", "W1", "W2", "B3",
+                                "W3"]
+    assert "bubble               0.0833" in run.stdout and "textbook 0.0833" in run.stdout  # (p-1)/(3m)
+    assert "in flight per stage  2, 1" in run.stdout and "W pending per stage  2, 2" in run.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = [meshtron("schedule", "zb-h1", "--pipe", "4", "--microbatches", "2"),
+           meshtron("schedule", "1f1b", "--pipe", "2", "--microbatches", "4", "--costs", "1,x")]
+    assert [r.returncode for r in bad] == [2, 2] and all("Traceback" not in r.stderr for r in bad)
+    assert bad[0].stderr.strip() == "meshtron: error: microbatches: m=2 < p=4: the pipeline cannot fill; use at least 4"
+    assert "--costs" in bad[1].stderr

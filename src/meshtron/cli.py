@@ -1,4 +1,4 @@
-"""``meshtron train | describe | generate | launch | configs``: the command line.
+"""``meshtron train | describe | generate | launch | schedule | configs``: the command line.
 
 The config is read and validated *before* JAX is imported, so that on a CPU-only machine the CLI
 can still ask XLA for as many simulated host devices as the mesh needs (appending to any
@@ -48,7 +48,36 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("overrides", nargs="*", metavar="mesh.key=value",
                      help="the mesh to sample on, e.g. mesh.tensor=4 (default: the mesh that trained it)")
     sub.add_parser("configs", help="list the bundled configs: names for --config, mesh and model size")
+    sched = sub.add_parser("schedule", help="print a pipeline schedule's table and checker report, draw it as a PNG")
+    sched.add_argument("name", metavar="NAME", help="gpipe, 1f1b, interleaved, 1f1b-p or zb-h1")
+    sched.add_argument("--pipe", type=int, required=True, metavar="P", help="pipeline stages")
+    sched.add_argument("--microbatches", type=int, required=True, metavar="M")
+    sched.add_argument("--chunks", type=int, default=1, metavar="V", help="model chunks per stage (interleaved)")
+    sched.add_argument("--costs", default="1,1,1", metavar="F,B,W",
+                       help="unit costs t_F,t_B,t_W (an unsplit backward costs t_B + t_W; default 1,1,1)")
+    sched.add_argument("--png", metavar="FILE", help="where to draw the timeline (default: NAME-pP-mM-vV.png)")
     return parser
+
+
+def _schedule(args: argparse.Namespace) -> None:
+    """``meshtron schedule``: no devices, no JAX."""
+    from meshtron.pipeline.report import draw, text_report
+    from meshtron.pipeline.schedules import Costs, ScheduleError, make_schedule
+
+    try:
+        costs = Costs(*(float(c) for c in args.costs.split(",")))
+    except (TypeError, ValueError):
+        raise ConfigError(f"--costs: expected three numbers t_F,t_B,t_W such as 1,1,1, got {args.costs!r}") from None
+    if min(costs.forward, costs.backward, costs.weight) < 0:
+        raise ConfigError(f"--costs: costs cannot be negative, got {args.costs!r}")
+    try:
+        schedule = make_schedule(args.name, args.pipe, args.microbatches, args.chunks)
+    except ScheduleError as err:
+        raise ConfigError(str(err)) from None
+    text, _ = text_report(schedule, costs)
+    print(text)
+    png = args.png or f"{args.name}-p{args.pipe}-m{args.microbatches}-v{args.chunks}.png"
+    print(f"timeline             {draw(schedule, png, costs)}")
 
 
 def _saved_mesh(directory: str) -> MeshConfig:
@@ -156,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             _generate(args)
+            return 0
+        if args.command == "schedule":
+            _schedule(args)
             return 0
         if args.command == "launch":
             from meshtron.launch import launch
