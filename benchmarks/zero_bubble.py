@@ -92,7 +92,7 @@ def measure(m: int, rounds: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])  # m=8 compiles for minutes
     args = parser.parse_args()
     assert len(jax.devices()) == 2, "this benchmark needs exactly 2 simulated devices (one stage per core)"
     results, rows, verdicts = [], [], []
