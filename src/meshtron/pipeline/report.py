@@ -46,10 +46,8 @@ def draw(schedule: Schedule, path: str | Path, costs: Costs = UNIT_COSTS) -> Pat
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise RuntimeError("drawing a schedule needs matplotlib: pip install 'meshtron[bench]'") from err
     v = schedule.chunks
-    unit = {"F": costs.forward / v,
-            "B": (costs.backward if schedule.split_backward else costs.backward + costs.weight) / v,
-            "W": costs.weight / v}
-    weight = schedule.weight or ((None,) * schedule.stages,) * schedule.ticks
+    unit = dict(zip("FBW", costs.of_chunk_work(schedule.split_backward, v)))
+    weight = schedule.weight_table
     fig, ax = plt.subplots(figsize=(min(4 + 0.35 * schedule.ticks, 40), 1 + 0.6 * schedule.stages))
     start = 0.0
     for frow, brow, wrow in zip(schedule.forward, schedule.backward, weight):

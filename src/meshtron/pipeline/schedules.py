@@ -70,6 +70,12 @@ class Costs:
     backward: float = 1.0
     weight: float = 1.0
 
+    def of_chunk_work(self, split: bool, chunks: int) -> tuple[float, float, float]:
+        """(forward, backward, weight) cost of one table cell with ``chunks`` chunks per stage: a
+        chunk does 1/v of a stage's work, and an unsplit backward includes the weight gradient."""
+        backward = self.backward if split else self.backward + self.weight
+        return self.forward / chunks, backward / chunks, self.weight / chunks
+
 
 UNIT_COSTS = Costs()
 
@@ -100,6 +106,11 @@ class Schedule:
     def split_backward(self) -> bool:
         """True when the table schedules weight gradients (W) apart from input gradients (B)."""
         return bool(self.weight)
+
+    @property
+    def weight_table(self) -> Table:
+        """``weight`` with one (idle) row per tick also when the backward is not split."""
+        return self.weight or ((None,) * self.stages,) * self.ticks
 
     @property
     def forward_only(self) -> bool:
@@ -431,11 +442,8 @@ def _check_dependencies(schedule: Schedule, fwd: Placement, bwd: Placement, wgt:
 def _run_time(schedule: Schedule, costs: Costs) -> float:
     """Lockstep time: each tick lasts as long as its busiest stage (per chunk, costs divided by ``v``;
     an unsplit backward costs ``t_B + t_W``)."""
-    v = schedule.chunks
-    cost_f = costs.forward / v
-    cost_b = (costs.backward if schedule.split_backward else costs.backward + costs.weight) / v
-    cost_w = costs.weight / v
-    weight = schedule.weight or ((None,) * schedule.stages,) * schedule.ticks
+    cost_f, cost_b, cost_w = costs.of_chunk_work(schedule.split_backward, schedule.chunks)
+    weight = schedule.weight_table
     return sum(
         max(cost_f * (f is not None) + cost_b * (b is not None) + cost_w * (w is not None)
             for f, b, w in zip(frow, brow, wrow))
@@ -537,7 +545,7 @@ def render(schedule: Schedule) -> str:
             return ""
         return f"{tag}{work.microbatch}" + (f".{work.chunk}" if schedule.chunks > 1 else "")
 
-    weight = schedule.weight or ((None,) * schedule.stages,) * schedule.ticks
+    weight = schedule.weight_table
     cells = [
         [(one("F", schedule.forward[t][s]) + one("B", schedule.backward[t][s]) + one("W", weight[t][s])) or "."
          for t in range(schedule.ticks)]

@@ -15,10 +15,10 @@ primitives, and
   whoever runs ``W`` later keeps them until then.
 
 No equation runs twice, so ``B`` + ``W`` cost what the full pullback costs, and ``W(B(...))``
-equals the pullback exactly (the same primitives on the same values). Nested ``jit`` calls are
-inlined first so a jitted helper that computes both kinds of gradient is split too; other
-higher-order primitives (``checkpoint``, ``custom_jvp_call``, control flow) stay whole and go to
-``B`` when ``dx`` needs any of their outputs.
+equals the pullback exactly (the same primitives on the same values). Nested ``jit`` and
+``checkpoint`` calls are inlined first, so a jitted or rematerialised helper that computes both
+kinds of gradient (Llama's fused projections) is split too; other higher-order primitives
+(``custom_jvp_call``, control flow) stay whole and go to ``B`` when ``dx`` needs any of their outputs.
 
 The forward of the layer is taken apart the same way: :func:`residuals` runs ``jax.vjp`` and
 keeps the pullback's residual arrays (a pullback is a pytree whose leaves are exactly those), so
@@ -57,7 +57,7 @@ class _Op:
 
 
 def _flatten(jaxpr: Any, consts: Sequence[Any], alias: dict, ops: list[_Op]) -> None:
-    """Append ``jaxpr``'s equations to ``ops`` with nested ``jit`` calls inlined. ``alias`` maps a
+    """Append ``jaxpr``'s equations to ``ops`` with nested ``jit``/``checkpoint`` calls inlined. ``alias`` maps a
     variable to the atom (variable, literal or constant) it stands for."""
 
     def atom(a):
@@ -131,8 +131,8 @@ class SplitPullback:
     """The pullback of ``layer`` at given residuals, as ``input_gradient`` then ``weight_gradient``.
 
     Build it once per layer *shape* (every layer of a uniform stack shares it) from example
-    residuals and an example output cotangent; then ``input_gradient(res, dy) -> (dx, boundary)``
-    and ``weight_gradient(res, boundary) -> dparams`` may be traced anywhere, in different loops.
+    residuals and an example output cotangent; then ``input_gradient(res, params, dy) -> (dx, boundary)``
+    and ``weight_gradient(params, boundary) -> dparams`` may be traced anywhere, in different loops.
     ``res`` are the residual arrays :func:`residuals` stored (parameters excluded: pass them in
     ``params``).
     """
