@@ -6,8 +6,13 @@ core) and every schedule trains the same GPT with the same (p, m): GPipe, 1F1B (
 table), 1F1B with p in flight, interleaved (v = 2) and ZB-H1. Each step is timed in rounds that
 cycle through the schedules (so slow phases of the machine hit all of them alike); the table gives
 medians, the compiled step's temp memory, and the time each table *predicts* from the checker
-with this runtime's costs: a stage backward recomputes its forward, so B (recompute + input
-gradient) costs 2 forwards, W one, and an unsplit backward 3.
+with this runtime's costs. Every schedule runs in both of the runtime's modes:
+
+* ``recompute`` (``pipeline.recompute=true``, the default): a stage backward recomputes its
+  forward from the stashed input, so B (recompute + input gradient) costs 2 forwards, W one, and
+  an unsplit backward 3;
+* ``keep`` (``pipeline.recompute=false``): the forward keeps every layer's matmul outputs, B is
+  the input gradient alone; priced with the paper's t_F = t_B = t_W.
 
 The check the issue asks for: ZB-H1's measured saving over 1F1B is at least half the predicted one,
 and its temp memory within 15% of 1F1B's.
@@ -39,15 +44,18 @@ from meshtron.train.step import build_steps
 
 MODEL = ModelConfig(hidden=256, heads=4, layers=4, mlp_dim=1024, seq_len=128)
 ROWS = 4  # sequences per microbatch
-RUNTIME_COSTS = Costs(forward=1.0, backward=2.0, weight=1.0)  # B recomputes the stage's forward
+RUNTIME_COSTS = {True: Costs(forward=1.0, backward=2.0, weight=1.0),  # recompute: B reruns the stage forward
+                 False: Costs(forward=1.0, backward=1.0, weight=1.0)}  # keep: the paper's unit costs
+MODES = (True, False)  # pipeline.recompute
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b-p", 1), ("interleaved", 2), ("zb-h1", 1)]
 
 
-def build(schedule: str, chunks: int, m: int):
-    """A ready-to-time train step (and its state) of ``schedule`` on mesh (1, 2, 1)."""
+def build(schedule: str, chunks: int, m: int, keep: bool = False):
+    """A ready-to-time train step (and its state) of ``schedule`` on mesh (1, 2, 1); ``keep``: the
+    forward keeps the layers' residuals (``pipeline.recompute=false``)."""
     md = model_def_from_config(MODEL, 1)
     mesh = build_mesh(MeshConfig(1, 2, 1), jax.devices()[:2])
-    program = compile_program(make_schedule(schedule, 2, m, chunks))
+    program = compile_program(make_schedule(schedule, 2, m, chunks), keep_residuals=keep)
     train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()),
                         microbatches=m, program=program)
     params = jax.device_put(to_stage_order(jax.device_get(md.init(mesh, 0)), MODEL.layers, 2, chunks),
@@ -70,21 +78,23 @@ def build(schedule: str, chunks: int, m: int):
 
 def measure(m: int, rounds: int) -> list[dict]:
     steps, memory, times = {}, {}, {}
-    for schedule, chunks in SCHEDULES:
-        steps[schedule], memory[schedule] = build(schedule, chunks, m)
-        times[schedule] = []
+    runs = [(schedule, chunks, recompute) for recompute in MODES for schedule, chunks in SCHEDULES]
+    for schedule, chunks, recompute in runs:
+        key = (schedule, recompute)
+        steps[key], memory[key] = build(schedule, chunks, m, keep=not recompute)
+        times[key] = []
     for _ in range(rounds):
-        for schedule, _ in SCHEDULES:
-            times[schedule].append(steps[schedule]())
-    ideal = m * (RUNTIME_COSTS.forward + RUNTIME_COSTS.backward + RUNTIME_COSTS.weight)
+        for schedule, _, recompute in runs:
+            times[(schedule, recompute)].append(steps[(schedule, recompute)]())
     out = []
-    for schedule, chunks in SCHEDULES:
-        table = make_schedule(schedule, 2, m, chunks)
-        stats = check(table, RUNTIME_COSTS)
-        out.append({"schedule": schedule, "p": 2, "m": m, "v": chunks, "ticks": stats.ticks,
+    for schedule, chunks, recompute in runs:
+        key, costs = (schedule, recompute), RUNTIME_COSTS[recompute]
+        ideal = m * (costs.forward + costs.backward + costs.weight)
+        stats = check(make_schedule(schedule, 2, m, chunks), costs)
+        out.append({"schedule": schedule, "recompute": recompute, "p": 2, "m": m, "v": chunks, "ticks": stats.ticks,
                     "bubble": stats.bubble_fraction, "predicted_units": ideal * (1 + stats.bubble_fraction),
-                    "step_s": statistics.median(times[schedule]), "step_s_all": times[schedule],
-                    "temp_bytes": memory[schedule], "in_flight": list(stats.peak_in_flight),
+                    "step_s": statistics.median(times[key]), "step_s_all": times[key],
+                    "temp_bytes": memory[key], "in_flight": list(stats.peak_in_flight),
                     "weight_pending": list(stats.peak_weight_pending)})
     return out
 
@@ -99,34 +109,37 @@ def main() -> None:
     for m in args.microbatches:
         runs = measure(m, args.rounds)
         results += runs
-        base = next(r for r in runs if r["schedule"] == "1f1b")
-        for r in runs:
-            rows.append([r["schedule"], m, r["v"], r["ticks"], f"{r['bubble']:.3f}",
-                         f"{r['predicted_units'] / base['predicted_units']:.3f}", f"{r['step_s'] * 1e3:.0f}",
-                         f"{r['step_s'] / base['step_s']:.3f}", f"{r['temp_bytes'] / 2**20:.1f}",
-                         f"{r['temp_bytes'] / base['temp_bytes']:.2f}"])
-        zb = next(r for r in runs if r["schedule"] == "zb-h1")
-        predicted = 1 - zb["predicted_units"] / base["predicted_units"]
-        measured = 1 - zb["step_s"] / base["step_s"]
-        memory = zb["temp_bytes"] / base["temp_bytes"]
-        verdicts.append({"m": m, "predicted_saving": predicted, "measured_saving": measured,
-                         "half_of_predicted_reached": measured >= predicted / 2, "memory_ratio": memory,
-                         "memory_within_15pct": memory <= 1.15})
+        for recompute in MODES:
+            mine = [r for r in runs if r["recompute"] == recompute]
+            base = next(r for r in mine if r["schedule"] == "1f1b")
+            for r in mine:
+                rows.append([r["schedule"], "recompute" if recompute else "keep", m, r["v"], r["ticks"],
+                             f"{r['bubble']:.3f}", f"{r['predicted_units'] / base['predicted_units']:.3f}",
+                             f"{r['step_s'] * 1e3:.0f}", f"{r['step_s'] / base['step_s']:.3f}",
+                             f"{r['temp_bytes'] / 2**20:.1f}", f"{r['temp_bytes'] / base['temp_bytes']:.2f}"])
+            zb = next(r for r in mine if r["schedule"] == "zb-h1")
+            predicted = 1 - zb["predicted_units"] / base["predicted_units"]
+            measured = 1 - zb["step_s"] / base["step_s"]
+            memory = zb["temp_bytes"] / base["temp_bytes"]
+            verdicts.append({"m": m, "recompute": recompute, "predicted_saving": predicted, "measured_saving": measured,
+                             "half_of_predicted_reached": measured >= predicted / 2, "memory_ratio": memory,
+                             "memory_within_15pct": memory <= 1.15})
         print(rows[-len(runs):], flush=True)
     print(f"\nmodel {MODEL.layers}x{MODEL.hidden}, seq {MODEL.seq_len}, {ROWS} sequences per microbatch, mesh (1,2,1) on "
           f"2 simulated devices; median of {args.rounds} steps per schedule (rounds cycle the schedules); predicted from "
-          f"the checker with t_F=1, t_B=2 (recompute + input gradient), t_W=1")
-    _common.print_table(["schedule", "m", "v", "ticks", "bubble", "predicted x 1F1B", "step ms", "measured x 1F1B",
-                         "temp MiB", "memory x 1F1B"], rows)
-    print("\nZB-H1 vs 1F1B")
-    _common.print_table(["m", "predicted saving", "measured saving", ">= half predicted", "memory x 1F1B",
+          f"the checker with t_F=1, t_B=2 (recompute + input gradient), t_W=1 (recompute) and unit costs (keep)")
+    _common.print_table(["schedule", "mode", "m", "v", "ticks", "bubble", "predicted x 1F1B", "step ms",
+                         "measured x 1F1B", "temp MiB", "memory x 1F1B"], rows)
+    print("\nZB-H1 vs 1F1B (same mode)")
+    _common.print_table(["m", "mode", "predicted saving", "measured saving", ">= half predicted", "memory x 1F1B",
                          "<= 1.15"],
-                        [[v["m"], f"{v['predicted_saving']:.1%}", f"{v['measured_saving']:.1%}",
-                          v["half_of_predicted_reached"], f"{v['memory_ratio']:.2f}", v["memory_within_15pct"]]
-                         for v in verdicts])
+                        [[v["m"], "recompute" if v["recompute"] else "keep", f"{v['predicted_saving']:.1%}",
+                          f"{v['measured_saving']:.1%}", v["half_of_predicted_reached"], f"{v['memory_ratio']:.2f}",
+                          v["memory_within_15pct"]] for v in verdicts])
     path = _common.write_results("zero_bubble", {"model": MODEL.__dict__, "rows_per_microbatch": ROWS,
-                                                  "costs": RUNTIME_COSTS.__dict__, "results": results,
-                                                  "verdicts": verdicts})
+                                                  "costs": {("recompute" if k else "keep"): c.__dict__
+                                                            for k, c in RUNTIME_COSTS.items()},
+                                                  "results": results, "verdicts": verdicts})
     plot(results)
     print(f"wrote {path}")
 
@@ -137,16 +150,18 @@ def plot(results: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ms = sorted({r["m"] for r in results})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    groups = sorted({(r["m"], not r["recompute"]) for r in results})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / len(SCHEDULES)
     for i, (schedule, _) in enumerate(SCHEDULES):
-        mine = [next(r for r in results if r["schedule"] == schedule and r["m"] == m) for m in ms]
-        xs = [j + i * width for j in range(len(ms))]
+        mine = [next(r for r in results if r["schedule"] == schedule and (r["m"], not r["recompute"]) == g)
+                for g in groups]
+        xs = [j + i * width for j in range(len(groups))]
         axes[0].bar(xs, [r["step_s"] * 1e3 for r in mine], width, label=schedule)
         axes[1].bar(xs, [r["temp_bytes"] / 2**20 for r in mine], width, label=schedule)
     for ax, label in zip(axes, ("median step time (ms)", "compiled temp memory (MiB)")):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"p=2, m={m}" for m in ms])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))],
+                      [f"m={m}, {'keep' if keep else 'recompute'}" for m, keep in groups], fontsize=8)
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
     fig.suptitle("pipe=2 on 2 simulated devices (one stage per core)")

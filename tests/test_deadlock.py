@@ -85,14 +85,17 @@ LAYOUTS = [
     ((1, 2, 4), "1f1b", 1, 4),
     ((2, 2, 2), "zb-h1", 1, 4),  # a third kind of work (W) in its own conditional
     ((1, 4, 2), "1f1b-p", 1, 8),
+    ((2, 2, 2), "zb-h1", 1, 4, False),  # the forward keeps residuals for B (pipeline.recompute=false)
 ]
 
 
-@pytest.mark.parametrize("mesh_shape, schedule, chunks, microbatches", LAYOUTS)
-def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, chunks, microbatches):
+@pytest.mark.parametrize("mesh_shape, schedule, chunks, microbatches, recompute",
+                         [(*layout, True)[:5] for layout in LAYOUTS])
+def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, chunks, microbatches, recompute):
     md = model_def_from_config(MODEL, mesh_shape[2])
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
-    program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks))
+    program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks),
+                              keep_residuals=not recompute)
     steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=microbatches,
                         program=program)
     params = jax.device_put(to_stage_order(jax.device_get(md.init(mesh, 0)), MODEL.layers, mesh_shape[1], chunks),

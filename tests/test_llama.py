@@ -10,7 +10,7 @@ from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 
 LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(2, 4, 1, "1f1b"), Layout(1, 2, 4, "gpipe"),
-           Layout(2, 2, 2, "zb-h1")]
+           Layout(2, 2, 2, "zb-h1"), Layout(1, 2, 4, "1f1b", recompute=False)]
 
 
 def llama(kv_heads: int) -> ModelConfig:

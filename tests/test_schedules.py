@@ -236,6 +236,9 @@ def test_builders_validate_too():
 def simulate(program: Program) -> tuple[int, int]:
     """Run ``program`` on symbolic values and return the most stash/grad slots live at once.
 
+    A program that keeps residuals must consume each stashed input at its forward, park the
+    forward's residuals ``("r", mb, k)`` in a residual slot and read them back at the backward.
+
     A stage's input activation is ``("x", mb, k)`` (``("tokens", mb)`` for virtual stage 0) and
     the gradient a stage needs is ``("dy", mb, k)``. Messages sent in tick t travel along the ring
     and are offered to the receiver at the start of tick t + 1; anything not stored is lost.
@@ -245,6 +248,7 @@ def simulate(program: Program) -> tuple[int, int]:
     stash = [[None] * program.stash_slots for _ in range(p)]
     grads = [[None] * program.grad_slots for _ in range(p)]
     weights = [[None] * program.weight_slots for _ in range(p)]  # split backward: what B leaves for W
+    kept = [[None] * program.residual_slots for _ in range(p)]  # no recomputation: forward -> backward
     to_next: list = [None] * p  # to_next[s]: activation stage s sent to stage s + 1 last tick
     to_prev: list = [None] * p  # to_prev[s]: gradient stage s sent to stage s - 1 last tick
     forwarded, backwarded, weighted = set(), set(), set()
@@ -278,9 +282,15 @@ def simulate(program: Program) -> tuple[int, int]:
                 assert (mb, k) not in forwarded, f"{where}: forward of {(mb, k)} twice"
                 if k == 0:
                     assert program.fwd_slot[t, s] == -1, f"{where}: virtual stage 0 reads tokens"
+                elif program.keeps_residuals:  # consumed: the residuals replace it
+                    take(stash[s], int(program.fwd_slot[t, s]), ("x", mb, k), f"{where}: forward input")
                 else:  # read, but keep: the backward recomputes from the same input
                     slot = int(program.fwd_slot[t, s])
                     assert 0 <= slot < len(stash[s]) and stash[s][slot] == ("x", mb, k), f"{where}: forward input"
+                if program.keeps_residuals:
+                    store(kept[s], int(program.fwd_res_slot[t, s]), ("r", mb, k), f"{where}: forward residuals")
+                else:
+                    assert program.fwd_res_slot[t, s] == -1, f"{where}: nothing kept when recomputing"
                 forwarded.add((mb, k))
                 assert program.fwd_send[t, s] == int(k < last), f"{where}: fwd_send"
                 if k < last:
@@ -292,7 +302,10 @@ def simulate(program: Program) -> tuple[int, int]:
                 k = chunk * p + s
                 assert (mb, k) in forwarded, f"{where}: backward of {(mb, k)} before its forward"
                 assert (mb, k) not in backwarded, f"{where}: backward of {(mb, k)} twice"
-                if k == 0:
+                if program.keeps_residuals:
+                    assert program.bwd_stash_slot[t, s] == -1, f"{where}: nothing to recompute from"
+                    take(kept[s], int(program.bwd_res_slot[t, s]), ("r", mb, k), f"{where}: backward residuals")
+                elif k == 0:
                     assert program.bwd_stash_slot[t, s] == -1, f"{where}: virtual stage 0 recomputes from tokens"
                 else:
                     take(stash[s], int(program.bwd_stash_slot[t, s]), ("x", mb, k), f"{where}: backward input")
@@ -320,7 +333,7 @@ def simulate(program: Program) -> tuple[int, int]:
     assert forwarded == everything and backwarded == everything
     assert weighted == (everything if sched.split_backward else set())
     assert to_next == [None] * p and to_prev == [None] * p, "a value is sent in the last tick and lost"
-    assert all(x is None for buf in stash + grads + weights for x in buf), "a buffer slot is never freed"
+    assert all(x is None for buf in stash + grads + weights + kept for x in buf), "a buffer slot is never freed"
     return peak_stash, peak_grads
 
 
@@ -330,6 +343,17 @@ def test_compiled_program_moves_the_right_values(case):
     peak_stash, peak_grads = simulate(program)
     # The buffers are exactly as large as needed: no slot is allocated that is never used at once.
     assert (program.stash_slots, program.grad_slots) == (peak_stash, peak_grads)
+
+
+@pytest.mark.parametrize("case", CASES + BOUNDED, ids=ids)
+def test_program_keeping_residuals_moves_the_right_values(case):
+    # pipeline.recompute=false: each stashed input lives until its forward only, the residuals from
+    # the forward to the backward, in as many slots as the table has microbatches in flight.
+    program = compile_program(make_schedule(*case), keep_residuals=True)
+    peak_stash, _ = simulate(program)
+    assert program.stash_slots == peak_stash
+    assert program.residual_slots == max(check(program.schedule).peak_in_flight)
+    assert (program.bwd_stash_slot == -1).all()
 
 
 def test_simulator_catches_a_wrong_slot():

@@ -105,12 +105,13 @@ def test_loss_and_gradients_equal_one_device_on_every_layout(family, remat):
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-@pytest.mark.parametrize("remat", ["none", "selective"])
-def test_zero_bubble_splits_the_backward_of_a_sequence_parallel_model(family, remat):
+@pytest.mark.parametrize("remat, recompute", [("none", True), ("selective", True), ("none", False)])
+def test_zero_bubble_splits_the_backward_of_a_sequence_parallel_model(family, remat, recompute):
     # B and W are cut from the layer's own pullback: the reduce-scatters and all-gathers of sequence
-    # parallelism and selective recomputation's checkpoint must land on the right side of the cut.
+    # parallelism and selective recomputation's checkpoint must land on the right side of the cut,
+    # also when B starts from residuals the forward kept (pipeline.recompute=false).
     md = model_def_from_config(config(family, layers=4, sequence_parallel=True, remat=remat), 4)
-    [report] = check_parity(md, [Layout(1, 2, 4, "zb-h1")], seq_len=S)
+    [report] = check_parity(md, [Layout(1, 2, 4, "zb-h1", recompute=recompute)], seq_len=S)
     assert report.ok
 
 

@@ -125,10 +125,17 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    """The pipeline schedule used when ``mesh.pipe > 1``: gpipe, 1f1b or interleaved with ``chunks`` = v."""
+    """The pipeline schedule used when ``mesh.pipe > 1`` (``chunks`` = v for interleaved).
+
+    ``recompute``: true (default) keeps only each in-flight microbatch's stage input and reruns the
+    stage's forward inside its backward (Megatron's full recomputation: least memory, a third more
+    compute); false keeps every layer's matmul outputs from the forward to the backward (Megatron's
+    default without ``--recompute-granularity``: no recomputed forward, more activation memory).
+    """
 
     schedule: str = "1f1b"
     chunks: int = 1
+    recompute: bool = True
 
 
 @dataclass

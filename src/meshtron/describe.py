@@ -54,7 +54,9 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
     Without a pipeline one microbatch's activations live at a time (gradient accumulation runs them in
     turn): ``layers × per-layer``. With one, the runtime stashes stage inputs of the in-flight
     microbatches (the schedule table's ``stash_slots``) and recomputes one chunk at a time
-    (:func:`meshtron.analysis.pipeline_activation_bytes`).
+    (:func:`meshtron.analysis.pipeline_activation_bytes`); with ``pipeline.recompute=false`` it keeps
+    the layers' activations of every in-flight microbatch (the program's ``residual_slots``), as
+    Megatron does (:func:`meshtron.analysis.megatron_stage_activation_bytes`).
     """
     from meshtron.pipeline.schedules import compile_program, make_schedule
 
@@ -74,9 +76,16 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
         total = model_def.layers * layer
         lines.append(("per step", f"{analysis.format_bytes(total)} ({model_def.layers} layers, one microbatch at a time)"))
         return lines, total
-    program = compile_program(make_schedule(cfg.pipeline.schedule, pipe, t.microbatches, cfg.pipeline.chunks))
+    program = compile_program(make_schedule(cfg.pipeline.schedule, pipe, t.microbatches, cfg.pipeline.chunks),
+                              keep_residuals=not cfg.pipeline.recompute)
     chunk_layers = model_def.layers // (pipe * cfg.pipeline.chunks)
     stage_input = m.seq_len * microbatch * m.hidden * itemsize / (tensor if sp else 1)
+    if program.keeps_residuals:
+        total = analysis.megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=chunk_layers,
+                                                         in_flight=program.residual_slots)
+        kept = f"{program.residual_slots} in-flight chunks' activations of {chunk_layers} layers kept"
+        lines.append(("per step", f"{analysis.format_bytes(total)} ({kept}, pipeline.recompute=false)"))
+        return lines, total
     total = analysis.pipeline_activation_bytes(layer_bytes=layer, input_bytes=stage_input,
                                                layers_per_chunk=chunk_layers, in_flight=program.stash_slots)
     stash = f"{program.stash_slots} stashed stage inputs of {analysis.format_bytes(stage_input)}"

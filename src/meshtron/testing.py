@@ -45,7 +45,8 @@ class ParityError(AssertionError):
 
 @dataclass(frozen=True)
 class Layout:
-    """A mesh and, with ``pipe > 1``, the pipeline schedule (``chunks`` = v for interleaved)."""
+    """A mesh and, with ``pipe > 1``, the pipeline schedule (``chunks`` = v for interleaved;
+    ``recompute=False``: the forward keeps the layers' residuals, ``pipeline.recompute=false``)."""
 
     data: int
     pipe: int
@@ -53,6 +54,7 @@ class Layout:
     schedule: str = "1f1b"
     chunks: int = 1
     microbatches: int | None = None  # default: 2·pipe with a pipeline (enough to fill it), else 1
+    recompute: bool = True
 
     @classmethod
     def of(cls, spec: Layout | Sequence) -> Layout:
@@ -60,7 +62,8 @@ class Layout:
 
     def __str__(self) -> str:
         mesh = f"{self.data}x{self.pipe}x{self.tensor}"
-        return mesh if self.pipe == 1 else f"{mesh} {self.schedule} v={self.chunks} m={self.m}"
+        kept = "" if self.recompute else " no-recompute"
+        return mesh if self.pipe == 1 else f"{mesh} {self.schedule} v={self.chunks} m={self.m}{kept}"
 
     @property
     def m(self) -> int:
@@ -86,7 +89,8 @@ def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray,
     md.check_mesh(mesh)
     program = None
     if layout.pipe > 1:
-        program = compile_program(make_schedule(layout.schedule, layout.pipe, layout.m, layout.chunks))
+        program = compile_program(make_schedule(layout.schedule, layout.pipe, layout.m, layout.chunks),
+                                  keep_residuals=not layout.recompute)
     steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, program=program)
     if program is not None:  # training keeps block layers in stage order (meshtron.train.pipelined)
         params = jax.device_get(to_stage_order(params, md.layers, layout.pipe, layout.chunks))

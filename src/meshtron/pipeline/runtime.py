@@ -75,7 +75,7 @@ PyTree = Any
 
 _FORWARD_FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot")
 _ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
-               "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot")
+               "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot")
 
 
 @dataclass(frozen=True)
@@ -306,6 +306,24 @@ def _run(
                                 pin(_after(_read(stash, row["fwd_slot"]), seq)), chunk, tokens[row["fwd_mb"]])
         return y, loss, seq + _token((y, loss))
 
+    keep = program.keeps_residuals
+    layers = (_LayerBackward(program, fns, stage_params, zeros_act, pin, zeros)
+              if keep or schedule.split_backward else None)
+
+    def forward_keeping(row, stash, seq):
+        """The forward when nothing is recomputed: the layers run one by one under ``jax.vjp``, and
+        their residuals (plus the chunk output, which the loss's backward needs) are returned for the
+        residual buffer."""
+        chunk = row["fwd_chunk"]
+        tok = tokens[row["fwd_mb"]]
+        virtual = chunk * p + stage_index
+        x_stash = pin(_after(_read(stash, row["fwd_slot"]), seq))
+        x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(shared_params, tok), lambda: x_stash))
+        y, stored = layers.layers_forward(_chunk(stage_params, chunk), x)
+        loss = jax.lax.cond(virtual == last_virtual,
+                            lambda: fns.loss(shared_params, y, tok).astype(jnp.float32), lambda: zero_loss)
+        return y, loss, [*stored, y], seq + _token((y, loss))
+
     def backward(row, stash, gbuf, seq):
         chunk = row["bwd_chunk"]
         tok = tokens[row["bwd_mb"]]
@@ -318,33 +336,50 @@ def _run(
         d_x = pin(d_x)
         return d_x, d_params, d_shared, seq + _token((d_x, d_params))
 
-    split = _SplitBackward(program, fns, stage_params, zeros_act, pin, zeros) if schedule.split_backward else None
-
-    def backward_input(row, stash, gbuf, seq):
-        """The split backward's B: input gradient (sent at once) and the embedding/head gradients;
-        the layers' weight gradients are left to W, with what they need in the returned boundary."""
+    def backward_by_layer(row, stash, gbuf, kept, seq, layers_backward):
+        """A virtual stage's backward, one layer at a time from stored residuals: the kept ones
+        (``kept``, this chunk's slot of the residual buffers) or, recomputing, the chunk's forward rerun from its stashed input. The embedding and
+        head + loss gradients are taken here; ``layers_backward(chunk_params, stored, dy) -> (dx, out)``
+        walks the layers back (the split backward's B: ``out`` is what W will need; the whole
+        pullback: ``out`` is the layers' parameter gradients)."""
         chunk = row["bwd_chunk"]
         tok = tokens[row["bwd_mb"]]
         virtual = chunk * p + stage_index
         is_last = virtual == last_virtual
         chunk_params = _chunk(stage_params, chunk)
-        x = pin(_after(_read(stash, row["bwd_stash_slot"]), seq))
+        # The stage input matters only to recompute from: the embedding's pullback needs the tokens
+        # alone, and the pass-through branch's is the identity, whatever ``x``.
+        x = zeros_act if keep else pin(_after(_read(stash, row["bwd_stash_slot"]), seq))
         x0, pull_in = jax.vjp(
             lambda sh, xs: pin(jax.lax.cond(virtual == 0, lambda: fns.embed(sh, tok), lambda: xs)), shared_params, x)
-        y, stored = split.layers_forward(chunk_params, x0)
+        if keep:
+            *stored, y = _after(kept, seq)
+        else:
+            y, stored = layers.layers_forward(chunk_params, x0)
         _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
             is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), shared_params, y)
         d_shared_out, dy_loss = pull_out(jnp.where(is_last, zero_loss + inv_m, zero_loss))
         dy = pin(jnp.where(is_last, dy_loss, _read(gbuf, row["bwd_grad_slot"])))
-        dx0, boundary = split.layers_input_gradient(chunk_params, stored, dy)
+        dx0, out = layers_backward(chunk_params, stored, dy)
         d_shared_in, d_x = pull_in(pin(dx0))
         d_x = pin(d_x)
-        return d_x, jax.tree.map(jnp.add, d_shared_out, d_shared_in), boundary, seq + _token(d_x)
+        return d_x, out, jax.tree.map(jnp.add, d_shared_out, d_shared_in), seq + _token((d_x, out))
 
-    def weight_gradient(row, wbuf, seq):
-        """The split backward's W: this chunk's layer gradients from what its B left in ``wbuf``."""
-        boundary = _after([_read(b, row["wgt_slot"]) for b in wbuf], seq)
-        d_params = split.layers_weight_gradient(_chunk(stage_params, row["wgt_chunk"]), boundary)
+    def backward_input(row, stash, gbuf, kept, seq):
+        """The split backward's B: input gradient (sent at once) and the embedding/head gradients;
+        the layers' weight gradients are left to W, with what they need in the returned boundary."""
+        d_x, boundary, d_shared, seq = backward_by_layer(row, stash, gbuf, kept, seq, layers.layers_input_gradient)
+        return d_x, d_shared, boundary, seq
+
+    def backward_kept(row, gbuf, kept, seq):
+        """The whole backward from kept residuals (no recomputation, not split)."""
+        d_x, d_params, d_shared, seq = backward_by_layer(row, None, gbuf, kept, seq, layers.layers_backward)
+        return d_x, d_params, d_shared, seq
+
+    def weight_gradient(row, boundary, seq):
+        """The split backward's W: this chunk's layer gradients from what its B left (``boundary``)."""
+        boundary = _after(boundary, seq)
+        d_params = layers.layers_weight_gradient(_chunk(stage_params, row["wgt_chunk"]), boundary)
         return d_params, seq + _token(d_params)
 
     def add_to_chunk(g_stage, chunk, d_params):
@@ -357,7 +392,7 @@ def _run(
 
     def make_tick(seg: _Segment):
         def tick(carry, row_all):
-            stash, gbuf, wbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
+            stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
             row = {k: jax.lax.dynamic_index_in_dim(row_all[k], stage_index, keepdims=False) for k in row_all}
             stash = _write(stash, row["recv_fwd_slot"], f_msg)
             # `seq` threads one data dependency through every collective-bearing operation of the
@@ -368,17 +403,28 @@ def _run(
                 gbuf = _write(gbuf, row["recv_bwd_slot"], b_msg)
                 seq = seq + _token(b_msg)
             y_out, dx_out = f_msg, b_msg
-            if seg.forward:
+            if seg.forward and keep:
+                y_out, loss, kept, seq = jax.lax.cond(
+                    row["fwd_mb"] >= 0,
+                    lambda: forward_keeping(row, stash, seq),
+                    lambda: (zeros_act, zero_loss, layers.zero_residuals(), seq),
+                )
+                rbuf = [_write(b, row["fwd_res_slot"], v) for b, v in zip(rbuf, kept)]
+                loss_sum = loss_sum + loss
+            elif seg.forward:
                 y_out, loss, seq = jax.lax.cond(
                     row["fwd_mb"] >= 0,
                     lambda: forward(row, stash, seq),
                     lambda: (zeros_act, zero_loss, seq),
                 )
                 loss_sum = loss_sum + loss
-            if seg.backward and split is None:
+            # Buffered values enter a ``cond`` as their slot only: a whole buffer as an operand may be
+            # copied on every tick.
+            kept = [_read(b, row["bwd_res_slot"]) for b in rbuf] if seg.backward and keep else None
+            if seg.backward and not schedule.split_backward:
                 dx_out, d_params, d_shared, seq = jax.lax.cond(
                     row["bwd_mb"] >= 0,
-                    lambda: backward(row, stash, gbuf, seq),
+                    (lambda: backward_kept(row, gbuf, kept, seq)) if keep else (lambda: backward(row, stash, gbuf, seq)),
                     lambda: (zeros_act, zeros(_chunk(stage_params, 0)), zeros(shared_params), seq),
                 )
                 g_stage = add_to_chunk(g_stage, row["bwd_chunk"], d_params)
@@ -386,15 +432,16 @@ def _run(
             elif seg.backward:
                 dx_out, d_shared, boundary, seq = jax.lax.cond(
                     row["bwd_mb"] >= 0,
-                    lambda: backward_input(row, stash, gbuf, seq),
-                    lambda: (zeros_act, zeros(shared_params), split.zero_boundary(), seq),
+                    lambda: backward_input(row, stash, gbuf, kept, seq),
+                    lambda: (zeros_act, zeros(shared_params), layers.zero_boundary(), seq),
                 )
                 wbuf = [_write(b, row["bwd_weight_slot"], v) for b, v in zip(wbuf, boundary)]
                 g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
             if seg.weight:
+                boundary = [_read(b, row["wgt_slot"]) for b in wbuf]
                 d_params, seq = jax.lax.cond(
                     row["wgt_mb"] >= 0,
-                    lambda: weight_gradient(row, wbuf, seq),
+                    lambda: weight_gradient(row, boundary, seq),
                     lambda: (zeros(_chunk(stage_params, 0)), seq),
                 )
                 g_stage = add_to_chunk(g_stage, row["wgt_chunk"], d_params)
@@ -403,7 +450,7 @@ def _run(
                 seq = seq + _token(f_msg)
             if seg.send_backward:
                 b_msg = pin(jax.lax.ppermute(pin(_after(dx_out, seq)), axis, [(i, (i - 1) % p) for i in range(p)]))
-            return (stash, gbuf, wbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq), None
+            return (stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq), None
 
         return tick
 
@@ -413,7 +460,8 @@ def _run(
     carry = (
         buffer(program.stash_slots),
         buffer(program.grad_slots) if train else None,
-        split.buffers(program.weight_slots) if split is not None else None,
+        layers.buffers(program.weight_slots) if schedule.split_backward else None,
+        layers.residual_buffers(program.residual_slots) if keep else None,
         zeros_act,
         zeros_act if train else None,
         zeros(stage_params) if train else None,
@@ -426,7 +474,7 @@ def _run(
     for seg in segments(program):
         xs = {name: jnp.asarray(arr[seg.start : seg.stop]) for name, arr in rows.items()}
         carry, _ = jax.lax.scan(make_tick(seg), carry, xs)
-    _, _, _, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
+    *_, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = carry
     # The loss lives on the last stage and the shared gradients on the first and last: one sum of
     # both, after everything the loop ran (the last messages included).
     seq = seq + _token(f_msg)
@@ -436,26 +484,38 @@ def _run(
     return loss, g_stage, g_shared
 
 
-class _SplitBackward:
-    """The per-layer pieces of a split stage backward (B then, later, W).
+class _LayerBackward:
+    """A stage's backward taken one layer at a time, from each layer's ``jax.vjp`` residuals.
 
-    Built once per program from the first layer of chunk 0 (every layer of a uniform stack has the
-    same pullback): ``layers_forward`` recomputes the chunk from its input keeping each layer's
-    pullback residuals (what the fused backward's ``jax.vjp`` keeps), ``layers_input_gradient``
-    walks the layers backwards computing only the input gradient and returning, per layer, what
-    the weight gradient will need; ``layers_weight_gradient`` computes the weight gradients from
-    that, in any later tick.
+    Used by split-backward (zero-bubble) schedules and whenever the forward keeps its residuals
+    instead of recomputing. Built once per program from the first layer of chunk 0 (every layer of
+    a uniform stack has the same pullback): ``layers_forward`` runs a chunk keeping each layer's
+    residuals; ``layers_backward`` walks the layers back through their whole pullbacks (input and
+    parameter gradients); ``layers_input_gradient`` computes only the input gradient, returning per
+    layer what the weight gradient will need, and ``layers_weight_gradient`` computes the weight
+    gradients from that, in any later tick.
     """
 
     def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, example_x: jax.Array,
                  pin: Callable[[jax.Array], jax.Array], zeros: Callable[[PyTree], PyTree]):
         if fns.layer is None:
-            raise ValueError(f"schedule {program.schedule.name!r} splits the backward per layer: "
+            why = ("splits the backward per layer" if program.schedule.split_backward
+                   else "keeps each layer's residuals (no recomputation)")
+            raise ValueError(f"schedule {program.schedule.name!r} {why}: "
                              "StageFunctions.layer (one layer of a chunk) is required")
         self._layer, self._pin, self._zeros = fns.layer, pin, zeros
+        if program.keeps_residuals:
+            # What a layer keeps from its forward to its backward: the matmul outputs. Everything
+            # elementwise (norms, GELU/SiLU, softmax) is recomputed from them in the backward, as XLA
+            # does when a forward and its backward are one program: jax.vjp's own residuals keep every
+            # intermediate (GELU's tanh pieces, ...), 4x the bytes, and moving those through the
+            # residual buffers costs more time than recomputing them.
+            self._layer = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.dots_saveable)
         first = jax.tree.map(lambda a: a[0, 0], stage_params)  # chunk 0, layer 0
         self._layers = jax.tree.leaves(stage_params)[0].shape[1]
+        self._example_x = jax.ShapeDtypeStruct(example_x.shape, example_x.dtype)
         y, stored, treedef, self._slots = residuals(self._layer, first, example_x)
+        self._stored_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored]
         self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y)
 
     def _residuals(self, layer_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
@@ -467,6 +527,15 @@ class _SplitBackward:
 
     def layers_forward(self, chunk_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         return jax.lax.scan(lambda h, lp: self._residuals(lp, h), x, chunk_params)
+
+    def layers_backward(self, chunk_params: PyTree, stored: list[jax.Array],
+                        dy: jax.Array) -> tuple[jax.Array, PyTree]:
+        def layer_back(d, xs):
+            lp, res = xs
+            flat, dx = self._pullback.pullback(res, jax.tree.leaves(lp), d)
+            return self._pin(dx), jax.tree.unflatten(jax.tree.structure(lp), flat)
+
+        return jax.lax.scan(layer_back, dy, (chunk_params, stored), reverse=True)
 
     def layers_input_gradient(self, chunk_params: PyTree, stored: list[jax.Array],
                               dy: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
@@ -485,14 +554,28 @@ class _SplitBackward:
 
         return jax.lax.scan(layer_weights, None, (chunk_params, boundary))[1]
 
-    def _stacked(self, slots: int | None) -> list[jax.ShapeDtypeStruct]:
+    def _stacked(self, avals: list, slots: int | None) -> list[jax.ShapeDtypeStruct]:
         lead = (self._layers,) if slots is None else (max(slots, 1), self._layers)
-        return [jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype) for a in self._pullback.boundary_avals]
+        return [jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype) for a in avals]
+
+    def _kept(self, slots: int | None) -> list[jax.ShapeDtypeStruct]:
+        """Every layer's residuals, then the chunk's output (the head's input on the last stage)."""
+        lead = () if slots is None else (max(slots, 1),)
+        x = self._example_x
+        return [*self._stacked(self._stored_avals, slots), jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype)]
 
     def zero_boundary(self) -> list[jax.Array]:
         """What an idle B returns: a chunk's boundary values, all zero."""
-        return self._zeros(self._stacked(None))
+        return self._zeros(self._stacked(self._pullback.boundary_avals, None))
 
     def buffers(self, slots: int) -> list[jax.Array]:
         """The B-to-W buffers: ``slots`` chunks' boundary values per stage."""
-        return self._zeros(self._stacked(slots))
+        return self._zeros(self._stacked(self._pullback.boundary_avals, slots))
+
+    def zero_residuals(self) -> list[jax.Array]:
+        """What an idle forward returns when residuals are kept: a chunk's, all zero."""
+        return self._zeros(self._kept(None))
+
+    def residual_buffers(self, slots: int) -> list[jax.Array]:
+        """The forward-to-backward buffers when nothing is recomputed: ``slots`` chunks' residuals."""
+        return self._zeros(self._kept(slots))

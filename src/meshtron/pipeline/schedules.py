@@ -566,7 +566,14 @@ class Program:
     """Per-tick, per-stage instructions for the runtime; read-only int32 arrays ``[ticks, stages]``,
     -1 = none. Received values wait in per-stage slot buffers (``stash`` for activations, ``grad``
     for output gradients) whose sizes are ``stash_slots`` and ``grad_slots``. A forward-only
-    program has no backward instructions (all -1 / 0) and ``grad_slots == 0``."""
+    program has no backward instructions (all -1 / 0) and ``grad_slots == 0``.
+
+    ``keeps_residuals``: compiled with ``keep_residuals=True``, the forward keeps what each layer's
+    backward needs (its ``jax.vjp`` residuals) in ``residual_slots`` per-stage slots from the forward
+    (``fwd_res_slot``) to the backward (``bwd_res_slot``), and the backward recomputes nothing; the
+    stash then holds a received activation only until its forward (``bwd_stash_slot`` is -1).
+    Otherwise (the default: Megatron's full recomputation) the stash keeps the stage input until
+    the backward, which recomputes the stage from it."""
 
     schedule: Schedule
     fwd_mb: np.ndarray
@@ -587,12 +594,19 @@ class Program:
     stash_slots: int
     grad_slots: int
     weight_slots: int = 0  # split backward: B-to-W buffers per stage (the table's peak_weight_pending)
+    fwd_res_slot: np.ndarray | None = None  # keep_residuals: residual slot the forward fills; else -1
+    bwd_res_slot: np.ndarray | None = None  # keep_residuals: residual slot the backward reads (and frees)
+    residual_slots: int = 0  # keep_residuals: forward-to-backward residual buffers per stage
+
+    @property
+    def keeps_residuals(self) -> bool:
+        return self.residual_slots > 0
 
 
 _COLUMNS = (
     "fwd_mb", "fwd_chunk", "fwd_slot", "fwd_send", "recv_fwd_slot",
     "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "bwd_send", "recv_bwd_slot",
-    "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot",
+    "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot",
 )
 
 
@@ -618,11 +632,12 @@ class _Slots:
         return slot
 
 
-def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]], int, int, int]:
-    """One stage's instruction columns plus its stash, grad and weight buffer sizes.
+def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str, list[int]], int, int, int, int]:
+    """One stage's instruction columns plus its stash, grad, weight and residual buffer sizes.
 
     A slot is taken when a value arrives (start of tick ``t``) and released by the backward that
-    consumes it -- by the forward in a forward-only table, where nothing is recomputed; since
+    consumes it -- by the forward in a forward-only table or when the forward ``keep``-s the
+    residuals, where nothing is recomputed; since
     arrivals are handled before that tick's work, a released slot is first reused by a value
     arriving in a later tick, so nothing is overwritten while live.
     """
@@ -632,7 +647,7 @@ def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]]
     col = {name: [-1] * ticks for name in _COLUMNS}
     col["fwd_send"] = [0] * ticks
     col["bwd_send"] = [0] * ticks
-    stash, grads, weights = _Slots(), _Slots(), _Slots()
+    stash, grads, weights, kept = _Slots(), _Slots(), _Slots(), _Slots()
     for tick in range(ticks):
         if tick > 0:
             sent = schedule.forward[tick - 1][prev]
@@ -645,13 +660,18 @@ def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]]
         if work is not None:
             key = (work.microbatch, work.chunk * p + stage)
             col["fwd_mb"][tick], col["fwd_chunk"][tick] = work.microbatch, work.chunk
-            col["fwd_slot"][tick] = stash.release(key) if schedule.forward_only else stash.owner.get(key, -1)
+            consumed = schedule.forward_only or keep
+            col["fwd_slot"][tick] = stash.release(key) if consumed else stash.owner.get(key, -1)
+            if keep:
+                col["fwd_res_slot"][tick] = kept.take(key)
             col["fwd_send"][tick] = int(key[1] < last)
         work = schedule.backward[tick][stage]
         if work is not None:
             key = (work.microbatch, work.chunk * p + stage)
             col["bwd_mb"][tick], col["bwd_chunk"][tick] = work.microbatch, work.chunk
-            col["bwd_stash_slot"][tick] = stash.release(key)
+            col["bwd_stash_slot"][tick] = stash.release(key)  # -1 when the forward consumed it
+            if keep:
+                col["bwd_res_slot"][tick] = kept.release(key)
             col["bwd_grad_slot"][tick] = grads.release(key)
             col["bwd_send"][tick] = int(key[1] > 0)
             if schedule.split_backward:
@@ -662,14 +682,19 @@ def _compile_stage(schedule: Schedule, stage: int) -> tuple[dict[str, list[int]]
             key = (work.microbatch, work.chunk * p + stage)
             col["wgt_mb"][tick], col["wgt_chunk"][tick] = work.microbatch, work.chunk
             col["wgt_slot"][tick] = weights.release(key)
-    return col, stash.size, grads.size, weights.size
+    return col, stash.size, grads.size, weights.size, kept.size
 
 
-def compile_program(schedule: Schedule) -> Program:
+def compile_program(schedule: Schedule, keep_residuals: bool = False) -> Program:
     """Turn a table into buffer-slot instructions (the table is checked first, so a compiled
-    program never reads a value before it arrives)."""
+    program never reads a value before it arrives).
+
+    ``keep_residuals``: the forward keeps every layer's backward residuals until the backward
+    (no recomputation; ``pipeline.recompute=false``) instead of the stage input alone."""
     check(schedule)
-    per_stage = [_compile_stage(schedule, s) for s in range(schedule.stages)]
+    if keep_residuals and schedule.forward_only:
+        raise ScheduleError("keep_residuals: a forward-only table has no backward to keep residuals for")
+    per_stage = [_compile_stage(schedule, s, keep_residuals) for s in range(schedule.stages)]
     arrays = {}
     for name in _COLUMNS:
         array = np.array([col[name] for col, *_ in per_stage], np.int32).T.copy()  # [ticks, stages]
@@ -681,4 +706,5 @@ def compile_program(schedule: Schedule) -> Program:
         stash_slots=max(sizes[1] for sizes in per_stage),
         grad_slots=max(sizes[2] for sizes in per_stage),
         weight_slots=max(sizes[3] for sizes in per_stage),
+        residual_slots=max(sizes[4] for sizes in per_stage),
     )

@@ -186,6 +186,13 @@ class SplitPullback:
         """What ``W`` needs from ``B``: shapes and dtypes of the values to keep between them."""
         return [a.aval for a in self._boundary]
 
+    def pullback(self, res: Sequence[jax.Array], params: Sequence[jax.Array],
+                 dy: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+        """``(dparams, dx)`` in one piece: the layer's own ``jax.vjp`` pullback at the stored
+        residuals (what a backward that is not split runs; dparams flat, in ``params`` order)."""
+        *dparams, dx = jax.tree.leaves(self._treedef.unflatten(self._merge(res, params))(dy))
+        return dparams, dx
+
     def input_gradient(self, res: Sequence[jax.Array], params: Sequence[jax.Array],
                        dy: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         """``(dx, boundary)``: the gradient w.r.t. the layer input and what ``W`` will need."""

@@ -102,7 +102,7 @@ class Trainer:
         program = None
         if pipe > 1:
             schedule = make_schedule(cfg.pipeline.schedule, pipe, cfg.train.microbatches, cfg.pipeline.chunks)
-            program = compile_program(schedule)
+            program = compile_program(schedule, keep_residuals=not cfg.pipeline.recompute)
         optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=model_def.shardings(mesh))
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
