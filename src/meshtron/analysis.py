@@ -935,8 +935,12 @@ def megatron_figures(
     microbatches: int,
     remat: bool,
     bytes_per_element: int = 4,
+    layers_per_stage: int | None = None,
 ) -> MegatronFigures:
     """Figures from Narayanan et al. (SC21) for a GPT with the given shape and parallel layout.
+
+    ``layers_per_stage``: the most layers one pipeline stage runs, for an uneven
+    ``pipeline.layout``; by default ``layers / pipe``, which must then be whole.
 
     * ``params`` -- eq. 2: 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h)), i.e. 12lh^2 + 13lh + (V+s)h.
     * ``flops_per_iteration`` -- eq. 3, which assumes full activation recomputation (four passes
@@ -965,7 +969,7 @@ def megatron_figures(
         raise ValueError(
             f"global_batch={global_batch} is not divisible by data*microbatches={data * microbatches}"
         )
-    if layers % pipe:
+    if layers % pipe and layers_per_stage is None:
         raise ValueError(f"layers={layers} is not divisible by pipe={pipe}")
     if hidden % heads or heads % tensor:
         raise ValueError(
@@ -978,7 +982,7 @@ def megatron_figures(
     flops_no_remat = 72 * B * s * l * h * h + 12 * B * s * s * l * h + 6 * B * s * h * V
 
     b = global_batch // (data * microbatches)
-    layers_per_stage = layers // pipe
+    layers_per_stage = layers // pipe if layers_per_stage is None else layers_per_stage
     activation_bytes = b * s * h * bytes_per_element
     tensor_parallel = tensor > 1
     per_layer = (6 if remat else 4) if tensor_parallel else 0

@@ -19,6 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from meshtron.pipeline.layout import LayoutError, StageLayout
 from meshtron.pipeline.schedules import SCHEDULES
 
 
@@ -131,11 +132,16 @@ class PipelineConfig:
     stage's forward inside its backward (Megatron's full recomputation: least memory, a third more
     compute); false keeps every layer's matmul outputs from the forward to the backward (Megatron's
     default without ``--recompute-granularity``: no recomputed forward, more activation memory).
+
+    ``layout``: how many layers each virtual stage runs when they do not split evenly (or should not:
+    the first stage also embeds, the last also computes the loss), as ``p·v`` counts (``[3, 5]``) or
+    a Megatron-style string (``"Et*3|t*5L"``); see :mod:`meshtron.pipeline.layout`.
     """
 
     schedule: str = "1f1b"
     chunks: int = 1
     recompute: bool = True
+    layout: Any = None  # None: layers split evenly; else per-virtual-stage counts or a Megatron layout string
 
 
 @dataclass
@@ -387,15 +393,22 @@ def validate_pipeline(cfg: Config) -> None:
         "set pipeline.chunks=1 or use the interleaved schedule",
     )
     if pipe <= 1:
+        _need(pl.layout is None or pipe == -1, "pipeline.layout",
+              f"is set but mesh.pipe={pipe} (no pipeline); remove it or use mesh.pipe > 1")
         return
-    _need(pipe <= layers, "mesh.pipe", f"{pipe} stages for {layers} layers: a stage would have no layer; "
-          f"use mesh.pipe <= {layers}")
-    _need(
-        layers % (pipe * pl.chunks) == 0,
-        "model.layers",
-        f"{layers} layers cannot be split evenly over mesh.pipe={pipe} x pipeline.chunks={pl.chunks}; "
-        f"use a multiple of {pipe * pl.chunks}",
-    )
+    if pl.layout is not None:
+        stage_layout(pl.layout, layers, pipe, pl.chunks)
+    else:
+        _need(pipe <= layers, "mesh.pipe", f"{pipe} stages for {layers} layers: a stage would have no layer; "
+              f"use mesh.pipe <= {layers}")
+        virtual = pipe * pl.chunks
+        _need(
+            layers % virtual == 0,
+            "model.layers",
+            f"{layers} layers cannot be split evenly over mesh.pipe={pipe} x pipeline.chunks={pl.chunks}; "
+            f"use a multiple of {virtual}, or say which stage runs how many with pipeline.layout (e.g. "
+            f"{_example_layout(layers, virtual)})",
+        )
     _need(
         m >= pipe,
         "train.microbatches",
@@ -407,6 +420,29 @@ def validate_pipeline(cfg: Config) -> None:
             "train.microbatches",
             f"the interleaved schedule needs a multiple of mesh.pipe={pipe} microbatches, got {m}",
         )
+
+
+def stage_layout(spec: Any, layers: int, pipe: int, chunks: int) -> StageLayout:
+    """``pipeline.layout`` as a :class:`StageLayout` for this model and mesh (even when ``spec`` is
+    None); a layout that does not fit is a :class:`ConfigError` naming the field."""
+    if spec is not None and not isinstance(spec, str):
+        spec = list(spec)
+    try:
+        return StageLayout.parse(spec, layers, pipe, chunks)
+    except LayoutError as err:
+        raise ConfigError(f"pipeline.layout: {err}") from None
+
+
+def _example_layout(layers: int, virtual: int) -> str:
+    """Counts as even as possible, the extra layers on the middle stages, leaning to the first: the
+    last stage also runs the head and the loss, the heavier of the two ends."""
+    if layers < virtual:
+        return f"{[1] * layers + [0] * (virtual - layers)}"
+    base, extra = divmod(layers, virtual)
+    counts = [base] * virtual
+    for i in range(extra):
+        counts[(virtual - extra) // 2 + i] += 1
+    return str(counts)
 
 
 def validate_optim(o: OptimConfig) -> None:

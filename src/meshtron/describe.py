@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from meshtron import analysis
-from meshtron.config import Config, MeshConfig
+from meshtron.config import Config, MeshConfig, stage_layout
 from meshtron.mesh import AXES, resolve_sizes
 from meshtron.sharding import logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, model_def_from_config
@@ -78,7 +78,8 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
         return lines, total
     program = compile_program(make_schedule(cfg.pipeline.schedule, pipe, t.microbatches, cfg.pipeline.chunks),
                               keep_residuals=not cfg.pipeline.recompute)
-    chunk_layers = model_def.layers // (pipe * cfg.pipeline.chunks)
+    # The largest chunk (an uneven pipeline.layout pads the others to it).
+    chunk_layers = stage_layout(cfg.pipeline.layout, model_def.layers, pipe, cfg.pipeline.chunks).per_chunk
     stage_input = m.seq_len * microbatch * m.hidden * itemsize / (tensor if sp else 1)
     if program.keeps_residuals:
         total = analysis.megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=chunk_layers,
@@ -117,10 +118,15 @@ def describe(cfg: Config, out=None) -> None:
     print(_table(("name", "shape", "logical axes", "mesh spec", "bytes/device", "placed by rule"), rows), file=out)
 
     t = cfg.train
+    busiest = None
+    if sizes[1] > 1:  # an uneven pipeline.layout: the stage with the most layers sets the pace
+        stages = stage_layout(cfg.pipeline.layout, model_def.layers, sizes[1], cfg.pipeline.chunks)
+        busiest = max(sum(stages.counts[c * sizes[1] + s] for c in range(stages.chunks)) for s in range(sizes[1]))
     fig = analysis.megatron_figures(
         vocab_size=model_def.vocab_padded, hidden=m.hidden, layers=model_def.layers, seq_len=m.seq_len,
         heads=m.heads, global_batch=t.batch_size, data=sizes[0], pipe=sizes[1], tensor=sizes[2],
         microbatches=t.microbatches, remat=model_def.remat == "full", bytes_per_element=np.dtype(m.dtype).itemsize,
+        layers_per_stage=busiest,
     )
     print("\nMegatron analytical figures per step and device (Narayanan et al. 2021)", file=out)
     print(f"  parameters (eq. 2)       {fig.params:,}", file=out)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 import optax
 
-from meshtron.config import MeshConfig
+from meshtron.config import MeshConfig, stage_layout
 from meshtron.mesh import build_mesh
 from meshtron.models.contract import ModelFactory
 from meshtron.optim import data_parallel_mean
@@ -46,7 +46,8 @@ class ParityError(AssertionError):
 @dataclass(frozen=True)
 class Layout:
     """A mesh and, with ``pipe > 1``, the pipeline schedule (``chunks`` = v for interleaved;
-    ``recompute=False``: the forward keeps the layers' residuals, ``pipeline.recompute=false``)."""
+    ``recompute=False``: the forward keeps the layers' residuals, ``pipeline.recompute=false``;
+    ``layer_layout``: an uneven ``pipeline.layout``, counts per virtual stage or a Megatron string)."""
 
     data: int
     pipe: int
@@ -55,6 +56,7 @@ class Layout:
     chunks: int = 1
     microbatches: int | None = None  # default: 2·pipe with a pipeline (enough to fill it), else 1
     recompute: bool = True
+    layer_layout: tuple[int, ...] | str | None = None
 
     @classmethod
     def of(cls, spec: Layout | Sequence) -> Layout:
@@ -63,7 +65,8 @@ class Layout:
     def __str__(self) -> str:
         mesh = f"{self.data}x{self.pipe}x{self.tensor}"
         kept = "" if self.recompute else " no-recompute"
-        return mesh if self.pipe == 1 else f"{mesh} {self.schedule} v={self.chunks} m={self.m}{kept}"
+        uneven = "" if self.layer_layout is None else f" layout={self.layer_layout}"
+        return mesh if self.pipe == 1 else f"{mesh} {self.schedule} v={self.chunks} m={self.m}{kept}{uneven}"
 
     @property
     def m(self) -> int:
@@ -86,18 +89,20 @@ def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray,
     """Loss and canonical-order gradients of ``tokens`` on ``layout`` (parameters given canonical)."""
     mesh = build_mesh(MeshConfig(layout.data, layout.pipe, layout.tensor), devices[: layout.data * layout.pipe *
                                                                                      layout.tensor])
-    md.check_mesh(mesh)
-    program = None
+    program = stages = None
     if layout.pipe > 1:
         program = compile_program(make_schedule(layout.schedule, layout.pipe, layout.m, layout.chunks),
                                   keep_residuals=not layout.recompute)
-    steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, program=program)
+        stages = stage_layout(layout.layer_layout, md.layers, layout.pipe, layout.chunks)
+    md.check_mesh(mesh, stages.padded_layers if stages is not None else None)
+    steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, program=program,
+                        layout=stages)
     if program is not None:  # training keeps block layers in stage order (meshtron.train.pipelined)
-        params = jax.device_get(to_stage_order(params, md.layers, layout.pipe, layout.chunks))
+        params = jax.device_get(to_stage_order(params, md.layers, layout.pipe, layout.chunks, stages))
     placed = jax.device_put(params, steps.param_shardings)
     loss, grads = steps.gradients(placed, jax.device_put(tokens, steps.batch_sharding))
     if program is not None:
-        grads = to_canonical(grads, md.layers, layout.pipe, layout.chunks)
+        grads = to_canonical(grads, md.layers, layout.pipe, layout.chunks, stages)
     return float(loss), jax.device_get(grads)
 
 

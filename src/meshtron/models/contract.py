@@ -152,7 +152,8 @@ def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs
     return make(keys)
 
 
-def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none"):
+def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none",
+               active: jax.Array | int | None = None):
     """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
 
     With ``ctx.cache`` (stacked caches ``[layers, ...]``) every block gets its own and the result is
@@ -160,7 +161,8 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     (Megatron's full activation recomputation: only block inputs are kept); ``"selective"`` is applied
     inside the block, to its attention core (:func:`meshtron.models.attention.attention_core`).
     Between blocks ``x`` is the residual stream, laid out :data:`RESIDUAL` (split over the sequence
-    under sequence parallelism).
+    under sequence parallelism). ``active``: run only the first ``active`` blocks and pass ``x``
+    through the rest (the padding slots of an uneven pipeline chunk).
     """
     graphdef, state = nnx.split(blocks)
     if ctx.cache is None:
@@ -169,7 +171,16 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
 
         if remat == "full":
             one_layer = jax.checkpoint(one_layer, prevent_cse=False)
-        x, _ = jax.lax.scan(one_layer, x, state)
+        if active is None:
+            x, _ = jax.lax.scan(one_layer, x, state)
+            return x
+
+        def maybe_layer(h, xs):
+            i, layer_state = xs
+            return jax.lax.cond(i < active, lambda: one_layer(h, layer_state)[0], lambda: h), None
+
+        layers = jax.tree.leaves(state)[0].shape[0]
+        x, _ = jax.lax.scan(maybe_layer, x, (jnp.arange(layers), state))
         return x
 
     # The stacked caches ride in the carry and each layer updates its own slice in place: as scan

@@ -207,6 +207,7 @@ def run_pipeline(
     *,
     axis: str = "pipe",
     check_vma: bool = True,
+    layer_counts: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, PyTree, PyTree]:
     """Mean loss over the microbatches and the gradients of it, on this stage.
 
@@ -215,11 +216,15 @@ def run_pipeline(
     ``tokens`` is ``[microbatches, rows, seq + 1]`` (the same on every stage). Returns
     ``(loss, stage_grads, shared_grads)``: the loss and shared gradients are identical on every
     stage (summed over ``axis``), stage gradients are this stage's own.
+
+    ``layer_counts[k]``: an uneven layout's layers of virtual stage ``k`` (``chunk·p + stage``); each
+    chunk's ``layers_per_chunk`` slots then hold that many layers and padding, which is skipped
+    (needs ``StageFunctions.stage(chunk_params, x, active)``). ``None``: every slot is a layer.
     """
     if program.schedule.forward_only:
         raise ValueError("run_pipeline: a forward-only program computes no gradients; "
                          "use run_pipeline_forward")
-    return _run(program, fns, stage_params, shared_params, tokens, axis, check_vma)
+    return _run(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts)
 
 
 def run_pipeline_forward(
@@ -231,6 +236,7 @@ def run_pipeline_forward(
     *,
     axis: str = "pipe",
     check_vma: bool = True,
+    layer_counts: tuple[int, ...] | None = None,
 ) -> jax.Array:
     """Mean loss over the microbatches, computed stage by stage: held-out evaluation with pipe > 1.
 
@@ -245,7 +251,7 @@ def run_pipeline_forward(
             f"run_pipeline_forward: needs a forward-only program (schedules.forward_only), got a "
             f"{program.schedule.name!r} training program"
         )
-    loss, _, _ = _run(program, fns, stage_params, shared_params, tokens, axis, check_vma)
+    loss, _, _ = _run(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts)
     return loss
 
 
@@ -257,6 +263,7 @@ def _run(
     tokens: jax.Array,
     axis: str,
     check_vma: bool,
+    layer_counts: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, PyTree | None, PyTree | None]:
     """The tick loop of both entry points. With a forward-only program the backward half (gradient
     buffer, backward message, gradient accumulators) is ``None`` in the carry and never traced, so
@@ -267,6 +274,14 @@ def _run(
     last_virtual = p * schedule.chunks - 1
     stage_index = jax.lax.axis_index(axis)
     inv_m = 1.0 / m
+    counts = None if layer_counts is None else jnp.asarray(layer_counts, jnp.int32)
+
+    def active(chunk):
+        """Layers the virtual stage of ``chunk`` runs (None: all of its slots)."""
+        return None if counts is None else counts[chunk * p + stage_index]
+
+    def run_stage(chunk_params, x, chunk):
+        return fns.stage(chunk_params, x) if counts is None else fns.stage(chunk_params, x, active(chunk))
 
     # Whatever a stage computes varies over every manual axis (its parameters vary over `pipe`, its
     # data over `data`); fresh zeros (idle slots, initial carries) are cast to match.
@@ -295,7 +310,7 @@ def _run(
         so each segment compiles them once."""
         virtual = chunk * p + stage_index
         x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(shared, tok), lambda: x_stash))
-        y = pin(fns.stage(chunk_params, x))
+        y = pin(run_stage(chunk_params, x, chunk))
         loss = jax.lax.cond(virtual == last_virtual,
                             lambda: fns.loss(shared, y, tok).astype(jnp.float32), lambda: zero_loss)
         return y, loss
@@ -319,7 +334,7 @@ def _run(
         virtual = chunk * p + stage_index
         x_stash = pin(_after(_read(stash, row["fwd_slot"]), seq))
         x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(shared_params, tok), lambda: x_stash))
-        y, stored = layers.layers_forward(_chunk(stage_params, chunk), x)
+        y, stored = layers.layers_forward(_chunk(stage_params, chunk), x, active(chunk))
         loss = jax.lax.cond(virtual == last_virtual,
                             lambda: fns.loss(shared_params, y, tok).astype(jnp.float32), lambda: zero_loss)
         return y, loss, [*stored, y], seq + _token((y, loss))
@@ -355,12 +370,12 @@ def _run(
         if keep:
             *stored, y = _after(kept, seq)
         else:
-            y, stored = layers.layers_forward(chunk_params, x0)
+            y, stored = layers.layers_forward(chunk_params, x0, active(chunk))
         _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
             is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), shared_params, y)
         d_shared_out, dy_loss = pull_out(jnp.where(is_last, zero_loss + inv_m, zero_loss))
         dy = pin(jnp.where(is_last, dy_loss, _read(gbuf, row["bwd_grad_slot"])))
-        dx0, out = layers_backward(chunk_params, stored, dy)
+        dx0, out = layers_backward(chunk_params, stored, dy, active(chunk))
         d_shared_in, d_x = pull_in(pin(dx0))
         d_x = pin(d_x)
         return d_x, out, jax.tree.map(jnp.add, d_shared_out, d_shared_in), seq + _token((d_x, out))
@@ -379,7 +394,8 @@ def _run(
     def weight_gradient(row, boundary, seq):
         """The split backward's W: this chunk's layer gradients from what its B left (``boundary``)."""
         boundary = _after(boundary, seq)
-        d_params = layers.layers_weight_gradient(_chunk(stage_params, row["wgt_chunk"]), boundary)
+        d_params = layers.layers_weight_gradient(_chunk(stage_params, row["wgt_chunk"]), boundary,
+                                                 active(row["wgt_chunk"]))
         return d_params, seq + _token(d_params)
 
     def add_to_chunk(g_stage, chunk, d_params):
@@ -525,34 +541,54 @@ class _LayerBackward:
                              f"(residuals that are parameters: {slots} vs {self._slots})")
         return self._pin(y), stored
 
-    def layers_forward(self, chunk_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        return jax.lax.scan(lambda h, lp: self._residuals(lp, h), x, chunk_params)
+    def _scan(self, step, init, xs, active, skip, reverse=False):
+        """``lax.scan(step, init, xs)`` over a chunk's layer slots; with ``active``, slots from
+        ``active`` on (an uneven chunk's padding) run ``skip`` instead, which passes the carry
+        through and outputs zeros."""
+        if active is None:
+            return jax.lax.scan(step, init, xs, reverse=reverse)
+        layers = jax.tree.leaves(xs)[0].shape[0]
 
-    def layers_backward(self, chunk_params: PyTree, stored: list[jax.Array],
-                        dy: jax.Array) -> tuple[jax.Array, PyTree]:
+        def maybe(carry, indexed):
+            i, x = indexed
+            return jax.lax.cond(i < active, lambda: step(carry, x), lambda: skip(carry, x))
+
+        return jax.lax.scan(maybe, init, (jnp.arange(layers), xs), reverse=reverse)
+
+    def layers_forward(self, chunk_params: PyTree, x: jax.Array,
+                       active: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
+        return self._scan(lambda h, lp: self._residuals(lp, h), x, chunk_params, active,
+                          lambda h, lp: (h, self._zeros(self._stored_avals)))
+
+    def layers_backward(self, chunk_params: PyTree, stored: list[jax.Array], dy: jax.Array,
+                        active: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
         def layer_back(d, xs):
             lp, res = xs
             flat, dx = self._pullback.pullback(res, jax.tree.leaves(lp), d)
             return self._pin(dx), jax.tree.unflatten(jax.tree.structure(lp), flat)
 
-        return jax.lax.scan(layer_back, dy, (chunk_params, stored), reverse=True)
+        return self._scan(layer_back, dy, (chunk_params, stored), active, lambda d, xs: (d, self._zeros(xs[0])),
+                          reverse=True)
 
-    def layers_input_gradient(self, chunk_params: PyTree, stored: list[jax.Array],
-                              dy: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+    def layers_input_gradient(self, chunk_params: PyTree, stored: list[jax.Array], dy: jax.Array,
+                              active: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
         def layer_back(d, xs):
             lp, res = xs
             dx, boundary = self._pullback.input_gradient(res, jax.tree.leaves(lp), d)
             return self._pin(dx), boundary
 
-        return jax.lax.scan(layer_back, dy, (chunk_params, stored), reverse=True)
+        return self._scan(layer_back, dy, (chunk_params, stored), active,
+                          lambda d, xs: (d, self._zeros(self._pullback.boundary_avals)), reverse=True)
 
-    def layers_weight_gradient(self, chunk_params: PyTree, boundary: list[jax.Array]) -> PyTree:
+    def layers_weight_gradient(self, chunk_params: PyTree, boundary: list[jax.Array],
+                               active: jax.Array | None = None) -> PyTree:
         def layer_weights(_, xs):
             lp, b = xs
             flat = self._pullback.weight_gradient(jax.tree.leaves(lp), b)
             return None, jax.tree.unflatten(jax.tree.structure(lp), flat)
 
-        return jax.lax.scan(layer_weights, None, (chunk_params, boundary))[1]
+        return self._scan(layer_weights, None, (chunk_params, boundary), active,
+                          lambda _, xs: (None, self._zeros(xs[0])))[1]
 
     def _stacked(self, avals: list, slots: int | None) -> list[jax.ShapeDtypeStruct]:
         lead = (self._layers,) if slots is None else (max(slots, 1), self._layers)

@@ -15,6 +15,7 @@ from typing import IO, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -27,15 +28,25 @@ from rich.progress import (
 
 from meshtron.analysis import format_bytes
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
-from meshtron.config import Config, ConfigError, MeshConfig, to_dict, validate, validate_pipeline
+from meshtron.config import (
+    Config,
+    ConfigError,
+    MeshConfig,
+    stage_layout,
+    to_dict,
+    validate,
+    validate_pipeline,
+)
 from meshtron.data import BatchStream, Corpus, heldout_stream
 from meshtron.errors import NonFiniteLossError, RunStopped
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.contract import ModelFactory
 from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
+from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import compile_program, make_schedule
 from meshtron.train.pipelined import (
+    canonical_positions,
     permute_layers,
     permute_state_layers,
     stage_order,
@@ -95,7 +106,8 @@ class Trainer:
         if model_def.max_len is not None and model_def.max_len < cfg.model.seq_len:
             raise ConfigError(f"model.seq_len: {cfg.model.seq_len} is longer than the model's {model_def.max_len} "
                               f"positions; use model.seq_len <= {model_def.max_len}")
-        model_def.check_mesh(mesh)
+        layout = stage_layout(cfg.pipeline.layout, model_def.layers, pipe, cfg.pipeline.chunks) if pipe > 1 else None
+        model_def.check_mesh(mesh, layout.padded_layers if layout is not None else None)
         corpus = Corpus.from_config(
             cfg.data, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size, vocab_size=model_def.vocab_size
         )
@@ -106,29 +118,66 @@ class Trainer:
         optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=model_def.shardings(mesh))
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
-            microbatches=cfg.train.microbatches, program=program, stages=optimizer.stages,
+            microbatches=cfg.train.microbatches, program=program, layout=layout, stages=optimizer.stages,
             skip_nonfinite=cfg.train.on_nonfinite == "skip",
         )
         return cls(cfg, mesh, model_def, steps, corpus, optimizer)
 
-    def init_params(self) -> Params:
-        """Fresh parameters, sharded; with pipelining, block layers are put in stage order."""
-        params = self.model_def.init(self.mesh, self.cfg.train.seed)
+    @property
+    def stage_layout(self) -> StageLayout | None:
+        """Layers per virtual stage (``pipeline.layout``, else even); None without a pipeline."""
         pipe = self.mesh.shape["pipe"]
         if pipe == 1:
-            return params
-        reorder = partial(to_stage_order, layers=self.model_def.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
-        with jax.set_mesh(self.mesh):
-            return jax.jit(reorder, out_shardings=self.steps.param_shardings, donate_argnums=0)(params)
+            return None
+        return stage_layout(self.cfg.pipeline.layout, self.model_def.layers, pipe, self.cfg.pipeline.chunks)
+
+    def training_shapes(self, shapes: Params) -> Params:
+        """Shapes of the parameters as training holds them (stage order; padded by an uneven layout)."""
+        layout = self.stage_layout
+        if layout is None:
+            return shapes
+        return jax.eval_shape(lambda p: to_stage_order(p, self.model_def.layers, layout.stages, layout.chunks, layout),
+                              shapes)
+
+    def init_params(self) -> Params:
+        """Fresh parameters, sharded; with pipelining, block layers are put in stage order."""
+        pipe = self.mesh.shape["pipe"]
+        if pipe == 1:
+            return self.model_def.init(self.mesh, self.cfg.train.seed)
+        reorder = partial(to_stage_order, layers=self.model_def.layers, stages=pipe, chunks=self.cfg.pipeline.chunks,
+                          layout=self.stage_layout)
+        return self.model_def.init(self.mesh, self.cfg.train.seed, into=reorder)
+
+    def _canonical_shardings(self, shardings):
+        """Where the model-order (checkpoint) state lives: as in training, except that with an uneven
+        ``pipeline.layout`` the layer axis -- unpadded there, and maybe not divisible by ``pipe`` -- is
+        not split over ``pipe`` (only layer-stacked leaves name ``pipe``)."""
+        layout = self.stage_layout
+        if layout is None or layout.is_even:
+            return shardings
+
+        def unpiped(sharding):
+            def drop(entry):
+                if entry == "pipe":
+                    return None
+                if isinstance(entry, tuple):
+                    kept = tuple(a for a in entry if a != "pipe")
+                    return kept or None
+                return entry
+
+            return NamedSharding(sharding.mesh, PartitionSpec(*map(drop, sharding.spec)))
+
+        return jax.tree.map(unpiped, shardings)
 
     def canonical_params(self, params: Params) -> Params:
         """Training-layout parameters back in canonical layer order (undoes :meth:`init_params`' reorder)."""
         pipe = self.mesh.shape["pipe"]
         if pipe == 1:
             return params
-        reorder = partial(to_canonical, layers=self.model_def.layers, stages=pipe, chunks=self.cfg.pipeline.chunks)
+        reorder = partial(to_canonical, layers=self.model_def.layers, stages=pipe, chunks=self.cfg.pipeline.chunks,
+                          layout=self.stage_layout)
         with jax.set_mesh(self.mesh):
-            return jax.jit(reorder, out_shardings=self.steps.param_shardings)(params)
+            return jax.jit(reorder, out_shardings=self._canonical_shardings(self.steps.param_shardings))(params)
 
     def train_stream(self, position: int = 0) -> BatchStream:
         t = self.cfg.train
@@ -148,18 +197,20 @@ class Trainer:
         pipe = self.mesh.shape["pipe"]
         if pipe == 1:
             return None
-        order = stage_order(self.model_def.layers, pipe, self.cfg.pipeline.chunks)
-        return order if to_stage else np.argsort(order)
+        order = stage_order(self.model_def.layers, pipe, self.cfg.pipeline.chunks, self.stage_layout)
+        return order if to_stage else canonical_positions(order)
 
     def _move_layers(self, params: Params, opt_state, *, to_stage: bool):
-        """Parameters and optimizer state with the stacked layer axis moved to stage order (or back);
-        the jitted program is kept, so periodic saves compile it once."""
+        """Parameters and optimizer state (without 1-bit LAMB's per-device error buffers, which never
+        move) with the stacked layer axis moved to stage order (or back); the jitted program is kept,
+        so periodic saves compile it once."""
         key = ("move_layers", to_stage)
         if key not in self.programs:
             perm, treedef = self._layer_perm(to_stage), jax.tree.structure(params)
+            shardings = (self.steps.param_shardings, split_error_buffers(self.steps.opt_shardings)[0])
             self.programs[key] = jax.jit(
                 lambda p, s: (permute_layers(p, perm), permute_state_layers(s, treedef, perm)),
-                out_shardings=(self.steps.param_shardings, self.steps.opt_shardings),
+                out_shardings=shardings if to_stage else self._canonical_shardings(shardings),
                 donate_argnums=(0, 1) if to_stage else (),  # restored arrays are not needed twice
             )
         with jax.set_mesh(self.mesh):
@@ -168,22 +219,26 @@ class Trainer:
     def canonical_state(self, params: Params, opt_state) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """What a checkpoint stores: ``{"params", "opt_state"}`` with block layers in model order, and
         1-bit LAMB's per-device error buffers apart (a new array is made only where layers move)."""
+        opt_state, errors = split_error_buffers(opt_state)
         if self._layer_perm(to_stage=False) is not None:
             params, opt_state = self._move_layers(params, opt_state, to_stage=False)
-        opt_state, errors = split_error_buffers(opt_state)
         return {"params": params, "opt_state": opt_state}, errors
 
     def training_state(self, state: dict[str, Any], errors: list[dict[str, Any]]):
         """Inverse of :meth:`canonical_state`: ``(params, opt_state)`` laid out for this run's steps."""
-        params, opt_state = state["params"], merge_error_buffers(state["opt_state"], errors)
-        if self._layer_perm(to_stage=True) is None:
-            return params, opt_state
-        return self._move_layers(params, opt_state, to_stage=True)
+        params, opt_state = state["params"], state["opt_state"]
+        if self._layer_perm(to_stage=True) is not None:
+            params, opt_state = self._move_layers(params, opt_state, to_stage=True)
+        return params, merge_error_buffers(opt_state, errors)
 
     def layout(self) -> dict[str, Any]:
         """What the per-device error buffers depend on: restored only onto the same layout."""
-        return {"mesh": [int(self.mesh.shape[a]) for a in ("data", "pipe", "tensor")],
-                "chunks": self.cfg.pipeline.chunks if self.mesh.shape["pipe"] > 1 else 1}
+        layout = {"mesh": [int(self.mesh.shape[a]) for a in ("data", "pipe", "tensor")],
+                  "chunks": self.cfg.pipeline.chunks if self.mesh.shape["pipe"] > 1 else 1}
+        stages = self.stage_layout
+        if stages is not None and not stages.is_even:  # the buffers are padded as the layout says
+            layout["layers_per_virtual_stage"] = list(stages.counts)
+        return layout
 
     def open_checkpoints(self) -> CheckpointStore | None:
         c = self.cfg.checkpoint
@@ -209,8 +264,13 @@ class Trainer:
         shapes = self.model_def.shapes()
         with jax.set_mesh(self.mesh):
             abstract = jax.eval_shape(self.steps.init_state_fn, shapes)
-        opt_target, error_target = split_error_buffers(abstract_like(abstract, self.steps.opt_shardings))
-        state_target = {"params": abstract_like(shapes, self.steps.param_shardings), "opt_state": opt_target}
+            # The error buffers are per device, in the training layout: sized by the stage-ordered
+            # parameters, which an uneven pipeline.layout pads.
+            trained = jax.eval_shape(self.steps.init_state_fn, self.training_shapes(shapes))
+        opt_target, _ = split_error_buffers(abstract_like(abstract, self._canonical_shardings(self.steps.opt_shardings)))
+        _, error_target = split_error_buffers(abstract_like(trained, self.steps.opt_shardings))
+        state_target = {"params": abstract_like(shapes, self._canonical_shardings(self.steps.param_shardings)),
+                        "opt_state": opt_target}
         layout = self.layout()
         restored = store.restore_newest(
             state_target, error_target if any(x.size for x in jax.tree.leaves(error_target)) else None, self.mesh,

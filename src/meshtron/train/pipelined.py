@@ -7,6 +7,10 @@ state therefore keeps the layer axis in *stage order* -- a fixed permutation of 
 order, applied once when parameters enter training and undone when they leave (checkpoints,
 comparisons) -- so that a plain ``P('pipe')`` sharding puts every layer on its stage with no
 data movement during training. For ``v = 1`` the permutation is the identity.
+
+With an uneven ``pipeline.layout`` (:class:`~meshtron.pipeline.layout.StageLayout`) every chunk is
+padded to the largest one: the stage-ordered axis is longer than the model's, its padding slots
+hold zeros, and the runtime runs each chunk's own number of layers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshtron.models.contract import RESIDUAL, Context, run_blocks, token_losses
+from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.pipeline.schedules import Program, compile_program, forward_only
 from meshtron.sharding import constrain
@@ -26,31 +31,49 @@ from meshtron.train.state import ModelDef, Params
 PIPE = "pipe"
 
 
-def stage_order(layers: int, stages: int, chunks: int) -> np.ndarray:
-    """``perm[i]`` = canonical layer stored at position ``i`` of the stage-ordered layer axis.
+def stage_order(layers: int, stages: int, chunks: int, layout: StageLayout | None = None) -> np.ndarray:
+    """``perm[i]`` = canonical layer stored at position ``i`` of the stage-ordered layer axis (-1: a
+    padding slot of an uneven ``layout``).
 
-    Position ``i = s·(L/p) + c·(L/(p·v)) + j`` (stage s, chunk c, layer j of the chunk) holds
-    canonical layer ``c·(L/v) + s·(L/(p·v)) + j``.
+    Evenly split, position ``i = s·(L/p) + c·(L/(p·v)) + j`` (stage s, chunk c, layer j of the
+    chunk) holds canonical layer ``c·(L/v) + s·(L/(p·v)) + j``.
     """
-    per_chunk = layers // (stages * chunks)
-    s, c, j = np.meshgrid(np.arange(stages), np.arange(chunks), np.arange(per_chunk), indexing="ij")
-    return (c * (layers // chunks) + s * per_chunk + j).reshape(-1)
+    return (layout or StageLayout.even(layers, stages, chunks)).stage_order()
+
+
+def canonical_positions(order: np.ndarray) -> np.ndarray:
+    """``pos[j]``: where canonical layer ``j`` sits in the stage-ordered axis ``order`` (the inverse of
+    :func:`stage_order`, padding slots dropped)."""
+    held = np.nonzero(order >= 0)[0]
+    pos = np.empty(len(held), np.int64)
+    pos[order[held]] = held
+    return pos
 
 
 def permute_layers(params: Params, perm: np.ndarray) -> Params:
-    """Reorder the stacked layer axis of every block parameter (``blocks[...][i] = old[perm[i]]``)."""
-    if np.array_equal(perm, np.arange(len(perm))):
-        return params
-    index = jnp.asarray(perm)
-    return {**params, "blocks": jax.tree.map(lambda a: jnp.take(a, index, axis=0), params["blocks"])}
+    """Reorder the stacked layer axis of every block parameter (``blocks[...][i] = old[perm[i]]``,
+    zeros where ``perm[i]`` is -1)."""
+    if np.array_equal(perm, np.arange(len(perm))) and all(
+            a.shape[0] == len(perm) for a in jax.tree.leaves(params["blocks"])):
+        return params  # (an uneven layout's last padding slots are dropped by a leading identity too)
+    index = jnp.asarray(np.maximum(perm, 0))
+    if (perm >= 0).all():
+        return {**params, "blocks": jax.tree.map(lambda a: jnp.take(a, index, axis=0), params["blocks"])}
+    held = perm >= 0
+
+    def take(a):
+        mask = jnp.asarray(held).reshape(-1, *(1,) * (a.ndim - 1))
+        return jnp.where(mask, jnp.take(a, index, axis=0), jnp.zeros((), a.dtype))
+
+    return {**params, "blocks": jax.tree.map(take, params["blocks"])}
 
 
-def to_stage_order(params: Params, layers: int, stages: int, chunks: int) -> Params:
-    return permute_layers(params, stage_order(layers, stages, chunks))
+def to_stage_order(params: Params, layers: int, stages: int, chunks: int, layout: StageLayout | None = None) -> Params:
+    return permute_layers(params, stage_order(layers, stages, chunks, layout))
 
 
-def to_canonical(params: Params, layers: int, stages: int, chunks: int) -> Params:
-    return permute_layers(params, np.argsort(stage_order(layers, stages, chunks)))
+def to_canonical(params: Params, layers: int, stages: int, chunks: int, layout: StageLayout | None = None) -> Params:
+    return permute_layers(params, canonical_positions(stage_order(layers, stages, chunks, layout)))
 
 
 def permute_state_layers(tree, params_treedef, perm: np.ndarray):
@@ -76,9 +99,9 @@ def stage_functions(model_def: ModelDef) -> StageFunctions:
         inputs = tokens[:, :-1]
         return model_def.bind(shared).embed(inputs, Context.for_sequence(*inputs.shape))
 
-    def stage(chunk_blocks: Params, x: jax.Array) -> jax.Array:
+    def stage(chunk_blocks: Params, x: jax.Array, active: jax.Array | None = None) -> jax.Array:
         return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_sequence(*x.shape[:2]),
-                          remat=model_def.remat)
+                          remat=model_def.remat, active=active)
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         model = model_def.bind(shared)
@@ -92,18 +115,25 @@ def stage_functions(model_def: ModelDef) -> StageFunctions:
     return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer)
 
 
-def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool):
+def _layer_counts(layout: StageLayout | None) -> tuple[int, ...] | None:
+    return None if layout is None or layout.is_even else layout.counts
+
+
+def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, layout: StageLayout | None = None):
     """``(params, tokens [m, rows, seq+1]) -> (loss, grads)`` running ``program`` over ``pipe``.
 
     Called inside the trainer's data-parallel region; gradients are local to the data shard.
+    ``layout``: an uneven ``pipeline.layout`` (the parameters are then padded as it says).
     """
     fns = stage_functions(model_def)
     chunks = program.schedule.chunks
+    counts = _layer_counts(layout)
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
         # This stage's [layers/p, ...] block parameters, viewed as [chunks, layers/(p·v), ...].
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
-        loss, g_blocks, g_shared = run_pipeline(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma)
+        loss, g_blocks, g_shared = run_pipeline(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma,
+                                                layer_counts=counts)
         g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
         return loss, g_blocks, g_shared
 
@@ -124,7 +154,8 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool):
     return gradients
 
 
-def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bool):
+def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bool,
+                   layout: StageLayout | None = None):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
     Same stages, layer placement and microbatches as training (``schedule_program``'s), but a
@@ -138,7 +169,8 @@ def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bo
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
-        return run_pipeline_forward(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma)
+        return run_pipeline_forward(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma,
+                                    layer_counts=_layer_counts(layout))
 
     def loss(params: Params, tokens: jax.Array) -> jax.Array:
         stage_map = jax.shard_map(

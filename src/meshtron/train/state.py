@@ -104,13 +104,17 @@ class ModelDef:
         """One line: the model's class, size and depth (run summaries)."""
         return f"{type(nnx.merge(self.graphdef, self.abstract_state)).__name__} {format_count(self.parameter_count())} params, {self.layers} layers"
 
-    def check_mesh(self, mesh: Mesh) -> None:
+    def check_mesh(self, mesh: Mesh, layers: int | None = None) -> None:
         """Every sharded dimension must split evenly over its mesh axes; one line naming the parameter,
-        the logical axis and the fix otherwise (instead of JAX's error from inside ``jit``)."""
+        the logical axis and the fix otherwise (instead of JAX's error from inside ``jit``).
+
+        ``layers``: the stacked layer axis as training holds it, when that differs from the model's
+        depth (an uneven ``pipeline.layout`` pads every chunk to the largest)."""
         for name, shape, axes in zip(leaf_names(self.shapes()), jax.tree.leaves(self.shapes()), self._axes_leaves(),
                                      strict=True):
             spec = logical_to_spec(axes, self.rules)
             for size, logical, entry in zip(shape.shape, axes, spec, strict=False):
+                size = layers if logical == "layers" and layers is not None else size
                 names = () if entry is None else (entry,) if isinstance(entry, str) else entry
                 split = math.prod(mesh.shape[a] for a in names)
                 if size % split:
@@ -174,13 +178,17 @@ class ModelDef:
             is_leaf=lambda x: isinstance(x, tuple),
         )
 
-    def init(self, mesh: Mesh, seed: int) -> Params:
-        """Parameters created sharded (jit with ``out_shardings``), then checked against the layout."""
+    def init(self, mesh: Mesh, seed: int, into: Callable[[Params], Params] | None = None) -> Params:
+        """Parameters created sharded (jit with ``out_shardings``), then checked against the layout.
+
+        ``into``: applied to the fresh parameters in the same program, before they are placed (the
+        pipeline's stage order, whose padded layer axis ``pipe`` may split where the model's does not)."""
 
         def create() -> Params:
             with nnx.use_eager_sharding(False):
                 model = self.factory(nnx.Rngs(params=seed))
-            return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+            return params if into is None else into(params)
 
         shardings = self.shardings(mesh)
         with jax.set_mesh(mesh), self.scope():

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from meshtron import analysis
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
+from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import Program
 from meshtron.train.pipelined import pipelined_gradients, pipelined_loss
 from meshtron.train.state import ModelDef, Params
@@ -110,6 +111,7 @@ def build_steps(
     *,
     microbatches: int = 1,
     program: Program | None = None,
+    layout: StageLayout | None = None,
     stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
     skip_nonfinite: bool = False,
 ) -> TrainSteps:
@@ -122,7 +124,7 @@ def build_steps(
 
     With a pipeline ``program`` (mesh ``pipe`` > 1) the gradients come from the pipeline runtime
     executing that schedule over the microbatches; block parameters are then in stage order
-    (:mod:`meshtron.train.pipelined`). ``stages`` maps each stage name to the extra keyword
+    (:mod:`meshtron.train.pipelined`), padded as an uneven ``layout`` says. ``stages`` maps each stage name to the extra keyword
     arguments of ``optimizer.update`` in that stage (one stage with none by default).
     """
     param_shardings = model_def.shardings(mesh)
@@ -145,8 +147,8 @@ def build_steps(
         return tokens.reshape(microbatches, tokens.shape[0] // microbatches, tokens.shape[1])
 
     if program is not None:
-        run_schedule = pipelined_gradients(model_def, program, check_vma)
-        run_forward = pipelined_loss(model_def, program, check_vma)
+        run_schedule = pipelined_gradients(model_def, program, check_vma, layout)
+        run_forward = pipelined_loss(model_def, program, check_vma, layout)
 
         def shard_gradients(params: Params, tokens: jax.Array):
             return run_schedule(params, as_microbatches(tokens))

@@ -1,0 +1,85 @@
+"""pipeline.layout: which layers each virtual stage runs, in counts or Megatron's layout string; a
+layout that does not add up is one clear error naming the field."""
+
+import numpy as np
+import pytest
+
+from meshtron.config import ConfigError, load_config
+from meshtron.pipeline.layout import LayoutError, StageLayout
+from meshtron.train.pipelined import canonical_positions, stage_order
+
+
+def test_even_layout_is_megatrons_placement():
+    # The old closed form: position s·(L/p) + c·(L/(p·v)) + j holds layer c·(L/v) + s·(L/(p·v)) + j.
+    for layers, p, v in [(8, 2, 2), (8, 4, 1), (12, 2, 3), (6, 3, 2)]:
+        per = layers // (p * v)
+        s, c, j = np.meshgrid(np.arange(p), np.arange(v), np.arange(per), indexing="ij")
+        assert StageLayout.even(layers, p, v).stage_order().tolist() == \
+            (c * (layers // v) + s * per + j).reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("spec, counts", [
+    ([3, 5], (3, 5)),
+    ("3,5", (3, 5)),
+    ("Ettt|tttttL", (3, 5)),
+    ("Et*3|t*5L", (3, 5)),
+    ("E t*3 | t*5 L", (3, 5)),
+    ("ttt|ttttt", (3, 5)),  # E and L may be left out
+    ("E(tt|)*3ttL", (2, 2, 2, 2)),
+    ("Et|(t*2|)*2t*3L", (1, 2, 2, 3)),
+])
+def test_layouts_are_read_as_counts_per_virtual_stage(spec, counts):
+    virtual = len(counts)
+    p, v = (virtual, 1) if virtual != 4 else (2, 2)
+    assert StageLayout.parse(spec, sum(counts), p, v).counts == counts
+
+
+def test_uneven_stage_order_pads_each_chunk_to_the_largest():
+    # p=2, v=2, counts per virtual stage k = c·p + s: (1, 2, 3, 2) -> 8 layers in slots of 3.
+    layout = StageLayout.parse([1, 2, 3, 2], 8, 2, 2)
+    order = layout.stage_order()
+    # stage 0: chunk 0 = virtual 0 = layer 0; chunk 1 = virtual 2 = layers 3, 4, 5
+    # stage 1: chunk 0 = virtual 1 = layers 1, 2; chunk 1 = virtual 3 = layers 6, 7
+    assert order.tolist() == [0, -1, -1, 3, 4, 5, 1, 2, -1, 6, 7, -1]
+    assert layout.padded_layers == 12 and not layout.is_even
+    pos = canonical_positions(order)
+    assert order[pos].tolist() == list(range(8))
+    assert stage_order(8, 2, 2, layout).tolist() == order.tolist()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ([3, 4], "the layout has 7 layers (3 + 4), model.layers=8; make them add up to 8"),
+    ([2, 2, 4], "3 virtual stages given, mesh.pipe=2 x pipeline.chunks=1 needs 2"),
+    ("tEttt|ttttL", "E (the embedding) in virtual stage 0; meshtron embeds on virtual stage 0"),
+    ("Etttt|Ltttt", "L (the loss) in virtual stage 1; meshtron computes the loss after the last"),
+    ("Ettt|ttttxL", "unknown symbol(s) 'x'"),
+    ([-1, 9], "layer counts must be >= 0"),
+    ([0, 0], "the layout has 0 layers"),
+    ({"a": 1}, "expected a list of layer counts per virtual stage"),
+])
+def test_layouts_that_do_not_fit_name_the_problem(spec, message):
+    with pytest.raises(LayoutError, match=None) as err:
+        StageLayout.parse(spec, 8, 2, 1)
+    assert message in str(err.value)
+
+
+CPU8 = ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=1f1b", "pipeline.chunks=1"]
+
+
+def test_config_errors_name_pipeline_layout():
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu8", [*CPU8, "model.layers=8", "pipeline.layout=[3,4]"])
+    assert str(err.value).startswith("pipeline.layout: the layout has 7 layers")
+    # Layers that do not split evenly, no layout: the fix names pipeline.layout with an example.
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu8", [*CPU8, "model.layers=7"])
+    assert str(err.value).startswith("model.layers: 7 layers cannot be split evenly")
+    assert "pipeline.layout (e.g. [4, 3])" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu8", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.layout=[3,5]"])
+    assert str(err.value).startswith("pipeline.layout: is set but mesh.pipe=1")
+
+
+def test_a_config_with_a_layout_string_loads():
+    cfg = load_config("cpu8", [*CPU8, "model.layers=7", "pipeline.layout=Et*3|t*4L"])
+    assert cfg.pipeline.layout == "Et*3|t*4L"
