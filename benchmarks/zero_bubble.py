@@ -3,7 +3,9 @@
 With 8 simulated devices on this 2-core machine an idle stage just lends its core to a busy one,
 so bubbles cost nothing measurable. Here ``pipe = 2`` runs on exactly 2 devices (one stage per
 core) and every schedule trains the same GPT with the same (p, m): GPipe, 1F1B (Megatron's lockstep
-table), 1F1B with p in flight, interleaved (v = 2) and ZB-H1. Each step is timed in rounds that
+table), 1F1B with p in flight, interleaved (v = 2), ZB-H1, and "1f1b split": 1F1B's own table with
+each weight gradient in the tick of its input gradient, which isolates what splitting the backward
+costs from what the zero-bubble table saves. Each step is timed in rounds that
 cycle through the schedules (so slow phases of the machine hit all of them alike); the table gives
 medians, the compiled step's temp memory, and the time each table *predicts* from the checker
 with this runtime's costs. Every schedule runs in both of the runtime's modes:
@@ -27,6 +29,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -37,17 +40,25 @@ import numpy as np
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
-from meshtron.pipeline.schedules import Costs, check, compile_program, make_schedule
+from meshtron.pipeline.schedules import Costs, Schedule, check, compile_program, make_schedule
 from meshtron.train.pipelined import to_stage_order
 from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
 MODEL = ModelConfig(hidden=256, heads=4, layers=4, mlp_dim=1024, seq_len=128)
 ROWS = 4  # sequences per microbatch
+SPLIT_1F1B = "1f1b split"  # 1F1B's own table, each W in the tick of its B: what splitting alone costs
 RUNTIME_COSTS = {True: Costs(forward=1.0, backward=2.0, weight=1.0),  # recompute: B reruns the stage forward
                  False: Costs(forward=1.0, backward=1.0, weight=1.0)}  # keep: the paper's unit costs
 MODES = (True, False)  # pipeline.recompute
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b-p", 1), ("interleaved", 2), ("zb-h1", 1)]
+
+
+def table(name: str, m: int, chunks: int) -> Schedule:
+    if name == SPLIT_1F1B:
+        fused = make_schedule("1f1b", 2, m, 1)
+        return dataclasses.replace(fused, name=SPLIT_1F1B, weight=fused.backward)
+    return make_schedule(name, 2, m, chunks)
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b-p", 1), ("interleaved", 2), ("zb-h1", 1), (SPLIT_1F1B, 1)]
 
 
 def build(schedule: str, chunks: int, m: int, keep: bool = False):
@@ -55,7 +66,7 @@ def build(schedule: str, chunks: int, m: int, keep: bool = False):
     forward keeps the layers' residuals (``pipeline.recompute=false``)."""
     md = model_def_from_config(MODEL, 1)
     mesh = build_mesh(MeshConfig(1, 2, 1), jax.devices()[:2])
-    program = compile_program(make_schedule(schedule, 2, m, chunks), keep_residuals=keep)
+    program = compile_program(table(schedule, m, chunks), keep_residuals=keep)
     train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()),
                         microbatches=m, program=program)
     params = jax.device_put(to_stage_order(jax.device_get(md.init(mesh, 0)), MODEL.layers, 2, chunks),
@@ -90,7 +101,7 @@ def measure(m: int, rounds: int) -> list[dict]:
     for schedule, chunks, recompute in runs:
         key, costs = (schedule, recompute), RUNTIME_COSTS[recompute]
         ideal = m * (costs.forward + costs.backward + costs.weight)
-        stats = check(make_schedule(schedule, 2, m, chunks), costs)
+        stats = check(table(schedule, m, chunks), costs)
         out.append({"schedule": schedule, "recompute": recompute, "p": 2, "m": m, "v": chunks, "ticks": stats.ticks,
                     "bubble": stats.bubble_fraction, "predicted_units": ideal * (1 + stats.bubble_fraction),
                     "step_s": statistics.median(times[key]), "step_s_all": times[key],
