@@ -14,7 +14,6 @@ from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import compile_program, make_schedule
-from meshtron.testing import Layout, check_parity
 from meshtron.train.pipelined import stage_order, to_canonical, to_stage_order
 from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.train.step import build_steps
@@ -78,9 +77,9 @@ SCHEDULE_MESHES = [
 ]
 
 
-# pipeline.recompute=false (the forward keeps the layers' residuals): fused, interleaved and split
-# backwards, once on each of the three meshes.
-NO_RECOMPUTE = [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4)), ("zb-h1", 1, (1, 4, 2))]
+# pipeline.recompute=false (the forward keeps the layers' residuals): fused and interleaved backwards
+# here; the split one, with an uneven layout, in tests/test_stage_layout.py.
+NO_RECOMPUTE = [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4))]  # zb-h1: test_stage_layout.py
 
 
 @pytest.mark.parametrize("schedule, chunks, mesh_shape, recompute",
@@ -94,29 +93,6 @@ def test_every_schedule_matches_the_unpipelined_model(reference, mesh_shape, sch
     assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     grads = to_canonical(jax.device_get(grads), LAYERS, p, chunks)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
-
-
-# pipeline.layout: uneven stages (padded chunks, the padding skipped) on the three meshes, through the
-# fused, interleaved and split backwards, recomputing or keeping residuals; evaluation too.
-UNEVEN = [
-    Layout(1, 4, 2, "1f1b", layer_layout=(1, 3, 2, 2)),
-    Layout(2, 2, 2, "interleaved", 2, layer_layout="Et|t*2|t*3|t*2L"),
-    Layout(1, 2, 4, "zb-h1", layer_layout=(2, 6), recompute=False),
-    Layout(2, 2, 2, "1f1b-p", layer_layout=(5, 3)),
-]
-
-
-@pytest.mark.parametrize("layout", UNEVEN, ids=str)
-def test_uneven_layouts_match_the_unpipelined_model(layout):
-    [report] = check_parity(model_def(), [layout], seq_len=SEQ, batch=BATCH)
-    assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
-
-
-def test_layers_that_do_not_divide_into_the_stages_run_with_a_layout():
-    # 7 layers on p=2 x v=2: Megatron's even split is impossible; a layout places them.
-    md = model_def(layers=7)
-    [report] = check_parity(md, [Layout(1, 2, 4, "interleaved", 2, layer_layout=(2, 2, 2, 1))], seq_len=SEQ)
-    assert report.ok
 
 
 def test_uneven_evaluation_matches_the_unpipelined_model(reference):

@@ -4,9 +4,14 @@ layout that does not add up is one clear error naming the field."""
 import numpy as np
 import pytest
 
-from meshtron.config import ConfigError, load_config
+from meshtron.config import ConfigError, ModelConfig, load_config
 from meshtron.pipeline.layout import LayoutError, StageLayout
+from meshtron.testing import Layout, check_parity
 from meshtron.train.pipelined import canonical_positions, stage_order
+from meshtron.train.state import model_def_from_config
+
+SMALL = ModelConfig(vocab_size=256, hidden=32, heads=4, layers=8, mlp_dim=64, seq_len=16)
+MODEL_DEF = model_def_from_config(SMALL, 4)
 
 
 def test_even_layout_is_megatrons_placement():
@@ -83,3 +88,25 @@ def test_config_errors_name_pipeline_layout():
 def test_a_config_with_a_layout_string_loads():
     cfg = load_config("cpu8", [*CPU8, "model.layers=7", "pipeline.layout=Et*3|t*4L"])
     assert cfg.pipeline.layout == "Et*3|t*4L"
+
+
+# pipeline.layout: uneven stages (padded chunks, the padding skipped) on the three meshes, through the
+# fused, interleaved and split backwards, recomputing or keeping residuals (evaluation: test_pipeline.py).
+UNEVEN = [
+    Layout(1, 4, 2, "1f1b", layer_layout=(1, 3, 2, 2)),
+    Layout(2, 2, 2, "interleaved", 2, layer_layout="Et|t*2|t*3|t*2L"),
+    Layout(1, 2, 4, "zb-h1", layer_layout=(2, 6), recompute=False),
+]
+
+
+@pytest.mark.parametrize("layout", UNEVEN, ids=str)
+def test_uneven_layouts_match_the_unpipelined_model(layout):
+    [report] = check_parity(MODEL_DEF, [layout], seq_len=16)
+    assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+
+
+def test_layers_that_do_not_divide_into_the_stages_run_with_a_layout():
+    # 7 layers on p=2 x v=2: Megatron's even split is impossible; a layout places them.
+    md = model_def_from_config(ModelConfig(**{**SMALL.__dict__, "layers": 7}), 4)
+    [report] = check_parity(md, [Layout(1, 2, 4, "interleaved", 2, layer_layout=(2, 2, 2, 1))], seq_len=16)
+    assert report.ok
