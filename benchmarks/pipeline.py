@@ -19,6 +19,11 @@ the unpipelined step of the same model, batch per data shard and microbatches on
 of ``--repeats`` fresh lowerings and compilations, and the size of the optimized HLO.
 
     .venv/bin/python benchmarks/pipeline.py [--steps N] [--part all|schedules|compile] [--repeats R]
+
+Where a bubble costs real time (one stage per core: exactly 2 simulated devices, a process-wide
+setting this script's 8-device mesh cannot share), GPipe, 1F1B, 1F1B with p in flight, interleaved
+and ZB-H1 are compared in one run, same (p, m), in both recomputation modes, by
+``benchmarks/zero_bubble.py``.
 """
 
 from __future__ import annotations

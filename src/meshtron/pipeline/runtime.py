@@ -14,7 +14,13 @@ runtime is a ``lax.scan`` over ticks that, on each device, picks its own column:
   activation recomputation: only stage inputs are kept between forward and backward), seeded by
   the gradient received from the next stage (or by the loss on the last virtual stage); the
   input gradient is sent to the previous stage with the reverse ``ppermute``; parameter
-  gradients are accumulated over microbatches.
+  gradients are accumulated over microbatches. A program compiled with ``keep_residuals`` (no
+  recomputation) instead has the forward keep each layer's matmul outputs in residual slots and
+  the backward run the layers' pullbacks from them.
+* a split backward (zero bubble) runs B, the input gradient, in the backward slot, and W, the
+  weight gradient, in a weight slot of the same or a later tick, from what B left in a buffer.
+* an uneven ``pipeline.layout`` pads every chunk to the largest; a chunk runs its own number of
+  layers (``layer_counts``) and skips the padding.
 
 Idle slots are *skipped*: each device runs its forward/backward under a ``lax.cond`` on its own
 instruction, so a stage with nothing to do does no compute. The stage's layers are one piece of
@@ -353,10 +359,11 @@ def _run(
 
     def backward_by_layer(row, stash, gbuf, kept, seq, layers_backward):
         """A virtual stage's backward, one layer at a time from stored residuals: the kept ones
-        (``kept``, this chunk's slot of the residual buffers) or, recomputing, the chunk's forward rerun from its stashed input. The embedding and
-        head + loss gradients are taken here; ``layers_backward(chunk_params, stored, dy) -> (dx, out)``
-        walks the layers back (the split backward's B: ``out`` is what W will need; the whole
-        pullback: ``out`` is the layers' parameter gradients)."""
+        (``kept``, this chunk's slot of the residual buffers) or, recomputing, those of the chunk's
+        forward rerun from its stashed input. The embedding and head + loss gradients are taken here;
+        ``layers_backward(chunk_params, stored, dy, active) -> (dx, out)`` walks the layers back (the
+        split backward's B: ``out`` is what W will need; the whole pullback: the layers' parameter
+        gradients)."""
         chunk = row["bwd_chunk"]
         tok = tokens[row["bwd_mb"]]
         virtual = chunk * p + stage_index
