@@ -106,3 +106,18 @@ def test_schedule_prints_the_table_its_report_and_draws_it(tmp_path):
     assert [r.returncode for r in bad] == [2, 2] and all("Traceback" not in r.stderr for r in bad)
     assert bad[0].stderr.strip() == "meshtron: error: microbatches: m=2 < p=4: the pipeline cannot fill; use at least 4"
     assert "--costs" in bad[1].stderr
+
+
+def test_schedule_reads_and_writes_pytorch_action_csvs(tmp_path):
+    torch_csv = ROOT / "tests" / "fixtures" / "torch_schedules" / "interleavedzerobubble_p2_m4_v2.csv"
+    out = tmp_path / "out.csv"
+    run = meshtron("schedule", str(torch_csv), "--png", str(tmp_path / "t.png"), "--csv", str(out))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("interleavedzerobubble_p2_m4_v2.csv: p=2 stages, m=4 microbatches, v=2 chunks")
+    assert "no textbook value" in run.stdout
+    assert out.read_text().splitlines()[1].startswith(",1F0,1F1,3F0,3I0,3F1,3I1,3W0")  # torch's rank 1, as torch wrote it
+    bad = [meshtron("schedule", "zb-h1", "--microbatches", "4"),
+           meshtron("schedule", str(torch_csv.with_name("zbv_p2_m4.csv")))]
+    assert [r.returncode for r in bad] == [2, 2] and all("Traceback" not in r.stderr for r in bad)
+    assert bad[0].stderr.strip() == "meshtron: error: --pipe: required for the built-in schedule 'zb-h1'"
+    assert "this is a V placement" in bad[1].stderr

@@ -5,6 +5,7 @@ programs verified by an independent symbolic simulation of the ring."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from meshtron.pipeline.schedules import (
     one_f_one_b,
     render,
 )
+from meshtron.pipeline.torch_actions import read_csv, to_schedule
 
 # (schedule, p, m, v) from the brief: gpipe/1f1b with one chunk, interleaved with two.
 CASES = [
@@ -452,3 +454,16 @@ def test_weight_gradient_before_its_input_gradient_is_named():
 def test_render_shows_weight_gradients():
     text = render(make_schedule("zb-h1", 2, 2))
     assert text.splitlines()[0].split() == ["stage", "0:", "F0", "F1", ".", "B0", "W0", "B1", "W1"]
+
+
+TORCH_TABLES = sorted(Path(__file__).parent.glob("fixtures/torch_schedules/*_v2.csv"))
+
+
+@pytest.mark.parametrize("path", TORCH_TABLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("keep", [False, True])
+def test_torchs_tables_compile_into_programs_that_move_the_right_values(path, keep):
+    # Interleaved zero bubble splits the backward with two chunks per stage; looped BFS runs every
+    # microbatch through a chunk before the next: orders no built-in table has.
+    program = compile_program(to_schedule(read_csv(path)), keep_residuals=keep)
+    peak_stash, peak_grads = simulate(program)
+    assert program.grad_slots == peak_grads and program.stash_slots == peak_stash

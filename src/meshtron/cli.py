@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -49,10 +50,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="the mesh to sample on, e.g. mesh.tensor=4 (default: the mesh that trained it)")
     sub.add_parser("configs", help="list the bundled configs: names for --config, mesh and model size")
     sched = sub.add_parser("schedule", help="print a pipeline schedule's table and checker report, draw it as a PNG")
-    sched.add_argument("name", metavar="NAME", help="gpipe, 1f1b, interleaved, 1f1b-p or zb-h1")
-    sched.add_argument("--pipe", type=int, required=True, metavar="P", help="pipeline stages")
-    sched.add_argument("--microbatches", type=int, required=True, metavar="M")
-    sched.add_argument("--chunks", type=int, default=1, metavar="V", help="model chunks per stage (interleaved)")
+    sched.add_argument("name", metavar="NAME", help="gpipe, 1f1b, interleaved, 1f1b-p or zb-h1, or a PyTorch action "
+                       "CSV (torch.distributed.pipelining's _dump_csv: one row of actions per rank)")
+    sched.add_argument("--pipe", type=int, metavar="P", help="pipeline stages (a CSV has its own)")
+    sched.add_argument("--microbatches", type=int, metavar="M", help="(a CSV has its own)")
+    sched.add_argument("--chunks", type=int, default=None, metavar="V",
+                       help="model chunks per stage (interleaved; default 1; a CSV has its own)")
+    sched.add_argument("--csv", metavar="FILE", help="also write the table as a PyTorch action CSV (_load_csv reads it)")
     sched.add_argument("--costs", default="1,1,1", metavar="F,B,W",
                        help="unit costs t_F,t_B,t_W (an unsplit backward costs t_B + t_W; default 1,1,1)")
     sched.add_argument("--png", metavar="FILE", help="where to draw the timeline (default: NAME-pP-mM-vV.png)")
@@ -62,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 def _schedule(args: argparse.Namespace) -> None:
     """``meshtron schedule``: no devices, no JAX."""
     from meshtron.pipeline.report import draw, text_report
-    from meshtron.pipeline.schedules import Costs, ScheduleError, make_schedule
+    from meshtron.pipeline.schedules import Costs, ScheduleError, is_schedule_file, make_schedule
 
     try:
         costs = Costs(*(float(c) for c in args.costs.split(",")))
@@ -70,14 +74,25 @@ def _schedule(args: argparse.Namespace) -> None:
         raise ConfigError(f"--costs: expected three numbers t_F,t_B,t_W such as 1,1,1, got {args.costs!r}") from None
     if min(costs.forward, costs.backward, costs.weight) < 0:
         raise ConfigError(f"--costs: costs cannot be negative, got {args.costs!r}")
+    if not is_schedule_file(args.name):
+        for flag, value in (("--pipe", args.pipe), ("--microbatches", args.microbatches)):
+            if value is None:
+                raise ConfigError(f"{flag}: required for the built-in schedule {args.name!r}")
     try:
-        schedule = make_schedule(args.name, args.pipe, args.microbatches, args.chunks)
+        schedule = make_schedule(args.name, args.pipe, args.microbatches,
+                                 args.chunks if args.chunks is not None or is_schedule_file(args.name) else 1)
     except ScheduleError as err:
         raise ConfigError(str(err)) from None
     text, _ = text_report(schedule, costs)
     print(text)
-    png = args.png or f"{args.name}-p{args.pipe}-m{args.microbatches}-v{args.chunks}.png"
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    png = args.png or f"{Path(args.name).stem}-p{p}-m{m}-v{v}.png"
     print(f"timeline             {draw(schedule, png, costs)}")
+    if args.csv:
+        from meshtron.pipeline.torch_actions import from_schedule, write_csv
+
+        write_csv(from_schedule(schedule), args.csv)
+        print(f"torch actions        {args.csv}")
 
 
 def _saved_mesh(directory: str) -> MeshConfig:

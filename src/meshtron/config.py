@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from meshtron.pipeline.layout import LayoutError, StageLayout
-from meshtron.pipeline.schedules import SCHEDULES
+from meshtron.pipeline.schedules import SCHEDULES, ScheduleError, is_schedule_file, make_schedule
 
 
 class ConfigError(ValueError):
@@ -381,13 +381,14 @@ def validate_pipeline(cfg: Config) -> None:
     pipe, pl = cfg.mesh.pipe, cfg.pipeline
     layers, m = cfg.model.layers, cfg.train.microbatches
     _need(
-        pl.schedule in SCHEDULES,
+        pl.schedule in SCHEDULES or is_schedule_file(pl.schedule),
         "pipeline.schedule",
-        f"must be one of {', '.join(repr(name) for name in SCHEDULES)}, got {pl.schedule!r}",
+        f"must be one of {', '.join(repr(name) for name in SCHEDULES)} or a PyTorch action CSV file, "
+        f"got {pl.schedule!r}",
     )
     _need(pl.chunks >= 1, "pipeline.chunks", f"must be >= 1, got {pl.chunks}")
     _need(
-        pl.chunks == 1 or pl.schedule == "interleaved",
+        pl.chunks == 1 or pl.schedule == "interleaved" or is_schedule_file(pl.schedule),
         "pipeline.chunks",
         f"{pl.chunks} model chunks per stage need pipeline.schedule=interleaved (got {pl.schedule!r}); "
         "set pipeline.chunks=1 or use the interleaved schedule",
@@ -409,6 +410,12 @@ def validate_pipeline(cfg: Config) -> None:
             f"use a multiple of {virtual}, or say which stage runs how many with pipeline.layout (e.g. "
             f"{_example_layout(layers, virtual)})",
         )
+    if is_schedule_file(pl.schedule):  # its own stages, microbatches and chunks must be the run's
+        try:
+            make_schedule(pl.schedule, pipe, m, pl.chunks)
+        except ScheduleError as err:
+            raise ConfigError(f"pipeline.schedule: {err}") from None
+        return
     _need(
         m >= pipe,
         "train.microbatches",

@@ -6,6 +6,7 @@ PNG needs matplotlib (the ``bench`` extra); the text report does not.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from meshtron.pipeline.schedules import UNIT_COSTS, Costs, Schedule, ScheduleStats, check, render
@@ -25,7 +26,8 @@ def text_report(schedule: Schedule, costs: Costs = UNIT_COSTS) -> tuple[str, Sch
         "",
         f"ticks                {stats.ticks}",
         (f"bubble               {stats.bubble_fraction:.4f} of the ideal time "
-         f"(t_F={costs.forward:g}, t_B={costs.backward:g}, t_W={costs.weight:g}); textbook {stats.ideal_bubble:.4f}"),
+         f"(t_F={costs.forward:g}, t_B={costs.backward:g}, t_W={costs.weight:g}); "
+         + ("no textbook value" if math.isnan(stats.ideal_bubble) else f"textbook {stats.ideal_bubble:.4f}")),
         (f"in flight per stage  {', '.join(map(str, stats.peak_in_flight))} (stage inputs stashed; "
          f"Megatron's stage 0: {stats.megatron_peak_in_flight_stage0})"),
     ]

@@ -32,6 +32,7 @@ stage's layers where they are and moves only activations, like training.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -313,15 +314,40 @@ def forward_only(stages: int, microbatches: int, chunks: int = 1) -> Schedule:
     return Schedule(FORWARD_ONLY, stages, microbatches, chunks, forward, ((None,) * stages,) * ticks)
 
 
+def is_schedule_file(name: str) -> bool:
+    """A schedule given as a PyTorch action CSV (``torch.distributed.pipelining``'s ``_dump_csv``)."""
+    return str(name).lower().endswith(".csv")
+
+
 def make_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """Build a schedule by name (one of :data:`SCHEDULES`), as configs spell it."""
+    """Build a schedule by name (one of :data:`SCHEDULES`), as configs spell it, or read it from a
+    PyTorch action CSV (:mod:`meshtron.pipeline.torch_actions`), which must be for this many stages,
+    microbatches and chunks."""
+    if is_schedule_file(name):
+        return _from_csv(name, stages, microbatches, chunks)
     if name not in SCHEDULES:
-        raise ScheduleError(f"schedule: unknown {name!r}; use one of {', '.join(map(repr, SCHEDULES))}")
+        raise ScheduleError(f"schedule: unknown {name!r}; use one of {', '.join(map(repr, SCHEDULES))} "
+                            "or a PyTorch action CSV file")
     _validate(name, stages, microbatches, chunks)
     builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "1f1b-p": one_f_one_b_p_in_flight, "zb-h1": zb_h1}
     if name == "interleaved":
         return interleaved(stages, microbatches, chunks)
     return builders[name](stages, microbatches)
+
+
+def _from_csv(path: str, stages: int | None, microbatches: int | None, chunks: int | None) -> Schedule:
+    if not Path(path).is_file():
+        raise ScheduleError(f"schedule: {path!r} is not a file; give a PyTorch action CSV or a schedule name")
+    from meshtron.pipeline.torch_actions import read_csv, to_schedule  # it builds on this module
+
+    table = to_schedule(read_csv(path), name=Path(path).name)
+    for label, want, got, key in (("stages", stages, table.stages, "mesh.pipe"),
+                                  ("microbatches", microbatches, table.microbatches, "train.microbatches"),
+                                  ("chunks", chunks, table.chunks, "pipeline.chunks")):
+        if want is not None and want != got:
+            raise ScheduleError(f"{label}: {path} schedules {got} {label}, the run has {want}; set {key}={got} "
+                                "or give a schedule written for this run")
+    return table
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,7 +360,7 @@ class ScheduleStats:
 
     ticks: int
     bubble_fraction: float  # (lockstep run time - m·(t_F + t_B + t_W)) / m·(t_F + t_B + t_W); forward-only: m·t_F
-    ideal_bubble: float  # the textbook value: (p-1)/m, (p-1)/(v·m) interleaved, (p-1)(t_F+t_B-t_W)/(m·Σt) ZB-H1
+    ideal_bubble: float  # textbook: (p-1)/m, (p-1)/(v·m) interleaved, (p-1)(t_F+t_B-t_W)/(m·Σt) ZB-H1; NaN: none
     peak_in_flight: tuple[int, ...]  # per stage, in chunk-microbatches (stage inputs stashed)
     megatron_peak_in_flight_stage0: int  # Megatron's asynchronous schedule on rank 0, for comparison
     peak_weight_pending: tuple[int, ...] = ()  # per stage, most Bs whose W has not run (what W keeps)
@@ -463,7 +489,10 @@ def _peak_weight_pending(schedule: Schedule, stage: int) -> int:
 
 
 def _ideal_bubble(schedule: Schedule, costs: Costs) -> float:
+    """The closed form of a built-in schedule; NaN for a table read from a file (no formula)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    if schedule.name not in SCHEDULES and not schedule.forward_only:
+        return float("nan")
     if schedule.name == "zb-h1":  # Qi et al.: (p-1)(t_F + t_B - t_W) over m(t_F + t_B + t_W)
         total = costs.forward + costs.backward + costs.weight
         return (p - 1) * max(costs.forward + costs.backward - costs.weight, 0.0) / (m * total)
