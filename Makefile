@@ -9,6 +9,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshtron-installed
+TEST_STAMP := $(VENV)/.meshtron-test-extras
 PY312 ?= $(shell .ci/python312)
 VENV312 := .venv-py312
 STAMP312 := $(VENV312)/.meshtron-installed
@@ -23,11 +24,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
+# The tests also compare against Hugging Face's own models (the `hf` extra: transformers + a CPU torch,
+# about 1 GB, installed from this image's local torch wheel): `make test` only, not `make train`.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,hf]"
+	touch $(TEST_STAMP)
+
 train: $(STAMP)
 	$(BIN)/meshtron train --config mesh_configs/cpu8.yaml $(ARGS)
 
 # pytest exits 5 when it collects no tests: that is a failure, not a pass.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -36,11 +36,14 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records] == [2, 4, 6]
-    assert set(records[0]) == {"step", "loss", "tokens_per_s", "lr", "grad_norm", "stage", "data_bytes"}
+    assert [r["step"] for r in records] == [2, 3, 4, 6]  # every log_every steps, and every evaluation
+    assert set(records[0]) == {"step", "loss", "tokens_per_s", "lr", "grad_norm", "stage", "data_bytes",
+                               "model_flops_per_s"}
+    assert set(records[1]) - set(records[0]) == {"heldout_loss", "heldout_loss_per_byte"}  # bytes: the same
+    assert records[1]["heldout_loss"] == records[1]["heldout_loss_per_byte"] > 0
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in records)
-    assert [r["stage"] for r in records] == ["warmup", "compression", "compression"]
-    assert records[0]["data_bytes"] > 20 * records[1]["data_bytes"] > 0  # a small model: padding and scales
+    assert [r["stage"] for r in records] == ["warmup", "warmup", "compression", "compression"]
+    assert records[0]["data_bytes"] > 20 * records[2]["data_bytes"] > 0  # a small model: padding and scales
     assert "held-out loss" in run.stdout and "unigram baseline" in run.stdout and "wall time" in run.stdout
     assert "sent over data" in run.stdout and "(warmup: 3 steps, compression: 3 steps)" in run.stdout
     assert "step 3: held-out loss" in run.stderr  # periodic evaluation, shown above the progress bar

@@ -61,6 +61,7 @@ __all__ = [
     "layer_activation_bytes",
     "megatron_figures",
     "megatron_stage_activation_bytes",
+    "model_flops_per_token",
     "paper_layer_activation_bytes",
     "parse_hlo_module",
     "parse_shape",
@@ -919,6 +920,14 @@ class MegatronFigures:
     def bytes_by_axes(self) -> dict[tuple[str, ...], int]:
         """The same keys :func:`bytes_by_axes` produces for a (data, pipe, tensor) mesh."""
         return {("data",): self.data_bytes, ("pipe",): self.pipe_bytes, ("tensor",): self.tensor_bytes}
+
+
+def model_flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> float:
+    """Model FLOPs of one training token: ``6·N + 12·l·h·s`` (Chowdhery et al., PaLM, appendix B:
+    a multiply-add per parameter in the forward and two in the backward, plus the attention scores
+    and their product with the values, ``6·l·h·s`` forward-and-backward each); recomputation is not
+    counted (model FLOPs, not hardware FLOPs). The figure behind logged FLOP/s and utilisation."""
+    return 6.0 * params + 12.0 * layers * hidden * seq_len
 
 
 def megatron_figures(

@@ -1,4 +1,5 @@
-"""``meshtron train | describe | generate | launch | schedule | configs``: the command line.
+"""``meshtron train | describe | generate | launch | schedule | configs | tokenizer | preprocess | plot |
+import-hf | export-hf``: the command line.
 
 The config is read and validated *before* JAX is imported, so that on a CPU-only machine the CLI
 can still ask XLA for as many simulated host devices as the mesh needs (appending to any
@@ -33,12 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. mesh.tensor=4")
     train = sub.add_parser("train", parents=[common], help="train a GPT on the mesh")
     train.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line per logged step")
+    train.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files there (train.tensorboard)")
     train.add_argument("--print-config", action="store_true",
                        help="print the merged, validated config as YAML and exit (no training)")
     sub.add_parser("describe", parents=[common], help="mesh, parameter layout and the compiled step's collectives")
     launch = sub.add_parser("launch", parents=[common], help="train in N local processes (one distributed run)")
     launch.add_argument("--processes", type=int, required=True, metavar="N")
     launch.add_argument("--metrics", metavar="FILE.jsonl", help="written by process 0")
+    launch.add_argument("--tensorboard", metavar="DIR", help="written by process 0 (train.tensorboard)")
     gen = sub.add_parser("generate", help="sample text from a checkpoint, on any mesh")
     gen.add_argument("--checkpoint", required=True, metavar="DIR", help="a run's checkpoint.dir (newest intact step)")
     gen.add_argument("--prompt", required=True, metavar="TEXT")
@@ -49,6 +52,34 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("overrides", nargs="*", metavar="mesh.key=value",
                      help="the mesh to sample on, e.g. mesh.tensor=4 (default: the mesh that trained it)")
     sub.add_parser("configs", help="list the bundled configs: names for --config, mesh and model size")
+    tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (Hugging Face tokenizers) on text files")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = tok_sub.add_parser("train", help="train a byte-level BPE and save it as tokenizer.json")
+    tok_train.add_argument("--input", nargs="+", required=True, metavar="FILE", help="UTF-8 text files")
+    tok_train.add_argument("--vocab-size", type=int, required=True, metavar="N")
+    tok_train.add_argument("--output", required=True, metavar="tokenizer.json")
+    tok_train.add_argument("--min-frequency", type=int, default=2, metavar="K", help="merge pairs seen K times (2)")
+    pre = sub.add_parser("preprocess", help="tokenize text or JSON lines into a Megatron-LM indexed dataset")
+    pre.add_argument("--input", nargs="+", required=True, metavar="FILES",
+                     help="text files (one document each) or .jsonl/.json (one document per line); globs allowed")
+    pre.add_argument("--tokenizer", required=True, metavar="T", help="bytes, a tokenizer.json or a SentencePiece .model")
+    pre.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
+    pre.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes (default 1)")
+    pre.add_argument("--json-key", default="text", metavar="KEY", help="the text field of a JSON line (text)")
+    pre.add_argument("--no-eod", action="store_true", help="do not append the end-of-document token")
+    plot = sub.add_parser("plot", help="draw train and held-out loss curves of runs (--metrics files) into a PNG")
+    plot.add_argument("metrics", nargs="+", metavar="METRICS.jsonl")
+    plot.add_argument("--output", default="loss.png", metavar="FILE.png", help="(default loss.png)")
+    plot.add_argument("--per-byte", action="store_true",
+                      help="held-out loss in nats per byte of text (compares runs with different tokenizers)")
+    imp = sub.add_parser("import-hf", help="a Hugging Face Llama or GPT-2 checkpoint -> a meshtron checkpoint")
+    imp.add_argument("directory", metavar="HF_DIR", help="config.json + *.safetensors (+ tokenizer.json)")
+    imp.add_argument("--output", required=True, metavar="CKPT", help="a new checkpoint directory")
+    imp.add_argument("overrides", nargs="*", metavar="section.key=value",
+                     help="settings of the recorded run, e.g. train.optimizer=lamb model.seq_len=8192")
+    exp = sub.add_parser("export-hf", help="a meshtron checkpoint -> a Hugging Face directory (safetensors)")
+    exp.add_argument("checkpoint", metavar="CKPT", help="a run's checkpoint.dir (newest intact step)")
+    exp.add_argument("--output", required=True, metavar="HF_DIR")
     sched = sub.add_parser("schedule", help="print a pipeline schedule's table and checker report, draw it as a PNG")
     sched.add_argument("name", metavar="NAME", help="gpipe, 1f1b, interleaved, 1f1b-p or zb-h1, or a PyTorch action "
                        "CSV (torch.distributed.pipelining's _dump_csv: one row of actions per rank)")
@@ -95,6 +126,49 @@ def _schedule(args: argparse.Namespace) -> None:
         print(f"torch actions        {args.csv}")
 
 
+def _tokenizer(args: argparse.Namespace) -> None:
+    """``meshtron tokenizer train``: no devices, no JAX."""
+    from meshtron.data.tokenizers import train_bpe
+
+    if args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size: must be a positive number of ids, got {args.vocab_size}")
+    tok = train_bpe(args.input, args.vocab_size, args.output, min_frequency=args.min_frequency)
+    print(f"tokenizer {args.output}: byte-level BPE, {tok.vocab_size} ids, end of document <|endoftext|> = {tok.eod}")
+
+
+def _preprocess(args: argparse.Namespace) -> None:
+    """``meshtron preprocess``: text -> Megatron-LM's ``.bin``/``.idx``."""
+    from meshtron.data.preprocess import preprocess
+
+    if args.workers < 1:
+        raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
+    preprocess(args.input, args.tokenizer, args.output, workers=args.workers, json_key=args.json_key,
+               append_eod=not args.no_eod, progress=True)
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from meshtron.train.reporting import plot_runs
+
+    print(f"plot {plot_runs(args.metrics, args.output, per_byte=args.per_byte)}")
+
+
+def _import_hf(args: argparse.Namespace) -> None:
+    from meshtron.huggingface import import_hf
+
+    out = import_hf(args.directory, args.output, overrides=args.overrides)
+    print(f"checkpoint {out} (step 0); train on from it: meshtron train --config {out / 'config.yaml'}")
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    from meshtron.huggingface import export_hf
+
+    print(f"hugging face model {export_hf(args.checkpoint, args.output)}")
+
+
+_TOOLS = {"tokenizer": _tokenizer, "preprocess": _preprocess, "plot": _plot, "import-hf": _import_hf,
+          "export-hf": _export_hf}
+
+
 def _saved_mesh(directory: str) -> MeshConfig:
     """The mesh recorded by the newest checkpoint, read as plain JSON (before JAX starts, so the CPU
     device count can still be set); the default mesh if it cannot be read."""
@@ -136,7 +210,7 @@ def _generate(args: argparse.Namespace) -> None:
     try:
         result = sample(model.model_def, model.params, model.mesh, args.prompt, max_new_tokens=args.max_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                        context=model.config.model.seq_len)
+                        context=model.config.model.seq_len, tokenizer=model.tokenizer)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     shape = "x".join(str(model.mesh.shape[a]) for a in ("data", "pipe", "tensor"))
@@ -208,8 +282,14 @@ def main(argv: list[str] | None = None) -> int:
             from meshtron.launch import launch
 
             train_args = ([f"--config={args.config}"] if args.config else []) + (
-                [f"--metrics={args.metrics}"] if args.metrics else []) + list(args.overrides)
+                [f"--metrics={args.metrics}"] if args.metrics else []) + (
+                [f"--tensorboard={args.tensorboard}"] if args.tensorboard else []) + list(args.overrides)
             return launch(args.processes, train_args, args.config, args.overrides)
+        if args.command in _TOOLS:
+            _TOOLS[args.command](args)
+            return 0
+        if args.command == "train" and args.tensorboard:
+            args.overrides = [*args.overrides, f"train.tensorboard={args.tensorboard}"]
         cfg, group = _load(args)
         if args.command == "train":
             _train(cfg, group, args.metrics)

@@ -67,6 +67,7 @@ class ModelConfig:
     sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
     kv_heads: int | None = None
     rope_theta: float = 10000.0
+    norm_eps: float = 1e-5  # epsilon of every LayerNorm (gpt) / RMSNorm (llama)
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
     rules: dict[str, str | None] = field(default_factory=dict)
 
@@ -90,6 +91,10 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a NaN/Inf loss or update: "stop" the run, or "skip" that step's update
     max_skipped_steps: int = 10  # with "skip": stop after this many non-finite steps in a row
     max_minutes: float | None = None  # wall-clock budget of a run: stop (with a checkpoint) at the step that passes it
+    tensorboard: str | None = None  # a directory for TensorBoard event files (the CLI's --tensorboard)
+    profile_steps: str | None = None  # "a:b": a jax.profiler trace of steps a..b into profile_dir
+    profile_dir: str = "profile"
+    peak_flops: float | None = None  # one device's peak FLOP/s (e.g. 989e12, H100 bf16 dense): logs utilisation
 
 
 OPTIMIZERS = ("adamw", "lamb", "onebit_lamb")
@@ -118,10 +123,21 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Where the text comes from; ``path: null`` is the built-in corpus (CPython 3.11.7's pydoc topics, shipped)."""
+    """Where the tokens come from.
+
+    ``path``: a UTF-8 text file, or the prefix of a Megatron-LM indexed token dataset (``PREFIX.bin`` +
+    ``PREFIX.idx``, written by ``meshtron preprocess`` or Megatron's tools); null: the built-in corpus
+    (CPython 3.11.7's pydoc topics, shipped). ``blend``: ``[w1, prefix1, w2, prefix2, ...]``, indexed
+    datasets mixed by weight (Megatron's rule), instead of ``path``. ``tokenizer``: how a text file is
+    tokenized: ``bytes``, a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model`` (an indexed
+    dataset is already tokens; its tokenizer is what ``generate`` decodes with). ``holdout_fraction``:
+    the held-out tail (of the text, or of the documents of each indexed dataset).
+    """
 
     path: str | None = None
     holdout_fraction: float = 0.1
+    tokenizer: str = "bytes"
+    blend: list[Any] | None = None
 
 
 @dataclass
@@ -243,7 +259,13 @@ def _parse_overrides(overrides: list[str] | tuple[str, ...]) -> Any:
             raise ConfigError(
                 f"override {item!r}: expected section.key=value, e.g. mesh.tensor=4 or train.steps=20"
             )
+    # YAML 1.1 reads an unquoted 3:4 as the base-60 number 184: keep step ranges as written
+    overrides = [f"{k}={v!r}" if k.strip() in _STRING_KEYS and not v.startswith(("'", '"')) else f"{k}={v}"
+                 for k, _, v in (item.partition("=") for item in overrides)]
     return OmegaConf.from_dotlist(list(overrides))
+
+
+_STRING_KEYS = ("train.profile_steps",)
 
 
 def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
@@ -307,6 +329,7 @@ def validate(cfg: Config) -> None:
         _need(m.kv_heads >= 1 and m.heads % m.kv_heads == 0, "model.kv_heads",
               f"{m.kv_heads} must be >= 1 and divide model.heads={m.heads} (each key/value head serves a group "
               "of query heads)")
+    _need(m.norm_eps > 0, "model.norm_eps", f"must be > 0 (the normalisation epsilon), got {m.norm_eps}")
     _need(m.attention in ("xla", "cudnn"), "model.attention",
           f"must be 'xla' or 'cudnn' (cuDNN flash attention, GPUs only), got {m.attention!r}")
     for name, axis in m.rules.items():
@@ -335,21 +358,49 @@ def validate(cfg: Config) -> None:
     _need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     _need(t.max_minutes is None or t.max_minutes > 0, "train.max_minutes",
           f"must be > 0 (minutes of wall-clock time) or null for no limit, got {t.max_minutes}")
+    _need(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops",
+          f"must be > 0 (one device's peak FLOP/s) or null, got {t.peak_flops}")
+    parse_profile_steps(t.profile_steps)
 
     validate_pipeline(cfg)
     validate_optim(cfg.optim)
     validate_checkpoint(cfg.checkpoint)
     validate_distributed(cfg.distributed)
     _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
-    if cfg.data.path is not None:
+    _need(cfg.data.path is None or cfg.data.blend is None, "data.blend",
+          "give either data.path or data.blend, not both (a blend names its datasets itself)")
+    if cfg.data.path is not None and indexed_prefix(cfg.data.path) is None:
         _need(not Path(cfg.data.path).is_dir(), "data.path",
-              f"{cfg.data.path!r} is a directory; give a UTF-8 text file in it")
+              f"{cfg.data.path!r} is a directory; give a UTF-8 text file in it, or an indexed dataset's prefix")
         _need(
             Path(cfg.data.path).is_file(),
             "data.path",
-            f"{cfg.data.path!r} does not exist; give a UTF-8 text file or leave data.path unset for the "
-            "built-in corpus",
+            f"{cfg.data.path!r} does not exist; give a UTF-8 text file, an indexed dataset's prefix (PREFIX.bin "
+            "+ PREFIX.idx, from meshtron preprocess) or leave data.path unset for the built-in corpus",
         )
+
+
+def indexed_prefix(path: str) -> str | None:
+    """The prefix of a Megatron-LM indexed dataset that ``path`` names (``PREFIX``, ``PREFIX.bin`` or
+    ``PREFIX.idx``, with both files present), else None."""
+    prefix = str(path)
+    if prefix.endswith((".bin", ".idx")):
+        prefix = prefix[:-4]
+    return prefix if Path(prefix + ".idx").is_file() and Path(prefix + ".bin").is_file() else None
+
+
+def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
+    """``train.profile_steps``: ``"a:b"`` -> (a, b), trace steps a..b inclusive; None: no profile."""
+    if spec is None or spec == "":
+        return None
+    try:
+        first, last = (int(x) for x in str(spec).split(":"))
+    except ValueError:
+        raise ConfigError(f"train.profile_steps: expected FIRST:LAST step numbers such as 5:7, got {spec!r} (in a YAML "
+                          "file quote it: profile_steps: '5:7'; unquoted, YAML reads 5:7 as the number 307)") from None
+    if not 1 <= first <= last:
+        raise ConfigError(f"train.profile_steps: need 1 <= FIRST <= LAST, got {spec!r}")
+    return first, last
 
 
 def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:

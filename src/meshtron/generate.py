@@ -44,9 +44,9 @@ sample on a mesh without pipeline stages (``meshtron generate ... mesh.pipe=1``)
 vocabulary ids (``>= vocab_size``) are masked out before any choice, so they can never be
 produced.
 
-Tokens are bytes (:mod:`meshtron.data`); decoding uses ``errors="replace"`` because sampled bytes
-need not form valid UTF-8, and ids above 255 (a vocabulary larger than the byte range) decode to
-U+FFFD as well.
+Text goes through the checkpoint's tokenizer (:mod:`meshtron.data.tokenizers`: ``tokenizer=``),
+bytes without one; byte decoding uses ``errors="replace"`` because sampled bytes need not form
+valid UTF-8, and ids above 255 (a vocabulary larger than the byte range) decode to U+FFFD as well.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshtron.data.tokenizers import Tokenizer
 from meshtron.models.attention import KVCache, attention_implementation
 from meshtron.models.contract import Context, run_blocks
 from meshtron.sharding import axis_rules, constrain
@@ -81,6 +82,7 @@ class SampleResult:
 
     prompt_tokens: tuple[int, ...]
     new_tokens: tuple[int, ...]
+    tokenizer: Tokenizer | None = None  # what decodes the ids; None: bytes
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -90,19 +92,25 @@ class SampleResult:
     @property
     def text(self) -> str:
         """Prompt + continuation, decoded together (so a character split across the boundary survives)."""
-        return decode_tokens(self.tokens)
+        return self._decode(self.tokens)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None or self.tokenizer.kind == "bytes":
+            return decode_tokens(ids)
+        return self.tokenizer.decode(ids)
 
     @property
     def continuation(self) -> str:
         """The generated part alone. It can start with U+FFFD if the model continued a character
         whose first bytes are in the prompt (possible only for a prompt given as token ids)."""
-        return decode_tokens(self.new_tokens)
+        return self._decode(self.new_tokens)
 
 
-def encode_prompt(prompt: str | Sequence[int]) -> list[int]:
-    """Token ids of a prompt: a string's UTF-8 bytes, or a sequence of ids taken as is."""
+def encode_prompt(prompt: str | Sequence[int], tokenizer: Tokenizer | None = None) -> list[int]:
+    """Token ids of a prompt: a string encoded by ``tokenizer`` (None: its UTF-8 bytes), or a
+    sequence of ids taken as is."""
     if isinstance(prompt, str):
-        return list(prompt.encode("utf-8"))
+        return tokenizer.encode(prompt) if tokenizer is not None else list(prompt.encode("utf-8"))
     if isinstance(prompt, (bytes, bytearray)):
         return list(prompt)
     ids = list(prompt)
@@ -255,10 +263,11 @@ class Sampler:
         temperature: float = 0.0,
         top_k: int | None = None,
         seed: int = 0,
+        tokenizer: Tokenizer | None = None,
     ) -> SampleResult:
         """Continue ``prompt`` by ``max_new_tokens`` tokens (see :func:`sample`)."""
         vocab_size = self.model_def.vocab_size
-        prompt_ids = encode_prompt(prompt)
+        prompt_ids = encode_prompt(prompt, tokenizer)
         validate_request(prompt_ids, vocab_size, max_new_tokens, temperature, top_k)
         # Already-placed parameters stay put; host arrays (e.g. a restored checkpoint) are placed.
         params = jax.device_put(params, self.param_shardings)
@@ -278,7 +287,7 @@ class Sampler:
                 )
                 pieces.append((tokens, steps))
         new = [int(t) for tokens, steps in pieces for t in np.asarray(jax.device_get(tokens))[:steps]]
-        return SampleResult(tuple(prompt_ids), tuple(new))
+        return SampleResult(tuple(prompt_ids), tuple(new), tokenizer)
 
     def _initial_window(self, prompt_ids: list[int]) -> tuple[jax.Array, jax.Array]:
         """The context buffer holding the prompt's last ``context`` tokens, zeros after them."""
@@ -374,13 +383,14 @@ def sample(
     seed: int = 0,
     context: int | None = None,
     use_cache: bool | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> SampleResult:
     """Continue ``prompt`` with ``max_new_tokens`` tokens from the model ``params`` on ``mesh``.
 
     ``params`` is the canonical parameter tree (blocks stacked ``[layers, ...]`` in layer order,
     as :meth:`ModelDef.init` makes them and checkpoints store them), ideally laid out with
-    ``model_def.shardings(mesh)``; anything else is moved there first. ``prompt`` is text (its
-    UTF-8 bytes are the tokens) or a list of token ids. ``temperature`` 0 is greedy decoding;
+    ``model_def.shardings(mesh)``; anything else is moved there first. ``prompt`` is text (encoded
+    by ``tokenizer``, or its UTF-8 bytes without one) or a list of token ids. ``temperature`` 0 is greedy decoding;
     above 0 tokens are drawn from ``softmax(logits / temperature)``, restricted to the ``top_k``
     most likely when given. ``seed`` makes sampling reproducible. ``context`` and ``use_cache``:
     see :class:`Sampler` (by default a KV cache whenever the model has one and ``mesh`` has
@@ -390,5 +400,6 @@ def sample(
     ``Sampler`` instead.
     """
     return Sampler(model_def, mesh, context=context, use_cache=use_cache).sample(
-        params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+        tokenizer=tokenizer,
     )

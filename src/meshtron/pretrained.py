@@ -7,7 +7,7 @@ recorded, so nothing but the directory is needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jax
@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from meshtron.config import Config, ConfigError, MeshConfig, config_from_dict, validate_tensor_split
+from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.contract import ModelFactory
 from meshtron.train.state import ModelDef, Params, model_def_from_config
@@ -29,6 +30,7 @@ class Pretrained:
     mesh: Mesh
     step: int
     config: Config
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # the one the checkpoint carries (bytes: none)
 
 
 def saved_config(directory: str | Path) -> tuple[CheckpointStore, Config]:
@@ -62,6 +64,8 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         mesh_cfg = mesh or cfg.mesh
         data, pipe, tensor = resolve_sizes(mesh_cfg, len(devices))
         mesh_cfg = MeshConfig(data=data, pipe=pipe, tensor=tensor)
+        if cfg.model.sequence_parallel and tensor == 1:  # nothing to split the sequence over: the same model
+            cfg = replace(cfg, model=replace(cfg.model, sequence_parallel=False))
         if model is None:  # a model passed in is checked parameter by parameter (check_mesh below)
             validate_tensor_split(cfg.model, mesh_cfg)
         if cfg.model.layers % pipe:
@@ -77,4 +81,5 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         store.close()
     if restored is None:
         raise CheckpointError(f"--checkpoint {directory}: holds no checkpoint")
-    return Pretrained(model_def, restored.state["params"], device_mesh, restored.step, replace(cfg, mesh=mesh_cfg))
+    return Pretrained(model_def, restored.state["params"], device_mesh, restored.step, replace(cfg, mesh=mesh_cfg),
+                      checkpoint_tokenizer(directory))

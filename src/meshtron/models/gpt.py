@@ -49,6 +49,7 @@ class GPTDims:
     layers: int
     mlp_dim: int
     seq_len: int
+    norm_eps: float = 1e-5
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -60,7 +61,7 @@ class GPTDims:
 def _layer_norm(dims: GPTDims, rngs: nnx.Rngs) -> nnx.LayerNorm:
     return nnx.LayerNorm(
         dims.hidden,
-        epsilon=1e-5,
+        epsilon=dims.norm_eps,
         dtype=dims.dtype,
         param_dtype=dims.param_dtype,
         scale_init=ones(("embed",)),
@@ -201,6 +202,7 @@ def dims_from_config(cfg: ModelConfig, tensor: int = 1) -> GPTDims:
         layers=cfg.layers,
         mlp_dim=cfg.mlp_dim,
         seq_len=cfg.seq_len,
+        norm_eps=cfg.norm_eps,
         dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.dtype(cfg.param_dtype),
     )

@@ -189,7 +189,8 @@ def dims_from_config(cfg: ModelConfig, tensor: int = 1) -> LlamaDims:
     return LlamaDims(
         vocab_size=cfg.vocab_size, vocab_padded=padded_vocab_size(cfg.vocab_size, tensor), hidden=cfg.hidden,
         heads=cfg.heads, kv_heads=cfg.kv_heads or cfg.heads, layers=cfg.layers, mlp_dim=cfg.mlp_dim,
-        rope_theta=cfg.rope_theta, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+        rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
     )
 
 

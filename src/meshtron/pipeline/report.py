@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from meshtron.pipeline.schedules import UNIT_COSTS, Costs, Schedule, ScheduleStats, check, render
+from meshtron.plotting import pyplot, save
 
 # Colours of the three kinds of work in the timeline (forward, input gradient, weight gradient).
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
@@ -40,13 +41,7 @@ def text_report(schedule: Schedule, costs: Costs = UNIT_COSTS) -> tuple[str, Sch
 def draw(schedule: Schedule, path: str | Path, costs: Costs = UNIT_COSTS) -> Path:
     """A timeline: one row per stage, one box per unit of work, placed at the lockstep time its
     tick starts (a tick lasts as long as its busiest stage), labelled with the microbatch."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise RuntimeError("drawing a schedule needs matplotlib: pip install 'meshtron[bench]'") from err
+    plt = pyplot("drawing a schedule")
     v = schedule.chunks
     unit = dict(zip("FBW", costs.of_chunk_work(schedule.split_backward, v)))
     weight = schedule.weight_table
@@ -74,9 +69,4 @@ def draw(schedule: Schedule, path: str | Path, costs: Costs = UNIT_COSTS) -> Pat
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
     ax.legend(handles, ["forward", "backward (input grad)" if schedule.split_backward else "backward", "weight grad"],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)

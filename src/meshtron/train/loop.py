@@ -26,18 +26,21 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from meshtron.analysis import format_bytes
+from meshtron.analysis import format_bytes, model_flops_per_token
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
 from meshtron.config import (
     Config,
     ConfigError,
     MeshConfig,
+    parse_profile_steps,
     stage_layout,
     to_dict,
     validate,
     validate_pipeline,
 )
-from meshtron.data import BatchStream, Corpus, heldout_stream
+from meshtron.data.sources import TokenDatasets, load_training_data
+from meshtron.data.text import Corpus
+from meshtron.data.tokenizers import save_tokenizer
 from meshtron.errors import NonFiniteLossError, RunStopped
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.contract import ModelFactory
@@ -53,6 +56,7 @@ from meshtron.train.pipelined import (
     to_canonical,
     to_stage_order,
 )
+from meshtron.train.reporting import PlainProgress, RunReport, StepProfiler
 from meshtron.train.state import ModelDef, Params, model_def_from_config
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
@@ -84,7 +88,7 @@ class Trainer:
     mesh: jax.sharding.Mesh
     model_def: ModelDef
     steps: TrainSteps
-    corpus: Corpus
+    corpus: Corpus | TokenDatasets  # the training data (a text, an indexed dataset or a blend)
     optimizer: OptimizerSetup
     programs: dict[Any, Any] = field(default_factory=dict, repr=False)  # jitted helpers, compiled once per run
 
@@ -108,8 +112,10 @@ class Trainer:
                               f"positions; use model.seq_len <= {model_def.max_len}")
         layout = stage_layout(cfg.pipeline.layout, model_def.layers, pipe, cfg.pipeline.chunks) if pipe > 1 else None
         model_def.check_mesh(mesh, layout.padded_layers if layout is not None else None)
-        corpus = Corpus.from_config(
-            cfg.data, seq_len=cfg.model.seq_len, batch_size=cfg.train.batch_size, vocab_size=model_def.vocab_size
+        t = cfg.train
+        corpus = load_training_data(
+            cfg.data, seq_len=cfg.model.seq_len, batch_size=t.batch_size, vocab_size=model_def.vocab_size,
+            seed=t.seed, samples=t.steps * t.batch_size, eval_samples=t.eval_batches * t.batch_size,
         )
         program = None
         if pipe > 1:
@@ -179,15 +185,14 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return jax.jit(reorder, out_shardings=self._canonical_shardings(self.steps.param_shardings))(params)
 
-    def train_stream(self, position: int = 0) -> BatchStream:
+    def train_stream(self, position: int = 0):
         t = self.cfg.train
-        return BatchStream(
-            self.corpus.train, batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed, position=position
-        )
+        return self.corpus.train_stream(batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed,
+                                        position=position)
 
     def evaluate(self, params) -> float:
         t = self.cfg.train
-        stream = heldout_stream(self.corpus, batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed)
+        stream = self.corpus.heldout_stream(batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed)
         losses = [self.steps.eval(params, stream.batch(i, self.steps.batch_sharding)) for i in range(t.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
@@ -295,6 +300,8 @@ class Trainer:
         keep_errors = self.cfg.checkpoint.onebit_errors == "keep" and any(x.size for x in jax.tree.leaves(errors))
         store.save(position, state, errors if keep_errors else None, self.mesh,
                    {"seed": self.cfg.train.seed, "layout": self.layout(), "config": to_dict(self.cfg)})
+        if self.corpus.tokenizer is not None and jax.process_index() == 0:  # generate decodes with it
+            save_tokenizer(self.corpus.tokenizer, store.directory)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -337,8 +344,13 @@ class Trainer:
             console.print(f"resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})", soft_wrap=True)
         if metrics_file is not None and lead:
             _keep_records_up_to(metrics_file, position.step)
+        report = RunReport(metrics_file, t.tensorboard, lead=lead)
+        profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
+        plain = None if console.is_terminal or not lead else PlainProgress(t.steps, console.file)
         stream = self.train_stream(position.data_position)
         tokens_per_step = t.batch_size * cfg.model.seq_len
+        flops_per_step = tokens_per_step * model_flops_per_token(
+            self.model_def.parameter_count(), self.model_def.layers, cfg.model.hidden, cfg.model.seq_len)
         unigram = self.corpus.unigram_loss()
         on_event = on_event or (lambda event, step: None)
 
@@ -364,7 +376,7 @@ class Trainer:
             TimeRemainingColumn(),
             console=console,
             transient=False,
-            disable=not lead,
+            disable=not lead or plain is not None,  # a log file gets plain lines instead
         )
         try:
             with progress:
@@ -372,12 +384,14 @@ class Trainer:
                                          stage="", comm="-")
                 for step in range(position.step + 1, t.steps + 1):
                     stage = self.optimizer.stage_at(updates)
+                    profiler.before(step)
                     batch = stream.next(self.steps.batch_sharding)
                     tick = time.perf_counter()
                     params, opt_state, metrics = self.steps.train(params, opt_state, batch, stage)
                     on_event("dispatched", step)
                     loss, grad_norm = metrics.mean()  # blocks until the step is done
                     elapsed = time.perf_counter() - tick
+                    profiler.after(step)
                     finite = math.isfinite(loss) and math.isfinite(grad_norm) and metrics.was_applied()
                     if not finite:
                         if t.on_nonfinite == "stop" or skipped_in_row + 1 >= t.max_skipped_steps:
@@ -404,22 +418,25 @@ class Trainer:
                             task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", lr=f"{lr:.2e}",
                             stage=f"{stage} " if staged else "", comm=format_bytes(stage_bytes),
                         )
-                    if logged and metrics_file is not None and lead:
-                        record = {
-                            "step": step,
-                            "loss": loss,
-                            "tokens_per_s": tps,
-                            "lr": lr,
-                            "grad_norm": grad_norm,
-                            "stage": stage,
-                            "data_bytes": stage_bytes,
-                        }
-                        metrics_file.write(json.dumps(record) + "\n")
-                        metrics_file.flush()
-                    if step % t.eval_every == 0 and step != t.steps and not stop:
+                    record = {"step": step, "loss": loss, "tokens_per_s": tps, "lr": lr, "grad_norm": grad_norm,
+                              "stage": stage, "data_bytes": stage_bytes,
+                              "model_flops_per_s": flops_per_step * tps / tokens_per_step}
+                    if t.peak_flops:
+                        record["mfu"] = record["model_flops_per_s"] / (t.peak_flops * self.mesh.size)
+                    if (step % t.eval_every == 0 or step == t.steps) and not stop:
                         heldout = self.evaluate(params)
                         evaluations.append((step, heldout))
-                        progress.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})")
+                        logged = True
+                        record["heldout_loss"] = heldout
+                        per_byte = heldout / self.corpus.heldout_bytes_per_token
+                        if math.isfinite(per_byte):
+                            record["heldout_loss_per_byte"] = per_byte
+                        progress.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})"
+                                               + (f", {per_byte:.4f} nats/byte" if math.isfinite(per_byte) else ""))
+                    if logged:
+                        report.write(record)
+                        if plain is not None:
+                            plain.line(step, record, str(stage) if staged else "")
                     if store is not None and (step % cfg.checkpoint.every == 0 or step == t.steps or stop):
                         self.save(store, params, opt_state, RunPosition(step, updates, stream.position))
                         on_event("saving", step)
@@ -429,9 +446,12 @@ class Trainer:
                         stopped = (step, stop)
                         break
                 else:
-                    heldout = self.evaluate(params)
-                    evaluations.append((t.steps, heldout))
+                    if not evaluations:  # resumed at the last step: the held-out loss of what was restored
+                        heldout = self.evaluate(params)
+                        evaluations.append((t.steps, heldout))
         finally:
+            profiler.stop()
+            report.close()
             if store is not None:
                 store.wait()  # a save in flight completes (or the error surfaces) before we return
                 saved = store.steps()
@@ -487,11 +507,14 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
     out = out or sys.stdout
     mesh = dict(trainer.mesh.shape)
     margin = result.unigram_loss - result.heldout_loss
+    per_byte = trainer.corpus.heldout_bytes_per_token
     lines = [
         "",
         (f"mesh {mesh}  model {trainer.model_def.describe()}  "
         f"steps {result.steps}  data {trainer.corpus.source}"),
-        f"held-out loss     {result.heldout_loss:.4f} nats/token",
+        f"held-out loss     {result.heldout_loss:.4f} nats/token" + (
+            f", {result.heldout_loss / per_byte:.4f} nats/byte of text" if math.isfinite(per_byte) and per_byte != 1
+            else ""),
         (f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "
          f"{'below' if margin > 0 else 'above'} it)"),
         f"throughput        {result.tokens_per_s:,.0f} tokens/s (after compilation)",

@@ -5,7 +5,10 @@ technical prose), shipped gzip-compressed in the package (``builtin_corpus.txt.g
 license in ``builtin_corpus.NOTICE.txt``) rather than read from the running Python: the module's text
 changes between CPython releases (3.12.1's is 6% longer), and the default run must train on the same
 bytes on every supported Python. Any UTF-8 text file can replace it through ``data.path``. Tokens are
-bytes (vocabulary 256).
+bytes (vocabulary 256) or, with ``data.tokenizer``, a tokenizer's ids (:mod:`meshtron.data.tokenizers`);
+the text is split into its training part and held-out tail before tokenizing, so the held-out loss
+per byte compares runs with different tokenizers. (A corpus too large to tokenize at every start
+belongs in an indexed dataset: ``meshtron preprocess``.)
 
 Batch ``i`` is a set of random windows whose start offsets depend only on ``(seed, i)``; the
 stream's whole state is the index of the next batch (:attr:`BatchStream.position`), so saving
@@ -24,9 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from meshtron.config import ConfigError, DataConfig
-
-BYTE_VOCAB = 256
-
+from meshtron.data.tokenizers import BYTE_VOCAB, BYTES, Tokenizer, check_vocab, load_tokenizer
 
 BUILTIN_SOURCE = "built-in (CPython 3.11.7 pydoc topics)"
 
@@ -53,21 +54,37 @@ def load_text(cfg: DataConfig) -> str:
 
 @dataclass(frozen=True)
 class Corpus:
-    """Byte tokens split into a training part and a held-out tail."""
+    """A text's tokens split into a training part and a held-out tail."""
 
     train: np.ndarray
     heldout: np.ndarray
     source: str
+    tokenizer: Tokenizer
+    heldout_bytes_per_token: float = 1.0  # UTF-8 bytes of the held-out text per held-out token
+    vocab_size: int = BYTE_VOCAB
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int) -> Corpus:
-        if vocab_size < BYTE_VOCAB:
+    def from_config(cls, cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int,
+                    tokenizer: Tokenizer | None = None) -> Corpus:
+        tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
+        if tokenizer.kind == BYTES and vocab_size < BYTE_VOCAB:
             raise ConfigError(
                 f"model.vocab_size: byte-level tokens need at least {BYTE_VOCAB}, got {vocab_size}"
             )
-        tokens = np.frombuffer(load_text(cfg).encode("utf-8"), dtype=np.uint8)
-        split = int(len(tokens) * (1 - cfg.holdout_fraction))
-        corpus = cls(tokens[:split], tokens[split:], cfg.path or BUILTIN_SOURCE)
+        check_vocab(tokenizer, vocab_size)
+        text = load_text(cfg)
+        source = cfg.path or BUILTIN_SOURCE
+        if tokenizer.kind == BYTES:
+            tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+            split = int(len(tokens) * (1 - cfg.holdout_fraction))
+            corpus = cls(tokens[:split], tokens[split:], source, tokenizer)
+        else:  # split the text, then tokenize each part: no token straddles the boundary
+            cut = int(len(text) * (1 - cfg.holdout_fraction))
+            dtype = np.uint16 if tokenizer.vocab_size <= 65_536 else np.int32
+            train, heldout = (np.asarray(tokenizer.encode(part), dtype=dtype) for part in (text[:cut], text[cut:]))
+            per_token = len(text[cut:].encode("utf-8")) / max(len(heldout), 1)
+            corpus = cls(train, heldout, f"{source}, tokenizer {tokenizer.source}", tokenizer, per_token,
+                         tokenizer.vocab_size)
         window = seq_len + 1
         need = batch_size * window
         if len(corpus.train) < need:
@@ -88,29 +105,27 @@ class Corpus:
 
         The baseline a model must beat: anything that learns context scores below it.
         """
-        counts = np.bincount(self.train, minlength=BYTE_VOCAB).astype(np.float64) + 1.0
+        counts = np.bincount(self.train, minlength=self.vocab_size).astype(np.float64) + 1.0
         log_probs = np.log(counts / counts.sum())
         return float(-log_probs[self.heldout].mean())
 
+    def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0) -> BatchStream:
+        return BatchStream(self.train, batch_size=batch_size, seq_len=seq_len, seed=seed, position=position)
 
-class BatchStream:
-    """Deterministic batches of ``[batch_size, seq_len + 1]`` windows from one token array."""
+    def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> BatchStream:
+        return heldout_stream(self, batch_size=batch_size, seq_len=seq_len, seed=seed)
 
-    def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int, position: int = 0):
-        self.tokens = tokens
-        self.batch_size = batch_size
-        self.window = seq_len + 1
-        self.seed = seed
-        self.position = position
 
-    def starts(self, index: int) -> np.ndarray:
-        rng = np.random.default_rng((self.seed, index))
-        return rng.integers(0, len(self.tokens) - self.window + 1, size=self.batch_size)
+class Batches:
+    """Batches ``[batch_size, window]`` addressed by index, whose whole state is :attr:`position` (the
+    next batch): what the training loop saves and resumes. Subclasses say which rows batch ``i`` holds
+    (:meth:`rows`); each process builds only the rows its devices hold."""
+
+    def __init__(self, *, batch_size: int, window: int, position: int = 0):
+        self.batch_size, self.window, self.position = batch_size, window, position
 
     def rows(self, index: int, row_slice: slice) -> np.ndarray:
-        """Rows ``row_slice`` of batch ``index`` as int32 (only those rows are materialised)."""
-        starts = self.starts(index)[row_slice]
-        return np.stack([self.tokens[s : s + self.window] for s in starts]).astype(np.int32)
+        raise NotImplementedError
 
     def global_batch(self, index: int) -> np.ndarray:
         return self.rows(index, slice(None))
@@ -130,6 +145,24 @@ class BatchStream:
 
     def state(self) -> dict[str, int]:
         return {"position": self.position}
+
+
+class BatchStream(Batches):
+    """Deterministic batches of ``[batch_size, seq_len + 1]`` random windows from one token array."""
+
+    def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int, position: int = 0):
+        super().__init__(batch_size=batch_size, window=seq_len + 1, position=position)
+        self.tokens = tokens
+        self.seed = seed
+
+    def starts(self, index: int) -> np.ndarray:
+        rng = np.random.default_rng((self.seed, index))
+        return rng.integers(0, len(self.tokens) - self.window + 1, size=self.batch_size)
+
+    def rows(self, index: int, row_slice: slice) -> np.ndarray:
+        """Rows ``row_slice`` of batch ``index`` as int32 (only those rows are materialised)."""
+        starts = self.starts(index)[row_slice]
+        return np.stack([self.tokens[s : s + self.window] for s in starts]).astype(np.int32)
 
 
 def heldout_stream(corpus: Corpus, *, batch_size: int, seq_len: int, seed: int) -> BatchStream:

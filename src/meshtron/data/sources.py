@@ -1,0 +1,141 @@
+"""The training data a config names -- a text (:class:`~meshtron.data.text.Corpus`), one indexed
+token dataset, or a blend of them -- behind one interface the training loop uses.
+
+Why one interface: the loop needs batches laid out over ``data`` that resume from an integer
+position, a fixed held-out set, a unigram baseline and the bytes of text per held-out token (so a
+run with a BPE tokenizer and a byte-level run compare in nats per byte). A text corpus draws
+random windows from one token array; an indexed dataset serves Megatron's pre-built sample order
+(:mod:`meshtron.data.samples`, :mod:`meshtron.data.blend`), reading only the rows a process holds
+from a memory map.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from meshtron.config import ConfigError, DataConfig, indexed_prefix
+from meshtron.data.text import Batches, Corpus
+from meshtron.data.tokenizers import BYTES, Tokenizer, check_vocab, load_tokenizer
+
+_UNIGRAM_SAMPLE_TOKENS = 1 << 20  # training tokens the unigram baseline of an indexed dataset counts
+
+
+class Samples(Protocol):
+    """A deterministic sequence of ``seq_len + 1``-token samples."""
+
+    def __len__(self) -> int: ...
+
+    def sample(self, index: int) -> np.ndarray: ...
+
+
+class SampleStream(Batches):
+    """Batches of consecutive samples: batch ``i`` is samples ``i·B .. i·B + B - 1`` (modulo the
+    sequence's length), so the stream's whole state is its position, as for
+    :class:`~meshtron.data.text.BatchStream`."""
+
+    def __init__(self, samples: Samples, *, batch_size: int, position: int = 0):
+        super().__init__(batch_size=batch_size, window=len(samples.sample(0)), position=position)
+        self.samples = samples
+
+    def rows(self, index: int, row_slice: slice) -> np.ndarray:
+        first = index * self.batch_size
+        rows = range(self.batch_size)[row_slice]
+        return np.stack([self.samples.sample((first + r) % len(self.samples)) for r in rows]).astype(np.int32)
+
+
+@dataclass
+class TokenDatasets:
+    """One indexed dataset or a blend of several: training and held-out samples."""
+
+    train: Samples
+    heldout: Samples
+    source: str
+    tokenizer: Tokenizer  # what the tokens decode with (data.tokenizer: the one that wrote them)
+    vocab_size: int
+    heldout_bytes_per_token: float = float("nan")
+    _unigram: float | None = field(default=None, repr=False)
+
+    def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0) -> SampleStream:
+        del seq_len, seed  # fixed when the sample order was built
+        return SampleStream(self.train, batch_size=batch_size, position=position)
+
+    def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> SampleStream:
+        del seq_len, seed
+        return SampleStream(self.heldout, batch_size=batch_size)
+
+    def unigram_loss(self) -> float:
+        """Held-out cross-entropy under the unigram frequencies of the first training samples (about
+        a million tokens: counting a whole corpus would read all of it)."""
+        if self._unigram is None:
+            window = len(self.train.sample(0))
+            n = min(len(self.train), max(1, _UNIGRAM_SAMPLE_TOKENS // window))
+            counts = np.ones(self.vocab_size, np.float64)
+            for i in range(n):
+                counts += np.bincount(self.train.sample(i), minlength=self.vocab_size)[: self.vocab_size]
+            log_probs = np.log(counts / counts.sum())
+            held = np.concatenate([self.heldout.sample(i) for i in range(min(len(self.heldout), 256))])
+            self._unigram = float(-log_probs[np.minimum(held, self.vocab_size - 1)].mean())
+        return self._unigram
+
+
+def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int, seed: int,
+                       samples: int, eval_samples: int) -> Corpus | TokenDatasets:
+    """What ``data`` names: a text (tokenized by ``data.tokenizer``), an indexed dataset prefix, or
+    ``data.blend``. ``samples``: training samples the run draws (``steps x batch``); an indexed
+    dataset's sample order is built for that many (epochs repeat as needed)."""
+    if cfg.blend is None and (cfg.path is None or indexed_prefix(cfg.path) is None):
+        return Corpus.from_config(cfg, seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size)
+    from meshtron.data.blend import Blend, BlendedSamples, parse_blend
+    from meshtron.data.indexed import IndexedDataset
+    from meshtron.data.samples import TokenWindows
+
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    check_vocab(tokenizer, vocab_size)
+    if cfg.blend is not None:
+        blend = parse_blend(list(cfg.blend))
+        prefixes = [indexed_prefix(p) or p for p in blend.prefixes]
+        blend = Blend(blend.weights, prefixes)
+    else:
+        blend = Blend([1.0], [indexed_prefix(cfg.path)])
+    for prefix in blend.prefixes:
+        high = _max_token(IndexedDataset(prefix))
+        if high >= vocab_size:
+            raise ConfigError(f"model.vocab_size: {prefix} holds token id {high}; set model.vocab_size={high + 1} "
+                              "or more (the vocabulary of the tokenizer that wrote it)")
+    splits = {}
+    for split, count in (("train", samples), ("heldout", eval_samples)):
+        if len(blend.prefixes) == 1:
+            splits[split] = TokenWindows(blend.prefixes[0], seq_len=seq_len, seed=seed, split=split,
+                                         holdout_fraction=cfg.holdout_fraction, num_samples=count)
+        else:  # each dataset sized to its share of the samples
+            splits[split] = BlendedSamples.from_blend(blend, seq_len=seq_len, seed=seed, num_samples=count,
+                                                      split=split, holdout_fraction=cfg.holdout_fraction)
+    source = (f"indexed {blend.prefixes[0]}" if len(blend.prefixes) == 1 else
+              "blend " + ", ".join(f"{w:.3g} x {p}" for w, p in zip(blend.weights, blend.prefixes)))
+    train_samples, heldout_samples = splits["train"], splits["heldout"]
+    data = TokenDatasets(train_samples, heldout_samples, source, tokenizer, vocab_size)
+    data.heldout_bytes_per_token = _bytes_per_token(data, eval_samples)
+    return data
+
+
+def _max_token(dataset: Any, pieces: int = 256, size: int = 4096) -> int:
+    """The largest id among ``pieces`` spread-out reads of ``size`` tokens (a full scan would read,
+    and keep resident, the whole corpus): catches a dataset written with another tokenizer."""
+    total = dataset.total_tokens
+    if total == 0:
+        return 0
+    starts = np.unique(np.linspace(0, max(total - size, 0), pieces).astype(np.int64))
+    return int(max(dataset.read(int(s), int(min(size, total - s))).max() for s in starts))
+
+
+def _bytes_per_token(data: TokenDatasets, eval_samples: int) -> float:
+    """UTF-8 bytes per held-out token, by decoding the evaluation samples with ``data.tokenizer``."""
+    if data.tokenizer.kind == BYTES:
+        return 1.0
+    count = min(len(data.heldout), eval_samples)
+    ids = [data.heldout.sample(i)[1:] for i in range(count)]  # the predicted tokens
+    text = sum(len(data.tokenizer.decode(row.tolist()).encode("utf-8")) for row in ids)
+    return text / max(sum(len(r) for r in ids), 1)
