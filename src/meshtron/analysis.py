@@ -60,6 +60,8 @@ __all__ = [
     "iota_device_groups",
     "layer_activation_bytes",
     "megatron_figures",
+    "megatron_flops",
+    "megatron_params",
     "megatron_stage_activation_bytes",
     "model_flops_per_token",
     "paper_layer_activation_bytes",
@@ -930,6 +932,34 @@ def model_flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -
     return 6.0 * params + 12.0 * layers * hidden * seq_len
 
 
+def megatron_params(*, vocab_size: int, hidden: int, layers: int, seq_len: int) -> int:
+    """Parameters of the paper's GPT, eq. 2 of Narayanan et al. (SC21):
+    ``12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))`` = ``12lh² + 13lh + (V+s)h`` -- per layer the QKV,
+    projection and two MLP matrices (12h²) with their biases and two layer norms (13h), plus the
+    word and position embeddings. The one copy of the formula (:func:`megatron_figures` and
+    :mod:`meshtron.plan` call it)."""
+    V, h, l, s = vocab_size, hidden, layers, seq_len  # the paper's symbols
+    return 12 * l * h * h + 13 * l * h + (V + s) * h
+
+
+def megatron_flops(*, vocab_size: int, hidden: int, layers: int, seq_len: int, global_batch: int,
+                   recompute: str = "full") -> int:
+    """FLOPs of one iteration (GEMMs only), eq. 3 of Narayanan et al. (SC21) and its appendix.
+
+    A layer's forward costs ``24·B·s·h² + 4·B·s²·h`` (QKV 6, projection 2, MLP 16 ·Bsh²; scores and
+    their product with the values 2 ·Bs²h each); the backward twice that; the LM head ``2·B·s·h·V``
+    forward and twice that backward, never recomputed. ``recompute``: ``full`` runs every layer's
+    forward again (eq. 3 as printed, ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``); ``selective``
+    (Korthikanti et al. 2022) only the attention core's ``4·B·s²·h``; ``none`` nothing
+    (``72·B·s·l·h²·(1 + s/(6h)) + 6·B·s·h·V``)."""
+    if recompute not in REMAT_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(REMAT_MODES)}, got {recompute!r}")
+    V, h, l, s, B = vocab_size, hidden, layers, seq_len, global_batch  # the paper's symbols
+    passes = {"none": 3, "selective": 3, "full": 4}[recompute]  # forward-equivalents of the layers
+    attention = 4 * B * s * s * l * h * (passes + (recompute == "selective"))
+    return passes * 24 * B * s * l * h * h + attention + 6 * B * s * h * V
+
+
 def megatron_figures(
     *,
     vocab_size: int,
@@ -985,12 +1015,12 @@ def megatron_figures(
             f"need hidden % heads == 0 and heads % tensor == 0, got {hidden=}, {heads=}, {tensor=}"
         )
 
-    V, h, l, s, B = vocab_size, hidden, layers, seq_len, global_batch  # the paper's symbols
-    params = 12 * l * h * h + 13 * l * h + (V + s) * h
-    flops = 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
-    flops_no_remat = 72 * B * s * l * h * h + 12 * B * s * s * l * h + 6 * B * s * h * V
+    shape = {"vocab_size": vocab_size, "hidden": hidden, "layers": layers, "seq_len": seq_len}
+    params = megatron_params(**shape)
+    flops = megatron_flops(**shape, global_batch=global_batch, recompute="full")
+    flops_no_remat = megatron_flops(**shape, global_batch=global_batch, recompute="none")
 
-    b = global_batch // (data * microbatches)
+    b, s, h = global_batch // (data * microbatches), seq_len, hidden
     layers_per_stage = layers // pipe if layers_per_stage is None else layers_per_stage
     activation_bytes = b * s * h * bytes_per_element
     tensor_parallel = tensor > 1

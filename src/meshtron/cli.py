@@ -1,5 +1,5 @@
-"""``meshtron train | describe | generate | launch | schedule | configs | tokenizer | preprocess | plot |
-import-hf | export-hf``: the command line.
+"""``meshtron train | describe | generate | launch | schedule | plan | configs | tokenizer | preprocess |
+plot | import-hf | export-hf``: the command line.
 
 The config is read and validated *before* JAX is imported, so that on a CPU-only machine the CLI
 can still ask XLA for as many simulated host devices as the mesh needs (appending to any
@@ -91,7 +91,49 @@ def _parser() -> argparse.ArgumentParser:
     sched.add_argument("--costs", default="1,1,1", metavar="F,B,W",
                        help="unit costs t_F,t_B,t_W (an unsplit backward costs t_B + t_W; default 1,1,1)")
     sched.add_argument("--png", metavar="FILE", help="where to draw the timeline (default: NAME-pP-mM-vV.png)")
+    plan = sub.add_parser("plan", help="rank 3D layouts of a model on a GPU cluster by predicted throughput "
+                          "(the PTD-P paper's model; no devices)")
+    plan.add_argument("--config", required=True, metavar="FILE|NAME",
+                      help="the model: a YAML file or a bundled config (e.g. paper/gpt_1t); its mesh is ignored")
+    plan.add_argument("--gpus", type=int, required=True, metavar="N")
+    plan.add_argument("--cluster", default="a100-80gb", metavar="NAME|FILE",
+                      help="a100-80gb (default), h100-80gb, a100-ethernet, or a cluster YAML of your own")
+    plan.add_argument("--batch", type=int, metavar="B", help="global batch in sequences (default: train.batch_size)")
+    plan.add_argument("--optimizer", choices=("adamw", "lamb", "onebit_lamb"),
+                      help="the optimizer whose memory and exchange the ranking prices (default: train.optimizer)")
+    plan.add_argument("--recompute", default="full,selective,none", metavar="MODES",
+                      help="activation recomputation modes to consider (default full,selective,none)")
+    plan.add_argument("--overlap-data", action="store_true",
+                      help="assume the data-parallel all-reduce is hidden behind the backward")
+    plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default 10)")
+    plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.layers=64")
     return parser
+
+
+def _plan(args: argparse.Namespace) -> None:
+    """``meshtron plan``: the paper's performance model over every layout; no devices, no JAX."""
+    from meshtron.config import freeze_step
+    from meshtron.plan import ModelShape, load_cluster
+    from meshtron.plan.model import RECOMPUTE
+    from meshtron.plan.report import make_plan, render
+
+    cfg = load_config(args.config, args.overrides)
+    modes = tuple(mode.strip() for mode in args.recompute.split(",") if mode.strip())
+    unknown = [mode for mode in modes if mode not in RECOMPUTE]
+    if unknown or not modes:
+        raise ConfigError(f"--recompute: expected a comma-separated subset of {','.join(RECOMPUTE)}, "
+                          f"got {args.recompute!r}")
+    if args.top < 1:
+        raise ConfigError(f"--top: must be >= 1, got {args.top}")
+    optimizer = args.optimizer or cfg.train.optimizer
+    plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, args.batch or cfg.train.batch_size,
+                     load_cluster(args.cluster), optimizer, modes,
+                     freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), overlap_data=args.overlap_data)
+    print(render(plan, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan.to_dict(args.top), indent=2) + "\n")
+        print(f"\njson      {args.json}")
 
 
 def _schedule(args: argparse.Namespace) -> None:
@@ -165,7 +207,7 @@ def _export_hf(args: argparse.Namespace) -> None:
     print(f"hugging face model {export_hf(args.checkpoint, args.output)}")
 
 
-_TOOLS = {"tokenizer": _tokenizer, "preprocess": _preprocess, "plot": _plot, "import-hf": _import_hf,
+_TOOLS = {"plan": _plan, "tokenizer": _tokenizer, "preprocess": _preprocess, "plot": _plot, "import-hf": _import_hf,
           "export-hf": _export_hf}
 
 

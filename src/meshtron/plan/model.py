@@ -1,0 +1,317 @@
+"""What a layout costs, independent of the hardware: parameters, FLOPs, bytes in memory and on the wire.
+
+The counting half of the planner (:mod:`meshtron.plan.timing` turns it into seconds on a cluster).
+It models the paper's runtime -- Megatron-LM as Narayanan et al. (SC21) ran it: 16-bit weights and
+activations, fp32 master weights and optimizer state, 1F1B or interleaved 1F1B pipelining with the
+scatter/gather optimisation (§4.1), activations checkpointed at every layer's input when
+recomputing (§3.5). Formulas that :mod:`meshtron.analysis` already holds against compiled programs
+are *called* from there, not copied: eq. 2 and 3 (:func:`~meshtron.analysis.megatron_params`,
+:func:`~meshtron.analysis.megatron_flops`), the per-axis communication figures
+(:func:`~meshtron.analysis.megatron_figures`), the activation memory of Korthikanti et al.
+(:func:`~meshtron.analysis.paper_layer_activation_bytes`,
+:func:`~meshtron.analysis.megatron_stage_activation_bytes`) and the ring traffic
+(:func:`~meshtron.analysis.ring_wire_bytes`). In-flight microbatches come from the schedule
+tables of :mod:`meshtron.pipeline.schedules`. No JAX here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from meshtron import analysis
+from meshtron.config import OPTIMIZERS, ConfigError, ModelConfig
+from meshtron.pipeline.schedules import check, make_schedule
+
+__all__ = [
+    "ACTIVATION_BYTES",
+    "GRADIENT_BYTES",
+    "RECOMPUTE",
+    "Layout",
+    "Memory",
+    "ModelShape",
+    "activation_bytes",
+    "data_wire_bytes",
+    "figures",
+    "flops_per_iteration",
+    "in_flight_chunks",
+    "layer_parameters_per_gpu",
+    "memory_per_gpu",
+    "onebit_padded_length",
+    "optimizer_bytes_per_parameter",
+    "parameter_count",
+    "pipe_wire_bytes",
+    "stage_parameters_per_gpu",
+    "tensor_wire_bytes",
+]
+
+RECOMPUTE = ("full", "selective", "none")  # the planner's order of preference when times tie
+ACTIVATION_BYTES = 2  # 16-bit weights and activations (mixed precision, §5)
+GRADIENT_BYTES = 4
+"""Megatron-LM accumulates gradients over the microbatches, and all-reduces them, in fp32
+(``--accumulate-allreduce-grads-in-fp32``, which bf16 training requires): 4 bytes per parameter in
+memory and on the wire (:func:`meshtron.analysis.megatron_figures`' default element size too)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The paper's GPT (§5.1): ``layers`` (l), ``hidden`` (h), ``heads`` (a), ``seq_len`` (s),
+    ``vocab_size`` (V); the MLP is 4h wide, as eq. 2 and 3 assume."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ConfigError(f"model.hidden: {self.hidden} is not divisible by model.heads={self.heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_config(cls, model: ModelConfig) -> ModelShape:
+        """The shape of a config's model; the paper's formulas cover the built-in GPT with a 4h MLP."""
+        if model.factory is not None or model.family != "gpt":
+            what = f"factory {model.factory}" if model.factory else f"family {model.family}"
+            raise ConfigError(f"model.family: the planner implements the paper's GPT (eq. 2, 3), got {what}; "
+                              "use model.family=gpt")
+        if model.mlp_dim != 4 * model.hidden:
+            raise ConfigError(f"model.mlp_dim: the paper's formulas assume 4 x hidden = {4 * model.hidden}, "
+                              f"got {model.mlp_dim}; set model.mlp_dim={4 * model.hidden}")
+        return cls(model.layers, model.hidden, model.heads, model.seq_len, model.vocab_size)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: tensor (t), pipeline (p) and data (d) parallel sizes, model chunks
+    per pipeline stage (v; v > 1 is the interleaved schedule), microbatch size (b), global batch
+    (B) and the activation recomputation mode."""
+
+    tensor: int
+    pipe: int
+    data: int
+    microbatch: int
+    global_batch: int
+    chunks: int = 1
+    recompute: str = "full"
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.pipe * self.data
+
+    @property
+    def microbatches(self) -> int:
+        """m = B / (d·b), microbatches per pipeline per batch (§3.1)."""
+        return self.global_batch // (self.data * self.microbatch)
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.chunks > 1 else "1f1b"
+
+    def problem(self, model: ModelShape) -> str | None:
+        """Why this layout cannot run ``model`` (one line naming the constraint), or None."""
+        t, p, d, b, v = self.tensor, self.pipe, self.data, self.microbatch, self.chunks
+        if min(t, p, d, b, v, self.global_batch) < 1:
+            return "every size must be >= 1"
+        if self.recompute not in RECOMPUTE:
+            return f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+        if model.heads % t:
+            return f"tensor={t} does not divide the {model.heads} heads"
+        if model.layers % (p * v):
+            return f"pipe x chunks = {p * v} does not divide the {model.layers} layers"
+        if self.global_batch % (d * b):
+            return f"global batch {self.global_batch} is not divisible by data x microbatch = {d * b}"
+        if v > 1 and (p == 1 or self.microbatches % p):
+            return f"the interleaved schedule needs pipe > 1 and microbatches ({self.microbatches}) a multiple of {p}"
+        return None
+
+    def check(self, model: ModelShape) -> None:
+        problem = self.problem(model)
+        if problem is not None:
+            raise ConfigError(f"layout t={self.tensor} p={self.pipe} d={self.data}: {problem}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model size and work
+
+
+def parameter_count(model: ModelShape) -> int:
+    """Eq. 2 (§5.1): ``12lh² + 13lh + (V+s)h`` (:func:`meshtron.analysis.megatron_params`)."""
+    return analysis.megatron_params(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
+                                    seq_len=model.seq_len)
+
+
+def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full") -> int:
+    """Eq. 3 (§5.1, appendix) for ``recompute="full"``, the FLOPs the paper divides by time to report
+    TF/s; ``selective``/``none`` count only what those modes execute
+    (:func:`meshtron.analysis.megatron_flops`)."""
+    return analysis.megatron_flops(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
+                                   seq_len=model.seq_len, global_batch=global_batch, recompute=recompute)
+
+
+def figures(model: ModelShape, layout: Layout) -> analysis.MegatronFigures:
+    """:func:`meshtron.analysis.megatron_figures` for this layout, in 16-bit elements: the per-axis
+    bytes the tests hold meshtron's compiled programs to."""
+    return analysis.megatron_figures(
+        vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers, seq_len=model.seq_len,
+        heads=model.heads, global_batch=layout.global_batch, data=layout.data, pipe=layout.pipe,
+        tensor=layout.tensor, microbatches=layout.microbatches, remat=layout.recompute == "full",
+        bytes_per_element=ACTIVATION_BYTES,
+    )
+
+
+def layer_parameters_per_gpu(model: ModelShape, tensor: int) -> float:
+    """One transformer layer's parameters on one tensor rank (Megatron's split, §2.3): the QKV and
+    first MLP matrices and biases split by columns, the projection and second MLP matrices by rows
+    with their biases whole, the two layer norms whole -- ``12h²/t + 7h/t + 6h`` (``12h² + 13h`` at
+    ``t = 1``, eq. 2's per-layer term)."""
+    h, t = model.hidden, tensor
+    return 12 * h * h / t + 7 * h / t + 6 * h
+
+
+def stage_parameters_per_gpu(model: ModelShape, layout: Layout) -> float:
+    """Parameters on one GPU of the fullest pipeline stage: ``l/p`` layers plus the vocab-parallel
+    word embedding (``V·h/t``) and position embedding (``s·h``) on the first stage and the LM head
+    (the tied word embedding's copy, ``V·h/t``) and final layer norm on the last; with ``p = 1``
+    one stage holds all of it once."""
+    h, t = model.hidden, layout.tensor
+    layers = model.layers // layout.pipe * layer_parameters_per_gpu(model, t)
+    first = model.vocab_size * h / t + model.seq_len * h
+    last = model.vocab_size * h / t + 2 * h
+    if layout.pipe == 1:
+        return layers + first + 2 * h
+    return layers + max(first, last)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+
+
+def optimizer_bytes_per_parameter(optimizer: str, data: int) -> float:
+    """Bytes of optimizer state per parameter in mixed precision (Rajbhandari et al., ZeRO, §3.1):
+    AdamW and LAMB keep an fp32 master copy and two fp32 moments (12 bytes). 1-bit LAMB
+    (:mod:`meshtron.optim.onebit_lamb`) also keeps the fresh variance v̂ (4), the per-device worker
+    error (4, the padded momentum's length) and the server error (4/d, the worker's chunk of it)."""
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer: must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if optimizer == "onebit_lamb":
+        return 12 + 4 + (4 + 4 / data if data > 1 else 0)
+    return 12
+
+
+@functools.lru_cache(maxsize=512)
+def in_flight_chunks(pipe: int, microbatches: int, chunks: int) -> int:
+    """Chunk-microbatches whose activations stage 0 holds at once under Megatron-LM's schedule: ``p``
+    for 1F1B, ``2(p−1) + (v−1)p + 1`` interleaved (capped at ``m·v``) -- read from the schedule
+    table's checker (``ScheduleStats.megatron_peak_in_flight_stage0``), not restated here.
+
+    The peak is reached within the first ``2p`` microbatches (warmup is at most ``(v+1)p − 1``
+    chunk-microbatches), so the table is built for ``min(m, 2p)`` of them: the same peak at a cost
+    that does not grow with the batch."""
+    if pipe == 1:
+        return 1  # gradient accumulation: one microbatch at a time
+    if microbatches < pipe:  # Megatron runs it (all warmup, then all cooldown); meshtron's tables refuse it
+        return microbatches
+    schedule = "interleaved" if chunks > 1 else "1f1b"
+    return check(make_schedule(schedule, pipe, min(microbatches, 2 * pipe), chunks)).megatron_peak_in_flight_stage0
+
+
+def activation_bytes(model: ModelShape, layout: Layout) -> float:
+    """Activation bytes on pipeline stage 0, the fullest (Korthikanti et al. 2022, Table 2 and §4.2.3).
+
+    Each in-flight chunk-microbatch (:func:`in_flight_chunks`) keeps what its ``l/(p·v)`` layers
+    need for the backward (:func:`meshtron.analysis.megatron_stage_activation_bytes`): with full
+    recomputation only every layer's 16-bit input (``2sbh``, checkpointing every layer, §3.5), plus
+    one layer's full activations while it is recomputed and differentiated; with selective or no
+    recomputation Table 2's per-layer figures (:func:`meshtron.analysis.paper_layer_activation_bytes`).
+    The last stage's logits, ``b·s·V/t`` in 16 bits and again in fp32 for the loss, are added: a
+    bound for stages that hold both."""
+    s, b, h, a, t = model.seq_len, layout.microbatch, model.hidden, model.heads, layout.tensor
+    per_layer = analysis.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t,
+                                                      remat=layout.recompute)
+    chunk_layers = model.layers // (layout.pipe * layout.chunks)
+    kept = analysis.megatron_stage_activation_bytes(
+        layer_bytes=per_layer, layers_per_stage=chunk_layers,
+        in_flight=in_flight_chunks(layout.pipe, layout.microbatches, layout.chunks))
+    working = 0.0
+    if layout.recompute == "full":
+        working = analysis.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t)
+    logits = b * s * model.vocab_size / t * (ACTIVATION_BYTES + 4)
+    return kept + working + logits
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU on the fullest stage, by what holds them."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def memory_per_gpu(model: ModelShape, layout: Layout, optimizer: str = "adamw") -> Memory:
+    """16-bit weights, fp32 gradients (:data:`GRADIENT_BYTES`), :func:`optimizer_bytes_per_parameter`
+    of state (18 bytes per parameter in all for AdamW; ZeRO's §3.1 count of 16 plus Megatron's fp32
+    gradient buffer) and :func:`activation_bytes`."""
+    params = stage_parameters_per_gpu(model, layout)
+    return Memory(
+        weights=ACTIVATION_BYTES * params,
+        gradients=GRADIENT_BYTES * params,
+        optimizer=optimizer_bytes_per_parameter(optimizer, layout.data) * params,
+        activations=activation_bytes(model, layout),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication volume per mesh axis and step, bytes one GPU sends
+
+
+def tensor_wire_bytes(model: ModelShape, layout: Layout) -> float:
+    """Bytes one GPU sends over ``tensor`` per step: Megatron's all-reduces (four per layer and
+    microbatch, six when the forward is recomputed, plus embedding and loss terms; §3.2, 2.3) as
+    :func:`meshtron.analysis.megatron_figures` counts them, each a ring's ``2(t−1)/t`` of its size."""
+    return analysis.ring_wire_bytes("all-reduce", figures(model, layout).tensor_bytes, layout.tensor)
+
+
+def pipe_wire_bytes(model: ModelShape, layout: Layout) -> float:
+    """Bytes one GPU sends over ``pipe`` per step, across nodes: ``b·s·h`` per microbatch and stage
+    boundary each way (:func:`meshtron.analysis.megatron_figures`), crossed ``v`` times as often by the
+    interleaved schedule (§2.2.2), of which each tensor rank sends ``1/t`` with the scatter/gather
+    optimisation (§4.1); the receiver all-gathers the rest over NVLink."""
+    return figures(model, layout).pipe_bytes * layout.chunks / layout.tensor
+
+
+def onebit_padded_length(elements: int, data: int) -> int:
+    """1-bit LAMB's buffer length: a multiple of ``P·lcm(P, 8)`` so each of the P chunks packs into
+    whole bytes (:func:`meshtron.optim.compression.padded_length`, which imports JAX; the tests hold
+    the two equal)."""
+    step = data * math.lcm(data, 8)
+    return max(step, -(-elements // step) * step)
+
+
+def data_wire_bytes(parameters: float, data: int, optimizer: str, grad_bytes: int = GRADIENT_BYTES) -> float:
+    """Bytes one GPU sends over ``data`` per step: a ring all-reduce of its gradient shard
+    (``2(d−1)/d · parameters · grad_bytes``, §3.3; ``parameters`` as
+    :func:`meshtron.analysis.megatron_figures`' ``data_bytes`` counts them) for AdamW and LAMB, or
+    1-bit LAMB's compressed exchange in its compression stage: one sign bit per (padded) element in
+    each of its two phases plus two fp32 scales per peer, ``2(d−1)/d · n/8 + 8(d−1)``
+    (:func:`meshtron.optim.compression.compressed_bytes_per_device`)."""
+    if data <= 1:
+        return 0.0
+    if optimizer == "onebit_lamb":
+        padded = onebit_padded_length(math.ceil(parameters), data)
+        return 2 * (data - 1) * padded // (8 * data) + 8 * (data - 1)
+    return analysis.ring_wire_bytes("all-reduce", parameters * grad_bytes, data)

@@ -1,0 +1,276 @@
+"""How long one training step of a layout takes on a cluster, term by term.
+
+The paper gives no cost model for time (§3: "we do not present direct cost models for
+communication time"), so this one is assembled from its counts and the cluster's datasheet:
+
+* compute: every GEMM of a layer (§5.1's appendix) at the cluster's GEMM efficiency for its
+  smallest dimension, plus the memory-bound element-wise kernels (layer norms, fused bias-GeLU,
+  bias-dropout-add and scale-mask-softmax, attention dropout; §4.2) at the achieved HBM bandwidth;
+* tensor parallelism: the all-reduces of :func:`meshtron.plan.model.figures`, exposed (Megatron-LM
+  of 2021 waits for each before the next GEMM), over NVLink when ``t`` fits in a node;
+* pipeline: one exchange after every chunk's forward and one after its backward (Megatron's fused
+  send/receive pairs), ``b·s·h/t`` per GPU over its NIC and an NVLink all-gather (§4.1), exposed;
+  the bubble ``(p−1)/(v·m)`` of the slowest stage's time (§2.2; the last stage also runs the LM
+  head, so it sets the pace);
+* data parallelism: one gradient all-reduce per step after the last backward, *not* overlapped
+  (Megatron-LM of 2021; ``overlap_data=True`` models an implementation that hides it), or 1-bit
+  LAMB's compressed exchange; then the optimizer's memory-bound update.
+
+Throughput is reported the paper's way: eq. 3's FLOPs (with recomputation, whatever the layout
+recomputes) per second per GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshtron.plan.cluster import Cluster
+from meshtron.plan.model import (
+    ACTIVATION_BYTES,
+    GRADIENT_BYTES,
+    Layout,
+    Memory,
+    ModelShape,
+    data_wire_bytes,
+    figures,
+    flops_per_iteration,
+    memory_per_gpu,
+    stage_parameters_per_gpu,
+)
+
+__all__ = [
+    "ELEMENTWISE_PASSES",
+    "OPTIMIZER_PASSES",
+    "Estimate",
+    "allreduce_seconds",
+    "bubble_fraction",
+    "data_seconds",
+    "estimate",
+    "layer_gemm_seconds",
+    "layer_gemms",
+    "layer_memory_seconds",
+    "logits_seconds",
+    "optimizer_seconds",
+    "p2p_seconds",
+    "tensor_seconds",
+]
+
+ELEMENTWISE_PASSES = {"residual": (11.0, 17.0), "mlp": (2.0, 3.0), "scores": (4.5, 5.5)}
+"""(forward, backward) 16-bit elements one layer reads and writes outside its GEMMs, per token and
+unit of width, counted from Megatron's fused layer (§4.2); a byte of dropout mask is half an element.
+``residual`` (×h, on every tensor rank): forward two layer norms (read, write: 2 each) and two fused
+bias-dropout-adds (read two, write one, mask: 3.5 each); backward the layer norms (read input and
+gradient, write: 3 each), the dropouts (read gradient and mask, write: 2.5 each) and the two
+residual-gradient sums (read two, write one: 3 each). ``mlp`` (×4h/t): fused bias-GeLU forward
+(read, write) and backward (read input and gradient, write). ``scores`` (×a·s/t): fused
+scale-mask-softmax (read, write; backward read output and gradient, write) and attention dropout
+(read, write, mask; backward read gradient and mask, write). Counts, not fitted."""
+
+OPTIMIZER_PASSES = {"adamw": 30.0, "lamb": 38.0, "onebit_lamb": 46.0}
+"""Bytes an optimizer step reads and writes per parameter: AdamW reads the fp32 gradient, rewrites
+the fp32 master weight and two moments, writes the 16-bit weight (4 + 24 + 2); LAMB reads the update
+and the weight again for the per-layer trust ratio (+8); 1-bit LAMB (compression stage) also
+rewrites v̂ and the worker error (+16) and only reads the frozen variance (−8)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Compute
+
+
+def layer_gemms(model: ModelShape, layout: Layout) -> list[tuple[float, float]]:
+    """(FLOPs, smallest dimension) of every GEMM one transformer layer runs on one GPU for one
+    microbatch, over all passes: the forward of eq. 3's appendix split by tensor parallelism (§2.3)
+    -- QKV ``[bs, h]·[h, 3h/t]``, projection ``[bs, h/t]·[h/t, h]``, MLP ``[bs, h]·[h, 4h/t]`` and
+    ``[bs, 4h/t]·[4h/t, h]``, and per head ``[s, d]·[d, s]`` scores and ``[s, s]·[s, d]`` context --
+    with the backward's two GEMMs each (same dimensions, twice the FLOPs) and the recomputed
+    forward: all of it with ``full`` recomputation, the attention core with ``selective``."""
+    b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
+    tokens, heads, d = b * s, model.heads / t, model.head_dim
+    dense_passes = 3 + (layout.recompute == "full")
+    attention_passes = 3 + (layout.recompute in ("full", "selective"))
+    dense = [
+        (2 * tokens * h * 3 * h / t, min(tokens, h, 3 * h / t)),
+        (2 * tokens * h / t * h, min(tokens, h / t, h)),
+        (2 * tokens * h * 4 * h / t, min(tokens, h, 4 * h / t)),
+        (2 * tokens * 4 * h / t * h, min(tokens, 4 * h / t, h)),
+    ]
+    attention = [(2 * b * heads * s * s * d, min(s, d))] * 2
+    return ([(flops * dense_passes, dim) for flops, dim in dense]
+            + [(flops * attention_passes, dim) for flops, dim in attention])
+
+
+def layer_gemm_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
+    """Σ FLOPs / (peak × GEMM efficiency(smallest dimension)) over :func:`layer_gemms`."""
+    peak = cluster.peak_tflops * 1e12
+    return sum(flops / (peak * cluster.gemm(dim)) for flops, dim in layer_gemms(model, layout))
+
+
+def layer_memory_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
+    """Element-wise kernels of one layer and microbatch on one GPU: :data:`ELEMENTWISE_PASSES` of
+    16-bit elements, the forward twice where it is recomputed (all of it with ``full``, the
+    ``scores`` terms with ``selective``), at the achieved HBM bandwidth."""
+    b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
+    tokens = b * s
+    widths = {"residual": tokens * h, "mlp": tokens * 4 * h / t, "scores": b * model.heads / t * s * s}
+    recomputed = {"full": set(widths), "selective": {"scores"}, "none": set()}[layout.recompute]
+    elements = sum(width * (forward * (1 + (name in recomputed)) + backward)
+                   for name, width in widths.items() for forward, backward in [ELEMENTWISE_PASSES[name]])
+    return elements * ACTIVATION_BYTES / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
+
+
+def logits_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
+    """The LM head on the last stage, one microbatch: ``[bs, h]·[h, V/t]`` forward and its two
+    backward GEMMs (``6·b·s·h·V/t``, eq. 3's last term), never recomputed."""
+    b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
+    dim = min(b * s, h, model.vocab_size / t)
+    return 6 * b * s * h * model.vocab_size / t / (cluster.peak_tflops * 1e12 * cluster.gemm(dim))
+
+
+# ----------------------------------------------------------------------------------------------
+# Communication
+
+
+def allreduce_seconds(nbytes: float, group: int, per_node: int, cluster: Cluster) -> float:
+    """A ring all-reduce of ``nbytes`` over ``group`` GPUs, ``per_node`` of them in each node:
+    ``2(g−1)/g · nbytes / bandwidth + 2(g−1) · latency`` (§3.3: the ring's ``(d−1)/d`` scaling).
+
+    Inside one node the bandwidth is one GPU's NVLink; across nodes the ring leaves every node once,
+    and the node's NICs are shared by the ``gpus_per_node/per_node`` groups that run at the same time
+    (every GPU is in one), so each group gets ``per_node/gpus_per_node`` of them -- all eight HCAs
+    for a ring of whole nodes, one for a ring with one GPU per node."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (group - 1)
+    nvlink = cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency
+    if group <= per_node:
+        return steps / group * nbytes / nvlink + steps * cluster.nvlink_latency_us * 1e-6
+    network = cluster.network_gbps * 1e9 * cluster.network_efficiency * per_node / cluster.gpus_per_node
+    return steps / group * nbytes / min(nvlink, network) + steps * cluster.network_latency_us * 1e-6
+
+
+def tensor_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """(per layer, LM head and loss) seconds of tensor-parallel all-reduces for one microbatch: the
+    layer's four (six with full recomputation) of ``b·s·h`` (§2.3, §3.2), and on the last stage the
+    LM head's input-gradient all-reduce (plus the embedding's with ``p = 1``) and the loss's three
+    of ``b·s`` fp32 values (:func:`meshtron.analysis.megatron_figures`)."""
+    t = layout.tensor
+    if t == 1:
+        return 0.0, 0.0
+    fig = figures(model, layout)
+    per_node = min(t, cluster.gpus_per_node)
+    one = allreduce_seconds(fig.tensor_allreduce_bytes, t, per_node, cluster)
+    small = allreduce_seconds(layout.microbatch * model.seq_len * 4, t, per_node, cluster)
+    head = one * (2 if layout.pipe == 1 else 1) + 3 * small
+    return fig.tensor_allreduces_per_layer * one, head
+
+
+def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
+    """Pipeline exchanges of one microbatch on one stage: ``2v`` of them (after each chunk's forward
+    and backward; the send and the receive of a fused pair go opposite ways at once). Each sends
+    ``b·s·h/t`` 16-bit values per GPU -- over its NIC when the pipeline spans nodes (Megatron puts
+    consecutive stages ``t·d`` ranks apart), else over NVLink -- and all-gathers ``b·s·h`` over the
+    ``t`` ranks on NVLink (the scatter/gather optimisation, §4.1)."""
+    if layout.pipe == 1:
+        return 0.0
+    t = layout.tensor
+    message = layout.microbatch * model.seq_len * model.hidden * ACTIVATION_BYTES
+    if layout.gpus > cluster.gpus_per_node:
+        send = message / t / (cluster.nic_gbps * 1e9 * cluster.network_efficiency) + cluster.network_latency_us * 1e-6
+    else:
+        send = message / t / (cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency) + cluster.nvlink_latency_us * 1e-6
+    gather = 0.0
+    if t > 1:
+        gather = ((t - 1) / t * message / (cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency)
+                  + (t - 1) * cluster.nvlink_latency_us * 1e-6)
+    return 2 * layout.chunks * (send + gather)
+
+
+def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str) -> float:
+    """The step's data-parallel exchange of one GPU's gradient shard (``params/(t·p)`` values,
+    :func:`meshtron.analysis.megatron_figures`' ``data_bytes``): an fp32 ring all-reduce, or 1-bit
+    LAMB's compressed exchange (:func:`meshtron.plan.model.data_wire_bytes`) at the same ring
+    bandwidth with ``2(d−1)`` latencies. Data-parallel peers are ``t`` ranks apart (Megatron's rank
+    order), so ``gpus_per_node/t`` of them share a node."""
+    d = layout.data
+    if d == 1:
+        return 0.0
+    parameters = figures(model, layout).data_bytes / ACTIVATION_BYTES
+    per_node = min(d, max(1, cluster.gpus_per_node // layout.tensor))
+    if optimizer != "onebit_lamb":
+        return allreduce_seconds(parameters * GRADIENT_BYTES, d, per_node, cluster)
+    sent = data_wire_bytes(parameters, d, optimizer)
+    # allreduce_seconds of a size whose ring traffic equals what the compressed exchange sends
+    return allreduce_seconds(sent * d / (2 * (d - 1)), d, per_node, cluster)
+
+
+def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str) -> float:
+    """The optimizer's element-wise update of one GPU's parameters: :data:`OPTIMIZER_PASSES` bytes
+    per parameter at the achieved HBM bandwidth."""
+    params = stage_parameters_per_gpu(model, layout)
+    return params * OPTIMIZER_PASSES[optimizer] / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
+
+
+def bubble_fraction(pipe: int, microbatches: int, chunks: int = 1) -> float:
+    """Idle time over ideal time of a flushed pipeline: ``(p−1)/m`` for 1F1B (§2.2.1) and
+    ``(p−1)/(v·m)`` interleaved (§2.2.2)."""
+    return (pipe - 1) / (chunks * microbatches)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A layout's predicted step on a cluster. ``seconds`` holds the step's terms (they add up to
+    ``step_seconds``); ``tflops_per_gpu`` is eq. 3's FLOPs over the step time and GPU count."""
+
+    layout: Layout
+    optimizer: str
+    step_seconds: float
+    tflops_per_gpu: float
+    bubble: float
+    memory: Memory
+    seconds: dict[str, float] = field(default_factory=dict)
+    data_bytes: float = 0.0  # bytes one GPU sends over `data` per step with this optimizer
+
+    @property
+    def communication_share(self) -> float:
+        """Exposed tensor, pipeline and data-parallel communication over the step time."""
+        return (self.seconds["tensor"] + self.seconds["pipe"] + self.seconds["data"]) / self.step_seconds
+
+    @property
+    def data_share(self) -> float:
+        return self.seconds["data"] / self.step_seconds
+
+
+def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str = "adamw",
+             overlap_data: bool = False) -> Estimate:
+    """Predict one step: ``(m + (p−1)/v) · t_stage + t_data + t_optimizer``, with ``t_stage`` one
+    microbatch's time through the last stage's ``l/p`` layers -- GEMMs, element-wise kernels and
+    tensor all-reduces per layer, the LM head and its all-reduces, the pipeline exchanges. The
+    ``(p−1)/v`` extra stage-times are the bubble (§2.2, eq. 1 with interleaving)."""
+    layout.check(model)
+    stage_layers = model.layers // layout.pipe
+    tensor_layer, tensor_head = tensor_seconds(model, layout, cluster)
+    per_microbatch = {
+        "gemm": stage_layers * layer_gemm_seconds(model, layout, cluster) + logits_seconds(model, layout, cluster),
+        "elementwise": stage_layers * layer_memory_seconds(model, layout, cluster),
+        "tensor": stage_layers * tensor_layer + tensor_head,
+        "pipe": p2p_seconds(model, layout, cluster),
+    }
+    m, p, v = layout.microbatches, layout.pipe, layout.chunks
+    bubble = bubble_fraction(p, m, v)
+    seconds = {name: value * m for name, value in per_microbatch.items()}
+    seconds["bubble"] = sum(per_microbatch.values()) * (p - 1) / v
+    data = data_seconds(model, layout, cluster, optimizer)
+    seconds["data"] = 0.0 if overlap_data else data
+    seconds["optimizer"] = optimizer_seconds(model, layout, cluster, optimizer)
+    step = sum(seconds.values())
+    parameters = figures(model, layout).data_bytes / ACTIVATION_BYTES
+    return Estimate(
+        layout=layout, optimizer=optimizer, step_seconds=step,
+        tflops_per_gpu=flops_per_iteration(model, layout.global_batch) / step / layout.gpus / 1e12,
+        bubble=bubble, memory=memory_per_gpu(model, layout, optimizer), seconds=seconds,
+        data_bytes=data_wire_bytes(parameters, layout.data, optimizer),
+    )
