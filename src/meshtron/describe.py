@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from meshtron import analysis
-from meshtron.config import Config, MeshConfig, stage_layout
+from meshtron.config import Config, ConfigError, MeshConfig, stage_layout
 from meshtron.mesh import AXES, resolve_sizes
 from meshtron.sharding import logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, model_def_from_config
@@ -94,6 +94,36 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
     return lines, total
 
 
+def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb") -> list[str]:
+    """This run's layout priced by :mod:`meshtron.plan` on a bundled cluster (the same memory and
+    time formulas ``meshtron plan`` ranks layouts with), or nothing when the planner's model does not
+    cover the run (not the paper's GPT, or a layout Megatron's schedules cannot run)."""
+    from meshtron.plan import Layout, ModelShape, estimate, load_cluster
+
+    data, pipe, tensor = sizes
+    t = cfg.train
+    try:
+        model = ModelShape.from_config(cfg.model)
+        layout = Layout(tensor, pipe, data, t.batch_size // (data * t.microbatches), t.batch_size,
+                        cfg.pipeline.chunks, cfg.model.remat)
+        layout.check(model)
+    except ConfigError as err:
+        return [f"plan: not priced ({err})"]
+    machine = load_cluster(cluster)
+    step = estimate(model, layout, machine, t.optimizer)
+    mem = step.memory
+    gb = 1e9
+    fits = "fits" if mem.total <= machine.usable_memory_bytes else "does NOT fit"
+    return [
+        f"plan on {machine.name} (meshtron plan's model, Narayanan et al. 2021; Megatron-LM's mixed precision)",
+        (f"memory per GPU           {mem.total / gb:.1f} GB: weights {mem.weights / gb:.1f}, gradients "
+        f"{mem.gradients / gb:.1f}, {t.optimizer} state {mem.optimizer / gb:.1f}, activations "
+        f"{mem.activations / gb:.1f} ({fits} in {machine.memory_gb - machine.reserved_gb:g} GB usable)"),
+        (f"predicted step           {step.step_seconds:.3g} s, {step.tflops_per_gpu:.0f} TF/s per GPU (eq. 3), "
+        f"bubble {step.bubble:.1%}, communication {step.communication_share:.1%} of the step"),
+    ]
+
+
 def describe(cfg: Config, out=None) -> None:
     out = out or sys.stdout
     devices = jax.devices()
@@ -142,8 +172,13 @@ def describe(cfg: Config, out=None) -> None:
         print(f"  {label:24s} {value}", file=out)
 
     if not fits:
+        plan_lines = planned_step(cfg, sizes)
+        if plan_lines:
+            print(f"\n{plan_lines[0]}", file=out)
+            for line in plan_lines[1:]:
+                print(f"  {line}", file=out)
         print(f"\ncompiled step: not analysed, the mesh needs {math.prod(sizes)} devices and this machine "
-              f"has {len(devices)} (planning mode)", file=out)
+              f"has {len(devices)} (planning mode; meshtron plan ranks other layouts)", file=out)
         return
     from meshtron.train.loop import Trainer
 

@@ -149,8 +149,8 @@ def cluster_from_dict(values: Any, origin: str) -> Cluster:
     if numbers["gpus_per_node"] != int(numbers["gpus_per_node"]):
         raise ConfigError(f"cluster {origin}: gpus_per_node: must be a whole number, got {values['gpus_per_node']}")
     if numbers["reserved_gb"] >= numbers["memory_gb"]:
-        raise ConfigError(f"cluster {origin}: reserved_gb: {numbers['reserved_gb']} leaves nothing of "
-                          f"memory_gb={numbers['memory_gb']}; reserve less")
+        raise ConfigError(f"cluster {origin}: reserved_gb: {numbers['reserved_gb']:g} leaves nothing of "
+                          f"memory_gb={numbers['memory_gb']:g}; reserve less")
     efficiency = values.get("efficiency")
     if not isinstance(efficiency, dict):
         raise ConfigError(f"cluster {origin}: efficiency: missing; give gemm (a table smallest dimension -> "

@@ -1,0 +1,302 @@
+"""``meshtron plan``: the PTD-P paper's formulas, the cluster files, the search, the report and the CLI.
+
+The model is held to the paper's published numbers (Table 1, Figure 12's non-interleaved line) and
+to the byte counts meshtron's own compiled programs are held to (the same functions in
+:mod:`meshtron.analysis` and :mod:`meshtron.optim.compression`).
+"""
+
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtron import analysis
+from meshtron.cli import main
+from meshtron.config import ConfigError, load_config
+from meshtron.optim.compression import compressed_bytes_per_device, error_lengths, padded_length
+from meshtron.plan import (
+    Layout,
+    ModelShape,
+    bubble_fraction,
+    data_wire_bytes,
+    estimate,
+    flops_per_iteration,
+    in_flight_chunks,
+    load_cluster,
+    make_plan,
+    memory_per_gpu,
+    parameter_count,
+    pipe_wire_bytes,
+    render,
+    search,
+    tensor_wire_bytes,
+)
+from meshtron.plan.cluster import bundled_clusters
+from meshtron.plan.model import figures, onebit_padded_length, optimizer_bytes_per_parameter
+from meshtron.plan.search import candidate_layouts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import plan_vs_paper  # noqa: E402  -- Table 1 and Figure 12 as the benchmark holds them
+
+A100 = load_cluster("a100-80gb")
+GPT_175B = ModelShape(layers=96, hidden=12288, heads=96, seq_len=2048, vocab_size=51200)
+
+
+def shape(heads, hidden, layers):
+    return ModelShape(layers=layers, hidden=hidden, heads=heads, seq_len=2048, vocab_size=51200)
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's counts
+
+
+@pytest.mark.parametrize("row", plan_vs_paper.TABLE_1, ids=lambda r: f"{r[0]}B")
+def test_parameter_count_reproduces_table_1(row):
+    billions, heads, hidden, layers = row[:4]
+    assert round(parameter_count(shape(heads, hidden, layers)) / 1e9, 1) == billions
+
+
+def test_flops_are_eq_3_with_full_recomputation_and_less_without():
+    B, s, l, h, V = 1536, GPT_175B.seq_len, GPT_175B.layers, GPT_175B.hidden, GPT_175B.vocab_size
+    eq3 = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert flops_per_iteration(GPT_175B, B) == pytest.approx(eq3, rel=1e-12)
+    none = flops_per_iteration(GPT_175B, B, "none")
+    assert none == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h)) + 6 * B * s * h * V, rel=1e-12)
+    assert none < flops_per_iteration(GPT_175B, B, "selective") < eq3
+
+
+@pytest.mark.parametrize(("p", "m", "v", "expected"), [
+    (4, 16, 1, 4), (8, 64, 1, 8), (4, 2, 1, 2),  # 1F1B: p in flight (m when m < p: Megatron runs it)
+    (4, 8, 2, 2 * 3 + 1 * 4 + 1), (4, 16, 3, 2 * 3 + 2 * 4 + 1), (2, 2, 2, 4),  # interleaved, capped at m·v
+])
+def test_in_flight_chunks_are_megatrons(p, m, v, expected):
+    assert in_flight_chunks(p, m, v) == min(expected, m * v)
+
+
+@pytest.mark.parametrize("data", [2, 3, 4, 8, 12])
+@pytest.mark.parametrize("elements", [1, 1000, 123_457, 10_000_019])
+def test_onebit_buffers_and_bytes_are_the_optimizers(elements, data):
+    """The planner's 1-bit LAMB figures are the ones meshtron.optim computes (which import JAX)."""
+    assert onebit_padded_length(elements, data) == padded_length(elements, data)
+    worker, server = error_lengths([elements], data)
+    assert (onebit_padded_length(elements, data), onebit_padded_length(elements, data) // data) == (worker, server)
+    assert data_wire_bytes(elements, data, "onebit_lamb") == compressed_bytes_per_device(elements, data)
+    assert data_wire_bytes(elements, data, "lamb") == pytest.approx(2 * (data - 1) / data * elements * 4)
+
+
+def test_optimizer_state_counts_onebit_lambs_error_buffers():
+    assert optimizer_bytes_per_parameter("adamw", 8) == optimizer_bytes_per_parameter("lamb", 8) == 12
+    assert optimizer_bytes_per_parameter("onebit_lamb", 8) == 12 + 4 + 4 + 4 / 8  # v̂, worker and server error
+    assert optimizer_bytes_per_parameter("onebit_lamb", 1) == 16  # no data parallelism: nothing to compress
+    with pytest.raises(ConfigError, match="--optimizer: must be one of"):
+        optimizer_bytes_per_parameter("sgd", 2)
+
+
+def test_wire_bytes_per_axis_follow_the_figures_the_compiled_programs_are_held_to():
+    layout = Layout(tensor=8, pipe=12, data=2, microbatch=1, global_batch=96, chunks=4)
+    fig = figures(GPT_175B, layout)
+    assert tensor_wire_bytes(GPT_175B, layout) == analysis.ring_wire_bytes("all-reduce", fig.tensor_bytes, 8)
+    assert pipe_wire_bytes(GPT_175B, layout) == fig.pipe_bytes * 4 / 8  # v times, 1/t each (scatter/gather)
+    direct = analysis.megatron_figures(vocab_size=51200, hidden=12288, layers=96, seq_len=2048, heads=96,
+                                       global_batch=96, data=2, pipe=12, tensor=8, microbatches=48,
+                                       remat=True, bytes_per_element=2)
+    assert (fig.tensor_bytes, fig.pipe_bytes, fig.data_bytes) == (direct.tensor_bytes, direct.pipe_bytes,
+                                                                 direct.data_bytes)
+    assert fig.params == parameter_count(GPT_175B)
+
+
+def test_memory_adds_up_and_grows_with_onebit_lamb():
+    layout = Layout(8, 8, 24, 2, 2304, 2, "full")
+    model = shape(96, 12288, 80)
+    adamw, onebit = memory_per_gpu(model, layout), memory_per_gpu(model, layout, "onebit_lamb")
+    assert adamw.total == adamw.weights + adamw.gradients + adamw.optimizer + adamw.activations
+    assert adamw.gradients == 2 * adamw.weights  # fp32 gradients of 16-bit weights
+    assert onebit.optimizer / adamw.optimizer == pytest.approx((16 + 4 + 4 / 24) / 12)
+    assert onebit.activations == adamw.activations
+    none = memory_per_gpu(model, Layout(8, 8, 24, 2, 2304, 2, "none"))
+    assert none.activations > adamw.activations  # recomputation is what saves the activations
+
+
+# ---------------------------------------------------------------------------------------------
+# Time
+
+
+def test_estimate_terms_add_up_and_report_the_papers_metric():
+    layout = Layout(8, 12, 1, 1, 60, 4, "full")
+    e = estimate(GPT_175B, layout, A100)
+    assert sum(e.seconds.values()) == pytest.approx(e.step_seconds)
+    assert e.tflops_per_gpu == pytest.approx(flops_per_iteration(GPT_175B, 60) / e.step_seconds / 96 / 1e12)
+    assert e.bubble == bubble_fraction(12, 60, 4) == pytest.approx(11 / 240)
+    assert e.seconds["data"] == 0  # d = 1
+    overlapped = estimate(GPT_175B, Layout(8, 12, 2, 1, 120, 4, "full"), A100, overlap_data=True)
+    assert overlapped.seconds["data"] == 0 < estimate(GPT_175B, Layout(8, 12, 2, 1, 120, 4), A100).seconds["data"]
+
+
+def test_table_1_is_predicted_within_10_percent_on_every_row():
+    for row in plan_vs_paper.TABLE_1:
+        predicted = plan_vs_paper.paper_estimate(row, A100).tflops_per_gpu
+        assert predicted == pytest.approx(row[8], rel=0.10), row[0]
+
+
+def test_figure_12_non_interleaved_line_and_large_batch_gain():
+    rows = plan_vs_paper.figure_12(A100)
+    for r in rows:
+        assert r["non_interleaved"] == pytest.approx(r["paper_non_interleaved"], rel=0.02)
+    assert abs(rows[-1]["gain"] - rows[-1]["paper_gain"]) < 0.05  # the largest batch, within 5 points
+    assert [r["gain"] for r in rows] == sorted((r["gain"] for r in rows), reverse=True)  # the gap closes
+
+
+def test_gemm_efficiency_interpolates_log_linearly_and_is_flat_outside():
+    table = dict(A100.gemm_efficiency)
+    assert A100.gemm(1024) == table[1024]
+    assert A100.gemm(1) == table[64] and A100.gemm(1e9) == table[16384]
+    assert A100.gemm(math.sqrt(1024 * 2048)) == pytest.approx((table[1024] + table[2048]) / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Clusters
+
+
+def test_bundled_clusters_load_and_a_users_file_round_trips(tmp_path):
+    assert set(bundled_clusters()) == {"a100-80gb", "h100-80gb", "a100-ethernet"}
+    for name in bundled_clusters():
+        assert load_cluster(name).name == name
+    own = tmp_path / "mine.yaml"
+    own.write_text(bundled_clusters()["a100-80gb"].read_text().replace("name: a100-80gb", "name: mine")
+                   .replace("network_gbps: 200", "network_gbps: 50"))
+    mine = load_cluster(own)
+    assert (mine.name, mine.network_gbps, mine.gemm_efficiency) == ("mine", 50, A100.gemm_efficiency)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.replace("peak_tflops: 312", "peak_tflops: fast"), "peak_tflops: expected a number"),
+    (lambda t: t.replace("hbm_gbps: 2039", ""), "hbm_gbps: missing; give one GPU's memory bandwidth"),
+    (lambda t: t.replace("  nvlink: 0.8", "  nvlink: 80"), "efficiency.nvlink: a fraction of peak is at most 1"),
+    (lambda t: t + "\nnvlink_gbs: 3\n", "unknown field 'nvlink_gbs'"),
+    (lambda t: t.replace("reserved_gb: 8", "reserved_gb: 90"), "reserved_gb: 90 leaves nothing"),
+    (lambda t: "[1, 2", "not valid YAML"),
+])
+def test_bad_cluster_files_get_one_line_naming_the_field(tmp_path, edit, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(edit(bundled_clusters()["a100-80gb"].read_text()))
+    with pytest.raises(ConfigError, match=message) as err:
+        load_cluster(path)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_cluster_names_the_bundled_ones():
+    with pytest.raises(ConfigError, match="--cluster: no such file or bundled cluster 'b200'; bundled: a100-80gb"):
+        load_cluster("b200")
+
+
+# ---------------------------------------------------------------------------------------------
+# Search and report
+
+
+def test_tensor_groups_tile_nodes_and_layouts_are_valid():
+    layouts = list(candidate_layouts(shape(96, 12288, 80), 1536, 2304, 8, ("full",), node=8))
+    assert {lay.tensor for lay in layouts} == {1, 2, 4, 8}  # 3, 6 (dividing 96 heads) straddle 8-GPU nodes
+    for lay in layouts:
+        assert lay.problem(shape(96, 12288, 80)) is None and lay.gpus == 1536
+
+
+def test_layout_problems_name_the_constraint():
+    model = shape(96, 12288, 80)
+    assert "tensor=5 does not divide the 96 heads" in Layout(5, 1, 1, 1, 8).problem(model)
+    assert "pipe x chunks = 24 does not divide the 80 layers" in Layout(8, 8, 1, 1, 64, 3).problem(model)
+    assert "not divisible by data x microbatch" in Layout(8, 8, 3, 1, 64).problem(model)
+    assert "a multiple of 8" in Layout(8, 8, 1, 1, 12, 2).problem(model)
+    with pytest.raises(ConfigError, match="layout t=5 p=1 d=1: tensor=5"):
+        Layout(5, 1, 1, 1, 8).check(model)
+
+
+def test_search_ranks_by_throughput_and_everything_ranked_fits():
+    result = search(shape(64, 8192, 48), 512, 1536, A100, recompute=("full",))
+    speeds = [e.tflops_per_gpu for e in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(e.memory.total <= A100.usable_memory_bytes for e in result.ranked)
+    assert result.too_big > 0 and result.tried == len(result.ranked) + result.too_big
+
+
+def test_search_refuses_what_cannot_run_in_one_line():
+    with pytest.raises(ConfigError, match="no layout of this model fits 8 GPUs of a100-80gb"):
+        search(GPT_175B, 8, 64, A100)
+    with pytest.raises(ConfigError, match="--gpus: no layout of 7 GPUs splits this model"):
+        search(GPT_175B, 7, 64, A100)
+
+
+def test_search_crosses_nodes_only_when_nothing_fits_within_one():
+    wide = ModelShape(layers=1, hidden=65536, heads=64, seq_len=2048, vocab_size=51200)  # one huge layer
+    result = search(wide, 16, 16, A100, recompute=("full",))
+    assert result.beyond_node and result.best.layout.tensor == 16
+    assert "Takeaway #1 (tensor parallelism within a node) cannot hold" in render(
+        make_plan(wide, 16, 16, A100, recompute=("full",)))
+
+
+def test_report_explains_with_the_takeaways_and_prices_every_optimizer():
+    plan = make_plan(shape(24, 2304, 24), 64, 512, load_cluster("a100-ethernet"))
+    text = render(plan, top=3)
+    for needle in ("Takeaway #1", "Takeaway #2", "Takeaway #3", "Recomputation", "onebit_lamb", "1-bit LAMB on"):
+        assert needle in text
+    rows = {row.optimizer: row for row in plan.optimizers}
+    assert rows["onebit_lamb"].estimate.data_bytes < rows["lamb"].estimate.data_bytes / 30
+    assert rows["onebit_lamb"].warmup_seconds == pytest.approx(
+        rows["onebit_lamb"].estimate.step_seconds - rows["onebit_lamb"].estimate.seconds["data"]
+        + rows["lamb"].estimate.seconds["data"])
+    assert rows["lamb"].run_seconds > rows["onebit_lamb"].run_seconds > rows["onebit_lamb"].estimate.step_seconds
+
+
+def test_compression_pays_more_on_ethernet_than_on_infiniband():
+    model = shape(24, 2304, 24)
+
+    def speedup(cluster):
+        rows = {r.optimizer: r for r in make_plan(model, 64, 512, load_cluster(cluster), "onebit_lamb").optimizers}
+        return rows["lamb"].run_seconds / rows["onebit_lamb"].run_seconds
+
+    assert speedup("a100-ethernet") > speedup("a100-80gb") > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line and describe
+
+
+def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--config", "paper/gpt_18_4b", "--gpus", "256", "--top", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "TF/s/GPU" in text and "why #1" in text and "Takeaway #2" in text
+    saved = json.loads(out.read_text())
+    assert len(saved["ranked"]) == 3 and saved["gpus"] == 256 and saved["cluster"] == "a100-80gb"
+    assert saved["ranked"][0]["tflops_per_gpu"] >= saved["ranked"][1]["tflops_per_gpu"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--recompute", "full,sometimes"], "--recompute: expected a comma-separated subset of full,selective,none"),
+    (["--cluster", "nowhere"], "--cluster: no such file or bundled cluster 'nowhere'"),
+    (["--gpus", "7"], "--gpus: no layout of 7 GPUs splits this model"),
+    (["model.mlp_dim=1000"], "model.mlp_dim: the paper's formulas assume 4 x hidden"),
+])
+def test_plan_command_bad_input_is_one_line(args, message, capsys):
+    base = {"--gpus": "256"}
+    argv = ["plan", "--config", "paper/gpt_18_4b"]
+    if "--gpus" not in args:
+        argv += ["--gpus", base["--gpus"]]
+    assert main(argv + args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_describe_prices_a_large_preset_with_the_planners_functions():
+    from meshtron.describe import describe
+
+    cfg = load_config("paper/gpt_145_6b")
+    out = io.StringIO()
+    describe(cfg, out=out)
+    text = out.getvalue()
+    model = ModelShape.from_config(cfg.model)
+    memory = memory_per_gpu(model, Layout(8, 8, 24, 1, 2304, 1, "full"))
+    assert "plan on a100-80gb" in text
+    assert f"memory per GPU           {memory.total / 1e9:.1f} GB" in text
