@@ -56,7 +56,7 @@ TABLE_2 = [
 FIGURE_12 = {12: (82, 119), 24: (109, 134), 36: (122, 141), 48: (130, 143), 60: (135, 146)}  # 175B, 96 GPUs
 FIGURES = {
     "Fig. 13: 162B, 64 GPUs, (p, t)": (128, 20480, 32, [
-        ((64 // p, p, 1, batch, 1), f"b={batch} (p={p},t={64 // p})", tf)
+        ((64 // p, p, 1, batch, 1), f"B={batch} (p={p},t={64 // p})", tf)
         for batch, row in ((32, (103, 134, 140, 111, 91)), (128, (107, 146, 165, 162, 148)))
         for p, tf in zip((2, 4, 8, 16, 32), row)]),
     "Fig. 14: 5.9B, 64 GPUs, (p, d), t=1": (32, 3840, 32, [
@@ -235,6 +235,13 @@ def main() -> None:
         _common.print_table(["setting", "paper TF/s", "model TF/s", "error"],
                             [[r["setting"], r["paper_tflops"], r["predicted_tflops"], f"{r['error']:+.1%}"]
                              for r in frows])
+    held_out = {"Table 2, PTD rows": [r["error"] for r in t2],
+                "Fig. 12": [r[f"{k}"] / r[f"paper_{k}"] - 1 for r in f12 for k in ("non_interleaved", "interleaved")],
+                **{name.split(":")[0]: [r["error"] for r in frows] for name, frows in figs.items()}}
+    print("\nheld out, all points")
+    _common.print_table(["source", "points", "median |error|", "largest |error|"],
+                        [[name, len(e), f"{np.median(np.abs(e)):.1%}", f"{np.max(np.abs(e)):.1%}"]
+                         for name, e in held_out.items()])
     path = _common.write_results("plan_vs_paper", {
         "cluster": cluster.name, "gemm_curve": {"e_max": e_max, "x_half": x_half},
         "table_1": [{**r, "left_out_error": e} for r, e in zip(rows, loo)], "table_1_top_agree": agree,
