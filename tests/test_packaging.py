@@ -140,6 +140,8 @@ def test_the_wheel_trains_from_a_directory_without_a_checkout(tmp_path):
     assert modules <= members, f"not in the wheel (pyproject.toml's package list): {sorted(modules - members)}"
     assert {f"meshtron/mesh_configs/{name}.yaml" for name in SHIPPED} <= members
     assert {"meshtron/builtin_corpus.txt.gz", "meshtron/builtin_corpus.NOTICE.txt"} <= members  # the default data
+    clusters = {f"meshtron/plan/clusters/{p.name}" for p in (ROOT / "src/meshtron/plan/clusters").glob("*.yaml")}
+    assert clusters and clusters <= members  # meshtron plan --cluster a100-80gb
 
     # A fresh environment with the wheel alone; its dependencies (jax, ...) are the current environment's,
     # seen through a .pth line. That adds the directory only: its own .pth files (this checkout's editable
