@@ -216,6 +216,12 @@ def _why_larger(small: Estimate, large: Estimate) -> str:
     return " and ".join(f"{labels[name]} ({gains[name]:+.1%} of the step)" for name in top)
 
 
+def _count(n: float) -> str:
+    """1.65B, 840.19M, 1.01T."""
+    return next(f"{n / scale:.2f}{unit}" for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
+                if n >= scale or scale == 1)
+
+
 def _over(e: Estimate, cluster: Cluster) -> bool:
     return e.memory.total > cluster.usable_memory_bytes
 
@@ -232,7 +238,7 @@ def render(plan: Plan, top: int = 10) -> str:
     """The text ``meshtron plan`` prints."""
     model, cluster, result = plan.model, plan.cluster, plan.result
     out = [
-        (f"model     {parameter_count(model) / 1e9:.2f}B parameters (eq. 2): {model.layers} layers, hidden {model.hidden}, "
+        (f"model     {_count(parameter_count(model))} parameters (eq. 2): {model.layers} layers, hidden {model.hidden}, "
         f"{model.heads} heads, seq {model.seq_len}, vocab {model.vocab_size}; "
         f"{flops_per_iteration(model, plan.global_batch):.3g} FLOPs per batch of {plan.global_batch} (eq. 3)"),
         (f"cluster   {cluster.name}: {plan.gpus} GPUs, {cluster.gpus_per_node} per node, {cluster.peak_tflops:g} TF/s "
