@@ -105,17 +105,21 @@ def layer_gemm_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> f
     return sum(flops / (peak * cluster.gemm(dim)) for flops, dim in layer_gemms(model, layout))
 
 
-def layer_memory_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
+def layer_memory_seconds(model: ModelShape, layout: Layout, cluster: Cluster,
+                         passes: dict[str, tuple[float, float]] = ELEMENTWISE_PASSES,
+                         element_bytes: int = ACTIVATION_BYTES) -> float:
     """Element-wise kernels of one layer and microbatch on one GPU: :data:`ELEMENTWISE_PASSES` of
     16-bit elements, the forward twice where it is recomputed (all of it with ``full``, the
-    ``scores`` terms with ``selective``), at the achieved HBM bandwidth."""
+    ``scores`` terms with ``selective``), at the achieved HBM bandwidth. ``passes`` and
+    ``element_bytes`` price another runtime's kernels (:mod:`meshtron.plan.calibration`: meshtron's,
+    fp32 and without dropout)."""
     b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
     tokens = b * s
     widths = {"residual": tokens * h, "mlp": tokens * 4 * h / t, "scores": b * model.heads / t * s * s}
     recomputed = {"full": set(widths), "selective": {"scores"}, "none": set()}[layout.recompute]
     elements = sum(width * (forward * (1 + (name in recomputed)) + backward)
-                   for name, width in widths.items() for forward, backward in [ELEMENTWISE_PASSES[name]])
-    return elements * ACTIVATION_BYTES / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
+                   for name, width in widths.items() for forward, backward in [passes[name]])
+    return elements * element_bytes / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
 
 
 def logits_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
