@@ -174,7 +174,8 @@ def test_bundled_clusters_load_and_a_users_file_round_trips(tmp_path):
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda t: t.replace("peak_tflops: 312", "peak_tflops: fast"), "peak_tflops: expected a number"),
     (lambda t: t.replace("hbm_gbps: 2039", ""), "hbm_gbps: missing; give one GPU's memory bandwidth"),
-    (lambda t: t.replace("  nvlink: 0.8", "  nvlink: 80"), "efficiency.nvlink: a fraction of peak is at most 1"),
+    (lambda t: t.replace("  nvlink: 0.8", "  nvlink: 80"), "efficiency.nvlink: a fraction is at most 1"),
+    (lambda t: t.replace("  nvlink: 0.8", "  nvlink: 0.8\n  infiniband: 0.9"), "efficiency.infiniband: unknown"),
     (lambda t: t + "\nnvlink_gbs: 3\n", "unknown field 'nvlink_gbs'"),
     (lambda t: t.replace("reserved_gb: 8", "reserved_gb: 90"), "reserved_gb: 90 leaves nothing"),
     (lambda t: "[1, 2", "not valid YAML"),
@@ -199,6 +200,8 @@ def test_unknown_cluster_names_the_bundled_ones():
 def test_tensor_groups_tile_nodes_and_layouts_are_valid():
     layouts = list(candidate_layouts(shape(96, 12288, 80), 1536, 2304, 8, ("full",), node=8))
     assert {lay.tensor for lay in layouts} == {1, 2, 4, 8}  # 3, 6 (dividing 96 heads) straddle 8-GPU nodes
+    assert not [lay for lay in layouts if lay.chunks > 1 and lay.pipe <= 2]  # Megatron interleaves only p > 2
+    assert {lay.tensor for lay in candidate_layouts(shape(24, 2304, 24), 6, 24, 8, ("full",))} == {1, 2, 3, 6}
     for lay in layouts:
         assert lay.problem(shape(96, 12288, 80)) is None and lay.gpus == 1536
 
@@ -242,11 +245,34 @@ def test_report_explains_with_the_takeaways_and_prices_every_optimizer():
     for needle in ("Takeaway #1", "Takeaway #2", "Takeaway #3", "Recomputation", "onebit_lamb", "1-bit LAMB on"):
         assert needle in text
     rows = {row.optimizer: row for row in plan.optimizers}
-    assert rows["onebit_lamb"].estimate.data_bytes < rows["lamb"].estimate.data_bytes / 30
+    for name, row in rows.items():  # each on the layout its own search ranks first
+        assert row.estimate.layout == search(plan.model, 64, 512, plan.cluster, name).best.layout
+    onebit = rows["onebit_lamb"].estimate
+    lamb_on_same = estimate(plan.model, onebit.layout, plan.cluster, "lamb")
+    assert onebit.data_bytes < lamb_on_same.data_bytes / 30
     assert rows["onebit_lamb"].warmup_seconds == pytest.approx(
-        rows["onebit_lamb"].estimate.step_seconds - rows["onebit_lamb"].estimate.seconds["data"]
-        + rows["lamb"].estimate.seconds["data"])
-    assert rows["lamb"].run_seconds > rows["onebit_lamb"].run_seconds > rows["onebit_lamb"].estimate.step_seconds
+        onebit.step_seconds - onebit.seconds["data"] + lamb_on_same.seconds["data"])
+    assert rows["onebit_lamb"].run_seconds == pytest.approx(0.16 * rows["onebit_lamb"].warmup_seconds
+                                                            + 0.84 * onebit.step_seconds)
+    assert rows["lamb"].run_seconds > rows["onebit_lamb"].run_seconds > onebit.step_seconds
+
+
+def test_onebit_lamb_layouts_are_ranked_by_the_run_mean_with_its_warmup():
+    result = search(shape(32, 4096, 36), 128, 512, load_cluster("a100-ethernet"), "onebit_lamb", freeze_fraction=0.5)
+    means = [e.run_seconds(0.5) for e in result.ranked]
+    assert means == sorted(means)
+    assert all(e.warmup_seconds > e.step_seconds for e in result.ranked if e.layout.data > 1)
+
+
+def test_compressed_exchange_is_an_all_to_all_then_a_ring_all_gather():
+    from meshtron.plan.timing import allreduce_seconds, alltoall_seconds, data_seconds
+
+    model, layout = shape(32, 4096, 36), Layout(1, 2, 64, 1, 512)
+    signs = onebit_padded_length(math.ceil(figures(model, layout).data_bytes / 2), 64) / 8
+    expected = alltoall_seconds(signs, 64, 8, A100) + allreduce_seconds(signs / 2, 64, 8, A100)
+    assert data_seconds(model, layout, A100, "onebit_lamb") == pytest.approx(expected)
+    nic = A100.nic_gbps * 1e9 * A100.network_efficiency  # 7/8 of each GPU's signs leave its node through its NIC
+    assert alltoall_seconds(signs, 64, 8, A100) == pytest.approx(56 / 64 * signs / nic + 63 * 10e-6)
 
 
 def test_compression_pays_more_on_ethernet_than_on_infiniband():
@@ -271,6 +297,14 @@ def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert len(saved["ranked"]) == 3 and saved["gpus"] == 256 and saved["cluster"] == "a100-80gb"
     assert saved["ranked"][0]["tflops_per_gpu"] >= saved["ranked"][1]["tflops_per_gpu"]
+
+
+def test_plan_command_ignores_the_presets_mesh_and_takes_a_zero_batch_as_given(capsys):
+    assert main(["plan", "--config", "paper/gpt_1t", "--gpus", "64", "model.layers=2", "model.hidden=4096",
+                 "model.mlp_dim=16384", "model.heads=32", "--top", "1"]) == 0  # the preset's mesh is 6x64x8
+    assert "2 layers, hidden 4096" in capsys.readouterr().out
+    assert main(["plan", "--config", "paper/gpt_1t", "--gpus", "64", "--batch", "0"]) == 2
+    assert "--batch: must be >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -118,7 +118,11 @@ def _plan(args: argparse.Namespace) -> None:
     from meshtron.plan.model import RECOMPUTE
     from meshtron.plan.report import make_plan, render
 
-    cfg = load_config(args.config, args.overrides)
+    # The model and batch come from the config; its mesh is what the plan chooses, so it is reset
+    # before validation (a preset's 3072-GPU mesh must not reject a model override).
+    layout_free = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1", "pipeline.chunks=1",
+                   "pipeline.layout=null"]
+    cfg = load_config(args.config, [*args.overrides, *layout_free])
     modes = tuple(mode.strip() for mode in args.recompute.split(",") if mode.strip())
     unknown = [mode for mode in modes if mode not in RECOMPUTE]
     if unknown or not modes:
@@ -127,7 +131,8 @@ def _plan(args: argparse.Namespace) -> None:
     if args.top < 1:
         raise ConfigError(f"--top: must be >= 1, got {args.top}")
     optimizer = args.optimizer or cfg.train.optimizer
-    plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, args.batch or cfg.train.batch_size,
+    batch = args.batch if args.batch is not None else cfg.train.batch_size
+    plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, batch,
                      load_cluster(args.cluster), optimizer, modes,
                      freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), overlap_data=args.overlap_data)
     print(render(plan, args.top))
@@ -261,7 +266,11 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, ProcessGroup | None]:
-    cfg = load_config(args.config, args.overrides)
+    # The model and batch come from the config; its mesh is what the plan chooses, so it is reset
+    # before validation (a preset's 3072-GPU mesh must not reject a model override).
+    layout_free = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1", "pipeline.chunks=1",
+                   "pipeline.layout=null"]
+    cfg = load_config(args.config, [*args.overrides, *layout_free])
     group = resolve_group(cfg.distributed) if args.command == "train" else None
     needed = devices_requested(cfg.mesh)
     if group is not None:  # this process simulates its share of the mesh (on CPU)

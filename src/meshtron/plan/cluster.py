@@ -155,6 +155,10 @@ def cluster_from_dict(values: Any, origin: str) -> Cluster:
     if not isinstance(efficiency, dict):
         raise ConfigError(f"cluster {origin}: efficiency: missing; give gemm (a table smallest dimension -> "
                           f"fraction of peak) and {', '.join(_EFFICIENCIES)} (fractions of bandwidth)")
+    unknown = sorted(set(map(str, efficiency)) - {*_EFFICIENCIES, "gemm"})
+    if unknown:
+        raise ConfigError(f"cluster {origin}: efficiency.{unknown[0]}: unknown; the fields are gemm, "
+                          f"{', '.join(_EFFICIENCIES)}")
     fractions = {}
     for name in _EFFICIENCIES:
         if name not in efficiency:
@@ -196,5 +200,5 @@ def _positive(value: Any, name: str, origin: str, allow_zero: bool = False) -> f
 def _fraction(value: Any, name: str, origin: str) -> float:
     number = _positive(value, name, origin)
     if number > 1:
-        raise ConfigError(f"cluster {origin}: {name}: a fraction of peak is at most 1, got {value}")
+        raise ConfigError(f"cluster {origin}: {name}: a fraction is at most 1, got {value}")
     return number

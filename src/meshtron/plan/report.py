@@ -13,26 +13,27 @@ in the uncompressed warmup.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from meshtron.analysis import format_bytes
-from meshtron.config import OPTIMIZERS
+from meshtron.config import OPTIMIZERS, ConfigError
 from meshtron.plan.cluster import Cluster
 from meshtron.plan.model import RECOMPUTE, ModelShape, flops_per_iteration, parameter_count
 from meshtron.plan.search import SearchResult, search
 from meshtron.plan.timing import Estimate, estimate
 
-__all__ = ["OptimizerRow", "Plan", "make_plan", "optimizer_rows", "reasons", "render"]
+__all__ = ["OptimizerRow", "Plan", "make_plan", "onebit_summary", "optimizer_rows", "reasons", "render"]
 
 
 @dataclass(frozen=True)
 class OptimizerRow:
-    """The chosen layout's step with one optimizer. For 1-bit LAMB the row is its compression stage;
-    ``warmup_seconds`` is its uncompressed warmup step (LAMB's exchange with 1-bit LAMB's memory
-    traffic), and ``run_seconds`` the mean over a run with ``freeze_fraction`` of warmup."""
+    """One optimizer on its own best layout (``estimate``; None when no layout fits its state). For
+    1-bit LAMB the estimate's step is its compression stage; ``warmup_seconds`` is its uncompressed
+    warmup step on the same layout and ``run_seconds`` the mean over a run with ``freeze_fraction``
+    of warmup. For the others both are the step."""
 
     optimizer: str
-    estimate: Estimate
+    estimate: Estimate | None
     warmup_seconds: float
     run_seconds: float
 
@@ -68,8 +69,9 @@ class Plan:
             "gpus": self.gpus, "global_batch": self.global_batch, "cluster": self.cluster.name,
             "optimizer": self.optimizer, "layouts_tried": self.result.tried, "too_big": self.result.too_big,
             "ranked": [layout(e) for e in self.result.ranked[:top]],
-            "optimizers": [{"optimizer": row.optimizer, **layout(row.estimate), "warmup_seconds": row.warmup_seconds,
-                            "run_seconds": row.run_seconds} for row in self.optimizers],
+            "optimizers": [{"optimizer": row.optimizer, **(layout(row.estimate) if row.estimate else {}),
+                            "warmup_seconds": row.warmup_seconds, "run_seconds": row.run_seconds}
+                           for row in self.optimizers],
             "freeze_fraction": self.freeze_fraction,
             "reasons": self.reasons,
         }
@@ -78,27 +80,35 @@ class Plan:
 def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
               recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
               overlap_data: bool = False) -> Plan:
-    """Search, explain the winner, and price it with every optimizer."""
-    result = search(model, gpus, global_batch, cluster, optimizer, recompute, overlap_data)
-    rows = optimizer_rows(model, result.best, cluster, freeze_fraction, overlap_data)
+    """Search, explain the winner, and price every optimizer on its own best layout."""
+    result = search(model, gpus, global_batch, cluster, optimizer, recompute, overlap_data,
+                    freeze_fraction=freeze_fraction)
+    rows = optimizer_rows(model, gpus, global_batch, cluster, recompute, freeze_fraction, overlap_data,
+                          known={optimizer: result.best})
     return Plan(model, gpus, global_batch, cluster, optimizer, result, rows,
-                reasons(model, result, cluster), freeze_fraction)
+                reasons(model, result, cluster, freeze_fraction), freeze_fraction)
 
 
-def optimizer_rows(model: ModelShape, best: Estimate, cluster: Cluster, freeze_fraction: float,
-                   overlap_data: bool = False) -> list[OptimizerRow]:
-    """The best layout's step with AdamW, LAMB and 1-bit LAMB. 1-bit LAMB's warmup exchanges the
-    gradients uncompressed, as LAMB does (its first ``freeze_step`` steps), so its run mean is
-    ``f·t_warmup + (1−f)·t_compressed``."""
+def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster,
+                   recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
+                   overlap_data: bool = False, known: dict[str, Estimate] | None = None) -> list[OptimizerRow]:
+    """AdamW, LAMB and 1-bit LAMB, each on the layout the search ranks first for it: 1-bit LAMB's
+    extra state may force another layout, and its compressed exchange may favour more data
+    parallelism, so comparing both on one layout would misstate the choice. 1-bit LAMB is ranked by
+    its run mean ``f·t_warmup + (1−f)·t_compressed`` (its warmup exchanges the gradients
+    uncompressed, as LAMB does, on the same layout)."""
     rows = []
     for name in OPTIMIZERS:
-        step = estimate(model, best.layout, cluster, name, overlap_data)
-        warm = step.step_seconds
-        if name == "onebit_lamb":
-            uncompressed = estimate(model, best.layout, cluster, "lamb", overlap_data)
-            warm = step.step_seconds - step.seconds["data"] + uncompressed.seconds["data"]
-        run = freeze_fraction * warm + (1 - freeze_fraction) * step.step_seconds if name == "onebit_lamb" else warm
-        rows.append(OptimizerRow(name, step, warm, run))
+        best = (known or {}).get(name)
+        if best is None:
+            try:
+                best = search(model, gpus, global_batch, cluster, name, recompute, overlap_data,
+                              freeze_fraction=freeze_fraction).best
+            except ConfigError:  # nothing fits this optimizer's state
+                rows.append(OptimizerRow(name, None, math.inf, math.inf))
+                continue
+        warm = best.warmup_seconds if best.warmup_seconds is not None else best.step_seconds
+        rows.append(OptimizerRow(name, best, warm, best.run_seconds(freeze_fraction)))
     return rows
 
 
@@ -109,18 +119,25 @@ def _best_by(ranked: list[Estimate], key) -> dict:
     return out
 
 
-def _slower(e: Estimate, best: Estimate) -> str:
-    return f"{1 - e.tflops_per_gpu / best.tflops_per_gpu:.1%} slower"
+def _speed(e: Estimate, freeze_fraction: float) -> float:
+    """TF/s per GPU over a run (eq. 3's FLOPs): the step's, or 1-bit LAMB's mean with its warmup."""
+    return e.tflops_per_gpu * e.step_seconds / e.run_seconds(freeze_fraction)
 
 
-def _describe(e: Estimate) -> str:
+def _slower(e: Estimate, best: Estimate, freeze_fraction: float) -> str:
+    return f"{1 - best.run_seconds(freeze_fraction) / e.run_seconds(freeze_fraction):.1%} slower"
+
+
+def _describe(e: Estimate, freeze_fraction: float) -> str:
     lay = e.layout
     return (f"t={lay.tensor} p={lay.pipe} v={lay.chunks} b={lay.microbatch} {lay.recompute} "
-            f"({e.tflops_per_gpu:.0f} TF/s)")
+            f"({_speed(e, freeze_fraction):.0f} TF/s)")
 
 
-def reasons(model: ModelShape, result: SearchResult, cluster: Cluster) -> list[str]:
-    """Why the best layout won, one sentence per takeaway, each against the best priced alternative."""
+def reasons(model: ModelShape, result: SearchResult, cluster: Cluster, freeze_fraction: float = 0.16) -> list[str]:
+    """Why the best layout won, one sentence per takeaway, each against the best priced alternative
+    (compared by time per step, for 1-bit LAMB the mean over a run with ``freeze_fraction`` of warmup)."""
+    f = freeze_fraction
     best = result.best
     lay = best.layout
     g = cluster.gpus_per_node
@@ -129,64 +146,74 @@ def reasons(model: ModelShape, result: SearchResult, cluster: Cluster) -> list[s
 
     # Takeaway #1: tensor parallelism within a node, then pipeline across nodes.
     tensor_share = best.seconds["tensor"] / best.step_seconds
+    wider = [e for (t, p), e in by_tp.items() if t > lay.tensor]
     if result.beyond_node:
-        lines.append(f"Takeaway #1 (tensor parallelism within a node) cannot hold: no layout with t <= {g} fits "
-                     f"in {cluster.memory_gb - cluster.reserved_gb:g} GB, so t={lay.tensor} crosses nodes and its "
-                     f"all-reduces ({tensor_share:.0%} of the step) run over the network.")
+        text = (f"Takeaway #1 (tensor parallelism within a node) cannot hold: no layout with t <= {g} fits "
+                f"in {cluster.memory_gb - cluster.reserved_gb:g} GB, so t={lay.tensor} crosses nodes and its "
+                f"all-reduces ({tensor_share:.0%} of the step) run over the network")
+    elif lay.tensor == 1:
+        text = "Takeaway #1: no tensor parallelism is needed (t=1: no all-reduces inside the layers)"
     else:
-        wider = [e for (t, p), e in by_tp.items() if t > lay.tensor]
-        text = (f"Takeaway #1: t={lay.tensor} keeps the tensor all-reduces on NVLink within a {g}-GPU node "
+        text = (f"Takeaway #1: t={lay.tensor} keeps the tensor all-reduces on NVLink within an {g}-GPU node "
                 f"({tensor_share:.0%} of the step)")
-        if wider:
-            alt = max(wider, key=lambda e: e.tflops_per_gpu)
-            text += (f"; a wider split costs more all-reduces per FLOP and smaller GEMMs: best with t={alt.layout.tensor} "
-                     f"is {_describe(alt)}, {_slower(alt, best)}")
-        lines.append(text + ".")
+    if wider and not result.beyond_node:
+        alt = min(wider, key=lambda e: e.run_seconds(f))
+        text += (f"; a wider split runs more all-reduces per FLOP and smaller GEMMs: the best with "
+                 f"t={alt.layout.tensor} is {_describe(alt, f)}, {_slower(alt, best, f)}")
+    lines.append(text + ".")
 
     # Takeaway #2: the smallest model-parallel size that fits.
-    sizes = sorted({t * p for t, p in by_tp})
-    smallest = sizes[0]
+    smallest = min(t * p for t, p in by_tp)
     m_size = lay.tensor * lay.pipe
+    smaller = [t * p for (t, p) in result.dropped if t * p < smallest]
+    fits = (f"; smaller ones (M={max(smaller)}) do not fit in memory" if smaller else
+            " (no smaller one splits this batch and these layers)" if smallest > 1 else "")
     if m_size == smallest:
-        smaller = [t * p for (t, p) in result.dropped if t * p < m_size]
-        why = (f"; smaller ones (M={max(smaller)}) do not fit in memory" if smaller else "")
-        lines.append(f"Takeaway #2: M = t·p = {m_size} is the smallest model-parallel size that fits{why}; "
-                     f"the other {lay.data}-way split is data parallelism, which communicates once per batch.")
+        data = (f"the other {lay.data}-way split is data parallelism, which communicates once per batch"
+                if lay.data > 1 else "no GPUs are left for data parallelism")
+        lines.append(f"Takeaway #2: M = t·p = {m_size} is the smallest model-parallel size that fits{fits}; {data}.")
     else:
-        alt = max((e for (t, p), e in by_tp.items() if t * p == smallest), key=lambda e: e.tflops_per_gpu)
-        lines.append(f"Takeaway #2 bends: the smallest model-parallel size that fits is M={smallest} "
-                     f"({_describe(alt)}, {_slower(alt, best)}); M={m_size} wins because "
-                     + _why_larger(alt, best) + ".")
+        alt = min((e for (t, p), e in by_tp.items() if t * p == smallest), key=lambda e: e.run_seconds(f))
+        lines.append(f"Takeaway #2 bends: the smallest model-parallel size that fits is M={smallest}{fits} "
+                     f"({_describe(alt, f)}, {_slower(alt, best, f)}); M={m_size} wins with " + _why_larger(alt, best) + ".")
 
     # Takeaway #3: microbatch size, the same (t, p, v, recompute) at other b.
     same = [e for e in result.ranked if (e.layout.tensor, e.layout.pipe, e.layout.chunks, e.layout.recompute)
             == (lay.tensor, lay.pipe, lay.chunks, lay.recompute)]
-    others = sorted({e.layout.microbatch for e in same} - {lay.microbatch})
+    alts = _best_by(same, lambda x: x.microbatch)
+    others = sorted(set(alts) - {lay.microbatch})
     text = f"Takeaway #3: microbatch b={lay.microbatch} ({lay.microbatches} microbatches per pipeline)"
     if others:
-        alts = _best_by(same, lambda x: x.microbatch)
-        text += "; " + ", ".join(f"b={b}: {alts[b].tflops_per_gpu:.0f} TF/s" for b in others[:4])
-        text += (" -- larger b runs more efficient GEMMs but, with the batch fixed, leaves fewer microbatches "
-                 "to fill the pipeline (eq. 1's bubble (p−1)/m)" if lay.pipe > 1 else
-                 " -- larger b runs more efficient GEMMs until memory runs out")
+        text += "; " + ", ".join(f"b={b}: {_speed(alts[b], f):.1f} TF/s" for b in others[:4])
+        tied = [b for b in others if math.isclose(alts[b].run_seconds(f), best.run_seconds(f), rel_tol=1e-6)]
+        if tied:
+            text += f" (b={', '.join(map(str, tied))} ties: the GEMMs are too small for a larger b to help)"
+        elif lay.pipe > 1:
+            text += (" -- a larger b runs more efficient GEMMs but, with the batch fixed, leaves fewer microbatches "
+                     "to fill the pipeline (eq. 1's bubble (p−1)/m)")
+        else:
+            text += " -- a larger b runs more efficient GEMMs, a smaller one less efficient ones"
     else:
         text += ", the only size that fits with this (t, p, v, recompute)"
     lines.append(text + ".")
 
     # Interleaving (§2.2.2).
     if lay.pipe > 1:
-        plain = [e for e in result.ranked if (e.layout.tensor, e.layout.pipe, e.layout.chunks)
-                 == (lay.tensor, lay.pipe, 1)]
+        same_tp = [e for e in result.ranked if (e.layout.tensor, e.layout.pipe) == (lay.tensor, lay.pipe)]
         one = f"(p−1)/(v·m) = {best.bubble:.1%}"
         if lay.chunks > 1:
+            plain = [e for e in same_tp if e.layout.chunks == 1]
             text = (f"Interleaving: v={lay.chunks} chunks per stage cut the bubble to {one} "
                     f"from {(lay.pipe - 1) / lay.microbatches:.1%} at the cost of {lay.chunks}x the pipeline "
                     f"traffic ({best.seconds['pipe'] / best.step_seconds:.1%} of the step)")
             if plain:
-                text += f"; the best non-interleaved layout is {_describe(plain[0])}, {_slower(plain[0], best)}"
+                text += f"; the best non-interleaved layout is {_describe(plain[0], f)}, {_slower(plain[0], best, f)}"
+        elif any(e.layout.chunks > 1 for e in same_tp):
+            text = (f"No interleaving: the bubble (p−1)/m = {best.bubble:.1%} is small enough that more chunks' "
+                    "extra point-to-point traffic does not pay")
         else:
-            text = (f"No interleaving: the bubble {one} is small enough that more chunks' extra point-to-point "
-                    "traffic does not pay")
+            text = (f"No interleaving: not possible here (it needs p > 2, m a multiple of p and more than one "
+                    f"layer per stage); the bubble is (p−1)/m = {best.bubble:.1%}")
         lines.append(text + ".")
 
     # Recomputation (§3.5).
@@ -197,33 +224,29 @@ def reasons(model: ModelShape, result: SearchResult, cluster: Cluster) -> list[s
     if lay.recompute == "full":
         text += " (each layer's forward runs again in the backward, 4/3 of its GEMM FLOPs, §3.5)"
     if priced:
-        text += "; " + ", ".join(f"{mode}: best {_describe(modes[mode])}" for mode in priced)
+        text += "; " + ", ".join(f"{mode}: best {_describe(modes[mode], f)}" for mode in priced)
         text += "; full recomputation frees memory for larger microbatches" if lay.recompute == "full" else ""
     lines.append(text + ".")
     return lines
 
 
 def _why_larger(small: Estimate, large: Estimate) -> str:
-    """The terms that make the larger model-parallel layout faster, largest first."""
-    gains = {name: small.seconds[name] / small.step_seconds - large.seconds[name] / large.step_seconds
-             for name in small.seconds}
-    labels = {"gemm": "larger GEMMs", "elementwise": "element-wise work", "tensor": "tensor all-reduces",
-              "pipe": "pipeline exchanges", "bubble": "a smaller pipeline bubble",
-              "data": "a smaller data-parallel all-reduce", "optimizer": "the optimizer step"}
-    top = [name for name, gain in sorted(gains.items(), key=lambda kv: -kv[1]) if gain > 0.005][:2]
+    """The terms in which the larger model-parallel layout spends less time, largest first, as shares
+    of the smaller layout's step."""
+    saved = {name: (small.seconds[name] - large.seconds[name]) / small.step_seconds for name in small.seconds}
+    labels = {"gemm": "GEMM time", "elementwise": "element-wise time", "tensor": "tensor all-reduce time",
+              "pipe": "pipeline exchange time", "bubble": "pipeline bubble", "data": "data-parallel all-reduce time",
+              "optimizer": "optimizer time"}
+    top = [name for name, gain in sorted(saved.items(), key=lambda kv: -kv[1]) if gain > 0.005][:2]
     if not top:
-        return "its terms add up to less"
-    return " and ".join(f"{labels[name]} ({gains[name]:+.1%} of the step)" for name in top)
+        return "terms that add up to less"
+    return " and ".join(f"less {labels[name]} ({saved[name]:.1%} of the step)" for name in top)
 
 
 def _count(n: float) -> str:
     """1.65B, 840.19M, 1.01T."""
     return next(f"{n / scale:.2f}{unit}" for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
                 if n >= scale or scale == 1)
-
-
-def _over(e: Estimate, cluster: Cluster) -> bool:
-    return e.memory.total > cluster.usable_memory_bytes
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -248,44 +271,55 @@ def render(plan: Plan, top: int = 10) -> str:
         "",
     ]
     header = ["#", "t", "p", "d", "v", "b", "m", "recompute", "GB/GPU", "TF/s/GPU*", "step s", "bubble", "comm",
-              "data bytes (lamb)", "data bytes (1-bit)"]
+              "GB over data (lamb)", "GB over data (1-bit)"]
     rows = []
     for i, e in enumerate(result.ranked[:top], 1):
         lay = e.layout
         fp32 = estimate(plan.model, lay, cluster, "lamb").data_bytes
         onebit = estimate(plan.model, lay, cluster, "onebit_lamb").data_bytes
         rows.append([i, lay.tensor, lay.pipe, lay.data, lay.chunks, lay.microbatch, lay.microbatches, lay.recompute,
-                     f"{e.memory.total / 1e9:.1f}", f"{e.tflops_per_gpu:.1f}", f"{e.step_seconds:.3g}",
-                     f"{e.bubble:.1%}", f"{e.communication_share:.1%}", format_bytes(fp32), format_bytes(onebit)])
+                     f"{e.memory.total / 1e9:.1f}", f"{_speed(e, plan.freeze_fraction):.1f}",
+                     f"{e.run_seconds(plan.freeze_fraction):.3g}", f"{e.bubble:.1%}", f"{e.communication_share:.1%}",
+                     f"{fp32 / 1e9:.3g}", f"{onebit / 1e9:.3g}"])
     out.append(_table(header, rows))
-    out.append("* eq. 3's FLOPs (with full recomputation, the paper's count) per second per GPU; the ranking is by step time")
+    out.append("* eq. 3's FLOPs (with full recomputation, the paper's count) per second per GPU; GB = 10^9 bytes; "
+               + ("step and TF/s are the mean over a run, 1-bit LAMB's warmup included" if plan.optimizer == "onebit_lamb"
+                  else "ranked by step time"))
     out += ["", "why #1 (Narayanan et al. 2021, §3):"] + [f"  - {line}" for line in plan.reasons]
 
-    best = result.best
-    out += ["", (f"optimizers on #1 (t={best.layout.tensor} p={best.layout.pipe} d={best.layout.data}): "
-            "the data-parallel exchange per step")]
+    out += ["", "each optimizer on its own best layout: the data-parallel exchange and the step"]
     orows = []
     base = next(r for r in plan.optimizers if r.optimizer == "lamb")
     for row in plan.optimizers:
         e = row.estimate
-        orows.append([row.optimizer, format_bytes(e.data_bytes), f"{e.seconds['data'] * 1e3:.1f} ms",
-                      f"{e.data_share:.1%}", f"{e.memory.total / 1e9:.1f}" + (" > usable" if _over(e, cluster) else ""),
-                      f"{e.step_seconds:.3g}",
-                      f"{e.tflops_per_gpu:.1f}", f"{base.run_seconds / row.run_seconds:.2f}x"])
-    out.append(_table(["optimizer", "bytes over data", "exchange", "share of step", "GB/GPU", "step s", "TF/s/GPU",
-                       "run vs lamb"], orows))
-    onebit = next(r for r in plan.optimizers if r.optimizer == "onebit_lamb")
-    if best.layout.data == 1:
-        out.append("1-bit LAMB: nothing to compress, the layout has no data parallelism (d=1).")
-    else:
-        compressed = base.estimate.step_seconds / onebit.estimate.step_seconds
-        run = base.run_seconds / onebit.run_seconds
-        out.append(f"1-bit LAMB on {cluster.name}: the gradient exchange is {base.estimate.data_share:.0%} of a LAMB "
-                   f"step; compression makes a step {compressed:.2f}x as fast, {run:.2f}x over a run with "
-                   f"{plan.freeze_fraction:.0%} uncompressed warmup (optim.freeze_step), for "
-                   f"{(onebit.estimate.memory.total - base.estimate.memory.total) / 1e9:.1f} GB more per GPU "
-                   "(v̂ and the error-feedback buffers)"
-                   + ("; that does not fit this layout: rank with --optimizer onebit_lamb" if _over(onebit.estimate, cluster)
-                      and plan.optimizer != "onebit_lamb" else "") + ".")
+        if e is None:
+            orows.append([row.optimizer, "nothing fits", "", "", "", "", "", "", ""])
+            continue
+        lay = e.layout
+        where = f"t={lay.tensor} p={lay.pipe} d={lay.data} v={lay.chunks} b={lay.microbatch} {lay.recompute}"
+        orows.append([row.optimizer, where, f"{e.data_bytes / 1e9:.3g}", f"{e.seconds['data'] * 1e3:.1f} ms",
+                      f"{e.data_share:.1%}", f"{e.memory.total / 1e9:.1f}", f"{e.step_seconds:.3g}",
+                      f"{row.run_seconds:.3g}",
+                      f"{base.run_seconds / row.run_seconds:.2f}x" if base.estimate is not None else "-"])
+    out.append(_table(["optimizer", "layout", "GB over data", "exchange", "share of step", "GB/GPU", "step s",
+                       "run mean s", "vs lamb"], orows))
+    out.append(onebit_summary(plan))
     return "\n".join(out)
 
+
+def onebit_summary(plan: Plan) -> str:
+    """One sentence: what 1-bit LAMB buys over LAMB on this network, each on its own best layout."""
+    rows = {row.optimizer: row for row in plan.optimizers}
+    lamb, onebit = rows["lamb"], rows["onebit_lamb"]
+    if onebit.estimate is None:
+        return "1-bit LAMB: its extra state (v̂ and two error buffers) fits no layout of this model on these GPUs."
+    if lamb.estimate is None:
+        return "1-bit LAMB: LAMB fits no layout here, so there is nothing to compare with."
+    if onebit.estimate.layout.data == 1:
+        return "1-bit LAMB: its best layout has no data parallelism (d=1): nothing to compress."
+    e = onebit.estimate
+    return (f"1-bit LAMB on {plan.cluster.name}: LAMB's gradient exchange is {lamb.estimate.data_share:.0%} of its "
+            f"step; with compression ({e.data_share:.1%} of a compressed step) a run is {lamb.run_seconds / onebit.run_seconds:.2f}x "
+            f"as fast ({lamb.estimate.step_seconds / e.step_seconds:.2f}x per compressed step, "
+            f"{plan.freeze_fraction:.0%} of the steps in the uncompressed warmup, optim.freeze_step), "
+            f"holding {e.memory.total / 1e9:.1f} GB per GPU against LAMB's {lamb.estimate.memory.total / 1e9:.1f}.")

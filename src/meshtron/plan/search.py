@@ -5,8 +5,9 @@ cost model the search is cheap, so the planner enumerates the space the heuristi
 the takeaways explain the winner (:mod:`meshtron.plan.report`). The space: tensor size ``t``
 dividing the heads and tiling nodes, at most a node's GPUs (§3.2) unless no such layout fits; pipeline size ``p``
 dividing the layers (even stages, as the paper's); ``d = N/(t·p)``; microbatch ``b`` with
-``d·b`` dividing the batch and enough microbatches to fill the pipeline; chunks ``v`` dividing
-the layers per stage (``v > 1``: interleaved, ``m`` a multiple of ``p``); full, selective or no
+``d·b`` dividing the batch (1F1B runs with fewer microbatches than stages too, as Megatron does:
+all warmup, then all cooldown); chunks ``v`` dividing the layers per stage (``v > 1``: interleaved,
+``p > 2`` and ``m`` a multiple of ``p``, Megatron's conditions); full, selective or no
 recomputation.
 """
 
@@ -52,6 +53,8 @@ def candidate_layouts(model: ModelShape, gpus: int, global_batch: int, max_tenso
                 if b > MAX_MICROBATCH:
                     break
                 for v in divisors(model.layers // p):
+                    if v > 1 and p <= 2:
+                        continue  # Megatron's batched sends cannot tell a 2-stage ring's neighbours apart
                     for mode in recompute:
                         layout = Layout(t, p, d, b, global_batch, v, mode)
                         if layout.problem(model) is None:
@@ -76,9 +79,10 @@ class SearchResult:
 
 def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
            recompute: tuple[str, ...] = RECOMPUTE, overlap_data: bool = False, tensor: int | None = None,
-           pipe: int | None = None) -> SearchResult:
-    """Rank every layout that fits ``cluster``'s usable memory by predicted TF/s per GPU; ``tensor``
-    and ``pipe`` pin those sizes (to price one (t, p) with its best chunks, microbatch and mode).
+           pipe: int | None = None, freeze_fraction: float = 0.16) -> SearchResult:
+    """Rank every layout that fits ``cluster``'s usable memory by predicted time per step (for 1-bit
+    LAMB the mean over a run, ``freeze_fraction`` of it in the uncompressed warmup); ``tensor`` and
+    ``pipe`` pin those sizes (to price one (t, p) with its best chunks, microbatch and mode).
 
     Tensor parallelism stays within a node (Takeaway #1) unless nothing fits that way. Ties go to
     the smaller model-parallel size (Takeaway #2), then fewer chunks, then the recomputation mode
@@ -90,8 +94,8 @@ def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, op
     attempts = 0
     for cap, beyond in ((cluster.gpus_per_node, False), (None, True)):
         tried, too_big, dropped, fitting = 0, 0, Counter(), []
-        for layout in candidate_layouts(model, gpus, global_batch, cap, recompute, tensor, pipe,
-                                        cluster.gpus_per_node):
+        node = cluster.gpus_per_node if gpus > cluster.gpus_per_node else None  # one node: any t is inside it
+        for layout in candidate_layouts(model, gpus, global_batch, cap, recompute, tensor, pipe, node):
             tried += 1
             memory = memory_per_gpu(model, layout, optimizer)
             if memory.total > cluster.usable_memory_bytes:
@@ -102,7 +106,7 @@ def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, op
         attempts += tried
         if fitting:
             order = {mode: i for i, mode in enumerate(recompute)}
-            fitting.sort(key=lambda e: (-round(e.tflops_per_gpu, 6), e.layout.tensor * e.layout.pipe,
+            fitting.sort(key=lambda e: (float(f"{e.run_seconds(freeze_fraction):.6g}"), e.layout.tensor * e.layout.pipe,
                                         e.layout.chunks, order[e.layout.recompute]))
             return SearchResult(fitting, tried, too_big, beyond, dropped)
     if not attempts:

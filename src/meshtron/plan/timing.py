@@ -22,6 +22,7 @@ recomputes) per second per GPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from meshtron.plan.cluster import Cluster
@@ -35,6 +36,7 @@ from meshtron.plan.model import (
     figures,
     flops_per_iteration,
     memory_per_gpu,
+    onebit_padded_length,
     stage_parameters_per_gpu,
 )
 
@@ -43,6 +45,7 @@ __all__ = [
     "OPTIMIZER_PASSES",
     "Estimate",
     "allreduce_seconds",
+    "alltoall_seconds",
     "bubble_fraction",
     "data_seconds",
     "estimate",
@@ -66,11 +69,11 @@ residual-gradient sums (read two, write one: 3 each). ``mlp`` (×4h/t): fused bi
 scale-mask-softmax (read, write; backward read output and gradient, write) and attention dropout
 (read, write, mask; backward read gradient and mask, write). Counts, not fitted."""
 
-OPTIMIZER_PASSES = {"adamw": 30.0, "lamb": 38.0, "onebit_lamb": 46.0}
+OPTIMIZER_PASSES = {"adamw": 30.0, "lamb": 38.0, "onebit_lamb": 50.0}
 """Bytes an optimizer step reads and writes per parameter: AdamW reads the fp32 gradient, rewrites
 the fp32 master weight and two moments, writes the 16-bit weight (4 + 24 + 2); LAMB reads the update
 and the weight again for the per-layer trust ratio (+8); 1-bit LAMB (compression stage) also
-rewrites v̂ and the worker error (+16) and only reads the frozen variance (−8)."""
+rewrites v̂ and the worker error (+16) and only reads the frozen variance (−4)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,12 +192,32 @@ def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
     return 2 * layout.chunks * (send + gather)
 
 
+def alltoall_seconds(nbytes: float, group: int, per_node: int, cluster: Cluster) -> float:
+    """An all-to-all of ``nbytes`` per GPU over ``group`` GPUs, ``per_node`` of them in each node:
+    each GPU sends ``(g−1)/g`` of its buffer, one piece per peer. Inside a node all of it goes over
+    NVLink; across nodes the ``(g − per_node)/g`` bound for other nodes leaves through the GPU's
+    own NIC (every GPU of a node runs its own group's all-to-all at once, so none borrows another's)
+    while the rest crosses NVLink at the same time, with ``g−1`` latencies."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    nvlink = cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency
+    if group <= per_node:
+        return (group - 1) / group * nbytes / nvlink + (group - 1) * cluster.nvlink_latency_us * 1e-6
+    nic = cluster.nic_gbps * 1e9 * cluster.network_efficiency
+    off_node = (group - per_node) / group * nbytes / nic
+    on_node = (per_node - 1) / group * nbytes / nvlink
+    return max(off_node, on_node) + (group - 1) * cluster.network_latency_us * 1e-6
+
+
 def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str) -> float:
     """The step's data-parallel exchange of one GPU's gradient shard (``params/(t·p)`` values,
     :func:`meshtron.analysis.megatron_figures`' ``data_bytes``): an fp32 ring all-reduce, or 1-bit
-    LAMB's compressed exchange (:func:`meshtron.plan.model.data_wire_bytes`) at the same ring
-    bandwidth with ``2(d−1)`` latencies. Data-parallel peers are ``t`` ranks apart (Megatron's rank
-    order), so ``gpus_per_node/t`` of them share a node."""
+    LAMB's compressed exchange in its compression stage (Li et al. 2021, Algorithm 1;
+    :mod:`meshtron.optim.compression`): an all-to-all of the packed sign bits (``n/8`` bytes of the
+    padded length, :func:`meshtron.plan.model.onebit_padded_length`) to the workers that own each
+    chunk, then a ring all-gather of the server chunks' signs (half an all-reduce of ``n/8``).
+    Data-parallel peers are ``t`` ranks apart (Megatron's rank order), so ``gpus_per_node/t`` of
+    them share a node."""
     d = layout.data
     if d == 1:
         return 0.0
@@ -202,9 +225,9 @@ def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer:
     per_node = min(d, max(1, cluster.gpus_per_node // layout.tensor))
     if optimizer != "onebit_lamb":
         return allreduce_seconds(parameters * GRADIENT_BYTES, d, per_node, cluster)
-    sent = data_wire_bytes(parameters, d, optimizer)
-    # allreduce_seconds of a size whose ring traffic equals what the compressed exchange sends
-    return allreduce_seconds(sent * d / (2 * (d - 1)), d, per_node, cluster)
+    signs = onebit_padded_length(math.ceil(parameters), d) / 8
+    gather = allreduce_seconds(signs / 2, d, per_node, cluster)  # a ring all-gather: half the all-reduce's traffic
+    return alltoall_seconds(signs, d, per_node, cluster) + gather
 
 
 def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str) -> float:
@@ -237,6 +260,14 @@ class Estimate:
     memory: Memory
     seconds: dict[str, float] = field(default_factory=dict)
     data_bytes: float = 0.0  # bytes one GPU sends over `data` per step with this optimizer
+    warmup_seconds: float | None = None  # 1-bit LAMB: a warmup step (uncompressed exchange); else the step
+
+    def run_seconds(self, freeze_fraction: float = 0.16) -> float:
+        """Mean step over a run: 1-bit LAMB spends ``freeze_fraction`` of its steps in the
+        uncompressed warmup (``optim.freeze_step``, 16% by default), the rest compressed."""
+        if self.warmup_seconds is None:
+            return self.step_seconds
+        return freeze_fraction * self.warmup_seconds + (1 - freeze_fraction) * self.step_seconds
 
     @property
     def communication_share(self) -> float:
@@ -271,10 +302,13 @@ def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str
     seconds["data"] = 0.0 if overlap_data else data
     seconds["optimizer"] = optimizer_seconds(model, layout, cluster, optimizer)
     step = sum(seconds.values())
+    warmup = None
+    if optimizer == "onebit_lamb":  # its warmup exchanges the gradients uncompressed, as LAMB does
+        warmup = step - seconds["data"] + (0.0 if overlap_data else data_seconds(model, layout, cluster, "lamb"))
     parameters = figures(model, layout).data_bytes / ACTIVATION_BYTES
     return Estimate(
         layout=layout, optimizer=optimizer, step_seconds=step,
         tflops_per_gpu=flops_per_iteration(model, layout.global_batch) / step / layout.gpus / 1e12,
         bubble=bubble, memory=memory_per_gpu(model, layout, optimizer), seconds=seconds,
-        data_bytes=data_wire_bytes(parameters, layout.data, optimizer),
+        data_bytes=data_wire_bytes(parameters, layout.data, optimizer), warmup_seconds=warmup,
     )
