@@ -266,11 +266,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, ProcessGroup | None]:
-    # The model and batch come from the config; its mesh is what the plan chooses, so it is reset
-    # before validation (a preset's 3072-GPU mesh must not reject a model override).
-    layout_free = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1", "pipeline.chunks=1",
-                   "pipeline.layout=null"]
-    cfg = load_config(args.config, [*args.overrides, *layout_free])
+    cfg = load_config(args.config, args.overrides)
     group = resolve_group(cfg.distributed) if args.command == "train" else None
     needed = devices_requested(cfg.mesh)
     if group is not None:  # this process simulates its share of the mesh (on CPU)
