@@ -184,6 +184,32 @@ def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(buffer, jnp.maximum(slot, 0), keepdims=False)
 
 
+def _get(buffer: jax.Array, index: tuple[jax.Array, ...]) -> jax.Array:
+    """``buffer[index]`` for leading indices ``index`` (each in range)."""
+    start = (*index, *(0,) * (buffer.ndim - len(index)))
+    return jax.lax.dynamic_slice(buffer, start, (*(1,) * len(index), *buffer.shape[len(index):])).reshape(
+        buffer.shape[len(index):])
+
+
+def _put(buffer: jax.Array, index: tuple[jax.Array, ...], value: jax.Array) -> jax.Array:
+    """``buffer[index] = value`` for leading indices ``index`` (each in range): in place in a loop."""
+    start = (*index, *(0,) * (buffer.ndim - len(index)))
+    return jax.lax.dynamic_update_slice(buffer, value.reshape((1,) * len(index) + value.shape).astype(buffer.dtype),
+                                        start)
+
+
+def _index_after(index: jax.Array, seq: jax.Array) -> jax.Array:
+    """``index`` unchanged in value, but computed after ``seq`` (exactly zero) exists: reads at it wait
+    for ``seq`` without a pass over the values they read."""
+    return index + seq.astype(index.dtype)
+
+
+def _add_layer(g_stage: PyTree, index: tuple[jax.Array, jax.Array], flat: list[jax.Array]) -> PyTree:
+    """``g_stage[chunk, layer] += d`` for every leaf (``flat``: one layer's gradients, in leaf order)."""
+    leaves, treedef = jax.tree.flatten(g_stage)
+    return treedef.unflatten([_put(g, index, _get(g, index) + d) for g, d in zip(leaves, flat)])
+
+
 def _chunk(stage_params: PyTree, chunk: jax.Array) -> PyTree:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, keepdims=False), stage_params)
 
@@ -331,21 +357,24 @@ def _run(
     layers = (_LayerBackward(program, fns, stage_params, zeros_act, pin, zeros)
               if keep or schedule.split_backward else None)
 
-    def forward_keeping(row, stash, seq):
-        """The forward when nothing is recomputed: the layers run one by one under ``jax.vjp``, and
-        their residuals (plus the chunk output, which the loss's backward needs) are returned for the
-        residual buffer."""
+    def forward_keeping(row, stash, rbuf, seq):
+        """The forward when nothing is recomputed: the layers run one by one under ``jax.vjp`` and
+        write their residuals (and the chunk output, which the loss's backward needs) straight into
+        this microbatch's slot of the residual buffers ``rbuf``, which the branch returns updated."""
         chunk = row["fwd_chunk"]
         tok = tokens[row["fwd_mb"]]
         virtual = chunk * p + stage_index
         x_stash = pin(_after(_read(stash, row["fwd_slot"]), seq))
         x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(shared_params, tok), lambda: x_stash))
-        y, stored = layers.layers_forward(_chunk(stage_params, chunk), x, active(chunk))
+        slot = row["fwd_res_slot"]
+        y, stored = layers.forward_into(_chunk(stage_params, chunk), x, active(chunk), rbuf[:-1], slot)
         loss = jax.lax.cond(virtual == last_virtual,
                             lambda: fns.loss(shared_params, y, tok).astype(jnp.float32), lambda: zero_loss)
-        return y, loss, [*stored, y], seq + _token((y, loss))
+        return y, loss, [*stored, _put(rbuf[-1], (slot,), y)], seq + _token((y, loss))
 
-    def backward(row, stash, gbuf, seq):
+    def backward(row, stash, gbuf, g_stage, g_shared, seq):
+        """The whole backward of a virtual stage, recomputed from its stashed input; the parameter
+        gradients are added to the accumulators ``g_stage`` / ``g_shared`` in the branch."""
         chunk = row["bwd_chunk"]
         tok = tokens[row["bwd_mb"]]
         is_last = chunk * p + stage_index == last_virtual
@@ -355,15 +384,16 @@ def _run(
         dy = pin(jnp.where(is_last, zeros_act, _read(gbuf, row["bwd_grad_slot"])))
         d_params, d_shared, d_x = pullback((dy, jnp.where(is_last, zero_loss + inv_m, zero_loss)))
         d_x = pin(d_x)
-        return d_x, d_params, d_shared, seq + _token((d_x, d_params))
+        g_stage = add_to_chunk(g_stage, chunk, d_params)
+        return d_x, g_stage, jax.tree.map(jnp.add, g_shared, d_shared), seq + _token((d_x, g_stage))
 
-    def backward_by_layer(row, stash, gbuf, kept, seq, layers_backward):
-        """A virtual stage's backward, one layer at a time from stored residuals: the kept ones
-        (``kept``, this chunk's slot of the residual buffers) or, recomputing, those of the chunk's
-        forward rerun from its stashed input. The embedding and head + loss gradients are taken here;
-        ``layers_backward(chunk_params, stored, dy, active) -> (dx, out)`` walks the layers back (the
-        split backward's B: ``out`` is what W will need; the whole pullback: the layers' parameter
-        gradients)."""
+    def backward_by_layer(row, stash, gbuf, rbuf, g_shared, seq, walk):
+        """A virtual stage's backward, one layer at a time from stored residuals: the kept ones (this
+        microbatch's slot of the residual buffers ``rbuf``, read layer by layer where they are used)
+        or, recomputing, those of the chunk's forward rerun from its stashed input. The embedding and
+        head + loss gradients are added to ``g_shared`` here; ``walk(chunk_params, residual_of, dy,
+        active) -> (dx, buffer)`` walks the layers back, writing what it produces into the buffer it
+        carries (the split backward's B: what W will need; the whole pullback: the layers' gradients)."""
         chunk = row["bwd_chunk"]
         tok = tokens[row["bwd_mb"]]
         virtual = chunk * p + stage_index
@@ -375,35 +405,49 @@ def _run(
         x0, pull_in = jax.vjp(
             lambda sh, xs: pin(jax.lax.cond(virtual == 0, lambda: fns.embed(sh, tok), lambda: xs)), shared_params, x)
         if keep:
-            *stored, y = _after(kept, seq)
+            # The slot index carries the ordering token, so every read of the buffers waits for `seq`
+            # without a pass over the values (``_after`` on them would add zero to every element).
+            slot = _index_after(row["bwd_res_slot"], seq)
+            y = _get(rbuf[-1], (slot,))
+
+            def residual_of(i):
+                return [_get(b, (slot, i)) for b in rbuf[:-1]]
         else:
             y, stored = layers.layers_forward(chunk_params, x0, active(chunk))
+
+            def residual_of(i):
+                return [jax.lax.dynamic_index_in_dim(s, i, keepdims=False) for s in stored]
         _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
             is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), shared_params, y)
         d_shared_out, dy_loss = pull_out(jnp.where(is_last, zero_loss + inv_m, zero_loss))
         dy = pin(jnp.where(is_last, dy_loss, _read(gbuf, row["bwd_grad_slot"])))
-        dx0, out = layers_backward(chunk_params, stored, dy, active(chunk))
+        dx0, buffer = walk(chunk_params, residual_of, dy, active(chunk))
         d_shared_in, d_x = pull_in(pin(dx0))
         d_x = pin(d_x)
-        return d_x, out, jax.tree.map(jnp.add, d_shared_out, d_shared_in), seq + _token((d_x, out))
+        g_shared = jax.tree.map(lambda g, a, b: g + a + b, g_shared, d_shared_out, d_shared_in)
+        return d_x, buffer, g_shared, seq + _token(d_x)
 
-    def backward_input(row, stash, gbuf, kept, seq):
+    def backward_input(row, stash, gbuf, rbuf, wbuf, g_shared, seq):
         """The split backward's B: input gradient (sent at once) and the embedding/head gradients;
-        the layers' weight gradients are left to W, with what they need in the returned boundary."""
-        d_x, boundary, d_shared, seq = backward_by_layer(row, stash, gbuf, kept, seq, layers.layers_input_gradient)
-        return d_x, d_shared, boundary, seq
+        the layers' weight gradients are left to W, with what they need written into this
+        microbatch's slot of the B-to-W buffers ``wbuf``."""
+        slot = row["bwd_weight_slot"]
+        return backward_by_layer(row, stash, gbuf, rbuf, g_shared, seq,
+                                 lambda cp, res, dy, act: layers.input_gradient_into(cp, res, dy, act, wbuf, slot))
 
-    def backward_kept(row, gbuf, kept, seq):
+    def backward_kept(row, gbuf, rbuf, g_stage, g_shared, seq):
         """The whole backward from kept residuals (no recomputation, not split)."""
-        d_x, d_params, d_shared, seq = backward_by_layer(row, None, gbuf, kept, seq, layers.layers_backward)
-        return d_x, d_params, d_shared, seq
+        chunk = row["bwd_chunk"]
+        return backward_by_layer(row, None, gbuf, rbuf, g_shared, seq,
+                                 lambda cp, res, dy, act: layers.backward_into(cp, res, dy, act, g_stage, chunk))
 
-    def weight_gradient(row, boundary, seq):
-        """The split backward's W: this chunk's layer gradients from what its B left (``boundary``)."""
-        boundary = _after(boundary, seq)
-        d_params = layers.layers_weight_gradient(_chunk(stage_params, row["wgt_chunk"]), boundary,
-                                                 active(row["wgt_chunk"]))
-        return d_params, seq + _token(d_params)
+    def weight_gradient(row, wbuf, g_stage, seq):
+        """The split backward's W: this chunk's layer gradients, from what its B left in ``wbuf``,
+        added to ``g_stage``."""
+        chunk = row["wgt_chunk"]
+        g_stage = layers.weight_gradient_into(_chunk(stage_params, chunk), wbuf, _index_after(row["wgt_slot"], seq),
+                                              active(chunk), g_stage, chunk)
+        return g_stage, seq + _token(g_stage)
 
     def add_to_chunk(g_stage, chunk, d_params):
         chunk = jnp.maximum(chunk, 0)
@@ -426,13 +470,16 @@ def _run(
                 gbuf = _write(gbuf, row["recv_bwd_slot"], b_msg)
                 seq = seq + _token(b_msg)
             y_out, dx_out = f_msg, b_msg
+            # Large state (residual and B-to-W buffers, gradient accumulators) enters a ``cond`` whole
+            # and leaves it updated in place: an idle branch returns it as it came. Returning a
+            # slot's worth of values instead would make every idle branch materialise zeros of that
+            # size and every tick copy them into the buffer.
             if seg.forward and keep:
-                y_out, loss, kept, seq = jax.lax.cond(
+                y_out, loss, rbuf, seq = jax.lax.cond(
                     row["fwd_mb"] >= 0,
-                    lambda: forward_keeping(row, stash, seq),
-                    lambda: (zeros_act, zero_loss, layers.zero_residuals(), seq),
+                    lambda: forward_keeping(row, stash, rbuf, seq),
+                    lambda: (zeros_act, zero_loss, rbuf, seq),
                 )
-                rbuf = [_write(b, row["fwd_res_slot"], v) for b, v in zip(rbuf, kept)]
                 loss_sum = loss_sum + loss
             elif seg.forward:
                 y_out, loss, seq = jax.lax.cond(
@@ -441,33 +488,25 @@ def _run(
                     lambda: (zeros_act, zero_loss, seq),
                 )
                 loss_sum = loss_sum + loss
-            # Buffered values enter a ``cond`` as their slot only: a whole buffer as an operand may be
-            # copied on every tick.
-            kept = [_read(b, row["bwd_res_slot"]) for b in rbuf] if seg.backward and keep else None
             if seg.backward and not schedule.split_backward:
-                dx_out, d_params, d_shared, seq = jax.lax.cond(
+                dx_out, g_stage, g_shared, seq = jax.lax.cond(
                     row["bwd_mb"] >= 0,
-                    (lambda: backward_kept(row, gbuf, kept, seq)) if keep else (lambda: backward(row, stash, gbuf, seq)),
-                    lambda: (zeros_act, zeros(_chunk(stage_params, 0)), zeros(shared_params), seq),
+                    (lambda: backward_kept(row, gbuf, rbuf, g_stage, g_shared, seq)) if keep
+                    else (lambda: backward(row, stash, gbuf, g_stage, g_shared, seq)),
+                    lambda: (zeros_act, g_stage, g_shared, seq),
                 )
-                g_stage = add_to_chunk(g_stage, row["bwd_chunk"], d_params)
-                g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
             elif seg.backward:
-                dx_out, d_shared, boundary, seq = jax.lax.cond(
+                dx_out, wbuf, g_shared, seq = jax.lax.cond(
                     row["bwd_mb"] >= 0,
-                    lambda: backward_input(row, stash, gbuf, kept, seq),
-                    lambda: (zeros_act, zeros(shared_params), layers.zero_boundary(), seq),
+                    lambda: backward_input(row, stash, gbuf, rbuf, wbuf, g_shared, seq),
+                    lambda: (zeros_act, wbuf, g_shared, seq),
                 )
-                wbuf = [_write(b, row["bwd_weight_slot"], v) for b, v in zip(wbuf, boundary)]
-                g_shared = jax.tree.map(jnp.add, g_shared, d_shared)
             if seg.weight:
-                boundary = [_read(b, row["wgt_slot"]) for b in wbuf]
-                d_params, seq = jax.lax.cond(
+                g_stage, seq = jax.lax.cond(
                     row["wgt_mb"] >= 0,
-                    lambda: weight_gradient(row, boundary, seq),
-                    lambda: (zeros(_chunk(stage_params, 0)), seq),
+                    lambda: weight_gradient(row, wbuf, g_stage, seq),
+                    lambda: (g_stage, seq),
                 )
-                g_stage = add_to_chunk(g_stage, row["wgt_chunk"], d_params)
             if seg.send_forward:
                 f_msg = pin(jax.lax.ppermute(pin(_after(y_out, seq)), axis, [(i, (i + 1) % p) for i in range(p)]))
                 seq = seq + _token(f_msg)
@@ -480,11 +519,19 @@ def _run(
     def buffer(slots: int) -> jax.Array:
         return zeros(jax.ShapeDtypeStruct((max(slots, 1), *act.shape), act.dtype))
 
+    def filled(buffers: list[jax.Array]) -> list[jax.Array]:
+        """The loop's large buffers, each zero-filled on its own. XLA treats ``jnp.zeros`` of equal
+        shapes as one value, materialises it once and copies it into every buffer of the loop: two
+        passes over each. A zero it cannot prove equal to another (``(stage + k) * 0.0``, which it
+        does not fold for floating point) gives each buffer a single fill of its own."""
+        base = stage_index.astype(jnp.float32)
+        return [b + ((base + k) * 0.0).astype(b.dtype) for k, b in enumerate(buffers)]
+
     carry = (
         buffer(program.stash_slots),
         buffer(program.grad_slots) if train else None,
-        layers.buffers(program.weight_slots) if schedule.split_backward else None,
-        layers.residual_buffers(program.residual_slots) if keep else None,
+        filled(layers.buffers(program.weight_slots)) if schedule.split_backward else None,
+        filled(layers.residual_buffers(program.residual_slots)) if keep else None,
         zeros_act,
         zeros_act if train else None,
         zeros(stage_params) if train else None,
@@ -513,10 +560,13 @@ class _LayerBackward:
     Used by split-backward (zero-bubble) schedules and whenever the forward keeps its residuals
     instead of recomputing. Built once per program from the first layer of chunk 0 (every layer of
     a uniform stack has the same pullback): ``layers_forward`` runs a chunk keeping each layer's
-    residuals; ``layers_backward`` walks the layers back through their whole pullbacks (input and
-    parameter gradients); ``layers_input_gradient`` computes only the input gradient, returning per
-    layer what the weight gradient will need, and ``layers_weight_gradient`` computes the weight
-    gradients from that, in any later tick.
+    residuals as its outputs (the recomputing B); ``forward_into`` writes them into a slot of the
+    residual buffers instead; ``backward_into`` walks the layers back through their whole
+    pullbacks, adding each layer's parameter gradients to the accumulator it carries;
+    ``input_gradient_into`` computes only the input gradient and writes per layer what the weight
+    gradient will need into a slot of the B-to-W buffers, from which ``weight_gradient_into``
+    computes the weight gradients, in any later tick. Every buffer is carried through the layer
+    loop and updated in place, one layer's slice at a time.
     """
 
     def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, example_x: jax.Array,
@@ -567,35 +617,62 @@ class _LayerBackward:
         return self._scan(lambda h, lp: self._residuals(lp, h), x, chunk_params, active,
                           lambda h, lp: (h, self._zeros(self._stored_avals)))
 
-    def layers_backward(self, chunk_params: PyTree, stored: list[jax.Array], dy: jax.Array,
-                        active: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
-        def layer_back(d, xs):
-            lp, res = xs
-            flat, dx = self._pullback.pullback(res, jax.tree.leaves(lp), d)
-            return self._pin(dx), jax.tree.unflatten(jax.tree.structure(lp), flat)
+    def _walk(self, step, carry, chunk_params: PyTree, active: jax.Array | None, reverse: bool = False):
+        """``carry = step(carry, i, layer_params)`` for each layer slot ``i`` of a chunk (the last first
+        with ``reverse``); with ``active``, slots from ``active`` on (an uneven chunk's padding) are
+        skipped. What a layer produces goes into buffers the carry holds, so a skipped slot costs
+        nothing (no zeros to output)."""
+        def body(c, xs):
+            i, lp = xs
+            if active is None:
+                return step(c, i, lp), None
+            return jax.lax.cond(i < active, lambda: step(c, i, lp), lambda: c), None
 
-        return self._scan(layer_back, dy, (chunk_params, stored), active, lambda d, xs: (d, self._zeros(xs[0])),
-                          reverse=True)
+        return jax.lax.scan(body, carry, (jnp.arange(self._layers), chunk_params), reverse=reverse)[0]
 
-    def layers_input_gradient(self, chunk_params: PyTree, stored: list[jax.Array], dy: jax.Array,
-                              active: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
-        def layer_back(d, xs):
-            lp, res = xs
-            dx, boundary = self._pullback.input_gradient(res, jax.tree.leaves(lp), d)
-            return self._pin(dx), boundary
+    def forward_into(self, chunk_params: PyTree, x: jax.Array, active: jax.Array | None,
+                     buffers: list[jax.Array], slot: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        """The chunk's forward, each layer's residuals written to ``buffers[j][slot, layer]``."""
+        def step(c, i, lp):
+            h, bufs = c
+            y, stored = self._residuals(lp, h)
+            return y, [_put(b, (slot, i), v) for b, v in zip(bufs, stored)]
 
-        return self._scan(layer_back, dy, (chunk_params, stored), active,
-                          lambda d, xs: (d, self._zeros(self._pullback.boundary_avals)), reverse=True)
+        return self._walk(step, (x, list(buffers)), chunk_params, active)
 
-    def layers_weight_gradient(self, chunk_params: PyTree, boundary: list[jax.Array],
-                               active: jax.Array | None = None) -> PyTree:
-        def layer_weights(_, xs):
-            lp, b = xs
-            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), b)
-            return None, jax.tree.unflatten(jax.tree.structure(lp), flat)
+    def backward_into(self, chunk_params: PyTree, residual_of: Callable[[jax.Array], list[jax.Array]],
+                      dy: jax.Array, active: jax.Array | None, g_stage: PyTree,
+                      chunk: jax.Array) -> tuple[jax.Array, PyTree]:
+        """The layers' whole pullbacks, last layer first, from ``residual_of(layer)``: the input
+        gradient, and each layer's parameter gradients added to ``g_stage[chunk, layer]``."""
+        def step(c, i, lp):
+            d, g = c
+            flat, dx = self._pullback.pullback(residual_of(i), jax.tree.leaves(lp), d)
+            return self._pin(dx), _add_layer(g, (chunk, i), flat)
 
-        return self._scan(layer_weights, None, (chunk_params, boundary), active,
-                          lambda _, xs: (None, self._zeros(xs[0])))[1]
+        return self._walk(step, (dy, g_stage), chunk_params, active, reverse=True)
+
+    def input_gradient_into(self, chunk_params: PyTree, residual_of: Callable[[jax.Array], list[jax.Array]],
+                            dy: jax.Array, active: jax.Array | None, buffers: list[jax.Array],
+                            slot: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        """B: the input gradient alone, last layer first; what each layer's weight gradient will need
+        is written to ``buffers[j][slot, layer]``."""
+        def step(c, i, lp):
+            d, bufs = c
+            dx, boundary = self._pullback.input_gradient(residual_of(i), jax.tree.leaves(lp), d)
+            return self._pin(dx), [_put(b, (slot, i), v) for b, v in zip(bufs, boundary)]
+
+        return self._walk(step, (dy, list(buffers)), chunk_params, active, reverse=True)
+
+    def weight_gradient_into(self, chunk_params: PyTree, buffers: list[jax.Array], slot: jax.Array,
+                             active: jax.Array | None, g_stage: PyTree, chunk: jax.Array) -> PyTree:
+        """W: each layer's parameter gradients from what its B left in ``buffers[j][slot, layer]``,
+        added to ``g_stage[chunk, layer]``."""
+        def step(g, i, lp):
+            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), [_get(b, (slot, i)) for b in buffers])
+            return _add_layer(g, (chunk, i), flat)
+
+        return self._walk(step, g_stage, chunk_params, active)
 
     def _stacked(self, avals: list, slots: int | None) -> list[jax.ShapeDtypeStruct]:
         lead = (self._layers,) if slots is None else (max(slots, 1), self._layers)
@@ -607,17 +684,9 @@ class _LayerBackward:
         x = self._example_x
         return [*self._stacked(self._stored_avals, slots), jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype)]
 
-    def zero_boundary(self) -> list[jax.Array]:
-        """What an idle B returns: a chunk's boundary values, all zero."""
-        return self._zeros(self._stacked(self._pullback.boundary_avals, None))
-
     def buffers(self, slots: int) -> list[jax.Array]:
         """The B-to-W buffers: ``slots`` chunks' boundary values per stage."""
         return self._zeros(self._stacked(self._pullback.boundary_avals, slots))
-
-    def zero_residuals(self) -> list[jax.Array]:
-        """What an idle forward returns when residuals are kept: a chunk's, all zero."""
-        return self._zeros(self._kept(None))
 
     def residual_buffers(self, slots: int) -> list[jax.Array]:
         """The forward-to-backward buffers when nothing is recomputed: ``slots`` chunks' residuals."""
