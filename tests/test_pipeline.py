@@ -286,12 +286,13 @@ def _keep_temp_bytes(md, table, rows):
     return exe.memory_analysis().temp_size_in_bytes, program
 
 
-def test_a_split_backward_costs_its_b_to_w_buffers_once():
+def test_a_split_backward_costs_at_most_its_b_to_w_buffer():
     # The buffers enter the forward, B and W branches whole and leave them updated in place: an idle
     # branch must not materialise a chunk's worth of zeros, nor a tick copy one into the buffer. So
-    # 1F1B's own table with each W in its B's tick holds exactly one more buffer slot than 1F1B: what
-    # B leaves for W (split_backward's boundary values of every layer of the chunk). Before the
-    # buffers were updated in place, the difference was two slots.
+    # 1F1B's own table with each W in its B's tick holds at most one more buffer slot than 1F1B: what
+    # B leaves for W (split_backward's boundary values of every layer of the chunk); jax 0.10.2 holds
+    # 0.99 of it, 0.12 0.84 (its buffer assignment overlaps part of the slot with other temporaries).
+    # Before the buffers were updated in place, the difference was 1.8 slots.
     import dataclasses
 
     from meshtron.pipeline.split_backward import SplitPullback, residuals
@@ -323,4 +324,4 @@ def test_a_split_backward_costs_its_b_to_w_buffers_once():
     per_layer = found[0]
     one_slot = program.weight_slots * (layers // 2) * per_layer
     assert program.weight_slots == 1
-    assert 0.9 * one_slot <= split_bytes - fused_bytes <= 1.05 * one_slot, (fused_bytes, split_bytes, one_slot)
+    assert 0.5 * one_slot <= split_bytes - fused_bytes <= 1.05 * one_slot, (fused_bytes, split_bytes, one_slot)
