@@ -19,6 +19,7 @@ that its own devices hold (``jax.make_array_from_callback`` asks for those slice
 from __future__ import annotations
 
 import gzip
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
@@ -116,7 +117,7 @@ class Corpus:
         return heldout_stream(self, batch_size=batch_size, seq_len=seq_len, seed=seed)
 
 
-class Batches:
+class Batches(ABC):
     """Batches ``[batch_size, window]`` addressed by index, whose whole state is :attr:`position` (the
     next batch): what the training loop saves and resumes. Subclasses say which rows batch ``i`` holds
     (:meth:`rows`); each process builds only the rows its devices hold."""
@@ -124,8 +125,9 @@ class Batches:
     def __init__(self, *, batch_size: int, window: int, position: int = 0):
         self.batch_size, self.window, self.position = batch_size, window, position
 
+    @abstractmethod
     def rows(self, index: int, row_slice: slice) -> np.ndarray:
-        raise NotImplementedError
+        """Rows ``row_slice`` of batch ``index``, ``[rows, window]`` tokens."""
 
     def global_batch(self, index: int) -> np.ndarray:
         return self.rows(index, slice(None))
