@@ -204,8 +204,9 @@ def _index_after(index: jax.Array, seq: jax.Array) -> jax.Array:
     return index + seq.astype(index.dtype)
 
 
-def _add_layer(g_stage: PyTree, index: tuple[jax.Array, jax.Array], flat: list[jax.Array]) -> PyTree:
-    """``g_stage[chunk, layer] += d`` for every leaf (``flat``: one layer's gradients, in leaf order)."""
+def _accumulate(g_stage: PyTree, index: tuple[jax.Array, ...], flat: list[jax.Array]) -> PyTree:
+    """``g_stage[index] += d`` for every leaf, in place in a loop: ``index`` is ``(chunk,)`` with a
+    chunk's gradients or ``(chunk, layer)`` with one layer's (``flat``: in leaf order)."""
     leaves, treedef = jax.tree.flatten(g_stage)
     return treedef.unflatten([_put(g, index, _get(g, index) + d) for g, d in zip(leaves, flat)])
 
@@ -384,7 +385,7 @@ def _run(
         dy = pin(jnp.where(is_last, zeros_act, _read(gbuf, row["bwd_grad_slot"])))
         d_params, d_shared, d_x = pullback((dy, jnp.where(is_last, zero_loss + inv_m, zero_loss)))
         d_x = pin(d_x)
-        g_stage = add_to_chunk(g_stage, chunk, d_params)
+        g_stage = _accumulate(g_stage, (chunk,), jax.tree.leaves(d_params))
         return d_x, g_stage, jax.tree.map(jnp.add, g_shared, d_shared), seq + _token((d_x, g_stage))
 
     def backward_by_layer(row, stash, gbuf, rbuf, g_shared, seq, walk):
@@ -448,14 +449,6 @@ def _run(
         g_stage = layers.weight_gradient_into(_chunk(stage_params, chunk), wbuf, _index_after(row["wgt_slot"], seq),
                                               active(chunk), g_stage, chunk)
         return g_stage, seq + _token(g_stage)
-
-    def add_to_chunk(g_stage, chunk, d_params):
-        chunk = jnp.maximum(chunk, 0)
-        return jax.tree.map(
-            lambda g, d: jax.lax.dynamic_update_index_in_dim(
-                g, jax.lax.dynamic_index_in_dim(g, chunk, keepdims=False) + d, chunk, 0),
-            g_stage, d_params,
-        )
 
     def make_tick(seg: _Segment):
         def tick(carry, row_all):
@@ -648,7 +641,7 @@ class _LayerBackward:
         def step(c, i, lp):
             d, g = c
             flat, dx = self._pullback.pullback(residual_of(i), jax.tree.leaves(lp), d)
-            return self._pin(dx), _add_layer(g, (chunk, i), flat)
+            return self._pin(dx), _accumulate(g, (chunk, i), flat)
 
         return self._walk(step, (dy, g_stage), chunk_params, active, reverse=True)
 
@@ -670,7 +663,7 @@ class _LayerBackward:
         added to ``g_stage[chunk, layer]``."""
         def step(g, i, lp):
             flat = self._pullback.weight_gradient(jax.tree.leaves(lp), [_get(b, (slot, i)) for b in buffers])
-            return _add_layer(g, (chunk, i), flat)
+            return _accumulate(g, (chunk, i), flat)
 
         return self._walk(step, g_stage, chunk_params, active)
 
