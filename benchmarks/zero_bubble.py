@@ -155,12 +155,15 @@ def op_costs(repeats: int = 15) -> dict:
                             donate_argnums=2)
         b = jax.jit(lambda cp, rb, wb: lb(cp).input_gradient_into(cp, residual_of(cp, rb), dy, None, wb, slot)[1],
                     donate_argnums=2)
-        w = jax.jit(lambda cp, wb, g: lb(cp).weight_gradient_into(cp, wb, slot, None, g, slot), donate_argnums=2)
+        # Kept residuals live until W, which reads them (B left it only what depends on the cotangent).
+        w = jax.jit(lambda cp, rb, wb, g: lb(cp).weight_gradient_into(cp, wb, slot, None, g, slot,
+                                                                      None if rb is None else (rb[:-1], slot)),
+                    donate_argnums=3)
         costs = {}
         costs["forward"], kept = timed(lambda rb: forward(chunk, rb), rbuf)
         rbuf = kept if keep else None
         costs["input_gradient"], wbuf = timed(lambda wb: b(chunk, rbuf, wb), wbuf)
-        costs["weight_gradient"], grads = timed(lambda g: w(chunk, wbuf, g), grads)
+        costs["weight_gradient"], grads = timed(lambda g: w(chunk, rbuf, wbuf, g), grads)
         costs["fused_backward"], _ = timed(lambda g: fused(chunk, rbuf, g), grads)
         return costs
 

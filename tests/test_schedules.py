@@ -306,7 +306,11 @@ def simulate(program: Program) -> tuple[int, int]:
                 assert (mb, k) not in backwarded, f"{where}: backward of {(mb, k)} twice"
                 if program.keeps_residuals:
                     assert program.bwd_stash_slot[t, s] == -1, f"{where}: nothing to recompute from"
-                    take(kept[s], int(program.bwd_res_slot[t, s]), ("r", mb, k), f"{where}: backward residuals")
+                    if sched.split_backward:  # B reads them; W reads them again and frees the slot
+                        slot = int(program.bwd_res_slot[t, s])
+                        assert 0 <= slot < len(kept[s]) and kept[s][slot] == ("r", mb, k), f"{where}: B's residuals"
+                    else:
+                        take(kept[s], int(program.bwd_res_slot[t, s]), ("r", mb, k), f"{where}: backward residuals")
                 elif k == 0:
                     assert program.bwd_stash_slot[t, s] == -1, f"{where}: virtual stage 0 recomputes from tokens"
                 else:
@@ -330,6 +334,10 @@ def simulate(program: Program) -> tuple[int, int]:
             if mb >= 0:  # W: after its own B (this tick or earlier), from the slot B filled
                 k = chunk * p + s
                 take(weights[s], int(program.wgt_slot[t, s]), ("w", mb, k), f"{where}: weight gradient")
+                if program.keeps_residuals:
+                    take(kept[s], int(program.wgt_res_slot[t, s]), ("r", mb, k), f"{where}: W's residuals")
+                else:
+                    assert program.wgt_res_slot[t, s] == -1, f"{where}: no residuals when recomputing"
                 weighted.add((mb, k))
     everything = {(mb, k) for mb in range(m) for k in range(last + 1)}
     assert forwarded == everything and backwarded == everything
@@ -350,11 +358,15 @@ def test_compiled_program_moves_the_right_values(case):
 @pytest.mark.parametrize("case", CASES + BOUNDED, ids=ids)
 def test_program_keeping_residuals_moves_the_right_values(case):
     # pipeline.recompute=false: each stashed input lives until its forward only, the residuals from
-    # the forward to the backward, in as many slots as the table has microbatches in flight.
+    # the forward to the backward (split: to the weight gradient, which reads them too), in as many
+    # slots as the table has microbatches in flight (split: forwarded and not yet through W).
     program = compile_program(make_schedule(*case), keep_residuals=True)
     peak_stash, _ = simulate(program)
     assert program.stash_slots == peak_stash
-    assert program.residual_slots == max(check(program.schedule).peak_in_flight)
+    stats = check(program.schedule)
+    assert program.residual_slots == max(stats.peak_until_weight)
+    if not program.schedule.split_backward:
+        assert stats.peak_until_weight == stats.peak_in_flight
     assert (program.bwd_stash_slot == -1).all()
 
 

@@ -15,15 +15,20 @@ from meshtron.train.state import model_def_from_config
 H, S, B = 32, 16, 4
 
 
-@pytest.mark.parametrize("family, remat", [("gpt", "none"), ("llama", "none"), ("gpt", "selective")])
-def test_input_then_weight_gradient_is_the_pullback_exactly(family, remat):
-    md = model_def_from_config(ModelConfig(family=family, vocab_size=256, hidden=H, heads=4, layers=2, mlp_dim=64,
+def one_layer(family, remat="none", mlp_dim=64):
+    """(model, mesh, layer, its parameters, x, dy) for one layer of a small model."""
+    md = model_def_from_config(ModelConfig(family=family, vocab_size=256, hidden=H, heads=4, layers=2, mlp_dim=mlp_dim,
                                            seq_len=S, remat=remat), tensor=1)
     mesh = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-    layer = stage_functions(md).layer
     params = jax.tree.map(lambda a: a[0], md.init(mesh, seed=0)["blocks"])
     x = jax.random.normal(jax.random.key(1), (B, S, H))
     dy = jax.random.normal(jax.random.key(2), (B, S, H))
+    return md, mesh, stage_functions(md).layer, params, x, dy
+
+
+@pytest.mark.parametrize("family, remat", [("gpt", "none"), ("llama", "none"), ("gpt", "selective")])
+def test_input_then_weight_gradient_is_the_pullback_exactly(family, remat):
+    md, mesh, layer, params, x, dy = one_layer(family, remat)
     seen = {}
 
     def both(params, x, dy):
@@ -65,3 +70,39 @@ def test_w_needs_a_boundary_only_for_what_depends_on_weights():
     np.testing.assert_array_equal(dx, ref_x)
     np.testing.assert_array_equal(dw, ref_p["w"])
     assert sorted(a.shape for a in split.boundary_avals) == [(2, 3), (2, 3)]  # x and the cotangent at x @ w
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_weight_gradient_reading_the_residuals_keeps_only_cotangents_between_b_and_w(family):
+    # A pipeline that keeps residuals (pipeline.recompute=false) holds them until W, so W recomputes
+    # the activations it multiplies from them: B leaves only what depends on the output gradient.
+    md, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)  # as the runtime keeps residuals
+    sizes = {}
+
+    def both(params, x, dy):
+        _, stored, treedef, slots = residuals(layer, params, x)
+        flat = jax.tree.leaves(params)
+        outs = []
+        for reads in (False, True):
+            split = SplitPullback(treedef, slots, stored, flat, dy, weight_reads_residuals=reads)
+            sizes[reads] = sum(int(np.prod(a.shape)) for a in split.boundary_avals)
+            dx, boundary = split.input_gradient(stored, flat, dy)
+            outs.append((dx, split.weight_gradient(flat, boundary, stored if reads else None)))
+        if reads:
+            with pytest.raises(ValueError, match="pass res="):
+                split.weight_gradient(flat, boundary)
+        ref_params, ref_x = jax.vjp(layer, params, x)[1](dy)
+        return outs, ref_x, jax.tree.leaves(ref_params)
+
+    with jax.set_mesh(mesh), md.scope():
+        outs, ref_x, ref_params = jax.jit(both)(params, x, dy)
+    for dx, d_params in outs:
+        np.testing.assert_array_equal(dx, ref_x)
+        for got, want in zip(d_params, ref_params, strict=True):
+            np.testing.assert_array_equal(got, want)
+    sbh = B * S * H
+    # GPT: 26 s·b·h -> 11 (QKV's cotangent 3, the MLP's first 4, four more of width h); Llama's gated
+    # MLP has two cotangents of width 4h.
+    assert sizes[True] <= {"gpt": 11, "llama": 15}[family] * sbh
+    assert sizes[True] < 0.55 * sizes[False], sizes

@@ -35,6 +35,8 @@ def text_report(schedule: Schedule, costs: Costs = UNIT_COSTS) -> tuple[str, Sch
     if schedule.split_backward:
         lines.append(f"W pending per stage  {', '.join(map(str, stats.peak_weight_pending))} "
                      "(input-gradient boundaries kept for a later weight gradient)")
+        lines.append(f"until W per stage    {', '.join(map(str, stats.peak_until_weight))} "
+                     "(forwards whose weight gradient has not run: residuals kept with pipeline.recompute=false)")
     return "\n".join(lines), stats
 
 

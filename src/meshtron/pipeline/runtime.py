@@ -18,7 +18,9 @@ runtime is a ``lax.scan`` over ticks that, on each device, picks its own column:
   recomputation) instead has the forward keep each layer's matmul outputs in residual slots and
   the backward run the layers' pullbacks from them.
 * a split backward (zero bubble) runs B, the input gradient, in the backward slot, and W, the
-  weight gradient, in a weight slot of the same or a later tick, from what B left in a buffer.
+  weight gradient, in a weight slot of the same or a later tick, from what B left in a buffer
+  (and, when the forward keeps residuals, from them: their slot then lives until W, and B leaves
+  only what depends on the output gradient).
 * an uneven ``pipeline.layout`` pads every chunk to the largest; a chunk runs its own number of
   layers (``layer_counts``) and skips the padding.
 
@@ -81,7 +83,8 @@ PyTree = Any
 
 _FORWARD_FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot")
 _ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
-               "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot")
+               "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot",
+               "wgt_res_slot")
 
 
 @dataclass(frozen=True)
@@ -442,12 +445,14 @@ def _run(
         return backward_by_layer(row, None, gbuf, rbuf, g_shared, seq,
                                  lambda cp, res, dy, act: layers.backward_into(cp, res, dy, act, g_stage, chunk))
 
-    def weight_gradient(row, wbuf, g_stage, seq):
-        """The split backward's W: this chunk's layer gradients, from what its B left in ``wbuf``,
+    def weight_gradient(row, wbuf, rbuf, g_stage, seq):
+        """The split backward's W: this chunk's layer gradients, from what its B left in ``wbuf``
+        (and, when the forward keeps residuals, from this microbatch's residual slot of ``rbuf``),
         added to ``g_stage``."""
         chunk = row["wgt_chunk"]
+        kept = None if rbuf is None else (rbuf[:-1], _index_after(row["wgt_res_slot"], seq))
         g_stage = layers.weight_gradient_into(_chunk(stage_params, chunk), wbuf, _index_after(row["wgt_slot"], seq),
-                                              active(chunk), g_stage, chunk)
+                                              active(chunk), g_stage, chunk, kept)
         return g_stage, seq + _token(g_stage)
 
     def make_tick(seg: _Segment):
@@ -497,7 +502,7 @@ def _run(
             if seg.weight:
                 g_stage, seq = jax.lax.cond(
                     row["wgt_mb"] >= 0,
-                    lambda: weight_gradient(row, wbuf, g_stage, seq),
+                    lambda: weight_gradient(row, wbuf, rbuf, g_stage, seq),
                     lambda: (g_stage, seq),
                 )
             if seg.send_forward:
@@ -582,7 +587,11 @@ class _LayerBackward:
         self._example_x = jax.ShapeDtypeStruct(example_x.shape, example_x.dtype)
         y, stored, treedef, self._slots = residuals(self._layer, first, example_x)
         self._stored_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored]
-        self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y)
+        # Kept residuals live until W (the program frees their slot there), so W reads them rather
+        # than B storing the activations W multiplies a second time: B leaves W only what depends on
+        # the cotangent, about half the bytes.
+        self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y,
+                                       weight_reads_residuals=program.keeps_residuals)
 
     def _residuals(self, layer_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         y, stored, _, slots = residuals(self._layer, layer_params, x)
@@ -658,11 +667,14 @@ class _LayerBackward:
         return self._walk(step, (dy, list(buffers)), chunk_params, active, reverse=True)
 
     def weight_gradient_into(self, chunk_params: PyTree, buffers: list[jax.Array], slot: jax.Array,
-                             active: jax.Array | None, g_stage: PyTree, chunk: jax.Array) -> PyTree:
-        """W: each layer's parameter gradients from what its B left in ``buffers[j][slot, layer]``,
-        added to ``g_stage[chunk, layer]``."""
+                             active: jax.Array | None, g_stage: PyTree, chunk: jax.Array,
+                             kept: tuple[list[jax.Array], jax.Array] | None = None) -> PyTree:
+        """W: each layer's parameter gradients from what its B left in ``buffers[j][slot, layer]``
+        (and, ``kept = (residual_buffers, residual_slot)``, from the forward's residuals), added to
+        ``g_stage[chunk, layer]``."""
         def step(g, i, lp):
-            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), [_get(b, (slot, i)) for b in buffers])
+            res = None if kept is None else [_get(b, (kept[1], i)) for b in kept[0]]
+            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), [_get(b, (slot, i)) for b in buffers], res)
             return _accumulate(g, (chunk, i), flat)
 
         return self._walk(step, g_stage, chunk_params, active)

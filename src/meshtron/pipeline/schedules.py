@@ -364,6 +364,9 @@ class ScheduleStats:
     peak_in_flight: tuple[int, ...]  # per stage, in chunk-microbatches (stage inputs stashed)
     megatron_peak_in_flight_stage0: int  # Megatron's asynchronous schedule on rank 0, for comparison
     peak_weight_pending: tuple[int, ...] = ()  # per stage, most Bs whose W has not run (what W keeps)
+    # per stage, most forwards whose W (unsplit: whose backward) has not run: the residual slots of a
+    # pipeline that keeps residuals, which W reads too (see split_backward's weight_reads_residuals)
+    peak_until_weight: tuple[int, ...] = ()
 
 
 Placement = dict[tuple[int, int], int]  # (microbatch, virtual stage) -> tick
@@ -488,6 +491,19 @@ def _peak_weight_pending(schedule: Schedule, stage: int) -> int:
     return peak
 
 
+def _peak_until_weight(schedule: Schedule, stage: int) -> int:
+    """Most (microbatch, chunk) pairs forwarded on ``stage`` whose weight gradient has not run (with
+    an unsplit backward: whose backward has not), counted after a tick's forward: what a stage that
+    keeps each forward's residuals until its W holds."""
+    done = schedule.weight if schedule.split_backward else schedule.backward
+    live = peak = 0
+    for frow, drow in zip(schedule.forward, done):
+        live += frow[stage] is not None
+        peak = max(peak, live)
+        live -= drow[stage] is not None
+    return peak
+
+
 def _ideal_bubble(schedule: Schedule, costs: Costs) -> float:
     """The closed form of a built-in schedule; NaN for a table read from a file (no formula)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
@@ -561,6 +577,8 @@ def check(schedule: Schedule, costs: Costs = UNIT_COSTS) -> ScheduleStats:
         peak_in_flight=tuple(_peak_in_flight(schedule, s) for s in range(p)),
         megatron_peak_in_flight_stage0=_megatron_peak_stage0(schedule.name, p, m, v),
         peak_weight_pending=tuple(_peak_weight_pending(schedule, s) for s in range(p)) if wgt else (0,) * p,
+        peak_until_weight=(tuple(_peak_until_weight(schedule, s) for s in range(p)) if not schedule.forward_only
+                           else (0,) * p),
     )
 
 
@@ -599,7 +617,8 @@ class Program:
 
     ``keeps_residuals``: compiled with ``keep_residuals=True``, the forward keeps what each layer's
     backward needs (its ``jax.vjp`` residuals) in ``residual_slots`` per-stage slots from the forward
-    (``fwd_res_slot``) to the backward (``bwd_res_slot``), and the backward recomputes nothing; the
+    (``fwd_res_slot``) to the backward (``bwd_res_slot``) -- with a split backward to the weight
+    gradient (``wgt_res_slot``), which reads them too -- and the backward recomputes nothing; the
     stash then holds a received activation only until its forward (``bwd_stash_slot`` is -1).
     Otherwise (the default: Megatron's full recomputation) the stash keeps the stage input until
     the backward, which recomputes the stage from it."""
@@ -624,8 +643,9 @@ class Program:
     grad_slots: int
     weight_slots: int = 0  # split backward: B-to-W buffers per stage (the table's peak_weight_pending)
     fwd_res_slot: np.ndarray | None = None  # keep_residuals: residual slot the forward fills; else -1
-    bwd_res_slot: np.ndarray | None = None  # keep_residuals: residual slot the backward reads (and frees)
-    residual_slots: int = 0  # keep_residuals: forward-to-backward residual buffers per stage
+    bwd_res_slot: np.ndarray | None = None  # keep_residuals: residual slot the backward reads (and frees, unsplit)
+    residual_slots: int = 0  # keep_residuals: forward-to-backward (split: to-W) residual buffers per stage
+    wgt_res_slot: np.ndarray | None = None  # keep_residuals, split backward: residual slot W reads and frees
 
     @property
     def keeps_residuals(self) -> bool:
@@ -635,7 +655,7 @@ class Program:
 _COLUMNS = (
     "fwd_mb", "fwd_chunk", "fwd_slot", "fwd_send", "recv_fwd_slot",
     "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "bwd_send", "recv_bwd_slot",
-    "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot",
+    "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot", "wgt_res_slot",
 )
 
 
@@ -699,8 +719,8 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str
             key = (work.microbatch, work.chunk * p + stage)
             col["bwd_mb"][tick], col["bwd_chunk"][tick] = work.microbatch, work.chunk
             col["bwd_stash_slot"][tick] = stash.release(key)  # -1 when the forward consumed it
-            if keep:
-                col["bwd_res_slot"][tick] = kept.release(key)
+            if keep:  # a split backward's W reads the residuals too and frees them
+                col["bwd_res_slot"][tick] = kept.owner[key] if schedule.split_backward else kept.release(key)
             col["bwd_grad_slot"][tick] = grads.release(key)
             col["bwd_send"][tick] = int(key[1] > 0)
             if schedule.split_backward:
@@ -711,6 +731,8 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str
             key = (work.microbatch, work.chunk * p + stage)
             col["wgt_mb"][tick], col["wgt_chunk"][tick] = work.microbatch, work.chunk
             col["wgt_slot"][tick] = weights.release(key)
+            if keep:
+                col["wgt_res_slot"][tick] = kept.release(key)
     return col, stash.size, grads.size, weights.size, kept.size
 
 
