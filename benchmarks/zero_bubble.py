@@ -25,7 +25,15 @@ per-layer code, outside the tick loop) and the checker prices each table with th
 backward at its own measured cost, not B + W). What the measured step exceeds that by is what the
 tick loop itself costs.
 
-    .venv/bin/python benchmarks/zero_bubble.py [--rounds N] [--microbatches M ...]
+Where the time goes on this machine: the CPU runtime allocates a step's temporaries afresh for
+every step, and glibc serves allocations that large with ``mmap``, so every step first-touches
+(page-faults in) its whole temp memory: a cost proportional to temp memory that a GPU's pooled
+allocator does not pay, and larger for the schedules that hold more. ``--pooled-malloc`` reruns
+the benchmark with glibc told to keep freed memory in its heap (``GLIBC_TUNABLES``: no ``mmap``,
+one arena, no trimming), which reuses it from step to step; the table reports minor page faults
+per step in both modes, and the results go to ``zero_bubble_pooled.{json,png}``.
+
+    .venv/bin/python benchmarks/zero_bubble.py [--rounds N] [--microbatches M ...] [--pooled-malloc]
 """
 
 from __future__ import annotations
@@ -34,12 +42,18 @@ import os
 import sys
 
 OP_COSTS = "--op-costs"  # the subprocess that times one chunk's work on one core
+POOLED = "--pooled-malloc"
+POOLED_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736:glibc.malloc.arena_max=1"
+if POOLED in sys.argv and os.environ.get("GLIBC_TUNABLES") != POOLED_TUNABLES:
+    # glibc reads its tunables at process start: run again with them (the op-cost subprocess inherits them).
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": POOLED_TUNABLES})
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
                            + ("1" if OP_COSTS in sys.argv else "2")).strip()
 
 import argparse
 import dataclasses
 import json
+import resource
 import statistics
 import subprocess
 import time
@@ -88,11 +102,13 @@ def build(schedule: str, chunks: int, m: int, keep: bool = False):
     memory = train.lower(params, opt_state, batch).compile().memory_analysis().temp_size_in_bytes
     state = {"params": params, "opt": opt_state}
 
-    def step() -> float:
+    def step() -> tuple[float, int]:
+        """(seconds, minor page faults of the process) of one step."""
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         state["params"], state["opt"], metrics = train.train(state["params"], state["opt"], batch)
         metrics.loss.block_until_ready()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
     step()  # compile and warm up
     return step, memory
@@ -191,15 +207,17 @@ def table_costs(schedule: Schedule, ops: dict) -> Costs:
 
 
 def measure(m: int, rounds: int, ops: dict) -> list[dict]:
-    steps, memory, times = {}, {}, {}
+    steps, memory, times, faults = {}, {}, {}, {}
     runs = [(schedule, chunks, recompute) for recompute in MODES for schedule, chunks in SCHEDULES]
     for schedule, chunks, recompute in runs:
         key = (schedule, recompute)
         steps[key], memory[key] = build(schedule, chunks, m, keep=not recompute)
-        times[key] = []
+        times[key], faults[key] = [], []
     for _ in range(rounds):
         for schedule, _, recompute in runs:
-            times[(schedule, recompute)].append(steps[(schedule, recompute)]())
+            seconds, faulted = steps[(schedule, recompute)]()
+            times[(schedule, recompute)].append(seconds)
+            faults[(schedule, recompute)].append(faulted)
     out = []
     for schedule, chunks, recompute in runs:
         key, costs = (schedule, recompute), RUNTIME_COSTS[recompute]
@@ -212,6 +230,7 @@ def measure(m: int, rounds: int, ops: dict) -> list[dict]:
                     "bubble": stats.bubble_fraction, "predicted_units": ideal * (1 + stats.bubble_fraction),
                     "predicted_from_op_costs_s": m * per_microbatch * (1 + priced.bubble_fraction),
                     "step_s": statistics.median(times[key]), "step_s_all": times[key],
+                    "page_faults_per_step": statistics.median(faults[key]),
                     "temp_bytes": memory[key], "in_flight": list(stats.peak_in_flight),
                     "weight_pending": list(stats.peak_weight_pending)})
     return out
@@ -221,7 +240,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4])  # m=8 compiles for minutes
+    parser.add_argument(POOLED, action="store_true", help="glibc keeps freed memory for reuse (see the docstring)")
     args = parser.parse_args()
+    name = "zero_bubble_pooled" if args.pooled_malloc else "zero_bubble"
     assert len(jax.devices()) == 2, "this benchmark needs exactly 2 simulated devices (one stage per core)"
     ops = measured_costs()
     print("one chunk's work on one core (ms):", json.dumps({mode: {k: round(v * 1e3, 1) for k, v in c.items()}
@@ -240,7 +261,8 @@ def main() -> None:
                              f"{r['predicted_from_op_costs_s'] * 1e3:.0f}",
                              f"{r['step_s'] * 1e3:.0f}", f"{r['step_s'] / base['step_s']:.3f}",
                              f"{r['step_s'] / r['predicted_from_op_costs_s']:.2f}",
-                             f"{r['temp_bytes'] / 2**20:.1f}", f"{r['temp_bytes'] / base['temp_bytes']:.2f}"])
+                             f"{r['temp_bytes'] / 2**20:.1f}", f"{r['temp_bytes'] / base['temp_bytes']:.2f}",
+                             f"{r['page_faults_per_step']:.0f}"])
             zb = next(r for r in mine if r["schedule"] == "zb-h1")
             predicted = 1 - zb["predicted_units"] / base["predicted_units"]
             from_ops = 1 - zb["predicted_from_op_costs_s"] / base["predicted_from_op_costs_s"]
@@ -248,7 +270,8 @@ def main() -> None:
             memory = zb["temp_bytes"] / base["temp_bytes"]
             verdicts.append({"m": m, "recompute": recompute, "predicted_saving": predicted,
                              "predicted_saving_from_op_costs": from_ops, "measured_saving": measured,
-                             "half_of_predicted_reached": measured >= predicted / 2, "memory_ratio": memory,
+                             "half_of_predicted_reached": measured >= predicted / 2,
+                             "half_of_op_cost_predicted_reached": measured >= from_ops / 2, "memory_ratio": memory,
                              "memory_within_15pct": memory <= 1.15})
         print(rows[-len(runs):], flush=True)
     print(f"\nmodel {MODEL.layers}x{MODEL.hidden}, seq {MODEL.seq_len}, {ROWS} sequences per microbatch, mesh (1,2,1) on "
@@ -256,23 +279,25 @@ def main() -> None:
           f"the checker with t_F=1, t_B=2 (recompute + input gradient), t_W=1 (recompute) and unit costs (keep)")
     _common.print_table(["schedule", "mode", "m", "v", "ticks", "bubble", "predicted x 1F1B",
                          "op-cost predicted x 1F1B", "op-cost predicted ms", "step ms", "measured x 1F1B",
-                         "measured / op-cost predicted", "temp MiB", "memory x 1F1B"], rows)
+                         "measured / op-cost predicted", "temp MiB", "memory x 1F1B", "page faults / step"], rows)
     print("\nZB-H1 vs 1F1B (same mode)")
     _common.print_table(["m", "mode", "predicted saving", "op-cost predicted saving", "measured saving",
-                         ">= half predicted", "memory x 1F1B", "<= 1.15"],
+                         ">= half predicted", ">= half op-cost predicted", "memory x 1F1B", "<= 1.15"],
                         [[v["m"], "recompute" if v["recompute"] else "keep", f"{v['predicted_saving']:.1%}",
-                          f"{v['predicted_saving_from_op_costs']:.1%}", f"{v['measured_saving']:.1%}", v["half_of_predicted_reached"], f"{v['memory_ratio']:.2f}",
+                          f"{v['predicted_saving_from_op_costs']:.1%}", f"{v['measured_saving']:.1%}", v["half_of_predicted_reached"],
+                          v["half_of_op_cost_predicted_reached"], f"{v['memory_ratio']:.2f}",
                           v["memory_within_15pct"]] for v in verdicts])
-    path = _common.write_results("zero_bubble", {"model": MODEL.__dict__, "rows_per_microbatch": ROWS,
+    path = _common.write_results(name, {"model": MODEL.__dict__, "rows_per_microbatch": ROWS,
+                                        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
                                                   "costs": {("recompute" if k else "keep"): c.__dict__
                                                             for k, c in RUNTIME_COSTS.items()},
                                                   "op_costs_s": ops,
                                                   "results": results, "verdicts": verdicts})
-    plot(results)
+    plot(results, name)
     print(f"wrote {path}")
 
 
-def plot(results: list[dict]) -> None:
+def plot(results: list[dict], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,9 +317,10 @@ def plot(results: list[dict]) -> None:
                       [f"m={m}, {'keep' if keep else 'recompute'}" for m, keep in groups], fontsize=8)
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
-    fig.suptitle("pipe=2 on 2 simulated devices (one stage per core)")
+    fig.suptitle("pipe=2 on 2 simulated devices (one stage per core)"
+                 + (", glibc keeping freed memory (--pooled-malloc)" if name.endswith("pooled") else ""))
     fig.tight_layout()
-    fig.savefig(_common.RESULTS / "zero_bubble.png", dpi=120)
+    fig.savefig(_common.RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":
