@@ -589,7 +589,7 @@ class _LayerBackward:
         self._stored_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored]
         # Kept residuals live until W (the program frees their slot there), so W reads them rather
         # than B storing the activations W multiplies a second time: B leaves W only what depends on
-        # the cotangent, about half the bytes.
+        # the cotangent (GPT: 11 of the 26 s·b·h per layer it stored before).
         self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y,
                                        weight_reads_residuals=program.keeps_residuals)
 
