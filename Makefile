@@ -33,9 +33,16 @@ $(TEST_STAMP): $(STAMP)
 train: $(STAMP)
 	$(BIN)/meshtron train --config mesh_configs/cpu8.yaml $(ARGS)
 
+# Two pytest workers (pytest-xdist; each takes the next test when it is done, `worksteal`): a test
+# here spends much of its time in XLA's compiler, which uses one core, so one pytest process leaves
+# the second core of a 2-core machine idle (leg 1 of .ci/run: 31 minutes in one process, 22-23 with
+# two). Both workers share tests/conftest.py's compilation cache. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 # pytest exits 5 when it collects no tests: that is a failure, not a pass.
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 $(STAMP312): pyproject.toml constraints-py312.txt
@@ -45,7 +52,7 @@ $(STAMP312): pyproject.toml constraints-py312.txt
 	touch $(STAMP312)
 
 test-py312: $(STAMP312)
-	$(VENV312)/bin/python -m pytest -q $(PY312_TESTS) $(PYTEST_ARGS); rc=$$?; \
+	$(VENV312)/bin/python -m pytest -q $(XDIST) $(PY312_TESTS) $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test-py312: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
