@@ -99,10 +99,11 @@ def test_schedule_prints_the_table_its_report_and_draws_it(tmp_path):
     run = meshtron("schedule", "zb-h1", "--pipe", "2", "--microbatches", "4", "--png", str(png))
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[1].split() == ["stage", "0:", "F0", "F1", ".", "B0", "F2", "B1", "W0", "F3", "B2", "W1", "W2", "B3",
+    assert lines[1].split() == ["stage", "0:", "F0", "F1", ".", "B0", "W0", "F2", "B1", "W1", "F3", "B2", "W2", "B3",
                                 "W3"]
     assert "bubble               0.0833" in run.stdout and "textbook 0.0833" in run.stdout  # (p-1)/(3m)
-    assert "in flight per stage  2, 1" in run.stdout and "W pending per stage  2, 2" in run.stdout
+    assert "in flight per stage  2, 1" in run.stdout and "W pending per stage  1, 2" in run.stdout
+    assert "until W per stage    2, 2" in run.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = [meshtron("schedule", "zb-h1", "--pipe", "4", "--microbatches", "2"),
            meshtron("schedule", "1f1b", "--pipe", "2", "--microbatches", "4", "--costs", "1,x")]

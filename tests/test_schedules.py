@@ -432,7 +432,10 @@ def test_zb_h1_bubble_is_exactly_a_third_of_1f1bs_with_1f1bs_stash(case):
     assert stats.ticks == 3 * m + p - 1
     assert abs(stats.bubble_fraction - (p - 1) / (3 * m)) < 1e-12 and abs(stats.ideal_bubble - (p - 1) / (3 * m)) < 1e-12
     assert stats.peak_in_flight == tuple(p - s for s in range(p))  # stage 0 holds p, as Megatron's 1F1B
-    assert max(stats.peak_weight_pending) <= p  # what W keeps is bounded too
+    # The paper's memory claim: no stage holds more forwards awaiting their W than 1F1B's stage 0
+    # holds awaiting their backward (residuals kept until W), and stage s defers s weight gradients.
+    assert stats.peak_until_weight == (min(p, m),) * p
+    assert stats.peak_weight_pending == tuple(min(s + 1, m) for s in range(p))
     assert schedule.split_backward and not make_schedule("1f1b", max(p, 1), m).split_backward
 
 

@@ -20,7 +20,7 @@ runtime is a ``lax.scan`` over ticks that, on each device, picks its own column:
 * a split backward (zero bubble) runs B, the input gradient, in the backward slot, and W, the
   weight gradient, in a weight slot of the same or a later tick, from what B left in a buffer
   (and, when the forward keeps residuals, from them: their slot then lives until W, and B leaves
-  only what depends on the output gradient).
+  only what depends on the output gradient, part of it written over residuals only B reads).
 * an uneven ``pipeline.layout`` pads every chunk to the largest; a chunk runs its own number of
   layers (``layer_counts``) and skips the padding.
 
@@ -434,10 +434,15 @@ def _run(
     def backward_input(row, stash, gbuf, rbuf, wbuf, g_shared, seq):
         """The split backward's B: input gradient (sent at once) and the embedding/head gradients;
         the layers' weight gradients are left to W, with what they need written into this
-        microbatch's slot of the B-to-W buffers ``wbuf``."""
+        microbatch's slot of the B-to-W buffers ``wbuf`` (and, when the forward keeps residuals,
+        partly over residuals of its slot in ``rbuf`` that only B reads). Returns ``(dx, wbuf, rbuf,
+        g_shared, seq)``."""
         slot = row["bwd_weight_slot"]
-        return backward_by_layer(row, stash, gbuf, rbuf, g_shared, seq,
-                                 lambda cp, res, dy, act: layers.input_gradient_into(cp, res, dy, act, wbuf, slot))
+        kept = None if rbuf is None else (rbuf[:-1], _index_after(row["bwd_res_slot"], seq))
+        d_x, (wbuf, rlayers), g_shared, seq = backward_by_layer(
+            row, stash, gbuf, rbuf, g_shared, seq,
+            lambda cp, res, dy, act: layers.input_gradient_into(cp, res, dy, act, wbuf, slot, kept))
+        return d_x, wbuf, None if rbuf is None else [*rlayers, rbuf[-1]], g_shared, seq
 
     def backward_kept(row, gbuf, rbuf, g_stage, g_shared, seq):
         """The whole backward from kept residuals (no recomputation, not split)."""
@@ -494,10 +499,10 @@ def _run(
                     lambda: (zeros_act, g_stage, g_shared, seq),
                 )
             elif seg.backward:
-                dx_out, wbuf, g_shared, seq = jax.lax.cond(
+                dx_out, wbuf, rbuf, g_shared, seq = jax.lax.cond(
                     row["bwd_mb"] >= 0,
                     lambda: backward_input(row, stash, gbuf, rbuf, wbuf, g_shared, seq),
-                    lambda: (zeros_act, wbuf, g_shared, seq),
+                    lambda: (zeros_act, wbuf, rbuf, g_shared, seq),
                 )
             if seg.weight:
                 g_stage, seq = jax.lax.cond(
@@ -592,6 +597,11 @@ class _LayerBackward:
         # the cotangent (GPT: 11 of the 26 s·b·h per layer it stored before).
         self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y,
                                        weight_reads_residuals=program.keeps_residuals)
+        # A boundary value with a home (a residual of its shape that only B reads) is written over
+        # that residual in the microbatch's residual slot, which lives until W anyway; the B-to-W
+        # buffers hold the others. GPT: the QKV cotangent takes the QKV output's place (11 -> 8 s·b·h).
+        self._homes = self._pullback.boundary_homes
+        self._to_w = [k for k, home in enumerate(self._homes) if home is None]  # boundary index per B-to-W buffer
 
     def _residuals(self, layer_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         y, stored, _, slots = residuals(self._layer, layer_params, x)
@@ -655,16 +665,28 @@ class _LayerBackward:
         return self._walk(step, (dy, g_stage), chunk_params, active, reverse=True)
 
     def input_gradient_into(self, chunk_params: PyTree, residual_of: Callable[[jax.Array], list[jax.Array]],
-                            dy: jax.Array, active: jax.Array | None, buffers: list[jax.Array],
-                            slot: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+                            dy: jax.Array, active: jax.Array | None, buffers: list[jax.Array], slot: jax.Array,
+                            kept: tuple[list[jax.Array], jax.Array] | None = None,
+                            ) -> tuple[jax.Array, tuple[list[jax.Array], list[jax.Array]]]:
         """B: the input gradient alone, last layer first; what each layer's weight gradient will need
-        is written to ``buffers[j][slot, layer]``."""
+        is written to ``buffers[j][slot, layer]``. With ``kept = (residual_buffers, residual_slot)``
+        the residuals are read from those buffers, which the walk carries, and the boundary values
+        that have a home there are written over it (see ``__init__``). Returns ``(dx, (buffers,
+        residual_buffers))`` updated."""
         def step(c, i, lp):
-            d, bufs = c
-            dx, boundary = self._pullback.input_gradient(residual_of(i), jax.tree.leaves(lp), d)
-            return self._pin(dx), [_put(b, (slot, i), v) for b, v in zip(bufs, boundary)]
+            d, bufs, rbufs = c
+            res = residual_of(i) if kept is None else [_get(b, (kept[1], i)) for b in rbufs]
+            dx, boundary = self._pullback.input_gradient(res, jax.tree.leaves(lp), d)
+            if kept is not None:
+                rbufs = list(rbufs)
+                for value, home in zip(boundary, self._homes):
+                    if home is not None:
+                        rbufs[home] = _put(rbufs[home], (kept[1], i), value)
+            return self._pin(dx), [_put(b, (slot, i), boundary[k]) for b, k in zip(bufs, self._to_w)], rbufs
 
-        return self._walk(step, (dy, list(buffers)), chunk_params, active, reverse=True)
+        dx, bufs, rbufs = self._walk(step, (dy, list(buffers), [] if kept is None else list(kept[0])),
+                                     chunk_params, active, reverse=True)
+        return dx, (bufs, rbufs)
 
     def weight_gradient_into(self, chunk_params: PyTree, buffers: list[jax.Array], slot: jax.Array,
                              active: jax.Array | None, g_stage: PyTree, chunk: jax.Array,
@@ -674,7 +696,13 @@ class _LayerBackward:
         ``g_stage[chunk, layer]``."""
         def step(g, i, lp):
             res = None if kept is None else [_get(b, (kept[1], i)) for b in kept[0]]
-            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), [_get(b, (slot, i)) for b in buffers], res)
+            boundary: list = [None] * len(self._homes)
+            for b, k in zip(buffers, self._to_w):
+                boundary[k] = _get(b, (slot, i))
+            for k, home in enumerate(self._homes):
+                if home is not None:
+                    boundary[k] = res[home]
+            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), boundary, res)
             return _accumulate(g, (chunk, i), flat)
 
         return self._walk(step, g_stage, chunk_params, active)
@@ -690,8 +718,10 @@ class _LayerBackward:
         return [*self._stacked(self._stored_avals, slots), jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype)]
 
     def buffers(self, slots: int) -> list[jax.Array]:
-        """The B-to-W buffers: ``slots`` chunks' boundary values per stage."""
-        return self._zeros(self._stacked(self._pullback.boundary_avals, slots))
+        """The B-to-W buffers: ``slots`` chunks' boundary values per stage (those without a home in
+        the residual slot)."""
+        avals = self._pullback.boundary_avals
+        return self._zeros(self._stacked([avals[k] for k in self._to_w], slots))
 
     def residual_buffers(self, slots: int) -> list[jax.Array]:
         """The forward-to-backward buffers when nothing is recomputed: ``slots`` chunks' residuals."""

@@ -205,52 +205,35 @@ def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
     return _shifted("interleaved", stages, microbatches, chunks, first_backward=chunks * stages - 1)
 
 
-def _greedy(name: str, stages: int, microbatches: int, *, split: bool, in_flight: list[int],
-            weight_cap: list[int] | None = None) -> Schedule:
+def _greedy(name: str, stages: int, microbatches: int, *, in_flight: list[int]) -> Schedule:
     """Lay one chunk per stage out tick by tick, each stage doing the most urgent ready work.
 
-    Urgency, per stage and tick: a weight gradient once ``weight_cap[s]`` of them are pending
-    (bounding what W keeps); the backward of the oldest microbatch whose output gradient has
-    arrived; the forward of the next microbatch whose input has arrived, if fewer than
-    ``in_flight[s]`` are forwarded but not backwarded (the stage's stash bound); a pending weight
-    gradient (W fills what would be a bubble). Without ``split`` a stage may run a forward and a
-    backward in the same tick (as the lockstep 1F1B does), which needs no W at all. Values
-    produced in a tick are usable from the next, exactly as :func:`check` requires.
+    Per stage and tick: the forward of the next microbatch whose input has arrived, if fewer than
+    ``in_flight[s]`` are forwarded but not backwarded (the stage's stash bound), and the backward
+    of the oldest microbatch whose output gradient has arrived -- both in one tick when both are
+    ready, as the lockstep 1F1B does. Values produced in a tick are usable from the next, exactly
+    as :func:`check` requires.
     """
     p, m = stages, microbatches
     f_tick = [[-1] * m for _ in range(p)]
     b_tick = [[-1] * m for _ in range(p)]
-    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    nf, nb = [0] * p, [0] * p
     forward: list[list[Work | None]] = []
     backward: list[list[Work | None]] = []
-    weight: list[list[Work | None]] = []
     tick = 0
-    while min(nw if split else nb) < m:
+    while min(nb) < m:
         if tick > 4 * m * p + 4 * p:  # cannot happen for the bounds used here; guards a bad bound
             raise ScheduleError(f"{name}: no progress with stage bounds {in_flight} (p={p}, m={m})")
         frow: list[Work | None] = [None] * p
         brow: list[Work | None] = [None] * p
-        wrow: list[Work | None] = [None] * p
         for s in range(p):
             ready_f = nf[s] < m and (s == 0 or 0 <= f_tick[s - 1][nf[s]] < tick)
-            can_f = ready_f and nf[s] - nb[s] < in_flight[s]
+            if ready_f and nf[s] - nb[s] < in_flight[s]:
+                frow[s] = Work(nf[s], 0)
             mb = nb[s]  # the next backward: its output gradient must have arrived (or be the loss)
             grad_here = mb < m and (s == p - 1 or 0 <= b_tick[s + 1][mb] < tick)
-            if split:  # one unit of work per tick; B needs its forward in an earlier tick
-                pending = nb[s] - nw[s]
-                if weight_cap is not None and pending >= weight_cap[s]:
-                    wrow[s] = Work(nw[s], 0)
-                elif grad_here and mb < nf[s]:
-                    brow[s] = Work(mb, 0)
-                elif can_f:
-                    frow[s] = Work(nf[s], 0)
-                elif pending:
-                    wrow[s] = Work(nw[s], 0)
-            else:  # forward then backward in one tick, as the lockstep tables do
-                if can_f:
-                    frow[s] = Work(nf[s], 0)
-                if grad_here and mb < nf[s] + (frow[s] is not None):
-                    brow[s] = Work(mb, 0)
+            if grad_here and mb < nf[s] + (frow[s] is not None):
+                brow[s] = Work(mb, 0)
         for s in range(p):  # commit the tick: every decision above saw only earlier ticks
             if frow[s] is not None:
                 f_tick[s][nf[s]] = tick
@@ -258,13 +241,10 @@ def _greedy(name: str, stages: int, microbatches: int, *, split: bool, in_flight
             if brow[s] is not None:
                 b_tick[s][nb[s]] = tick
                 nb[s] += 1
-            if wrow[s] is not None:
-                nw[s] += 1
         forward.append(frow)
         backward.append(brow)
-        weight.append(wrow)
         tick += 1
-    return Schedule(name, p, m, 1, _as_table(forward), _as_table(backward), _as_table(weight) if split else ())
+    return Schedule(name, p, m, 1, _as_table(forward), _as_table(backward))
 
 
 def _as_table(rows: list[list[Work | None]]) -> Table:
@@ -276,16 +256,68 @@ def one_f_one_b_p_in_flight(stages: int, microbatches: int) -> Schedule:
     where the lockstep :func:`one_f_one_b` holds ``2p - 1``). A stage whose stash is full waits for
     a gradient before its next forward, which costs ticks where the lockstep table overlaps."""
     _validate("1f1b-p", stages, microbatches, 1)
-    return _greedy("1f1b-p", stages, microbatches, split=False, in_flight=[stages - s for s in range(stages)])
+    return _greedy("1f1b-p", stages, microbatches, in_flight=[stages - s for s in range(stages)])
+
+
+def _zb_h1_order(stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s work in ZB-H1's order (Qi et al., 2023, Figure 3): 1F1B's warmup of
+    ``p - stage`` forwards, then for each microbatch ``k`` its B, the W of microbatch
+    ``k - stage`` and the next forward; the ``stage`` weight gradients still owed run last.
+
+    Stage ``s`` thus defers ``s`` weight gradients -- into the ticks where 1F1B's stage ``s``
+    waits -- and never holds more than ``p`` forwards whose W has not run: 1F1B's stage-0 bound on
+    every stage, which is the paper's point (the same peak activation memory as 1F1B)."""
+    ahead = min(stages - stage, microbatches)
+    order = [("F", k) for k in range(ahead)]
+    for k in range(microbatches):
+        order.append(("B", k))
+        if k >= stage:
+            order.append(("W", k - stage))
+        if ahead < microbatches:
+            order.append(("F", ahead))
+            ahead += 1
+    return order + [("W", k) for k in range(max(microbatches - stage, 0), microbatches)]
+
+
+def _as_soon_as_ready(name: str, orders: list[list[tuple[str, int]]], microbatches: int) -> Schedule:
+    """Lay per-stage work orders (``("F" | "B" | "W", microbatch)``, one chunk per stage) out tick
+    by tick: each stage runs the next work of its order as soon as what it needs was produced in an
+    earlier tick (F: the previous stage's F; B: its own F and the next stage's B; W: its own B)."""
+    p = len(orders)
+    done: dict[tuple[str, int, int], int] = {}
+    position = [0] * p
+    rows: dict[str, list[list[Work | None]]] = {"F": [], "B": [], "W": []}
+    tick = 0
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        if tick > 4 * microbatches * p + 4 * p:  # cannot happen for the orders built here
+            raise ScheduleError(f"{name}: a stage's work order waits for work that never runs")
+        row: dict[str, list[Work | None]] = {kind: [None] * p for kind in rows}
+        for s in range(p):
+            if position[s] == len(orders[s]):
+                continue
+            kind, mb = orders[s][position[s]]
+            needs = {"F": [("F", s - 1, mb)] if s else [],
+                     "B": [("F", s, mb)] + ([("B", s + 1, mb)] if s < p - 1 else []),
+                     "W": [("B", s, mb)]}[kind]
+            if all(done.get(need, tick) < tick for need in needs):
+                row[kind][s] = Work(mb, 0)
+                position[s] += 1
+        for kind, cells in row.items():
+            for s, work in enumerate(cells):
+                if work is not None:
+                    done[(kind, s, work.microbatch)] = tick
+            rows[kind].append(cells)
+        tick += 1
+    return Schedule(name, p, microbatches, 1, _as_table(rows["F"]), _as_table(rows["B"]), _as_table(rows["W"]))
 
 
 def zb_h1(stages: int, microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al., 2023): the backward split into B and W, 1F1B's stash bound (``p - s`` on
-    stage ``s``), W deferred into what would be bubbles. With t_F = t_B = t_W the run takes
-    ``3m + p - 1`` ticks: bubble ``(p - 1)/(3m)``, a third of 1F1B's."""
+    stage ``s``), stage ``s`` deferring ``s`` weight gradients into what would be bubbles, and at
+    most ``p`` forwards awaiting their W on any stage (1F1B's peak). With t_F = t_B = t_W the run
+    takes ``3m + p - 1`` ticks: bubble ``(p - 1)/(3m)``, a third of 1F1B's."""
     _validate("zb-h1", stages, microbatches, 1)
-    return _greedy("zb-h1", stages, microbatches, split=True, in_flight=[stages - s for s in range(stages)],
-                   weight_cap=[stages] * stages)
+    return _as_soon_as_ready("zb-h1", [_zb_h1_order(stages, microbatches, s) for s in range(stages)], microbatches)
 
 
 def forward_only(stages: int, microbatches: int, chunks: int = 1) -> Schedule:

@@ -220,6 +220,29 @@ class SplitPullback:
         """What ``W`` needs from ``B``: shapes and dtypes of the values to keep between them."""
         return [a.aval for a in self._boundary]
 
+    @property
+    def boundary_homes(self) -> tuple[int | None, ...]:
+        """For each boundary value, a stored residual of the same shape and dtype that ``W`` does not
+        read (``None``: there is none), each residual given at most once.
+
+        A caller that keeps the residuals until W (``weight_reads_residuals``) may have B write the
+        value over that residual: only B needed it, and B has read it by then. In a transformer
+        layer the cotangent at the QKV projection replaces the projection's output, which only the
+        attention backward (in B) reads: 3 of GPT's 11 ``s·b·h`` per layer then cost nothing more."""
+        if not self.weight_reads_residuals:
+            return (None,) * len(self._boundary)
+        read_by_w = {id(a) for op in self._w_ops for a in op.inputs if _is_var(a)}
+        read_by_w |= {id(a) for a in self._dparam_atoms if _is_var(a)}
+        free = [i for i, v in enumerate(self._res_vars) if id(v) not in read_by_w]
+        homes: list[int | None] = []
+        for a in self._boundary:
+            home = next((i for i in free if self._res_vars[i].aval.shape == a.aval.shape
+                         and self._res_vars[i].aval.dtype == a.aval.dtype), None)
+            if home is not None:
+                free.remove(home)
+            homes.append(home)
+        return tuple(homes)
+
     def pullback(self, res: Sequence[jax.Array], params: Sequence[jax.Array],
                  dy: jax.Array) -> tuple[list[jax.Array], jax.Array]:
         """``(dparams, dx)`` in one piece: the layer's own ``jax.vjp`` pullback at the stored
