@@ -482,3 +482,23 @@ def test_torchs_tables_compile_into_programs_that_move_the_right_values(path, ke
     program = compile_program(to_schedule(read_csv(path)), keep_residuals=keep)
     peak_stash, peak_grads = simulate(program)
     assert program.grad_slots == peak_grads and program.stash_slots == peak_stash
+
+
+def test_the_lockstep_bound_search_admits_zb_h1_and_finds_its_ticks_optimal():
+    # benchmarks/zero_bubble_bound.py's exact search over lockstep tables with ZB-H1's bounds: with
+    # unit costs nothing beats ZB-H1's 3m + p - 1 ticks, with unequal costs it never prices above
+    # ZB-H1 (whose table it admits), and ZB-H1's order run without ticks takes as long as its table.
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import zero_bubble_bound as bound
+
+    from meshtron.pipeline.schedules import _run_time, _zb_h1_order
+
+    measured = Costs(forward=22.0, backward=31.1, weight=34.7)  # this machine's t_F, t_B, t_W (ms)
+    for m in (2, 3, 4):
+        assert bound.best_lockstep_time(2, m, Costs()) == 3 * m + 1
+        assert bound.best_lockstep_time(2, m, measured) <= _run_time(make_schedule("zb-h1", 2, m), measured) + 1e-9
+        units = {"F": 1.0, "B": 1.0, "W": 1.0, "X": 2.0}
+        assert bound.asynchronous_time([_zb_h1_order(2, m, s) for s in range(2)], units) == 3 * m + 1
+        assert bound.asynchronous_time([bound.one_f_one_b_order(2, m, s) for s in range(2)], units) == 3 * (m + 1)
