@@ -291,10 +291,10 @@ def test_a_split_backward_costs_at_most_its_b_to_w_buffer():
     # branch must not materialise a chunk's worth of zeros, nor a tick copy one into the buffer. So
     # 1F1B's own table with each W in its B's tick holds at most one more buffer slot than 1F1B: what
     # B leaves for W (split_backward's boundary values of every layer of the chunk: only what depends
-    # on the output gradient, since W reads the kept residuals); jax 0.10.2 holds 0.95 of it (0.99
-    # when the slot also held the activations W multiplies; 0.12 0.84 then: its buffer assignment
-    # overlaps part of the slot with other temporaries). Before the buffers were updated in place,
-    # the difference was 1.8 slots.
+    # on the output gradient, since W reads the kept residuals, and not what B writes over residuals
+    # only it reads); jax 0.10.2 holds 0.93 of it, 0.12 0.43 (its buffer assignment overlaps part of
+    # the slot with other temporaries; 0.84 when the slot also held the QKV cotangent). Before the
+    # buffers were updated in place, the difference was 1.8 slots.
     import dataclasses
 
     from meshtron.pipeline.split_backward import SplitPullback, residuals
@@ -327,7 +327,7 @@ def test_a_split_backward_costs_at_most_its_b_to_w_buffer():
     per_layer = found[0]
     one_slot = program.weight_slots * (layers // 2) * per_layer
     assert program.weight_slots == 1
-    assert 0.5 * one_slot <= split_bytes - fused_bytes <= 1.05 * one_slot, (fused_bytes, split_bytes, one_slot)
+    assert 0.25 * one_slot <= split_bytes - fused_bytes <= 1.05 * one_slot, (fused_bytes, split_bytes, one_slot)
     # ZB-H1 holds p = 2 residual slots (forwards awaiting W) where the lockstep 1F1B holds 3 at m = 4,
     # and p B-to-W slots: the bar is 15% over 1F1B's temp memory (1.016x here on jax 0.10.2).
     zb_bytes, zb_program = _keep_temp_bytes(md, make_schedule("zb-h1", 2, 4, 1), rows)
