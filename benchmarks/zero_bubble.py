@@ -169,12 +169,12 @@ def op_costs(repeats: int = 15) -> dict:
             forward = jax.jit(lambda cp, _: fns.stage(cp, x))  # returns y: the timing waits for it
             fused = jax.jit(lambda cp, rb, g: jax.tree.map(jnp.add, g, jax.vjp(fns.stage, cp, x)[1](dy)[0]),
                             donate_argnums=2)
-        def input_gradient(cp, rb, wb):  # kept residuals: B also writes boundary values over those only B reads
+        def input_gradient(cp, rb, wb, g):  # kept residuals: B also writes boundary values over those only B reads
             kept = None if rb is None else (rb[:-1], slot)
-            wb, layers = lb(cp).input_gradient_into(cp, residual_of(cp, rb), dy, None, wb, slot, kept)[1]
-            return None if rb is None else [*layers, rb[-1]], wb
+            wb, layers, g = lb(cp).input_gradient_into(cp, residual_of(cp, rb), dy, None, wb, slot, g, slot, kept)[1]
+            return None if rb is None else [*layers, rb[-1]], wb, g
 
-        b = jax.jit(input_gradient, donate_argnums=(1, 2))
+        b = jax.jit(input_gradient, donate_argnums=(1, 2, 3))
         # Kept residuals live until W, which reads them (B left it only what depends on the cotangent).
         w = jax.jit(lambda cp, rb, wb, g: lb(cp).weight_gradient_into(cp, wb, slot, None, g, slot,
                                                                       None if rb is None else (rb[:-1], slot)),
@@ -182,7 +182,7 @@ def op_costs(repeats: int = 15) -> dict:
         costs = {}
         costs["forward"], kept = timed(lambda rb: forward(chunk, rb), rbuf)
         rbuf = kept if keep else None
-        costs["input_gradient"], (rbuf, wbuf) = timed(lambda bufs: b(chunk, *bufs), (rbuf, wbuf))
+        costs["input_gradient"], (rbuf, wbuf, grads) = timed(lambda bufs: b(chunk, *bufs), (rbuf, wbuf, grads))
         costs["weight_gradient"], grads = timed(lambda g: w(chunk, rbuf, wbuf, g), grads)
         costs["fused_backward"], _ = timed(lambda g: fused(chunk, rbuf, g), grads)
         return costs

@@ -209,9 +209,10 @@ def _index_after(index: jax.Array, seq: jax.Array) -> jax.Array:
 
 def _accumulate(g_stage: PyTree, index: tuple[jax.Array, ...], flat: list[jax.Array]) -> PyTree:
     """``g_stage[index] += d`` for every leaf, in place in a loop: ``index`` is ``(chunk,)`` with a
-    chunk's gradients or ``(chunk, layer)`` with one layer's (``flat``: in leaf order)."""
+    chunk's gradients or ``(chunk, layer)`` with one layer's (``flat``: in leaf order; ``None``
+    leaves that one as it is)."""
     leaves, treedef = jax.tree.flatten(g_stage)
-    return treedef.unflatten([_put(g, index, _get(g, index) + d) for g, d in zip(leaves, flat)])
+    return treedef.unflatten([g if d is None else _put(g, index, _get(g, index) + d) for g, d in zip(leaves, flat)])
 
 
 def _chunk(stage_params: PyTree, chunk: jax.Array) -> PyTree:
@@ -431,18 +432,20 @@ def _run(
         g_shared = jax.tree.map(lambda g, a, b: g + a + b, g_shared, d_shared_out, d_shared_in)
         return d_x, buffer, g_shared, seq + _token(d_x)
 
-    def backward_input(row, stash, gbuf, rbuf, wbuf, g_shared, seq):
+    def backward_input(row, stash, gbuf, rbuf, wbuf, g_stage, g_shared, seq):
         """The split backward's B: input gradient (sent at once) and the embedding/head gradients;
         the layers' weight gradients are left to W, with what they need written into this
         microbatch's slot of the B-to-W buffers ``wbuf`` (and, when the forward keeps residuals,
-        partly over residuals of its slot in ``rbuf`` that only B reads). Returns ``(dx, wbuf, rbuf,
+        partly over residuals of its slot in ``rbuf`` that only B reads); the few layer gradients B
+        computes itself (norms) are added to ``g_stage``. Returns ``(dx, wbuf, rbuf, g_stage,
         g_shared, seq)``."""
         slot = row["bwd_weight_slot"]
+        chunk = row["bwd_chunk"]
         kept = None if rbuf is None else (rbuf[:-1], _index_after(row["bwd_res_slot"], seq))
-        d_x, (wbuf, rlayers), g_shared, seq = backward_by_layer(
+        d_x, (wbuf, rlayers, g_stage), g_shared, seq = backward_by_layer(
             row, stash, gbuf, rbuf, g_shared, seq,
-            lambda cp, res, dy, act: layers.input_gradient_into(cp, res, dy, act, wbuf, slot, kept))
-        return d_x, wbuf, None if rbuf is None else [*rlayers, rbuf[-1]], g_shared, seq
+            lambda cp, res, dy, act: layers.input_gradient_into(cp, res, dy, act, wbuf, slot, g_stage, chunk, kept))
+        return d_x, wbuf, None if rbuf is None else [*rlayers, rbuf[-1]], g_stage, g_shared, seq
 
     def backward_kept(row, gbuf, rbuf, g_stage, g_shared, seq):
         """The whole backward from kept residuals (no recomputation, not split)."""
@@ -499,10 +502,10 @@ def _run(
                     lambda: (zeros_act, g_stage, g_shared, seq),
                 )
             elif seg.backward:
-                dx_out, wbuf, rbuf, g_shared, seq = jax.lax.cond(
+                dx_out, wbuf, rbuf, g_stage, g_shared, seq = jax.lax.cond(
                     row["bwd_mb"] >= 0,
-                    lambda: backward_input(row, stash, gbuf, rbuf, wbuf, g_shared, seq),
-                    lambda: (zeros_act, wbuf, rbuf, g_shared, seq),
+                    lambda: backward_input(row, stash, gbuf, rbuf, wbuf, g_stage, g_shared, seq),
+                    lambda: (zeros_act, wbuf, rbuf, g_stage, g_shared, seq),
                 )
             if seg.weight:
                 g_stage, seq = jax.lax.cond(
@@ -594,14 +597,18 @@ class _LayerBackward:
         self._stored_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored]
         # Kept residuals live until W (the program frees their slot there), so W reads them rather
         # than B storing the activations W multiplies a second time: B leaves W only what depends on
-        # the cotangent (GPT: 11 of the 26 s·b·h per layer it stored before).
+        # the cotangent (GPT: 9 of the 26 s·b·h per layer it stored before).
         self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y,
                                        weight_reads_residuals=program.keeps_residuals)
         # A boundary value with a home (a residual of its shape that only B reads) is written over
         # that residual in the microbatch's residual slot, which lives until W anyway; the B-to-W
-        # buffers hold the others. GPT: the QKV cotangent takes the QKV output's place (11 -> 8 s·b·h).
+        # buffers hold the others. GPT: the QKV cotangent takes the QKV output's place (9 -> 6 s·b·h).
         self._homes = self._pullback.boundary_homes
-        self._to_w = [k for k, home in enumerate(self._homes) if home is None]  # boundary index per B-to-W buffer
+        # Parameter gradients B computes itself (a norm's scale and bias) go to the
+        # accumulator at B, not through the B-to-W buffers.
+        self._at_b = self._pullback.boundary_gradients
+        self._to_w = [k for k, (home, g) in enumerate(zip(self._homes, self._at_b))
+                      if home is None and g is None]  # boundary index per B-to-W buffer
 
     def _residuals(self, layer_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         y, stored, _, slots = residuals(self._layer, layer_params, x)
@@ -666,15 +673,17 @@ class _LayerBackward:
 
     def input_gradient_into(self, chunk_params: PyTree, residual_of: Callable[[jax.Array], list[jax.Array]],
                             dy: jax.Array, active: jax.Array | None, buffers: list[jax.Array], slot: jax.Array,
+                            g_stage: PyTree, chunk: jax.Array,
                             kept: tuple[list[jax.Array], jax.Array] | None = None,
-                            ) -> tuple[jax.Array, tuple[list[jax.Array], list[jax.Array]]]:
-        """B: the input gradient alone, last layer first; what each layer's weight gradient will need
-        is written to ``buffers[j][slot, layer]``. With ``kept = (residual_buffers, residual_slot)``
-        the residuals are read from those buffers, which the walk carries, and the boundary values
-        that have a home there are written over it (see ``__init__``). Returns ``(dx, (buffers,
-        residual_buffers))`` updated."""
+                            ) -> tuple[jax.Array, tuple[list[jax.Array], list[jax.Array], PyTree]]:
+        """B: the input gradient, last layer first; what each layer's weight gradient will need is
+        written to ``buffers[j][slot, layer]``, and the parameter gradients B computes itself are
+        added to ``g_stage[chunk, layer]``. With ``kept = (residual_buffers, residual_slot)`` the
+        residuals are read from those buffers, which the walk carries, and the boundary values that
+        have a home there are written over it (see ``__init__``). Returns ``(dx, (buffers,
+        residual_buffers, g_stage))`` updated."""
         def step(c, i, lp):
-            d, bufs, rbufs = c
+            d, bufs, rbufs, g = c
             res = residual_of(i) if kept is None else [_get(b, (kept[1], i)) for b in rbufs]
             dx, boundary = self._pullback.input_gradient(res, jax.tree.leaves(lp), d)
             if kept is not None:
@@ -682,11 +691,18 @@ class _LayerBackward:
                 for value, home in zip(boundary, self._homes):
                     if home is not None:
                         rbufs[home] = _put(rbufs[home], (kept[1], i), value)
-            return self._pin(dx), [_put(b, (slot, i), boundary[k]) for b, k in zip(bufs, self._to_w)], rbufs
+            at_b = [None] * len(jax.tree.leaves(g))
+            for value, k in zip(boundary, self._at_b):
+                if k is not None:
+                    at_b[k] = value
+            if any(v is not None for v in at_b):
+                g = _accumulate(g, (chunk, i), at_b)
+            return self._pin(dx), [_put(b, (slot, i), boundary[k]) for b, k in zip(bufs, self._to_w)], rbufs, g
 
-        dx, bufs, rbufs = self._walk(step, (dy, list(buffers), [] if kept is None else list(kept[0])),
-                                     chunk_params, active, reverse=True)
-        return dx, (bufs, rbufs)
+        dx, bufs, rbufs, g_stage = self._walk(
+            step, (dy, list(buffers), [] if kept is None else list(kept[0]), g_stage), chunk_params, active,
+            reverse=True)
+        return dx, (bufs, rbufs, g_stage)
 
     def weight_gradient_into(self, chunk_params: PyTree, buffers: list[jax.Array], slot: jax.Array,
                              active: jax.Array | None, g_stage: PyTree, chunk: jax.Array,
@@ -696,7 +712,7 @@ class _LayerBackward:
         ``g_stage[chunk, layer]``."""
         def step(g, i, lp):
             res = None if kept is None else [_get(b, (kept[1], i)) for b in kept[0]]
-            boundary: list = [None] * len(self._homes)
+            boundary: list = [None] * len(self._homes)  # None: a gradient B has accumulated
             for b, k in zip(buffers, self._to_w):
                 boundary[k] = _get(b, (slot, i))
             for k, home in enumerate(self._homes):

@@ -20,10 +20,13 @@ equals the pullback exactly (the same primitives on the same values).
 When whoever runs ``W`` still holds the layer's residuals (``weight_reads_residuals``: a pipeline
 that keeps them until W), W takes from them what it can: the boundary is then only what depends on
 the output cotangent, and the forward values W multiplies (a norm's output, GELU's) are recomputed
-in W from the residuals, by the same equations B ran on them. For a transformer layer that more
-than halves what B leaves for W (GPT: 11 instead of 26 ``s·b·h`` per layer; Llama 15 instead of
-28); the price is W rerunning a few element-wise forward equations. Still the same primitives on
-the same values: bit-for-bit the pullback.
+in W from the residuals, by the same equations B ran on them. A parameter gradient that needs no
+matmul (a norm's scale and bias: sums over the tokens) is then computed in B when that spares the
+boundary a token-wide value (the norm's output cotangent) -- as zero-bubble implementations defer
+only the linear layers' weight gradients. For a transformer layer that cuts what B leaves for W
+to about a third (GPT: 9 instead of 26 ``s·b·h`` per layer, plus the norms' [h] gradients; Llama
+13 instead of 28); the price is W rerunning a few element-wise forward equations. Still the same
+primitives on the same values: bit-for-bit the pullback.
 
 Nested ``jit`` and ``checkpoint`` calls are inlined first, so a jitted or rematerialised helper
 that computes both kinds of gradient (Llama's fused projections) is split too; other higher-order
@@ -145,7 +148,8 @@ class SplitPullback:
     and ``weight_gradient(params, boundary) -> dparams`` may be traced anywhere, in different loops.
     ``res`` are the residual arrays :func:`residuals` stored (parameters excluded: pass them in
     ``params``). With ``weight_reads_residuals`` W also takes ``res`` (the caller keeps them until
-    W) and the boundary holds only what depends on the cotangent.
+    W) and the boundary holds only what depends on the cotangent; ``early`` then lists the parameter
+    gradients (indices in ``params`` order) B computes itself and hands over as boundary values.
     """
 
     def __init__(self, treedef: Any, param_slots: Sequence[int | None], example_res: Sequence[jax.Array],
@@ -177,8 +181,11 @@ class SplitPullback:
         if weight_reads_residuals:
             given |= {id(v) for v in self._res_vars}
 
+        early: set[int] = set()  # parameter gradients B computes itself (handed over as they are, not deferred)
+
         def weight_part(excluded: set[int]) -> tuple[set[int], tuple]:
-            w = _slice(ops, self._dparam_atoms, excluded)
+            deferred = [a for k, a in enumerate(self._dparam_atoms) if k not in early]
+            w = _slice(ops, deferred, excluded | _slice(ops, self._early_atoms(early), b_ops))
             return w, _inputs_from_outside(ops, w, self._dparam_atoms, given)
 
         if weight_reads_residuals:
@@ -200,11 +207,35 @@ class SplitPullback:
                     if _nbytes(tried[1]) < _nbytes(boundary):
                         on_dy, (w_ops, boundary), shrunk = on_dy - {i}, tried, True
                         break
+            # A parameter gradient that needs no matmul (a norm's scale and bias: reductions over the
+            # tokens) is computed in B when every gradient that reads one of the boundary values is
+            # such: the boundary then holds the gradient ([h]) instead of the token-wide value it
+            # reduces (the norm's output cotangent, s·b·h) -- as zero-bubble implementations defer
+            # only the linear layers' weight gradients.
+            for a in boundary:
+                readers = {k for k, d in enumerate(self._dparam_atoms) if k not in early and _is_var(d)
+                           and id(a) in {id(x) for i in _slice(ops, [d], on_dy) for x in ops[i].inputs}}
+                tried_early = early | readers
+                before = b_ops | _slice(ops, self._early_atoms(early), b_ops)
+                added = _slice(ops, self._early_atoms(readers), before)
+                if not readers or any(ops[i].primitive.name in _MATMULS for i in added):
+                    continue
+                kept_early, early = early, tried_early
+                tried = weight_part(on_dy)
+                if _nbytes(tried[1]) < _nbytes(boundary):
+                    w_ops, boundary = tried
+                else:
+                    early = kept_early
         else:
             w_ops, boundary = weight_part(b_ops)
+        self.early = tuple(sorted(early))
+        b_ops = b_ops | _slice(ops, self._early_atoms(early), b_ops)
         self._b_ops = [ops[i] for i in sorted(b_ops)]
         self._w_ops = [ops[i] for i in sorted(w_ops)]
         self._boundary = boundary
+
+    def _early_atoms(self, early: set[int]) -> list[Any]:
+        return [self._dparam_atoms[k] for k in sorted(early)]
 
     def _merge(self, res: Sequence[Any], params: Sequence[Any]) -> list[Any]:
         stored = iter(res)
@@ -221,6 +252,14 @@ class SplitPullback:
         return [a.aval for a in self._boundary]
 
     @property
+    def boundary_gradients(self) -> tuple[int | None, ...]:
+        """For each boundary value, the index (in ``params`` order) of the parameter gradient it is
+        when B computed that gradient itself (``None``: a value W computes from). A caller may add
+        those to its gradient accumulator at B and hand ``weight_gradient`` ``None`` in their place."""
+        by_atom = {id(self._dparam_atoms[k]): k for k in self.early}
+        return tuple(by_atom.get(id(a)) for a in self._boundary)
+
+    @property
     def boundary_homes(self) -> tuple[int | None, ...]:
         """For each boundary value, a stored residual of the same shape and dtype that ``W`` does not
         read (``None``: there is none), each residual given at most once.
@@ -228,20 +267,10 @@ class SplitPullback:
         A caller that keeps the residuals until W (``weight_reads_residuals``) may have B write the
         value over that residual: only B needed it, and B has read it by then. In a transformer
         layer the cotangent at the QKV projection replaces the projection's output, which only the
-        attention backward (in B) reads: 3 of GPT's 11 ``s·b·h`` per layer then cost nothing more."""
+        attention backward (in B) reads: 3 of GPT's 9 ``s·b·h`` per layer then cost nothing more."""
         if not self.weight_reads_residuals:
             return (None,) * len(self._boundary)
-        read_by_w = {id(a) for op in self._w_ops for a in op.inputs if _is_var(a)}
-        read_by_w |= {id(a) for a in self._dparam_atoms if _is_var(a)}
-        free = [i for i, v in enumerate(self._res_vars) if id(v) not in read_by_w]
-        homes: list[int | None] = []
-        for a in self._boundary:
-            home = next((i for i in free if self._res_vars[i].aval.shape == a.aval.shape
-                         and self._res_vars[i].aval.dtype == a.aval.dtype), None)
-            if home is not None:
-                free.remove(home)
-            homes.append(home)
-        return tuple(homes)
+        return _assign_homes(self._res_vars, self._w_ops, self._dparam_atoms, self._boundary)
 
     def pullback(self, res: Sequence[jax.Array], params: Sequence[jax.Array],
                  dy: jax.Array) -> tuple[list[jax.Array], jax.Array]:
@@ -262,18 +291,37 @@ class SplitPullback:
     def weight_gradient(self, params: Sequence[jax.Array], boundary: Sequence[jax.Array],
                         res: Sequence[jax.Array] | None = None) -> list[jax.Array]:
         """The parameter gradients (flat, in ``params`` order), from ``B``'s boundary values (and the
-        residuals ``res``, which a pullback built with ``weight_reads_residuals`` reads)."""
+        residuals ``res``, which a pullback built with ``weight_reads_residuals`` reads). A gradient B
+        computed (:attr:`boundary_gradients`) is returned as given, or ``None`` if given ``None``."""
         if self.weight_reads_residuals and res is None:
             raise ValueError("weight_gradient: this split reads the layer's residuals in W; pass res=")
         env = self._env(res, params) if self.weight_reads_residuals else {
             id(v): x for v, x in zip(self._param_vars, params)}
-        env.update({id(a): x for a, x in zip(self._boundary, boundary)})
+        env.update({id(a): x for a, x in zip(self._boundary, boundary) if x is not None})
         _evaluate(self._w_ops, env)
         read = _reader(env)
-        return [read(a) for a in self._dparam_atoms]
+        early = {id(self._dparam_atoms[k]) for k in self.early}
+        return [None if id(a) in early and id(a) not in env else read(a) for a in self._dparam_atoms]
 
 
 _MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _assign_homes(res_vars: Sequence[Any], w_ops: Sequence[_Op], dparam_atoms: Sequence[Any],
+                  boundary: Sequence[Any]) -> tuple[int | None, ...]:
+    """For each boundary value, the first residual of its shape and dtype that ``w_ops`` do not read
+    and no earlier value took (``None``: none left)."""
+    read_by_w = {id(a) for op in w_ops for a in op.inputs if _is_var(a)}
+    read_by_w |= {id(a) for a in dparam_atoms if _is_var(a)}
+    free = [i for i, v in enumerate(res_vars) if id(v) not in read_by_w]
+    homes: list[int | None] = []
+    for a in boundary:
+        home = next((i for i in free if res_vars[i].aval.shape == a.aval.shape
+                     and res_vars[i].aval.dtype == a.aval.dtype), None)
+        if home is not None:
+            free.remove(home)
+        homes.append(home)
+    return tuple(homes)
 
 
 def _nbytes(atoms: Sequence[Any]) -> int:
