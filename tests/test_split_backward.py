@@ -151,3 +151,30 @@ def test_boundary_values_may_replace_residuals_only_b_reads(family):
     for got, want in zip(d_params, ref_params, strict=True):
         np.testing.assert_array_equal(got, want)
     assert homed == [3 * B * S * H]  # the QKV cotangent: 3 of GPT's 9 s·b·h (Llama's 13) cost nothing more
+
+
+def test_a_gradient_b_computes_never_takes_a_residuals_place():
+    # The scale's gradient needs no matmul, so B computes it ([h], like a norm's); a residual of the
+    # same shape that only B reads (cos(s)) must not host it: the caller adds it to the accumulator
+    # at B, and a copy in the residual slot would be added again by W.
+    def layer(p, x):
+        return (x * jnp.sin(p["s"])) @ p["w"]
+
+    p = {"s": jnp.linspace(0.1, 0.9, 3), "w": jnp.arange(9.0).reshape(3, 3) / 9}
+    x = jnp.arange(12.0).reshape(4, 3) / 12
+    y, stored, treedef, slots = residuals(layer, p, x)
+    flat = jax.tree.leaves(p)
+    split = SplitPullback(treedef, slots, stored, flat, y, weight_reads_residuals=True)
+    assert split.early == (0,)  # "s" (leaves in key order: s, w)
+    assert any(a.shape == (3,) for a in stored)  # cos(s), read by B only
+    assert [home for home, k in zip(split.boundary_homes, split.boundary_gradients) if k is not None] == [None]
+    dy = jnp.ones_like(y)
+    dx, boundary = split.input_gradient(stored, flat, dy)
+    ref_p, ref_x = jax.vjp(layer, p, x)[1](dy)
+    at_b = [None if k is None else v for v, k in zip(boundary, split.boundary_gradients)]
+    handed = [None if k is not None else v for v, k in zip(boundary, split.boundary_gradients)]
+    d_s, d_w = split.weight_gradient(flat, handed, stored)
+    assert d_s is None  # B's: not returned by W a second time
+    np.testing.assert_array_equal(next(v for v in at_b if v is not None), ref_p["s"])
+    np.testing.assert_array_equal(d_w, ref_p["w"])
+    np.testing.assert_array_equal(dx, ref_x)

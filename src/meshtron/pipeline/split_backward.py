@@ -270,7 +270,9 @@ class SplitPullback:
         attention backward (in B) reads: 3 of GPT's 9 ``s·b·h`` per layer then cost nothing more."""
         if not self.weight_reads_residuals:
             return (None,) * len(self._boundary)
-        return _assign_homes(self._res_vars, self._w_ops, self._dparam_atoms, self._boundary)
+        # A gradient B computed is added to the accumulator at B: it never takes a residual's place.
+        return _assign_homes(self._res_vars, self._w_ops, self._dparam_atoms,
+                             [None if k is not None else a for a, k in zip(self._boundary, self.boundary_gradients)])
 
     def pullback(self, res: Sequence[jax.Array], params: Sequence[jax.Array],
                  dy: jax.Array) -> tuple[list[jax.Array], jax.Array]:
@@ -310,14 +312,14 @@ _MATMULS = ("dot_general", "conv_general_dilated")
 def _assign_homes(res_vars: Sequence[Any], w_ops: Sequence[_Op], dparam_atoms: Sequence[Any],
                   boundary: Sequence[Any]) -> tuple[int | None, ...]:
     """For each boundary value, the first residual of its shape and dtype that ``w_ops`` do not read
-    and no earlier value took (``None``: none left)."""
+    and no earlier value took (``None``: none left, or the value is ``None``: one B keeps itself)."""
     read_by_w = {id(a) for op in w_ops for a in op.inputs if _is_var(a)}
     read_by_w |= {id(a) for a in dparam_atoms if _is_var(a)}
     free = [i for i, v in enumerate(res_vars) if id(v) not in read_by_w]
     homes: list[int | None] = []
     for a in boundary:
-        home = next((i for i in free if res_vars[i].aval.shape == a.aval.shape
-                     and res_vars[i].aval.dtype == a.aval.dtype), None)
+        home = None if a is None else next((i for i in free if res_vars[i].aval.shape == a.aval.shape
+                                            and res_vars[i].aval.dtype == a.aval.dtype), None)
         if home is not None:
             free.remove(home)
         homes.append(home)
