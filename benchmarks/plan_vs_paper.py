@@ -4,8 +4,11 @@ Table 1's ten GPT models are priced with the exact settings of the paper's run s
 (NVIDIA/Megatron-LM ``examples/sc21/run_table_1.sh``, the commit its README names): microbatch
 size, ``--num-layers-per-virtual-pipeline-stage`` (the chunks v), activation recomputation on every
 row, and ``--DDP-impl torch`` (gradient all-reduce overlapped with the backward) on the four rows
-without pipelining, ``local`` (not overlapped) on the rest. The top-ranked (t, p) of the planner's
-search (full recomputation, as every run of the paper; b and v free) is compared with the paper's.
+without pipelining, ``local`` (not overlapped) on the rest -- with gradients kept as that
+Megatron-LM kept them (``meshtron.plan.GRADIENTS["sc21"]``: ``--fp16``, 16-bit gradients, the fp16
+optimizer's fp32 copy at the step, torch DDP's bucket copy). The top-ranked (t, p) of the planner's
+search (full recomputation, as every run of the paper; b and v free; the same gradients) is
+compared with the paper's.
 
 The only fitted numbers are the two of the A100 cluster's GEMM-efficiency curve,
 ``e(x) = e_max · x / (x + x_half)`` of the GEMM's smallest dimension x, tabulated in
@@ -28,8 +31,14 @@ import dataclasses
 import _common
 import numpy as np
 
-from meshtron.plan import ModelShape, estimate, load_cluster, parameter_count, search
+from meshtron.plan import GRADIENTS, ModelShape, estimate, load_cluster, parameter_count, search
 from meshtron.plan.model import Layout
+
+# Gradients as the paper's scripts keep them (``--fp16``, no ``--accumulate-allreduce-grads-in-fp32``):
+# Table 1 with ``torch`` DDP on its rows without pipelining, ``local`` on the rest (``sc21``); every
+# figure script and Table 2 with ``local`` DDP throughout.
+TABLE_1_GRADIENTS = GRADIENTS["sc21"]
+LOCAL_DDP_GRADIENTS = dataclasses.replace(TABLE_1_GRADIENTS, overlap="never", bucket_bytes=0)
 
 SEQ, VOCAB = 2048, 51200
 # billions, heads, hidden, layers, t, p, GPUs, batch, TF/s per GPU (Table 1); microbatch, chunks v and
@@ -86,14 +95,17 @@ def curve(e_max: float, x_half: float) -> tuple[tuple[int, float], ...]:
 
 
 def paper_estimate(row, cluster):
-    """Table 1's row priced with its run script's exact layout."""
+    """Table 1's row priced with its run script's exact layout (and DDP: ``torch`` exactly where p = 1)."""
     _, a, h, l, t, p, n, B, _, b, v, overlap = row
-    return estimate(model_of(a, h, l), Layout(t, p, n // (t * p), b, B, v, "full"), cluster, overlap_data=overlap)
+    layout = Layout(t, p, n // (t * p), b, B, v, "full")
+    assert TABLE_1_GRADIENTS.overlapped(layout) == overlap
+    return estimate(model_of(a, h, l), layout, cluster, gradients=TABLE_1_GRADIENTS)
 
 
-def best_for(model: ModelShape, t: int, p: int, gpus: int, batch: int, cluster, microbatch: int | None = None):
+def best_for(model: ModelShape, t: int, p: int, gpus: int, batch: int, cluster, microbatch: int | None = None,
+             gradients=TABLE_1_GRADIENTS):
     """The model's best estimate for a given (t, p): v and b free (b pinned if given)."""
-    ranked = search(model, gpus, batch, cluster, recompute=("full",), tensor=t, pipe=p).ranked
+    ranked = search(model, gpus, batch, cluster, recompute=("full",), tensor=t, pipe=p, gradients=gradients).ranked
     if microbatch is not None:
         ranked = [e for e in ranked if e.layout.microbatch == microbatch]
     return ranked[0]
@@ -132,8 +144,8 @@ def table_1(cluster) -> list[dict]:
         assert round(parameter_count(model) / 1e9, 1) == billions
         ours = paper_estimate(row, cluster)
         paper_tp = best_for(model, t, p, n, B, cluster)
-        top = search(model, n, B, cluster, recompute=("full",)).best
-        free = search(model, n, B, cluster).best
+        top = search(model, n, B, cluster, recompute=("full",), gradients=TABLE_1_GRADIENTS).best
+        free = search(model, n, B, cluster, gradients=TABLE_1_GRADIENTS).best
         rows.append({
             "params_b": billions, "t": t, "p": p, "d": n // (t * p), "gpus": n, "batch": B, "paper_tflops": paper,
             "v": v, "microbatch": b, "ddp_overlap": overlap, "predicted_tflops": round(ours.tflops_per_gpu, 1),
@@ -154,8 +166,8 @@ def table_2(cluster) -> list[dict]:
     for billions, a, h, l, t, p, B, runs in TABLE_2:
         model = model_of(a, h, l)
         for n, paper in runs:
-            best = best_for(model, t, p, n, B, cluster, microbatch=1)
-            plain = estimate(model, Layout(t, p, n // (t * p), 1, B, 1, "full"), cluster)
+            best = best_for(model, t, p, n, B, cluster, microbatch=1, gradients=LOCAL_DDP_GRADIENTS)
+            plain = estimate(model, Layout(t, p, n // (t * p), 1, B, 1, "full"), cluster, gradients=LOCAL_DDP_GRADIENTS)
             rows.append({"params_b": billions, "gpus": n, "batch": B, "paper_tflops": paper,
                          "interleaved_v": best.layout.chunks, "interleaved_tflops": round(best.tflops_per_gpu, 1),
                          "plain_1f1b_tflops": round(plain.tflops_per_gpu, 1),
@@ -169,8 +181,8 @@ def figure_12(cluster) -> list[dict]:
     model = model_of(96, 12288, 96)
     rows = []
     for B, (paper_plain, paper_inter) in FIGURE_12.items():
-        plain = estimate(model, Layout(8, 12, 1, 1, B, 1, "full"), cluster).tflops_per_gpu
-        inter = estimate(model, Layout(8, 12, 1, 1, B, 4, "full"), cluster).tflops_per_gpu
+        plain = estimate(model, Layout(8, 12, 1, 1, B, 1, "full"), cluster, gradients=LOCAL_DDP_GRADIENTS).tflops_per_gpu
+        inter = estimate(model, Layout(8, 12, 1, 1, B, 4, "full"), cluster, gradients=LOCAL_DDP_GRADIENTS).tflops_per_gpu
         rows.append({"batch": B, "paper_non_interleaved": paper_plain, "paper_interleaved": paper_inter,
                      "non_interleaved": round(plain, 1), "interleaved": round(inter, 1),
                      "paper_gain": paper_inter / paper_plain - 1, "gain": inter / plain - 1})
@@ -183,7 +195,7 @@ def figures(cluster) -> dict[str, list[dict]]:
         model = model_of(a, h, l)
         rows = []
         for (t, p, b, batch, v), label, paper in points:
-            e = estimate(model, Layout(t, p, 64 // (t * p), b, batch, v, "full"), cluster)
+            e = estimate(model, Layout(t, p, 64 // (t * p), b, batch, v, "full"), cluster, gradients=LOCAL_DDP_GRADIENTS)
             rows.append({"setting": label, "paper_tflops": paper, "predicted_tflops": round(e.tflops_per_gpu, 1),
                          "error": e.tflops_per_gpu / paper - 1})
         out[name] = rows

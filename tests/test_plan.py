@@ -18,6 +18,8 @@ from meshtron.cli import main
 from meshtron.config import ConfigError, load_config
 from meshtron.optim.compression import compressed_bytes_per_device, error_lengths, padded_length
 from meshtron.plan import (
+    GRADIENTS,
+    Gradients,
     Layout,
     ModelShape,
     bubble_fraction,
@@ -120,6 +122,47 @@ def test_memory_adds_up_and_grows_with_onebit_lamb():
     assert none.activations > adamw.activations  # recomputation is what saves the activations
 
 
+def test_gradients_as_the_papers_runs_kept_them():
+    """``sc21``: fp16 gradients (2 bytes), torch DDP's bucket copy (2) only where it runs (no
+    pipelining), the fp16 optimizer's fp32 copy (4) alive at the step, when the activations are not."""
+    model = shape(32, 3072, 30)  # 3.6B
+    sc21 = GRADIENTS["sc21"]
+    for layout, bucket in ((Layout(2, 1, 32, 16, 512, 1, "full"), 2), (Layout(1, 2, 32, 2, 512, 1, "full"), 0)):
+        fp32, fp16 = memory_per_gpu(model, layout), memory_per_gpu(model, layout, gradients=sc21)
+        params = fp32.weights / 2
+        assert fp32.step_copy == 0 and fp16.weights == fp32.weights and fp16.optimizer == fp32.optimizer
+        assert fp16.gradients == (2 + bucket) * params and fp16.step_copy == 4 * params
+        assert fp16.total == fp16.weights + fp16.gradients + fp16.optimizer + max(fp16.activations, fp16.step_copy)
+    alone = memory_per_gpu(model, Layout(1, 1, 64, 2, 512, 1, "full"), gradients=sc21)
+    assert alone.step_copy > alone.activations  # the step's peak: 22 bytes per parameter, 79 GB
+    assert alone.total == 22 * alone.weights / 2 > A100.usable_memory_bytes
+
+
+def test_gradients_decide_the_data_parallel_exchange():
+    model = shape(32, 3072, 30)
+    unpipelined, pipelined = Layout(2, 1, 32, 16, 512, 1, "full"), Layout(1, 2, 32, 2, 512, 1, "full")
+    sc21 = GRADIENTS["sc21"]
+    assert estimate(model, unpipelined, A100, gradients=sc21).seconds["data"] == 0  # torch DDP hides it
+    assert estimate(model, unpipelined, A100).seconds["data"] > 0
+    fp16, fp32 = estimate(model, pipelined, A100, gradients=sc21), estimate(model, pipelined, A100)
+    assert fp16.data_bytes == fp32.data_bytes / 2
+    assert 0 < fp16.seconds["data"] < fp32.seconds["data"]
+    assert GRADIENTS["16bit"].overlapped(unpipelined) is False
+    assert Gradients(overlap="always").overlapped(pipelined) is True
+    with pytest.raises(ConfigError, match="gradients.overlap: must be one of never, unpipelined, always"):
+        Gradients(overlap="sometimes")
+
+
+def test_the_papers_gradients_rule_out_what_its_runs_could_not_fit():
+    """3.6B on 64 GPUs: with fp32 gradients and no DDP copy t = 1 fits and ranks first; as the paper's
+    Megatron-LM kept gradients it does not fit (22 bytes per parameter), and the paper's (2, 1) ranks first."""
+    model, cluster = shape(32, 3072, 30), A100
+    fp32 = search(model, 64, 512, cluster, recompute=("full",)).best.layout
+    sc21 = search(model, 64, 512, cluster, recompute=("full",), gradients=GRADIENTS["sc21"]).best.layout
+    assert (fp32.tensor, fp32.pipe) == (1, 1)
+    assert (sc21.tensor, sc21.pipe) == (2, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Time
 
@@ -139,6 +182,12 @@ def test_table_1_is_predicted_within_10_percent_on_every_row():
     for row in plan_vs_paper.TABLE_1:
         predicted = plan_vs_paper.paper_estimate(row, A100).tflops_per_gpu
         assert predicted == pytest.approx(row[8], rel=0.10), row[0]
+
+
+def test_table_1_top_ranked_tp_is_the_papers_or_within_3_percent_on_seven_rows():
+    """The issue asks for 8 of 10; the model gives 7 (the README says why 18.4B, 39.1B and 145.6B differ)."""
+    rows = plan_vs_paper.table_1(A100)
+    assert [r["params_b"] for r in rows if r["paper_tp_gap"] <= 0.03] == [1.7, 3.6, 7.5, 76.1, 310.1, 529.6, 1008.0]
 
 
 def test_figure_12_non_interleaved_line_and_large_batch_gain():
@@ -297,6 +346,18 @@ def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert len(saved["ranked"]) == 3 and saved["gpus"] == 256 and saved["cluster"] == "a100-80gb"
     assert saved["ranked"][0]["tflops_per_gpu"] >= saved["ranked"][1]["tflops_per_gpu"]
+
+
+def test_plan_command_prices_the_gradients_it_is_told(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--config", "paper/gpt_3_6b", "--gpus", "64", "--recompute", "full", "--top", "1"]
+    assert main(argv) == 0
+    assert "gradients all-reduced in 32 bits" in capsys.readouterr().out
+    assert main([*argv, "--gradients", "sc21", "--json", str(out)]) == 0
+    assert "gradients all-reduced in 16 bits" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["gradients"] == {"element_bytes": 2, "step_copy_bytes": 4, "overlap": "unpipelined", "bucket_bytes": 2}
+    assert (saved["ranked"][0]["tensor"], saved["ranked"][0]["pipe"]) == (2, 1)
 
 
 def test_plan_command_ignores_the_presets_mesh_and_takes_a_zero_batch_as_given(capsys):

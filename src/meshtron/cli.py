@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="activation recomputation modes to consider (default full,selective,none)")
     plan.add_argument("--overlap-data", action="store_true",
                       help="assume the data-parallel all-reduce is hidden behind the backward")
+    plan.add_argument("--gradients", default="fp32", choices=("fp32", "16bit", "sc21"),
+                      help="how gradients are kept and all-reduced: fp32 (default), 16bit, or sc21 (the PTD-P "
+                           "paper's Megatron-LM runs: fp16, the optimizer's fp32 copy, torch DDP without pipelining)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default 10)")
     plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.layers=64")
@@ -115,7 +118,7 @@ def _plan(args: argparse.Namespace) -> None:
     """``meshtron plan``: the paper's performance model over every layout; no devices, no JAX."""
     from meshtron.config import freeze_step
     from meshtron.plan import ModelShape, load_cluster
-    from meshtron.plan.model import RECOMPUTE
+    from meshtron.plan.model import GRADIENTS, RECOMPUTE
     from meshtron.plan.report import make_plan, render
 
     # The model and batch come from the config; its mesh is what the plan chooses, so it is reset
@@ -134,7 +137,8 @@ def _plan(args: argparse.Namespace) -> None:
     batch = args.batch if args.batch is not None else cfg.train.batch_size
     plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, batch,
                      load_cluster(args.cluster), optimizer, modes,
-                     freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), overlap_data=args.overlap_data)
+                     freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), overlap_data=args.overlap_data,
+                     gradients=GRADIENTS[args.gradients])
     print(render(plan, args.top))
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_dict(args.top), indent=2) + "\n")

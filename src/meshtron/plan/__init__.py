@@ -19,6 +19,8 @@ Pure Python and numpy: no JAX, no devices (``meshtron plan`` answers in about a 
 
 from meshtron.plan.cluster import Cluster, bundled_clusters, load_cluster
 from meshtron.plan.model import (
+    GRADIENTS,
+    Gradients,
     Layout,
     Memory,
     ModelShape,
@@ -36,8 +38,10 @@ from meshtron.plan.search import SearchResult, search
 from meshtron.plan.timing import Estimate, bubble_fraction, estimate
 
 __all__ = [
+    "GRADIENTS",
     "Cluster",
     "Estimate",
+    "Gradients",
     "Layout",
     "Memory",
     "ModelShape",

@@ -26,8 +26,11 @@ from meshtron.pipeline.schedules import check, make_schedule
 
 __all__ = [
     "ACTIVATION_BYTES",
+    "FP32_GRADIENTS",
+    "GRADIENTS",
     "GRADIENT_BYTES",
     "RECOMPUTE",
+    "Gradients",
     "Layout",
     "Memory",
     "ModelShape",
@@ -52,6 +55,51 @@ GRADIENT_BYTES = 4
 """Megatron-LM accumulates gradients over the microbatches, and all-reduces them, in fp32
 (``--accumulate-allreduce-grads-in-fp32``, which bf16 training requires): 4 bytes per parameter in
 memory and on the wire (:func:`meshtron.analysis.megatron_figures`' default element size too)."""
+
+OVERLAP = ("never", "unpipelined", "always")
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """How the training program keeps and exchanges gradients: the part of a step's memory and
+    data-parallel time that the layout does not decide.
+
+    ``element_bytes``: the accumulation buffer's and the data-parallel all-reduce's element (4:
+    fp32; 2: fp16/bf16, Megatron-LM without ``--accumulate-allreduce-grads-in-fp32``).
+    ``step_copy_bytes``: per parameter, a copy the optimizer step makes and frees before the next
+    forward (Megatron-LM's fp16 optimizer of 2021 sets every fp32 master weight's ``.grad`` to
+    ``model_grad.float()``: 4), alive while the activations are not. ``overlap``: when the
+    all-reduce hides behind the backward -- ``never`` (Megatron-LM's ``local`` DDP, after the last
+    microbatch), ``unpipelined`` (``torch`` DDP, which Megatron-LM of 2021 could use only without
+    pipelining), ``always``. ``bucket_bytes``: per parameter, the gradient copy an overlapping DDP
+    keeps in its buckets (PyTorch's, without ``gradient_as_bucket_view``: 2 for 16-bit gradients)."""
+
+    element_bytes: int = GRADIENT_BYTES
+    step_copy_bytes: int = 0
+    overlap: str = "never"
+    bucket_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.overlap not in OVERLAP:
+            raise ConfigError(f"gradients.overlap: must be one of {', '.join(OVERLAP)}, got {self.overlap!r}")
+
+    def overlapped(self, layout: Layout) -> bool:
+        """Whether this layout's data-parallel all-reduce hides behind its backward."""
+        return self.overlap == "always" or (self.overlap == "unpipelined" and layout.pipe == 1)
+
+
+FP32_GRADIENTS = Gradients()
+
+GRADIENTS = {
+    "fp32": FP32_GRADIENTS,
+    "16bit": Gradients(element_bytes=2),
+    "sc21": Gradients(element_bytes=2, step_copy_bytes=4, overlap="unpipelined", bucket_bytes=2),
+}
+"""``--gradients``: ``fp32`` (the default: Megatron-LM's bf16 practice, meshtron's too), ``16bit``
+(gradients accumulated and all-reduced in 16 bits), ``sc21`` (the PTD-P paper's runs, Megatron-LM of
+2021 as ``examples/sc21/run_table_1.sh`` ran it: ``--fp16`` without fp32 accumulation, the fp16
+optimizer's fp32 gradient copy at the step, ``torch`` DDP on the rows without pipelining and
+``local`` on the rest)."""
 
 
 @dataclass(frozen=True)
@@ -256,22 +304,29 @@ class Memory:
     gradients: float
     optimizer: float
     activations: float
+    step_copy: float = 0.0  # alive only during the optimizer step, when the activations are freed
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        """The peak: during the forward and backward, or during the optimizer step."""
+        return self.weights + self.gradients + self.optimizer + max(self.activations, self.step_copy)
 
 
-def memory_per_gpu(model: ModelShape, layout: Layout, optimizer: str = "adamw") -> Memory:
-    """16-bit weights, fp32 gradients (:data:`GRADIENT_BYTES`), :func:`optimizer_bytes_per_parameter`
-    of state (18 bytes per parameter in all for AdamW; ZeRO's §3.1 count of 16 plus Megatron's fp32
-    gradient buffer) and :func:`activation_bytes`."""
+def memory_per_gpu(model: ModelShape, layout: Layout, optimizer: str = "adamw",
+                   gradients: Gradients = FP32_GRADIENTS) -> Memory:
+    """16-bit weights, ``gradients.element_bytes`` of accumulated gradients (fp32 by default,
+    :data:`GRADIENT_BYTES`) plus an overlapping DDP's bucket copy, :func:`optimizer_bytes_per_parameter`
+    of state (18 bytes per parameter in all for AdamW with fp32 gradients; ZeRO's §3.1 count of 16
+    plus Megatron's fp32 gradient buffer), :func:`activation_bytes`, and the optimizer step's
+    gradient copy (:class:`Gradients`), which peaks when the activations are gone."""
     params = stage_parameters_per_gpu(model, layout)
+    bucket = gradients.bucket_bytes if gradients.overlapped(layout) else 0
     return Memory(
         weights=ACTIVATION_BYTES * params,
-        gradients=GRADIENT_BYTES * params,
+        gradients=(gradients.element_bytes + bucket) * params,
         optimizer=optimizer_bytes_per_parameter(optimizer, layout.data) * params,
         activations=activation_bytes(model, layout),
+        step_copy=gradients.step_copy_bytes * params,
     )
 
 

@@ -13,12 +13,20 @@ in the uncompressed warmup.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from meshtron.config import OPTIMIZERS, ConfigError
 from meshtron.plan.cluster import Cluster
-from meshtron.plan.model import RECOMPUTE, ModelShape, flops_per_iteration, parameter_count
+from meshtron.plan.model import (
+    FP32_GRADIENTS,
+    RECOMPUTE,
+    Gradients,
+    ModelShape,
+    flops_per_iteration,
+    parameter_count,
+)
 from meshtron.plan.search import SearchResult, search
 from meshtron.plan.timing import Estimate, estimate
 
@@ -51,6 +59,7 @@ class Plan:
     optimizers: list[OptimizerRow]
     reasons: list[str]
     freeze_fraction: float
+    gradients: Gradients = FP32_GRADIENTS
 
     def to_dict(self, top: int = 10) -> dict:
         def layout(e: Estimate) -> dict:
@@ -73,25 +82,27 @@ class Plan:
                             "warmup_seconds": row.warmup_seconds, "run_seconds": row.run_seconds}
                            for row in self.optimizers],
             "freeze_fraction": self.freeze_fraction,
+            "gradients": dataclasses.asdict(self.gradients),
             "reasons": self.reasons,
         }
 
 
 def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
               recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
-              overlap_data: bool = False) -> Plan:
+              overlap_data: bool = False, gradients: Gradients = FP32_GRADIENTS) -> Plan:
     """Search, explain the winner, and price every optimizer on its own best layout."""
     result = search(model, gpus, global_batch, cluster, optimizer, recompute, overlap_data,
-                    freeze_fraction=freeze_fraction)
+                    freeze_fraction=freeze_fraction, gradients=gradients)
     rows = optimizer_rows(model, gpus, global_batch, cluster, recompute, freeze_fraction, overlap_data,
-                          known={optimizer: result.best})
+                          known={optimizer: result.best}, gradients=gradients)
     return Plan(model, gpus, global_batch, cluster, optimizer, result, rows,
-                reasons(model, result, cluster, freeze_fraction), freeze_fraction)
+                reasons(model, result, cluster, freeze_fraction), freeze_fraction, gradients)
 
 
 def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster,
                    recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
-                   overlap_data: bool = False, known: dict[str, Estimate] | None = None) -> list[OptimizerRow]:
+                   overlap_data: bool = False, known: dict[str, Estimate] | None = None,
+                   gradients: Gradients = FP32_GRADIENTS) -> list[OptimizerRow]:
     """AdamW, LAMB and 1-bit LAMB, each on the layout the search ranks first for it: 1-bit LAMB's
     extra state may force another layout, and its compressed exchange may favour more data
     parallelism, so comparing both on one layout would misstate the choice. 1-bit LAMB is ranked by
@@ -103,7 +114,7 @@ def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Clu
         if best is None:
             try:
                 best = search(model, gpus, global_batch, cluster, name, recompute, overlap_data,
-                              freeze_fraction=freeze_fraction).best
+                              freeze_fraction=freeze_fraction, gradients=gradients).best
             except ConfigError:  # nothing fits this optimizer's state
                 rows.append(OptimizerRow(name, None, math.inf, math.inf))
                 continue
@@ -267,7 +278,8 @@ def render(plan: Plan, top: int = 10) -> str:
         (f"cluster   {cluster.name}: {plan.gpus} GPUs, {cluster.gpus_per_node} per node, {cluster.peak_tflops:g} TF/s "
         f"peak, {cluster.memory_gb:g} GB ({cluster.memory_gb - cluster.reserved_gb:g} usable), NVLink "
         f"{cluster.nvlink_gbps:g} GB/s, network {cluster.network_gbps:g} GB/s per node"),
-        f"searched  {result.tried} layouts, {result.too_big} do not fit; optimizer {plan.optimizer}",
+        (f"searched  {result.tried} layouts, {result.too_big} do not fit; optimizer {plan.optimizer}; "
+         f"gradients all-reduced in {8 * plan.gradients.element_bytes} bits"),
         "",
     ]
     header = ["#", "t", "p", "d", "v", "b", "m", "recompute", "GB/GPU", "TF/s/GPU*", "step s", "bubble", "comm",
@@ -275,8 +287,8 @@ def render(plan: Plan, top: int = 10) -> str:
     rows = []
     for i, e in enumerate(result.ranked[:top], 1):
         lay = e.layout
-        fp32 = estimate(plan.model, lay, cluster, "lamb").data_bytes
-        onebit = estimate(plan.model, lay, cluster, "onebit_lamb").data_bytes
+        fp32 = estimate(plan.model, lay, cluster, "lamb", gradients=plan.gradients).data_bytes
+        onebit = estimate(plan.model, lay, cluster, "onebit_lamb", gradients=plan.gradients).data_bytes
         rows.append([i, lay.tensor, lay.pipe, lay.data, lay.chunks, lay.microbatch, lay.microbatches, lay.recompute,
                      f"{e.memory.total / 1e9:.1f}", f"{_speed(e, plan.freeze_fraction):.1f}",
                      f"{e.run_seconds(plan.freeze_fraction):.3g}", f"{e.bubble:.1%}", f"{e.communication_share:.1%}",

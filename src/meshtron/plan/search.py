@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from meshtron.config import ConfigError
 from meshtron.plan.cluster import Cluster
-from meshtron.plan.model import RECOMPUTE, Layout, ModelShape, memory_per_gpu
+from meshtron.plan.model import FP32_GRADIENTS, RECOMPUTE, Gradients, Layout, ModelShape, memory_per_gpu
 from meshtron.plan.timing import Estimate, estimate
 
 __all__ = ["MAX_MICROBATCH", "SearchResult", "candidate_layouts", "divisors", "search"]
@@ -79,10 +79,11 @@ class SearchResult:
 
 def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
            recompute: tuple[str, ...] = RECOMPUTE, overlap_data: bool = False, tensor: int | None = None,
-           pipe: int | None = None, freeze_fraction: float = 0.16) -> SearchResult:
+           pipe: int | None = None, freeze_fraction: float = 0.16, gradients: Gradients = FP32_GRADIENTS) -> SearchResult:
     """Rank every layout that fits ``cluster``'s usable memory by predicted time per step (for 1-bit
     LAMB the mean over a run, ``freeze_fraction`` of it in the uncompressed warmup); ``tensor`` and
-    ``pipe`` pin those sizes (to price one (t, p) with its best chunks, microbatch and mode).
+    ``pipe`` pin those sizes (to price one (t, p) with its best chunks, microbatch and mode);
+    ``gradients`` says how the training program keeps and exchanges gradients (memory and data time).
 
     Tensor parallelism stays within a node (Takeaway #1) unless nothing fits that way. Ties go to
     the smaller model-parallel size (Takeaway #2), then fewer chunks, then the recomputation mode
@@ -97,12 +98,12 @@ def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, op
         node = cluster.gpus_per_node if gpus > cluster.gpus_per_node else None  # one node: any t is inside it
         for layout in candidate_layouts(model, gpus, global_batch, cap, recompute, tensor, pipe, node):
             tried += 1
-            memory = memory_per_gpu(model, layout, optimizer)
+            memory = memory_per_gpu(model, layout, optimizer, gradients)
             if memory.total > cluster.usable_memory_bytes:
                 too_big += 1
                 dropped[(layout.tensor, layout.pipe)] += 1
                 continue
-            fitting.append(estimate(model, layout, cluster, optimizer, overlap_data))
+            fitting.append(estimate(model, layout, cluster, optimizer, overlap_data, gradients))
         attempts += tried
         if fitting:
             order = {mode: i for i, mode in enumerate(recompute)}

@@ -13,8 +13,9 @@ communication time"), so this one is assembled from its counts and the cluster's
   the bubble ``(p−1)/(v·m)`` of the slowest stage's time (§2.2; the last stage also runs the LM
   head, so it sets the pace);
 * data parallelism: one gradient all-reduce per step after the last backward, *not* overlapped
-  (Megatron-LM of 2021; ``overlap_data=True`` models an implementation that hides it), or 1-bit
-  LAMB's compressed exchange; then the optimizer's memory-bound update.
+  (Megatron-LM of 2021's ``local`` DDP; :class:`~meshtron.plan.model.Gradients` says when an
+  implementation hides it, and in how many bits it travels), or 1-bit LAMB's compressed exchange;
+  then the optimizer's memory-bound update.
 
 Throughput is reported the paper's way: eq. 3's FLOPs (with recomputation, whatever the layout
 recomputes) per second per GPU.
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 from meshtron.plan.cluster import Cluster
 from meshtron.plan.model import (
     ACTIVATION_BYTES,
-    GRADIENT_BYTES,
+    FP32_GRADIENTS,
+    Gradients,
     Layout,
     Memory,
     ModelShape,
@@ -209,9 +211,11 @@ def alltoall_seconds(nbytes: float, group: int, per_node: int, cluster: Cluster)
     return max(off_node, on_node) + (group - 1) * cluster.network_latency_us * 1e-6
 
 
-def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str) -> float:
+def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str,
+                 gradients: Gradients = FP32_GRADIENTS) -> float:
     """The step's data-parallel exchange of one GPU's gradient shard (``params/(t·p)`` values,
-    :func:`meshtron.analysis.megatron_figures`' ``data_bytes``): an fp32 ring all-reduce, or 1-bit
+    :func:`meshtron.analysis.megatron_figures`' ``data_bytes``): a ring all-reduce of
+    ``gradients.element_bytes`` per value (fp32 by default), or 1-bit
     LAMB's compressed exchange in its compression stage (Li et al. 2021, Algorithm 1;
     :mod:`meshtron.optim.compression`): an all-to-all of the packed sign bits (``n/8`` bytes of the
     padded length, :func:`meshtron.plan.model.onebit_padded_length`) to the workers that own each
@@ -224,7 +228,7 @@ def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer:
     parameters = figures(model, layout).data_bytes / ACTIVATION_BYTES
     per_node = min(d, max(1, cluster.gpus_per_node // layout.tensor))
     if optimizer != "onebit_lamb":
-        return allreduce_seconds(parameters * GRADIENT_BYTES, d, per_node, cluster)
+        return allreduce_seconds(parameters * gradients.element_bytes, d, per_node, cluster)
     signs = onebit_padded_length(math.ceil(parameters), d) / 8
     gather = allreduce_seconds(signs / 2, d, per_node, cluster)  # a ring all-gather: half the all-reduce's traffic
     return alltoall_seconds(signs, d, per_node, cluster) + gather
@@ -280,11 +284,12 @@ class Estimate:
 
 
 def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str = "adamw",
-             overlap_data: bool = False) -> Estimate:
+             overlap_data: bool = False, gradients: Gradients = FP32_GRADIENTS) -> Estimate:
     """Predict one step: ``(m + (p−1)/v) · t_stage + t_data + t_optimizer``, with ``t_stage`` one
     microbatch's time through the last stage's ``l/p`` layers -- GEMMs, element-wise kernels and
     tensor all-reduces per layer, the LM head and its all-reduces, the pipeline exchanges. The
-    ``(p−1)/v`` extra stage-times are the bubble (§2.2, eq. 1 with interleaving)."""
+    ``(p−1)/v`` extra stage-times are the bubble (§2.2, eq. 1 with interleaving). ``t_data`` is
+    zero when the all-reduce is hidden (``overlap_data``, or ``gradients.overlapped(layout)``)."""
     layout.check(model)
     stage_layers = model.layers // layout.pipe
     tensor_layer, tensor_head = tensor_seconds(model, layout, cluster)
@@ -298,17 +303,20 @@ def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str
     bubble = bubble_fraction(p, m, v)
     seconds = {name: value * m for name, value in per_microbatch.items()}
     seconds["bubble"] = sum(per_microbatch.values()) * (p - 1) / v
-    data = data_seconds(model, layout, cluster, optimizer)
+    overlap_data = overlap_data or gradients.overlapped(layout)
+    data = data_seconds(model, layout, cluster, optimizer, gradients)
     seconds["data"] = 0.0 if overlap_data else data
     seconds["optimizer"] = optimizer_seconds(model, layout, cluster, optimizer)
     step = sum(seconds.values())
     warmup = None
     if optimizer == "onebit_lamb":  # its warmup exchanges the gradients uncompressed, as LAMB does
-        warmup = step - seconds["data"] + (0.0 if overlap_data else data_seconds(model, layout, cluster, "lamb"))
+        warmup = step - seconds["data"] + (0.0 if overlap_data else data_seconds(model, layout, cluster, "lamb",
+                                                                                    gradients))
     parameters = figures(model, layout).data_bytes / ACTIVATION_BYTES
     return Estimate(
         layout=layout, optimizer=optimizer, step_seconds=step,
         tflops_per_gpu=flops_per_iteration(model, layout.global_batch) / step / layout.gpus / 1e12,
-        bubble=bubble, memory=memory_per_gpu(model, layout, optimizer), seconds=seconds,
-        data_bytes=data_wire_bytes(parameters, layout.data, optimizer), warmup_seconds=warmup,
+        bubble=bubble, memory=memory_per_gpu(model, layout, optimizer, gradients), seconds=seconds,
+        data_bytes=data_wire_bytes(parameters, layout.data, optimizer, gradients.element_bytes),
+        warmup_seconds=warmup,
     )
