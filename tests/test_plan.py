@@ -174,7 +174,7 @@ def test_estimate_terms_add_up_and_report_the_papers_metric():
     assert e.tflops_per_gpu == pytest.approx(flops_per_iteration(GPT_175B, 60) / e.step_seconds / 96 / 1e12)
     assert e.bubble == bubble_fraction(12, 60, 4) == pytest.approx(11 / 240)
     assert e.seconds["data"] == 0  # d = 1
-    overlapped = estimate(GPT_175B, Layout(8, 12, 2, 1, 120, 4, "full"), A100, overlap_data=True)
+    overlapped = estimate(GPT_175B, Layout(8, 12, 2, 1, 120, 4, "full"), A100, gradients=Gradients(overlap="always"))
     assert overlapped.seconds["data"] == 0 < estimate(GPT_175B, Layout(8, 12, 2, 1, 120, 4), A100).seconds["data"]
 
 

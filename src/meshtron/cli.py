@@ -10,6 +10,7 @@ and the fix, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -135,10 +136,12 @@ def _plan(args: argparse.Namespace) -> None:
         raise ConfigError(f"--top: must be >= 1, got {args.top}")
     optimizer = args.optimizer or cfg.train.optimizer
     batch = args.batch if args.batch is not None else cfg.train.batch_size
+    gradients = GRADIENTS[args.gradients]
+    if args.overlap_data:
+        gradients = dataclasses.replace(gradients, overlap="always")
     plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, batch,
                      load_cluster(args.cluster), optimizer, modes,
-                     freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), overlap_data=args.overlap_data,
-                     gradients=GRADIENTS[args.gradients])
+                     freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), gradients=gradients)
     print(render(plan, args.top))
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_dict(args.top), indent=2) + "\n")

@@ -89,11 +89,11 @@ class Plan:
 
 def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
               recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
-              overlap_data: bool = False, gradients: Gradients = FP32_GRADIENTS) -> Plan:
+              gradients: Gradients = FP32_GRADIENTS) -> Plan:
     """Search, explain the winner, and price every optimizer on its own best layout."""
-    result = search(model, gpus, global_batch, cluster, optimizer, recompute, overlap_data,
+    result = search(model, gpus, global_batch, cluster, optimizer, recompute,
                     freeze_fraction=freeze_fraction, gradients=gradients)
-    rows = optimizer_rows(model, gpus, global_batch, cluster, recompute, freeze_fraction, overlap_data,
+    rows = optimizer_rows(model, gpus, global_batch, cluster, recompute, freeze_fraction,
                           known={optimizer: result.best}, gradients=gradients)
     return Plan(model, gpus, global_batch, cluster, optimizer, result, rows,
                 reasons(model, result, cluster, freeze_fraction), freeze_fraction, gradients)
@@ -101,7 +101,7 @@ def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster,
 
 def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster,
                    recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
-                   overlap_data: bool = False, known: dict[str, Estimate] | None = None,
+                   known: dict[str, Estimate] | None = None,
                    gradients: Gradients = FP32_GRADIENTS) -> list[OptimizerRow]:
     """AdamW, LAMB and 1-bit LAMB, each on the layout the search ranks first for it: 1-bit LAMB's
     extra state may force another layout, and its compressed exchange may favour more data
@@ -113,7 +113,7 @@ def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Clu
         best = (known or {}).get(name)
         if best is None:
             try:
-                best = search(model, gpus, global_batch, cluster, name, recompute, overlap_data,
+                best = search(model, gpus, global_batch, cluster, name, recompute,
                               freeze_fraction=freeze_fraction, gradients=gradients).best
             except ConfigError:  # nothing fits this optimizer's state
                 rows.append(OptimizerRow(name, None, math.inf, math.inf))

@@ -78,7 +78,7 @@ class SearchResult:
 
 
 def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
-           recompute: tuple[str, ...] = RECOMPUTE, overlap_data: bool = False, tensor: int | None = None,
+           recompute: tuple[str, ...] = RECOMPUTE, tensor: int | None = None,
            pipe: int | None = None, freeze_fraction: float = 0.16, gradients: Gradients = FP32_GRADIENTS) -> SearchResult:
     """Rank every layout that fits ``cluster``'s usable memory by predicted time per step (for 1-bit
     LAMB the mean over a run, ``freeze_fraction`` of it in the uncompressed warmup); ``tensor`` and
@@ -103,7 +103,7 @@ def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, op
                 too_big += 1
                 dropped[(layout.tensor, layout.pipe)] += 1
                 continue
-            fitting.append(estimate(model, layout, cluster, optimizer, overlap_data, gradients))
+            fitting.append(estimate(model, layout, cluster, optimizer, gradients))
         attempts += tried
         if fitting:
             order = {mode: i for i, mode in enumerate(recompute)}

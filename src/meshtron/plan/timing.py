@@ -284,12 +284,12 @@ class Estimate:
 
 
 def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str = "adamw",
-             overlap_data: bool = False, gradients: Gradients = FP32_GRADIENTS) -> Estimate:
+             gradients: Gradients = FP32_GRADIENTS) -> Estimate:
     """Predict one step: ``(m + (p−1)/v) · t_stage + t_data + t_optimizer``, with ``t_stage`` one
     microbatch's time through the last stage's ``l/p`` layers -- GEMMs, element-wise kernels and
     tensor all-reduces per layer, the LM head and its all-reduces, the pipeline exchanges. The
     ``(p−1)/v`` extra stage-times are the bubble (§2.2, eq. 1 with interleaving). ``t_data`` is
-    zero when the all-reduce is hidden (``overlap_data``, or ``gradients.overlapped(layout)``)."""
+    zero when the all-reduce is hidden (``gradients.overlapped(layout)``)."""
     layout.check(model)
     stage_layers = model.layers // layout.pipe
     tensor_layer, tensor_head = tensor_seconds(model, layout, cluster)
@@ -303,15 +303,13 @@ def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str
     bubble = bubble_fraction(p, m, v)
     seconds = {name: value * m for name, value in per_microbatch.items()}
     seconds["bubble"] = sum(per_microbatch.values()) * (p - 1) / v
-    overlap_data = overlap_data or gradients.overlapped(layout)
-    data = data_seconds(model, layout, cluster, optimizer, gradients)
-    seconds["data"] = 0.0 if overlap_data else data
+    hidden = gradients.overlapped(layout)
+    seconds["data"] = 0.0 if hidden else data_seconds(model, layout, cluster, optimizer, gradients)
     seconds["optimizer"] = optimizer_seconds(model, layout, cluster, optimizer)
     step = sum(seconds.values())
     warmup = None
     if optimizer == "onebit_lamb":  # its warmup exchanges the gradients uncompressed, as LAMB does
-        warmup = step - seconds["data"] + (0.0 if overlap_data else data_seconds(model, layout, cluster, "lamb",
-                                                                                    gradients))
+        warmup = step - seconds["data"] + (0.0 if hidden else data_seconds(model, layout, cluster, "lamb", gradients))
     parameters = figures(model, layout).data_bytes / ACTIVATION_BYTES
     return Estimate(
         layout=layout, optimizer=optimizer, step_seconds=step,
