@@ -1,6 +1,8 @@
 """The split backward (meshtron.pipeline.split_backward): B then W equals the layer's pullback
 exactly, W does only weight-gradient work, and parameters are never stored as residuals."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,3 +189,71 @@ def test_a_gradient_b_computes_never_takes_a_residuals_place():
     np.testing.assert_array_equal(at_b[0], ref_p["s"])
     np.testing.assert_array_equal(d_w, ref_p["w"])
     np.testing.assert_array_equal(dx, ref_x)
+
+
+def _dot_contractions(hlo: str) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """(lhs rank, rhs rank, lhs contracting dims, rhs contracting dims) of every dot in an optimized
+    HLO module (instruction names are unique in a module, so operand shapes are looked up by name)."""
+    shapes = dict(re.findall(r"%([\w.-]+) = \w+\[([\d,]*)\]", hlo))
+    dots = re.findall(r"= \w+\[[\d,]*\]\S* dot\(%([\w.-]+), %([\w.-]+)\), "
+                      r"lhs_contracting_dims=\{([\d,]*)\}, rhs_contracting_dims=\{([\d,]*)\}", hlo)
+
+    def rank(name):
+        return len(shapes[name].split(",")) if shapes[name] else 0
+
+    def dims(text):
+        return tuple(int(d) for d in text.split(",") if d)
+
+    return [(rank(lhs), rank(rhs), dims(lc), dims(rc)) for lhs, rhs, lc, rc in dots]
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
+    # A weight gradient contracts over the tokens, the leading dimensions of both operands. XLA's CPU
+    # backend runs such a product in a generic loop instead of its GEMM unless the left operand's
+    # contracted dimensions are its last and the right one's its first, and folds a plain transpose
+    # back into the product. With contiguous_weight_matmuls (the runtime's choice on CPU) every
+    # product W compiles to has that form, and B + W is still the pullback the runtime runs unsplit,
+    # bit for bit; against jax.vjp's own pullback only rounding differs.
+    md, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)  # as the runtime keeps residuals
+    flat = jax.tree.leaves(params)
+
+    def split_of(p, contiguous):
+        _, stored, treedef, slots = residuals(layer, p, x)
+        return stored, SplitPullback(treedef, slots, stored, jax.tree.leaves(p), dy, weight_reads_residuals=True,
+                                     contiguous_weight_matmuls=contiguous)
+
+    def both(params):
+        stored, split = split_of(params, True)
+        dx, boundary = split.input_gradient(stored, flat, dy)
+        d_params = split.weight_gradient(flat, boundary, stored)
+        unsplit, unsplit_x = split.pullback(stored, flat, dy)
+        ref_params, ref_x = jax.vjp(layer, params, x)[1](dy)
+        return dx, d_params, unsplit_x, unsplit, ref_x, jax.tree.leaves(ref_params)
+
+    def weight_gradient_hlo(contiguous):
+        def w(params, boundary, stored):
+            return split_of(params, contiguous)[1].weight_gradient(jax.tree.leaves(params), boundary, stored)
+
+        def b(params):
+            stored, split = split_of(params, contiguous)
+            return split.input_gradient(stored, jax.tree.leaves(params), dy)[1], stored
+
+        boundary, stored = jax.eval_shape(b, params)  # W compiled alone: its inputs as B leaves them
+        return jax.jit(w).lower(params, boundary, stored).compile().as_text()
+
+    with jax.set_mesh(mesh), md.scope():
+        dx, d_params, unsplit_x, unsplit, ref_x, ref_params = jax.jit(both)(params)
+        contiguous, as_traced = _dot_contractions(weight_gradient_hlo(True)), _dot_contractions(weight_gradient_hlo(False))
+    np.testing.assert_array_equal(dx, unsplit_x)
+    for got, want, ref in zip(d_params, unsplit, ref_params, strict=True):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, ref_x, rtol=1e-5, atol=1e-6)
+    assert len(contiguous) >= 4  # QKV, the attention output, the MLP's two (Llama: gate and up in one)
+    for lhs_rank, _, lhs_contract, rhs_contract in contiguous:
+        assert lhs_contract == tuple(range(lhs_rank - len(lhs_contract), lhs_rank)), contiguous
+        assert rhs_contract == tuple(range(len(rhs_contract))), contiguous
+    # As traced, XLA keeps some products in the form its GEMM does not take: what the option is for.
+    assert any(lc != tuple(range(lr - len(lc), lr)) or rc != tuple(range(len(rc))) for lr, _, lc, rc in as_traced)
