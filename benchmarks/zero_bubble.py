@@ -33,7 +33,17 @@ the benchmark with glibc told to keep freed memory in its heap (``GLIBC_TUNABLES
 one arena, no trimming), which reuses it from step to step; the table reports minor page faults
 per step in both modes, and the results go to ``zero_bubble_pooled.{json,png}``.
 
+Two simulated devices in one process are still not two GPUs: XLA's CPU client gives the process one
+intra-op thread pool, sized by its cores and shared by its devices, so while one stage idles in a
+bubble its core runs part of the other stage's parallel work, and a bubble costs less than its
+length. ``--process-per-stage`` runs each stage as its own process instead (``jax.distributed``
+on 127.0.0.1, gloo collectives, the same SPMD program), pinned to its own core before JAX starts,
+so its thread pool has that one core: a stage in a bubble leaves its core idle, as a GPU's idle SMs
+are. The tick's exchange then goes through gloo over loopback TCP instead of memory; results go to
+``zero_bubble_processes.{json,png}`` (``_pooled`` with ``--pooled-malloc``).
+
     .venv/bin/python benchmarks/zero_bubble.py [--rounds N] [--microbatches M ...] [--pooled-malloc]
+                                               [--process-per-stage]
 """
 
 from __future__ import annotations
@@ -42,13 +52,16 @@ import os
 import sys
 
 OP_COSTS = "--op-costs"  # the subprocess that times one chunk's work on one core
+STAGE_WORKER = "--stage-worker"  # RANK PORT: one of --process-per-stage's two processes
 POOLED = "--pooled-malloc"
 POOLED_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736:glibc.malloc.arena_max=1"
 if POOLED in sys.argv and os.environ.get("GLIBC_TUNABLES") != POOLED_TUNABLES:
     # glibc reads its tunables at process start: run again with them (the op-cost subprocess inherits them).
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": POOLED_TUNABLES})
+if STAGE_WORKER in sys.argv:  # one core per stage: pinned before JAX sizes its thread pools by the affinity
+    os.sched_setaffinity(0, {int(sys.argv[sys.argv.index(STAGE_WORKER) + 1]) % os.cpu_count()})
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                           + ("1" if OP_COSTS in sys.argv else "2")).strip()
+                           + ("1" if OP_COSTS in sys.argv or STAGE_WORKER in sys.argv else "2")).strip()
 
 import argparse
 import dataclasses
@@ -86,6 +99,11 @@ def table(name: str, m: int, chunks: int) -> Schedule:
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b-p", 1), ("interleaved", 2), ("zb-h1", 1), (SPLIT_1F1B, 1)]
 
 
+def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``host`` (the same on every process) as a global array: each process fills its own shards."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
+
+
 def build(schedule: str, chunks: int, m: int, keep: bool = False):
     """A ready-to-time train step (and its state) of ``schedule`` on mesh (1, 2, 1); ``keep``: the
     forward keeps the layers' residuals (``pipeline.recompute=false``)."""
@@ -94,11 +112,12 @@ def build(schedule: str, chunks: int, m: int, keep: bool = False):
     program = compile_program(table(schedule, m, chunks), keep_residuals=keep)
     train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()),
                         microbatches=m, program=program)
-    params = jax.device_put(to_stage_order(jax.device_get(md.init(mesh, 0)), MODEL.layers, 2, chunks),
-                            train.param_shardings)
+    one_device = build_mesh(MeshConfig(1, 1, 1), jax.local_devices()[:1])  # initialised where it is readable
+    host = to_stage_order(jax.device_get(md.init(one_device, 0)), MODEL.layers, 2, chunks)
+    params = jax.tree.map(lambda a, s: place(np.asarray(a), s), host, train.param_shardings)
     opt_state = train.init_opt_state(params)
     rng = np.random.default_rng(0)
-    batch = jax.device_put(rng.integers(0, 256, (m * ROWS, MODEL.seq_len + 1), dtype=np.int32), train.batch_sharding)
+    batch = place(rng.integers(0, 256, (m * ROWS, MODEL.seq_len + 1), dtype=np.int32), train.batch_sharding)
     memory = train.lower(params, opt_state, batch).compile().memory_analysis().temp_size_in_bytes
     state = {"params": params, "opt": opt_state}
 
@@ -241,20 +260,75 @@ def measure(m: int, rounds: int, ops: dict) -> list[dict]:
     return out
 
 
+def stage_worker(rank: int, port: int, rounds: int, microbatches: list[int], ops: dict, out: str) -> None:
+    """One stage of ``--process-per-stage``: the same measurements as one process runs, in lockstep
+    with the other stage's process; rank 0 writes the results (page faults summed over both)."""
+    from jax.experimental import multihost_utils
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, rank)
+    results = []
+    for m in microbatches:
+        runs = measure(m, rounds, ops)
+        faults = multihost_utils.process_allgather(np.array([r["page_faults_per_step"] for r in runs]))
+        for r, both in zip(runs, np.asarray(faults).sum(axis=0)):
+            r["page_faults_per_step"] = float(both)
+        results.append(runs)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    jax.distributed.shutdown()
+
+
+def measure_in_processes(microbatches: list[int], rounds: int, ops: dict) -> list[list[dict]]:
+    """:func:`measure` for each ``m`` with each stage in its own process, pinned to its own core."""
+    import tempfile
+
+    from meshtron.launch import free_port
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out, ops_file = os.path.join(tmp, "results.json"), os.path.join(tmp, "ops.json")
+        with open(ops_file, "w") as f:
+            json.dump(ops, f)
+        env = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                                   if "device_count" not in f)}
+        workers = [subprocess.Popen([sys.executable, os.path.abspath(__file__), STAGE_WORKER, str(rank), str(port),
+                                     "--ops", ops_file, "--out", out, "--rounds", str(rounds),
+                                     "--microbatches", *map(str, microbatches)], env=env)
+                   for rank in range(2)]
+        codes = [w.wait() for w in workers]
+        if any(codes):
+            raise SystemExit(f"--process-per-stage: a stage process failed (exit codes {codes})")
+        with open(out) as f:
+            return json.load(f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 3, 4])  # m=8 compiles for minutes
     parser.add_argument(POOLED, action="store_true", help="glibc keeps freed memory for reuse (see the docstring)")
+    parser.add_argument("--process-per-stage", action="store_true",
+                        help="each stage in its own process on its own core (see the docstring)")
+    parser.add_argument(STAGE_WORKER, nargs=2, type=int, metavar=("RANK", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--ops", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    name = "zero_bubble_pooled" if args.pooled_malloc else "zero_bubble"
+    if args.stage_worker:
+        with open(args.ops) as f:
+            stage_worker(*args.stage_worker, args.rounds, args.microbatches, json.load(f), args.out)
+        return
+    name = ("zero_bubble_processes" if args.process_per_stage else "zero_bubble") + ("_pooled" if args.pooled_malloc
+                                                                                    else "")
     assert len(jax.devices()) == 2, "this benchmark needs exactly 2 simulated devices (one stage per core)"
     ops = measured_costs()
     print("one chunk's work on one core (ms):", json.dumps({mode: {k: round(v * 1e3, 1) for k, v in c.items()}
                                                            for mode, c in ops.items()}), flush=True)
+    per_m = (measure_in_processes(args.microbatches, args.rounds, ops) if args.process_per_stage
+             else [measure(m, args.rounds, ops) for m in args.microbatches])
     results, rows, verdicts = [], [], []
-    for m in args.microbatches:
-        runs = measure(m, args.rounds, ops)
+    for m, runs in zip(args.microbatches, per_m):
         results += runs
         for recompute in MODES:
             mine = [r for r in runs if r["recompute"] == recompute]
@@ -279,8 +353,9 @@ def main() -> None:
                              "half_of_op_cost_predicted_reached": measured >= from_ops / 2, "memory_ratio": memory,
                              "memory_within_15pct": memory <= 1.15})
         print(rows[-len(runs):], flush=True)
+    where = "2 processes, one device and one core each" if args.process_per_stage else "2 simulated devices"
     print(f"\nmodel {MODEL.layers}x{MODEL.hidden}, seq {MODEL.seq_len}, {ROWS} sequences per microbatch, mesh (1,2,1) on "
-          f"2 simulated devices; median of {args.rounds} steps per schedule (rounds cycle the schedules); predicted from "
+          f"{where}; median of {args.rounds} steps per schedule (rounds cycle the schedules); predicted from "
           f"the checker with t_F=1, t_B=2 (recompute + input gradient), t_W=1 (recompute) and unit costs (keep)")
     _common.print_table(["schedule", "mode", "m", "v", "ticks", "bubble", "predicted x 1F1B",
                          "op-cost predicted x 1F1B", "op-cost predicted ms", "step ms", "measured x 1F1B",
@@ -294,6 +369,7 @@ def main() -> None:
                           v["memory_within_15pct"]] for v in verdicts])
     path = _common.write_results(name, {"model": MODEL.__dict__, "rows_per_microbatch": ROWS,
                                         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+                                        "process_per_stage": args.process_per_stage,
                                                   "costs": {("recompute" if k else "keep"): c.__dict__
                                                             for k, c in RUNTIME_COSTS.items()},
                                                   "op_costs_s": ops,
@@ -323,7 +399,8 @@ def plot(results: list[dict], name: str) -> None:
                       [f"m={m}, {'keep' if keep else 'recompute'}" for m, keep in groups], fontsize=8)
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
-    fig.suptitle("pipe=2 on 2 simulated devices (one stage per core)"
+    fig.suptitle(("pipe=2 as 2 processes, one device and one core each" if "processes" in name
+                  else "pipe=2 on 2 simulated devices (one stage per core)")
                  + (", glibc keeping freed memory (--pooled-malloc)" if name.endswith("pooled") else ""))
     fig.tight_layout()
     fig.savefig(_common.RESULTS / f"{name}.png", dpi=120)
