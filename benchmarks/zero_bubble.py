@@ -210,14 +210,18 @@ def op_costs(repeats: int = 15) -> dict:
         return {"keep": chunk_costs(True), "recompute": chunk_costs(False)}
 
 
+def child_env() -> dict[str, str]:
+    """This environment for a subprocess that sets its own simulated device count (XLA_FLAGS without ours)."""
+    return {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                                if "device_count" not in f)}
+
+
 def measured_costs() -> dict:
     """:func:`op_costs` in a subprocess pinned to one core."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import os, sys, json; os.sched_setaffinity(0, {{0}}); sys.argv.append({OP_COSTS!r}); "
             f"sys.path.insert(0, {here!r}); import zero_bubble; print(json.dumps(zero_bubble.op_costs()))")
-    env = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                                               if "device_count" not in f)}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -291,8 +295,7 @@ def measure_in_processes(microbatches: list[int], rounds: int, ops: dict) -> lis
         out, ops_file = os.path.join(tmp, "results.json"), os.path.join(tmp, "ops.json")
         with open(ops_file, "w") as f:
             json.dump(ops, f)
-        env = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                                                   if "device_count" not in f)}
+        env = child_env()
         workers = [subprocess.Popen([sys.executable, os.path.abspath(__file__), STAGE_WORKER, str(rank), str(port),
                                      "--ops", ops_file, "--out", out, "--rounds", str(rounds),
                                      "--microbatches", *map(str, microbatches)], env=env)
