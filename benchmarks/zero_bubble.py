@@ -42,8 +42,15 @@ so its thread pool has that one core: a stage in a bubble leaves its core idle, 
 are. The tick's exchange then goes through gloo over loopback TCP instead of memory; results go to
 ``zero_bubble_processes.{json,png}`` (``_pooled`` with ``--pooled-malloc``).
 
+The model is a 4-layer GPT of width 256 (sequence 128, 4 sequences per microbatch): there B and W
+cost 1.3-1.5 forwards on this CPU (element-wise work, attention and copies weigh as much as the
+GEMMs), not the t_F = t_B = t_W of the paper's GPU-sized layers. ``--hidden 1024 --rows 2`` runs a
+GEMM-bound layer instead (MLP 4x, one head per 64; results get a ``_h1024_b2`` suffix), and
+``--zb-only`` times only what the issue's bar compares -- 1F1B, ZB-H1 and 1F1B split, residuals
+kept (``_zb``) -- since a wide step takes seconds.
+
     .venv/bin/python benchmarks/zero_bubble.py [--rounds N] [--microbatches M ...] [--pooled-malloc]
-                                               [--process-per-stage]
+                                               [--process-per-stage] [--hidden H --rows R] [--zb-only]
 """
 
 from __future__ import annotations
@@ -83,12 +90,22 @@ from meshtron.train.pipelined import to_stage_order
 from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
-MODEL = ModelConfig(hidden=256, heads=4, layers=4, mlp_dim=1024, seq_len=128)
-ROWS = 4  # sequences per microbatch
+ZB_ONLY = "--zb-only"  # only what the issue's bar compares: 1F1B, ZB-H1 (and 1F1B split), residuals kept
+
+
+def _shape_flag(flag: str, default: int) -> int:
+    """A model-shape flag, read before JAX starts: the op-cost subprocess and the stage workers get it too."""
+    return int(sys.argv[sys.argv.index(flag) + 1]) if flag in sys.argv else default
+
+
+HIDDEN = _shape_flag("--hidden", 256)
+MODEL = ModelConfig(hidden=HIDDEN, heads=max(4, HIDDEN // 64), layers=4, mlp_dim=4 * HIDDEN, seq_len=128)
+ROWS = _shape_flag("--rows", 4)  # sequences per microbatch
+SHAPE_ARGS = ["--hidden", str(HIDDEN), "--rows", str(ROWS), *([ZB_ONLY] if ZB_ONLY in sys.argv else [])]
 SPLIT_1F1B = "1f1b split"  # 1F1B's own table, each W in the tick of its B: what splitting alone costs
 RUNTIME_COSTS = {True: Costs(forward=1.0, backward=2.0, weight=1.0),  # recompute: B reruns the stage forward
                  False: Costs(forward=1.0, backward=1.0, weight=1.0)}  # keep: the paper's unit costs
-MODES = (True, False)  # pipeline.recompute
+MODES = (False,) if ZB_ONLY in sys.argv else (True, False)  # pipeline.recompute
 
 
 def table(name: str, m: int, chunks: int) -> Schedule:
@@ -97,6 +114,8 @@ def table(name: str, m: int, chunks: int) -> Schedule:
         return dataclasses.replace(fused, name=SPLIT_1F1B, weight=fused.backward)
     return make_schedule(name, 2, m, chunks)
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("1f1b-p", 1), ("interleaved", 2), ("zb-h1", 1), (SPLIT_1F1B, 1)]
+if ZB_ONLY in sys.argv:
+    SCHEDULES = [s for s in SCHEDULES if s[0] in ("1f1b", "zb-h1", SPLIT_1F1B)]
 
 
 def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -220,7 +239,8 @@ def measured_costs() -> dict:
     """:func:`op_costs` in a subprocess pinned to one core."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (f"import os, sys, json; os.sched_setaffinity(0, {{0}}); sys.argv.append({OP_COSTS!r}); "
-            f"sys.path.insert(0, {here!r}); import zero_bubble; print(json.dumps(zero_bubble.op_costs()))")
+            f"sys.argv.extend({SHAPE_ARGS!r}); sys.path.insert(0, {here!r}); import zero_bubble; "
+            f"print(json.dumps(zero_bubble.op_costs()))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), check=True)
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -298,7 +318,7 @@ def measure_in_processes(microbatches: list[int], rounds: int, ops: dict) -> lis
         env = child_env()
         workers = [subprocess.Popen([sys.executable, os.path.abspath(__file__), STAGE_WORKER, str(rank), str(port),
                                      "--ops", ops_file, "--out", out, "--rounds", str(rounds),
-                                     "--microbatches", *map(str, microbatches)], env=env)
+                                     "--microbatches", *map(str, microbatches), *SHAPE_ARGS], env=env)
                    for rank in range(2)]
         codes = [w.wait() for w in workers]
         if any(codes):
@@ -310,6 +330,10 @@ def measure_in_processes(microbatches: list[int], rounds: int, ops: dict) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--hidden", type=int, default=256, help="model width (MLP 4x, one head per 64); default 256")
+    parser.add_argument("--rows", type=int, default=4, help="sequences (of 128 tokens) per microbatch; default 4")
+    parser.add_argument(ZB_ONLY, action="store_true",
+                        help="only 1F1B, ZB-H1 and 1F1B split with residuals kept (what the zero-bubble bar compares)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 3, 4])  # m=8 compiles for minutes
     parser.add_argument(POOLED, action="store_true", help="glibc keeps freed memory for reuse (see the docstring)")
     parser.add_argument("--process-per-stage", action="store_true",
@@ -322,8 +346,9 @@ def main() -> None:
         with open(args.ops) as f:
             stage_worker(*args.stage_worker, args.rounds, args.microbatches, json.load(f), args.out)
         return
-    name = ("zero_bubble_processes" if args.process_per_stage else "zero_bubble") + ("_pooled" if args.pooled_malloc
-                                                                                    else "")
+    name = (("zero_bubble_processes" if args.process_per_stage else "zero_bubble")
+            + ("" if (HIDDEN, ROWS) == (256, 4) else f"_h{HIDDEN}_b{ROWS}") + ("_zb" if args.zb_only else "")
+            + ("_pooled" if args.pooled_malloc else ""))
     assert len(jax.devices()) == 2, "this benchmark needs exactly 2 simulated devices (one stage per core)"
     ops = measured_costs()
     print("one chunk's work on one core (ms):", json.dumps({mode: {k: round(v * 1e3, 1) for k, v in c.items()}

@@ -207,6 +207,14 @@ def _dot_contractions(hlo: str) -> list[tuple[int, int, tuple[int, ...], tuple[i
     return [(rank(lhs), rank(rhs), dims(lc), dims(rc)) for lhs, rhs, lc, rc in dots]
 
 
+def _relaid_out(hlo: str, shapes: list[tuple[int, ...]]) -> list[str]:
+    """The copies and transposes in an optimized HLO module whose result is one of ``shapes`` with its
+    dimensions in any order: arrays of those shapes moved to another layout."""
+    wanted = {tuple(sorted(s)) for s in shapes}
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* (?:copy|transpose)\(", hlo)
+    return [dims for dims in found if tuple(sorted(int(d) for d in dims.split(",") if d)) in wanted]
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
     # A weight gradient contracts over the tokens, the leading dimensions of both operands. XLA's CPU
@@ -219,7 +227,7 @@ def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)  # as the runtime keeps residuals
     flat = jax.tree.leaves(params)
 
-    def split_of(p, contiguous):
+    def split_of(p, contiguous, x=x, dy=dy):
         _, stored, treedef, slots = residuals(layer, p, x)
         return stored, SplitPullback(treedef, slots, stored, jax.tree.leaves(p), dy, weight_reads_residuals=True,
                                      contiguous_weight_matmuls=contiguous)
@@ -232,12 +240,12 @@ def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
         ref_params, ref_x = jax.vjp(layer, params, x)[1](dy)
         return dx, d_params, unsplit_x, unsplit, ref_x, jax.tree.leaves(ref_params)
 
-    def weight_gradient_hlo(contiguous):
+    def weight_gradient_hlo(contiguous, x=x, dy=dy):
         def w(params, boundary, stored):
-            return split_of(params, contiguous)[1].weight_gradient(jax.tree.leaves(params), boundary, stored)
+            return split_of(params, contiguous, x, dy)[1].weight_gradient(jax.tree.leaves(params), boundary, stored)
 
         def b(params):
-            stored, split = split_of(params, contiguous)
+            stored, split = split_of(params, contiguous, x, dy)
             return split.input_gradient(stored, jax.tree.leaves(params), dy)[1], stored
 
         boundary, stored = jax.eval_shape(b, params)  # W compiled alone: its inputs as B leaves them
@@ -245,7 +253,9 @@ def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
 
     with jax.set_mesh(mesh), md.scope():
         dx, d_params, unsplit_x, unsplit, ref_x, ref_params = jax.jit(both)(params)
-        contiguous, as_traced = _dot_contractions(weight_gradient_hlo(True)), _dot_contractions(weight_gradient_hlo(False))
+        hlo_of_w = weight_gradient_hlo(True)
+        few_tokens = weight_gradient_hlo(True, x[:1], dy[:1])
+        contiguous, as_traced = _dot_contractions(hlo_of_w), _dot_contractions(weight_gradient_hlo(False))
     np.testing.assert_array_equal(dx, unsplit_x)
     for got, want, ref in zip(d_params, unsplit, ref_params, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -257,3 +267,12 @@ def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
         assert rhs_contract == tuple(range(len(rhs_contract))), contiguous
     # As traced, XLA keeps some products in the form its GEMM does not take: what the option is for.
     assert any(lc != tuple(range(lr - len(lc), lr)) or rc != tuple(range(len(rc))) for lr, _, lc, rc in as_traced)
+    # JAX's pullback computes a weight gradient as (dyᵀ·x)ᵀ, and XLA copies that product to transpose
+    # it: weight-sized (16 MB per MLP matrix at width 1024). W computes xᵀ·dy, in the weight's own
+    # layout, where that copies fewer elements: with 16 tokens per microbatch (width 32) for every
+    # matrix, so W copies no array of a weight's shape; with 64 for all but the MLP's second matrix,
+    # whose input is 4x wider than its output gradient -- there the weight-shaped copy is cheaper.
+    matrices = [tuple(p.shape) for p in flat if p.ndim >= 2]
+    assert not _relaid_out(few_tokens, matrices), _relaid_out(few_tokens, matrices)
+    kept = _relaid_out(hlo_of_w, matrices)
+    assert kept and {tuple(sorted(int(d) for d in dims.split(","))) for dims in kept} == {(H, 4 * H)}, kept
