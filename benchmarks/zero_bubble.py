@@ -42,9 +42,9 @@ so its thread pool has that one core: a stage in a bubble leaves its core idle, 
 are. The tick's exchange then goes through gloo over loopback TCP instead of memory; results go to
 ``zero_bubble_processes.{json,png}`` (``_pooled`` with ``--pooled-malloc``).
 
-The model is a 4-layer GPT of width 256 (sequence 128, 4 sequences per microbatch): there B and W
-cost 1.3-1.5 forwards on this CPU (element-wise work, attention and copies weigh as much as the
-GEMMs), not the t_F = t_B = t_W of the paper's GPU-sized layers. ``--hidden 1024 --rows 2`` runs a
+The model is a 4-layer GPT of width 256 (sequence 128, 4 sequences per microbatch): there B costs
+1.3 forwards and W 1.1 on this CPU (element-wise work, attention and copies weigh about as much as
+the GEMMs), not the t_F = t_B = t_W of the paper's GPU-sized layers. ``--hidden 1024 --rows 2`` runs a
 GEMM-bound layer instead (MLP 4x, one head per 64; results get a ``_h1024_b2`` suffix), and
 ``--zb-only`` times only what the issue's bar compares -- 1F1B, ZB-H1 and 1F1B split, residuals
 kept (``_zb``) -- since a wide step takes seconds.
