@@ -5,7 +5,9 @@ pod with eight InfiniBand cards per node, an H100 pod, or A100s behind two Ether
 the planner's answer (which layout, whether 1-bit compression pays) changes with it. The bundled
 files (``clusters/*.yaml``) describe those three; a user's own YAML file with the same fields
 describes theirs. Every rate is a datasheet figure; the ``efficiency`` block holds the fraction of
-it that kernels and collectives achieve, the only place where measured behaviour enters.
+it that kernels and collectives achieve, and the optional ``step_overhead_us`` the GPU's idle time
+per pipeline step that the training program's host synchronisation costs: the only places where
+measured behaviour enters.
 
 Units are spelled in the field names: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 *bytes*/s,
 per direction), ``_gb`` (10^9 bytes), ``_us`` (microseconds).
@@ -38,6 +40,9 @@ _FIELDS = {  # field -> what it means (the error message for a missing one says 
     "network_gbps": "one node's network bandwidth per direction (all its NICs), GB/s",
     "network_latency_us": "latency of one step of an inter-node collective or send, us",
 }
+_OPTIONAL = {  # field -> default
+    "step_overhead_us": 0.0,  # GPU idle per forward or backward step of a microbatch or pipeline chunk, us
+}
 _EFFICIENCIES = ("memory", "nvlink", "network")
 
 
@@ -48,7 +53,10 @@ class Cluster:
     ``gemm_efficiency`` maps a GEMM's smallest dimension to the fraction of ``peak_tflops`` it
     achieves (interpolated log-linearly between the tabulated sizes, flat beyond them); the other
     efficiencies are fractions of the memory, NVLink and network bandwidths that element-wise
-    kernels and NCCL collectives achieve.
+    kernels and NCCL collectives achieve. ``step_overhead_us`` is the training program's, not the
+    hardware's: Megatron-LM of 2021 calls ``torch.cuda.synchronize`` around every forward and backward
+    step (its timers) and every pipeline exchange, and the GPU idles each time until the host has
+    issued the next kernel; an XLA program compiled whole, like meshtron's, has none (0, the default).
     """
 
     name: str
@@ -66,6 +74,7 @@ class Cluster:
     nvlink_efficiency: float
     network_efficiency: float
     description: str = ""
+    step_overhead_us: float = 0.0
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -137,15 +146,17 @@ def cluster_from_dict(values: Any, origin: str) -> Cluster:
     """Validate a parsed cluster file; ``origin`` names it in error messages."""
     if not isinstance(values, dict):
         raise ConfigError(f"cluster {origin}: expected a mapping of fields ({', '.join(_FIELDS)}), got {values!r}")
-    unknown = sorted(set(values) - set(_FIELDS) - {"name", "description", "efficiency"})
+    unknown = sorted(set(values) - set(_FIELDS) - set(_OPTIONAL) - {"name", "description", "efficiency"})
     if unknown:
         raise ConfigError(f"cluster {origin}: unknown field {unknown[0]!r}; the fields are "
-                          f"{', '.join([*_FIELDS, 'efficiency', 'name', 'description'])}")
+                          f"{', '.join([*_FIELDS, *_OPTIONAL, 'efficiency', 'name', 'description'])}")
     numbers = {}
     for name, meaning in _FIELDS.items():
         if name not in values:
             raise ConfigError(f"cluster {origin}: {name}: missing; give {meaning}")
         numbers[name] = _positive(values[name], name, origin, allow_zero=name.endswith(("_us", "reserved_gb")))
+    for name, default in _OPTIONAL.items():
+        numbers[name] = _positive(values.get(name, default), name, origin, allow_zero=True)
     if numbers["gpus_per_node"] != int(numbers["gpus_per_node"]):
         raise ConfigError(f"cluster {origin}: gpus_per_node: must be a whole number, got {values['gpus_per_node']}")
     if numbers["reserved_gb"] >= numbers["memory_gb"]:
@@ -185,7 +196,7 @@ def cluster_from_dict(values: Any, origin: str) -> Cluster:
         network_latency_us=numbers["network_latency_us"],
         gemm_efficiency=tuple(sorted(gemm)),
         memory_efficiency=fractions["memory"], nvlink_efficiency=fractions["nvlink"],
-        network_efficiency=fractions["network"],
+        network_efficiency=fractions["network"], step_overhead_us=numbers["step_overhead_us"],
     )
 
 

@@ -247,7 +247,7 @@ def _why_larger(small: Estimate, large: Estimate) -> str:
     saved = {name: (small.seconds[name] - large.seconds[name]) / small.step_seconds for name in small.seconds}
     labels = {"gemm": "GEMM time", "elementwise": "element-wise time", "tensor": "tensor all-reduce time",
               "pipe": "pipeline exchange time", "bubble": "pipeline bubble", "data": "data-parallel all-reduce time",
-              "optimizer": "optimizer time"}
+              "optimizer": "optimizer time", "host": "host step overhead"}
     top = [name for name, gain in sorted(saved.items(), key=lambda kv: -kv[1]) if gain > 0.005][:2]
     if not top:
         return "terms that add up to less"

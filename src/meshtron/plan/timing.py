@@ -10,8 +10,12 @@ communication time"), so this one is assembled from its counts and the cluster's
   of 2021 waits for each before the next GEMM), over NVLink when ``t`` fits in a node;
 * pipeline: one exchange after every chunk's forward and one after its backward (Megatron's fused
   send/receive pairs), ``b·s·h/t`` per GPU over its NIC and an NVLink all-gather (§4.1), exposed;
-  the bubble ``(p−1)/(v·m)`` of the slowest stage's time (§2.2; the last stage also runs the LM
-  head, so it sets the pace);
+  the last stage, which also runs the LM head, sets the pace of the ``m`` microbatches, and the
+  bubble ``(p−1)/(v·m)`` (§2.2) is the fill and drain the *other* stages run, so it is priced
+  without the head;
+* host: the program's idle GPU time around every forward and backward step of a chunk
+  (:attr:`~meshtron.plan.cluster.Cluster.step_overhead_us`: Megatron-LM of 2021 synchronises the
+  device around each step and each exchange), in the steady state and in the bubble alike;
 * data parallelism: one gradient all-reduce per step after the last backward, *not* overlapped
   (Megatron-LM of 2021's ``local`` DDP; :class:`~meshtron.plan.model.Gradients` says when an
   implementation hides it, and in how many bits it travels), or 1-bit LAMB's compressed exchange;
@@ -51,6 +55,7 @@ __all__ = [
     "bubble_fraction",
     "data_seconds",
     "estimate",
+    "host_seconds",
     "layer_gemm_seconds",
     "layer_gemms",
     "layer_memory_seconds",
@@ -241,6 +246,13 @@ def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optim
     return params * OPTIMIZER_PASSES[optimizer] / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
 
 
+def host_seconds(layout: Layout, cluster: Cluster) -> float:
+    """The GPU's idle time of one microbatch on one stage between steps: a forward and a backward
+    step per chunk (``2v``), each costing the cluster's ``step_overhead_us`` -- with or without
+    pipelining, since Megatron-LM's timers synchronise around every step either way."""
+    return 2 * layout.chunks * cluster.step_overhead_us * 1e-6
+
+
 def bubble_fraction(pipe: int, microbatches: int, chunks: int = 1) -> float:
     """Idle time over ideal time of a flushed pipeline: ``(p−1)/m`` for 1F1B (§2.2.1) and
     ``(p−1)/(v·m)`` interleaved (§2.2.2)."""
@@ -285,24 +297,30 @@ class Estimate:
 
 def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str = "adamw",
              gradients: Gradients = FP32_GRADIENTS) -> Estimate:
-    """Predict one step: ``(m + (p−1)/v) · t_stage + t_data + t_optimizer``, with ``t_stage`` one
-    microbatch's time through the last stage's ``l/p`` layers -- GEMMs, element-wise kernels and
-    tensor all-reduces per layer, the LM head and its all-reduces, the pipeline exchanges. The
-    ``(p−1)/v`` extra stage-times are the bubble (§2.2, eq. 1 with interleaving). ``t_data`` is
-    zero when the all-reduce is hidden (``gradients.overlapped(layout)``)."""
+    """Predict one step: ``m · t_last + (p−1)/v · (t_last − t_head) + t_data + t_optimizer``, with
+    ``t_last`` one microbatch's time through the last stage's ``l/p`` layers -- GEMMs, element-wise
+    kernels and tensor all-reduces per layer, the LM head and its all-reduces (``t_head``), the
+    pipeline exchanges, the host's step overheads. The ``(p−1)/v`` extra stage-times are the bubble
+    (§2.2, eq. 1 with interleaving): the first microbatch's forward through, and the last one's
+    backward back from, the ``p−1`` stages before the last, which have no head (the paper's
+    formula, which charges every stage the slowest one's time, overprices it when the head weighs,
+    e.g. one layer per stage). ``t_data`` is zero when the all-reduce is hidden
+    (``gradients.overlapped(layout)``)."""
     layout.check(model)
     stage_layers = model.layers // layout.pipe
     tensor_layer, tensor_head = tensor_seconds(model, layout, cluster)
+    head = logits_seconds(model, layout, cluster)
     per_microbatch = {
-        "gemm": stage_layers * layer_gemm_seconds(model, layout, cluster) + logits_seconds(model, layout, cluster),
+        "gemm": stage_layers * layer_gemm_seconds(model, layout, cluster) + head,
         "elementwise": stage_layers * layer_memory_seconds(model, layout, cluster),
         "tensor": stage_layers * tensor_layer + tensor_head,
         "pipe": p2p_seconds(model, layout, cluster),
+        "host": host_seconds(layout, cluster),
     }
     m, p, v = layout.microbatches, layout.pipe, layout.chunks
     bubble = bubble_fraction(p, m, v)
     seconds = {name: value * m for name, value in per_microbatch.items()}
-    seconds["bubble"] = sum(per_microbatch.values()) * (p - 1) / v
+    seconds["bubble"] = (sum(per_microbatch.values()) - head - tensor_head) * (p - 1) / v
     hidden = gradients.overlapped(layout)
     seconds["data"] = 0.0 if hidden else data_seconds(model, layout, cluster, optimizer, gradients)
     seconds["optimizer"] = optimizer_seconds(model, layout, cluster, optimizer)
