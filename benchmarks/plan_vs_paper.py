@@ -15,11 +15,11 @@ A100 cluster's GEMM-efficiency curve, ``e(x) = e_max · x / (x + x_half)`` of th
 dimension x, and ``step_overhead_us`` (the GPU's idle time per forward or backward step of a chunk,
 Megatron-LM's host synchronisation), least-squares fitted together to Table 1 (relative error, on a
 grid; ``--fit`` prints what to put there). Every run reports Table 1's rms error with and without
-the overhead, and leave-one-out errors (each row predicted by all three fitted to the other nine). Held out, never fitted: Table 2's PTD rows, and
-Figures 12-16, whose values were read from the vector data of the figures in the paper's PDF
-(whole numbers, so the plotted data itself) with the settings of their run scripts (microbatch 1
-unless the figure varies it, no interleaving except Fig. 12's ``--num-layers-per-virtual-pipeline-stage 2``
-= 4 chunks, recomputation on).
+the overhead, and leave-one-out errors (each row predicted by all three fitted to the other nine).
+Held out, never fitted: Table 2's PTD rows, and Figures 12-16, whose values were read from the
+vector data of the figures in the paper's PDF (whole numbers, so the plotted data itself) with the
+settings of their run scripts (microbatch 1 unless the figure varies it, no interleaving except
+Fig. 12's ``--num-layers-per-virtual-pipeline-stage 2`` = 4 chunks, recomputation on).
 
     .venv/bin/python benchmarks/plan_vs_paper.py [--fit]     # ~15 s
 """
