@@ -330,8 +330,8 @@ def measure_in_processes(microbatches: list[int], rounds: int, ops: dict) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--hidden", type=int, default=256, help="model width (MLP 4x, one head per 64); default 256")
-    parser.add_argument("--rows", type=int, default=4, help="sequences (of 128 tokens) per microbatch; default 4")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="model width (MLP 4x, one head per 64); default 256")
+    parser.add_argument("--rows", type=int, default=ROWS, help="sequences (of 128 tokens) per microbatch; default 4")
     parser.add_argument(ZB_ONLY, action="store_true",
                         help="only 1F1B, ZB-H1 and 1F1B split with residuals kept (what the zero-bubble bar compares)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 3, 4])  # m=8 compiles for minutes

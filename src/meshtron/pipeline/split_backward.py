@@ -152,6 +152,13 @@ def _evaluate(ops: Sequence[_Op], env: dict, contiguous: Mapping[int, bool] | No
             env[id(var)] = value
 
 
+def _gemm_orders(lhs_ndim: int, lhs_contract: Sequence[int], rhs_ndim: int,
+                 rhs_contract: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The dimension orders a plain GEMM reads: ``lhs``'s contracted dimensions last, ``rhs``'s first."""
+    return ((*(d for d in range(lhs_ndim) if d not in lhs_contract), *lhs_contract),
+            (*rhs_contract, *(d for d in range(rhs_ndim) if d not in rhs_contract)))
+
+
 def _contiguous_matmul(lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, swap: bool = False,
                        **params: Any) -> jax.Array:
     """``dot_general(lhs, rhs)`` with the contracted dimensions last in the left operand and first in
@@ -184,8 +191,7 @@ def _contiguous_matmul(lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any
         product = _contiguous_matmul(rhs, lhs, dimension_numbers=((rhs_contract, lhs_contract), ((), ())), **params)
         free_rhs = rhs.ndim - len(rhs_contract)  # leading in ``product``, trailing in the result
         return jax.lax.transpose(product, (*range(free_rhs, product.ndim), *range(free_rhs)))
-    lhs_order = (*(d for d in range(lhs.ndim) if d not in lhs_contract), *lhs_contract)
-    rhs_order = (*rhs_contract, *(d for d in range(rhs.ndim) if d not in rhs_contract))
+    lhs_order, rhs_order = _gemm_orders(lhs.ndim, lhs_contract, rhs.ndim, rhs_contract)
     if lhs_order == tuple(range(lhs.ndim)) and rhs_order == tuple(range(rhs.ndim)):
         return jax.lax.dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers, **params)
     if lhs_order != tuple(range(lhs.ndim)):
@@ -430,12 +436,9 @@ def _depending_on(ops: Sequence[_Op], var: Any) -> set[int]:
 def _gemm_copy_elements(lhs: Any, lhs_contract: Sequence[int], rhs: Any, rhs_contract: Sequence[int]) -> int:
     """Elements :func:`_contiguous_matmul` copies to put ``lhs``'s contracted dimensions last and
     ``rhs``'s first."""
-    def size(a):
-        return int(math.prod(a.aval.shape))
-
-    lhs_last = tuple(lhs_contract) == tuple(range(lhs.aval.ndim - len(lhs_contract), lhs.aval.ndim))
-    rhs_first = tuple(rhs_contract) == tuple(range(len(rhs_contract)))
-    return (0 if lhs_last else size(lhs)) + (0 if rhs_first else size(rhs))
+    orders = _gemm_orders(lhs.aval.ndim, lhs_contract, rhs.aval.ndim, rhs_contract)
+    return sum(0 if order == tuple(range(a.aval.ndim)) else int(math.prod(a.aval.shape))
+               for a, order in zip((lhs, rhs), orders))
 
 
 def _swap_is_cheaper(dot: _Op, ops: Sequence[_Op], outputs: Sequence[Any]) -> bool:
