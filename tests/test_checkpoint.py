@@ -225,5 +225,8 @@ def test_metrics_of_redone_steps_are_replaced(tmp_path):
         f.write('{"step": 4, "loss"')  # a line cut short by the kill
     with open(metrics, "a+") as f:
         trainer(*common).run(metrics_file=f)
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    # each start says where the weights came from: a new model, then the resumed checkpoint (step 2)
+    assert [(r["step"], r["weights"].split(" (")[0]) for r in records if r.get("event") == "start"] == [
+        (0, "a new model from seed 0"), (2, f"resumed from {tmp_path / 'c'}/2")]

@@ -36,6 +36,8 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[0] == {"step": 0, "event": "start", "weights": "a new model from seed 0"}
+    records = records[1:]
     assert [r["step"] for r in records] == [2, 3, 4, 6]  # every log_every steps, and every evaluation
     assert set(records[0]) == {"step", "loss", "tokens_per_s", "lr", "grad_norm", "stage", "data_bytes",
                                "model_flops_per_s"}

@@ -175,7 +175,7 @@ def test_hub_layout_gpt2_and_a_parallel_import_mesh(cases, tmp_path):
     tensors = {k.removeprefix("transformer."): v for k, v in load_file(hf_dir / "model.safetensors").items()}
     tensors |= {f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 32, 32), np.float32)) for i in range(2)}
     save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
-    output = import_hf(hub, tmp_path / "out", mesh=MeshConfig(2, 2, 2), optimizer_state=False)
+    output = import_hf(hub, tmp_path / "out", mesh=MeshConfig(2, 2, 2))
     pretrained = load_pretrained(output)  # the recorded mesh
     assert dict(pretrained.mesh.shape) == {"data": 2, "pipe": 2, "tensor": 2}
     delta("import gpt2 (hub layout, written 2x2x2) 1x1x1",
@@ -200,22 +200,23 @@ def from_pretrained(hf, directory: Path, capfd):
     return model.eval()
 
 
-def test_training_resumes_from_an_import_and_exports_back(hf, cases, tmp_path, capfd):
-    """Step 0 of the import holds the Hugging Face weights and a fresh optimizer: a run with its
-    config.yaml resumes there, trains a step and saves; that checkpoint exports to Hugging Face."""
+def test_a_fine_tune_starts_from_an_import_and_exports_back(hf, cases, tmp_path, capfd):
+    """The import's config.yaml starts a run from the Hugging Face weights (``train.init_from``) with a
+    fresh optimizer state, saving elsewhere; that run's checkpoint exports to Hugging Face."""
+    from meshtron.checkpoint import RunPosition
     from meshtron.train.loop import Trainer
 
     _, _, imported = cases("llama")
     output = tmp_path / "run"
-    shutil.copytree(imported, output)
-    cfg = load_config(output / CONFIG_FILE, [f"checkpoint.dir={output}", "train.steps=1", "train.batch_size=2",
-                                             "train.eval_batches=1", "train.warmup_steps=0", "train.lr=1e-3"])
+    cfg = load_config(imported / CONFIG_FILE, [f"checkpoint.dir={output}", "train.steps=1", "train.batch_size=2",
+                                               "train.eval_batches=1", "train.warmup_steps=0", "train.lr=1e-3"])
     assert (cfg.model.family, cfg.model.norm_eps, cfg.model.kv_heads) == ("llama", 1e-6, 2)
+    assert cfg.train.init_from == str(imported)
     trainer = Trainer.from_config(cfg)
     store = trainer.open_checkpoints()
-    params, opt_state, position = trainer.restore(store)
+    params, opt_state, position, weights = trainer.starting_state(store)
     store.close()
-    assert (position.step, position.updates, position.data_position) == (0, 0, 0)
+    assert position == RunPosition(0, 0, 0) and weights.startswith(f"weights: initialised from {imported}/0 (train.init_from")
     pretrained = load_pretrained(imported, MeshConfig(1, 1, 1))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(pretrained.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -224,7 +225,7 @@ def test_training_resumes_from_an_import_and_exports_back(hf, cases, tmp_path, c
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     result = trainer.run()
-    assert result.first_step == 1 and result.checkpoints == [0, 1]
+    assert result.first_step == 1 and result.checkpoints == [1]
     trained = load_pretrained(output, MeshConfig(1, 1, 1))
     assert trained.step == 1
     exported = export_hf(output, tmp_path / "hf")
@@ -385,8 +386,10 @@ def test_overrides_may_not_change_what_the_weights_fix(tmp_path):
     hf_dir = write_config(tmp_path / "hf", GPT2_CONFIG)
     with pytest.raises(ConfigError, match=r"^model.hidden: the Hugging Face weights fix it at 64"):
         import_hf(hf_dir, tmp_path / "out", overrides=["model.hidden=32"])
-    with pytest.raises(ConfigError, match=r"^model.seq_len: GPT-2's learned positions fix it at n_positions=32"):
-        import_hf(hf_dir, tmp_path / "out", overrides=["model.seq_len=16"])
+    with pytest.raises(ConfigError, match=r"^model.max_position_embeddings: the Hugging Face weights fix it at 32"):
+        import_hf(hf_dir, tmp_path / "out", overrides=["model.max_position_embeddings=64"])
+    with pytest.raises(ConfigError, match=r"^model.max_position_embeddings: 32 is shorter than model.seq_len=64"):
+        import_hf(hf_dir, tmp_path / "out", overrides=["model.seq_len=64"])  # GPT-2's 32 learned positions
 
 
 def test_a_transformers_4_config_imports_without_torch(tmp_path):
@@ -395,7 +398,7 @@ def test_a_transformers_4_config_imports_without_torch(tmp_path):
     hf_dir = write_config(tmp_path / "hf", {**LLAMA_CONFIG, "rope_theta": 500000.0, "rope_scaling": None})
     tensors = llama_tensors()
     save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    output = import_hf(hf_dir, tmp_path / "out", optimizer_state=False)
+    output = import_hf(hf_dir, tmp_path / "out")
     pretrained = load_pretrained(output, MeshConfig(1, 1, 1))
     assert (pretrained.config.model.rope_theta, pretrained.config.model.norm_eps) == (500000.0, 1e-6)
     params = jax.device_get(pretrained.params)

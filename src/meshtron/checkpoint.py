@@ -18,6 +18,10 @@ Damage is caught two ways: orbax/tensorstore fail to decode a truncated or garbl
 checksum mismatch catches bytes that still decode. Either way that checkpoint is skipped with a
 message and the one before it is used. A checkpoint of a *different model* is not damage: it is
 refused with a message naming the first tensor that does not match.
+
+Rotation (``checkpoint.keep``) removes only checkpoints the current run wrote. Every saved step
+records its run's id (``meta["run"]``), which a resumed run adopts; steps of another run, imports
+(which record none) and anything else in the directory are never deleted.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtron.checkpoint_dirs import read_step_meta
 from meshtron.errors import CheckpointError
 from meshtron.trees import leaf_names
 
@@ -117,12 +123,14 @@ def _saved_shapes(tree_metadata: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_compatible(saved: dict[str, tuple[tuple[int, ...], str]], target: Any, where: str,
-                     resizable: frozenset[str] = frozenset(), partial: bool = False) -> None:
+                     resizable: frozenset[str] = frozenset(), partial: bool = False,
+                     source: str = "checkpoint.dir") -> None:
     """Refuse a checkpoint whose tensors differ from the run's, naming the first one that does.
 
     Tensors named in ``resizable`` may differ in their leading dimension only (the vocabulary
     padding, which depends on the tensor-parallel size). With ``partial``, saved tensors the
-    target does not ask for are fine.
+    target does not ask for are fine. ``source`` is the setting that named the checkpoint (the fix
+    suggests another one).
     """
     wanted = {name: (tuple(x.shape), str(np.dtype(x.dtype)))
               for name, x in zip(leaf_names(target), jax.tree.leaves(target), strict=True)}
@@ -131,20 +139,20 @@ def check_compatible(saved: dict[str, tuple[tuple[int, ...], str]], target: Any,
         if name not in saved:
             raise CheckpointError(
                 f"{where} has no tensor {name} (shape {shape}): it was written by a different model or optimizer; "
-                "use the config it was trained with (its meta item records it) or another checkpoint.dir"
+                f"use the config it was trained with (its meta item records it) or another {source}"
             )
         have_shape, have_dtype = saved[name]
         same = have_shape == shape or (name in resizable and have_shape[1:] == shape[1:])
         if not same or have_dtype != dtype:
             raise CheckpointError(
                 f"{where}: tensor {name} is {have_dtype}{list(have_shape)} in the checkpoint but this run's model "
-                f"needs {dtype}{list(shape)}; use the model config it was trained with or another checkpoint.dir"
+                f"needs {dtype}{list(shape)}; use the model config it was trained with or another {source}"
             )
     extra = sorted(set(saved) - set(wanted))
     if extra and not partial:
         raise CheckpointError(
             f"{where} holds tensor {extra[0]} that this run does not have ({len(extra)} in all): it was written by a "
-            "different model or optimizer; use the config it was trained with or another checkpoint.dir"
+            f"different model or optimizer; use the config it was trained with or another {source}"
         )
 
 
@@ -193,13 +201,37 @@ def _warn(message: str) -> None:
         print(f"meshtron: {message}", file=sys.stderr)
 
 
-class CheckpointStore:
-    """A directory of checkpoints: async saves, ``keep`` newest kept, restore of the newest good one."""
+class _KeepNewestOfThisRun:
+    """Orbax's preservation policy for a run: of the steps this run wrote (its id in their meta, or
+    saved by this store), the newest ``keep``; every other step in the directory, always."""
 
-    def __init__(self, directory: str | Path, *, keep: int, async_save: bool = True):
+    def __init__(self, store: CheckpointStore, keep: int):
+        self.store, self.keep = store, keep
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        owned = [i for i, info in enumerate(checkpoints) if self.store.owns(info.step)]
+        dropped = set(owned[: max(0, len(owned) - self.keep)])
+        return [i not in dropped for i in range(len(checkpoints))]
+
+
+class CheckpointStore:
+    """A directory of checkpoints: async saves, restore of the newest good one, and rotation that keeps
+    this run's ``keep`` newest steps and never touches another's (``read_only``: never writes at all).
+
+    ``run_id`` identifies the run that saves here: :meth:`save` records it in every step's meta, and
+    rotation deletes only steps that carry it. A new run sets a fresh one; a resumed run adopts the
+    id of the checkpoint it resumed from (:meth:`adopt`).
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 1, async_save: bool = True, read_only: bool = False):
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
+        self.run_id: str | None = None
+        self._saved: set[int] = set()
+        self._owner: dict[int, str | None] = {}
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, save_interval_steps=1, enable_async_checkpointing=async_save, create=True
+            save_interval_steps=1, enable_async_checkpointing=async_save, create=not read_only, read_only=read_only,
+            preservation_policy=None if read_only else _KeepNewestOfThisRun(self, keep),
         )
         handlers = {
             "state": ocp.PyTreeCheckpointHandler(),
@@ -212,6 +244,22 @@ class CheckpointStore:
         """Complete checkpoints, oldest first (interrupted saves are never listed)."""
         return sorted(self._manager.all_steps(read=True))
 
+    def adopt(self, meta: dict[str, Any]) -> None:
+        """Continue the run that wrote ``meta`` (a resumed run): rotation may then remove its earlier
+        steps. A checkpoint that records no run (an import) leaves a fresh id: it is never rotated."""
+        import uuid
+
+        self.run_id = meta.get("run") or uuid.uuid4().hex
+
+    def owns(self, step: int) -> bool:
+        """Whether this run wrote ``step`` (rotation may delete it)."""
+        if step in self._saved:
+            return True
+        if step not in self._owner:
+            meta = read_step_meta(self.directory, step)
+            self._owner[step] = meta.get("run") if meta else None
+        return self.run_id is not None and self._owner[step] == self.run_id
+
     def save(self, position: RunPosition, state: Any, errors: list[dict[str, Any]] | None, mesh,
              extra_meta: dict[str, Any]) -> None:
         """Start saving ``state`` (canonical layout) at ``position.step``; returns once the arrays are
@@ -223,11 +271,12 @@ class CheckpointStore:
         meta = {
             "format": FORMAT_VERSION, "step": position.step, "updates": position.updates,
             "data_position": position.data_position, "has_errors": errors is not None, "checksums": sums,
-            **extra_meta,
+            "run": self.run_id, **extra_meta,
         }
         items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(meta)}
         if errors is not None:
             items["errors"] = ocp.args.PyTreeSave(errors)
+        self._saved.add(position.step)
         self._manager.save(position.step, args=ocp.args.Composite(**items))
 
     def wait(self) -> None:
@@ -264,26 +313,34 @@ class CheckpointStore:
 
     def restore_newest(self, target_state: Any, target_errors: Any | None, mesh, *,
                        use_errors=lambda meta: False, resizable: frozenset[str] = frozenset(),
-                       partial: bool = False, read_only: bool = False) -> Restored | None:
+                       partial: bool = False, only: int | None = None,
+                       source: str = "checkpoint.dir") -> Restored | None:
         """The newest checkpoint that reads back intact, on the shardings of ``target_state``
-        (``ShapeDtypeStruct`` s); ``None`` when the directory has none.
+        (``ShapeDtypeStruct`` s); ``None`` when the directory has none. ``only``: that step and no
+        other (no fallback to an older one).
 
         ``use_errors(meta)`` says whether the saved error buffers fit this run (then they are read
         onto ``target_errors``). Leaves named in ``resizable`` may have been saved with another
         leading size (vocabulary padding): they are cut or zero-padded to the target. Damaged
-        checkpoints are skipped with a message and, unless ``read_only``, renamed out of the way of
-        the resumed run's saves; a checkpoint of a different model raises :class:`CheckpointError`.
-        With ``partial`` the target may name a subset of the saved tensors (``{"params": ...}`` to
-        sample from a model without its optimizer state).
+        checkpoints are skipped with a message and, unless the store is read-only, renamed out of the way of
+        the resumed run's saves; a checkpoint of a different model raises :class:`CheckpointError`
+        (its fix names ``source``, the setting that chose this checkpoint). With ``partial`` the
+        target may name a subset of the saved tensors (``{"params": ...}`` to sample from a model
+        without its optimizer state).
         """
         steps = self.steps()
+        if only is not None:
+            if only not in steps:
+                raise CheckpointError(f"{source}: {self.directory} has no complete checkpoint of step {only} "
+                                      f"(it has {steps or 'none'})")
+            steps = [only]
         damaged: list[int] = []
         for step in reversed(steps):
             where = f"checkpoint {self.directory}/{step}"
             try:
                 meta = self.read_meta(step)
                 saved = _saved_shapes(self._manager.item_metadata(step)["state"])
-                check_compatible(saved, target_state, where, resizable, partial)
+                check_compatible(saved, target_state, where, resizable, partial, source)
                 with_errors = target_errors is not None and meta.get("has_errors") and use_errors(meta)
                 items = {"state": _restore_args(_as_saved(target_state, saved, mesh), partial)}
                 if with_errors:
@@ -307,7 +364,7 @@ class CheckpointStore:
             state = _resize_to(restored["state"], target_state, mesh)
             errors = restored["errors"] if with_errors else None
             if damaged:
-                if not read_only:
+                if not self.read_only:
                     self._set_aside(damaged)
                 _warn(f"using step {step}, the newest intact checkpoint")
             return Restored(step, position, state, errors, meta)

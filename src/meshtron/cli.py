@@ -207,10 +207,11 @@ def _plot(args: argparse.Namespace) -> None:
 
 
 def _import_hf(args: argparse.Namespace) -> None:
-    from meshtron.huggingface import import_hf
+    from meshtron.huggingface import FINETUNE_SUFFIX, import_hf
 
     out = import_hf(args.directory, args.output, overrides=args.overrides)
-    print(f"checkpoint {out} (step 0); train on from it: meshtron train --config {out / 'config.yaml'}")
+    print(f"checkpoint {out} (step 0, parameters); fine-tune it: meshtron train --config {out / 'config.yaml'} "
+          f"data.path=... (starts from it, saves to {out}{FINETUNE_SUFFIX}: checkpoint.dir= chooses another)")
 
 
 def _export_hf(args: argparse.Namespace) -> None:
@@ -226,14 +227,12 @@ _TOOLS = {"plan": _plan, "tokenizer": _tokenizer, "preprocess": _preprocess, "pl
 def _saved_mesh(directory: str) -> MeshConfig:
     """The mesh recorded by the newest checkpoint, read as plain JSON (before JAX starts, so the CPU
     device count can still be set); the default mesh if it cannot be read."""
-    from pathlib import Path
+    from meshtron.checkpoint_dirs import read_step_meta, step_directories
 
-    steps = sorted((int(p.name) for p in Path(directory).glob("*") if p.name.isdigit()), reverse=True)
-    for step in steps:
+    for step in reversed(step_directories(directory)):
         try:
-            saved = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())["config"]["mesh"]
-            return MeshConfig(**saved)
-        except (OSError, ValueError, KeyError, TypeError):
+            return MeshConfig(**read_step_meta(directory, step)["config"]["mesh"])
+        except (KeyError, TypeError):
             continue
     return MeshConfig()
 
@@ -260,11 +259,10 @@ def _generate(args: argparse.Namespace) -> None:
     from meshtron.generate import sample
     from meshtron.pretrained import load_pretrained
 
-    model = load_pretrained(args.checkpoint, mesh)
+    model = load_pretrained(args.checkpoint, mesh, argument="--checkpoint")
     try:
-        result = sample(model.model_def, model.params, model.mesh, args.prompt, max_new_tokens=args.max_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                        context=model.config.model.seq_len, tokenizer=model.tokenizer)
+        result = sample(model, args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                        top_k=args.top_k, seed=args.seed)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     shape = "x".join(str(model.mesh.shape[a]) for a in ("data", "pipe", "tensor"))

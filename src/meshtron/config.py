@@ -8,9 +8,12 @@ OmegaConf or JAX traceback for a typo.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from meshtron.checkpoint_dirs import imported_step
 from meshtron.pipeline.layout import LayoutError, StageLayout
 from meshtron.pipeline.schedules import SCHEDULES, ScheduleError, is_schedule_file, make_schedule
 
@@ -68,13 +72,26 @@ class ModelConfig:
     kv_heads: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5  # epsilon of every LayerNorm (gpt) / RMSNorm (llama)
+    # The longest sequence the model is made for (Hugging Face's and Megatron's max_position_embeddings):
+    # a GPT's position table, a Llama's advertised context; null = seq_len. seq_len is the training window.
+    max_position_embeddings: int | None = None
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
     rules: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass
 class TrainConfig:
-    """The optimisation: global batch (sequences), microbatches, optimizer and schedule."""
+    """The optimisation: global batch (sequences), microbatches, optimizer and schedule.
+
+    ``init_from``: a checkpoint directory (a run's ``checkpoint.dir``, an import) or one of its step
+    directories that a *new* run starts from -- its parameters, at step 0, with a fresh optimizer
+    state, saving to its own ``checkpoint.dir`` (Megatron's ``--load`` + ``--finetune``, MaxText's
+    ``load_parameters_path``). Used only when ``checkpoint.dir`` holds no checkpoint yet: a run
+    that has saved resumes from its own. ``init_optimizer: true`` takes that run's optimizer state
+    too, and with it its position (step, updates, data): the new run continues that run under a
+    new directory (Megatron's ``--load A --save B``), because moments, step counts and the
+    learning-rate schedule only make sense together.
+    """
 
     steps: int = 300
     batch_size: int = 32
@@ -95,6 +112,8 @@ class TrainConfig:
     profile_steps: str | None = None  # "a:b": a jax.profiler trace of steps a..b into profile_dir
     profile_dir: str = "profile"
     peak_flops: float | None = None  # one device's peak FLOP/s (e.g. 989e12, H100 bf16 dense): logs utilisation
+    init_from: str | None = None  # a checkpoint directory (or step directory) a new run starts from
+    init_optimizer: bool = False  # with init_from: also its optimizer state and position (continue that run)
 
 
 OPTIMIZERS = ("adamw", "lamb", "onebit_lamb")
@@ -207,14 +226,45 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
+# ``${config_dir:}`` in a config file is the file's own directory, so that a file kept beside the
+# checkpoints it describes (an import's config.yaml) still names them when the directory is moved
+# or copied: it records no absolute path to itself.
+_CONFIG_DIR: contextvars.ContextVar[Path | None] = contextvars.ContextVar("meshtron_config_dir", default=None)
+
+
+def _config_dir() -> str:
+    directory = _CONFIG_DIR.get()
+    if directory is None:
+        raise ConfigError("${config_dir:} is the directory of the config file it is written in; use it in a "
+                          "--config file, not on the command line without one")
+    return str(directory)
+
+
+OmegaConf.register_resolver("config_dir", _config_dir, replace=True)
+
+
+@contextlib.contextmanager
+def _reading_from(directory: Path | None) -> Iterator[None]:
+    token = _CONFIG_DIR.set(directory)
+    try:
+        yield
+    finally:
+        _CONFIG_DIR.reset(token)
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the YAML file (if any), then ``section.key=value`` overrides; validated."""
+    """Defaults, then the YAML file (if any), then ``section.key=value`` overrides; validated.
+
+    In the file, ``${config_dir:}`` stands for the file's own directory (absolute)."""
     merged = OmegaConf.structured(Config)
     layers: list[tuple[str, Any]] = []
+    directory = None
     if path is not None:
         from meshtron.bundled_configs import resolve  # a file, else a bundled config's name (cpu8)
 
-        layers.append((f"config file {path}", _read_yaml(resolve(path))))
+        file = resolve(path)
+        directory = file.absolute().parent
+        layers.append((f"config file {path}", _read_yaml(file)))
     if overrides:
         layers.append(("command line", _parse_overrides(overrides)))
     for origin, layer in layers:
@@ -222,7 +272,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
             raise _explain(err, origin) from None
-    cfg = OmegaConf.to_object(merged)
+    with _reading_from(directory):
+        try:
+            cfg = OmegaConf.to_object(merged)
+        except OmegaConfBaseException as err:
+            raise _explain(err, "config file" if path is None else f"config file {path}") from None
     assert isinstance(cfg, Config)
     validate(cfg)
     return cfg
@@ -330,6 +384,10 @@ def validate(cfg: Config) -> None:
               f"{m.kv_heads} must be >= 1 and divide model.heads={m.heads} (each key/value head serves a group "
               "of query heads)")
     _need(m.norm_eps > 0, "model.norm_eps", f"must be > 0 (the normalisation epsilon), got {m.norm_eps}")
+    if m.max_position_embeddings is not None:
+        _need(m.max_position_embeddings >= m.seq_len, "model.max_position_embeddings",
+              f"{m.max_position_embeddings} is shorter than model.seq_len={m.seq_len}: the training window must fit "
+              "the model's positions; raise it or lower model.seq_len")
     _need(m.attention in ("xla", "cudnn"), "model.attention",
           f"must be 'xla' or 'cudnn' (cuDNN flash attention, GPUs only), got {m.attention!r}")
     for name, axis in m.rules.items():
@@ -365,6 +423,7 @@ def validate(cfg: Config) -> None:
     validate_pipeline(cfg)
     validate_optim(cfg.optim)
     validate_checkpoint(cfg.checkpoint)
+    validate_init(cfg)
     validate_distributed(cfg.distributed)
     _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
     _need(cfg.data.path is None or cfg.data.blend is None, "data.blend",
@@ -529,6 +588,35 @@ def validate_checkpoint(c: CheckpointConfig) -> None:
     if c.dir is not None:
         path = Path(c.dir)
         _need(not path.exists() or path.is_dir(), "checkpoint.dir", f"{c.dir!r} is a file; give a directory")
+
+
+def validate_init(cfg: Config) -> None:
+    """``train.init_from`` names an existing checkpoint directory that is not the run's own."""
+    t = cfg.train
+    _need(isinstance(t.init_optimizer, bool), "train.init_optimizer", f"must be true or false, got {t.init_optimizer!r}")
+    if t.init_from is None:
+        _need(not t.init_optimizer, "train.init_optimizer",
+              "takes the optimizer state of train.init_from, which is not set; set train.init_from or remove it")
+        return
+    path = Path(t.init_from)
+    _need(path.is_dir(), "train.init_from",
+          f"{t.init_from!r} is not a directory; give a checkpoint directory (a run's checkpoint.dir, an import) "
+          "or one of its step directories")
+    own = cfg.checkpoint.dir
+    if own is not None and path.resolve() == Path(own).resolve():
+        step = imported_step(own)
+        if step is not None:
+            raise writing_into_an_import(own, step)
+        raise ConfigError(f"train.init_from: {t.init_from!r} is this run's checkpoint.dir: a run resumes from its own "
+                          "checkpoints by itself; remove train.init_from to continue that run, or set a new "
+                          "checkpoint.dir to start one from it")
+
+
+def writing_into_an_import(directory: str, step: int) -> ConfigError:
+    """The error for a ``checkpoint.dir`` that holds an imported model: a run never writes into one."""
+    return ConfigError(f"checkpoint.dir: {directory} holds an imported model (step {step}), which a run never writes "
+                       f"into; start from it with train.init_from={directory} and give the new run its own "
+                       "checkpoint.dir")
 
 
 def validate_distributed(d: DistributedConfig) -> None:

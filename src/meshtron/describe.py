@@ -1,20 +1,26 @@
-"""``meshtron describe``: the mesh, every parameter's layout, and what the compiled step communicates.
+"""``meshtron describe``: the mesh, every parameter's layout, the run's memory per device, and what
+the compiled step communicates.
 
-Works for planning too: with a mesh larger than the devices present (the paper's presets), the
-parameter table is computed from the rules and the mesh shape alone and the analytical Megatron
-figures are printed; the compiled step is analysed only when the mesh fits on this machine.
+Nothing is allocated and no data is read: the model is traced abstractly, and the train step is
+compiled from abstract arrays. Planning mode -- the parameter table from the rules and the mesh
+shape alone, the analytical Megatron figures and the planner's price of the layout, no compiled
+step -- is taken whenever the run could not be held on this machine: a mesh with more devices than
+it has (or simulates: the CLI simulates up to 64 CPU devices), or a predicted memory (every
+device's share, as :func:`run_memory` counts it) above half of its available memory.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
 
 from meshtron import analysis
+from meshtron.checkpoint import abstract_like
 from meshtron.config import Config, ConfigError, MeshConfig, stage_layout
 from meshtron.mesh import AXES, resolve_sizes
 from meshtron.sharding import logical_to_spec, placing_rules
@@ -94,11 +100,67 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
     return lines, total
 
 
+@dataclass(frozen=True)
+class RunMemory:
+    """Bytes per device of a run as configured (its dtypes and optimizer), by what holds them, on
+    the fullest device: parameters as the rules table lays them out, their gradients (in the
+    parameters' dtype, accumulated over microbatches), the optimizer state and the activations
+    (:func:`activation_figures`)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    optimizer_note: str
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def optimizer_state_bytes(optimizer: str, weight_bytes: float, elements: float, data: int) -> tuple[float, str]:
+    """Bytes per device of the optimizer state, and what it holds. AdamW and LAMB keep two moments in
+    the parameters' dtype (optax's default); 1-bit LAMB three (the moments and the frozen variance)
+    plus its fp32 error-feedback buffers: the worker error over the device's padded parameters and
+    the server error, its 1/d chunk (:mod:`meshtron.optim.onebit_lamb`; none without data
+    parallelism)."""
+    from meshtron.plan.model import onebit_padded_length
+
+    if optimizer != "onebit_lamb":
+        return 2 * weight_bytes, f"{optimizer}: 2 moments per parameter"
+    errors = 0.0
+    if data > 1:
+        padded = onebit_padded_length(math.ceil(elements), data)
+        errors = 4 * (padded + padded / data)
+    return 3 * weight_bytes + errors, "onebit_lamb: 3 moments per parameter + fp32 error buffers"
+
+
+def run_memory(cfg: Config, rows: list[tuple], activation_bytes: float, data: int) -> RunMemory:
+    """This run's :class:`RunMemory` from :func:`parameter_rows` and the activation model."""
+    weights = float(sum(r[4] for r in rows))
+    itemsize = np.dtype(cfg.model.param_dtype).itemsize
+    optimizer, note = optimizer_state_bytes(cfg.train.optimizer, weights, weights / itemsize, data)
+    return RunMemory(weights, weights, optimizer, activation_bytes, note)
+
+
+def available_host_memory() -> int:
+    """Bytes of memory this machine can still give (Linux's MemAvailable; else its physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb") -> list[str]:
     """This run's layout priced by :mod:`meshtron.plan` on a bundled cluster (the same memory and
     time formulas ``meshtron plan`` ranks layouts with), or nothing when the planner's model does not
     cover the run (not the paper's GPT, or a layout Megatron's schedules cannot run)."""
     from meshtron.plan import Layout, ModelShape, estimate, load_cluster
+    from meshtron.plan.model import MEMORY_MODEL
 
     data, pipe, tensor = sizes
     t = cfg.train
@@ -115,7 +177,8 @@ def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb"
     gb = 1e9
     fits = "fits" if mem.total <= machine.usable_memory_bytes else "does NOT fit"
     return [
-        f"plan on {machine.name} (meshtron plan's model, Narayanan et al. 2021; Megatron-LM's mixed precision)",
+        f"plan on {machine.name} (meshtron plan's model of Megatron-LM, Narayanan et al. 2021)",
+        f"counts                   {MEMORY_MODEL}",
         (f"memory per GPU           {mem.total / gb:.1f} GB: weights {mem.weights / gb:.1f}, gradients "
         f"{mem.gradients / gb:.1f}, {t.optimizer} state {mem.optimizer / gb:.1f}, activations "
         f"{mem.activations / gb:.1f} ({fits} in {machine.memory_gb - machine.reserved_gb:g} GB usable)"),
@@ -124,12 +187,14 @@ def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb"
     ]
 
 
-def describe(cfg: Config, out=None) -> None:
+def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> None:
+    """Print the run ``cfg`` describes. ``memory_budget``: the bytes this machine may give the compiled
+    analysis (default: half of its available memory); above it, planning mode."""
     out = out or sys.stdout
     devices = jax.devices()
     requested = [cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor]
-    fits = -1 in requested or math.prod(requested) <= len(devices)
-    sizes = resolve_sizes(cfg.mesh, len(devices)) if fits else tuple(requested)
+    on_devices = -1 in requested or math.prod(requested) <= len(devices)
+    sizes = resolve_sizes(cfg.mesh, len(devices)) if on_devices else tuple(requested)
     mesh_sizes = dict(zip(AXES, sizes))
     cfg = replace(cfg, mesh=MeshConfig(*sizes))
     model_def = model_def_from_config(cfg.model, mesh_sizes["tensor"])
@@ -171,23 +236,35 @@ def describe(cfg: Config, out=None) -> None:
     for label, value in activation:
         print(f"  {label:24s} {value}", file=out)
 
-    if not fits:
+    memory = run_memory(cfg, rows, activation_bytes, sizes[0])
+    fmt = analysis.format_bytes
+    print(f"\nmemory per device, this run as configured ({m.param_dtype} parameters, gradients and optimizer state; "
+          f"{m.dtype} activations)", file=out)
+    for label, value in (("weights", fmt(memory.weights)), ("gradients", fmt(memory.gradients)),
+                         ("optimizer state", f"{fmt(memory.optimizer)} ({memory.optimizer_note})"),
+                         ("activations", f"{fmt(memory.activations)} (above)"), ("total", fmt(memory.total))):
+        print(f"  {label:24s} {value}", file=out)
+
+    budget = available_host_memory() / 2 if memory_budget is None else memory_budget
+    held = memory.total * math.prod(sizes)
+    if not on_devices or held > budget:
         plan_lines = planned_step(cfg, sizes)
-        if plan_lines:
-            print(f"\n{plan_lines[0]}", file=out)
-            for line in plan_lines[1:]:
-                print(f"  {line}", file=out)
-        print(f"\ncompiled step: not analysed, the mesh needs {math.prod(sizes)} devices and this machine "
-              f"has {len(devices)} (planning mode; meshtron plan ranks other layouts)", file=out)
+        print(f"\n{plan_lines[0]}", file=out)
+        for line in plan_lines[1:]:
+            print(f"  {line}", file=out)
+        why = (f"the mesh needs {math.prod(sizes)} devices and this machine has {len(devices)}" if not on_devices else
+               f"its {math.prod(sizes)} devices would hold {fmt(held)}, more than the {fmt(budget)} this machine can "
+               "give")
+        print(f"\ncompiled step: not analysed, {why} (planning mode: nothing is built; meshtron plan ranks other "
+              "layouts)", file=out)
         return
     from meshtron.train.loop import Trainer
 
-    trainer = Trainer.from_config(cfg, devices)
-    params = trainer.init_params()
-    opt_state = trainer.steps.init_opt_state(params)
-    tokens = jax.device_put(
-        np.zeros((t.batch_size, m.seq_len + 1), np.int32), trainer.steps.batch_sharding
-    )
+    trainer = Trainer.from_config(cfg, devices, data=False)
+    params = abstract_like(trainer.training_shapes(trainer.model_def.shapes()), trainer.steps.param_shardings)
+    with jax.set_mesh(trainer.mesh):
+        opt_state = abstract_like(jax.eval_shape(trainer.steps.init_state_fn, params), trainer.steps.opt_shardings)
+    tokens = jax.ShapeDtypeStruct((t.batch_size, m.seq_len + 1), np.int32, sharding=trainer.steps.batch_sharding)
     staged = len(trainer.steps.stages) > 1
     for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently
         step = analysis.analyze(trainer.steps.compile(params, opt_state, tokens, stage), trainer.mesh)
@@ -195,6 +272,8 @@ def describe(cfg: Config, out=None) -> None:
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
         print(step.table(), file=out)
         if step.memory is not None:
-            print(f"  compiled temporaries {analysis.format_bytes(step.memory.temp_size_in_bytes)} against the "
-                  f"model's {analysis.format_bytes(activation_bytes)} of activations (the rest: gradients, optimizer "
-                  "and loss temporaries, communication buffers)", file=out)
+            print(f"  compiled temporaries {fmt(step.memory.temp_size_in_bytes)} against the model's "
+                  f"{fmt(activation_bytes)} of activations and {fmt(memory.gradients)} of gradients (the rest: "
+                  "optimizer and loss temporaries, communication buffers); arguments "
+                  f"{fmt(step.memory.argument_size_in_bytes)} against {fmt(memory.weights + memory.optimizer)} of "
+                  "weights and optimizer state", file=out)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +66,9 @@ from meshtron.models.attention import KVCache, attention_implementation
 from meshtron.models.contract import Context, run_blocks
 from meshtron.sharding import axis_rules, constrain
 from meshtron.train.state import ModelDef, Params
+
+if TYPE_CHECKING:
+    from meshtron.pretrained import Pretrained
 
 DEFAULT_CHUNK = 64
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # logical layout of a stacked KVCache
@@ -197,7 +200,8 @@ class Sampler:
 
     ``chunk`` is how many tokens one call of the compiled program can produce (longer requests
     call it again); it changes speed only, never the tokens. ``context`` is the number of tokens
-    the model sees (default: the model's ``max_len``). ``use_cache``: decode with a KV cache (one
+    the model sees (default: :attr:`ModelDef.context`, the run's training window within the model's
+    ``max_len``). ``use_cache``: decode with a KV cache (one
     prefill, then one token's forward pass per step) or re-run the whole window every step;
     ``None`` (default) uses the cache when the model has ``init_cache`` and the mesh has
     ``pipe=1``, ``True`` insists (an error otherwise), ``False`` never uses it. Both give the same
@@ -215,9 +219,10 @@ class Sampler:
     ):
         if chunk < 1:
             raise ValueError(f"chunk: must be >= 1, got {chunk}")
-        context = context or model_def.max_len
+        context = context or model_def.context
         if context is None:
-            raise ValueError("context: this model has no max_len; give the context length (e.g. the training seq_len)")
+            raise ValueError("context: this model has no max_len and no training window is known; give the context "
+                             "length (e.g. the training seq_len)")
         if model_def.max_len is not None and context > model_def.max_len:
             raise ValueError(f"context: {context} is longer than the model's {model_def.max_len} positions")
         pipe = dict(mesh.shape).get("pipe", 1)
@@ -372,11 +377,8 @@ class Sampler:
 
 
 def sample(
-    model_def: ModelDef,
-    params: Params,
-    mesh: Mesh,
-    prompt: str | Sequence[int],
-    *,
+    model: ModelDef | Pretrained,
+    *args: Any,
     max_new_tokens: int,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -385,20 +387,34 @@ def sample(
     use_cache: bool | None = None,
     tokenizer: Tokenizer | None = None,
 ) -> SampleResult:
-    """Continue ``prompt`` with ``max_new_tokens`` tokens from the model ``params`` on ``mesh``.
+    """Continue a prompt with ``max_new_tokens`` tokens, called either way:
 
-    ``params`` is the canonical parameter tree (blocks stacked ``[layers, ...]`` in layer order,
-    as :meth:`ModelDef.init` makes them and checkpoints store them), ideally laid out with
-    ``model_def.shardings(mesh)``; anything else is moved there first. ``prompt`` is text (encoded
-    by ``tokenizer``, or its UTF-8 bytes without one) or a list of token ids. ``temperature`` 0 is greedy decoding;
-    above 0 tokens are drawn from ``softmax(logits / temperature)``, restricted to the ``top_k``
-    most likely when given. ``seed`` makes sampling reproducible. ``context`` and ``use_cache``:
-    see :class:`Sampler` (by default a KV cache whenever the model has one and ``mesh`` has
-    ``pipe=1``).
+    * ``sample(pretrained, prompt, ...)`` with what :func:`meshtron.load_pretrained` returned: its
+      parameters, mesh and tokenizer, and its recorded training window as the context;
+    * ``sample(model_def, params, mesh, prompt, ...)``: ``params`` is the canonical parameter tree
+      (blocks stacked ``[layers, ...]`` in layer order, as :meth:`ModelDef.init` makes them and
+      checkpoints store them), ideally laid out with ``model_def.shardings(mesh)`` (anything else
+      is moved there first); text is encoded by ``tokenizer``, or as UTF-8 bytes without one.
 
-    Builds and compiles a :class:`Sampler`; to sample repeatedly from one model, keep a
-    ``Sampler`` instead.
+    ``prompt`` is text or a list of token ids. ``temperature`` 0 is greedy decoding; above 0 tokens
+    are drawn from ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely when
+    given. ``seed`` makes sampling reproducible. ``context`` and ``use_cache``: see :class:`Sampler`
+    (by default a KV cache whenever the model has one and the mesh has ``pipe=1``). ``tokenizer``
+    and ``context`` override what a ``Pretrained`` carries.
+
+    Builds and compiles a :class:`Sampler`; to sample repeatedly from one model, keep a ``Sampler``
+    instead.
     """
+    if isinstance(model, ModelDef):
+        if len(args) != 3:
+            raise TypeError(f"sample(model_def, params, mesh, prompt, ...): expected 4 positional arguments, got "
+                            f"{1 + len(args)}")
+        model_def, params, mesh, prompt = model, *args
+    else:
+        if len(args) != 1:
+            raise TypeError(f"sample(pretrained, prompt, ...): expected 2 positional arguments, got {1 + len(args)}")
+        model_def, params, mesh, prompt = model.model_def, model.params, model.mesh, args[0]
+        tokenizer = tokenizer or model.tokenizer
     return Sampler(model_def, mesh, context=context, use_cache=use_cache).sample(
         params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
         tokenizer=tokenizer,

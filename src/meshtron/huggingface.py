@@ -3,10 +3,11 @@
 :func:`import_hf` reads a Hugging Face model directory (``config.json`` and ``*.safetensors``, one
 file or shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM`` (or a
 ``MistralForCausalLM`` that is a Llama: no sliding window) or a ``GPT2LMHeadModel`` and writes a
-meshtron checkpoint directory: step 0 of a run whose recorded config describes the model, with the
-parameters and a freshly initialised optimizer state, so that ``load_pretrained`` / ``meshtron
-generate --checkpoint`` read it onto any mesh and a training run with ``checkpoint.dir`` set to it
-resumes there (``config.yaml`` in the directory is that run's config). :func:`export_hf` writes
+meshtron checkpoint directory: the model's parameters as step 0, and a recorded config that
+describes the model, so that ``load_pretrained`` / ``meshtron generate --checkpoint`` read it onto
+any mesh. ``config.yaml`` in the directory is the config of a run that fine-tunes it: it starts
+from the import (``train.init_from``) and saves to a directory of its own beside it; nothing
+ever trains into an import or deletes it. :func:`export_hf` writes
 the newest checkpoint's parameters back as ``config.json`` + ``model.safetensors`` that
 ``transformers``' ``from_pretrained`` loads. Tensors are read and written with
 ``safetensors.numpy``: no torch is needed.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,15 +62,17 @@ from meshtron.data.tokenizers import (
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.trees import leaf_names
 
-__all__ = ["CONFIG_FILE", "DEFAULT_LLAMA_SEQ_LEN", "export_hf", "import_hf"]
+__all__ = ["CONFIG_FILE", "DEFAULT_LLAMA_SEQ_LEN", "FINETUNE_SUFFIX", "export_hf", "finetune_config", "import_hf"]
 
 CONFIG_FILE = "config.yaml"  # the imported run's config beside its checkpoints (meshtron train --config)
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
-# A Llama's max_position_embeddings is its longest context (128k for Llama 3.x); meshtron's seq_len is
-# the training window and generate's context, so an import caps it here (model.seq_len overrides it).
+# A Llama's max_position_embeddings is its longest context (128k for Llama 3.x), kept as
+# model.max_position_embeddings; meshtron's seq_len is the training window and generate's context,
+# so an import caps that here (model.seq_len overrides it).
 DEFAULT_LLAMA_SEQ_LEN = 4096
+FINETUNE_SUFFIX = "-finetune"  # config.yaml's checkpoint.dir: the import's directory name with this added
 
 _LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 _GPT2_ARCHITECTURES = ("GPT2LMHeadModel",)
@@ -77,7 +81,7 @@ _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 # Fields of model.* that the Hugging Face weights fix (an override may not change them).
 _SHAPE_FIELDS = ("family", "factory", "vocab_size", "hidden", "heads", "kv_heads", "layers", "mlp_dim",
-                 "rope_theta", "norm_eps")
+                 "rope_theta", "norm_eps", "max_position_embeddings")
 
 
 # ---- the two layouts ----------------------------------------------------------------------------
@@ -129,7 +133,7 @@ def _gpt2_tensors(m: ModelConfig) -> list[_Tensor]:
     layer = "transformer.h.{i}."
     return [
         _Tensor("wte", "transformer.wte.weight", (v, h), vocab=True),
-        _Tensor("wpe", "transformer.wpe.weight", (m.seq_len, h)),
+        _Tensor("wpe", "transformer.wpe.weight", (context(m), h)),
         _Tensor("blocks.ln1.scale", layer + "ln_1.weight", (h,)),
         _Tensor("blocks.ln1.bias", layer + "ln_1.bias", (h,)),
         _Tensor("blocks.attn.qkv.kernel", layer + "attn.c_attn.weight", (h, 3 * h)),
@@ -145,6 +149,11 @@ def _gpt2_tensors(m: ModelConfig) -> list[_Tensor]:
         _Tensor("ln_f.scale", "transformer.ln_f.weight", (h,)),
         _Tensor("ln_f.bias", "transformer.ln_f.bias", (h,)),
     ]
+
+
+def context(m: ModelConfig) -> int:
+    """The longest sequence the model is made for (``max_position_embeddings``, else the window)."""
+    return m.max_position_embeddings or m.seq_len
 
 
 def _tensors(m: ModelConfig) -> list[_Tensor]:
@@ -281,8 +290,8 @@ def _llama_model(hf: dict[str, Any], where: Path) -> ModelConfig:
     return ModelConfig(
         family="llama", vocab_size=_size(hf, "vocab_size", where), hidden=hidden, heads=heads, kv_heads=kv_heads,
         layers=_size(hf, "num_hidden_layers", where), mlp_dim=_size(hf, "intermediate_size", where),
-        seq_len=min(max_positions, DEFAULT_LLAMA_SEQ_LEN), rope_theta=_rope_theta(hf, where),
-        norm_eps=_number(hf, "rms_norm_eps", where, 1e-6),
+        seq_len=min(max_positions, DEFAULT_LLAMA_SEQ_LEN), max_position_embeddings=max_positions,
+        rope_theta=_rope_theta(hf, where), norm_eps=_number(hf, "rms_norm_eps", where, 1e-6),
     )
 
 
@@ -302,10 +311,12 @@ def _gpt2_model(hf: dict[str, Any], where: Path) -> ModelConfig:
     if hidden % heads:
         raise ConfigError(f"{where}: n_embd={hidden} is not a multiple of n_head={heads}")
     inner = hf.get("n_inner")
+    positions = _size(hf, "n_positions", where, 1024)
     return ModelConfig(
         family="gpt", vocab_size=_size(hf, "vocab_size", where, 50257), hidden=hidden, heads=heads,
         layers=_size(hf, "n_layer", where, 12), mlp_dim=4 * hidden if inner is None else _size(hf, "n_inner", where),
-        seq_len=_size(hf, "n_positions", where, 1024), norm_eps=_number(hf, "layer_norm_epsilon", where, 1e-5),
+        seq_len=positions, max_position_embeddings=positions,
+        norm_eps=_number(hf, "layer_norm_epsilon", where, 1e-5),
     )
 
 
@@ -402,7 +413,8 @@ def _read_params(weights: _Weights, m: ModelConfig, shapes: dict[str, jax.ShapeD
 
 def _override_lines(m: ModelConfig, mesh: MeshConfig) -> list[str]:
     lines = [f"model.{name}={getattr(m, name)!r}" for name in
-             ("family", "vocab_size", "hidden", "heads", "layers", "mlp_dim", "seq_len", "rope_theta", "norm_eps")]
+             ("family", "vocab_size", "hidden", "heads", "layers", "mlp_dim", "seq_len", "max_position_embeddings",
+              "rope_theta", "norm_eps")]
     if m.kv_heads is not None:
         lines.append(f"model.kv_heads={m.kv_heads}")
     lines += [f"mesh.{axis}={getattr(mesh, axis)}" for axis in ("data", "pipe", "tensor")]
@@ -411,10 +423,10 @@ def _override_lines(m: ModelConfig, mesh: MeshConfig) -> list[str]:
     return [line.replace("'", "") for line in lines]
 
 
-def _run_config(model: ModelConfig, mesh: MeshConfig, output: Path, overrides: Sequence[str]) -> Config:
-    """The run config of the imported checkpoint: defaults, the model from Hugging Face, the mesh,
-    ``checkpoint.dir=output``, then the caller's ``overrides`` (which may not change the model's shape)."""
-    cfg = load_config(None, [*_override_lines(model, mesh), f"checkpoint.dir={output}", *overrides])
+def _run_config(model: ModelConfig, mesh: MeshConfig, overrides: Sequence[str]) -> Config:
+    """The run config of the imported checkpoint: defaults, the model from Hugging Face, the mesh, then
+    the caller's ``overrides`` (which may not change the model's shape)."""
+    cfg = load_config(None, [*_override_lines(model, mesh), *overrides])
     for name in _SHAPE_FIELDS:
         wanted, got = getattr(model, name), getattr(cfg.model, name)
         if name == "kv_heads":
@@ -422,9 +434,6 @@ def _run_config(model: ModelConfig, mesh: MeshConfig, output: Path, overrides: S
         if wanted != got:
             raise ConfigError(f"model.{name}: the Hugging Face weights fix it at {wanted!r}; do not override it "
                               f"(got {got!r})")
-    if model.family == "gpt" and cfg.model.seq_len != model.seq_len:
-        raise ConfigError(f"model.seq_len: GPT-2's learned positions fix it at n_positions={model.seq_len}; do not "
-                          f"override it (got {cfg.model.seq_len})")
     return cfg
 
 
@@ -437,31 +446,32 @@ def _hf_tokenizer(hf_dir: Path, vocab_size: int):
     return None
 
 
-def _fresh_opt_state(cfg: Config, model_def, mesh, params):
-    """The optimizer state a run of ``cfg`` starts from (what ``Trainer`` creates), without 1-bit
-    LAMB's per-device error buffers (zeros, recreated by the trainer when a checkpoint has none)."""
-    from meshtron.optim import optimizer_setup
-    from meshtron.optim.layout import split_error_buffers
-    from meshtron.train.step import build_steps
-
-    optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=model_def.shardings(mesh))
-    steps = build_steps(model_def, mesh, optimizer.reduction, optimizer.transform, stages=optimizer.stages)
-    return split_error_buffers(steps.init_opt_state(params))[0]
+def finetune_config(cfg: Config, tokenizer: Path | None) -> dict[str, Any]:
+    """``config.yaml`` of an import: the run that fine-tunes it. It starts from the import
+    (``train.init_from``) and saves beside it, in a directory of its own; every path is written
+    relative to the file (``${config_dir:}``), so a moved or copied import stays self-contained."""
+    values = to_dict(cfg)
+    values["train"]["init_from"] = "${config_dir:}"
+    values["checkpoint"]["dir"] = "${config_dir:}" + FINETUNE_SUFFIX
+    if tokenizer is not None:
+        values["data"]["tokenizer"] = "${config_dir:}/" + tokenizer.name
+    return values
 
 
 def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None = None,
-              overrides: Sequence[str] = (), optimizer_state: bool = True) -> Path:
+              overrides: Sequence[str] = ()) -> Path:
     """Write the Hugging Face model in ``hf_dir`` as step 0 of a meshtron checkpoint directory ``output``.
 
     ``mesh``: the mesh the checkpoint is written from and records (default 1x1x1; any mesh restores
     it). ``overrides``: ``section.key=value`` settings of the recorded run (``train.optimizer=lamb``,
-    ``model.seq_len=8192`` for a Llama, ...); the model's shape comes from ``config.json``.
-    ``optimizer_state``: also write the run's fresh optimizer state, so that training resumes
-    from the checkpoint (false: parameters only, enough for ``generate`` and :func:`export_hf`).
+    ``model.seq_len=8192`` for a Llama, ...); the model's shape comes from ``config.json``. The
+    checkpoint holds the parameters only: a run started from it (``train.init_from``) creates its
+    own optimizer state.
 
     The tokenizer (``tokenizer.json``, else ``tokenizer.model``) is copied into ``output`` and
-    recorded as ``data.tokenizer``. The run config is also written to ``output/config.yaml``:
-    ``meshtron train --config output/config.yaml`` resumes from the imported step 0. Returns ``output``.
+    recorded as ``data.tokenizer``. ``output/config.yaml`` is the config of a fine-tune
+    (:func:`finetune_config`): ``meshtron train --config output/config.yaml`` starts from the import
+    and saves to ``output-finetune``. Returns ``output``.
     """
     hf_dir, output = Path(hf_dir), Path(output).absolute()
     hf = _read_hf_config(hf_dir)
@@ -472,7 +482,7 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     devices = jax.devices()
     data, pipe, tensor = resolve_sizes(mesh or MeshConfig(1, 1, 1), len(devices))
     mesh_cfg = MeshConfig(data, pipe, tensor)
-    cfg = _run_config(model, mesh_cfg, output, overrides)
+    cfg = _run_config(model, mesh_cfg, overrides)
     if output.exists() and not output.is_dir():
         raise CheckpointError(f"{output}: is a file; give a new directory for the checkpoint")
     if output.is_dir() and any(p.name.isdigit() for p in output.iterdir()):
@@ -490,22 +500,25 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     del host
 
     output.mkdir(parents=True, exist_ok=True)
-    if tokenizer is not None:
-        copy = save_tokenizer(tokenizer, output)
+    copy = save_tokenizer(tokenizer, output) if tokenizer is not None else None
+    if copy is not None:
         cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(copy)))
-    state = {"params": params}
-    if optimizer_state:
-        state["opt_state"] = _fresh_opt_state(cfg, model_def, device_mesh, params)
     layout = {"mesh": [data, pipe, tensor], "chunks": cfg.pipeline.chunks if pipe > 1 else 1}
-    store = CheckpointStore(output, keep=cfg.checkpoint.keep, async_save=False)
+    store = CheckpointStore(output, async_save=False)  # run_id None: no run owns an import
     try:
-        store.save(RunPosition(0, 0, 0), state, None, device_mesh,
+        store.save(RunPosition(0, 0, 0), {"params": params}, None, device_mesh,
                    {"seed": cfg.train.seed, "layout": layout, "config": to_dict(cfg),
-                    "source": {"huggingface": str(hf_dir.absolute()), "architectures": hf.get("architectures")}})
+                    "imported": {"from": "huggingface", "path": str(hf_dir.absolute()),
+                                 "architectures": hf.get("architectures")}})
         store.wait()
     finally:
         store.close()
-    (output / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    (output / CONFIG_FILE).write_text(yaml.safe_dump(finetune_config(cfg, copy), sort_keys=False))
+    m = cfg.model
+    if m.seq_len < context(m):
+        print(f"meshtron: model.seq_len={m.seq_len} (the training window, and generate's context); the model's own "
+              f"context, max_position_embeddings={context(m)}, is kept and exported; model.seq_len=N chooses "
+              "another window", file=sys.stderr)
     return output
 
 
@@ -539,7 +552,7 @@ def _hf_config(m: ModelConfig, tied: bool, eod: int | None) -> dict[str, Any]:
         return {
             "architectures": list(_GPT2_ARCHITECTURES), "model_type": "gpt2", **common,
             "n_embd": m.hidden, "n_head": m.heads, "n_layer": m.layers, "n_inner": m.mlp_dim,
-            "n_positions": m.seq_len, "n_ctx": m.seq_len, "activation_function": "gelu_new",
+            "n_positions": context(m), "n_ctx": context(m), "activation_function": "gelu_new",
             "layer_norm_epsilon": m.norm_eps, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False, "add_cross_attention": False,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
@@ -548,7 +561,7 @@ def _hf_config(m: ModelConfig, tied: bool, eod: int | None) -> dict[str, Any]:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
         "hidden_size": m.hidden, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads or m.heads,
         "head_dim": m.hidden // m.heads, "num_hidden_layers": m.layers, "intermediate_size": m.mlp_dim,
-        "max_position_embeddings": m.seq_len, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "max_position_embeddings": context(m), "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
         "initializer_range": 0.02,
@@ -587,7 +600,7 @@ def export_hf(checkpoint_dir: str | Path, output_dir: str | Path) -> Path:
     if tokenizer.kind != "bytes":
         shutil.copyfile(tokenizer.path, output_dir / CHECKPOINT_FILES[tokenizer.kind])
         if tokenizer.kind == "huggingface":
-            settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": m.seq_len}
+            settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context(m)}
             if tokenizer.eod is not None:
                 settings["eos_token"] = tokenizer.decode([tokenizer.eod])
             (output_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")

@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Mesh
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
+from meshtron.checkpoint_dirs import checkpoint_location
 from meshtron.config import Config, ConfigError, MeshConfig, config_from_dict, validate_tensor_split
 from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from meshtron.mesh import build_mesh, resolve_sizes
@@ -23,7 +24,8 @@ from meshtron.train.state import ModelDef, Params, model_def_from_config
 
 @dataclass
 class Pretrained:
-    """Canonical parameters (layers in model order) laid out on ``mesh``, and where they came from."""
+    """Canonical parameters (layers in model order) laid out on ``mesh``, and where they came from:
+    ``meshtron.sample(pretrained, prompt, ...)`` decodes with its tokenizer and its window."""
 
     model_def: ModelDef
     params: Params
@@ -33,32 +35,40 @@ class Pretrained:
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # the one the checkpoint carries (bytes: none)
 
 
-def saved_config(directory: str | Path) -> tuple[CheckpointStore, Config]:
-    """The run config recorded by the newest readable checkpoint in ``directory``."""
+def saved_config(directory: str | Path, *, argument: str = "directory") -> tuple[CheckpointStore, Config]:
+    """The run config recorded by the newest readable checkpoint in ``directory`` (errors name it as
+    ``argument``: the caller's parameter or flag)."""
     path = Path(directory)
     if not path.is_dir():
-        raise CheckpointError(f"--checkpoint {directory}: no such directory; give a run's checkpoint.dir")
-    store = CheckpointStore(path, keep=1_000_000)  # reading only: nothing is ever deleted from here
+        raise CheckpointError(f"{argument} {directory}: no such directory; give a run's checkpoint.dir or an import")
+    parent, step = checkpoint_location(path)
+    if step is not None:
+        raise CheckpointError(f"{argument} {directory}: is step {step} of the checkpoint directory {parent}; pass "
+                              f"{parent} (its newest intact step is used)")
+    store = CheckpointStore(path, read_only=True)
     for step in reversed(store.steps()):
         try:
             return store, config_from_dict(store.read_meta(step)["config"], f"checkpoint {path}/{step}")
         except (ValueError, KeyError, OSError):  # damaged: restore_newest says so, and falls back
             continue
     store.close()
-    raise CheckpointError(f"--checkpoint {directory}: holds no readable meshtron checkpoint")
+    raise CheckpointError(f"{argument} {directory}: holds no readable meshtron checkpoint; give a run's "
+                          "checkpoint.dir or an import")
 
 
 def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devices=None, *,
-                    model: ModelFactory | None = None, rules: dict[str, str | None] | None = None) -> Pretrained:
+                    model: ModelFactory | None = None, rules: dict[str, str | None] | None = None,
+                    argument: str = "directory") -> Pretrained:
     """The newest intact checkpoint's parameters on ``mesh`` (default: the mesh that trained them).
 
     ``model`` and ``rules``: the factory and rules a run of your own model was trained with
     (``Trainer.from_config(..., model=, rules=)``); the config's family or factory otherwise.
 
     Any mesh whose tensor size splits the model's heads and MLP works; the vocabulary padding is
-    adjusted to the tensor size (padded rows are never sampled).
+    adjusted to the tensor size (padded rows are never sampled). ``argument``: how errors name
+    ``directory`` (the CLI passes its flag).
     """
-    store, cfg = saved_config(directory)
+    store, cfg = saved_config(directory, argument=argument)
     try:
         devices = list(jax.devices() if devices is None else devices)
         mesh_cfg = mesh or cfg.mesh
@@ -76,10 +86,10 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         model_def.check_mesh(device_mesh)
         target = {"params": abstract_like(model_def.shapes(), model_def.shardings(device_mesh))}
         restored = store.restore_newest(target, None, device_mesh, resizable=model_def.resizable_in(target),
-                                        partial=True, read_only=True)
+                                        partial=True, source=argument)
     finally:
         store.close()
     if restored is None:
-        raise CheckpointError(f"--checkpoint {directory}: holds no checkpoint")
+        raise CheckpointError(f"{argument} {directory}: holds no checkpoint")
     return Pretrained(model_def, restored.state["params"], device_mesh, restored.step, replace(cfg, mesh=mesh_cfg),
                       checkpoint_tokenizer(directory))

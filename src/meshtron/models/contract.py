@@ -243,10 +243,75 @@ def _path(path: tuple) -> str:
     return ".".join(str(getattr(k, "key", k)) for k in path)
 
 
+def checked_model(factory: ModelFactory, rngs: nnx.Rngs) -> nnx.Module:
+    """``factory(rngs)``, with one line instead of a traceback when the factory cannot be called that
+    way or does not return an NNX module (a Flax Linen module, say)."""
+    import inspect
+
+    name = getattr(factory, "__qualname__", type(factory).__name__)
+    if inspect.isclass(factory) and _first_positional(factory) != "rngs":
+        _fail(f"the model factory {name} is a class, called as {name}(rngs), whose first argument is not rngs",
+              f"pass a function rngs -> model, e.g. lambda rngs: {name}(..., rngs=rngs)")
+    if callable(factory) and not _takes_positional(factory, 1):
+        _fail(f"the model factory {name}{_signature(factory)} cannot be called as factory(rngs)",
+              "pass a function rngs -> model, e.g. lambda rngs: MyModel(..., rngs=rngs)")
+    model = factory(rngs)
+    if _is_linen(model):
+        _fail(f"the factory returned a Flax Linen module ({type(model).__name__}), not an nnx.Module",
+              "wrap its embed, block and head modules with meshtron.models.linen.LinenLM")
+    if not isinstance(model, nnx.Module):
+        _fail(f"the factory returned a {type(model).__name__}, not an nnx.Module",
+              "return the model instance from the factory")
+    return model
+
+
+def _is_linen(value: Any) -> bool:
+    from flax import linen
+
+    return isinstance(value, linen.Module)
+
+
+def _signature(fn: Callable[..., Any]) -> str:
+    import inspect
+
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _first_positional(fn: Callable[..., Any]) -> str | None:
+    """The name of ``fn``'s first positional parameter (None: it has none, or no signature)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return next((p.name for p in parameters if p.kind in kinds), None)
+
+
+def _takes_positional(fn: Callable[..., Any], count: int) -> bool:
+    """Whether ``fn`` can be called with ``count`` positional arguments (True when it cannot be told)."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(*([None] * count))
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): let the call decide
+        return True
+    return True
+
+
 def check_model(model: Any, rules: Rules) -> None:
     """Raise :class:`ModelContractError` (one line: what is missing, and the fix) unless ``model``
     (typically abstract, from ``nnx.eval_shape``) follows the contract under ``rules``."""
     kind = type(model).__name__
+    if _is_linen(model):
+        _fail(f"the factory returned a Flax Linen module ({kind}), not an nnx.Module",
+              "wrap its embed, block and head modules with meshtron.models.linen.LinenLM")
     if not isinstance(model, nnx.Module):
         _fail(f"the factory returned a {kind}, not an nnx.Module", "return the model instance from the factory")
     for method in ("embed", "head"):

@@ -48,7 +48,7 @@ class GPTDims:
     heads: int
     layers: int
     mlp_dim: int
-    seq_len: int
+    positions: int  # rows of the learned position table: the longest sequence the model can read
     norm_eps: float = 1e-5
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
@@ -156,7 +156,7 @@ class GPT(nnx.Module):
             padded_vocab_init(dims.vocab_size)(rngs.params(), (dims.vocab_padded, dims.hidden), dims.param_dtype)
         )
         self.wpe = nnx.Param(
-            normal(INIT_STD, ("pos", "embed"))(rngs.params(), (dims.seq_len, dims.hidden), dims.param_dtype)
+            normal(INIT_STD, ("pos", "embed"))(rngs.params(), (dims.positions, dims.hidden), dims.param_dtype)
         )
         self.blocks = stack_blocks(lambda r: Block(dims, rngs=r), dims.layers, rngs)
         self.ln_f = _layer_norm(dims, rngs)
@@ -167,8 +167,8 @@ class GPT(nnx.Module):
 
     @property
     def max_len(self) -> int:
-        """Learned positions: nothing beyond ``seq_len`` exists."""
-        return self.dims.seq_len
+        """Learned positions: nothing beyond the position table exists."""
+        return self.dims.positions
 
     def embed(self, tokens: jax.Array, ctx: Context) -> jax.Array:
         """Vocab-parallel lookup: each tensor shard holds a vocabulary slice; results are summed.
@@ -201,7 +201,7 @@ def dims_from_config(cfg: ModelConfig, tensor: int = 1) -> GPTDims:
         heads=cfg.heads,
         layers=cfg.layers,
         mlp_dim=cfg.mlp_dim,
-        seq_len=cfg.seq_len,
+        positions=cfg.max_position_embeddings or cfg.seq_len,
         norm_eps=cfg.norm_eps,
         dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.dtype(cfg.param_dtype),

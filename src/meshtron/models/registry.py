@@ -13,6 +13,7 @@ own logical names are mapped with ``model.rules``.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,16 @@ def load_factory(spec: str) -> Callable[..., Any]:
             raise ConfigError(f"model.factory: {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ConfigError(f"model.factory: {spec} is not callable; name a function (cfg, rngs) -> model")
+    expected = "a function build(model_config, rngs) -> model, called with the run's model config and an nnx.Rngs"
+    if inspect.isclass(fn):
+        raise ConfigError(f"model.factory: {spec} is a class; name {expected} (it may construct {attr})")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise ConfigError(f"model.factory: {spec}{inspect.signature(fn)} cannot be called as {attr}(model_config, "
+                          f"rngs); name {expected}") from None
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
     return fn
 
 

@@ -58,6 +58,11 @@ memory and on the wire (:func:`meshtron.analysis.megatron_figures`' default elem
 
 OVERLAP = ("never", "unpipelined", "always")
 
+MEMORY_MODEL = ("Megatron-LM's mixed precision as the paper ran it, not the config's dtypes: 16-bit weights, "
+                "fp32 master weights and moments, gradients as --gradients says; activations of the paper's "
+                "block (Korthikanti et al.) at Megatron's in-flight microbatches, logits included")
+"""What the planner's memory per GPU counts (``meshtron plan`` and ``describe``'s plan say it)."""
+
 
 @dataclass(frozen=True)
 class Gradients:

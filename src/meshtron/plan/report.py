@@ -21,6 +21,7 @@ from meshtron.config import OPTIMIZERS, ConfigError
 from meshtron.plan.cluster import Cluster
 from meshtron.plan.model import (
     FP32_GRADIENTS,
+    MEMORY_MODEL,
     RECOMPUTE,
     Gradients,
     ModelShape,
@@ -280,6 +281,7 @@ def render(plan: Plan, top: int = 10) -> str:
         f"{cluster.nvlink_gbps:g} GB/s, network {cluster.network_gbps:g} GB/s per node"),
         (f"searched  {result.tried} layouts, {result.too_big} do not fit; optimizer {plan.optimizer}; "
          f"gradients all-reduced in {8 * plan.gradients.element_bytes} bits"),
+        f"memory    {MEMORY_MODEL} (meshtron describe counts a run as configured)",
         "",
     ]
     header = ["#", "t", "p", "d", "v", "b", "m", "recompute", "GB/GPU", "TF/s/GPU*", "step s", "bubble", "comm",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,15 +29,18 @@ from rich.progress import (
 
 from meshtron.analysis import format_bytes, model_flops_per_token
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
+from meshtron.checkpoint_dirs import checkpoint_location, imported_step, is_import, read_step_meta
 from meshtron.config import (
     Config,
     ConfigError,
     MeshConfig,
+    load_config,
     parse_profile_steps,
     stage_layout,
     to_dict,
     validate,
     validate_pipeline,
+    writing_into_an_import,
 )
 from meshtron.data.sources import TokenDatasets, load_training_data
 from meshtron.data.text import Corpus
@@ -88,16 +92,25 @@ class Trainer:
     mesh: jax.sharding.Mesh
     model_def: ModelDef
     steps: TrainSteps
-    corpus: Corpus | TokenDatasets  # the training data (a text, an indexed dataset or a blend)
+    corpus: Corpus | TokenDatasets | None  # the training data (a text, an indexed dataset or a blend); None: not read
     optimizer: OptimizerSetup
     programs: dict[Any, Any] = field(default_factory=dict, repr=False)  # jitted helpers, compiled once per run
 
     @classmethod
-    def from_config(cls, cfg: Config, devices=None, *, verbose: bool = False, model: ModelFactory | None = None,
-                    rules: dict[str, str | None] | None = None) -> Trainer:
-        """The run ``cfg`` describes. ``model``: a factory ``rngs -> nnx.Module`` of your own model (any
-        :mod:`meshtron.models.contract` model) instead of ``model.family``/``model.factory``; ``rules``:
-        its logical axis names -> mesh axes, on top of Megatron's table and ``model.rules``."""
+    def from_config(cls, cfg: Config | str | os.PathLike, devices=None, *, verbose: bool = False,
+                    model: ModelFactory | None = None, rules: dict[str, str | None] | None = None,
+                    data: bool = True) -> Trainer:
+        """The run ``cfg`` describes: a :class:`Config` (:func:`meshtron.load_config` makes one with
+        overrides), or a config's file or bundled name as ``--config`` takes it (``"cpu8"``). ``model``: a
+        factory ``rngs -> nnx.Module`` of your own model (any :mod:`meshtron.models.contract` model)
+        instead of ``model.family``/``model.factory``; ``rules``: its logical axis names -> mesh axes, on
+        top of Megatron's table and ``model.rules``. ``data=False``: no training data is read (the
+        steps can be compiled and analysed, not run)."""
+        if isinstance(cfg, (str, os.PathLike)):
+            cfg = load_config(cfg)
+        elif not isinstance(cfg, Config):
+            raise ConfigError(f"cfg: Trainer.from_config takes a Config, or a config file or bundled name such as "
+                              f"'cpu8', got a {type(cfg).__name__}")
         devices = list(jax.devices() if devices is None else devices)
         data, pipe, tensor = resolve_sizes(cfg.mesh, len(devices))
         cfg = replace(cfg, mesh=MeshConfig(data=data, pipe=pipe, tensor=tensor))
@@ -113,7 +126,7 @@ class Trainer:
         layout = stage_layout(cfg.pipeline.layout, model_def.layers, pipe, cfg.pipeline.chunks) if pipe > 1 else None
         model_def.check_mesh(mesh, layout.padded_layers if layout is not None else None)
         t = cfg.train
-        corpus = load_training_data(
+        corpus = None if not data else load_training_data(
             cfg.data, seq_len=cfg.model.seq_len, batch_size=t.batch_size, vocab_size=model_def.vocab_size,
             seed=t.seed, samples=t.steps * t.batch_size, eval_samples=t.eval_batches * t.batch_size,
         )
@@ -250,12 +263,17 @@ class Trainer:
         if c.dir is None:
             return None
         store = CheckpointStore(c.dir, keep=c.keep, async_save=c.async_save)
-        if not c.resume and store.steps():
+        steps = store.steps()
+        if not c.resume and steps:
             store.close()
             raise ConfigError(
-                f"checkpoint.dir: {c.dir} already holds checkpoints (newest step {store.steps()[-1]}) and "
+                f"checkpoint.dir: {c.dir} already holds checkpoints (newest step {steps[-1]}) and "
                 "checkpoint.resume=false; resume from them (checkpoint.resume=true) or choose another directory"
             )
+        imported = imported_step(store.directory)
+        if imported is not None:
+            store.close()
+            raise writing_into_an_import(c.dir, imported)
         return store
 
     def restore(self, store: CheckpointStore) -> tuple[Params, Any, RunPosition] | None:
@@ -266,6 +284,12 @@ class Trainer:
         ``checkpoint.onebit_errors=keep``); otherwise they restart from zero (reference section 2.9).
         The optimizer's stage follows from the restored update count.
         """
+        read = self._read_state(store)
+        return None if read is None else read[:3]
+
+    def _read_state(self, store: CheckpointStore, step: int | None = None, source: str = "checkpoint.dir"):
+        """``(params, opt_state, position, meta)`` of a checkpoint in ``store`` (the newest intact one, or
+        ``step``), laid out for this run; None if the store holds none."""
         shapes = self.model_def.shapes()
         with jax.set_mesh(self.mesh):
             abstract = jax.eval_shape(self.steps.init_state_fn, shapes)
@@ -280,7 +304,7 @@ class Trainer:
         restored = store.restore_newest(
             state_target, error_target if any(x.size for x in jax.tree.leaves(error_target)) else None, self.mesh,
             use_errors=lambda meta: meta.get("layout") == layout and self.cfg.checkpoint.onebit_errors == "keep",
-            resizable=self.model_def.resizable_in(state_target),
+            resizable=self.model_def.resizable_in(state_target), only=step, source=source,
         )
         if restored is None:
             return None
@@ -292,7 +316,76 @@ class Trainer:
                 _note(f"1-bit LAMB error buffers restart from zero (checkpoint layout {restored.meta.get('layout')}, "
                       f"this run {layout})")
         params, opt_state = self.training_state(restored.state, errors or [])
-        return params, opt_state, restored.position
+        return params, opt_state, restored.position, restored.meta
+
+    def _read_params(self, store: CheckpointStore, step: int | None, source: str) -> tuple[Params, dict[str, Any]]:
+        """The parameters (only) of a checkpoint in ``store``, in this run's training layout, and its meta."""
+        shapes = self.model_def.shapes()
+        target = {"params": abstract_like(shapes, self._canonical_shardings(self.steps.param_shardings))}
+        restored = store.restore_newest(target, None, self.mesh, resizable=self.model_def.resizable_in(target),
+                                        partial=True, only=step, source=source)
+        if restored is None:
+            raise ConfigError(f"{source}: {store.directory} holds no checkpoint; give a run's checkpoint.dir, an "
+                              "import, or one of their step directories")
+        params = restored.state["params"]
+        perm = self._layer_perm(to_stage=True)
+        if perm is not None:
+            with jax.set_mesh(self.mesh):
+                params = jax.jit(lambda p: permute_layers(p, perm), out_shardings=self.steps.param_shardings)(params)
+        return params, restored.meta
+
+    def starting_state(self, store: CheckpointStore | None) -> tuple[Params, Any, RunPosition, str]:
+        """Where the run starts, and one line saying where its weights came from: its own newest
+        checkpoint in ``checkpoint.dir`` (resumed), else ``train.init_from`` (initialised), else a new
+        model from ``train.seed``. Sets the store's run id (rotation deletes only this run's steps)."""
+        t = self.cfg.train
+        resumed = self._read_state(store) if store is not None else None
+        if resumed is not None:
+            params, opt_state, position, meta = resumed
+            if position.step > t.steps:
+                raise ConfigError(
+                    f"train.steps: {t.steps} is below the step of the newest checkpoint in {store.directory} "
+                    f"({position.step}); raise train.steps to train on from it, or use another checkpoint.dir")
+            store.adopt(meta)
+            line = f"weights: resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})"
+            if t.init_from is not None:
+                line += "; train.init_from is used only when checkpoint.dir holds no checkpoint"
+            return params, opt_state, position, line
+        if store is not None:
+            store.adopt({})
+        if t.init_from is None:
+            params = self.init_params()
+            return params, self.steps.init_opt_state(params), RunPosition(0, 0, 0), f"weights: a new model from seed {t.seed}"
+        return self._initial_state(*checkpoint_location(t.init_from))
+
+    def _initial_state(self, directory: Path, step: int | None) -> tuple[Params, Any, RunPosition, str]:
+        """``train.init_from``: its parameters with a fresh optimizer state at step 0, or with
+        ``train.init_optimizer`` its whole training state and position."""
+        t = self.cfg.train
+        source = CheckpointStore(directory, read_only=True)
+        try:
+            if not t.init_optimizer:
+                params, meta = self._read_params(source, step, "train.init_from")
+                line = (f"weights: initialised from {source.directory}/{meta['step']} (train.init_from; a fresh "
+                        f"optimizer state, step 0 of {t.steps})")
+                return params, self.steps.init_opt_state(params), RunPosition(0, 0, 0), line
+            newest = step if step is not None else (source.steps() or [None])[-1]
+            if newest is not None and is_import(read_step_meta(source.directory, newest)):
+                raise ConfigError(f"train.init_optimizer: {t.init_from} is an imported model, which holds parameters "
+                                  "only; set train.init_optimizer=false")
+            read = self._read_state(source, step, "train.init_from")
+        finally:
+            source.close()
+        if read is None:
+            raise ConfigError(f"train.init_from: {directory} holds no checkpoint; give a run's checkpoint.dir, an "
+                              "import, or one of their step directories")
+        params, opt_state, position, _ = read
+        if position.step > t.steps:
+            raise ConfigError(f"train.steps: {t.steps} is below the step of train.init_from's checkpoint "
+                              f"({position.step}), which train.init_optimizer=true continues from; raise train.steps")
+        line = (f"weights: initialised from {source.directory}/{position.step} (train.init_from with its optimizer "
+                f"state: continues that run at step {position.step} of {t.steps})")
+        return params, opt_state, position, line
 
     def save(self, store: CheckpointStore, params: Params, opt_state, position: RunPosition) -> None:
         state, errors = self.canonical_state(params, opt_state)
@@ -317,6 +410,9 @@ class Trainer:
         checkpoint of that step is written and on disk (with ``checkpoint.dir``), its metrics record
         is written, one line says why, and :class:`~meshtron.errors.RunStopped` is raised.
         """
+        if self.corpus is None:
+            raise ConfigError("Trainer.run: this trainer was built with data=False (no training data); build it "
+                              "with Trainer.from_config(cfg) to train")
         stopper = RunStopper(self.cfg.train.max_minutes, lead=jax.process_index() == 0,
                            saving=self.cfg.checkpoint.dir is not None)
         with stopper:
@@ -329,22 +425,17 @@ class Trainer:
         console = console or Console(stderr=True, quiet=not lead)
         schedule = learning_rate_schedule(t)
         store = self.open_checkpoints()
-        resumed = self.restore(store) if store is not None else None
-        if resumed is None:
-            params = self.init_params()
-            opt_state = self.steps.init_opt_state(params)
-            position = RunPosition(0, 0, 0)
-        else:
-            params, opt_state, position = resumed
-            if position.step > t.steps:
+        try:
+            params, opt_state, position, weights = self.starting_state(store)
+        except BaseException:
+            if store is not None:
                 store.close()
-                raise ConfigError(
-                    f"train.steps: {t.steps} is below the step of the newest checkpoint in {store.directory} "
-                    f"({position.step}); raise train.steps to train on from it, or use another checkpoint.dir")
-            console.print(f"resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})", soft_wrap=True)
+            raise
+        console.print(weights, soft_wrap=True)
         if metrics_file is not None and lead:
             _keep_records_up_to(metrics_file, position.step)
         report = RunReport(metrics_file, t.tensorboard, lead=lead)
+        report.start({"step": position.step, "event": "start", "weights": weights.removeprefix("weights: ")})
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
         plain = None if console.is_terminal or not lead else PlainProgress(t.steps, console.file)
         stream = self.train_stream(position.data_position)

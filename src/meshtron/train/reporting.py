@@ -75,6 +75,9 @@ class TensorBoard:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(tag, value, global_step=step)
 
+    def text(self, step: int, tag: str, text: str) -> None:
+        self.writer.add_text(tag, text, global_step=step)
+
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
@@ -113,11 +116,21 @@ class RunReport:
         self.tensorboard = TensorBoard(tensorboard) if (tensorboard and lead) else None
 
     def write(self, record: dict[str, Any]) -> None:
+        self._line(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record["step"], record)
+
+    def start(self, record: dict[str, Any]) -> None:
+        """The run's first record (``"event": "start"``): where its weights came from, at the step it
+        starts after; TensorBoard gets it as text (``run/weights``)."""
+        self._line(record)
+        if self.tensorboard is not None:
+            self.tensorboard.text(record["step"], "run/weights", record["weights"])
+
+    def _line(self, record: dict[str, Any]) -> None:
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
-        if self.tensorboard is not None:
-            self.tensorboard.write(record["step"], record)
 
     def close(self) -> None:
         if self.tensorboard is not None:

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshtron.analysis import format_count
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.models.attention import attention_implementation, selective_recompute
-from meshtron.models.contract import LAYERS, ModelFactory, check_model, lm_loss
+from meshtron.models.contract import LAYERS, ModelFactory, check_model, checked_model, lm_loss
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
 
@@ -53,19 +53,28 @@ class ModelDef:
     can_cache: bool  # the model provides init_cache: generation decodes with a KV cache
     remat: str = "none"
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's choice)
+    window: int | None = None  # the run's model.seq_len, generation's default context (None: max_len)
 
     @classmethod
     def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: str = "none",
-               attention: str | None = None) -> ModelDef:
+               attention: str | None = None, window: int | None = None) -> ModelDef:
         """Trace ``factory`` abstractly (no parameter is created) and check the model contract."""
         rules = tuple(rules)
         with axis_rules(rules), nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+            abstract = nnx.eval_shape(lambda: checked_model(factory, nnx.Rngs(0)))
         check_model(abstract, rules)
         max_len = getattr(abstract, "max_len", None)
         can_cache = callable(getattr(abstract, "init_cache", None))
         graphdef, state = nnx.split(abstract, nnx.Param)
-        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat, attention)
+        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat, attention, window)
+
+    @property
+    def context(self) -> int | None:
+        """How many tokens generation sees by default: the training window, within the model's
+        ``max_len`` (either alone when only one is known)."""
+        if self.window is None:
+            return self.max_len
+        return self.window if self.max_len is None else min(self.window, self.max_len)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -238,4 +247,4 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
         raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "
                           "devices; use model.attention=xla")
     return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat,
-                           attention=cfg.attention)
+                           attention=cfg.attention, window=cfg.seq_len)
