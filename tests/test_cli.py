@@ -1,10 +1,13 @@
 """The command line as a user runs it: a short training run, describe, and bad input."""
 
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from meshtron.config import MeshConfig
 from meshtron.generate import sample
@@ -72,6 +75,41 @@ def test_describe_prints_layout_and_compiled_collectives():
     assert "P('pipe', None, 'tensor')" in out  # fc1 kernels: layers over pipe, mlp over tensor
     assert "compiled train step" in out and "all-reduce          tensor" in out and "all-reduce          data" in out
     assert "collective-permute  pipe" in out
+
+
+PEAK = ("import resource, sys\nfrom meshtron.cli import main\nstatus = main(sys.argv[1:])\n"
+        "print('peak KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(status)")
+
+
+@pytest.mark.parametrize("config", ["paper/gpt_1_7b", "paper/gpt_3_6b", "llama2_7b"])
+def test_describe_plans_a_real_model_on_a_mesh_this_machine_simulates_without_building_it(config):
+    """32 and 64 devices are simulated here, but the models (1.7B, 3.6B and Llama-2's 6.7B parameters with
+    their optimizer state) would not fit: describe prices them and builds nothing, in under 2 GB."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, "-c", PEAK, "describe", "--config", config], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    peak = int(run.stdout.rsplit("peak KiB ", 1)[1])
+    assert peak < 2 * 1024 * 1024, f"{config}: peak {peak / 1024:.0f} MiB"
+    assert "this machine has" in run.stdout and "CPU devices)" in run.stdout  # the mesh was simulated
+    assert "memory per device, this run as configured" in run.stdout and "planning mode: nothing is built" in run.stdout
+    if config.startswith("paper/"):
+        assert "plan on a100-80gb" in run.stdout and "memory per GPU" in run.stdout
+
+
+def test_describe_decides_from_memory_and_needs_no_data(tmp_path):
+    from meshtron.config import load_config
+    from meshtron.describe import describe
+
+    short = tmp_path / "short.txt"
+    short.write_text("far fewer tokens than one batch\n")
+    cfg = load_config("cpu8", [*SMALL, f"data.path={short}"])
+    out = io.StringIO()
+    describe(cfg, out=out)
+    assert "compiled train step" in out.getvalue()  # the data is never read
+    out = io.StringIO()
+    describe(cfg, out=out, memory_budget=1e6)
+    assert "more than the 976.6 KiB this machine can give (planning mode: nothing is built" in out.getvalue()
 
 
 def test_planning_presets_describe_without_devices():

@@ -410,3 +410,64 @@ def test_a_transformers_4_config_imports_without_torch(tmp_path):
                                   tensors["model.layers.1.mlp.down_proj.weight"].T)
     np.testing.assert_array_equal(params["lm_head"][:VOCAB], tensors["lm_head.weight"])
     assert params["lm_head"].shape == (1024, 64) and not params["lm_head"][VOCAB:].any()
+
+
+# ---- (d) the model's context, and sampling from an import ------------------------------------------
+
+
+def test_export_keeps_the_models_context_after_a_shorter_fine_tune(hf, tmp_path, capfd):
+    """Imported with 256 positions, fine-tuned on a 64-token window: the export still has 256 (config and
+    tokenizer), and ``from_pretrained`` gives the fine-tune's logits."""
+    from meshtron.cli import main
+
+    torch, transformers = hf
+    hf_dir = tmp_path / "hf"
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "max_position_embeddings": 256}))
+    scramble(torch, model)
+    model.save_pretrained(hf_dir)
+    tiny_tokenizer(hf_dir)
+    imported = import_hf(hf_dir, tmp_path / "imported")
+    assert load_pretrained(imported).config.model.max_position_embeddings == 256
+    assert main(["train", "--config", str(imported / CONFIG_FILE), "model.seq_len=64", "train.steps=1",
+                 "train.batch_size=2", "train.eval_batches=1", "train.warmup_steps=0"]) == 0
+    tuned = tmp_path / "imported-finetune"
+    assert load_pretrained(tuned).config.model.seq_len == 64
+    exported = export_hf(tuned, tmp_path / "out")
+    assert json.loads((exported / "config.json").read_text())["max_position_embeddings"] == 256
+    assert json.loads((exported / "tokenizer_config.json").read_text())["model_max_length"] == 256
+    delta("export llama (fine-tuned at 64 of 256 positions)", hf_logits(torch, from_pretrained(hf, exported, capfd)),
+          meshtron_logits(load_pretrained(tuned, MeshConfig(1, 1, 1))))
+
+
+def test_import_says_when_it_caps_the_training_window(tmp_path, capsys):
+    hf_dir = write_config(tmp_path / "hf", {**LLAMA_CONFIG, "max_position_embeddings": 131072})
+    save_file(llama_tensors(), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    m = load_pretrained(import_hf(hf_dir, tmp_path / "out")).config.model
+    assert (m.seq_len, m.max_position_embeddings) == (4096, 131072)
+    assert capsys.readouterr().err.strip() == (
+        "meshtron: model.seq_len=4096 (the training window, and generate's context); the model's own context, "
+        "max_position_embeddings=131072, is kept and exported; model.seq_len=N chooses another window")
+
+
+def test_the_readme_sample_example_gives_hugging_faces_greedy_tokens(hf, cases, tmp_path, monkeypatch, capsys):
+    """The README's Python example, unchanged, on an imported Llama with a BPE tokenizer: the checkpoint's
+    tokenizer and window, and the same greedy tokens as Hugging Face's model."""
+    from test_readme import example
+
+    torch, transformers = hf
+    hf_dir, _, imported = cases("llama-tied")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "llama1b").symlink_to(imported)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(example("sample"), "README.md (sample example)", "exec"), namespace)  # noqa: S102 (the README's own code)
+    result = namespace["result"]
+    assert capsys.readouterr().out == result.text + "\n" and result.text.startswith("The capital of France is")
+    assert result.tokenizer.kind == "huggingface" and len(result.new_tokens) == 20
+
+    reference = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([list(result.prompt_tokens)])
+    with torch.no_grad():
+        for _ in range(20):  # greedy, written out: no generation config (end-of-text stops) in the way
+            ids = torch.cat([ids, reference(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert tuple(ids[0, len(result.prompt_tokens):].tolist()) == result.new_tokens

@@ -46,7 +46,7 @@ def test_a_linen_model_trains_checkpoints_and_generates_from_the_cli(tmp_path, c
 
 
 def test_parameters_keep_their_linen_names_and_axes():
-    trainer = Trainer.from_config(load_config("cpu8", ["model.factory=linen_gpt:build", *SMALL]), data=False)
+    trainer = Trainer.from_config(load_config("cpu8", ["model.factory=linen_gpt:build", *SMALL]), read_data=False)
     axes = trainer.model_def.logical_axes()
     assert axes["blocks"]["linen"]["DenseGeneral_0"]["kernel"] == ("layers", "embed", "qkv", "heads", "head_dim")
     assert axes["linen_embed"]["wte"] == ("vocab", "embed") and axes["linen_head"]["Dense_0"]["kernel"] == (
@@ -63,18 +63,18 @@ class BatchNormed(nn.Module):
 
 @pytest.mark.parametrize("make, message", [
     (lambda rngs: linen_gpt.Head(256),
-     r"^model: the factory returned a Flax Linen module \(Head\), not an nnx.Module; wrap its embed, block and head "
-     r"modules with meshtron.models.linen.LinenLM"),
+     (r"^model: the factory returned a Flax Linen module \(Head\), not an nnx.Module; wrap its embed, block and head "
+     r"modules with meshtron.models.linen.LinenLM")),
     (lambda rngs: LinenLM(linen_gpt.Embed(256, 32, 16), nnx.Linear(32, 32, rngs=rngs), linen_gpt.Head(256), layers=2,
                           vocab_size=256, rngs=rngs),
      r"^model: LinenLM's block is a Linear, not a flax.linen.Module; pass a Linen module instance"),
     (lambda rngs: from_linen(BatchNormed(), jnp.zeros((2, 4)), rngs=rngs),
-     r"^model: the Linen module BatchNormed keeps BatchNorm_0.mean in the collection 'BatchStat'; meshtron trains "
-     r"parameters only"),
-    (linen_gpt.Embed, r"^model: the model factory Embed is a class, called as Embed\(rngs\), whose first argument is "
-                      r"not rngs; pass a function rngs -> model"),
+     (r"^model: the Linen module BatchNormed keeps BatchNorm_0.mean in the collection 'BatchStat'; meshtron trains "
+     r"parameters only")),
+    (linen_gpt.Embed, (r"^model: the model factory Embed is a class, called as Embed\(rngs\), whose first argument is "
+                      r"not rngs; pass a function rngs -> model")),
 ], ids=["linen-module", "nnx-block", "batch-stats", "class"])
 def test_what_cannot_be_a_contract_model_is_one_line(make, message):
     with pytest.raises(ModelContractError, match=message) as caught:
-        Trainer.from_config(load_config("cpu8", SMALL), model=make, data=False)
+        Trainer.from_config(load_config("cpu8", SMALL), model=make, read_data=False)
     assert "\n" not in str(caught.value)

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent / "models"))
 import parallel_lm
 
 import meshtron
+from meshtron.checkpoint import CheckpointError
 from meshtron.cli import main
 from meshtron.config import MeshConfig
 from meshtron.testing import Layout, ParityError, check_parity
@@ -78,3 +79,45 @@ def test_the_cli_takes_a_factory_and_its_rules(capsys, monkeypatch):
     assert "(layers, embed, ffn)" in w_in and w_in.rstrip().endswith("#1 layers->pipe, #14 ffn->tensor"), w_in
     assert main(["train", "--config", "cpu8", "model.factory=parallel_lm:nope", "train.steps=1"]) == 2
     assert "model.factory: 'parallel_lm' has no attribute 'nope'" in capsys.readouterr().err
+
+
+def test_the_python_api_and_the_cli_say_what_they_want_in_one_line(tmp_path, capsys, monkeypatch):
+    """A factory that is a class or has the wrong signature, a config named by its bundled name, a step
+    directory where a run's directory belongs: each one line, naming the argument the caller used."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "models"))
+    assert main(["train", "--config", "cpu8", "model.factory=parallel_lm:ParallelLM", "train.steps=1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "meshtron: error: model.factory: parallel_lm:ParallelLM is a class; name a function build(model_config, rngs) "
+        "-> model, called with the run's model config and an nnx.Rngs (it may construct ParallelLM)")
+    assert main(["train", "--config", "cpu8", "model.factory=parallel_lm:factory", "train.steps=1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "meshtron: error: model.factory: parallel_lm:factory(rngs: 'nnx.Rngs') -> 'ParallelLM' cannot be called as "
+        "factory(model_config, rngs); name a function build(model_config, rngs) -> model, called with the run's model "
+        "config and an nnx.Rngs")
+
+    # Python: a bundled config's name is taken as --config takes it; a wrong type is one line
+    tiny = ["train.steps=2", "train.batch_size=8", "model.seq_len=16", "train.eval_batches=1",
+            f"checkpoint.dir={tmp_path / 'run'}", "checkpoint.every=1"]
+    meshtron.Trainer.from_config(meshtron.load_config("cpu8", tiny), model=parallel_lm.factory,
+                                 rules=parallel_lm.RULES).run()
+    assert meshtron.Trainer.from_config("cpu8", read_data=False).cfg.mesh == MeshConfig(2, 2, 2)
+    with pytest.raises(meshtron.ConfigError, match=r"^cfg: Trainer.from_config takes a Config, or a config file or "
+                                                   r"bundled name such as 'cpu8', got a dict$"):
+        meshtron.Trainer.from_config({"mesh": {}})
+    with pytest.raises(meshtron.ConfigError, match=r"^model: the model factory ParallelLM is a class, called as "
+                                                   r"ParallelLM\(rngs\), whose first argument is not rngs"):
+        meshtron.Trainer.from_config("cpu8", model=parallel_lm.ParallelLM, read_data=False)
+
+    # A step directory where the run's directory belongs: from Python the error names the argument, from the
+    # CLI the flag.
+    step = tmp_path / "run" / "2"
+    capsys.readouterr()
+    with pytest.raises(CheckpointError, match=rf"^directory {step}: is step 2 of the checkpoint directory "
+                                              rf"{tmp_path / 'run'}; pass {tmp_path / 'run'} \(its newest intact"):
+        meshtron.load_pretrained(step, model=parallel_lm.factory, rules=parallel_lm.RULES)
+    with pytest.raises(CheckpointError, match=rf"^directory {tmp_path / 'none'}: no such directory"):
+        meshtron.load_pretrained(tmp_path / "none")
+    assert main(["generate", "--checkpoint", str(step), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"meshtron: error: --checkpoint {step}: is step 2 of the checkpoint directory {tmp_path / 'run'}; pass "
+        f"{tmp_path / 'run'} (its newest intact step is used)")

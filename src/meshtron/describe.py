@@ -260,7 +260,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
         return
     from meshtron.train.loop import Trainer
 
-    trainer = Trainer.from_config(cfg, devices, data=False)
+    trainer = Trainer.from_config(cfg, devices, read_data=False)
     params = abstract_like(trainer.training_shapes(trainer.model_def.shapes()), trainer.steps.param_shardings)
     with jax.set_mesh(trainer.mesh):
         opt_state = abstract_like(jax.eval_shape(trainer.steps.init_state_fn, params), trainer.steps.opt_shardings)

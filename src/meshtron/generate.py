@@ -3,9 +3,9 @@
 Decoding runs as one compiled program per (model, mesh), whatever the prompt, the number of new
 tokens or the sampling settings:
 
-* The context is a fixed-size token buffer of ``context`` tokens (default: the model's
-  ``max_len``; a GPT's positions are learned embeddings, so it has no position beyond its
-  ``seq_len``). When the text outgrows the buffer the window slides: the buffer keeps the last
+* The context is a fixed-size token buffer of ``context`` tokens (default: the window the model
+  was trained on, within its ``max_len``: a GPT's positions are learned embeddings, so it has no
+  position beyond its table). When the text outgrows the buffer the window slides: the buffer keeps the last
   ``context`` tokens, which then take positions ``0 .. context - 1`` (the model was trained on
   windows that start anywhere in the text, so a window that starts mid-text is what it knows). A
   prompt longer than ``context`` likewise starts from its last ``context`` tokens.

@@ -99,12 +99,12 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: Config | str | os.PathLike, devices=None, *, verbose: bool = False,
                     model: ModelFactory | None = None, rules: dict[str, str | None] | None = None,
-                    data: bool = True) -> Trainer:
+                    read_data: bool = True) -> Trainer:
         """The run ``cfg`` describes: a :class:`Config` (:func:`meshtron.load_config` makes one with
         overrides), or a config's file or bundled name as ``--config`` takes it (``"cpu8"``). ``model``: a
         factory ``rngs -> nnx.Module`` of your own model (any :mod:`meshtron.models.contract` model)
         instead of ``model.family``/``model.factory``; ``rules``: its logical axis names -> mesh axes, on
-        top of Megatron's table and ``model.rules``. ``data=False``: no training data is read (the
+        top of Megatron's table and ``model.rules``. ``read_data=False``: no training data is read (the
         steps can be compiled and analysed, not run)."""
         if isinstance(cfg, (str, os.PathLike)):
             cfg = load_config(cfg)
@@ -126,7 +126,7 @@ class Trainer:
         layout = stage_layout(cfg.pipeline.layout, model_def.layers, pipe, cfg.pipeline.chunks) if pipe > 1 else None
         model_def.check_mesh(mesh, layout.padded_layers if layout is not None else None)
         t = cfg.train
-        corpus = None if not data else load_training_data(
+        corpus = None if not read_data else load_training_data(
             cfg.data, seq_len=cfg.model.seq_len, batch_size=t.batch_size, vocab_size=model_def.vocab_size,
             seed=t.seed, samples=t.steps * t.batch_size, eval_samples=t.eval_batches * t.batch_size,
         )
@@ -411,7 +411,7 @@ class Trainer:
         is written, one line says why, and :class:`~meshtron.errors.RunStopped` is raised.
         """
         if self.corpus is None:
-            raise ConfigError("Trainer.run: this trainer was built with data=False (no training data); build it "
+            raise ConfigError("Trainer.run: this trainer was built with read_data=False (no training data); build it "
                               "with Trainer.from_config(cfg) to train")
         stopper = RunStopper(self.cfg.train.max_minutes, lead=jax.process_index() == 0,
                            saving=self.cfg.checkpoint.dir is not None)
