@@ -2,8 +2,9 @@
 # installing the pinned, tested stack from constraints.txt (Python 3.11, jax 0.10.2).
 # `make test-py312` runs, on the second tested stack (constraints-py312.txt: Python 3.12, jax 0.12.0.1)
 # in .venv-py312, the part of the suite that exercises what differs between JAX versions -- every
-# pipeline schedule, the deadlock proof and stress test, 1-bit LAMB, checkpoints, multi-process,
-# generation, the upstream XLA reproduction -- so that both legs of .ci/run fit CI's time;
+# pipeline schedule, the deadlock proof and stress test, 1-bit LAMB, checkpoints and fine-tuning from
+# them, multi-process, generation, Flax's Linen bridge, the upstream XLA reproduction -- so that both
+# legs of .ci/run fit CI's time;
 # `make test-py312 PY312_TESTS=tests` runs all of it.
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +16,7 @@ VENV312 := .venv-py312
 STAMP312 := $(VENV312)/.meshtron-installed
 PY312_TESTS ?= tests/test_pipeline.py tests/test_deadlock.py tests/test_onebit_lamb.py \
 	tests/test_onebit_training.py tests/test_checkpoint.py tests/test_multiprocess.py tests/test_generate.py \
-	tests/test_upstream_repro.py tests/test_attention.py tests/test_llama.py
+	tests/test_upstream_repro.py tests/test_attention.py tests/test_llama.py tests/test_linen.py tests/test_finetune.py
 
 .PHONY: train test test-py312 bench lint clean
 

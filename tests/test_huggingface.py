@@ -452,15 +452,14 @@ def test_import_says_when_it_caps_the_training_window(tmp_path, capsys):
 def test_the_readme_sample_example_gives_hugging_faces_greedy_tokens(hf, cases, tmp_path, monkeypatch, capsys):
     """The README's Python example, unchanged, on an imported Llama with a BPE tokenizer: the checkpoint's
     tokenizer and window, and the same greedy tokens as Hugging Face's model."""
-    from test_readme import example
+    from test_readme import run_example
 
     torch, transformers = hf
     hf_dir, _, imported = cases("llama-tied")
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "llama1b").symlink_to(imported)
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(example("sample"), "README.md (sample example)", "exec"), namespace)  # noqa: S102 (the README's own code)
+    namespace = run_example("sample")
     result = namespace["result"]
     assert capsys.readouterr().out == result.text + "\n" and result.text.startswith("The capital of France is")
     assert result.tokenizer.kind == "huggingface" and len(result.new_tokens) == 20

@@ -13,7 +13,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 
 import linen_gpt
-from test_readme import example
+from test_readme import run_example
 
 from meshtron.cli import main
 from meshtron.config import load_config
@@ -26,8 +26,7 @@ SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len
 
 
 def test_the_readme_linen_example_passes_the_oracle_on_every_kind_of_layout(capsys):
-    namespace: dict = {}
-    exec(compile(example("linen"), "README.md (linen example)", "exec"), namespace)  # noqa: S102 (the README's own code)
+    namespace = run_example("linen")
     reports = namespace["reports"]
     assert [str(r.layout) for r in reports] == ["1x1x8", "2x2x2 interleaved v=2 m=4", "2x4x1 1f1b v=1 m=8",
                                                 "1x2x4 zb-h1 v=1 m=4"]

@@ -22,10 +22,9 @@ from meshtron.testing import Layout, ParityError, check_parity
 
 
 def test_the_readme_oracle_example_passes_on_every_kind_of_layout(capsys):
-    from test_readme import example
+    from test_readme import run_example
 
-    namespace: dict = {}
-    exec(compile(example("parity"), "README.md (parity example)", "exec"), namespace)  # noqa: S102 (the README's own code)
+    namespace = run_example("parity")
     reports = namespace["reports"]
     assert [str(r.layout) for r in reports] == ["1x1x8", "2x2x2 interleaved v=2 m=4", "2x4x1 1f1b v=1 m=8",
                                                 "1x2x4 gpipe v=1 m=4"]

@@ -13,9 +13,15 @@ def example(name: str) -> str:
     return match.group(1)
 
 
-def test_onebit_lamb_in_a_hand_written_shard_map_step(capsys):
+def run_example(name: str) -> dict:
+    """Run the README's example ``name`` as written; its global names afterwards."""
     namespace: dict = {}
-    exec(compile(example("onebit_lamb"), "README.md (onebit_lamb example)", "exec"), namespace)  # noqa: S102 (the README's own code)
+    exec(compile(example(name), f"README.md ({name} example)", "exec"), namespace)  # noqa: S102 (the README's own code)
+    return namespace
+
+
+def test_onebit_lamb_in_a_hand_written_shard_map_step(capsys):
+    namespace = run_example("onebit_lamb")
     losses = namespace["losses"]
     assert losses[-1] < 0.3 * losses[0]
     assert namespace["onebit"].compression_stage(len(losses) - 1)  # it did reach the compression stage

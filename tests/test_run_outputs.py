@@ -75,7 +75,8 @@ def test_a_bpe_run_logs_everywhere_and_its_checkpoint_decodes_with_its_tokenizer
     )
     assert run.returncode == 0, run.stderr
     # held-out loss in the JSONL, per token and per byte of text; evaluation steps are always logged
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    start, *records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert start == {"step": 0, "event": "start", "weights": "a new model from seed 0"}  # where the weights came from
     assert [r["step"] for r in records] == [2, 3, 4, 6]
     held = {r["step"]: r for r in records if "heldout_loss" in r}
     assert sorted(held) == [3, 6]
@@ -96,6 +97,8 @@ def test_a_bpe_run_logs_everywhere_and_its_checkpoint_decodes_with_its_tokenizer
             "comm/bytes_over_data_per_step"} <= tags
     assert [e.step for e in events.Scalars("eval/heldout_loss")] == [3, 6]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])
+    weights = events.Tensors("run/weights/text_summary")
+    assert [e.step for e in weights] == [0] and weights[0].tensor_proto.string_val == [b"a new model from seed 0"]
     # the profiler trace of steps 4..5
     assert list(profile.glob("plugins/profile/*/*.xplane.pb")) and list(profile.glob("plugins/profile/*/*.trace.json.gz"))
     # the checkpoint carries the tokenizer: generate encodes the prompt and decodes with it

@@ -529,13 +529,13 @@ def _restore_params(checkpoint_dir: Path) -> tuple[dict[str, Any], Config]:
     """The newest intact checkpoint's parameters as host arrays (on one device: padded for tensor=1)."""
     from meshtron.pretrained import load_pretrained, saved_config
 
-    store, cfg = saved_config(checkpoint_dir)
+    store, cfg = saved_config(checkpoint_dir, argument="checkpoint_dir")
     store.close()
     m = cfg.model
     if m.factory is not None or m.family not in ("llama", "gpt"):
         raise CheckpointError(f"{checkpoint_dir}: holds a model.factory={m.factory} model; only the built-in "
                               "families (llama, gpt) export to Hugging Face")
-    model = load_pretrained(checkpoint_dir, MeshConfig(1, 1, 1), jax.devices()[:1])
+    model = load_pretrained(checkpoint_dir, MeshConfig(1, 1, 1), jax.devices()[:1], argument="checkpoint_dir")
     return jax.device_get(model.params), cfg
 
 
