@@ -34,7 +34,8 @@ from pathlib import Path
 
 import _common
 
-from meshtron.pipeline.schedules import Costs, _run_time, _zb_h1_order, make_schedule
+from meshtron.pipeline.schedules import Costs, make_schedule, zb_h1_order
+from meshtron.pipeline.table import run_time
 
 P = 2
 
@@ -127,13 +128,13 @@ def main() -> None:
     kinds = {"F": split.forward, "B": split.backward, "W": split.weight, "X": fused.backward}
     rows, out = [], []
     for m in sorted({r["m"] for r in measured["results"]}):
-        one_f_one_b = _run_time(make_schedule("1f1b", P, m), fused)
-        zb_h1 = _run_time(make_schedule("zb-h1", P, m), split)
+        one_f_one_b = run_time(make_schedule("1f1b", P, m), fused)
+        zb_h1 = run_time(make_schedule("zb-h1", P, m), split)
         best = best_lockstep_time(P, m, split)
         best_one_pending = best_lockstep_time(P, m, split, pending=1)
         unit_best = best_lockstep_time(P, m, Costs())
-        unit_1f1b = _run_time(make_schedule("1f1b", P, m), Costs())
-        zb_async = asynchronous_time([_zb_h1_order(P, m, s) for s in range(P)], kinds)
+        unit_1f1b = run_time(make_schedule("1f1b", P, m), Costs())
+        zb_async = asynchronous_time([zb_h1_order(P, m, s) for s in range(P)], kinds)
         one_f_one_b_async = asynchronous_time([one_f_one_b_order(P, m, s) for s in range(P)], kinds)
         measured_zb = next(r for r in measured["results"] if r["m"] == m and not r["recompute"]
                            and r["schedule"] == "zb-h1")

@@ -578,7 +578,7 @@ def test_impossible_layouts_are_rejected(override, message):
 
 def test_mesh_form_replica_groups():
     """XLA 0.10 (Shardy) prints some groups as a named mesh plus the axes a group spans."""
-    from meshtron.analysis import _device_groups
+    from meshtron.hlo.collectives import _device_groups
 
     plain = "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_2'}, use_global_device_ids=true"
     assert _device_groups(plain, 8) == [(0, 1, 2, 3), (4, 5, 6, 7)]

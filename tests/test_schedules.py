@@ -493,12 +493,13 @@ def test_the_lockstep_bound_search_admits_zb_h1_and_finds_its_ticks_optimal():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import zero_bubble_bound as bound
 
-    from meshtron.pipeline.schedules import _run_time, _zb_h1_order
+    from meshtron.pipeline.schedules import zb_h1_order
+    from meshtron.pipeline.table import run_time
 
     measured = Costs(forward=22.0, backward=31.1, weight=34.7)  # this machine's t_F, t_B, t_W (ms)
     for m in (2, 3, 4):
         assert bound.best_lockstep_time(2, m, Costs()) == 3 * m + 1
-        assert bound.best_lockstep_time(2, m, measured) <= _run_time(make_schedule("zb-h1", 2, m), measured) + 1e-9
+        assert bound.best_lockstep_time(2, m, measured) <= run_time(make_schedule("zb-h1", 2, m), measured) + 1e-9
         units = {"F": 1.0, "B": 1.0, "W": 1.0, "X": 2.0}
-        assert bound.asynchronous_time([_zb_h1_order(2, m, s) for s in range(2)], units) == 3 * m + 1
+        assert bound.asynchronous_time([zb_h1_order(2, m, s) for s in range(2)], units) == 3 * m + 1
         assert bound.asynchronous_time([bound.one_f_one_b_order(2, m, s) for s in range(2)], units) == 3 * (m + 1)

@@ -2,7 +2,6 @@
 
 from meshtron.config import (
     Config,
-    ConfigError,
     DataConfig,
     MeshConfig,
     ModelConfig,
@@ -10,6 +9,7 @@ from meshtron.config import (
     TrainConfig,
     load_config,
 )
+from meshtron.errors import ConfigError
 
 # The training API imports JAX; it loads on first use so `meshtron configs` and config handling stay light.
 _LAZY = {

@@ -13,14 +13,17 @@ import argparse
 import dataclasses
 import json
 import sys
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import yaml
 
-from meshtron.config import Config, ConfigError, MeshConfig, load_config, to_dict
+from meshtron.bundled_configs import bundled, natural_order
+from meshtron.config import Config, MeshConfig, config_from_dict, load_config, to_dict
 from meshtron.distributed import ProcessGroup, resolve_group
-from meshtron.errors import EXIT_STOPPED, CheckpointError, NonFiniteLossError, RunStopped
+from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
 from meshtron.mesh import devices_requested, ensure_cpu_devices
+from meshtron.units import format_count
 
 # Planning presets (the paper's 1T model) may ask for thousands of devices; only simulate small meshes.
 MAX_SIMULATED_DEVICES = 64
@@ -113,6 +116,60 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.layers=64")
     return parser
+
+
+# ---- meshtron configs ---------------------------------------------------------------------------
+
+
+def _read_bundled(name: str, source: Traversable) -> Config:
+    """A bundled config as a :class:`Config` (type-checked; not validated against this machine)."""
+    try:
+        values = yaml.safe_load(source.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"bundled config {name}: not valid YAML ({err})") from None
+    return config_from_dict(values, f"bundled config {name}")
+
+
+def _devices(mesh: MeshConfig) -> int:
+    """The mesh's device count; 0 when an axis is -1 ("the rest of the devices")."""
+    sizes = (mesh.data, mesh.pipe, mesh.tensor)
+    return sizes[0] * sizes[1] * sizes[2] if min(sizes) >= 1 else 0
+
+
+def _summary(cfg: Config) -> str:
+    """One line about a config: its mesh, and the model's family, size and shape (counted without JAX)."""
+    mesh, m = cfg.mesh, cfg.model
+    sizes = {"data": mesh.data, "pipe": mesh.pipe, "tensor": mesh.tensor}
+    layout = " x ".join(f"{axis} {'rest' if size == -1 else size}" for axis, size in sizes.items())
+    if _devices(mesh):
+        layout += f" = {_devices(mesh)} devices"
+    if m.factory is not None:
+        return f"{layout}; model from {m.factory}: seq {m.seq_len}, {m.dtype}"
+    h = m.hidden
+    if m.family == "llama":
+        # No biases: attention (2 + 2 kv/heads) h^2, SwiGLU 3hm, two RMSNorms 2h; untied embedding and
+        # head, final RMSNorm.
+        kv = m.kv_heads or m.heads
+        attention = 2 * h * h + 2 * h * (h // m.heads) * kv
+        params = m.layers * (attention + 3 * h * m.mlp_dim + 2 * h) + 2 * m.vocab_size * h + h
+        heads = f"{m.heads} heads ({kv} kv)"
+    else:
+        # Pre-LN blocks with biases (attention 4h^2 + 4h, MLP 2hm + m + h, two LayerNorms 4h), token and
+        # position embeddings (the LM head is tied), final LayerNorm.
+        params = (m.layers * (4 * h * h + 2 * h * m.mlp_dim + 9 * h + m.mlp_dim) + (m.vocab_size + m.seq_len) * h
+                  + 2 * h)
+        heads = f"{m.heads} heads"
+    return (f"{layout}; { {'gpt': 'GPT', 'llama': 'Llama'}[m.family]} {format_count(params)} params: "
+            f"{m.layers} layers, hidden {h}, {heads}, seq {m.seq_len}, {m.dtype}")
+
+
+def _listing() -> list[str]:
+    """``meshtron configs``: one line per bundled config (name and :func:`_summary`), smallest mesh first
+    within a directory."""
+    configs = {name: _read_bundled(name, source) for name, source in bundled().items()}
+    order = sorted(configs, key=lambda name: (name.count("/"), _devices(configs[name].mesh), natural_order(name)))
+    width = max((len(name) for name in configs), default=0)
+    return [f"{name:<{width}}  {_summary(configs[name])}" for name in order]
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -317,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "configs":
-            from meshtron.bundled_configs import listing
-
-            print("\n".join(listing()))
+            print("\n".join(_listing()))
             return 0
         if args.command == "train" and args.print_config:
             print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False), end="")

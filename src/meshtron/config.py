@@ -22,14 +22,12 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from meshtron.bundled_configs import resolve
 from meshtron.checkpoint_dirs import imported_step
+from meshtron.errors import ConfigError
+from meshtron.megatron import REMAT_MODES
 from meshtron.pipeline.layout import LayoutError, StageLayout
 from meshtron.pipeline.schedules import SCHEDULES, ScheduleError, is_schedule_file, make_schedule
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and the fix."""
-
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -44,7 +42,6 @@ class MeshConfig:
 
 
 FAMILIES = ("gpt", "llama")
-REMAT_MODES = ("none", "full", "selective")
 
 
 @dataclass
@@ -260,9 +257,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     layers: list[tuple[str, Any]] = []
     directory = None
     if path is not None:
-        from meshtron.bundled_configs import resolve  # a file, else a bundled config's name (cpu8)
-
-        file = resolve(path)
+        file = resolve(path)  # a file, else a bundled config's name (cpu8)
         directory = file.absolute().parent
         layers.append((f"config file {path}", _read_yaml(file)))
     if overrides:

@@ -19,12 +19,15 @@ from dataclasses import dataclass, replace
 import jax
 import numpy as np
 
-from meshtron import analysis
+from meshtron import megatron
 from meshtron.checkpoint import abstract_like
-from meshtron.config import Config, ConfigError, MeshConfig, stage_layout
+from meshtron.config import Config, MeshConfig, stage_layout
+from meshtron.errors import ConfigError
+from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, resolve_sizes
 from meshtron.sharding import logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, model_def_from_config
+from meshtron.units import format_bytes
 
 
 def parameter_rows(model_def: ModelDef, mesh_sizes: dict[str, int]) -> list[tuple[str, tuple, str, str, int, str]]:
@@ -60,9 +63,9 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
     Without a pipeline one microbatch's activations live at a time (gradient accumulation runs them in
     turn): ``layers × per-layer``. With one, the runtime stashes stage inputs of the in-flight
     microbatches (the schedule table's ``stash_slots``) and recomputes one chunk at a time
-    (:func:`meshtron.analysis.pipeline_activation_bytes`); with ``pipeline.recompute=false`` it keeps
+    (:func:`meshtron.megatron.pipeline_activation_bytes`); with ``pipeline.recompute=false`` it keeps
     the layers' activations of every in-flight microbatch (the program's ``residual_slots``), as
-    Megatron does (:func:`meshtron.analysis.megatron_stage_activation_bytes`).
+    Megatron does (:func:`meshtron.megatron.megatron_stage_activation_bytes`).
     """
     from meshtron.pipeline.schedules import compile_program, make_schedule
 
@@ -71,16 +74,16 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
     sp = m.sequence_parallel and tensor > 1
     itemsize = np.dtype(m.dtype).itemsize
     microbatch = t.batch_size // (data * t.microbatches)
-    layer = analysis.layer_activation_bytes(
+    layer = megatron.layer_activation_bytes(
         seq_len=m.seq_len, microbatch=microbatch, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
         mlp_dim=m.mlp_dim, tensor=tensor, sequence_parallel=sp, remat=m.remat, bytes_per_element=itemsize)
     layout = f"remat {m.remat}, {'sequence' if sp else 'no sequence'} parallelism, microbatch {microbatch}"
-    lines = [("per layer", f"{analysis.format_bytes(layer)} ({layout})")]
+    lines = [("per layer", f"{format_bytes(layer)} ({layout})")]
     if m.factory is not None:
         lines[0] = ("per layer", lines[0][1] + "; the built-in blocks' constants, a model of your own may differ")
     if pipe == 1:
         total = model_def.layers * layer
-        lines.append(("per step", f"{analysis.format_bytes(total)} ({model_def.layers} layers, one microbatch at a time)"))
+        lines.append(("per step", f"{format_bytes(total)} ({model_def.layers} layers, one microbatch at a time)"))
         return lines, total
     program = compile_program(make_schedule(cfg.pipeline.schedule, pipe, t.microbatches, cfg.pipeline.chunks),
                               keep_residuals=not cfg.pipeline.recompute)
@@ -88,15 +91,15 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
     chunk_layers = stage_layout(cfg.pipeline.layout, model_def.layers, pipe, cfg.pipeline.chunks).per_chunk
     stage_input = m.seq_len * microbatch * m.hidden * itemsize / (tensor if sp else 1)
     if program.keeps_residuals:
-        total = analysis.megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=chunk_layers,
+        total = megatron.megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=chunk_layers,
                                                          in_flight=program.residual_slots)
         kept = f"{program.residual_slots} in-flight chunks' activations of {chunk_layers} layers kept"
-        lines.append(("per step", f"{analysis.format_bytes(total)} ({kept}, pipeline.recompute=false)"))
+        lines.append(("per step", f"{format_bytes(total)} ({kept}, pipeline.recompute=false)"))
         return lines, total
-    total = analysis.pipeline_activation_bytes(layer_bytes=layer, input_bytes=stage_input,
+    total = megatron.pipeline_activation_bytes(layer_bytes=layer, input_bytes=stage_input,
                                                layers_per_chunk=chunk_layers, in_flight=program.stash_slots)
-    stash = f"{program.stash_slots} stashed stage inputs of {analysis.format_bytes(stage_input)}"
-    lines.append(("per step", f"{analysis.format_bytes(total)} ({stash} + one chunk of {chunk_layers} layers recomputed)"))
+    stash = f"{program.stash_slots} stashed stage inputs of {format_bytes(stage_input)}"
+    lines.append(("per step", f"{format_bytes(total)} ({stash} + one chunk of {chunk_layers} layers recomputed)"))
     return lines, total
 
 
@@ -209,7 +212,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
           f"dtype {m.dtype}, params {m.param_dtype}, remat {m.remat}, sequence parallel {m.sequence_parallel}", file=out)
     rows = parameter_rows(model_def, mesh_sizes)
     total = sum(math.prod(r[1]) for r in rows)
-    print(f"\nparameters ({total:,} in all, {analysis.format_bytes(sum(r[4] for r in rows))} per device)", file=out)
+    print(f"\nparameters ({total:,} in all, {format_bytes(sum(r[4] for r in rows))} per device)", file=out)
     print(_table(("name", "shape", "logical axes", "mesh spec", "bytes/device", "placed by rule"), rows), file=out)
 
     t = cfg.train
@@ -217,7 +220,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
     if sizes[1] > 1:  # an uneven pipeline.layout: the stage with the most layers sets the pace
         stages = stage_layout(cfg.pipeline.layout, model_def.layers, sizes[1], cfg.pipeline.chunks)
         busiest = max(sum(stages.counts[c * sizes[1] + s] for c in range(stages.chunks)) for s in range(sizes[1]))
-    fig = analysis.megatron_figures(
+    fig = megatron.megatron_figures(
         vocab_size=model_def.vocab_padded, hidden=m.hidden, layers=model_def.layers, seq_len=m.seq_len,
         heads=m.heads, global_batch=t.batch_size, data=sizes[0], pipe=sizes[1], tensor=sizes[2],
         microbatches=t.microbatches, remat=model_def.remat == "full", bytes_per_element=np.dtype(m.dtype).itemsize,
@@ -228,7 +231,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
     print(f"  FLOPs per iteration      {fig.flops_per_iteration:.4g} (eq. 3, with recomputation); "
           f"{fig.flops_per_iteration_no_remat:.4g} without", file=out)
     for axes, nbytes in fig.bytes_by_axes.items():
-        print(f"  {'/'.join(axes):8s} bytes            {analysis.format_bytes(nbytes)}", file=out)
+        print(f"  {'/'.join(axes):8s} bytes            {format_bytes(nbytes)}", file=out)
 
     activation, activation_bytes = activation_figures(cfg, model_def, sizes)
     print("\nactivation memory per device (Korthikanti et al. 2022, Table 2, with meshtron's block constants)",
@@ -237,7 +240,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
         print(f"  {label:24s} {value}", file=out)
 
     memory = run_memory(cfg, rows, activation_bytes, sizes[0])
-    fmt = analysis.format_bytes
+    fmt = format_bytes
     print(f"\nmemory per device, this run as configured ({m.param_dtype} parameters, gradients and optimizer state; "
           f"{m.dtype} activations)", file=out)
     for label, value in (("weights", fmt(memory.weights)), ("gradients", fmt(memory.gradients)),
@@ -267,7 +270,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
     tokens = jax.ShapeDtypeStruct((t.batch_size, m.seq_len + 1), np.int32, sharding=trainer.steps.batch_sharding)
     staged = len(trainer.steps.stages) > 1
     for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently
-        step = analysis.analyze(trainer.steps.compile(params, opt_state, tokens, stage), trainer.mesh)
+        step = analyze(trainer.steps.compile(params, opt_state, tokens, stage), trainer.mesh)
         label = f" ({stage} stage)" if staged else ""
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
         print(step.table(), file=out)

@@ -27,7 +27,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from meshtron.config import ConfigError, DistributedConfig
+from meshtron.config import DistributedConfig
+from meshtron.errors import ConfigError
 
 ENV_ADDRESS = "MESHTRON_COORDINATOR_ADDRESS"
 ENV_PROCESSES = "MESHTRON_NUM_PROCESSES"

@@ -1,5 +1,9 @@
-"""Errors whose message is the whole story (no traceback): kept free of JAX so the CLI can catch
-them before JAX is imported. ``ConfigError`` (bad configuration) lives in :mod:`meshtron.config`."""
+"""Errors whose message is the whole story (no traceback): the ground floor of the package (it
+imports nothing), so every module raises them and the CLI catches them before JAX is imported."""
+
+
+class ConfigError(ValueError):
+    """A configuration value or an argument is wrong; the message names the field and the fix."""
 
 
 class CheckpointError(ValueError):

@@ -51,7 +51,7 @@ import numpy as np
 import yaml
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, RunPosition
-from meshtron.config import Config, ConfigError, MeshConfig, ModelConfig, load_config, to_dict
+from meshtron.config import Config, MeshConfig, ModelConfig, load_config, to_dict
 from meshtron.data.tokenizers import (
     CHECKPOINT_FILES,
     check_vocab,
@@ -59,6 +59,7 @@ from meshtron.data.tokenizers import (
     load_tokenizer,
     save_tokenizer,
 )
+from meshtron.errors import ConfigError
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.trees import leaf_names
 

@@ -23,9 +23,9 @@ import sys
 import threading
 import time
 
-from meshtron.config import ConfigError, load_config
+from meshtron.config import load_config
 from meshtron.distributed import ENV_ADDRESS, ENV_PROCESS_ID, ENV_PROCESSES
-from meshtron.errors import EXIT_STOPPED
+from meshtron.errors import EXIT_STOPPED, ConfigError
 from meshtron.mesh import devices_requested
 
 GRACE_S = 5.0

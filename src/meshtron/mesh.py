@@ -14,7 +14,8 @@ import math
 import os
 import sys
 
-from meshtron.config import ConfigError, MeshConfig
+from meshtron.config import MeshConfig
+from meshtron.errors import ConfigError
 
 AXES = ("data", "pipe", "tensor")
 _FORCE_FLAG = "--xla_force_host_platform_device_count"

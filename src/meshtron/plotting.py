@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 
 
 def pyplot(what: str) -> Any:

@@ -15,8 +15,9 @@ from jax.sharding import Mesh
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from meshtron.checkpoint_dirs import checkpoint_location
-from meshtron.config import Config, ConfigError, MeshConfig, config_from_dict, validate_tensor_split
+from meshtron.config import Config, MeshConfig, config_from_dict, validate_tensor_split
 from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokenizer
+from meshtron.errors import ConfigError
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.contract import ModelFactory
 from meshtron.train.state import ModelDef, Params, model_def_from_config

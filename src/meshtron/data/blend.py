@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from meshtron.config import ConfigError
 from meshtron.data.samples import TokenWindows
+from meshtron.errors import ConfigError
 
 
 class Blend(NamedTuple):

@@ -46,7 +46,7 @@ from typing import Self
 
 import numpy as np
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

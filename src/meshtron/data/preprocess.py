@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtron.config import ConfigError
 from meshtron.data.indexed import IndexedDatasetWriter, best_dtype, strip_suffix
 from meshtron.data.tokenizers import BYTES, Tokenizer, load_tokenizer
+from meshtron.errors import ConfigError
 
 JSON_SUFFIXES = (".jsonl", ".json")
 BATCH_BYTES = 1 << 20  # text sent to a worker at a time

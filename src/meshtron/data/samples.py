@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtron.config import ConfigError
 from meshtron.data.indexed import IndexedDataset
+from meshtron.errors import ConfigError
 
 SPLITS = {"train": 0, "heldout": 1}
 _CACHED_EPOCHS = 2

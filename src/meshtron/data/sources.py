@@ -16,9 +16,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from meshtron.config import ConfigError, DataConfig, indexed_prefix
+from meshtron.config import DataConfig, indexed_prefix
 from meshtron.data.text import Batches, Corpus
 from meshtron.data.tokenizers import BYTES, Tokenizer, check_vocab, load_tokenizer
+from meshtron.errors import ConfigError
 
 _UNIGRAM_SAMPLE_TOKENS = 1 << 20  # training tokens the unigram baseline of an indexed dataset counts
 

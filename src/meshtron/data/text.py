@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtron.config import ConfigError, DataConfig
+from meshtron.config import DataConfig
 from meshtron.data.tokenizers import BYTE_VOCAB, BYTES, Tokenizer, check_vocab, load_tokenizer
+from meshtron.errors import ConfigError
 
 BUILTIN_SOURCE = "built-in (CPython 3.11.7 pydoc topics)"
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 
 BYTES = "bytes"
 BYTE_VOCAB = 256

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 from meshtron.sharding import Rules, constrain, variable_axes
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]

@@ -17,7 +17,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from meshtron.config import ConfigError, ModelConfig
+from meshtron.config import ModelConfig
+from meshtron.errors import ConfigError
 from meshtron.models.contract import ModelFactory
 
 FAMILIES = {"gpt": "meshtron.models.gpt", "llama": "meshtron.models.llama"}

@@ -52,7 +52,7 @@ The rule this runtime follows instead:
 The chain is a scalar ``seq``, always exactly zero, that each step reads (``x + seq``) and extends with a
 token of its own output (one element times zero, which XLA cannot fold for floating point).
 Collectives *inside* a ``cond`` are the tensor all-reduces of that stage, whose devices all take
-the same branch. :func:`meshtron.collective_order.unordered_collectives` checks the rule on the
+the same branch. :func:`meshtron.hlo.order.unordered_collectives` checks the rule on the
 optimized HLO of every compiled step (tests/test_deadlock.py); a stress test runs schedules x
 meshes under a timeout.
 

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtron.pipeline.schedules import Schedule, ScheduleError, Work, check
+from meshtron.pipeline.table import Schedule, ScheduleError, Work, check
 
 FORWARD, BACKWARD, INPUT_GRADIENT, WEIGHT_GRADIENT = "F", "B", "I", "W"
 _COMPUTE = (FORWARD, BACKWARD, INPUT_GRADIENT, WEIGHT_GRADIENT)

@@ -6,7 +6,7 @@ takeaways), but no model of time. This package adds one, from a cluster's datash
 efficiency table (:mod:`.cluster`), so that a layout can be priced before any GPU is rented:
 
 * :mod:`.model` -- what a layout costs independent of hardware: parameters, FLOPs, memory per GPU,
-  bytes per mesh axis (calling :mod:`meshtron.analysis`, where the formulas are held against
+  bytes per mesh axis (calling :mod:`meshtron.megatron`, where the formulas are held against
   compiled programs, and the schedule tables of :mod:`meshtron.pipeline.schedules`);
 * :mod:`.timing` -- seconds per step on a cluster, term by term, and TF/s per GPU the paper's way;
 * :mod:`.search` -- every valid layout that fits, ranked;

@@ -38,7 +38,7 @@ between stages (no scatter/gather), the pipeline's default recomputation (``pipe
 the backward reruns the stage, the LM head included), and two costs Megatron does not have:
 
 * **residuals** -- autodiff of the ``scan`` over stacked layers keeps each layer's residuals
-  (meshtron's own count, :func:`meshtron.analysis.layer_activation_bytes`) in ``[layers, ...]``
+  (meshtron's own count, :func:`meshtron.megatron.layer_activation_bytes`) in ``[layers, ...]``
   stacks that are zero-filled, written and read back (:data:`RESIDUAL_PASSES`, counted in the
   compiled HLO), at the element-wise bandwidth;
 * **allocation** -- XLA's CPU runtime allocates a step's temporaries afresh at every execution, and a
@@ -74,8 +74,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from meshtron import analysis
-from meshtron.config import Config, ConfigError, padded_vocab_size
+from meshtron import megatron
+from meshtron.config import Config, padded_vocab_size
+from meshtron.errors import ConfigError
 from meshtron.pipeline.schedules import Program, compile_program, make_schedule
 from meshtron.plan.cluster import Cluster, cluster_from_dict
 from meshtron.plan.model import Layout, ModelShape, figures
@@ -121,7 +122,7 @@ meshtron's blocks do not have -- ``residual`` loses the two bias-dropout-adds' m
 forward) and the dropouts' backward (2.5 each), ``scores`` the attention dropout (2.5 each way)."""
 
 RESIDUAL_PASSES = (3.0, 2.0)
-"""Passes over a layer's kept residuals (:func:`meshtron.analysis.layer_activation_bytes`) that XLA's
+"""Passes over a layer's kept residuals (:func:`meshtron.megatron.layer_activation_bytes`) that XLA's
 ``scan`` over the stacked layers adds, counted in the optimized HLO of meshtron's step: forward, the
 ``[layers, ...]`` stack is zero-filled before the loop (a ``broadcast``, or a ``copy`` of one: one
 write) and each residual is read and written into it (``dynamic-update-slice``: two); backward, each
@@ -628,13 +629,13 @@ def tick_sends(program: Program) -> list[tuple[bool, bool]]:
 
 def kept_bytes(cfg: Config, model: ModelShape, layout: Layout) -> float:
     """Activation bytes a device holds at its fullest, by meshtron's own count (not Megatron's): every
-    layer's residuals (:func:`meshtron.analysis.layer_activation_bytes`, ``model.remat``) without a
+    layer's residuals (:func:`meshtron.megatron.layer_activation_bytes`, ``model.remat``) without a
     pipeline; with one, the stash of stage inputs and one chunk's residuals
-    (:func:`meshtron.analysis.pipeline_activation_bytes`, the compiled program's ``stash_slots``), or
+    (:func:`meshtron.megatron.pipeline_activation_bytes`, the compiled program's ``stash_slots``), or
     every in-flight chunk's residuals when the pipeline keeps them (``residual_slots``). XLA's temp
     allocation is at least this (what :func:`predict` prices when not given the compiled size)."""
     s, b, h, t = model.seq_len, layout.microbatch, model.hidden, layout.tensor
-    layer = analysis.layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=model.heads, tensor=t,
+    layer = megatron.layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=model.heads, tensor=t,
                                             remat=cfg.model.remat, bytes_per_element=ELEMENT_BYTES)
     if layout.pipe == 1:
         return model.layers * layer
@@ -642,7 +643,7 @@ def kept_bytes(cfg: Config, model: ModelShape, layout: Layout) -> float:
     per_chunk = model.layers // (layout.pipe * layout.chunks)
     if program.keeps_residuals:
         return program.stash_slots * s * b * h * ELEMENT_BYTES + program.residual_slots * per_chunk * layer
-    return analysis.pipeline_activation_bytes(layer_bytes=layer, input_bytes=s * b * h * ELEMENT_BYTES,
+    return megatron.pipeline_activation_bytes(layer_bytes=layer, input_bytes=s * b * h * ELEMENT_BYTES,
                                               layers_per_chunk=per_chunk, in_flight=program.stash_slots)
 
 
@@ -651,7 +652,7 @@ def _layer_work(model: ModelShape, layout: Layout, cluster: Cluster, remat: str,
     """One layer's forward and backward (the recomputed forward included) for one microbatch.
 
     ``remat``: ``model.remat``, what autodiff keeps of a layer for its backward
-    (:func:`meshtron.analysis.layer_activation_bytes`); those residuals go through a ``[layers, ...]``
+    (:func:`meshtron.megatron.layer_activation_bytes`); those residuals go through a ``[layers, ...]``
     stack of the ``scan`` over layers: :data:`RESIDUAL_PASSES` at the element-wise bandwidth, in the
     backward tick when the pipeline recomputes the stage (``stage_recompute``), else split between
     the forward (into the stack) and the backward (out of it)."""
@@ -670,7 +671,7 @@ def _layer_work(model: ModelShape, layout: Layout, cluster: Cluster, remat: str,
     if t > 1:
         one = allreduce_seconds(layout.microbatch * model.seq_len * model.hidden * ELEMENT_BYTES, t, t, cluster)
     per_layer = figures(model, layout).tensor_allreduces_per_layer
-    kept = analysis.layer_activation_bytes(seq_len=model.seq_len, microbatch=layout.microbatch, hidden=model.hidden,
+    kept = megatron.layer_activation_bytes(seq_len=model.seq_len, microbatch=layout.microbatch, hidden=model.hidden,
                                            heads=model.heads, tensor=t, remat=remat, bytes_per_element=ELEMENT_BYTES)
     stacked = kept / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
     into, out_of = RESIDUAL_PASSES

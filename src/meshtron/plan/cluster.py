@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 
 __all__ = ["Cluster", "bundled_clusters", "load_cluster"]
 

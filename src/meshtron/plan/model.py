@@ -4,13 +4,13 @@ The counting half of the planner (:mod:`meshtron.plan.timing` turns it into seco
 It models the paper's runtime -- Megatron-LM as Narayanan et al. (SC21) ran it: 16-bit weights and
 activations, fp32 master weights and optimizer state, 1F1B or interleaved 1F1B pipelining with the
 scatter/gather optimisation (§4.1), activations checkpointed at every layer's input when
-recomputing (§3.5). Formulas that :mod:`meshtron.analysis` already holds against compiled programs
-are *called* from there, not copied: eq. 2 and 3 (:func:`~meshtron.analysis.megatron_params`,
-:func:`~meshtron.analysis.megatron_flops`), the per-axis communication figures
-(:func:`~meshtron.analysis.megatron_figures`), the activation memory of Korthikanti et al.
-(:func:`~meshtron.analysis.paper_layer_activation_bytes`,
-:func:`~meshtron.analysis.megatron_stage_activation_bytes`) and the ring traffic
-(:func:`~meshtron.analysis.ring_wire_bytes`). In-flight microbatches come from the schedule
+recomputing (§3.5). Formulas that :mod:`meshtron.megatron` holds against compiled programs
+are *called* from there, not copied: eq. 2 and 3 (:func:`~meshtron.megatron.megatron_params`,
+:func:`~meshtron.megatron.megatron_flops`), the per-axis communication figures
+(:func:`~meshtron.megatron.megatron_figures`), the activation memory of Korthikanti et al.
+(:func:`~meshtron.megatron.paper_layer_activation_bytes`,
+:func:`~meshtron.megatron.megatron_stage_activation_bytes`) and the ring traffic
+(:func:`~meshtron.hlo.collectives.ring_wire_bytes`). In-flight microbatches come from the schedule
 tables of :mod:`meshtron.pipeline.schedules`. No JAX here.
 """
 
@@ -20,8 +20,10 @@ import functools
 import math
 from dataclasses import dataclass
 
-from meshtron import analysis
-from meshtron.config import OPTIMIZERS, ConfigError, ModelConfig
+from meshtron import megatron
+from meshtron.config import OPTIMIZERS, ModelConfig
+from meshtron.errors import ConfigError
+from meshtron.hlo.collectives import ring_wire_bytes
 from meshtron.pipeline.schedules import check, make_schedule
 
 __all__ = [
@@ -54,7 +56,7 @@ ACTIVATION_BYTES = 2  # 16-bit weights and activations (mixed precision, §5)
 GRADIENT_BYTES = 4
 """Megatron-LM accumulates gradients over the microbatches, and all-reduces them, in fp32
 (``--accumulate-allreduce-grads-in-fp32``, which bf16 training requires): 4 bytes per parameter in
-memory and on the wire (:func:`meshtron.analysis.megatron_figures`' default element size too)."""
+memory and on the wire (:func:`meshtron.megatron.megatron_figures`' default element size too)."""
 
 OVERLAP = ("never", "unpipelined", "always")
 
@@ -197,23 +199,23 @@ class Layout:
 
 
 def parameter_count(model: ModelShape) -> int:
-    """Eq. 2 (§5.1): ``12lh² + 13lh + (V+s)h`` (:func:`meshtron.analysis.megatron_params`)."""
-    return analysis.megatron_params(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
+    """Eq. 2 (§5.1): ``12lh² + 13lh + (V+s)h`` (:func:`meshtron.megatron.megatron_params`)."""
+    return megatron.megatron_params(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
                                     seq_len=model.seq_len)
 
 
 def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full") -> int:
     """Eq. 3 (§5.1, appendix) for ``recompute="full"``, the FLOPs the paper divides by time to report
     TF/s; ``selective``/``none`` count only what those modes execute
-    (:func:`meshtron.analysis.megatron_flops`)."""
-    return analysis.megatron_flops(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
+    (:func:`meshtron.megatron.megatron_flops`)."""
+    return megatron.megatron_flops(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
                                    seq_len=model.seq_len, global_batch=global_batch, recompute=recompute)
 
 
-def figures(model: ModelShape, layout: Layout) -> analysis.MegatronFigures:
-    """:func:`meshtron.analysis.megatron_figures` for this layout, in 16-bit elements: the per-axis
+def figures(model: ModelShape, layout: Layout) -> megatron.MegatronFigures:
+    """:func:`meshtron.megatron.megatron_figures` for this layout, in 16-bit elements: the per-axis
     bytes the tests hold meshtron's compiled programs to."""
-    return analysis.megatron_figures(
+    return megatron.megatron_figures(
         vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers, seq_len=model.seq_len,
         heads=model.heads, global_batch=layout.global_batch, data=layout.data, pipe=layout.pipe,
         tensor=layout.tensor, microbatches=layout.microbatches, remat=layout.recompute == "full",
@@ -281,22 +283,22 @@ def activation_bytes(model: ModelShape, layout: Layout) -> float:
     """Activation bytes on pipeline stage 0, the fullest (Korthikanti et al. 2022, Table 2 and §4.2.3).
 
     Each in-flight chunk-microbatch (:func:`in_flight_chunks`) keeps what its ``l/(p·v)`` layers
-    need for the backward (:func:`meshtron.analysis.megatron_stage_activation_bytes`): with full
+    need for the backward (:func:`meshtron.megatron.megatron_stage_activation_bytes`): with full
     recomputation only every layer's 16-bit input (``2sbh``, checkpointing every layer, §3.5), plus
     one layer's full activations while it is recomputed and differentiated; with selective or no
-    recomputation Table 2's per-layer figures (:func:`meshtron.analysis.paper_layer_activation_bytes`).
+    recomputation Table 2's per-layer figures (:func:`meshtron.megatron.paper_layer_activation_bytes`).
     The last stage's logits, ``b·s·V/t`` in 16 bits and again in fp32 for the loss, are added: a
     bound for stages that hold both."""
     s, b, h, a, t = model.seq_len, layout.microbatch, model.hidden, model.heads, layout.tensor
-    per_layer = analysis.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t,
+    per_layer = megatron.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t,
                                                       remat=layout.recompute)
     chunk_layers = model.layers // (layout.pipe * layout.chunks)
-    kept = analysis.megatron_stage_activation_bytes(
+    kept = megatron.megatron_stage_activation_bytes(
         layer_bytes=per_layer, layers_per_stage=chunk_layers,
         in_flight=in_flight_chunks(layout.pipe, layout.microbatches, layout.chunks))
     working = 0.0
     if layout.recompute == "full":
-        working = analysis.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t)
+        working = megatron.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t)
     logits = b * s * model.vocab_size / t * (ACTIVATION_BYTES + 4)
     return kept + working + logits
 
@@ -342,13 +344,13 @@ def memory_per_gpu(model: ModelShape, layout: Layout, optimizer: str = "adamw",
 def tensor_wire_bytes(model: ModelShape, layout: Layout) -> float:
     """Bytes one GPU sends over ``tensor`` per step: Megatron's all-reduces (four per layer and
     microbatch, six when the forward is recomputed, plus embedding and loss terms; §3.2, 2.3) as
-    :func:`meshtron.analysis.megatron_figures` counts them, each a ring's ``2(t−1)/t`` of its size."""
-    return analysis.ring_wire_bytes("all-reduce", figures(model, layout).tensor_bytes, layout.tensor)
+    :func:`meshtron.megatron.megatron_figures` counts them, each a ring's ``2(t−1)/t`` of its size."""
+    return ring_wire_bytes("all-reduce", figures(model, layout).tensor_bytes, layout.tensor)
 
 
 def pipe_wire_bytes(model: ModelShape, layout: Layout) -> float:
     """Bytes one GPU sends over ``pipe`` per step, across nodes: ``b·s·h`` per microbatch and stage
-    boundary each way (:func:`meshtron.analysis.megatron_figures`), crossed ``v`` times as often by the
+    boundary each way (:func:`meshtron.megatron.megatron_figures`), crossed ``v`` times as often by the
     interleaved schedule (§2.2.2), of which each tensor rank sends ``1/t`` with the scatter/gather
     optimisation (§4.1); the receiver all-gathers the rest over NVLink."""
     return figures(model, layout).pipe_bytes * layout.chunks / layout.tensor
@@ -365,7 +367,7 @@ def onebit_padded_length(elements: int, data: int) -> int:
 def data_wire_bytes(parameters: float, data: int, optimizer: str, grad_bytes: int = GRADIENT_BYTES) -> float:
     """Bytes one GPU sends over ``data`` per step: a ring all-reduce of its gradient shard
     (``2(d−1)/d · parameters · grad_bytes``, §3.3; ``parameters`` as
-    :func:`meshtron.analysis.megatron_figures`' ``data_bytes`` counts them) for AdamW and LAMB, or
+    :func:`meshtron.megatron.megatron_figures`' ``data_bytes`` counts them) for AdamW and LAMB, or
     1-bit LAMB's compressed exchange in its compression stage: one sign bit per (padded) element in
     each of its two phases plus two fp32 scales per peer, ``2(d−1)/d · n/8 + 8(d−1)``
     (:func:`meshtron.optim.compression.compressed_bytes_per_device`)."""
@@ -374,4 +376,4 @@ def data_wire_bytes(parameters: float, data: int, optimizer: str, grad_bytes: in
     if optimizer == "onebit_lamb":
         padded = onebit_padded_length(math.ceil(parameters), data)
         return 2 * (data - 1) * padded // (8 * data) + 8 * (data - 1)
-    return analysis.ring_wire_bytes("all-reduce", parameters * grad_bytes, data)
+    return ring_wire_bytes("all-reduce", parameters * grad_bytes, data)

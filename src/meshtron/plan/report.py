@@ -17,7 +17,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from meshtron.config import OPTIMIZERS, ConfigError
+from meshtron.config import OPTIMIZERS
+from meshtron.errors import ConfigError
 from meshtron.plan.cluster import Cluster
 from meshtron.plan.model import (
     FP32_GRADIENTS,

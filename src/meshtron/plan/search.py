@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 from meshtron.plan.cluster import Cluster
 from meshtron.plan.model import FP32_GRADIENTS, RECOMPUTE, Gradients, Layout, ModelShape, memory_per_gpu
 from meshtron.plan.timing import Estimate, estimate

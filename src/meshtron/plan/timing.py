@@ -166,7 +166,7 @@ def tensor_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> tuple
     """(per layer, LM head and loss) seconds of tensor-parallel all-reduces for one microbatch: the
     layer's four (six with full recomputation) of ``b·s·h`` (§2.3, §3.2), and on the last stage the
     LM head's input-gradient all-reduce (plus the embedding's with ``p = 1``) and the loss's three
-    of ``b·s`` fp32 values (:func:`meshtron.analysis.megatron_figures`)."""
+    of ``b·s`` fp32 values (:func:`meshtron.megatron.megatron_figures`)."""
     t = layout.tensor
     if t == 1:
         return 0.0, 0.0
@@ -219,7 +219,7 @@ def alltoall_seconds(nbytes: float, group: int, per_node: int, cluster: Cluster)
 def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str,
                  gradients: Gradients = FP32_GRADIENTS) -> float:
     """The step's data-parallel exchange of one GPU's gradient shard (``params/(t·p)`` values,
-    :func:`meshtron.analysis.megatron_figures`' ``data_bytes``): a ring all-reduce of
+    :func:`meshtron.megatron.megatron_figures`' ``data_bytes``): a ring all-reduce of
     ``gradients.element_bytes`` per value (fp32 by default), or 1-bit
     LAMB's compressed exchange in its compression stage (Li et al. 2021, Algorithm 1;
     :mod:`meshtron.optim.compression`): an all-to-all of the packed sign bits (``n/8`` bytes of the

@@ -27,12 +27,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from meshtron.analysis import format_bytes, model_flops_per_token
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
 from meshtron.checkpoint_dirs import checkpoint_location, imported_step, is_import, read_step_meta
 from meshtron.config import (
     Config,
-    ConfigError,
     MeshConfig,
     load_config,
     parse_profile_steps,
@@ -45,7 +43,8 @@ from meshtron.config import (
 from meshtron.data.sources import TokenDatasets, load_training_data
 from meshtron.data.text import Corpus
 from meshtron.data.tokenizers import save_tokenizer
-from meshtron.errors import NonFiniteLossError, RunStopped
+from meshtron.errors import ConfigError, NonFiniteLossError, RunStopped
+from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.contract import ModelFactory
 from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
@@ -64,6 +63,7 @@ from meshtron.train.reporting import PlainProgress, RunReport, StepProfiler
 from meshtron.train.state import ModelDef, Params, model_def_from_config
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
+from meshtron.units import format_bytes
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 from meshtron.plotting import pyplot, save
 
 # JSONL / TensorBoard names of the per-step figures (TensorBoard groups them by the prefix).

@@ -21,12 +21,13 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshtron.analysis import format_count
-from meshtron.config import ConfigError, ModelConfig
+from meshtron.config import ModelConfig
+from meshtron.errors import ConfigError
 from meshtron.models.attention import attention_implementation, selective_recompute
 from meshtron.models.contract import LAYERS, ModelFactory, check_model, checked_model, lm_loss
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
+from meshtron.units import format_count
 
 Params = dict[str, Any]
 

@@ -33,7 +33,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron import analysis
+from meshtron.hlo.collectives import collectives
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
 from meshtron.pipeline.layout import StageLayout
@@ -278,7 +278,7 @@ class TrainSteps:
         program's collectives (ring algorithms); ``None`` until that stage has been compiled."""
         stage = self._stage(stage)
         if stage not in self._data_bytes and stage in self._compiled:
-            colls = analysis.collectives(self._compiled[stage], self.mesh)
+            colls = collectives(self._compiled[stage], self.mesh)
             self._data_bytes[stage] = sum(c.total_wire_bytes for c in colls if DATA in c.axes)
         return self._data_bytes.get(stage)
 
