@@ -29,9 +29,9 @@ import time
 
 import _common
 import jax
+from calibration import TERMS, CpuMesh, calibrate, cluster_to_dict, measure, predict
 
 from meshtron.config import load_config
-from meshtron.plan.calibration import TERMS, CpuMesh, calibrate, cluster_to_dict, measure, predict
 from meshtron.train.loop import Trainer
 
 MODEL = {"hidden": 128, "heads": 8, "layers": 8, "mlp_dim": 512, "seq_len": 128, "vocab_size": 256}

@@ -138,6 +138,7 @@ def test_the_wheel_trains_from_a_directory_without_a_checkout(tmp_path):
     members = set(zipfile.ZipFile(wheel).namelist())
     modules = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "meshtron").rglob("*.py")}
     assert modules <= members, f"not in the wheel (pyproject.toml's package list): {sorted(modules - members)}"
+    assert not [m for m in members if "calibration" in m]  # the planner's CPU calibration is a benchmark harness
     assert {f"meshtron/mesh_configs/{name}.yaml" for name in SHIPPED} <= members
     assert {"meshtron/builtin_corpus.txt.gz", "meshtron/builtin_corpus.NOTICE.txt"} <= members  # the default data
     clusters = {f"meshtron/plan/clusters/{p.name}" for p in (ROOT / "src/meshtron/plan/clusters").glob("*.yaml")}

@@ -1,5 +1,5 @@
-"""``meshtron.plan.calibration``: the calibrated cluster, the machine-sharing model and the prediction of a
-meshtron run, on hand-fed costs (no timing is asserted here: ``benchmarks/plan_calibration.py`` holds
+"""``benchmarks/calibration.py``, the planner's model on this machine: the calibrated cluster, the
+machine-sharing model and the prediction of a meshtron run, on hand-fed costs (no timing is asserted here: ``benchmarks/plan_calibration.py`` holds
 the prediction against measured runs)."""
 
 import dataclasses
@@ -15,8 +15,12 @@ from meshtron import analysis
 from meshtron.config import ConfigError, load_config
 from meshtron.pipeline.runtime import segments
 from meshtron.pipeline.schedules import Costs, check, compile_program, make_schedule
-from meshtron.plan import calibration
-from meshtron.plan.calibration import (
+from meshtron.plan.cluster import cluster_from_dict, load_cluster
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the harness is not in the package
+import calibration
+import plan_calibration  # the six configurations the benchmark runs
+from calibration import (
     CpuMesh,
     Measurements,
     calibrate,
@@ -26,10 +30,6 @@ from meshtron.plan.calibration import (
     predict,
     shared_wall,
 )
-from meshtron.plan.cluster import cluster_from_dict, load_cluster
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import plan_calibration  # the six configurations the benchmark runs
 
 MODEL = ["model.hidden=128", "model.heads=8", "model.layers=8", "model.mlp_dim=512", "model.seq_len=128",
          "model.vocab_size=128"]

@@ -4,8 +4,10 @@ layout that does not add up is one clear error naming the field."""
 import numpy as np
 import pytest
 
+from meshtron.cli import main
 from meshtron.config import ConfigError, ModelConfig, load_config
 from meshtron.pipeline.layout import LayoutError, StageLayout
+from meshtron.run import resolve_run
 from meshtron.testing import Layout, check_parity
 from meshtron.train.pipelined import canonical_positions, stage_order
 from meshtron.train.state import model_def_from_config
@@ -71,23 +73,31 @@ def test_layouts_that_do_not_fit_name_the_problem(spec, message):
 CPU8 = ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=1f1b", "pipeline.chunks=1"]
 
 
-def test_config_errors_name_pipeline_layout():
+def resolved(*overrides: str):
+    """The run a config describes on 8 devices (where the pipeline is checked and built)."""
+    return resolve_run(load_config("cpu8", list(overrides)), 8)
+
+
+def test_config_errors_name_pipeline_layout(capsys):
     with pytest.raises(ConfigError) as err:
-        load_config("cpu8", [*CPU8, "model.layers=8", "pipeline.layout=[3,4]"])
+        resolved(*CPU8, "model.layers=8", "pipeline.layout=[3,4]")
     assert str(err.value).startswith("pipeline.layout: the layout has 7 layers")
     # Layers that do not split evenly, no layout: the fix names pipeline.layout with an example.
     with pytest.raises(ConfigError) as err:
-        load_config("cpu8", [*CPU8, "model.layers=7"])
+        resolved(*CPU8, "model.layers=7")
     assert str(err.value).startswith("model.layers: 7 layers cannot be split evenly")
     assert "pipeline.layout (e.g. [4, 3])" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        load_config("cpu8", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.layout=[3,5]"])
+        resolved("mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.layout=[3,5]")
     assert str(err.value).startswith("pipeline.layout: is set but mesh.pipe=1")
+    # The CLI resolves the run before JAX starts: --print-config prints no config that cannot run.
+    assert main(["train", "--config", "cpu8", *CPU8, "model.layers=7", "--print-config"]) == 2
+    assert capsys.readouterr().err.startswith("meshtron: error: model.layers: 7 layers cannot be split evenly")
 
 
 def test_a_config_with_a_layout_string_loads():
-    cfg = load_config("cpu8", [*CPU8, "model.layers=7", "pipeline.layout=Et*3|t*4L"])
-    assert cfg.pipeline.layout == "Et*3|t*4L"
+    run = resolved(*CPU8, "model.layers=7", "pipeline.layout=Et*3|t*4L")
+    assert run.cfg.pipeline.layout == "Et*3|t*4L" and run.stage_layout.counts == (3, 4)
 
 
 # pipeline.layout: uneven stages (padded chunks, the padding skipped) on the three meshes, through the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -23,6 +24,7 @@ from meshtron.config import Config, MeshConfig, config_from_dict, load_config, t
 from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
 from meshtron.mesh import devices_requested, ensure_cpu_devices
+from meshtron.run import Run, resolve_run
 from meshtron.units import format_count
 
 # Planning presets (the paper's 1T model) may ask for thousands of devices; only simulate small meshes.
@@ -327,28 +329,36 @@ def _generate(args: argparse.Namespace) -> None:
     print(result.text)
 
 
-def _load(args: argparse.Namespace) -> tuple[Config, ProcessGroup | None]:
+def _resolved(cfg: Config, program: bool = True) -> Run | None:
+    """The run ``cfg`` describes, resolved before JAX starts (its stage layout and schedule checked and
+    built once) when its mesh says its size; with a -1 axis, the trainer resolves it on the devices."""
+    sizes = (cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor)
+    return None if -1 in sizes else resolve_run(cfg, math.prod(sizes), program=program)
+
+
+def _load(args: argparse.Namespace) -> tuple[Config, ProcessGroup | None, Run | None]:
     cfg = load_config(args.config, args.overrides)
+    run = _resolved(cfg)
     group = resolve_group(cfg.distributed) if args.command == "train" else None
     needed = devices_requested(cfg.mesh)
     if group is not None:  # this process simulates its share of the mesh (on CPU)
         needed = cfg.distributed.local_devices or max(1, needed // group.num_processes)
     if needed <= MAX_SIMULATED_DEVICES:
         ensure_cpu_devices(needed)
-    return cfg, group
+    return cfg, group, run
 
 
-def _train(cfg: Config, group: ProcessGroup | None, metrics: str | None) -> None:
+def _train(cfg: Config, group: ProcessGroup | None, metrics: str | None, run: Run | None) -> None:
     from meshtron.train.loop import train_from_config
 
     if group is None:
-        train_from_config(cfg, metrics)
+        train_from_config(cfg, metrics, run)
         return
     from meshtron import distributed
 
     distributed.initialize(cfg.distributed, group)
     try:
-        train_from_config(cfg, metrics)
+        train_from_config(cfg, metrics, run)
     except RunStopped:  # every process stopped at the same step and saved it together: a clean end
         distributed.finish()
         raise
@@ -377,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(_listing()))
             return 0
         if args.command == "train" and args.print_config:
-            print(yaml.safe_dump(to_dict(load_config(args.config, args.overrides)), sort_keys=False), end="")
+            cfg = load_config(args.config, args.overrides)
+            _resolved(cfg, program=False)  # a layout or schedule that cannot work: one line, not a file
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
         if args.command == "generate":
             _generate(args)
@@ -397,13 +409,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "train" and args.tensorboard:
             args.overrides = [*args.overrides, f"train.tensorboard={args.tensorboard}"]
-        cfg, group = _load(args)
+        cfg, group, run = _load(args)
         if args.command == "train":
-            _train(cfg, group, args.metrics)
+            _train(cfg, group, args.metrics, run)
         else:
             from meshtron.describe import describe
 
-            describe(cfg)
+            describe(cfg, run=run)
     except ConfigError as err:
         print(f"meshtron: error: {err}", file=sys.stderr)
         return 2

@@ -26,8 +26,6 @@ from meshtron.bundled_configs import resolve
 from meshtron.checkpoint_dirs import imported_step
 from meshtron.errors import ConfigError
 from meshtron.megatron import REMAT_MODES
-from meshtron.pipeline.layout import LayoutError, StageLayout
-from meshtron.pipeline.schedules import SCHEDULES, ScheduleError, is_schedule_file, make_schedule
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -349,7 +347,9 @@ def _need(ok: bool, field_name: str, message: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that do not depend on the devices present (mesh size is checked in meshtron.mesh)."""
+    """Every field's own checks, and those that depend on the mesh sizes as given
+    (:func:`validate_sizes`); not the devices present (:mod:`meshtron.mesh`) nor the pipeline's
+    stage layout and schedule (:func:`meshtron.run.resolve_run`)."""
     mesh = cfg.mesh
     sizes = {"mesh.data": mesh.data, "mesh.pipe": mesh.pipe, "mesh.tensor": mesh.tensor}
     for name, size in sizes.items():
@@ -365,13 +365,6 @@ def validate(cfg: Config) -> None:
     _need(m.remat in REMAT_MODES, "model.remat", f"must be one of {', '.join(REMAT_MODES)}, got {m.remat!r}")
     _need(isinstance(m.sequence_parallel, bool), "model.sequence_parallel",
           f"must be true or false, got {m.sequence_parallel!r}")
-    if m.sequence_parallel and mesh.tensor != -1:
-        _need(mesh.tensor > 1, "model.sequence_parallel",
-              "splits activations over the tensor ranks and needs mesh.tensor > 1; set mesh.tensor or turn it off")
-    if m.sequence_parallel and mesh.tensor > 1:
-        _need(m.seq_len % mesh.tensor == 0, "model.sequence_parallel",
-              f"model.seq_len={m.seq_len} must be divisible by mesh.tensor={mesh.tensor} (each tensor rank holds "
-              "seq_len/tensor positions)")
     _need(m.factory is not None or m.family in FAMILIES, "model.family",
           f"must be one of {', '.join(FAMILIES)} (or set model.factory=package.module:function), got {m.family!r}")
     if m.kv_heads is not None:
@@ -388,7 +381,6 @@ def validate(cfg: Config) -> None:
     for name, axis in m.rules.items():
         _need(axis is None or axis in ("data", "pipe", "tensor"), f"model.rules.{name}",
               f"{axis!r} is not a mesh axis; use data, pipe, tensor or null (replicated)")
-    validate_tensor_split(m, mesh)
 
     t = cfg.train
     for name in ("steps", "batch_size", "microbatches", "eval_every", "log_every", "eval_batches"):
@@ -404,8 +396,6 @@ def validate(cfg: Config) -> None:
         "train.batch_size",
         f"{t.batch_size} is not divisible by train.microbatches={t.microbatches}",
     )
-    if mesh.data > 0:
-        check_batch_divisible(cfg, mesh.data)
 
     _need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     _need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
@@ -415,7 +405,8 @@ def validate(cfg: Config) -> None:
           f"must be > 0 (one device's peak FLOP/s) or null, got {t.peak_flops}")
     parse_profile_steps(t.profile_steps)
 
-    validate_pipeline(cfg)
+    _need(cfg.pipeline.chunks >= 1, "pipeline.chunks", f"must be >= 1, got {cfg.pipeline.chunks}")
+    validate_sizes(cfg)
     validate_optim(cfg.optim)
     validate_checkpoint(cfg.checkpoint)
     validate_init(cfg)
@@ -457,6 +448,24 @@ def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
     return first, last
 
 
+def validate_sizes(cfg: Config) -> None:
+    """The checks that depend on the mesh's sizes, for the sizes it has (a -1 axis is checked once it
+    is resolved: :func:`meshtron.run.resolve_run`): the tensor split of the model, sequence
+    parallelism, the batch over the data shards. The pipeline's are the run's
+    (:mod:`meshtron.run`)."""
+    m, mesh = cfg.model, cfg.mesh
+    if m.sequence_parallel and mesh.tensor != -1:
+        _need(mesh.tensor > 1, "model.sequence_parallel",
+              "splits activations over the tensor ranks and needs mesh.tensor > 1; set mesh.tensor or turn it off")
+    if m.sequence_parallel and mesh.tensor > 1:
+        _need(m.seq_len % mesh.tensor == 0, "model.sequence_parallel",
+              f"model.seq_len={m.seq_len} must be divisible by mesh.tensor={mesh.tensor} (each tensor rank holds "
+              "seq_len/tensor positions)")
+    validate_tensor_split(m, mesh)
+    if mesh.data > 0:
+        check_batch_divisible(cfg, mesh.data)
+
+
 def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
     """Megatron's tensor-parallel split needs whole heads and equal MLP slices on every shard (for the
     built-in families; a user's model is checked parameter by parameter when it is laid out)."""
@@ -479,82 +488,6 @@ def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
             f"{kv} key/value heads can be neither split over nor replicated across mesh.tensor={mesh.tensor}; "
             f"use a divisor or a multiple of {mesh.tensor}",
         )
-
-
-def validate_pipeline(cfg: Config) -> None:
-    """Schedule constraints (Megatron's): layers split evenly over p·v, enough microbatches to fill."""
-    pipe, pl = cfg.mesh.pipe, cfg.pipeline
-    layers, m = cfg.model.layers, cfg.train.microbatches
-    _need(
-        pl.schedule in SCHEDULES or is_schedule_file(pl.schedule),
-        "pipeline.schedule",
-        f"must be one of {', '.join(repr(name) for name in SCHEDULES)} or a PyTorch action CSV file, "
-        f"got {pl.schedule!r}",
-    )
-    _need(pl.chunks >= 1, "pipeline.chunks", f"must be >= 1, got {pl.chunks}")
-    _need(
-        pl.chunks == 1 or pl.schedule == "interleaved" or is_schedule_file(pl.schedule),
-        "pipeline.chunks",
-        f"{pl.chunks} model chunks per stage need pipeline.schedule=interleaved (got {pl.schedule!r}); "
-        "set pipeline.chunks=1 or use the interleaved schedule",
-    )
-    if pipe <= 1:
-        _need(pl.layout is None or pipe == -1, "pipeline.layout",
-              f"is set but mesh.pipe={pipe} (no pipeline); remove it or use mesh.pipe > 1")
-        return
-    if pl.layout is not None:
-        stage_layout(pl.layout, layers, pipe, pl.chunks)
-    else:
-        _need(pipe <= layers, "mesh.pipe", f"{pipe} stages for {layers} layers: a stage would have no layer; "
-              f"use mesh.pipe <= {layers}")
-        virtual = pipe * pl.chunks
-        _need(
-            layers % virtual == 0,
-            "model.layers",
-            f"{layers} layers cannot be split evenly over mesh.pipe={pipe} x pipeline.chunks={pl.chunks}; "
-            f"use a multiple of {virtual}, or say which stage runs how many with pipeline.layout (e.g. "
-            f"{_example_layout(layers, virtual)})",
-        )
-    if is_schedule_file(pl.schedule):  # its own stages, microbatches and chunks must be the run's
-        try:
-            make_schedule(pl.schedule, pipe, m, pl.chunks)
-        except ScheduleError as err:
-            raise ConfigError(f"pipeline.schedule: {err}") from None
-        return
-    _need(
-        m >= pipe,
-        "train.microbatches",
-        f"{m} microbatches cannot fill {pipe} pipeline stages; use train.microbatches >= {pipe}",
-    )
-    if pl.schedule == "interleaved":
-        _need(
-            m % pipe == 0,
-            "train.microbatches",
-            f"the interleaved schedule needs a multiple of mesh.pipe={pipe} microbatches, got {m}",
-        )
-
-
-def stage_layout(spec: Any, layers: int, pipe: int, chunks: int) -> StageLayout:
-    """``pipeline.layout`` as a :class:`StageLayout` for this model and mesh (even when ``spec`` is
-    None); a layout that does not fit is a :class:`ConfigError` naming the field."""
-    if spec is not None and not isinstance(spec, str):
-        spec = list(spec)
-    try:
-        return StageLayout.parse(spec, layers, pipe, chunks)
-    except LayoutError as err:
-        raise ConfigError(f"pipeline.layout: {err}") from None
-
-
-def _example_layout(layers: int, virtual: int) -> str:
-    """Counts as even as possible, the extra layers on the middle stages, leaning to the first: the
-    last stage also runs the head and the loss, the heavier of the two ends."""
-    if layers < virtual:
-        return f"{[1] * layers + [0] * (virtual - layers)}"
-    base, extra = divmod(layers, virtual)
-    counts = [base] * virtual
-    for i in range(extra):
-        counts[(virtual - extra) // 2 + i] += 1
-    return str(counts)
 
 
 def validate_optim(o: OptimConfig) -> None:

@@ -14,17 +14,18 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from meshtron import megatron
 from meshtron.checkpoint import abstract_like
-from meshtron.config import Config, MeshConfig, stage_layout
+from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, resolve_sizes
+from meshtron.run import Run, resolve_run
 from meshtron.sharding import logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.units import format_bytes
@@ -57,7 +58,7 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
-def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...]) -> tuple[list[tuple[str, str]], float]:
+def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, str]], float]:
     """(label, value) lines of the activation-memory model for this run, and its bytes per device.
 
     Without a pipeline one microbatch's activations live at a time (gradient accumulation runs them in
@@ -67,10 +68,9 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
     the layers' activations of every in-flight microbatch (the program's ``residual_slots``), as
     Megatron does (:func:`meshtron.megatron.megatron_stage_activation_bytes`).
     """
-    from meshtron.pipeline.schedules import compile_program, make_schedule
-
+    cfg = run.cfg
     m, t = cfg.model, cfg.train
-    data, pipe, tensor = sizes
+    data, pipe, tensor = run.sizes
     sp = m.sequence_parallel and tensor > 1
     itemsize = np.dtype(m.dtype).itemsize
     microbatch = t.batch_size // (data * t.microbatches)
@@ -85,10 +85,8 @@ def activation_figures(cfg: Config, model_def: ModelDef, sizes: tuple[int, ...])
         total = model_def.layers * layer
         lines.append(("per step", f"{format_bytes(total)} ({model_def.layers} layers, one microbatch at a time)"))
         return lines, total
-    program = compile_program(make_schedule(cfg.pipeline.schedule, pipe, t.microbatches, cfg.pipeline.chunks),
-                              keep_residuals=not cfg.pipeline.recompute)
-    # The largest chunk (an uneven pipeline.layout pads the others to it).
-    chunk_layers = stage_layout(cfg.pipeline.layout, model_def.layers, pipe, cfg.pipeline.chunks).per_chunk
+    program = run.program
+    chunk_layers = run.stage_layout.per_chunk  # the largest chunk (an uneven pipeline.layout pads the others to it)
     stage_input = m.seq_len * microbatch * m.hidden * itemsize / (tensor if sp else 1)
     if program.keeps_residuals:
         total = megatron.megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=chunk_layers,
@@ -190,17 +188,20 @@ def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb"
     ]
 
 
-def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> None:
-    """Print the run ``cfg`` describes. ``memory_budget``: the bytes this machine may give the compiled
-    analysis (default: half of its available memory); above it, planning mode."""
+def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: Run | None = None) -> None:
+    """Print the run ``cfg`` describes (``run``: already resolved). ``memory_budget``: the bytes this
+    machine may give the compiled analysis (default: half of its available memory); above it,
+    planning mode."""
     out = out or sys.stdout
     devices = jax.devices()
     requested = [cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor]
     on_devices = -1 in requested or math.prod(requested) <= len(devices)
-    sizes = resolve_sizes(cfg.mesh, len(devices)) if on_devices else tuple(requested)
+    count = len(devices) if on_devices else math.prod(requested)  # planning: the mesh as written
+    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count)[2])
+    if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.sizes) > count:
+        run = resolve_run(cfg, count, layers=model_def.layers)
+    cfg, sizes = run.cfg, run.sizes
     mesh_sizes = dict(zip(AXES, sizes))
-    cfg = replace(cfg, mesh=MeshConfig(*sizes))
-    model_def = model_def_from_config(cfg.model, mesh_sizes["tensor"])
     m = cfg.model
 
     print(f"mesh      {mesh_sizes}  ({math.prod(sizes)} devices; this machine has {len(devices)} "
@@ -218,7 +219,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
     t = cfg.train
     busiest = None
     if sizes[1] > 1:  # an uneven pipeline.layout: the stage with the most layers sets the pace
-        stages = stage_layout(cfg.pipeline.layout, model_def.layers, sizes[1], cfg.pipeline.chunks)
+        stages = run.stage_layout
         busiest = max(sum(stages.counts[c * sizes[1] + s] for c in range(stages.chunks)) for s in range(sizes[1]))
     fig = megatron.megatron_figures(
         vocab_size=model_def.vocab_padded, hidden=m.hidden, layers=model_def.layers, seq_len=m.seq_len,
@@ -233,7 +234,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
     for axes, nbytes in fig.bytes_by_axes.items():
         print(f"  {'/'.join(axes):8s} bytes            {format_bytes(nbytes)}", file=out)
 
-    activation, activation_bytes = activation_figures(cfg, model_def, sizes)
+    activation, activation_bytes = activation_figures(run, model_def)
     print("\nactivation memory per device (Korthikanti et al. 2022, Table 2, with meshtron's block constants)",
           file=out)
     for label, value in activation:
@@ -263,7 +264,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None) -> No
         return
     from meshtron.train.loop import Trainer
 
-    trainer = Trainer.from_config(cfg, devices, read_data=False)
+    trainer = Trainer.from_config(cfg, devices, read_data=False, run=run)
     params = abstract_like(trainer.training_shapes(trainer.model_def.shapes()), trainer.steps.param_shardings)
     with jax.set_mesh(trainer.mesh):
         opt_state = abstract_like(jax.eval_shape(trainer.steps.init_state_fn, params), trainer.steps.opt_shardings)

@@ -27,11 +27,11 @@ import jax
 import numpy as np
 import optax
 
-from meshtron.config import MeshConfig, stage_layout
+from meshtron.config import Config, MeshConfig, ModelConfig, PipelineConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.models.contract import ModelFactory
 from meshtron.optim import data_parallel_mean
-from meshtron.pipeline.schedules import compile_program, make_schedule
+from meshtron.run import Run, resolve_run
 from meshtron.sharding import MEGATRON_RULES, extend_rules
 from meshtron.train.pipelined import to_canonical, to_stage_order
 from meshtron.train.state import ModelDef, Params
@@ -85,15 +85,25 @@ class ParityReport:
     ok: bool
 
 
+def _resolved(md: ModelDef, layout: Layout, batch: int) -> Run:
+    """``layout`` as a run of this model (its stage layout, schedule and program), checked as a
+    config's would be (a layout that cannot work is one line naming the setting)."""
+    cfg = Config(
+        mesh=MeshConfig(layout.data, layout.pipe, layout.tensor),
+        model=ModelConfig(factory="meshtron.testing:check_parity", layers=md.layers),
+        train=TrainConfig(batch_size=batch, microbatches=layout.m),
+        pipeline=PipelineConfig(schedule=layout.schedule, chunks=layout.chunks, recompute=layout.recompute,
+                                layout=None if layout.layer_layout is None else layout.layer_layout),
+    )
+    return resolve_run(cfg, layout.data * layout.pipe * layout.tensor)
+
+
 def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray, devices) -> tuple[float, Params]:
     """Loss and canonical-order gradients of ``tokens`` on ``layout`` (parameters given canonical)."""
     mesh = build_mesh(MeshConfig(layout.data, layout.pipe, layout.tensor), devices[: layout.data * layout.pipe *
                                                                                      layout.tensor])
-    program = stages = None
-    if layout.pipe > 1:
-        program = compile_program(make_schedule(layout.schedule, layout.pipe, layout.m, layout.chunks),
-                                  keep_residuals=not layout.recompute)
-        stages = stage_layout(layout.layer_layout, md.layers, layout.pipe, layout.chunks)
+    run = _resolved(md, layout, tokens.shape[0])
+    program, stages = run.program, run.stage_layout
     md.check_mesh(mesh, stages.padded_layers if stages is not None else None)
     steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, program=program,
                         layout=stages)

@@ -11,8 +11,8 @@ efficiency table (:mod:`.cluster`), so that a layout can be priced before any GP
 * :mod:`.timing` -- seconds per step on a cluster, term by term, and TF/s per GPU the paper's way;
 * :mod:`.search` -- every valid layout that fits, ranked;
 * :mod:`.report` -- the table and the reasons, in the paper's terms.
-* :mod:`.calibration` -- the same model on this machine: measured costs of the simulated CPU mesh
-  in, the step time of meshtron's own runs out (imported on demand; measuring needs JAX).
+The same model fed costs measured on the simulated CPU mesh -- the step time of meshtron's own runs
+out -- is a benchmark harness, not part of the package: ``benchmarks/calibration.py``.
 
 Pure Python and numpy: no JAX, no devices (``meshtron plan`` answers in about a second).
 """

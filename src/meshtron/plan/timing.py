@@ -121,7 +121,7 @@ def layer_memory_seconds(model: ModelShape, layout: Layout, cluster: Cluster,
     """Element-wise kernels of one layer and microbatch on one GPU: :data:`ELEMENTWISE_PASSES` of
     16-bit elements, the forward twice where it is recomputed (all of it with ``full``, the
     ``scores`` terms with ``selective``), at the achieved HBM bandwidth. ``passes`` and
-    ``element_bytes`` price another runtime's kernels (:mod:`meshtron.plan.calibration`: meshtron's,
+    ``element_bytes`` price another runtime's kernels (``benchmarks/calibration.py``: meshtron's,
     fp32 and without dropout)."""
     b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
     tokens = b * s

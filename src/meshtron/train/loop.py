@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
@@ -29,17 +29,7 @@ from rich.progress import (
 
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
 from meshtron.checkpoint_dirs import checkpoint_location, imported_step, is_import, read_step_meta
-from meshtron.config import (
-    Config,
-    MeshConfig,
-    load_config,
-    parse_profile_steps,
-    stage_layout,
-    to_dict,
-    validate,
-    validate_pipeline,
-    writing_into_an_import,
-)
+from meshtron.config import Config, load_config, parse_profile_steps, to_dict, writing_into_an_import
 from meshtron.data.sources import TokenDatasets, load_training_data
 from meshtron.data.text import Corpus
 from meshtron.data.tokenizers import save_tokenizer
@@ -50,7 +40,7 @@ from meshtron.models.contract import ModelFactory
 from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
 from meshtron.pipeline.layout import StageLayout
-from meshtron.pipeline.schedules import compile_program, make_schedule
+from meshtron.run import Run, resolve_run
 from meshtron.train.pipelined import (
     canonical_positions,
     permute_layers,
@@ -88,7 +78,7 @@ class TrainResult:
 class Trainer:
     """Everything one run needs, built from a :class:`Config` (usable without the CLI)."""
 
-    cfg: Config
+    resolved: Run  # the config resolved for this mesh: sizes, stage layout, schedule, program
     mesh: jax.sharding.Mesh
     model_def: ModelDef
     steps: TrainSteps
@@ -99,56 +89,54 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: Config | str | os.PathLike, devices=None, *, verbose: bool = False,
                     model: ModelFactory | None = None, rules: dict[str, str | None] | None = None,
-                    read_data: bool = True) -> Trainer:
+                    read_data: bool = True, run: Run | None = None) -> Trainer:
         """The run ``cfg`` describes: a :class:`Config` (:func:`meshtron.load_config` makes one with
         overrides), or a config's file or bundled name as ``--config`` takes it (``"cpu8"``). ``model``: a
         factory ``rngs -> nnx.Module`` of your own model (any :mod:`meshtron.models.contract` model)
         instead of ``model.family``/``model.factory``; ``rules``: its logical axis names -> mesh axes, on
         top of Megatron's table and ``model.rules``. ``read_data=False``: no training data is read (the
-        steps can be compiled and analysed, not run)."""
+        steps can be compiled and analysed, not run). ``run``: ``cfg`` already resolved for these
+        devices (:func:`meshtron.run.resolve_run`), used when it fits the model."""
         if isinstance(cfg, (str, os.PathLike)):
             cfg = load_config(cfg)
         elif not isinstance(cfg, Config):
             raise ConfigError(f"cfg: Trainer.from_config takes a Config, or a config file or bundled name such as "
                               f"'cpu8', got a {type(cfg).__name__}")
         devices = list(jax.devices() if devices is None else devices)
-        data, pipe, tensor = resolve_sizes(cfg.mesh, len(devices))
-        cfg = replace(cfg, mesh=MeshConfig(data=data, pipe=pipe, tensor=tensor))
-        validate(cfg)  # again, now that a -1 axis has its real size
-        mesh = build_mesh(cfg.mesh, devices, verbose=verbose)
+        _, _, tensor = resolve_sizes(cfg.mesh, len(devices))
         model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model)
-        if model_def.layers != cfg.model.layers:  # a user's model: its own depth decides the pipeline split
-            cfg = replace(cfg, model=replace(cfg.model, layers=model_def.layers))
-            validate_pipeline(cfg)
+        if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.sizes) > len(devices):
+            # (a user's model decides its own depth, and with it the pipeline split)
+            run = resolve_run(cfg, len(devices), layers=model_def.layers)
+        cfg = run.cfg
+        mesh = build_mesh(cfg.mesh, devices, verbose=verbose)
         if model_def.max_len is not None and model_def.max_len < cfg.model.seq_len:
             raise ConfigError(f"model.seq_len: {cfg.model.seq_len} is longer than the model's {model_def.max_len} "
                               f"positions; use model.seq_len <= {model_def.max_len}")
-        layout = stage_layout(cfg.pipeline.layout, model_def.layers, pipe, cfg.pipeline.chunks) if pipe > 1 else None
+        layout = run.stage_layout
         model_def.check_mesh(mesh, layout.padded_layers if layout is not None else None)
         t = cfg.train
         corpus = None if not read_data else load_training_data(
             cfg.data, seq_len=cfg.model.seq_len, batch_size=t.batch_size, vocab_size=model_def.vocab_size,
             seed=t.seed, samples=t.steps * t.batch_size, eval_samples=t.eval_batches * t.batch_size,
         )
-        program = None
-        if pipe > 1:
-            schedule = make_schedule(cfg.pipeline.schedule, pipe, cfg.train.microbatches, cfg.pipeline.chunks)
-            program = compile_program(schedule, keep_residuals=not cfg.pipeline.recompute)
         optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=model_def.shardings(mesh))
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
-            microbatches=cfg.train.microbatches, program=program, layout=layout, stages=optimizer.stages,
+            microbatches=cfg.train.microbatches, program=run.program, layout=layout, stages=optimizer.stages,
             skip_nonfinite=cfg.train.on_nonfinite == "skip",
         )
-        return cls(cfg, mesh, model_def, steps, corpus, optimizer)
+        return cls(run, mesh, model_def, steps, corpus, optimizer)
+
+    @property
+    def cfg(self) -> Config:
+        """The run's config, with the mesh's real sizes."""
+        return self.resolved.cfg
 
     @property
     def stage_layout(self) -> StageLayout | None:
         """Layers per virtual stage (``pipeline.layout``, else even); None without a pipeline."""
-        pipe = self.mesh.shape["pipe"]
-        if pipe == 1:
-            return None
-        return stage_layout(self.cfg.pipeline.layout, self.model_def.layers, pipe, self.cfg.pipeline.chunks)
+        return self.resolved.stage_layout
 
     def training_shapes(self, shapes: Params) -> Params:
         """Shapes of the parameters as training holds them (stage order; padded by an uneven layout)."""
@@ -619,10 +607,10 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
     print("\n".join(lines), file=out)
 
 
-def train_from_config(cfg: Config, metrics_path: str | None = None) -> TrainResult:
+def train_from_config(cfg: Config, metrics_path: str | None = None, run: Run | None = None) -> TrainResult:
     """The CLI's run: train (resuming from ``checkpoint.dir``), print the summary; in a multi-process
-    run only process 0 writes metrics and prints."""
-    trainer = Trainer.from_config(cfg, verbose=jax.process_index() == 0)
+    run only process 0 writes metrics and prints. ``run``: ``cfg`` already resolved."""
+    trainer = Trainer.from_config(cfg, verbose=jax.process_index() == 0, run=run)
     if metrics_path and jax.process_index() == 0:
         Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
         with open(metrics_path, "a+") as f:  # run() keeps the records of the steps it resumes after

@@ -77,7 +77,7 @@ from typing import Any
 from meshtron import megatron
 from meshtron.config import Config, padded_vocab_size
 from meshtron.errors import ConfigError
-from meshtron.pipeline.schedules import Program, compile_program, make_schedule
+from meshtron.pipeline.program import Program
 from meshtron.plan.cluster import Cluster, cluster_from_dict
 from meshtron.plan.model import Layout, ModelShape, figures
 from meshtron.plan.timing import (
@@ -88,6 +88,7 @@ from meshtron.plan.timing import (
     logits_seconds,
     optimizer_seconds,
 )
+from meshtron.run import resolve_run
 
 __all__ = [
     "ELEMENT_BYTES",
@@ -609,9 +610,9 @@ def layout_of(cfg: Config, devices: int = 8) -> tuple[ModelShape, Layout]:
 
 
 def program_of(cfg: Config, pipe: int) -> Program:
-    """The compiled schedule a run of ``cfg`` executes (as :class:`meshtron.train.loop.Trainer` builds it)."""
-    schedule = make_schedule(cfg.pipeline.schedule, pipe, cfg.train.microbatches, cfg.pipeline.chunks)
-    return compile_program(schedule, keep_residuals=not cfg.pipeline.recompute)
+    """The compiled schedule a run of ``cfg`` executes (the trainer's resolved run)."""
+    mesh = cfg.mesh
+    return resolve_run(cfg, mesh.data * pipe * mesh.tensor).program
 
 
 def tick_sends(program: Program) -> list[tuple[bool, bool]]:

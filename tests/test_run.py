@@ -1,0 +1,64 @@
+"""The resolved run: a config on a device count is resolved once -- mesh sizes, stage layout, schedule
+and program -- and the trainer, describe and the CLI take it instead of re-deriving any of it."""
+
+from collections import Counter
+
+import pytest
+
+import meshtron.run
+from meshtron.config import load_config
+from meshtron.errors import ConfigError
+from meshtron.pipeline.layout import StageLayout
+from meshtron.run import resolve_run
+from meshtron.train.loop import Trainer
+
+SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=16", "train.batch_size=8"]
+
+
+@pytest.fixture
+def counted(monkeypatch) -> Counter:
+    """How many times the stage layout is parsed, the schedule made and the program compiled."""
+    calls: Counter = Counter()
+    parse, make, compile_ = StageLayout.parse.__func__, meshtron.run.make_schedule, meshtron.run.compile_program
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(StageLayout, "parse", classmethod(counting("stage_layout", parse)))
+    monkeypatch.setattr(meshtron.run, "make_schedule", counting("make_schedule", make))
+    monkeypatch.setattr(meshtron.run, "compile_program", counting("compile_program", compile_))
+    return calls
+
+
+@pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2"], ["mesh.data=-1", "mesh.pipe=2",
+                                                                                     "mesh.tensor=2"]],
+                         ids=["2x2x2", "-1x2x2"])
+def test_a_trainer_resolves_its_run_once(counted, mesh):
+    trainer = Trainer.from_config(load_config("cpu8", [*SMALL, *mesh, "pipeline.layout=[1,1,1,1]"]),
+                                  read_data=False)
+    assert counted == {"stage_layout": 1, "make_schedule": 1, "compile_program": 1}
+    run = trainer.resolved
+    assert run.sizes == (2, 2, 2) and trainer.cfg is run.cfg and trainer.stage_layout is run.stage_layout
+    assert run.schedule.name == "interleaved" and run.program.schedule is run.schedule
+    trainer.init_params()  # the stage order of the layers: from the run, not parsed again
+    assert counted["stage_layout"] == 1
+
+
+def test_the_clis_run_is_the_trainers(counted):
+    """The CLI resolves the run before JAX starts (a layout that cannot work is one line then); the
+    trainer takes that run instead of resolving it again."""
+    cfg = load_config("cpu8", SMALL)
+    run = resolve_run(cfg, 8)
+    Trainer.from_config(cfg, read_data=False, run=run)
+    assert counted == {"stage_layout": 1, "make_schedule": 1, "compile_program": 1}
+
+
+def test_a_mesh_axis_left_to_the_devices_is_checked_once_it_has_a_size():
+    cfg = load_config("cpu8", [*SMALL, "mesh.data=-1", "mesh.pipe=1", "mesh.tensor=2", "train.batch_size=6",
+                               "train.microbatches=1"])
+    with pytest.raises(ConfigError, match=r"^train.batch_size: 6 sequences cannot be split over mesh.data=4"):
+        resolve_run(cfg, 8)
+    assert resolve_run(cfg, 6).sizes == (3, 1, 2)
