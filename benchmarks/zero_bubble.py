@@ -159,7 +159,8 @@ def op_costs(repeats: int = 15) -> dict:
     subprocess pinned to core 0 (:func:`measured_costs`), so no second device shares the core."""
     import jax.numpy as jnp
 
-    from meshtron.pipeline import runtime
+    from meshtron.pipeline.buffers import get
+    from meshtron.pipeline.layer_backward import LayerBackward
     from meshtron.train.pipelined import stage_functions
 
     md = model_def_from_config(MODEL, 1)
@@ -186,11 +187,11 @@ def op_costs(repeats: int = 15) -> dict:
         program = compile_program(make_schedule("zb-h1", 2, 2, 1), keep_residuals=keep)
 
         def lb(cp):  # built while tracing: it tells parameters from residuals by identity
-            return runtime._LayerBackward(program, fns, jax.tree.map(lambda a: a[None], cp), x, lambda a: a, zeros)
+            return LayerBackward(program, fns, jax.tree.map(lambda a: a[None], cp), x, lambda a: a, zeros)
 
         def residual_of(cp, rb):
             if keep:
-                return lambda i: [runtime._get(b, (slot, i)) for b in rb[:-1]]
+                return lambda i: [get(b, (slot, i)) for b in rb[:-1]]
             stored = lb(cp).layers_forward(cp, x)[1]
             return lambda i: [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in stored]
 

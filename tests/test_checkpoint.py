@@ -57,7 +57,7 @@ def run(*overrides, kill_at=None):
 
 def without_checkpoints(t: Trainer) -> Trainer:
     """The same trainer (compiled steps shared) with checkpointing off: the uninterrupted reference."""
-    return replace(t, cfg=replace(t.cfg, checkpoint=replace(t.cfg.checkpoint, dir=None)))
+    return replace(t, resolved=replace(t.resolved, cfg=replace(t.cfg, checkpoint=replace(t.cfg.checkpoint, dir=None))))
 
 
 def killed_at(t: Trainer, step: int) -> None:
@@ -97,7 +97,8 @@ def test_onebit_resume_is_bitwise_before_and_after_the_freeze(tmp_path):
 
     # checkpoint.onebit_errors=reset never writes them (same compiled steps, another directory)
     other = tmp_path / "reset"
-    reset = replace(t, cfg=replace(t.cfg, checkpoint=replace(t.cfg.checkpoint, dir=str(other), onebit_errors="reset")))
+    reset = replace(t, resolved=replace(t.resolved, cfg=replace(t.cfg, checkpoint=replace(t.cfg.checkpoint, dir=str(other),
+                                                                                         onebit_errors="reset"))))
     killed_at(reset, 4)
     assert not CheckpointStore(other, keep=3).read_meta(4)["has_errors"] and not (other / "4" / "errors").exists()
 

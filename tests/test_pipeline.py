@@ -217,8 +217,11 @@ def test_gpipe_memory_grows_with_microbatches():
 def test_bad_pipeline_configs_are_clear_errors(overrides, field, fix):
     from pathlib import Path
 
+    from meshtron.run import resolve_run
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "mesh_configs" / "cpu8.yaml", overrides)
     with pytest.raises(ConfigError) as err:
-        load_config(Path(__file__).resolve().parents[1] / "mesh_configs" / "cpu8.yaml", overrides)
+        resolve_run(cfg, 8)  # where a config's pipeline is checked (the CLI does it before JAX starts)
     assert str(err.value).startswith(field) and fix in str(err.value)
 
 

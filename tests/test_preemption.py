@@ -45,7 +45,7 @@ def configured(t: Trainer, checkpoint_dir: Path | None, **train) -> Trainer:
     """``t`` (compiled steps shared) with another checkpoint.dir and train.* values."""
     directory = None if checkpoint_dir is None else str(checkpoint_dir)
     cfg = replace(t.cfg, checkpoint=replace(t.cfg.checkpoint, dir=directory), train=replace(t.cfg.train, **train))
-    return replace(t, cfg=cfg)
+    return replace(t, resolved=replace(t.resolved, cfg=cfg))
 
 
 def signal_at(event: str, step: int, *signals: int):

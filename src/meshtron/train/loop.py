@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -18,14 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
 from meshtron.checkpoint_dirs import checkpoint_location, imported_step, is_import, read_step_meta
@@ -49,7 +40,7 @@ from meshtron.train.pipelined import (
     to_canonical,
     to_stage_order,
 )
-from meshtron.train.reporting import PlainProgress, RunReport, StepProfiler
+from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.state import ModelDef, Params, model_def_from_config
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
@@ -419,17 +410,16 @@ class Trainer:
             if store is not None:
                 store.close()
             raise
-        console.print(weights, soft_wrap=True)
-        if metrics_file is not None and lead:
-            _keep_records_up_to(metrics_file, position.step)
-        report = RunReport(metrics_file, t.tensorboard, lead=lead)
-        report.start({"step": position.step, "event": "start", "weights": weights.removeprefix("weights: ")})
+        progress = RunProgress(t.steps, position.step, console=console, lead=lead, metrics_file=metrics_file,
+                               tensorboard=t.tensorboard, staged=len(self.steps.stages) > 1,
+                               peak_flops=t.peak_flops and t.peak_flops * self.mesh.size,
+                               flops_per_token=model_flops_per_token(self.model_def.parameter_count(),
+                                                                     self.model_def.layers, cfg.model.hidden,
+                                                                     cfg.model.seq_len))
+        progress.started(position.step, weights)
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
-        plain = None if console.is_terminal or not lead else PlainProgress(t.steps, console.file)
         stream = self.train_stream(position.data_position)
         tokens_per_step = t.batch_size * cfg.model.seq_len
-        flops_per_step = tokens_per_step * model_flops_per_token(
-            self.model_def.parameter_count(), self.model_def.layers, cfg.model.hidden, cfg.model.seq_len)
         unigram = self.corpus.unigram_loss()
         on_event = on_event or (lambda event, step: None)
 
@@ -440,27 +430,9 @@ class Trainer:
         evaluations: list[tuple[int, float]] = []
         updates, skipped_in_row = position.updates, 0
         stopped: tuple[int, int] | None = None  # (step, stop code) when the run stops early
-        staged = len(self.steps.stages) > 1
         start = time.perf_counter()
-        progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[tps]} tok/s"),
-            TextColumn("lr {task.fields[lr]}"),
-            TextColumn("{task.fields[stage]}{task.fields[comm]}/step"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=console,
-            transient=False,
-            disable=not lead or plain is not None,  # a log file gets plain lines instead
-        )
         try:
             with progress:
-                task = progress.add_task("train", total=t.steps, completed=position.step, loss="-", tps="-", lr="-",
-                                         stage="", comm="-")
                 for step in range(position.step + 1, t.steps + 1):
                     stage = self.optimizer.stage_at(updates)
                     profiler.before(step)
@@ -477,7 +449,7 @@ class Trainer:
                             raise NonFiniteLossError(self._nonfinite_message(step, loss, grad_norm, store,
                                                                              skipped_in_row + 1))
                         skipped_in_row += 1
-                        progress.console.print(f"step {step}: loss {loss}, gradient norm {grad_norm}: update skipped", soft_wrap=True)
+                        progress.note(f"step {step}: loss {loss}, gradient norm {grad_norm}: update skipped")
                     else:
                         skipped_in_row = 0
                         updates += 1
@@ -491,35 +463,19 @@ class Trainer:
                     tps = tokens_per_step * timed_steps / timed_seconds if timed_seconds else float("nan")
                     lr = float(schedule(updates - 1 if finite else updates))
                     stop = stopper.poll() if step < t.steps else 0  # (multi-process: agreed by all processes)
-                    logged = step % t.log_every == 0 or step == t.steps or stop
-                    if logged or stage_steps[stage] == 1:  # also show a new stage's traffic at once
-                        progress.update(
-                            task, loss=f"{loss:.4f}", tps=f"{tps:,.0f}", lr=f"{lr:.2e}",
-                            stage=f"{stage} " if staged else "", comm=format_bytes(stage_bytes),
-                        )
-                    record = {"step": step, "loss": loss, "tokens_per_s": tps, "lr": lr, "grad_norm": grad_norm,
-                              "stage": stage, "data_bytes": stage_bytes,
-                              "model_flops_per_s": flops_per_step * tps / tokens_per_step}
-                    if t.peak_flops:
-                        record["mfu"] = record["model_flops_per_s"] / (t.peak_flops * self.mesh.size)
+                    held = None
                     if (step % t.eval_every == 0 or step == t.steps) and not stop:
-                        heldout = self.evaluate(params)
+                        heldout = held = self.evaluate(params)
                         evaluations.append((step, heldout))
-                        logged = True
-                        record["heldout_loss"] = heldout
-                        per_byte = heldout / self.corpus.heldout_bytes_per_token
-                        if math.isfinite(per_byte):
-                            record["heldout_loss_per_byte"] = per_byte
-                        progress.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})"
-                                               + (f", {per_byte:.4f} nats/byte" if math.isfinite(per_byte) else ""))
-                    if logged:
-                        report.write(record)
-                        if plain is not None:
-                            plain.line(step, record, str(stage) if staged else "")
+                    progress.stepped(step, loss=loss, grad_norm=grad_norm, tokens_per_s=tps, lr=lr, stage=stage,
+                                     data_bytes=stage_bytes, first_of_stage=stage_steps[stage] == 1,
+                                     logged=step % t.log_every == 0 or step == t.steps or bool(stop),
+                                     heldout=held, unigram=unigram,
+                                     bytes_per_token=self.corpus.heldout_bytes_per_token)
                     if store is not None and (step % cfg.checkpoint.every == 0 or step == t.steps or stop):
                         self.save(store, params, opt_state, RunPosition(step, updates, stream.position))
                         on_event("saving", step)
-                    progress.advance(task)
+                    progress.advance()
                     on_event("done", step)
                     if stop:
                         stopped = (step, stop)
@@ -530,7 +486,6 @@ class Trainer:
                         evaluations.append((t.steps, heldout))
         finally:
             profiler.stop()
-            report.close()
             if store is not None:
                 store.wait()  # a save in flight completes (or the error surfaces) before we return
                 saved = store.steps()
@@ -555,26 +510,6 @@ class Trainer:
                     f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}; stopped, {where}; lower train.lr")
         return (f"step {step}: loss {loss}, gradient norm {grad_norm} is not finite; stopped, {where}. "
                 "Lower train.lr (or raise train.warmup_steps), or set train.on_nonfinite=skip to skip such steps")
-
-
-def _keep_records_up_to(metrics_file: IO[str], step: int) -> None:
-    """Drop metrics records of steps after ``step`` (a resumed run writes them again); a fresh run
-    (``step`` 0) starts the file afresh. Files that cannot be re-read (pipes) are left alone."""
-    if not (metrics_file.seekable() and metrics_file.readable()):
-        return
-    metrics_file.seek(0)
-    kept = []
-    for line in metrics_file.read().splitlines(keepends=True):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short when the run was killed
-            continue
-        if record.get("step", 0) <= step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-    metrics_file.seek(0)
-    metrics_file.truncate()
-    metrics_file.writelines(kept)
-    metrics_file.flush()
 
 
 def _note(message: str) -> None:

@@ -1,9 +1,10 @@
-"""Where a run's numbers go besides the progress bar: JSON lines, TensorBoard event files, a plain
-progress line for logs that are not a terminal, and a ``jax.profiler`` trace of chosen steps.
+"""Where a run's numbers go: the progress bar (or a plain line per logged step when stderr is not a
+terminal), JSON lines, TensorBoard event files, and a ``jax.profiler`` trace of chosen steps.
 
 Why apart from the loop: each sink has its own failure modes (a pipe that cannot be re-read, a
 TensorBoard directory on a shared disk, a profiler that must stop even when a step raises), and the
-loop only says *what* happened at a step; :class:`RunReport` decides where it is written.
+loop only says *what* happened at a step; :class:`RunProgress` decides how it is shown and where it is
+written.
 """
 
 from __future__ import annotations
@@ -14,10 +15,21 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from meshtron.errors import ConfigError
 from meshtron.plotting import pyplot, save
+from meshtron.units import format_bytes
 
 # JSONL / TensorBoard names of the per-step figures (TensorBoard groups them by the prefix).
 SCALARS = {
@@ -135,6 +147,117 @@ class RunReport:
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+class RunProgress:
+    """One run as its user follows it: the first line (where the weights came from), the progress bar
+    -- step, loss, tokens/s, learning rate, the bytes a step sends over ``data`` -- or, when stderr is
+    not a terminal, a plain line every logged step, notes above the bar (held-out losses, skipped
+    steps), and every logged step's record in the metrics file and TensorBoard (:class:`RunReport`).
+
+    ``flops_per_token``: the model FLOPs of one token (the records' ``model_flops_per_s``);
+    ``peak_flops``: the mesh's peak FLOP/s, for ``mfu`` (None: not logged). Use as a context manager
+    around the steps; the records are written by process 0 only (``lead``).
+    """
+
+    def __init__(self, total: int, completed: int, *, console: Console, lead: bool, metrics_file: IO[str] | None,
+                 tensorboard: str | Path | None, staged: bool, flops_per_token: float, peak_flops: float | None):
+        self.total, self.completed, self.console, self.lead = total, completed, console, lead
+        self.metrics_file = metrics_file if lead else None
+        self.staged, self.flops_per_token, self.peak_flops = staged, flops_per_token, peak_flops
+        self.report: RunReport | None = None
+        self.tensorboard = tensorboard
+        self.plain = None if console.is_terminal or not lead else PlainProgress(total, console.file)
+        self.bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("lr {task.fields[lr]}"),
+            TextColumn("{task.fields[stage]}{task.fields[comm]}/step"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+            disable=not lead or self.plain is not None,  # a log file gets plain lines instead
+        )
+        self.task = None
+
+    def started(self, step: int, weights: str) -> None:
+        """The run's first line and first record: where its weights came from (``weights: ...``), at the
+        step it starts after. A resumed run's metrics file keeps the records up to that step."""
+        self.console.print(weights, soft_wrap=True)
+        if self.metrics_file is not None:
+            keep_records_up_to(self.metrics_file, step)
+        self.report = RunReport(self.metrics_file, self.tensorboard, lead=self.lead)
+        self.report.start({"step": step, "event": "start", "weights": weights.removeprefix("weights: ")})
+
+    def __enter__(self) -> Self:
+        self.bar.__enter__()
+        self.task = self.bar.add_task("train", total=self.total, completed=self.completed, loss="-", tps="-", lr="-",
+                                      stage="", comm="-")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+        if self.report is not None:
+            self.report.close()
+
+    def note(self, text: str) -> None:
+        """A line above the progress bar."""
+        self.bar.console.print(text, soft_wrap=True)
+
+    def stepped(self, step: int, *, loss: float, grad_norm: float, tokens_per_s: float, lr: float, stage: str,
+                data_bytes: float, logged: bool, first_of_stage: bool, heldout: float | None = None,
+                unigram: float = math.nan, bytes_per_token: float = math.nan) -> None:
+        """A step done: the bar shows it when it is logged or opens a stage (its traffic at once); its
+        record is written when it is logged or evaluated (``heldout``: its held-out loss, printed
+        above the bar with the unigram baseline and, for text, nats per byte)."""
+        if logged or first_of_stage:
+            self.bar.update(self.task, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
+                            stage=f"{stage} " if self.staged else "", comm=format_bytes(data_bytes))
+        record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "lr": lr, "grad_norm": grad_norm,
+                  "stage": stage, "data_bytes": data_bytes, "model_flops_per_s": self.flops_per_token * tokens_per_s}
+        if self.peak_flops:
+            record["mfu"] = record["model_flops_per_s"] / self.peak_flops
+        if heldout is not None:
+            logged = True
+            record["heldout_loss"] = heldout
+            per_byte = heldout / bytes_per_token
+            if math.isfinite(per_byte):
+                record["heldout_loss_per_byte"] = per_byte
+            self.bar.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})"
+                                   + (f", {per_byte:.4f} nats/byte" if math.isfinite(per_byte) else ""))
+        if logged:
+            self.report.write(record)
+            if self.plain is not None:
+                self.plain.line(step, record, str(stage) if self.staged else "")
+
+    def advance(self) -> None:
+        self.bar.advance(self.task)
+
+
+def keep_records_up_to(metrics_file: IO[str], step: int) -> None:
+    """Drop metrics records of steps after ``step`` (a resumed run writes them again); a fresh run
+    (``step`` 0) starts the file afresh. Files that cannot be re-read (pipes) are left alone."""
+    if not (metrics_file.seekable() and metrics_file.readable()):
+        return
+    metrics_file.seek(0)
+    kept = []
+    for line in metrics_file.read().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when the run was killed
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    metrics_file.seek(0)
+    metrics_file.truncate()
+    metrics_file.writelines(kept)
+    metrics_file.flush()
+
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

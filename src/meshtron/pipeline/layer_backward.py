@@ -1,0 +1,207 @@
+"""A stage's backward taken one layer at a time from each layer's ``jax.vjp`` residuals: what the
+runtime runs for split-backward (zero-bubble) schedules and whenever the forward keeps its residuals
+instead of recomputing (:class:`LayerBackward`). The per-layer cut itself is
+:mod:`meshtron.pipeline.split_backward`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from meshtron.pipeline.buffers import accumulate, get, put
+from meshtron.pipeline.program import Program
+from meshtron.pipeline.split_backward import SplitPullback, residuals
+from meshtron.pipeline.stage import PyTree, StageFunctions
+
+__all__ = ["LayerBackward"]
+
+
+class LayerBackward:
+    """A stage's backward taken one layer at a time, from each layer's ``jax.vjp`` residuals.
+
+    Used by split-backward (zero-bubble) schedules and whenever the forward keeps its residuals
+    instead of recomputing. Built once per program from the first layer of chunk 0 (every layer of
+    a uniform stack has the same pullback): ``layers_forward`` runs a chunk keeping each layer's
+    residuals as its outputs (the recomputing B); ``forward_into`` writes them into a slot of the
+    residual buffers instead; ``backward_into`` walks the layers back through their whole
+    pullbacks, adding each layer's parameter gradients to the accumulator it carries;
+    ``input_gradient_into`` computes only the input gradient and writes per layer what the weight
+    gradient will need into a slot of the B-to-W buffers, from which ``weight_gradient_into``
+    computes the weight gradients, in any later tick. Every buffer is carried through the layer
+    loop and updated in place, one layer's slice at a time.
+    """
+
+    def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, example_x: jax.Array,
+                 pin: Callable[[jax.Array], jax.Array], zeros: Callable[[PyTree], PyTree]):
+        if fns.layer is None:
+            why = ("splits the backward per layer" if program.schedule.split_backward
+                   else "keeps each layer's residuals (no recomputation)")
+            raise ValueError(f"schedule {program.schedule.name!r} {why}: "
+                             "StageFunctions.layer (one layer of a chunk) is required")
+        self._layer, self._pin, self._zeros = fns.layer, pin, zeros
+        if program.keeps_residuals:
+            # What a layer keeps from its forward to its backward: the matmul outputs. Everything
+            # elementwise (norms, GELU/SiLU, softmax) is recomputed from them in the backward, as XLA
+            # does when a forward and its backward are one program: jax.vjp's own residuals keep every
+            # intermediate (GELU's tanh pieces, ...), 4x the bytes, and moving those through the
+            # residual buffers costs more time than recomputing them.
+            self._layer = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.dots_saveable)
+        first = jax.tree.map(lambda a: a[0, 0], stage_params)  # chunk 0, layer 0
+        self._layers = jax.tree.leaves(stage_params)[0].shape[1]
+        self._example_x = jax.ShapeDtypeStruct(example_x.shape, example_x.dtype)
+        y, stored, treedef, self._slots = residuals(self._layer, first, example_x)
+        self._stored_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored]
+        # Kept residuals live until W (the program frees their slot there), so W reads them rather
+        # than B storing the activations W multiplies a second time: B leaves W only what depends on
+        # the cotangent (GPT: 9 of the 26 s·b·h per layer it stored before).
+        # On CPU, W's matmuls (and the same matmuls in an unsplit backward from kept residuals) get
+        # operands XLA's fast GEMM accepts (W 15% faster at width 256) and produce the gradient in
+        # the weight's own layout where that copies less (16% more at width 256, 43% at 1024); GPU
+        # GEMMs read transposed operands as they are, so elsewhere the pullback is JAX's own.
+        self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y,
+                                       weight_reads_residuals=program.keeps_residuals,
+                                       contiguous_weight_matmuls=jax.default_backend() == "cpu")
+        # A boundary value with a home (a residual of its shape that only B reads) is written over
+        # that residual in the microbatch's residual slot, which lives until W anyway; the B-to-W
+        # buffers hold the others. GPT: the QKV cotangent takes the QKV output's place (9 -> 6 s·b·h).
+        self._homes = self._pullback.boundary_homes
+        # Parameter gradients B computes itself (a norm's scale and bias) go to the
+        # accumulator at B, not through the B-to-W buffers.
+        self._at_b = self._pullback.boundary_gradients
+        self._to_w = [k for k, (home, g) in enumerate(zip(self._homes, self._at_b))
+                      if home is None and g is None]  # boundary index per B-to-W buffer
+
+    def _residuals(self, layer_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        y, stored, _, slots = residuals(self._layer, layer_params, x)
+        if slots != self._slots:  # a layer whose pullback differs from the first one's
+            raise ValueError("split backward: the layers of a chunk must share one structure "
+                             f"(residuals that are parameters: {slots} vs {self._slots})")
+        return self._pin(y), stored
+
+    def _scan(self, step, init, xs, active, skip, reverse=False):
+        """``lax.scan(step, init, xs)`` over a chunk's layer slots; with ``active``, slots from
+        ``active`` on (an uneven chunk's padding) run ``skip`` instead, which passes the carry
+        through and outputs zeros."""
+        if active is None:
+            return jax.lax.scan(step, init, xs, reverse=reverse)
+        layers = jax.tree.leaves(xs)[0].shape[0]
+
+        def maybe(carry, indexed):
+            i, x = indexed
+            return jax.lax.cond(i < active, lambda: step(carry, x), lambda: skip(carry, x))
+
+        return jax.lax.scan(maybe, init, (jnp.arange(layers), xs), reverse=reverse)
+
+    def layers_forward(self, chunk_params: PyTree, x: jax.Array,
+                       active: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
+        return self._scan(lambda h, lp: self._residuals(lp, h), x, chunk_params, active,
+                          lambda h, lp: (h, self._zeros(self._stored_avals)))
+
+    def _walk(self, step, carry, chunk_params: PyTree, active: jax.Array | None, reverse: bool = False):
+        """``carry = step(carry, i, layer_params)`` for each layer slot ``i`` of a chunk (the last first
+        with ``reverse``); with ``active``, slots from ``active`` on (an uneven chunk's padding) are
+        skipped. What a layer produces goes into buffers the carry holds, so a skipped slot costs
+        nothing (no zeros to output)."""
+        def body(c, xs):
+            i, lp = xs
+            if active is None:
+                return step(c, i, lp), None
+            return jax.lax.cond(i < active, lambda: step(c, i, lp), lambda: c), None
+
+        return jax.lax.scan(body, carry, (jnp.arange(self._layers), chunk_params), reverse=reverse)[0]
+
+    def forward_into(self, chunk_params: PyTree, x: jax.Array, active: jax.Array | None,
+                     buffers: list[jax.Array], slot: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        """The chunk's forward, each layer's residuals written to ``buffers[j][slot, layer]``."""
+        def step(c, i, lp):
+            h, bufs = c
+            y, stored = self._residuals(lp, h)
+            return y, [put(b, (slot, i), v) for b, v in zip(bufs, stored)]
+
+        return self._walk(step, (x, list(buffers)), chunk_params, active)
+
+    def backward_into(self, chunk_params: PyTree, residual_of: Callable[[jax.Array], list[jax.Array]],
+                      dy: jax.Array, active: jax.Array | None, g_stage: PyTree,
+                      chunk: jax.Array) -> tuple[jax.Array, PyTree]:
+        """The layers' whole pullbacks, last layer first, from ``residual_of(layer)``: the input
+        gradient, and each layer's parameter gradients added to ``g_stage[chunk, layer]``."""
+        def step(c, i, lp):
+            d, g = c
+            flat, dx = self._pullback.pullback(residual_of(i), jax.tree.leaves(lp), d)
+            return self._pin(dx), accumulate(g, (chunk, i), flat)
+
+        return self._walk(step, (dy, g_stage), chunk_params, active, reverse=True)
+
+    def input_gradient_into(self, chunk_params: PyTree, residual_of: Callable[[jax.Array], list[jax.Array]],
+                            dy: jax.Array, active: jax.Array | None, buffers: list[jax.Array], slot: jax.Array,
+                            g_stage: PyTree, chunk: jax.Array,
+                            kept: tuple[list[jax.Array], jax.Array] | None = None,
+                            ) -> tuple[jax.Array, tuple[list[jax.Array], list[jax.Array], PyTree]]:
+        """B: the input gradient, last layer first; what each layer's weight gradient will need is
+        written to ``buffers[j][slot, layer]``, and the parameter gradients B computes itself are
+        added to ``g_stage[chunk, layer]``. With ``kept = (residual_buffers, residual_slot)`` the
+        residuals are read from those buffers, which the walk carries, and the boundary values that
+        have a home there are written over it (see ``__init__``). Returns ``(dx, (buffers,
+        residual_buffers, g_stage))`` updated."""
+        def step(c, i, lp):
+            d, bufs, rbufs, g = c
+            res = residual_of(i) if kept is None else [get(b, (kept[1], i)) for b in rbufs]
+            dx, boundary = self._pullback.input_gradient(res, jax.tree.leaves(lp), d)
+            if kept is not None:
+                rbufs = list(rbufs)
+                for value, home in zip(boundary, self._homes):
+                    if home is not None:
+                        rbufs[home] = put(rbufs[home], (kept[1], i), value)
+            at_b = [None] * len(jax.tree.leaves(g))
+            for value, k in zip(boundary, self._at_b):
+                if k is not None:
+                    at_b[k] = value
+            if any(v is not None for v in at_b):
+                g = accumulate(g, (chunk, i), at_b)
+            return self._pin(dx), [put(b, (slot, i), boundary[k]) for b, k in zip(bufs, self._to_w)], rbufs, g
+
+        dx, bufs, rbufs, g_stage = self._walk(
+            step, (dy, list(buffers), [] if kept is None else list(kept[0]), g_stage), chunk_params, active,
+            reverse=True)
+        return dx, (bufs, rbufs, g_stage)
+
+    def weight_gradient_into(self, chunk_params: PyTree, buffers: list[jax.Array], slot: jax.Array,
+                             active: jax.Array | None, g_stage: PyTree, chunk: jax.Array,
+                             kept: tuple[list[jax.Array], jax.Array] | None = None) -> PyTree:
+        """W: each layer's parameter gradients from what its B left in ``buffers[j][slot, layer]``
+        (and, ``kept = (residual_buffers, residual_slot)``, from the forward's residuals), added to
+        ``g_stage[chunk, layer]``."""
+        def step(g, i, lp):
+            res = None if kept is None else [get(b, (kept[1], i)) for b in kept[0]]
+            boundary: list = [None] * len(self._homes)  # None: a gradient B has accumulated
+            for b, k in zip(buffers, self._to_w):
+                boundary[k] = get(b, (slot, i))
+            for k, home in enumerate(self._homes):
+                if home is not None:
+                    boundary[k] = res[home]
+            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), boundary, res)
+            return accumulate(g, (chunk, i), flat)
+
+        return self._walk(step, g_stage, chunk_params, active)
+
+    def _stacked(self, avals: list, slots: int | None) -> list[jax.ShapeDtypeStruct]:
+        lead = (self._layers,) if slots is None else (max(slots, 1), self._layers)
+        return [jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype) for a in avals]
+
+    def _kept(self, slots: int | None) -> list[jax.ShapeDtypeStruct]:
+        """Every layer's residuals, then the chunk's output (the head's input on the last stage)."""
+        lead = () if slots is None else (max(slots, 1),)
+        x = self._example_x
+        return [*self._stacked(self._stored_avals, slots), jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype)]
+
+    def buffers(self, slots: int) -> list[jax.Array]:
+        """The B-to-W buffers: ``slots`` chunks' boundary values per stage (those without a home in
+        the residual slot)."""
+        avals = self._pullback.boundary_avals
+        return self._zeros(self._stacked([avals[k] for k in self._to_w], slots))
+
+    def residual_buffers(self, slots: int) -> list[jax.Array]:
+        """The forward-to-backward buffers when nothing is recomputed: ``slots`` chunks' residuals."""
+        return self._zeros(self._kept(slots))

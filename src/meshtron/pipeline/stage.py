@@ -1,0 +1,39 @@
+"""The model, cut for pipelining: what the runtime calls on a stage (:class:`StageFunctions`). It
+knows nothing about GPT or any family: :mod:`meshtron.train.pipelined` cuts any contract model
+into these functions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+PyTree = Any
+
+__all__ = ["PyTree", "StageFunctions"]
+
+
+@dataclass(frozen=True)
+class StageFunctions:
+    """The model, cut for pipelining.
+
+    ``embed(shared, tokens) -> x`` builds the first virtual stage's input from a microbatch of
+    tokens; ``stage(chunk_params, x) -> y`` runs one chunk of layers; ``loss(shared, y, tokens)``
+    is the scalar loss after the last virtual stage. ``layout(x) -> x`` pins an activation (or its
+    gradient) to the layout the stages produce over the compiler-managed axes; the runtime applies
+    it to everything it stores, reads and sends, so its buffers and messages keep that layout
+    (under sequence parallelism a ``seq/t`` slice) instead of one the compiler's propagation picks.
+
+    ``layer(layer_params, x) -> y`` is one layer of a chunk (``stage`` applied to a chunk equals
+    ``layer`` applied to each of its layers in order, the chunk's leaves being ``[layers, ...]``);
+    schedules with a split backward (zero bubble) need it, to cut each layer's backward into the
+    input gradient and the weight gradient (:mod:`meshtron.pipeline.split_backward`).
+    """
+
+    embed: Callable[[PyTree, jax.Array], jax.Array]
+    stage: Callable[[PyTree, jax.Array], jax.Array]
+    loss: Callable[[PyTree, jax.Array, jax.Array], jax.Array]
+    layout: Callable[[jax.Array], jax.Array] = lambda x: x
+    layer: Callable[[PyTree, jax.Array], jax.Array] | None = None
