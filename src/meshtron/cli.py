@@ -24,6 +24,7 @@ from meshtron.config import Config, MeshConfig, config_from_dict, load_config, t
 from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
 from meshtron.mesh import devices_requested, ensure_cpu_devices
+from meshtron.models.registry import hf_mapping
 from meshtron.run import Run, resolve_run
 from meshtron.units import format_count
 
@@ -139,7 +140,8 @@ def _devices(mesh: MeshConfig) -> int:
 
 
 def _summary(cfg: Config) -> str:
-    """One line about a config: its mesh, and the model's family, size and shape (counted without JAX)."""
+    """One line about a config: its mesh, and the model's family, size (its Hugging Face tensors, counted
+    without JAX) and shape."""
     mesh, m = cfg.mesh, cfg.model
     sizes = {"data": mesh.data, "pipe": mesh.pipe, "tensor": mesh.tensor}
     layout = " x ".join(f"{axis} {'rest' if size == -1 else size}" for axis, size in sizes.items())
@@ -147,22 +149,11 @@ def _summary(cfg: Config) -> str:
         layout += f" = {_devices(mesh)} devices"
     if m.factory is not None:
         return f"{layout}; model from {m.factory}: seq {m.seq_len}, {m.dtype}"
-    h = m.hidden
-    if m.family == "llama":
-        # No biases: attention (2 + 2 kv/heads) h^2, SwiGLU 3hm, two RMSNorms 2h; untied embedding and
-        # head, final RMSNorm.
-        kv = m.kv_heads or m.heads
-        attention = 2 * h * h + 2 * h * (h // m.heads) * kv
-        params = m.layers * (attention + 3 * h * m.mlp_dim + 2 * h) + 2 * m.vocab_size * h + h
-        heads = f"{m.heads} heads ({kv} kv)"
-    else:
-        # Pre-LN blocks with biases (attention 4h^2 + 4h, MLP 2hm + m + h, two LayerNorms 4h), token and
-        # position embeddings (the LM head is tied), final LayerNorm.
-        params = (m.layers * (4 * h * h + 2 * h * m.mlp_dim + 9 * h + m.mlp_dim) + (m.vocab_size + m.seq_len) * h
-                  + 2 * h)
-        heads = f"{m.heads} heads"
-    return (f"{layout}; { {'gpt': 'GPT', 'llama': 'Llama'}[m.family]} {format_count(params)} params: "
-            f"{m.layers} layers, hidden {h}, {heads}, seq {m.seq_len}, {m.dtype}")
+    mapping = hf_mapping(m.family)
+    params = sum(math.prod(spec.hf_shape) * (m.layers if spec.per_layer else 1) for spec in mapping.tensors(m))
+    kv = f" ({m.kv_heads or m.heads} kv)" if mapping.GROUPED_QUERY else ""
+    return (f"{layout}; {mapping.DISPLAY_NAME} {format_count(params)} params: {m.layers} layers, hidden {m.hidden}, "
+            f"{m.heads} heads{kv}, seq {m.seq_len}, {m.dtype}")
 
 
 def _listing() -> list[str]:

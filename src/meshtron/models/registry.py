@@ -22,6 +22,8 @@ from meshtron.errors import ConfigError
 from meshtron.models.contract import ModelFactory
 
 FAMILIES = {"gpt": "meshtron.models.gpt", "llama": "meshtron.models.llama"}
+HF_MAPPINGS = {"llama": "meshtron.models.llama_hf", "gpt": "meshtron.models.gpt_hf"}
+"""Each family's Hugging Face mapping (:mod:`meshtron.models.hf_mapping` says what one provides)."""
 
 
 def _family(name: str) -> Any:
@@ -29,6 +31,14 @@ def _family(name: str) -> Any:
         raise ConfigError(f"model.family: unknown family {name!r}; use one of {', '.join(FAMILIES)} "
                           "or model.factory=package.module:function for your own model")
     return importlib.import_module(FAMILIES[name])
+
+
+def hf_mapping(family: str) -> Any:
+    """The Hugging Face mapping module of ``family`` (no JAX, no torch)."""
+    if family not in HF_MAPPINGS:
+        raise ConfigError(f"model.family: {family!r} has no Hugging Face mapping; families with one: "
+                          f"{', '.join(HF_MAPPINGS)}")
+    return importlib.import_module(HF_MAPPINGS[family])
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
