@@ -165,3 +165,37 @@ def test_schedule_reads_and_writes_pytorch_action_csvs(tmp_path):
     assert [r.returncode for r in bad] == [2, 2] and all("Traceback" not in r.stderr for r in bad)
     assert bad[0].stderr.strip() == "meshtron: error: --pipe: required for the built-in schedule 'zb-h1'"
     assert "this is a V placement" in bad[1].stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--config", "cpu8", "model.factory=os.path:join"],
+     ("model: the model factory os.path:join raised TypeError while building the model: expected str, bytes or "
+     "os.PathLike object, not ModelConfig")),
+    (["train", "--config", "cpu8", "train.tensorboard={file}"],
+     "train.tensorboard: '{file}' is a file; give a directory (it is created if missing)"),
+    (["train", "--config", "cpu8", "--tensorboard", "{file}/tb"], ("--tensorboard: '{file}/tb' cannot be created: {file} "
+                                                                 "is a file")),
+    (["train", "--config", "cpu8", "train.profile_steps=2:3", "train.profile_dir={file}"],
+     "train.profile_dir: '{file}' is a file; give a directory"),
+    (["train", "--config", "cpu8", "--metrics", "{dir}"], "--metrics: '{dir}' is a directory; give a file's path"),
+    (["train", "--config", "cpu8", "checkpoint.dir={file}"], "checkpoint.dir: '{file}' is a file; give a directory"),
+    (["tokenizer", "train", "--input", "{file}", "--vocab-size", "300", "--output", "{dir}"],
+     "--output: '{dir}' is a directory; give a file's path"),
+    (["preprocess", "--input", "{file}", "--tokenizer", "bytes", "--output", "{file}/data"],
+     "--output: '{file}/data' cannot be created: {file} is a file"),
+    (["plot", "{file}", "--output", "{dir}"], "--output: '{dir}' is a directory; give a file's path"),
+    (["export-hf", "{dir}", "--output", "{file}"], "--output: '{file}' is a file; give a directory"),
+    (["schedule", "1f1b", "--pipe", "2", "--microbatches", "2", "--csv", "{dir}"],
+     "--csv: '{dir}' is a directory; give a file's path"),
+], ids=["factory-not-a-builder", "tensorboard-file", "tensorboard-under-file", "profile-dir", "metrics-dir",
+        "checkpoint-file", "tokenizer-output", "preprocess-output", "plot-output", "export-output", "schedule-csv"])
+def test_a_path_or_factory_that_cannot_work_is_one_line_before_anything_runs(argv, message, tmp_path, capsys):
+    from meshtron.cli import main
+
+    file = tmp_path / "a-file.txt"
+    file.write_text("not a directory\n")
+    fill = {"file": str(file), "dir": str(tmp_path)}
+    assert main([a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshtron: error: {message.format(**fill)}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file.txt"]  # nothing was written

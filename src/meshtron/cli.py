@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from meshtron.bundled_configs import bundled, natural_order
-from meshtron.config import Config, MeshConfig, config_from_dict, load_config, to_dict
+from meshtron.config import Config, MeshConfig, check_output_path, config_from_dict, load_config, to_dict
 from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
 from meshtron.mesh import devices_requested, ensure_cpu_devices
@@ -371,9 +372,39 @@ def _train(cfg: Config, group: ProcessGroup | None, metrics: str | None, run: Ru
 REPORTED_ERRORS = (NonFiniteLossError, CheckpointError, FloatingPointError)
 
 
+# Where each command writes: (argument, its name in messages, a directory?) -- checked before it runs.
+_OUTPUTS = {
+    "train": [("metrics", "--metrics", False), ("tensorboard", "--tensorboard", True)],
+    "launch": [("metrics", "--metrics", False), ("tensorboard", "--tensorboard", True)],
+    "tokenizer": [("output", "--output", False)],
+    "preprocess": [("output", "--output", False)],
+    "plot": [("output", "--output", False)],
+    "import-hf": [("output", "--output", True)],
+    "export-hf": [("output", "--output", True)],
+    "schedule": [("png", "--png", False), ("csv", "--csv", False)],
+}
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    for attribute, flag, directory in _OUTPUTS.get(args.command, []):
+        check_output_path(flag, getattr(args, attribute, None), directory=directory)
+    if args.command == "preprocess":  # PREFIX names two files
+        for suffix in (".bin", ".idx"):
+            check_output_path("--output", args.output + suffix, directory=False)
+
+
+def _traceback_if_asked() -> None:
+    """``MESHTRON_TRACEBACK=1``: the whole traceback above the one line (where a model factory failed)."""
+    if os.environ.get("MESHTRON_TRACEBACK", "") not in ("", "0"):
+        import traceback
+
+        traceback.print_exc()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_outputs(args)
         if args.command == "configs":
             print("\n".join(_listing()))
             return 0
@@ -408,9 +439,11 @@ def main(argv: list[str] | None = None) -> int:
 
             describe(cfg, run=run)
     except ConfigError as err:
+        _traceback_if_asked()
         print(f"meshtron: error: {err}", file=sys.stderr)
         return 2
     except REPORTED_ERRORS as err:  # NaN loss, unusable checkpoint: the messages name the step or tensor
+        _traceback_if_asked()
         print(f"meshtron: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, CheckpointError) else 3  # bad input, or a run that went wrong
     except RunStopped:  # SIGTERM/SIGINT/train.max_minutes: checkpoint written, the trainer said so in one line

@@ -404,6 +404,9 @@ def validate(cfg: Config) -> None:
     _need(t.peak_flops is None or t.peak_flops > 0, "train.peak_flops",
           f"must be > 0 (one device's peak FLOP/s) or null, got {t.peak_flops}")
     parse_profile_steps(t.profile_steps)
+    check_output_path("train.tensorboard", t.tensorboard, directory=True)
+    if t.profile_steps:
+        check_output_path("train.profile_dir", t.profile_dir, directory=True)
 
     _need(cfg.pipeline.chunks >= 1, "pipeline.chunks", f"must be >= 1, got {cfg.pipeline.chunks}")
     validate_sizes(cfg)
@@ -508,14 +511,29 @@ def validate_optim(o: OptimConfig) -> None:
     _need(o.factor_threshold >= 0, "optim.factor_threshold", f"must be >= 0, got {o.factor_threshold}")
 
 
+def check_output_path(field_name: str, path: str | os.PathLike | None, *, directory: bool) -> None:
+    """A path a run or a tool will write -- a directory (``directory``) or a file -- must not already be
+    the other kind, nor lie under a file; one line naming the field otherwise, before anything runs."""
+    if path is None:
+        return
+    target = Path(path)
+    if directory and target.exists() and not target.is_dir():
+        raise ConfigError(f"{field_name}: {os.fspath(path)!r} is a file; give a directory (it is created if missing)")
+    if not directory and target.is_dir():
+        raise ConfigError(f"{field_name}: {os.fspath(path)!r} is a directory; give a file's path")
+    for parent in target.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{field_name}: {os.fspath(path)!r} cannot be created: {parent} is a file")
+            break
+
+
 def validate_checkpoint(c: CheckpointConfig) -> None:
     _need(c.every >= 1, "checkpoint.every", f"must be >= 1 (steps between saves), got {c.every}")
     _need(c.keep >= 1, "checkpoint.keep", f"must be >= 1 (checkpoints kept), got {c.keep}")
     _need(c.onebit_errors in ("keep", "reset"), "checkpoint.onebit_errors",
           f"must be 'keep' or 'reset', got {c.onebit_errors!r}")
-    if c.dir is not None:
-        path = Path(c.dir)
-        _need(not path.exists() or path.is_dir(), "checkpoint.dir", f"{c.dir!r} is a file; give a directory")
+    check_output_path("checkpoint.dir", c.dir, directory=True)
 
 
 def validate_init(cfg: Config) -> None:

@@ -48,8 +48,10 @@ the same; under it, it may communicate more (the compiler then chooses where to 
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -255,7 +257,17 @@ def checked_model(factory: ModelFactory, rngs: nnx.Rngs) -> nnx.Module:
     if callable(factory) and not _takes_positional(factory, 1):
         _fail(f"the model factory {name}{_signature(factory)} cannot be called as factory(rngs)",
               "pass a function rngs -> model, e.g. lambda rngs: MyModel(..., rngs=rngs)")
-    model = factory(rngs)
+    try:
+        model = factory(rngs)
+    except ConfigError:
+        raise
+    except TypeError as err:  # a callable that is not a model builder (os.path:join, a class's wrong call)
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        message = str(err).splitlines()[0] if str(err) else ""
+        _fail(f"the model factory {name} raised TypeError while building the model: {message} "
+              f"({Path(where.filename).name}:{where.lineno})",
+              "give a function that builds the model (model.factory: build(model_config, rngs) -> model; from "
+              "Python: rngs -> model); MESHTRON_TRACEBACK=1 shows where it failed")
     if _is_linen(model):
         _fail(f"the factory returned a Flax Linen module ({type(model).__name__}), not an nnx.Module",
               "wrap its embed, block and head modules with meshtron.models.linen.LinenLM")

@@ -76,7 +76,12 @@ def model_factory(cfg: ModelConfig, tensor: int = 1) -> ModelFactory:
     built-in families' vocabulary padding)."""
     if cfg.factory:
         fn = load_factory(cfg.factory)
-        return lambda rngs: fn(cfg, rngs)
+
+        def build(rngs):
+            return fn(cfg, rngs)
+
+        build.__qualname__ = cfg.factory  # errors name it as the config does
+        return build
     build = _family(cfg.family).build
     return lambda rngs: build(cfg, rngs, tensor=tensor)
 
