@@ -1,11 +1,11 @@
 # Two commands for users: `make train` and `make test`. Both create .venv on first use,
 # installing the pinned, tested stack from constraints.txt (Python 3.11, jax 0.10.2).
 # `make test-py312` runs, on the second tested stack (constraints-py312.txt: Python 3.12, jax 0.12.0.1)
-# in .venv-py312, the part of the suite that exercises what differs between JAX versions -- every
-# pipeline schedule, the deadlock proof and stress test, 1-bit LAMB, checkpoints and fine-tuning from
-# them, multi-process, generation, Flax's Linen bridge, the upstream XLA reproduction -- so that both
-# legs of .ci/run fit CI's time;
-# `make test-py312 PY312_TESTS=tests` runs all of it.
+# in .venv-py312, the tests marked `both_stacks` -- what differs between JAX versions: every pipeline
+# schedule, the deadlock proof and stress test, 1-bit LAMB, checkpoints and fine-tuning from them,
+# multi-process, generation, attention, Linen models, the upstream XLA reproduction -- so that both legs
+# of .ci/run fit CI's time; `make test-py312 PY312_TESTS=tests` runs all of it. `make test-fast` runs
+# the suite without the tests marked `slow` (the end-to-end runs), in a few minutes.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,11 +14,9 @@ TEST_STAMP := $(VENV)/.meshtron-test-extras
 PY312 ?= $(shell .ci/python312)
 VENV312 := .venv-py312
 STAMP312 := $(VENV312)/.meshtron-installed
-PY312_TESTS ?= tests/test_pipeline.py tests/test_deadlock.py tests/test_onebit_lamb.py \
-	tests/test_onebit_training.py tests/test_checkpoint.py tests/test_multiprocess.py tests/test_generate.py \
-	tests/test_upstream_repro.py tests/test_attention.py tests/test_llama.py tests/test_linen.py tests/test_finetune.py
+PY312_TESTS ?= -m both_stacks tests
 
-.PHONY: train test test-py312 bench lint clean
+.PHONY: train test test-fast test-py312 bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +43,10 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 $(STAMP312): pyproject.toml constraints-py312.txt
 	@test -n "$(PY312)" || { echo "make test-py312: no Python 3.12 found (pyenv's versions, or python3.12 on PATH)" >&2; exit 1; }

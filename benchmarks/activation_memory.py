@@ -4,7 +4,7 @@ For both families, {remat none, selective, full} x {tensor parallel, tensor + se
 sequence lengths x t in {2, 4, 8}, compiles the gradient of the loss on a (1, 1, t) mesh at two depths
 and takes the difference of XLA's per-device temporary memory (``memory_analysis``) per added layer:
 what one layer keeps for its backward pass, without the embedding, head, loss and gradients that
-every depth shares. Next to it: :func:`meshtron.analysis.layer_activation_bytes` (the paper's model
+every depth shares. Next to it: :func:`meshtron.megatron.layer_activation_bytes` (the paper's model
 with meshtron's block constants) and the paper's own fp16 figure. Also the recompute FLOPs of
 selective and full recomputation per layer (``cost_analysis``, over remat none).
 
@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron import analysis
+from meshtron import megatron
 from meshtron.config import MeshConfig, ModelConfig
+from meshtron.hlo.summary import analyze
 from meshtron.mesh import build_mesh
 from meshtron.train.state import model_def_from_config
 
@@ -58,15 +59,15 @@ def measure(family: str, seq_len: int, tensor: int, remat: str, sequence_paralle
         model = ModelConfig(**shape, layers=layers, seq_len=seq_len, remat=remat, sequence_parallel=sequence_parallel)
         compiled = compile_gradient(model, tensor)
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
-        flops.append(analysis.analyze(compiled, {"data": 1, "pipe": 1, "tensor": tensor}).flops)
+        flops.append(analyze(compiled, {"data": 1, "pipe": 1, "tensor": tensor}).flops)
     dims = {"seq_len": seq_len, "microbatch": MICROBATCH, "hidden": shape["hidden"], "heads": shape["heads"],
             "tensor": tensor, "sequence_parallel": sequence_parallel, "remat": remat}
     measured = (temps[1] - temps[0]) / (DEPTHS[1] - DEPTHS[0])
-    predicted = analysis.layer_activation_bytes(**dims, kv_heads=shape.get("kv_heads"), mlp_dim=shape["mlp_dim"])
+    predicted = megatron.layer_activation_bytes(**dims, kv_heads=shape.get("kv_heads"), mlp_dim=shape["mlp_dim"])
     return {
         "family": family, "seq_len": seq_len, "tensor": tensor, "remat": remat, "sequence_parallel": sequence_parallel,
         "measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted,
-        "paper_fp16_bytes": analysis.paper_layer_activation_bytes(**dims),
+        "paper_fp16_bytes": megatron.paper_layer_activation_bytes(**dims),
         "temp_bytes": temps, "flops": flops,
     }
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import _common
 
-from meshtron.analysis import format_bytes
 from meshtron.checkpoint import RunPosition
 from meshtron.config import load_config
 from meshtron.train.loop import Trainer
+from meshtron.units import format_bytes
 
 CONFIG = Path(__file__).resolve().parents[1] / "mesh_configs" / "cpu8.yaml"
 VARIANTS = {

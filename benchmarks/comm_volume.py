@@ -13,12 +13,14 @@ import _common
 import jax
 import numpy as np
 
-from meshtron import analysis
+from meshtron import megatron
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.hlo.collectives import bytes_by_axes, collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
+from meshtron.units import format_bytes
 
 MESHES = [(8, 1, 1), (4, 1, 2), (2, 1, 4), (1, 1, 8)]
 MODEL = ModelConfig(hidden=128, heads=8, layers=4, mlp_dim=512, seq_len=128)
@@ -33,9 +35,9 @@ def measure(mesh_shape, remat: str) -> dict:
     params = md.init(mesh, 0)
     opt_state = steps.init_opt_state(params)
     tokens = jax.device_put(np.zeros((BATCH, cfg.seq_len + 1), np.int32), steps.batch_sharding)
-    colls = analysis.collectives(steps.lower(params, opt_state, tokens).compile(), mesh)
-    measured = analysis.bytes_by_axes(colls)
-    fig = analysis.megatron_figures(
+    colls = collectives(steps.lower(params, opt_state, tokens).compile(), mesh)
+    measured = bytes_by_axes(colls)
+    fig = megatron.megatron_figures(
         vocab_size=md.vocab_padded, hidden=cfg.hidden, layers=cfg.layers, seq_len=cfg.seq_len,
         heads=cfg.heads, global_batch=BATCH, data=mesh_shape[0], pipe=1, tensor=mesh_shape[2],
         microbatches=MICROBATCHES, remat=remat == "full",
@@ -57,8 +59,8 @@ def main() -> None:
         md, ad = r["measured"]["data"], r["analytical"]["data"]
         rows.append([
             "x".join(map(str, r["mesh"])), r["remat"],
-            analysis.format_bytes(mt), analysis.format_bytes(at), f"{mt / at:.3f}" if at else "-",
-            analysis.format_bytes(md), analysis.format_bytes(ad), f"{md / ad:.3f}" if ad else "-",
+            format_bytes(mt), format_bytes(at), f"{mt / at:.3f}" if at else "-",
+            format_bytes(md), format_bytes(ad), f"{md / ad:.3f}" if ad else "-",
         ])
     print(f"model {MODEL.layers}x{MODEL.hidden}, batch {BATCH}, {MICROBATCHES} microbatches; bytes per device per step")
     _common.print_table(

@@ -21,10 +21,10 @@ import _common
 import numpy as np
 from rich.console import Console
 
-from meshtron.analysis import format_bytes
 from meshtron.config import freeze_step, load_config
 from meshtron.optim import grad_clip_norm
 from meshtron.train.loop import Trainer
+from meshtron.units import format_bytes
 
 CONFIG = Path(__file__).resolve().parents[1] / "mesh_configs" / "cpu8.yaml"
 MESHES = {

@@ -13,7 +13,7 @@ long as 1F1B; if they are skipped, the two take about the same time. The second 
 the measured ratio with both predictions. (The simulated devices share two cores, so absolute
 times mix work with whatever parallelism two cores give.)
 
-Compile time (``--part compile``): the pipelined train step of the issue-10 model (4 layers,
+Compile time (``--part compile``): the pipelined train step of the wide model (4 layers,
 hidden 256, seq 128, vocabulary 1024, 8 sequences, m = 4) on mesh 2x2x2 for each schedule, next to
 the unpipelined step of the same model, batch per data shard and microbatches on 2x1x2; median
 of ``--repeats`` fresh lowerings and compilations, and the size of the optimized HLO.

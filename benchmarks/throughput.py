@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from meshtron import analysis
+from meshtron import megatron
 from meshtron.config import load_config
 from meshtron.data import BatchStream, Corpus
 from meshtron.optim import build_optimizer
@@ -95,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_config(CONFIG)
     m, t = cfg.model, cfg.train
-    flops = analysis.megatron_figures(
+    flops = megatron.megatron_figures(
         vocab_size=m.vocab_size, hidden=m.hidden, layers=m.layers, seq_len=m.seq_len, heads=m.heads,
         global_batch=t.batch_size, data=cfg.mesh.data, pipe=1, tensor=cfg.mesh.tensor,
         microbatches=t.microbatches, remat=False,

@@ -6,7 +6,7 @@ documents are preprocessed twice with ``meshtron preprocess`` -- bytes and BPE -
 indexed datasets, whose held-out split is the same last 10% of documents; the default model (cpu8:
 GPT, mesh 2x2x2, interleaved) trains on each. The BPE run's larger vocabulary costs more model
 FLOPs per token (the embedding and head), so the byte run gets proportionally more steps: the two
-runs spend the same model FLOPs (6N + 12·l·h·s per token, :func:`meshtron.analysis.model_flops_per_token`).
+runs spend the same model FLOPs (6N + 12·l·h·s per token, :func:`meshtron.megatron.model_flops_per_token`).
 Held-out loss is compared in nats per byte of text: nats/token divided by the held-out bytes per token.
 
     .venv/bin/python benchmarks/tokenizer_vs_bytes.py [--steps 300] [--vocab 1024]
@@ -54,10 +54,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary (default 1024)")
     args = parser.parse_args()
 
-    from meshtron.analysis import model_flops_per_token
     from meshtron.config import load_config
     from meshtron.data import builtin_text
     from meshtron.data.preprocess import preprocess
+    from meshtron.megatron import model_flops_per_token
 
     work = Path(tempfile.mkdtemp(prefix="meshtron-tok-"))
     docs = documents(builtin_text())

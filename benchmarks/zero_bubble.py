@@ -16,7 +16,7 @@ with this runtime's costs. Every schedule runs in both of the runtime's modes:
 * ``keep`` (``pipeline.recompute=false``): the forward keeps every layer's matmul outputs, B is
   the input gradient alone; priced with the paper's t_F = t_B = t_W.
 
-The check the issue asks for: ZB-H1's measured saving over 1F1B is at least half the predicted one,
+The check: ZB-H1's measured saving over 1F1B is at least half the predicted one,
 and its temp memory within 15% of 1F1B's.
 
 Besides the unit-cost prediction, every table is also priced with this runtime's own costs: a
@@ -46,7 +46,7 @@ The model is a 4-layer GPT of width 256 (sequence 128, 4 sequences per microbatc
 1.3 forwards and W 1.1 on this CPU (element-wise work, attention and copies weigh about as much as
 the GEMMs), not the t_F = t_B = t_W of the paper's GPU-sized layers. ``--hidden 1024 --rows 2`` runs a
 GEMM-bound layer instead (MLP 4x, one head per 64; results get a ``_h1024_b2`` suffix), and
-``--zb-only`` times only what the issue's bar compares -- 1F1B, ZB-H1 and 1F1B split, residuals
+``--zb-only`` times only what the check compares -- 1F1B, ZB-H1 and 1F1B split, residuals
 kept (``_zb``) -- since a wide step takes seconds.
 
     .venv/bin/python benchmarks/zero_bubble.py [--rounds N] [--microbatches M ...] [--pooled-malloc]
@@ -90,7 +90,7 @@ from meshtron.train.pipelined import to_stage_order
 from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
-ZB_ONLY = "--zb-only"  # only what the issue's bar compares: 1F1B, ZB-H1 (and 1F1B split), residuals kept
+ZB_ONLY = "--zb-only"  # only what the check compares: 1F1B, ZB-H1 (and 1F1B split), residuals kept
 
 
 def _shape_flag(flag: str, default: int) -> int:

@@ -88,3 +88,15 @@ def test_a_lower_room_imports_nothing_above_it(low, high):
 def test_the_old_import_paths_keep_working(path, names):
     module = importlib.import_module(path)
     assert all(hasattr(module, name) for name in names)
+
+
+def test_the_architecture_guide_maps_every_module():
+    """docs/architecture.md's module map names every module under src/meshtron, and nothing that is not."""
+    import re
+
+    guide = (SRC.parent / "docs" / "architecture.md").read_text()
+    table = guide[guide.index("## Module map"):guide.index("## Read the code")]
+    named = set(re.findall(r"^\| `([\w/]+\.py)` \|", table, re.MULTILINE))
+    present = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    assert sorted(present - named) == [], "modules missing from docs/architecture.md's map"
+    assert sorted(named - present) == [], "docs/architecture.md names modules that do not exist"

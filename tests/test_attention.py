@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshtron.models.attention import KVCache, causal_attention
 
+pytestmark = pytest.mark.both_stacks
+
 HEADS = 8
 HEAD_DIM = 16
 

@@ -19,6 +19,8 @@ from meshtron.config import ConfigError, MeshConfig, load_config
 from meshtron.mesh import build_mesh
 from meshtron.train.loop import NonFiniteLossError, Trainer
 
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
+
 MODEL = ["model.layers=4", "model.hidden=32", "model.heads=8", "model.mlp_dim=64", "model.seq_len=16",
          "train.batch_size=16", "train.warmup_steps=2", "train.eval_every=1000", "train.eval_batches=1"]
 

@@ -28,6 +28,7 @@ def meshtron(*args, timeout=300, xla_flags=None):
     )
 
 
+@pytest.mark.slow
 def test_train_writes_metrics_and_a_summary(tmp_path):
     metrics = tmp_path / "m.jsonl"
     run = meshtron(
@@ -66,6 +67,7 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
     assert bad.returncode == 2 and "generate takes mesh.data=, mesh.pipe= or mesh.tensor= only" in bad.stderr
 
 
+@pytest.mark.slow
 def test_describe_prints_layout_and_compiled_collectives():
     run = meshtron("describe", "--config", "mesh_configs/cpu8.yaml", *SMALL)
     assert run.returncode == 0, run.stderr
@@ -81,6 +83,7 @@ PEAK = ("import resource, sys\nfrom meshtron.cli import main\nstatus = main(sys.
         "print('peak KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\nsys.exit(status)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["paper/gpt_1_7b", "paper/gpt_3_6b", "llama2_7b"])
 def test_describe_plans_a_real_model_on_a_mesh_this_machine_simulates_without_building_it(config):
     """32 and 64 devices are simulated here, but the models (1.7B, 3.6B and Llama-2's 6.7B parameters with
@@ -97,6 +100,7 @@ def test_describe_plans_a_real_model_on_a_mesh_this_machine_simulates_without_bu
         assert "plan on a100-80gb" in run.stdout and "memory per GPU" in run.stdout
 
 
+@pytest.mark.slow
 def test_describe_decides_from_memory_and_needs_no_data(tmp_path):
     from meshtron.config import load_config
     from meshtron.describe import describe

@@ -12,6 +12,8 @@ from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
+pytestmark = pytest.mark.slow
+
 BATCH, SEQ, HIDDEN, LAYERS = 16, 16, 64, 2
 F32 = 4
 

@@ -27,6 +27,8 @@ from meshtron.train.pipelined import to_stage_order
 from meshtron.train.state import model_def_from_config
 from meshtron.train.step import build_steps
 
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A conditional whose branch all-reduces, next to a collective-permute: unordered unless the
@@ -109,7 +111,7 @@ def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, c
 # Each entry: overrides of mesh_configs/cpu8.yaml for one run. The first is the 1F1B run that
 # deadlocked on jaxlib 0.10.2 (devices 6 and 7 split between an all-reduce and a ppermute).
 STRESS = {
-    "1f1b-2x2x2-issue10": ["model.layers=4", "model.hidden=256", "model.heads=4", "model.mlp_dim=1024",
+    "1f1b-2x2x2-wide": ["model.layers=4", "model.hidden=256", "model.heads=4", "model.mlp_dim=1024",
                            "model.seq_len=128", "model.vocab_size=1024", "train.batch_size=8", "mesh.data=2",
                            "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=4", "pipeline.schedule=1f1b",
                            "pipeline.chunks=1"],

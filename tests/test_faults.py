@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from meshtron.checkpoint import CheckpointStore
 from meshtron.config import load_config
 from meshtron.train.loop import Trainer
+
+pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 RUN = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.mlp_dim=64", "model.seq_len=16",

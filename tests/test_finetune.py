@@ -22,6 +22,8 @@ from meshtron.huggingface import CONFIG_FILE, import_hf
 from meshtron.pretrained import load_pretrained
 from meshtron.train.loop import Trainer
 
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
+
 SMALL = ["train.batch_size=4", "train.eval_batches=1", "train.log_every=1", "train.warmup_steps=0"]
 
 

@@ -15,6 +15,8 @@ from meshtron.mesh import build_mesh
 from meshtron.sharding import axis_rules
 from meshtron.train.state import model_def_from_config
 
+pytestmark = pytest.mark.both_stacks
+
 MODEL = ModelConfig(vocab_size=256, hidden=32, heads=4, layers=2, mlp_dim=64, seq_len=32)
 SEQ = MODEL.seq_len
 VOCAB = MODEL.vocab_size

@@ -24,6 +24,8 @@ from meshtron.config import ConfigError, MeshConfig, load_config
 from meshtron.huggingface import CONFIG_FILE, export_hf, import_hf
 from meshtron.pretrained import load_pretrained
 
+pytestmark = pytest.mark.slow
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded (transformers is imported later)
 
 VOCAB = 1000  # not a multiple of 128: meshtron pads it to 1024 (tensor 1 and 2)

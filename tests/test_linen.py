@@ -21,6 +21,8 @@ from meshtron.models.contract import ModelContractError
 from meshtron.models.linen import LinenLM, from_linen
 from meshtron.train.loop import Trainer
 
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
+
 SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=16", "train.batch_size=8",
          "train.eval_batches=1", "train.log_every=1"]
 

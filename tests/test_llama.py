@@ -9,6 +9,8 @@ from meshtron.mesh import build_mesh
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
+
 LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(2, 4, 1, "1f1b"), Layout(1, 2, 4, "gpipe"),
            Layout(2, 2, 2, "zb-h1"), Layout(1, 2, 4, "1f1b", recompute=False)]
 

@@ -174,6 +174,7 @@ def test_context_positions_are_shared_and_contiguous():
     assert ctx.positions.tolist() == [[5, 6, 7], [5, 6, 7]] and ctx.cache is None
 
 
+@pytest.mark.slow
 def test_fewer_steps_than_the_checkpoint_is_an_error_not_a_silent_no_op(tmp_path, capsys):
     tiny = ["model.layers=2", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=16", "train.batch_size=8",
             "train.microbatches=2", "pipeline.chunks=1", "train.eval_batches=1", f"checkpoint.dir={tmp_path}"]

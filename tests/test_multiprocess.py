@@ -11,10 +11,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from meshtron.config import load_config
 from meshtron.launch import free_port
 from meshtron.train.loop import Trainer
+
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 
 ROOT = Path(__file__).resolve().parents[1]
 # data=4 x tensor=2: each process holds two data shards (its own rows) and whole tensor groups, so

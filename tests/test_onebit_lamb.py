@@ -17,6 +17,8 @@ from meshtron.config import MeshConfig
 from meshtron.mesh import build_mesh
 from meshtron.optim import manual_part, onebit_lamb, opt_state_specs
 
+pytestmark = pytest.mark.both_stacks
+
 STACKED = {"blocks": True, "kernel": False, "bias": False}
 
 
@@ -313,6 +315,7 @@ def test_convex_problem_converges_like_uncompressed_and_error_feedback_matters()
 # Two compiled programs, jit and eager agree, misuse is named
 
 
+@pytest.mark.slow
 def test_stage_switch_compiles_each_stage_once_and_eager_agrees():
     rng = np.random.default_rng(7)
     params = random_params(rng, zero_bias=False)

@@ -10,6 +10,8 @@ from meshtron import analysis
 from meshtron.config import load_config
 from meshtron.train.loop import Trainer
 
+pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
+
 FREEZE = 2
 
 

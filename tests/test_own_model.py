@@ -20,6 +20,8 @@ from meshtron.cli import main
 from meshtron.config import MeshConfig
 from meshtron.testing import Layout, ParityError, check_parity
 
+pytestmark = pytest.mark.slow
+
 
 def test_the_readme_oracle_example_passes_on_every_kind_of_layout(capsys):
     from test_readme import run_example

@@ -124,6 +124,7 @@ def _run(args, timeout=600, **kwargs) -> subprocess.CompletedProcess:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_wheel_trains_from_a_directory_without_a_checkout(tmp_path):
     # Built from a copy of the checkout: an in-place build would leave build/ (whose stale modules a later

@@ -12,6 +12,8 @@ from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.train.step import build_steps
 
+pytestmark = pytest.mark.slow
+
 MESHES = [(1, 1, 8), (2, 1, 4), (4, 1, 2), (8, 1, 1)]
 MODEL = ModelConfig(vocab_size=256, hidden=64, heads=8, layers=2, mlp_dim=128, seq_len=16)
 BATCH = 8

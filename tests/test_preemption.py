@@ -22,6 +22,8 @@ from meshtron.config import ConfigError, load_config
 from meshtron.errors import EXIT_STOPPED, RunStopped
 from meshtron.train.loop import Trainer
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 50  # enough that the CLI run cannot finish between its first logged step and the signal
 RUN = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.mlp_dim=64", "model.seq_len=16",

@@ -20,6 +20,8 @@ from meshtron.data.tokenizers import (
 from meshtron.generate import sample
 from meshtron.pretrained import load_pretrained
 
+pytestmark = pytest.mark.slow
+
 QUICK = [*SMALL, "mesh.data=4", "mesh.pipe=1", "pipeline.chunks=1", "train.microbatches=2"]
 
 

@@ -17,6 +17,8 @@ from meshtron.mesh import build_mesh
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 
+pytestmark = pytest.mark.slow
+
 B, S, H, HEADS, MLP = 4, 32, 64, 8, 256
 SHAPES = {"gpt": {}, "llama": {"kv_heads": 4}}
 

@@ -12,6 +12,8 @@ from meshtron.testing import Layout, check_parity
 from meshtron.train.pipelined import canonical_positions, stage_order
 from meshtron.train.state import model_def_from_config
 
+pytestmark = pytest.mark.slow
+
 SMALL = ModelConfig(vocab_size=256, hidden=32, heads=4, layers=8, mlp_dim=64, seq_len=16)
 MODEL_DEF = model_def_from_config(SMALL, 4)
 

@@ -16,6 +16,8 @@ from meshtron.data.sources import TokenDatasets
 from meshtron.data.tokenizers import load_tokenizer, train_bpe
 from meshtron.train.loop import Trainer
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):

@@ -21,6 +21,8 @@ from meshtron.run import resolve_run
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 
+pytestmark = pytest.mark.slow
+
 FIXTURES = Path(__file__).parent / "fixtures" / "torch_schedules"
 SMALL = ModelConfig(vocab_size=256, hidden=32, heads=4, layers=8, mlp_dim=64, seq_len=16)
 

@@ -30,7 +30,7 @@ bridge alone gets wrong for meshtron:
   ``nn.LogicallyPartitioned`` boxes, each layer's slice would be constrained by names one longer
   than its rank inside the layer scan. And on every call Linen re-runs each initialiser abstractly
   to check the parameter's shape, where ``nn.DenseGeneral`` constrains its kernel flattened to rank 2
-  by names of the full rank (Flax issue 3676). So the Linen modules run with Linen's logical rules
+  by names of the full rank (google/flax#3676). So the Linen modules run with Linen's logical rules
   switched off: parameters arrive laid out by meshtron (``jit`` in-shardings from their names), the
   residual stream is pinned between blocks by :func:`meshtron.models.contract.run_blocks`, and the
   compiler propagates the rest from there. ``nn.with_logical_constraint`` calls inside the Linen

@@ -15,11 +15,13 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError
-from meshtron.models.contract import ModelFactory
+
+if TYPE_CHECKING:
+    from meshtron.models.contract import ModelFactory
 
 FAMILIES = {"gpt": "meshtron.models.gpt", "llama": "meshtron.models.llama"}
 HF_MAPPINGS = {"llama": "meshtron.models.llama_hf", "gpt": "meshtron.models.gpt_hf"}

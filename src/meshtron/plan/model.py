@@ -60,9 +60,8 @@ memory and on the wire (:func:`meshtron.megatron.megatron_figures`' default elem
 
 OVERLAP = ("never", "unpipelined", "always")
 
-MEMORY_MODEL = ("Megatron-LM's mixed precision as the paper ran it, not the config's dtypes: 16-bit weights, "
-                "fp32 master weights and moments, gradients as --gradients says; activations of the paper's "
-                "block (Korthikanti et al.) at Megatron's in-flight microbatches, logits included")
+MEMORY_MODEL = ("Megatron-LM's mixed precision as the paper ran it (16-bit weights, fp32 master weights and "
+                "moments; the paper's activations at Megatron's in-flight microbatches), not the config's dtypes")
 """What the planner's memory per GPU counts (``meshtron plan`` and ``describe``'s plan say it)."""
 
 
