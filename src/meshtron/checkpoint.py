@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,8 +248,6 @@ class CheckpointStore:
     def adopt(self, meta: dict[str, Any]) -> None:
         """Continue the run that wrote ``meta`` (a resumed run): rotation may then remove its earlier
         steps. A checkpoint that records no run (an import) leaves a fresh id: it is never rotated."""
-        import uuid
-
         self.run_id = meta.get("run") or uuid.uuid4().hex
 
     def owns(self, step: int) -> bool:

@@ -416,13 +416,9 @@ class Trainer:
                                flops_per_token=model_flops_per_token(self.model_def.parameter_count(),
                                                                      self.model_def.layers, cfg.model.hidden,
                                                                      cfg.model.seq_len))
-        progress.started(position.step, weights)
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
-        stream = self.train_stream(position.data_position)
         tokens_per_step = t.batch_size * cfg.model.seq_len
-        unigram = self.corpus.unigram_loss()
         on_event = on_event or (lambda event, step: None)
-
         losses: list[float] = []
         heldout = float("nan")
         timed_steps, timed_seconds = 0, 0.0
@@ -432,6 +428,9 @@ class Trainer:
         stopped: tuple[int, int] | None = None  # (step, stop code) when the run stops early
         start = time.perf_counter()
         try:
+            progress.started(position.step, weights)
+            stream = self.train_stream(position.data_position)
+            unigram = self.corpus.unigram_loss()
             with progress:
                 for step in range(position.step + 1, t.steps + 1):
                     stage = self.optimizer.stage_at(updates)
@@ -486,6 +485,7 @@ class Trainer:
                         evaluations.append((t.steps, heldout))
         finally:
             profiler.stop()
+            progress.close()
             if store is not None:
                 store.wait()  # a save in flight completes (or the error surfaces) before we return
                 saved = store.steps()

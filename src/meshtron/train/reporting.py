@@ -202,8 +202,13 @@ class RunProgress:
 
     def __exit__(self, *exc) -> None:
         self.bar.__exit__(*exc)
+        self.close()
+
+    def close(self) -> None:
+        """Flush and close the metrics sinks (again: nothing happens)."""
         if self.report is not None:
             self.report.close()
+            self.report = None
 
     def note(self, text: str) -> None:
         """A line above the progress bar."""
