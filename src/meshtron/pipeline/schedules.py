@@ -8,13 +8,7 @@ one ``shard_map``, so it needs, for every tick, what each stage computes and whi
 each value lives in. Keeping the schedule as plain data lets us prove it correct (``check``),
 price it (bubble, memory) and compile it (``compile_program``) without tracing anything.
 
-Execution model: ``p`` stages on a ring, ``m`` microbatches, ``v`` model chunks per stage
-(virtual stage ``k = chunk·p + stage``; virtual stage ``k`` feeds ``k + 1``, so stage ``p - 1``
-chunk ``c`` feeds stage 0 chunk ``c + 1``). In each tick every stage runs at most one forward and
-at most one backward, forward first. A value produced in tick ``t`` is sent at the end of the
-tick and can be used from tick ``t + 1`` on (the receiver buffers it). Hence a forward of
-``(mb, k)`` needs the forward of ``(mb, k-1)`` in an earlier tick, and a backward of ``(mb, k)``
-needs its own forward (same tick or earlier) and the backward of ``(mb, k+1)`` in an earlier tick.
+The execution model (ticks, stages, virtual stages, dependencies) is :mod:`meshtron.pipeline.table`'s.
 
 All three schedules give every stage the same op *order*, shifted in time: forward op ``j`` of
 stage ``s`` runs in tick ``j + s`` and backward op ``j`` in tick ``T0 + j + (p - 1 - s)``. The
