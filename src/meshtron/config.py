@@ -109,6 +109,8 @@ class TrainConfig:
     peak_flops: float | None = None  # one device's peak FLOP/s (e.g. 989e12, H100 bf16 dense): logs utilisation
     init_from: str | None = None  # a checkpoint directory (or step directory) a new run starts from
     init_optimizer: bool = False  # with init_from: also its optimizer state and position (continue that run)
+    zero: int = 0  # split over data: 0 nothing, 1 optimizer state (distributed optimizer), 3 also parameters (FSDP)
+    gather_once: bool = False  # zero=3: gather parameters once per step, not each layer's before each use
 
 
 OPTIMIZERS = ("adamw", "lamb", "onebit_lamb")
@@ -391,6 +393,13 @@ def validate(cfg: Config) -> None:
           "must be >= 0 (0 disables clipping) or null for the optimizer's default")
     _need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
     _need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
+    _need(t.zero in (0, 1, 3), "train.zero",
+          f"must be 0 (replicated), 1 (optimizer state split over data) or 3 (parameters too), got {t.zero!r}")
+    _need(not t.gather_once or t.zero == 3, "train.gather_once",
+          f"gathers parameters split by train.zero=3, and this run has train.zero={t.zero}; set train.zero=3 or drop it")
+    _need(t.zero == 0 or t.optimizer != "onebit_lamb", "train.zero",
+          "1-bit LAMB's error feedback compresses each worker's whole momentum, so its state cannot be split over "
+          "data; use train.zero=0 with train.optimizer=onebit_lamb")
     _need(
         t.batch_size % t.microbatches == 0,
         "train.batch_size",

@@ -48,8 +48,9 @@ the same; under it, it may communicate more (the compiler then chooses where to 
 
 from __future__ import annotations
 
+import contextlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,33 @@ def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs
     return make(keys)
 
 
+_layer_views: list[Callable[[dict], dict] | None] = [None]
+
+
+@contextlib.contextmanager
+def layer_parameters(view: Callable[[dict], dict] | None) -> Iterator[None]:
+    """Blocks traced inside this run on ``view(parameters)`` of each layer (a pure dict shaped like one
+    layer of ``blocks``) instead of the parameters themselves.
+
+    The trainer uses it to keep parameters split across devices between uses and gather each layer's
+    just before that layer runs (fully sharded data parallelism); the model does nothing for it.
+    """
+    _layer_views.append(view)
+    try:
+        yield
+    finally:
+        _layer_views.pop()
+
+
+def layer_view(graphdef: Any, layer_state: Any) -> nnx.Module:
+    """One block from its layer's state, through the active :func:`layer_parameters` view."""
+    view = _layer_views[-1]
+    if view is not None:
+        layer_state = jax.tree.map(lambda v: v, layer_state)
+        nnx.replace_by_pure_dict(layer_state, view(nnx.to_pure_dict(layer_state)))
+    return nnx.merge(graphdef, layer_state)
+
+
 def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none",
                active: jax.Array | int | None = None):
     """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
@@ -169,7 +197,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     graphdef, state = nnx.split(blocks)
     if ctx.cache is None:
         def one_layer(h, layer_state):
-            return constrain(nnx.merge(graphdef, layer_state)(h, ctx), RESIDUAL), None
+            return constrain(layer_view(graphdef, layer_state)(h, ctx), RESIDUAL), None
 
         if remat == "full":
             one_layer = jax.checkpoint(one_layer, prevent_cse=False)

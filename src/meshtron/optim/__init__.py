@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from meshtron.config import Config, OptimConfig, TrainConfig, freeze_step
@@ -15,11 +17,26 @@ from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.masks import decay_from_axes, stacked_from_axes
 from meshtron.optim.onebit_lamb import OnebitLamb, OnebitLambState, onebit_lamb
 from meshtron.optim.reduce import data_parallel_mean
+from meshtron.optim.zero import ZeroPlan
 
 __all__ = [
-    "OnebitLamb", "OnebitLambState", "OptimizerSetup", "build_optimizer", "compressed_allreduce",
-    "data_parallel_mean", "decay_from_axes", "grad_clip_norm", "layerwise_lamb", "learning_rate_schedule",
-    "manual_part", "onebit_lamb", "opt_state_specs", "optimizer_setup", "stacked_from_axes",
+    "OnebitLamb",
+    "OnebitLambState",
+    "OptimizerSetup",
+    "ZeroPlan",
+    "build_optimizer",
+    "clip_by_global_norm",
+    "compressed_allreduce",
+    "data_parallel_mean",
+    "decay_from_axes",
+    "grad_clip_norm",
+    "layerwise_lamb",
+    "learning_rate_schedule",
+    "manual_part",
+    "onebit_lamb",
+    "opt_state_specs",
+    "optimizer_setup",
+    "stacked_from_axes",
 ]
 
 
@@ -55,16 +72,35 @@ def grad_clip_norm(cfg: TrainConfig) -> float:
     return 0.0 if cfg.optimizer == "onebit_lamb" else 1.0
 
 
-def _clipped(cfg: TrainConfig, base: optax.GradientTransformation) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float, zero: ZeroPlan | None = None) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm``, with the norm of the whole gradient when each data rank holds
+    a share of it (``zero``: the plan that split it)."""
+    if zero is None or not zero.active:
+        return optax.clip_by_global_norm(max_norm)
+
+    def update(updates, state, params=None):
+        del params
+        squares = zero.sum_squares(jax.tree.map(lambda g: jnp.sum(jnp.square(g)), updates))
+        norm = jnp.sqrt(sum(jax.tree.leaves(squares)))
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _clipped(cfg: TrainConfig, base: optax.GradientTransformation, zero: ZeroPlan | None = None):
     norm = grad_clip_norm(cfg)
-    return optax.chain(optax.clip_by_global_norm(norm), base) if norm > 0 else base
+    return optax.chain(clip_by_global_norm(norm, zero), base) if norm > 0 else base
 
 
-def build_optimizer(cfg: TrainConfig, axes: Any, optim: OptimConfig | None = None) -> optax.GradientTransformation:
+def build_optimizer(cfg: TrainConfig, axes: Any, optim: OptimConfig | None = None,
+                    zero: ZeroPlan | None = None) -> optax.GradientTransformation:
     """Clipping + AdamW or (layerwise) LAMB on the learning-rate schedule; expects reduced gradients.
 
     ``axes``: the model's logical axes (a tree shaped like the parameters, e.g.
     ``ModelDef.logical_axes()``); weight decay and LAMB's per-layer trust ratios are read from them.
+    ``zero``: how gradients, parameters and state are split over ``data`` (norms are then summed
+    over the ranks' shares).
     """
     optim = optim or OptimConfig()
     schedule = learning_rate_schedule(cfg)
@@ -75,9 +111,10 @@ def build_optimizer(cfg: TrainConfig, axes: Any, optim: OptimConfig | None = Non
     if cfg.optimizer == "adamw":
         base = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=cfg.weight_decay, mask=decay)
     else:
+        complete = zero.sum_squares if zero is not None and zero.active else None
         base = layerwise_lamb(schedule, b1=b1, b2=b2, eps=eps, weight_decay=cfg.weight_decay, mask=decay,
-                              stacked=stacked_from_axes(axes))
-    return _clipped(cfg, base)
+                              stacked=stacked_from_axes(axes), complete_sums=complete)
+    return _clipped(cfg, base, zero)
 
 
 @dataclass(frozen=True)
@@ -101,15 +138,16 @@ class OptimizerSetup:
         return "compression" if updates_done >= self.freeze_step else "warmup"
 
 
-def optimizer_setup(cfg: Config, axes: Any, param_specs: Any = None) -> OptimizerSetup:
+def optimizer_setup(cfg: Config, axes: Any, param_specs: Any = None, zero: ZeroPlan | None = None) -> OptimizerSetup:
     """The configured optimizer for a model with logical ``axes`` (weight decay and per-layer trust
     ratios follow from them: :mod:`meshtron.optim.masks`). For 1-bit LAMB, ``param_specs`` (the parameters' shardings or
     specs) let every device compress its own shard of the momentum under tensor/pipeline
     parallelism; gradient clipping, if asked for, sees each shard's local gradient (as in
-    DeepSpeed's compression stage)."""
+    DeepSpeed's compression stage). ``zero``: the optimizer state is split over ``data`` as it says
+    (the train step then reduce-scatters the gradients instead of ``reduction``)."""
     t = cfg.train
     if t.optimizer != "onebit_lamb":
-        return OptimizerSetup(build_optimizer(t, axes, cfg.optim), data_parallel_mean("data"))
+        return OptimizerSetup(build_optimizer(t, axes, cfg.optim, zero), data_parallel_mean("data"))
     o = cfg.optim
     b1, b2, eps = _moments("onebit_lamb", o)
     warmup = freeze_step(cfg)

@@ -19,9 +19,18 @@ import optax
 from meshtron.optim.masks import tree_or_call
 
 
+def layer_squares(x: jax.Array, stacked: bool) -> jax.Array:
+    """Sum of squares per layer: ``[layers]`` for a stacked leaf, a scalar otherwise."""
+    return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)) if stacked else None)
+
+
 def layer_norm(x: jax.Array, stacked: bool) -> jax.Array:
     """L2 norm per layer: ``[layers]`` for a stacked leaf, a scalar otherwise."""
-    return jnp.sqrt(jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)) if stacked else None))
+    return jnp.sqrt(layer_squares(x, stacked))
+
+
+def _identity(tree: Any) -> Any:
+    return tree
 
 
 def per_layer(value: jax.Array, like: jax.Array) -> jax.Array:
@@ -29,17 +38,19 @@ def per_layer(value: jax.Array, like: jax.Array) -> jax.Array:
     return value.reshape(value.shape + (1,) * (like.ndim - value.ndim))
 
 
-def _trust_scale(update: jax.Array, param: jax.Array, stacked: bool) -> jax.Array:
-    param_norm, update_norm = layer_norm(param, stacked), layer_norm(update, stacked)
+def _trust_ratio(param_norm: jax.Array, update_norm: jax.Array) -> jax.Array:
     # A zero weight or update norm leaves the update unscaled (ratio 1), as in optax and DeepSpeed.
-    ratio = jnp.where((param_norm == 0) | (update_norm == 0), 1.0, param_norm / jnp.where(update_norm == 0, 1.0, update_norm))
-    return update * per_layer(ratio, update).astype(update.dtype)
+    return jnp.where((param_norm == 0) | (update_norm == 0), 1.0, param_norm / jnp.where(update_norm == 0, 1.0, update_norm))
 
 
-def scale_by_layerwise_trust_ratio(stacked: Any = None) -> optax.GradientTransformation:
+def scale_by_layerwise_trust_ratio(stacked: Any = None, complete_sums=None) -> optax.GradientTransformation:
     """Scale each layer's update by ``||w|| / ||u||``. ``stacked`` (a tree of bools, or a function of the
     parameters returning one; ``None``: no stacked leaves) marks leaves with a leading layers axis --
-    :func:`meshtron.optim.stacked_from_axes` reads it from the model's logical axes."""
+    :func:`meshtron.optim.stacked_from_axes` reads it from the model's logical axes.
+
+    ``complete_sums``: when each rank holds a share of every leaf (ZeRO), a function that turns
+    per-leaf partial sums of squares into whole ones (:meth:`meshtron.optim.zero.ZeroPlan.sum_squares`)."""
+    complete = complete_sums or _identity
 
     def init(params: optax.Params) -> optax.EmptyState:
         del params
@@ -49,7 +60,10 @@ def scale_by_layerwise_trust_ratio(stacked: Any = None) -> optax.GradientTransfo
         if params is None:
             raise ValueError("scale_by_layerwise_trust_ratio needs the parameters: pass params to update()")
         flags = jax.tree.map(lambda _: False, params) if stacked is None else tree_or_call(stacked, params)
-        scaled = jax.tree.map(_trust_scale, updates, params, flags)
+        param_norms = jax.tree.map(jnp.sqrt, complete(jax.tree.map(layer_squares, params, flags)))
+        update_norms = jax.tree.map(jnp.sqrt, complete(jax.tree.map(layer_squares, updates, flags)))
+        scaled = jax.tree.map(lambda u, pn, un: u * per_layer(_trust_ratio(pn, un), u).astype(u.dtype),
+                              updates, param_norms, update_norms)
         return scaled, state
 
     return optax.GradientTransformation(init, update)
@@ -64,11 +78,13 @@ def layerwise_lamb(
     weight_decay: float = 0.0,
     mask=None,
     stacked: Any = None,
+    complete_sums=None,
 ) -> optax.GradientTransformation:
-    """``optax.lamb`` with per-layer trust ratios for stacked leaves (same chain otherwise)."""
+    """``optax.lamb`` with per-layer trust ratios for stacked leaves (same chain otherwise);
+    ``complete_sums`` as in :func:`scale_by_layerwise_trust_ratio`."""
     return optax.chain(
         optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
         optax.add_decayed_weights(weight_decay, mask),
-        scale_by_layerwise_trust_ratio(stacked),
+        scale_by_layerwise_trust_ratio(stacked, complete_sums),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -28,7 +28,7 @@ from meshtron.errors import ConfigError, NonFiniteLossError, RunStopped
 from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.contract import ModelFactory
-from meshtron.optim import OptimizerSetup, learning_rate_schedule, optimizer_setup
+from meshtron.optim import OptimizerSetup, ZeroPlan, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
 from meshtron.pipeline.layout import StageLayout
 from meshtron.run import Run, resolve_run
@@ -111,11 +111,13 @@ class Trainer:
             cfg.data, seq_len=cfg.model.seq_len, batch_size=t.batch_size, vocab_size=model_def.vocab_size,
             seed=t.seed, samples=t.steps * t.batch_size, eval_samples=t.eval_batches * t.batch_size,
         )
-        optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=model_def.shardings(mesh))
+        specs = model_def.shardings(mesh)
+        zero = ZeroPlan.build(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh.shape["data"])
+        optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=specs, zero=zero)
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
             microbatches=cfg.train.microbatches, program=run.program, layout=layout, stages=optimizer.stages,
-            skip_nonfinite=cfg.train.on_nonfinite == "skip",
+            skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, gather_once=t.gather_once,
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 
@@ -140,11 +142,12 @@ class Trainer:
     def init_params(self) -> Params:
         """Fresh parameters, sharded; with pipelining, block layers are put in stage order."""
         pipe = self.mesh.shape["pipe"]
+        shardings = self.steps.param_shardings
         if pipe == 1:
-            return self.model_def.init(self.mesh, self.cfg.train.seed)
+            return self.model_def.init(self.mesh, self.cfg.train.seed, shardings=shardings)
         reorder = partial(to_stage_order, layers=self.model_def.layers, stages=pipe, chunks=self.cfg.pipeline.chunks,
                           layout=self.stage_layout)
-        return self.model_def.init(self.mesh, self.cfg.train.seed, into=reorder)
+        return self.model_def.init(self.mesh, self.cfg.train.seed, into=reorder, shardings=shardings)
 
     def _canonical_shardings(self, shardings):
         """Where the model-order (checkpoint) state lives: as in training, except that with an uneven

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from meshtron.models.contract import RESIDUAL, Context, run_blocks, token_losses
+from meshtron.models.contract import RESIDUAL, Context, layer_view, run_blocks, token_losses
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.pipeline.schedules import Program, compile_program, forward_only
@@ -110,7 +110,7 @@ def stage_functions(model_def: ModelDef) -> StageFunctions:
     def layer(layer_blocks: Params, x: jax.Array) -> jax.Array:
         # One block, as run_blocks applies each: the stacked module's graph with one layer's values.
         graphdef, state = nnx.split(model_def.bind({"blocks": layer_blocks}).blocks)
-        return constrain(nnx.merge(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
+        return constrain(layer_view(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
 
     return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer)
 

@@ -188,11 +188,14 @@ class ModelDef:
             is_leaf=lambda x: isinstance(x, tuple),
         )
 
-    def init(self, mesh: Mesh, seed: int, into: Callable[[Params], Params] | None = None) -> Params:
+    def init(self, mesh: Mesh, seed: int, into: Callable[[Params], Params] | None = None,
+             shardings: Params | None = None) -> Params:
         """Parameters created sharded (jit with ``out_shardings``), then checked against the layout.
 
         ``into``: applied to the fresh parameters in the same program, before they are placed (the
-        pipeline's stage order, whose padded layer axis ``pipe`` may split where the model's does not)."""
+        pipeline's stage order, whose padded layer axis ``pipe`` may split where the model's does not).
+        ``shardings``: where to place them, when not as the rules say (a training layout that also
+        splits them over ``data``)."""
 
         def create() -> Params:
             with nnx.use_eager_sharding(False):
@@ -200,7 +203,7 @@ class ModelDef:
             params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
             return params if into is None else into(params)
 
-        shardings = self.shardings(mesh)
+        shardings = self.shardings(mesh) if shardings is None else shardings
         with jax.set_mesh(mesh), self.scope():
             params = jax.jit(create, out_shardings=shardings)()
         check_layout(params, shardings)

@@ -34,14 +34,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.hlo.collectives import collectives
+from meshtron.models.contract import layer_parameters
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
+from meshtron.optim.zero import ZeroPlan, no_zero
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import Program
 from meshtron.train.pipelined import pipelined_gradients, pipelined_loss
 from meshtron.train.state import ModelDef, Params
 
 DATA = "data"
+LAYER_KEYS = frozenset({"blocks"})  # the contract's stacked layers, gathered one layer at a time at zero=3
 SINGLE_STAGE = {"train": {}}
 
 
@@ -114,6 +117,8 @@ def build_steps(
     layout: StageLayout | None = None,
     stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
     skip_nonfinite: bool = False,
+    zero: ZeroPlan | None = None,
+    gather_once: bool = False,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -126,8 +131,21 @@ def build_steps(
     executing that schedule over the microbatches; block parameters are then in stage order
     (:mod:`meshtron.train.pipelined`), padded as an uneven ``layout`` says. ``stages`` maps each stage name to the extra keyword
     arguments of ``optimizer.update`` in that stage (one stage with none by default).
+
+    With an active ``zero`` plan (:mod:`meshtron.optim.zero`) the optimizer state is split over
+    ``data``: the local gradients are reduce-scattered instead of all-reduced (``reduction`` is not
+    used), each rank updates its share, and the updated shares are all-gathered -- or, at level 3,
+    parameters stay split: each layer's are all-gathered just before it runs (forward, and again for
+    the backward) and its gradient reduce-scattered as it is made, so no device ever holds all of
+    its stage's parameters or gradients (fully sharded data parallelism); with ``gather_once`` they
+    are all-gathered once when the step starts instead (the traffic of level 1, the parameter
+    memory of level 0 while the step runs). ``optimizer`` must have been built with the same plan
+    (its norms sum over the shares).
     """
-    param_shardings = model_def.shardings(mesh)
+    shapes = model_def.shapes()
+    zero = zero or no_zero(shapes)
+    model_specs = model_def.shardings(mesh)
+    param_shardings = _named(mesh, zero.specs(model_specs)) if zero.shards_params else model_specs
     # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so
     # values cannot be re-typed from "varying" to "replicated" over ``data``; the varying-axes check
     # is then switched off, which is exact because every value lives on that single shard.
@@ -166,24 +184,48 @@ def build_steps(
     def init_state(p: Params) -> OptState:
         return OptState(reduction.init(p), optimizer.init(p))
 
-    # Optimizer state is laid out like the parameters it mirrors (moments are tensor-sharded too);
-    # per-device parts (1-bit LAMB's error buffers) are split over the mesh; the rest is replicated.
-    shapes = model_def.shapes()
+    # Optimizer state is laid out like the parameters it mirrors (moments are tensor-sharded too,
+    # and split over data by an active zero plan); per-device parts (1-bit LAMB's error buffers)
+    # are split over the mesh; the rest is replicated.
     with jax.set_mesh(mesh):
-        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), shapes, param_shardings, mesh, DATA)
-    opt_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs, is_leaf=lambda x: isinstance(x, P))
+        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), shapes, zero.specs(model_specs), mesh, DATA)
+    opt_shardings = _named(mesh, state_specs)
     state_data_specs = manual_part(state_specs, {DATA})
+    param_data_specs = manual_part(zero.specs(model_specs), {DATA}) if zero.shards_params else P()
+
+    def reduced(params: Params, opt_state: OptState, tokens: jax.Array):
+        """Loss, reduced gradients, the parameters the optimizer updates, and the gradient's norm."""
+        if not zero.active:
+            loss, grads = shard_gradients(local(params), tokens)
+            grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
+            return loss, grads, params, reduction_state, optax.tree.norm(grads)
+        if not zero.shards_params:
+            loss, grads = shard_gradients(local(params), tokens)
+            grads = zero.scatter_mean(grads)
+        elif gather_once:
+            loss, grads = shard_gradients(local(zero.gather(params)), tokens)
+            grads = zero.scatter_mean(grads)
+        else:  # each layer gathered as it runs; its gradient comes back reduce-scattered
+            whole = zero.gather(params, keep=LAYER_KEYS)
+            whole = jax.tree.map(lambda x, split: x if split else local(x), whole, zero.arrives_split(LAYER_KEYS))
+            with layer_parameters(zero.layer_view()):
+                loss, grads = shard_gradients(whole, tokens)
+            grads = zero.scatter_mean(grads, summed=LAYER_KEYS)
+        own = params if zero.shards_params else zero.shard(params)
+        norm = jnp.sqrt(sum(jax.tree.leaves(zero.sum_squares(jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads)))))
+        return loss, grads, own, opt_state.reduction, norm
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
-        loss, grads = shard_gradients(local(params), tokens)
-        grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
-        grad_norm = optax.tree.norm(grads)
-        updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, params, **stages[stage])
-        new_params = optax.apply_updates(params, updates)
+        loss, grads, own, reduction_state, grad_norm = reduced(params, opt_state, tokens)
+        updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, own, **stages[stage])
+        new_own = optax.apply_updates(own, updates)
+        new_params = zero.gather(new_own) if zero.active and not zero.shards_params else new_own
         new_state = OptState(reduction_state, optimizer_state)
         applied = jnp.bool_(True)
         if skip_nonfinite:
             applied = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+            if zero.active:  # each rank saw its own share of the update: all must agree
+                applied = jax.lax.pmin(applied.astype(jnp.int32), DATA) > 0
             new_params, new_state = jax.tree.map(
                 lambda new, old: jnp.where(applied, new, old), (new_params, new_state), (params, opt_state)
             )
@@ -192,8 +234,8 @@ def build_steps(
     def train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         return data_shard_map(
             partial(per_shard_train, stage=stage),
-            (P(), state_data_specs, P(DATA)),
-            (P(), state_data_specs, StepMetrics(P(DATA), P(DATA), P(DATA))),
+            (param_data_specs, state_data_specs, P(DATA)),
+            (param_data_specs, state_data_specs, StepMetrics(P(DATA), P(DATA), P(DATA))),
         )(params, opt_state, tokens)
 
     def per_shard_gradients(params: Params, tokens: jax.Array):
@@ -212,8 +254,12 @@ def build_steps(
     scoped = model_def.traced
     return TrainSteps(
         mesh, param_shardings, opt_shardings, batch_sharding, tuple(stages),
-        train=scoped(train), evaluate=scoped(evaluate), gradients=scoped(gradients), init_state=init_state,
+        train=scoped(train), evaluate=scoped(evaluate), gradients=scoped(gradients), init_state=init_state, zero=zero,
     )
+
+
+def _named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 class TrainSteps:
@@ -224,8 +270,9 @@ class TrainSteps:
     """
 
     def __init__(self, mesh: Mesh, param_shardings, opt_shardings, batch_sharding, stages: tuple[str, ...], *,
-                 train, evaluate, gradients, init_state):
+                 train, evaluate, gradients, init_state, zero: ZeroPlan | None = None):
         self.mesh = mesh
+        self.zero = zero  # how parameters and optimizer state are split over data
         self.param_shardings = param_shardings
         self.opt_shardings = opt_shardings
         self.batch_sharding = batch_sharding

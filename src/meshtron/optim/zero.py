@@ -1,0 +1,215 @@
+"""Optimizer state (ZeRO-1) and parameters (ZeRO-3) split over the data-parallel axis.
+
+Every data-parallel rank computes the same update from the same reduced gradient, so with plain
+data parallelism each one holds -- and updates -- a full copy of the optimizer state. ZeRO splits
+that work: each rank keeps the state of a ``1/d`` share of every parameter, receives only that
+share of the reduced gradient (a reduce-scatter, which moves the bytes of half an all-reduce),
+updates it, and the ranks all-gather the updated parameters (the other half). The bytes crossing
+``data`` per step stay those of the all-reduce; the optimizer state per device is divided by ``d``.
+At ``zero=3`` the parameters themselves stay split between steps and are gathered when a step
+starts.
+
+**Where a leaf is split.** Along one dimension the mesh does not already split (``tensor`` and
+``pipe`` keep theirs, so the share is local on every tensor/pipeline rank and splitting needs no
+data movement across those axes), never a stacked ``layers`` axis (LAMB's per-layer norms then
+stay whole on every rank after one sum over ``data``), and only one that ``d`` divides: the
+largest such dimension. Checkpoints stay canonical: the state has the parameters' shapes, only
+its sharding changes, so it restores onto any mesh and any zero level. A leaf with no such
+dimension (a bias split over ``tensor``, a dimension ``d`` does not divide) stays whole on every
+data rank, reduced with an all-reduce and updated redundantly; :meth:`ZeroPlan.replicated` lists
+them and ``meshtron describe`` prints their bytes.
+
+Norms over the whole gradient (clipping) or over a layer (LAMB's trust ratio) are then sums of
+per-rank partial sums: :meth:`ZeroPlan.sum_squares` adds the split leaves' over ``data``.
+
+All methods that communicate run inside the trainer's ``shard_map`` that is manual over ``data``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from meshtron.sharding import manual_part
+from meshtron.trees import leaf_names
+
+ZERO_LEVELS = (0, 1, 3)
+
+
+def _entries(spec: P, ndim: int) -> list[Any]:
+    return list(spec) + [None] * (ndim - len(spec))
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    """For every parameter leaf, the dimension split over ``axis`` (``None``: kept whole).
+
+    ``level`` 0 splits nothing; 1 splits the optimizer state and the update; 3 also the parameters
+    between steps. ``dims`` is a tree shaped like the parameters.
+    """
+
+    level: int
+    size: int
+    dims: Any
+    param_specs: Any = None  # the parameters' own PartitionSpecs (tensor, pipe), a tree
+    names: tuple[str, ...] = ()
+    nbytes: tuple[int, ...] = ()
+    axis: str = "data"
+
+    @classmethod
+    def build(cls, level: int, shapes: Any, specs: Any, stacked: Any, size: int, axis: str = "data") -> ZeroPlan:
+        """The plan for parameters of ``shapes`` laid out by ``specs`` (``PartitionSpec`` s or
+        shardings) on a mesh whose ``axis`` has ``size`` devices; ``stacked`` marks leaves with a
+        leading ``layers`` axis."""
+        if level not in ZERO_LEVELS:
+            raise ValueError(f"train.zero: {level!r} is not one of {ZERO_LEVELS}")
+        treedef = jax.tree.structure(shapes)
+        spec_leaves = [getattr(s, "spec", s) for s in treedef.flatten_up_to(specs)]
+
+        def choose(shape, spec, is_stacked) -> int | None:
+            if level == 0 or size == 1:
+                return None
+            free = [k for k, entry in enumerate(_entries(spec, len(shape.shape)))
+                    if entry is None and not (is_stacked and k == 0) and shape.shape[k] % size == 0]
+            return max(free, key=lambda k: (shape.shape[k], -k), default=None)
+
+        leaves = jax.tree.leaves(shapes)
+        dims = [choose(s, p, st) for s, p, st in zip(leaves, spec_leaves, treedef.flatten_up_to(stacked), strict=True)]
+        nbytes = tuple(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in leaves)
+        return cls(level, size, treedef.unflatten(dims), treedef.unflatten(spec_leaves), tuple(leaf_names(shapes)),
+                   nbytes, axis)
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is split (level > 0 on more than one data rank)."""
+        return self.level > 0 and self.size > 1
+
+    @property
+    def shards_params(self) -> bool:
+        return self.active and self.level == 3
+
+    def _dim_leaves(self) -> list[int | None]:
+        return jax.tree.leaves(self.dims, is_leaf=lambda x: x is None)
+
+    def replicated(self) -> list[tuple[str, int]]:
+        """``(name, bytes)`` of the leaves kept whole on every data rank although the plan is active."""
+        if not self.active:
+            return []
+        return [(n, b) for n, b, d in zip(self.names, self.nbytes, self._dim_leaves(), strict=True) if d is None]
+
+    def split_flags(self) -> Any:
+        """``True`` where a leaf is split over ``axis`` (a tree shaped like the parameters)."""
+        return jax.tree.map(lambda d: d is not None, self.dims, is_leaf=lambda x: x is None)
+
+    def specs(self, specs: Any) -> Any:
+        """``specs`` (or shardings) with ``axis`` added on every split leaf's dimension."""
+
+        def add(spec, dim):
+            spec = getattr(spec, "spec", spec)
+            if dim is None:
+                return spec
+            entries = _entries(spec, dim + 1)
+            entries[dim] = self.axis
+            return P(*entries)
+
+        return jax.tree.map(add, specs, self.dims, is_leaf=lambda x: isinstance(x, P) or hasattr(x, "spec"))
+
+    # ---- inside the data-parallel shard_map ---------------------------------------------------
+
+    def _map(self, fn, tree, dims=None, specs=None):
+        """``fn(leaf, dim)`` on every leaf, run on each device's own block of it.
+
+        The collectives over ``data`` act on blocks that ``tensor`` and ``pipe`` already split: left
+        to the compiler inside a region manual over ``data`` only, XLA's partitioner gathers a
+        tensor-split operand whole before a reduce-scatter over ``data`` (measured: an all-gather
+        over ``tensor`` per leaf and the data traffic multiplied). Manual over every axis, each
+        device reduces exactly its block.
+        """
+        dims = self.dims if dims is None else dims
+        specs = self.param_specs if specs is None else specs
+        body = lambda t: jax.tree.map(fn, t, dims, is_leaf=lambda x: x is None)
+        mesh = jax.sharding.get_abstract_mesh()
+        auto = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
+        if not auto or specs is None:
+            return body(tree)
+        specs = manual_part(specs, auto)
+        return jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs, axis_names=set(auto))(tree)
+
+    def shard(self, tree: Any) -> Any:
+        """This rank's share of a tree that every rank holds whole."""
+        def take(x, dim):
+            if dim is None:
+                return x
+            n = x.shape[dim] // self.size
+            return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.axis) * n, n, axis=dim)
+
+        return self._map(take, tree)
+
+    def scatter_mean(self, grads: Any, summed: frozenset[str] = frozenset()) -> Any:
+        """Local gradients averaged over ``axis``, each rank receiving its share of the split leaves
+        (one reduce-scatter each) and the whole of the others (an all-reduce).
+
+        ``summed``: top-level keys whose split leaves arrive already reduce-scattered -- the gradient
+        of a layer gathered by :meth:`layer_view` is its all-gather's transpose -- and are only
+        divided by the number of ranks."""
+
+        def reduce(g, how):
+            dim, arrived_summed = how
+            if dim is None:
+                return jax.lax.pmean(g, self.axis)
+            if arrived_summed:
+                return g / self.size
+            return jax.lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True) / self.size
+
+        how = {k: jax.tree.map(lambda d, _k=k: (d, _k in summed), v, is_leaf=lambda x: x is None)
+               for k, v in self.dims.items()}
+        return self._map(reduce, grads, dims=how)
+
+    def gather(self, tree: Any, keep: frozenset[str] = frozenset()) -> Any:
+        """Whole leaves from every rank's share (an all-gather each); the result is the same on every
+        rank. Leaves under the top-level keys ``keep`` stay as they are (split)."""
+        dims = {k: jax.tree.map(lambda d: None, v, is_leaf=lambda x: x is None) if k in keep else v
+                for k, v in self.dims.items()}
+        return self._map(lambda x, dim: x if dim is None else
+                         jax.lax.all_gather(x, self.axis, axis=dim, tiled=True, to="invarying"), tree, dims=dims)
+
+    def arrives_split(self, keep: frozenset[str]) -> Any:
+        """``True`` for the leaves :meth:`gather` with ``keep`` leaves split (a tree like the parameters)."""
+        return {k: jax.tree.map(lambda d, _k=k: _k in keep and d is not None, v, is_leaf=lambda x: x is None)
+                for k, v in self.dims.items()}
+
+    def layer_view(self, key: str = "blocks"):
+        """A :func:`meshtron.models.contract.layer_parameters` view: one layer of the stacked ``key``
+        parameters (its leading ``layers`` axis gone), gathered whole from this rank's shares.
+
+        Its transpose reduce-scatters the layer's gradient as the backward pass makes it. With
+        ``model.remat=full`` (and in a pipeline stage's recomputation) the backward gathers the layer
+        again, so a layer's whole parameters live only while it runs; without recomputation the
+        backward uses the forward's gathered parameters, which then live until it reaches them
+        (measured: the compiled step's temporaries are those of zero=1)."""
+        dims = jax.tree.map(lambda d: None if d is None else d - 1, self.dims[key], is_leaf=lambda x: x is None)
+        specs = jax.tree.map(lambda p: P(*tuple(p)[1:]), self.param_specs[key], is_leaf=lambda x: isinstance(x, P))
+
+        def gather(layer):
+            return self._map(lambda x, dim: x if dim is None else
+                             jax.lax.all_gather(x, self.axis, axis=dim, tiled=True), layer, dims=dims, specs=specs)
+
+        return gather
+
+    def sum_squares(self, squares: Any, split: Any = None) -> Any:
+        """Per-leaf sums of squares made whole: those of split leaves summed over ``axis``.
+
+        ``squares`` is shaped like the parameters (a scalar or a per-layer vector per leaf);
+        ``split`` is :meth:`split_flags` (the default)."""
+        flags = self.split_flags() if split is None else split
+        return jax.tree.map(lambda s, f: jax.lax.psum(s, self.axis) if f else s, squares, flags)
+
+
+def no_zero(shapes: Any) -> ZeroPlan:
+    """The plan that splits nothing (every leaf whole on every data rank)."""
+    return ZeroPlan(0, 1, jax.tree.map(lambda _: None, shapes))

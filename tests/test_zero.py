@@ -1,0 +1,221 @@
+"""Optimizer state (zero=1) and parameters (zero=3) split over ``data``: the same training, the memory
+and traffic the compiled step says, checkpoints that stay canonical."""
+
+import math
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from meshtron.checkpoint import CheckpointStore, abstract_like
+from meshtron.config import ConfigError, load_config
+from meshtron.hlo.collectives import collectives
+from meshtron.optim.zero import ZeroPlan
+from meshtron.train.loop import Trainer
+from meshtron.trees import leaf_names
+
+MODEL = ["model.layers=4", "model.hidden=32", "model.heads=8", "model.mlp_dim=64", "model.seq_len=16",
+         "train.batch_size=16", "train.warmup_steps=2", "train.eval_every=1000", "train.eval_batches=1"]
+
+
+def mesh(data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=2):
+    return [f"mesh.data={data}", f"mesh.pipe={pipe}", f"mesh.tensor={tensor}", f"pipeline.schedule={schedule}",
+            f"pipeline.chunks={chunks}", f"train.microbatches={microbatches}"]
+
+
+def trainer(*overrides, **kwargs) -> Trainer:
+    return Trainer.from_config(load_config(None, [*MODEL, *overrides]), **kwargs)
+
+
+# ---- the plan ---------------------------------------------------------------------------------------
+
+
+def test_a_leaf_is_split_along_its_largest_free_dimension_that_data_divides():
+    shapes = {"blocks": {"w": jax.ShapeDtypeStruct((4, 32, 64), np.float32),   # [layers, embed, mlp]
+                         "b": jax.ShapeDtypeStruct((4, 64), np.float32)},      # [layers, mlp]
+              "wte": jax.ShapeDtypeStruct((256, 32), np.float32),             # [vocab, embed]
+              "odd": jax.ShapeDtypeStruct((6, 3), np.float32)}
+    specs = {"blocks": {"w": P("pipe", None, "tensor"), "b": P("pipe", "tensor")}, "wte": P("tensor", None),
+             "odd": P()}
+    stacked = {"blocks": {"w": True, "b": True}, "wte": False, "odd": False}
+    plan = ZeroPlan.build(1, shapes, specs, stacked, size=4)
+    # the embed dimension of w (tensor splits mlp, pipe the layers); nothing is free in b; the embed of
+    # wte; odd has no dimension that 4 divides
+    assert plan.dims == {"blocks": {"w": 1, "b": None}, "wte": 1, "odd": None}
+    assert plan.specs(specs) == {"blocks": {"w": P("pipe", "data", "tensor"), "b": P("pipe", "tensor")},
+                                 "wte": P("tensor", "data"), "odd": P()}
+    assert plan.replicated() == [("blocks.b", 4 * 64 * 4), ("odd", 6 * 3 * 4)]
+    assert not ZeroPlan.build(1, shapes, specs, stacked, size=1).active  # one data rank: nothing to split
+    assert ZeroPlan.build(0, shapes, specs, stacked, size=4).replicated() == []
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.zero=2", "train.zero: must be 0 (replicated), 1 (optimizer state split over data) or 3"),
+    ("train.gather_once=true", ("train.gather_once: gathers parameters split by train.zero=3, and this run has "
+                               "train.zero=0")),
+])
+def test_bad_zero_settings_are_one_line(override, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [override])
+
+
+def test_onebit_lamb_says_why_its_state_cannot_be_split():
+    with pytest.raises(ConfigError, match=r"^train.zero: 1-bit LAMB's error feedback compresses each worker's whole "
+                                          r"momentum, so its state cannot be split over data; use train.zero=0"):
+        load_config(None, ["train.zero=1", "train.optimizer=onebit_lamb"])
+
+
+# ---- the same training ------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "2x2x2-interleaved": mesh(2, 2, 2, "interleaved", 2, 4),
+    "4x1x2": mesh(4, 1, 2),
+    "2x2x2-zbh1-llama": [*mesh(2, 2, 2, "zb-h1", 1, 4), "model.family=llama", "model.kv_heads=4"],
+    "8x1x1-lamb": [*mesh(8, 1, 1), "train.optimizer=lamb"],
+    "2x1x4-sequence-parallel": [*mesh(2, 1, 4), "model.sequence_parallel=true", "model.remat=full"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_zero_levels_train_like_replicated_state(layout):
+    steps = ["train.steps=3"]
+    reference = trainer(*layout, *steps).run()
+    variants = [["train.zero=1"], ["train.zero=3"]]
+    if "interleaved" in layout[3]:
+        variants.append(["train.zero=3", "train.gather_once=true"])
+    for zero in variants:
+        result = trainer(*layout, *steps, *zero).run()
+        np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5, err_msg=str(zero))
+        jax.tree.map(lambda a, b, zero=zero: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(zero)),
+                     jax.device_get(result.params), jax.device_get(reference.params))
+
+
+@pytest.mark.slow
+def test_a_users_model_trains_alike_at_every_zero_level(monkeypatch):
+    monkeypatch.syspath_prepend("tests/models")
+    import parallel_lm
+
+    def run(*zero):
+        t = Trainer.from_config(load_config(None, [*MODEL, *mesh(2, 2, 2, microbatches=2), "train.steps=3", *zero]),
+                                model=parallel_lm.factory, rules=parallel_lm.RULES)
+        return t.run()
+
+    reference = run()
+    for zero in (["train.zero=1"], ["train.zero=3"]):
+        np.testing.assert_allclose(run(*zero).losses, reference.losses, rtol=1e-5)
+
+
+# ---- memory and traffic of the compiled step ----------------------------------------------------------
+
+
+def per_device(shapes, shardings) -> int:
+    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+               for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True))
+
+
+def compiled(*overrides):
+    t = trainer(*overrides, read_data=False)
+    params = abstract_like(t.training_shapes(t.model_def.shapes()), t.steps.param_shardings)
+    with jax.set_mesh(t.mesh):
+        opt_state = abstract_like(jax.eval_shape(t.steps.init_state_fn, params), t.steps.opt_shardings)
+    tokens = jax.ShapeDtypeStruct((t.cfg.train.batch_size, t.cfg.model.seq_len + 1), np.int32,
+                                  sharding=t.steps.batch_sharding)
+    program = t.steps.compile(params, opt_state, tokens)
+    # what one device holds, read from the shardings the compiled program takes
+    param_in, opt_in = program.input_shardings[0][:2]
+
+    data = sum(c.total_wire_bytes for c in collectives(program, t.mesh) if "data" in c.axes)
+    whole = {n for n, _ in t.steps.zero.replicated()}  # the leaves the plan could not split
+    kept = [(x, s) for n, x, s in zip(leaf_names(params), jax.tree.leaves(params), jax.tree.leaves(param_in),
+                                      strict=True) if n in whole]
+    return t, per_device(params, param_in), per_device(opt_state, opt_in), data, per_device(*zip(*kept)) if kept else 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [mesh(8, 1, 1, microbatches=2), mesh(2, 2, 2, "interleaved", 2, 4)],
+                         ids=["8x1x1", "2x2x2-interleaved"])
+def test_compiled_state_and_traffic_per_device(layout):
+    t0, params0, opt0, data0, _ = compiled(*layout)
+    _t1, params1, opt1, data1, kept = compiled(*layout, "train.zero=1")
+    _, params3, opt3, _, _ = compiled(*layout, "train.zero=3")
+    _, params3once, opt3once, data3once, _ = compiled(*layout, "train.zero=3", "train.gather_once=true")
+    d = t0.mesh.shape["data"]
+    # ``kept``: bytes per device of the leaves that stay whole on every data rank (biases split over tensor)
+    assert params1 == params0 and opt1 < opt0
+    # optimizer state: 1/d of it, except the 2 moments of what stays whole
+    assert opt1 == pytest.approx((opt0 - 2 * kept) / d + 2 * kept, rel=0.02)
+    assert params3 == pytest.approx((params0 - kept) / d + kept, rel=0.02) and opt3 == opt1
+    assert params3once == params3 and opt3once == opt3
+    # a reduce-scatter and an all-gather move what the all-reduce moved
+    assert data1 == pytest.approx(data0, rel=0.05)
+    assert data3once == pytest.approx(data0, rel=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat, gathers", [("none", 1), ("full", 2)])
+def test_zero3_traffic_is_its_formula(remat, gathers):
+    """Layer by layer, every microbatch gathers each layer's parameters ``gathers`` times (forward; again in
+    the backward with recomputation -- without it the backward uses the forward's) and reduce-scatters
+    its gradient; the embedding and head are gathered and reduced once per step; what stays whole is
+    all-reduced. Ring bytes: (d-1)/d of a gather's or reduce-scatter's, twice that of an all-reduce."""
+    m = 2
+    t, _, _, data, kept = compiled(*mesh(8, 1, 1, microbatches=m), f"model.remat={remat}", "train.zero=3")
+    d = t.mesh.shape["data"]
+    shapes = t.model_def.shapes()
+    sizes = {n: math.prod(x.shape) * x.dtype.itemsize for n, x in zip(leaf_names(shapes), jax.tree.leaves(shapes))}
+    whole = {n for n, _ in t.steps.zero.replicated()}
+    blocks = sum(b for n, b in sizes.items() if n.startswith("blocks.") and n not in whole)
+    shared = sum(b for n, b in sizes.items() if not n.startswith("blocks.") and n not in whole)
+    ring = (d - 1) / d
+    expected = ring * (m * (gathers + 1) * blocks + 2 * shared) + 2 * ring * kept
+    assert data == pytest.approx(expected, rel=0.01)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------
+
+
+def assert_same_parameters(a, b):
+    """Equal bit for bit, up to the vocabulary's padding (which depends on the tensor-parallel size)."""
+
+    def same(x, y):
+        rows = min(x.shape[0], y.shape[0]) if x.ndim else None
+        np.testing.assert_array_equal(x[:rows], y[:rows])
+
+    jax.tree.map(same, jax.device_get(a), jax.device_get(b))
+
+
+@pytest.mark.slow
+def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
+    run = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=5"]
+    sharded = trainer(*mesh(8, 1, 1), "train.zero=3", *run, f"checkpoint.dir={tmp_path / 'z3'}")
+    straight = trainer(*mesh(8, 1, 1), "train.zero=3", "train.steps=4").run()
+    first = sharded.run()
+    assert first.losses == straight.losses  # saving changes nothing
+
+    # zero=3 (8,1,1) -> zero=0 (1,1,8): the same parameters and moments
+    replicated = trainer(*mesh(1, 1, 8), *run, f"checkpoint.dir={tmp_path / 'z3'}")
+    store = CheckpointStore(tmp_path / "z3", keep=5)
+    params, opt_state, position = replicated.restore(store)
+    assert position.step == 4
+    assert_same_parameters(params, first.params)
+
+    # and back: a zero=0 checkpoint read by zero=1 and zero=3 runs on (2,2,2)
+    replicated_run = trainer(*mesh(1, 1, 8), *run, f"checkpoint.dir={tmp_path / 'z0'}").run()
+    for zero in ("train.zero=1", "train.zero=3"):
+        other = trainer(*mesh(2, 1, 4), zero, *run, f"checkpoint.dir={tmp_path / 'z0'}")
+        params, opt_state, _ = other.restore(CheckpointStore(tmp_path / "z0", keep=5))
+        assert_same_parameters(params, replicated_run.params)
+        assert any("data" in str(x.sharding.spec) for x in jax.tree.leaves(opt_state.optimizer))
+
+    # a zero=1 run killed after its checkpoint resumes bit for bit
+    directory = tmp_path / "z1"
+    resumable = trainer(*mesh(4, 1, 2), "train.zero=1", *run, f"checkpoint.dir={directory}")
+    straight = trainer(*mesh(4, 1, 2), "train.zero=1", "train.steps=4").run()
+    resumable.run()
+    for step in (3, 4):
+        shutil.rmtree(directory / str(step), ignore_errors=True)
+    resumed = trainer(*mesh(4, 1, 2), "train.zero=1", *run, f"checkpoint.dir={directory}").run()
+    assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
