@@ -45,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files there (train.tensorboard)")
     train.add_argument("--print-config", action="store_true",
                        help="print the merged, validated config as YAML and exit (no training)")
-    sub.add_parser("describe", parents=[common], help="mesh, parameter layout and the compiled step's collectives")
+    describe = sub.add_parser("describe", parents=[common], help="mesh, parameter layout and the compiled step's collectives")
+    describe.add_argument("--compile", action="store_true",
+                          help="compile the train step for the mesh from abstract arrays even when the run would not "
+                               "fit this machine (nothing is allocated): compiled memory per device and collectives")
     launch = sub.add_parser("launch", parents=[common], help="train in N local processes (one distributed run)")
     launch.add_argument("--processes", type=int, required=True, metavar="N")
     launch.add_argument("--metrics", metavar="FILE.jsonl", help="written by process 0")
@@ -437,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from meshtron.describe import describe
 
-            describe(cfg, run=run)
+            describe(cfg, run=run, force_compile=args.compile)
     except ConfigError as err:
         _traceback_if_asked()
         print(f"meshtron: error: {err}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import jax
@@ -137,11 +138,17 @@ def optimizer_state_bytes(optimizer: str, weight_bytes: float, elements: float, 
 
 
 def run_memory(cfg: Config, rows: list[tuple], activation_bytes: float, data: int) -> RunMemory:
-    """This run's :class:`RunMemory` from :func:`parameter_rows` and the activation model."""
+    """This run's :class:`RunMemory` from :func:`parameter_rows` and the activation model. With
+    ``train.zero`` the optimizer state (1, 3) and the parameters and gradients (3) are split over the
+    ``data`` ranks (:mod:`meshtron.optim.zero`; what no data size divides stays whole, a small part)."""
     weights = float(sum(r[4] for r in rows))
     itemsize = np.dtype(cfg.model.param_dtype).itemsize
     optimizer, note = optimizer_state_bytes(cfg.train.optimizer, weights, weights / itemsize, data)
-    return RunMemory(weights, weights, optimizer, activation_bytes, note)
+    zero = cfg.train.zero if data > 1 else 0
+    if zero:
+        optimizer, note = optimizer / data, f"{note}, split over data={data} (zero={zero})"
+    held = weights / data if zero == 3 else weights
+    return RunMemory(held, held, optimizer, activation_bytes, note)
 
 
 def available_host_memory() -> int:
@@ -188,10 +195,39 @@ def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb"
     ]
 
 
-def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: Run | None = None) -> None:
+def print_compiled_memory(program, params, opt_state, seconds: float, trainer, out) -> None:
+    """Memory per device of the compiled train step: what its arguments hold (read from the shardings
+    the program takes), its temporaries, and the peak of the two."""
+    param_in, opt_in = program.input_shardings[0][:2]
+
+    def per_device(shapes, shardings) -> float:
+        return float(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                         for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
+
+    memory = program.memory_analysis()
+    zero = trainer.steps.zero
+    fmt = format_bytes
+    print(f"\ncompiled train step: memory per device (compiled in {seconds:.1f} s from abstract arrays; "
+          f"zero={trainer.cfg.train.zero})", file=out)
+    print(f"  {'parameters':24s} {fmt(per_device(params, param_in))}", file=out)
+    print(f"  {'optimizer state':24s} {fmt(per_device(opt_state, opt_in))}", file=out)
+    if memory is not None:
+        peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
+        print(f"  {'temporaries':24s} {fmt(memory.temp_size_in_bytes)} (activations, gradients, communication "
+              "buffers; XLA:CPU's buffer assignment)", file=out)
+        print(f"  {'peak':24s} {fmt(peak)} (arguments + temporaries; outputs reuse the donated arguments)", file=out)
+    if zero is not None and zero.replicated():
+        kept = sum(b for _, b in zero.replicated())
+        print(f"  {'whole on every data rank':24s} {len(zero.replicated())} leaves, {fmt(kept)} in all (no dimension "
+              "free of tensor/pipe that data divides)", file=out)
+
+
+def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: Run | None = None,
+             force_compile: bool = False) -> None:
     """Print the run ``cfg`` describes (``run``: already resolved). ``memory_budget``: the bytes this
     machine may give the compiled analysis (default: half of its available memory); above it,
-    planning mode."""
+    planning mode -- unless ``force_compile``: the step is then compiled for the mesh from abstract
+    arrays whatever the model's size (nothing is allocated), and its memory per device printed."""
     out = out or sys.stdout
     devices = jax.devices()
     requested = [cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor]
@@ -251,7 +287,10 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
 
     budget = available_host_memory() / 2 if memory_budget is None else memory_budget
     held = memory.total * math.prod(sizes)
-    if not on_devices or held > budget:
+    if force_compile and not on_devices:
+        raise ConfigError(f"--compile: the mesh needs {math.prod(sizes)} devices and this process has {len(devices)}; "
+                          "the CLI simulates up to 64 CPU devices, so use a mesh of at most 64")
+    if not force_compile and (not on_devices or held > budget):
         plan_lines = planned_step(cfg, sizes)
         print(f"\n{plan_lines[0]}", file=out)
         for line in plan_lines[1:]:
@@ -264,6 +303,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
         return
     from meshtron.train.loop import Trainer
 
+    started = time.perf_counter()
     trainer = Trainer.from_config(cfg, devices, read_data=False, run=run)
     params = abstract_like(trainer.training_shapes(trainer.model_def.shapes()), trainer.steps.param_shardings)
     with jax.set_mesh(trainer.mesh):
@@ -271,7 +311,10 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     tokens = jax.ShapeDtypeStruct((t.batch_size, m.seq_len + 1), np.int32, sharding=trainer.steps.batch_sharding)
     staged = len(trainer.steps.stages) > 1
     for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently
-        step = analyze(trainer.steps.compile(params, opt_state, tokens, stage), trainer.mesh)
+        program = trainer.steps.compile(params, opt_state, tokens, stage)
+        if stage == trainer.steps.stages[0]:
+            print_compiled_memory(program, params, opt_state, time.perf_counter() - started, trainer, out)
+        step = analyze(program, trainer.mesh)
         label = f" ({stage} stage)" if staged else ""
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
         print(step.table(), file=out)
