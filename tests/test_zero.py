@@ -2,6 +2,7 @@
 and traffic the compiled step says, checkpoints that stay canonical."""
 
 import math
+import re
 import shutil
 
 import jax
@@ -219,3 +220,23 @@ def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
         shutil.rmtree(directory / str(step), ignore_errors=True)
     resumed = trainer(*mesh(4, 1, 2), "train.zero=1", *run, f"checkpoint.dir={directory}").run()
     assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
+
+
+# ---- no stacked-gradient buffer ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [mesh(1, 4, 2, "1f1b", 1, 8), mesh(1, 4, 2, "zb-h1", 1, 8),
+                                    [*mesh(2, 2, 2, "interleaved", 2, 4), "train.zero=3"]],
+                         ids=["1x4x2-1f1b", "1x4x2-zbh1", "2x2x2-interleaved-zero3"])
+def test_the_pipelined_step_holds_no_gradient_buffer_beyond_one_stage(layout):
+    """Taking gradients through a whole-program pipeline can build a ``[stages, ...]`` stack of every
+    stage's weight gradients on each device. Every buffer of the compiled program shaped like a block
+    weight (here ``[..., 48, 40]``: hidden 48, an MLP of 80 split over 2 tensor ranks) holds at most
+    the layers of one stage."""
+    t, *_ = compiled(*layout, "model.layers=8", "model.hidden=48", "model.mlp_dim=80", "model.heads=4")
+    text = t.steps._compiled["train"].as_text()
+    shapes = {tuple(int(n) for n in s.split(",")) for s in re.findall(r"f32\[([0-9,]+)\]", text)}
+    weights = [s for s in shapes if s[-2:] in ((48, 40), (40, 48))]
+    per_stage = 8 // t.mesh.shape["pipe"]
+    assert weights and max(math.prod(s[:-2]) for s in weights) <= per_stage, sorted(weights)

@@ -1,0 +1,155 @@
+"""Per-device memory of real Llama models on their target meshes, compiled here without the hardware.
+
+For Llama-2 7B and 70B (their real dimensions, 4096-token sequences, bf16 compute with fp32
+parameters, AdamW), compiles the real train step from abstract arrays on 64 simulated devices --
+nothing is allocated -- across ``train.zero`` 0/1/3, recomputation and sequence parallelism, and
+prints per device: what the compiled program's arguments hold (parameters, optimizer state, read
+from the shardings it takes), its temporaries and the peak of the two, next to ``describe``'s
+model of the run and to the bytes-per-parameter arithmetic (16 bytes per parameter of fp32 AdamW
+training -- weights, gradients, two moments -- divided as the mesh and the zero level split them).
+
+    .venv/bin/python benchmarks/memory_at_scale.py          # about 5 minutes on 2 cores
+
+The temporaries are XLA:CPU's buffer assignment: attention through ``model.attention=xla``
+materialises the ``[batch, heads, seq, seq]`` scores (a GPU run would use cuDNN's fused attention),
+and bf16 buffers the CPU cannot compute on are also held converted to f32.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+
+import math  # noqa: E402
+import time  # noqa: E402
+
+import _common  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from meshtron.checkpoint import abstract_like  # noqa: E402
+from meshtron.config import load_config  # noqa: E402
+from meshtron.describe import parameter_rows, run_memory  # noqa: E402
+from meshtron.hlo.collectives import collectives  # noqa: E402
+from meshtron.train.loop import Trainer  # noqa: E402
+
+GB = 1e9
+GPU_GB = 80
+
+# (name, config, mesh (data, pipe, tensor), extra overrides)
+CASES = [
+    *[("7B", "llama2_7b", (8, 1, 8), [f"train.zero={z}", "model.sequence_parallel=true"]) for z in (0, 1, 3)],
+    ("7B", "llama2_7b", (8, 1, 8), ["train.zero=1", "model.sequence_parallel=true", "model.remat=selective"]),
+    ("7B", "llama2_7b", (8, 1, 8), ["train.zero=1"]),
+    *[("7B", "llama2_7b", (2, 4, 8), [f"train.zero={z}", "model.sequence_parallel=true", "train.microbatches=64"])
+      for z in (0, 1, 3)],
+    *[("7B", "llama2_7b", (8, 4, 2), [f"train.zero={z}"]) for z in (0, 1, 3)],
+    *[("70B", "llama2_70b", (2, 4, 8), [f"train.zero={z}", "train.gather_once=false"]) for z in (0, 1)],
+    ("70B", "llama2_70b", (2, 4, 8), ["train.zero=3", "train.gather_once=false", "train.microbatches=16"]),
+    ("70B", "llama2_70b", (2, 4, 8), ["train.zero=3", "train.gather_once=true"]),
+]
+
+
+def per_device(shapes, shardings) -> float:
+    return float(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                     for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
+
+
+def arithmetic(params: int, sizes: tuple[int, int, int], zero: int) -> float:
+    """16 bytes per parameter (fp32 weights 4, gradients 4, AdamW moments 8), split over pipe x tensor
+    and, by the zero level, over data."""
+    d, p, t = sizes
+    weights = grads = 4 / (d if zero == 3 else 1)
+    moments = 8 / (d if zero >= 1 else 1)
+    return params * (weights + grads + moments) / (p * t)
+
+
+def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str]) -> dict:
+    d, p, t = sizes
+    cfg = load_config(config, [f"mesh.data={d}", f"mesh.pipe={p}", f"mesh.tensor={t}", *extra])
+    started = time.perf_counter()
+    trainer = Trainer.from_config(cfg, jax.devices()[: d * p * t], read_data=False)
+    params = abstract_like(trainer.training_shapes(trainer.model_def.shapes()), trainer.steps.param_shardings)
+    with jax.set_mesh(trainer.mesh):
+        opt_state = abstract_like(jax.eval_shape(trainer.steps.init_state_fn, params), trainer.steps.opt_shardings)
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                  sharding=trainer.steps.batch_sharding)
+    program = trainer.steps.compile(params, opt_state, tokens)
+    seconds = time.perf_counter() - started
+    param_in, opt_in = program.input_shardings[0][:2]
+    memory = program.memory_analysis()
+    data_bytes = sum(c.total_wire_bytes for c in collectives(program, trainer.mesh) if "data" in c.axes)
+    rows = parameter_rows(trainer.model_def, dict(zip(("data", "pipe", "tensor"), sizes)))
+    from meshtron.describe import activation_figures
+
+    _, activations = activation_figures(trainer.resolved, trainer.model_def)
+    model = run_memory(trainer.cfg, rows, activations, d)
+    count = trainer.model_def.parameter_count()
+    c = trainer.cfg
+    return {
+        "model": name, "config": config, "mesh": list(sizes), "zero": c.train.zero,
+        "gather_once": c.train.gather_once, "remat": c.model.remat, "sequence_parallel": c.model.sequence_parallel,
+        "microbatches": c.train.microbatches, "parameters": count, "compile_seconds": round(seconds, 1),
+        "compiled": {"parameters": per_device(params, param_in), "optimizer": per_device(opt_state, opt_in),
+                     "temporaries": float(memory.temp_size_in_bytes),
+                     "peak": float(memory.argument_size_in_bytes + memory.temp_size_in_bytes)},
+        "data_wire_bytes": data_bytes,
+        "describe_model": {"weights": model.weights, "gradients": model.gradients, "optimizer": model.optimizer,
+                           "activations": model.activations, "total": model.total},
+        "arithmetic_16_bytes": arithmetic(count, sizes, c.train.zero),
+    }
+
+
+def main() -> None:
+    results = []
+    for case in CASES:
+        results.append(measure(*case))
+        r = results[-1]
+        print(f"  compiled {r['model']} {r['mesh']} zero={r['zero']} in {r['compile_seconds']} s", flush=True)
+    rows = []
+    for r in results:
+        c = r["compiled"]
+        label = f"zero={r['zero']}" + (" once" if r["gather_once"] else "")
+        rows.append([r["model"], "x".join(map(str, r["mesh"])), label, r["remat"], "sp" if r["sequence_parallel"] else "-",
+                     r["microbatches"], f"{c['parameters'] / GB:.2f}", f"{c['optimizer'] / GB:.2f}",
+                     f"{c['temporaries'] / GB:.1f}", f"{c['peak'] / GB:.1f}", f"{r['describe_model']['total'] / GB:.1f}",
+                     f"{r['arithmetic_16_bytes'] / GB:.1f}", f"{r['data_wire_bytes'] / GB:.1f}",
+                     "yes" if c["peak"] <= GPU_GB * GB else "no", r["compile_seconds"]])
+    print("Llama-2, 4096-token sequences, bf16 compute, fp32 parameters, AdamW; GB per device (1e9 bytes)")
+    _common.print_table(["model", "mesh d x p x t", "zero", "remat", "SP", "m", "params", "opt state", "temp",
+                         "peak", "describe", "16 B/param", "data GB/step", f"peak <= {GPU_GB} GB", "compile s"], rows)
+    path = _common.write_results("memory_at_scale", {"results": results})
+    plot(results)
+    print(f"wrote {path}")
+
+
+def plot(results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    x = np.arange(len(results))
+    params = np.array([r["compiled"]["parameters"] for r in results]) / GB
+    opt = np.array([r["compiled"]["optimizer"] for r in results]) / GB
+    temp = np.array([r["compiled"]["temporaries"] for r in results]) / GB
+    ax.bar(x, params, label="parameters")
+    ax.bar(x, opt, bottom=params, label="optimizer state")
+    ax.bar(x, temp, bottom=params + opt, label="temporaries (XLA:CPU)")
+    ax.scatter(x, [r["arithmetic_16_bytes"] / GB for r in results], color="k", marker="_", s=200,
+               label="16 bytes/param arithmetic", zorder=3)
+    ax.axhline(GPU_GB, color="r", linestyle="--", label=f"{GPU_GB} GB GPU")
+    labels = [f"{r['model']} {'x'.join(map(str, r['mesh']))}\nz{r['zero']}{' once' if r['gather_once'] else ''} "
+              f"{r['remat'][:3]}{' sp' if r['sequence_parallel'] else ''}" for r in results]
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("GB per device")
+    ax.set_title("compiled train step, memory per device (64 simulated devices, nothing allocated)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(_common.RESULTS / "memory_at_scale.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
