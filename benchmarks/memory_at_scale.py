@@ -8,7 +8,10 @@ from the shardings it takes), its temporaries and the peak of the two, next to `
 model of the run and to the bytes-per-parameter arithmetic (16 bytes per parameter of fp32 AdamW
 training -- weights, gradients, two moments -- divided as the mesh and the zero level split them).
 
-    .venv/bin/python benchmarks/memory_at_scale.py          # about 5 minutes on 2 cores
+    .venv/bin/python benchmarks/memory_at_scale.py          # about 3 minutes on 2 cores
+
+It first prints the state a step keeps per parameter per device for AdamW, LAMB and 1-bit LAMB at
+each zero level (the default model on 8 data ranks, from the compiled program).
 
 The temporaries are XLA:CPU's buffer assignment: attention through ``model.attention=xla``
 materialises the ``[batch, heads, seq, seq]`` scores (a GPU run would use cuDNN's fused attention),
@@ -101,7 +104,43 @@ def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str
     }
 
 
+def bytes_per_parameter() -> list[dict]:
+    """Bytes per parameter per device of the state a step keeps (parameters + optimizer state, read from
+    the compiled program's input shardings) for each optimizer and zero level, on 8 data ranks (the
+    default model at fp32; 1-bit LAMB's state cannot be split: train.zero=0 only)."""
+    table = []
+    for optimizer in ("adamw", "lamb", "onebit_lamb"):
+        for zero in (0, 1, 3):
+            if optimizer == "onebit_lamb" and zero:
+                table.append({"optimizer": optimizer, "zero": zero, "bytes_per_parameter": None})
+                continue
+            cfg = load_config("cpu8", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.chunks=1",
+                                       "pipeline.schedule=1f1b", f"train.optimizer={optimizer}", f"train.zero={zero}"])
+            trainer = Trainer.from_config(cfg, jax.devices()[:8], read_data=False)
+            params = abstract_like(trainer.model_def.shapes(), trainer.steps.param_shardings)
+            with jax.set_mesh(trainer.mesh):
+                opt_state = abstract_like(jax.eval_shape(trainer.steps.init_state_fn, params),
+                                          trainer.steps.opt_shardings)
+            tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                          sharding=trainer.steps.batch_sharding)
+            stage = trainer.steps.stages[-1]  # 1-bit LAMB: the compression stage's state
+            program = trainer.steps.compile(params, opt_state, tokens, stage)
+            param_in, opt_in = program.input_shardings[0][:2]
+            count = trainer.model_def.parameter_count()
+            table.append({"optimizer": optimizer, "zero": zero, "parameters": count,
+                          "bytes_per_parameter": (per_device(params, param_in) + per_device(opt_state, opt_in)) / count,
+                          "weights": per_device(params, param_in) / count,
+                          "optimizer_state": per_device(opt_state, opt_in) / count})
+    return table
+
+
 def main() -> None:
+    per_param = bytes_per_parameter()
+    print("state a step keeps, bytes per parameter per device (data=8, fp32; compiled input shardings)")
+    _common.print_table(["optimizer", "zero", "weights", "optimizer state", "total"], [
+        [r["optimizer"], r["zero"], *(["cannot be split"] * 3 if r["bytes_per_parameter"] is None else
+                                      [f"{r['weights']:.2f}", f"{r['optimizer_state']:.2f}",
+                                       f"{r['bytes_per_parameter']:.2f}"])] for r in per_param])
     results = []
     for case in CASES:
         results.append(measure(*case))
@@ -119,7 +158,7 @@ def main() -> None:
     print("Llama-2, 4096-token sequences, bf16 compute, fp32 parameters, AdamW; GB per device (1e9 bytes)")
     _common.print_table(["model", "mesh d x p x t", "zero", "remat", "SP", "m", "params", "opt state", "temp",
                          "peak", "describe", "16 B/param", "data GB/step", f"peak <= {GPU_GB} GB", "compile s"], rows)
-    path = _common.write_results("memory_at_scale", {"results": results})
+    path = _common.write_results("memory_at_scale", {"bytes_per_parameter": per_param, "results": results})
     plot(results)
     print(f"wrote {path}")
 

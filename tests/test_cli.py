@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,32 @@ def test_describe_plans_a_real_model_on_a_mesh_this_machine_simulates_without_bu
     assert "memory per device, this run as configured" in run.stdout and "planning mode: nothing is built" in run.stdout
     if config.startswith("paper/"):
         assert "plan on a100-80gb" in run.stdout and "memory per GPU" in run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, overrides", [("llama2_7b", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=8"]),
+                                               ("llama2_70b", [])])
+def test_describe_compile_compiles_a_real_model_for_its_mesh_without_allocating_it(config, overrides):
+    """Llama-2 7B on 8x1x8 (64 devices) and 70B on 2x4x8 with zero=3: the real step compiled from
+    abstract arrays, its memory per device printed, in well under the memory of one device's state."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, "-c", PEAK, "describe", "--config", config, "--compile", *overrides],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.rsplit("peak KiB ", 1)[1]) < 2 * 1024 * 1024
+    out = run.stdout
+    assert "compiled train step: memory per device (compiled in" in out and "planning mode" not in out
+    for label in ("parameters", "optimizer state", "temporaries", "peak"):
+        assert re.search(rf"^  {label} +\d", out, re.M), label
+    assert re.search(r"^reduce-scatter +data", out, re.M) or config == "llama2_7b"  # 70B: zero=3
+
+
+def test_describe_compile_needs_the_mesh_simulated(capsys):
+    from meshtron.cli import main
+
+    assert main(["describe", "--config", "paper/gpt_1t", "--compile"]) == 2
+    assert capsys.readouterr().err.startswith("meshtron: error: --compile: the mesh needs 3072 devices and this "
+                                              "process has 8; the CLI simulates up to 64 CPU devices")
 
 
 @pytest.mark.slow
