@@ -398,8 +398,10 @@ def validate(cfg: Config) -> None:
     _need(not t.gather_once or t.zero == 3, "train.gather_once",
           f"gathers parameters split by train.zero=3, and this run has train.zero={t.zero}; set train.zero=3 or drop it")
     _need(t.zero == 0 or t.optimizer != "onebit_lamb", "train.zero",
-          "1-bit LAMB's error feedback compresses each worker's whole momentum, so its state cannot be split over "
-          "data; use train.zero=0 with train.optimizer=onebit_lamb")
+          "1-bit LAMB's error feedback compresses each worker's whole local momentum (its server error is "
+          "already split over data), and splitting the rest would cost more than the compression saves: an fp32 "
+          "all-gather of the parameters every step (zero=1, 16x its 1-bit exchange) or fp32 gathers and "
+          "reduce-scatters per layer (zero=3); use train.zero=0 with onebit_lamb, or adamw/lamb with train.zero")
     _need(
         t.batch_size % t.microbatches == 0,
         "train.batch_size",
