@@ -157,12 +157,14 @@ def test_compiled_state_and_traffic_per_device(layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat, gathers", [("none", 1), ("full", 2)])
-def test_zero3_traffic_is_its_formula(remat, gathers):
-    """Layer by layer, every microbatch gathers each layer's parameters ``gathers`` times (forward; again in
-    the backward with recomputation -- without it the backward uses the forward's) and reduce-scatters
-    its gradient; the embedding and head are gathered and reduced once per step; what stays whole is
-    all-reduced. Ring bytes: (d-1)/d of a gather's or reduce-scatter's, twice that of an all-reduce."""
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_zero3_traffic_is_its_formula(remat):
+    """Layer by layer, every microbatch gathers each layer's parameters twice -- forward, and again in
+    the backward: the whole layer recomputed (``remat=full``), or only its elementwise work with the
+    matrix products kept -- and reduce-scatters its gradient; the embedding and head are gathered and
+    reduced once per step; what stays whole is all-reduced. Ring bytes: (d-1)/d of a gather's or
+    reduce-scatter's, twice that of an all-reduce."""
+    gathers = 2
     m = 2
     t, _, _, data, kept = compiled(*mesh(8, 1, 1, microbatches=m), f"model.remat={remat}", "train.zero=3")
     d = t.mesh.shape["data"]

@@ -182,6 +182,17 @@ def layer_view(graphdef: Any, layer_state: Any) -> nnx.Module:
     return nnx.merge(graphdef, layer_state)
 
 
+def regathered(layer: Callable) -> Callable:
+    """``layer`` keeping for its backward pass only its matrix products' outputs, when a
+    :func:`layer_parameters` view is active: the view's output (a layer's gathered parameters) is then
+    made again in the backward instead of living from the forward until the backward reaches the
+    layer. The elementwise work between the products is recomputed; the products are not. The identity
+    without a view, or when the layer is recomputed whole anyway (``remat="full"``)."""
+    if _layer_views[-1] is None:
+        return layer
+    return jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable, prevent_cse=False)
+
+
 def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none",
                active: jax.Array | int | None = None):
     """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
@@ -199,8 +210,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
         def one_layer(h, layer_state):
             return constrain(layer_view(graphdef, layer_state)(h, ctx), RESIDUAL), None
 
-        if remat == "full":
-            one_layer = jax.checkpoint(one_layer, prevent_cse=False)
+        one_layer = jax.checkpoint(one_layer, prevent_cse=False) if remat == "full" else regathered(one_layer)
         if active is None:
             x, _ = jax.lax.scan(one_layer, x, state)
             return x

@@ -187,11 +187,10 @@ class ZeroPlan:
         """A :func:`meshtron.models.contract.layer_parameters` view: one layer of the stacked ``key``
         parameters (its leading ``layers`` axis gone), gathered whole from this rank's shares.
 
-        Its transpose reduce-scatters the layer's gradient as the backward pass makes it. With
-        ``model.remat=full`` (and in a pipeline stage's recomputation) the backward gathers the layer
-        again, so a layer's whole parameters live only while it runs; without recomputation the
-        backward uses the forward's gathered parameters, which then live until it reaches them
-        (measured: the compiled step's temporaries are those of zero=1)."""
+        Its transpose reduce-scatters the layer's gradient as the backward pass makes it. The backward
+        gathers the layer again -- the layer is recomputed whole (``model.remat=full``) or keeps only
+        its matrix products (:func:`meshtron.models.contract.regathered`) -- so a layer's whole
+        parameters live only while it runs, forward and backward."""
         dims = jax.tree.map(lambda d: None if d is None else d - 1, self.dims[key], is_leaf=lambda x: x is None)
         specs = jax.tree.map(lambda p: P(*tuple(p)[1:]), self.param_specs[key], is_leaf=lambda x: isinstance(x, P))
 
