@@ -24,18 +24,18 @@ import os
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
 
-import math  # noqa: E402
-import time  # noqa: E402
+import math
+import time
 
-import _common  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import _common
+import jax
+import numpy as np
 
-from meshtron.checkpoint import abstract_like  # noqa: E402
-from meshtron.config import load_config  # noqa: E402
-from meshtron.describe import parameter_rows, run_memory  # noqa: E402
-from meshtron.hlo.collectives import collectives  # noqa: E402
-from meshtron.train.loop import Trainer  # noqa: E402
+from meshtron.checkpoint import abstract_like
+from meshtron.config import load_config
+from meshtron.describe import activation_figures, parameter_rows, run_memory
+from meshtron.hlo.collectives import collectives
+from meshtron.train.loop import Trainer
 
 GB = 1e9
 GPU_GB = 80
@@ -84,8 +84,6 @@ def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str
     memory = program.memory_analysis()
     data_bytes = sum(c.total_wire_bytes for c in collectives(program, trainer.mesh) if "data" in c.axes)
     rows = parameter_rows(trainer.model_def, dict(zip(("data", "pipe", "tensor"), sizes)))
-    from meshtron.describe import activation_figures
-
     _, activations = activation_figures(trainer.resolved, trainer.model_def)
     model = run_memory(trainer.cfg, rows, activations, d)
     count = trainer.model_def.parameter_count()

@@ -118,8 +118,8 @@ def test_describe_compile_compiles_a_real_model_for_its_mesh_without_allocating_
     out = run.stdout
     assert "compiled train step: memory per device (compiled in" in out and "planning mode" not in out
     for label in ("parameters", "optimizer state", "temporaries", "peak"):
-        assert re.search(rf"^  {label} +\d", out, re.M), label
-    assert re.search(r"^reduce-scatter +data", out, re.M) or config == "llama2_7b"  # 70B: zero=3
+        assert re.search(rf"^  {label} +\d", out, re.MULTILINE), label
+    assert re.search(r"^reduce-scatter +data", out, re.MULTILINE) or config == "llama2_7b"  # 70B: zero=3
 
 
 def test_describe_compile_needs_the_mesh_simulated(capsys):
