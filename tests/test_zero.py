@@ -81,7 +81,8 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(v, marks=pytest.mark.both_stacks) if "interleaved" in k else v
+                                    for k, v in LAYOUTS.items()], ids=list(LAYOUTS))
 def test_zero_levels_train_like_replicated_state(layout):
     steps = ["train.steps=3"]
     reference = trainer(*layout, *steps).run()
@@ -192,6 +193,7 @@ def assert_same_parameters(a, b):
 
 
 @pytest.mark.slow
+@pytest.mark.both_stacks
 def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
     run = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=5"]
     sharded = trainer(*mesh(8, 1, 1), "train.zero=3", *run, f"checkpoint.dir={tmp_path / 'z3'}")
