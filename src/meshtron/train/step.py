@@ -17,7 +17,10 @@ Layout of one step:
   one compiled program per stage: the stage is a static argument whose extra ``update`` arguments
   come from ``stages``, and the host picks the stage each step;
 * metrics (loss, gradient norm) come back per data shard and are averaged on the host, so they
-  add no collective to the step: what crosses ``data`` is the reduction and nothing else.
+  add no collective to the step: what crosses ``data`` is the reduction and nothing else;
+* with ``train.zero`` (:mod:`meshtron.optim.zero`) the reduction becomes a reduce-scatter, the
+  optimizer updates each rank's share of every parameter, and the shares are all-gathered -- or,
+  at zero=3, stay split, each layer's parameters gathered as the layer runs.
 """
 
 from __future__ import annotations
@@ -136,8 +139,8 @@ def build_steps(
     ``data``: the local gradients are reduce-scattered instead of all-reduced (``reduction`` is not
     used), each rank updates its share, and the updated shares are all-gathered -- or, at level 3,
     parameters stay split: each layer's are all-gathered just before it runs (forward, and again for
-    the backward) and its gradient reduce-scattered as it is made, so no device ever holds all of
-    its stage's parameters or gradients (fully sharded data parallelism); with ``gather_once`` they
+    the backward) and its gradient reduce-scattered as it is made, so a device holds one layer's whole
+    parameters and gradient at a time (fully sharded data parallelism); with ``gather_once`` they
     are all-gathered once when the step starts instead (the traffic of level 1, the parameter
     memory of level 0 while the step runs). ``optimizer`` must have been built with the same plan
     (its norms sum over the shares).
