@@ -9,6 +9,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -387,8 +388,52 @@ def test_plan_command_prices_the_gradients_it_is_told(tmp_path, capsys):
     assert main([*argv, "--gradients", "sc21", "--json", str(out)]) == 0
     assert "gradients all-reduced in 16 bits" in capsys.readouterr().out
     saved = json.loads(out.read_text())
-    assert saved["gradients"] == {"element_bytes": 2, "step_copy_bytes": 4, "overlap": "unpipelined", "bucket_bytes": 2}
+    assert saved["gradients"] == {"element_bytes": 2, "step_copy_bytes": 4, "overlap": "unpipelined", "bucket_bytes": 2,
+                                  "zero": 0}
     assert (saved["ranked"][0]["tensor"], saved["ranked"][0]["pipe"]) == (2, 1)
+
+
+def test_zero_levels_split_memory_and_price_the_exchange_that_does_it():
+    """Megatron-LM's distributed optimizer (zero=1) divides the fp32 master weights and moments by d and
+    exchanges a reduce-scatter of the gradients and an all-gather of the 16-bit weights; fully sharded
+    (zero=3) divides the weights and gradients too, holding one layer's whole while it runs, and gathers
+    every layer twice per microbatch."""
+    from meshtron.plan.model import (
+        FP32_GRADIENTS,
+        Layout,
+        ModelShape,
+        data_wire_bytes,
+        layer_parameters_per_gpu,
+        memory_per_gpu,
+        stage_parameters_per_gpu,
+    )
+
+    model = ModelShape(layers=32, hidden=4096, heads=32, seq_len=2048, vocab_size=51200)
+    layout = Layout(tensor=8, pipe=4, data=16, microbatch=1, global_batch=512)
+    zero0 = memory_per_gpu(model, layout)
+    zero1 = memory_per_gpu(model, layout, gradients=dataclasses.replace(FP32_GRADIENTS, zero=1))
+    zero3 = memory_per_gpu(model, layout, gradients=dataclasses.replace(FP32_GRADIENTS, zero=3))
+    params, layer = stage_parameters_per_gpu(model, layout), layer_parameters_per_gpu(model, 8)
+    assert zero1.optimizer == pytest.approx(zero0.optimizer / 16) and zero1.weights == zero0.weights
+    assert zero1.gradients == zero0.gradients and zero1.activations == zero0.activations
+    assert zero3.optimizer == zero1.optimizer
+    assert zero3.weights == pytest.approx(2 * params / 16 + 2 * layer)
+    assert zero3.gradients == pytest.approx(4 * params / 16 + 4 * layer)
+    ring = 15 / 16
+    assert data_wire_bytes(1e9, 16, "adamw", 4, zero=1) == pytest.approx(ring * 1e9 * (4 + 2))
+    assert data_wire_bytes(1e9, 16, "adamw", 4, zero=3, microbatches=8) == pytest.approx(8 * ring * 1e9 * (4 + 4))
+    assert data_wire_bytes(1e9, 16, "adamw", 4) == pytest.approx(2 * ring * 1e9 * 4)  # the all-reduce
+
+
+def test_plan_command_takes_a_zero_level(capsys):
+    argv = ["plan", "--config", "paper/gpt_76_1b", "--gpus", "1024", "--top", "1"]
+    assert main([*argv, "--zero", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "zero=1 (split over data: optimizer state)" in text
+    assert re.search(r"^1  4  4  64 ", text, re.MULTILINE)  # a smaller model-parallel size fits than without it
+    assert re.search(r"^onebit_lamb ", text, re.MULTILINE)  # priced beside it, with its state whole
+    assert main([*argv, "--zero", "1", "--optimizer", "onebit_lamb"]) == 2
+    assert capsys.readouterr().err.startswith("meshtron: error: --zero: 1-bit LAMB keeps each worker's whole momentum")
 
 
 def test_plan_command_ignores_the_presets_mesh_and_takes_a_zero_batch_as_given(capsys):

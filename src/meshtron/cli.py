@@ -119,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gradients", default="fp32", choices=("fp32", "16bit", "sc21"),
                       help="how gradients are kept and all-reduced: fp32 (default), 16bit, or sc21 (the PTD-P "
                            "paper's Megatron-LM runs: fp16, the optimizer's fp32 copy, torch DDP without pipelining)")
+    plan.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
+                      help="split over data: 1 the optimizer state (Megatron's distributed optimizer), 3 the weights "
+                           "and gradients too (fully sharded); 1-bit LAMB is priced at 0")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default 10)")
     plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.layers=64")
@@ -193,6 +196,8 @@ def _plan(args: argparse.Namespace) -> None:
     gradients = GRADIENTS[args.gradients]
     if args.overlap_data:
         gradients = dataclasses.replace(gradients, overlap="always")
+    if args.zero:
+        gradients = dataclasses.replace(gradients, zero=args.zero)
     plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, batch,
                      load_cluster(args.cluster), optimizer, modes,
                      freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), gradients=gradients)

@@ -78,16 +78,24 @@ class Gradients:
     all-reduce hides behind the backward -- ``never`` (Megatron-LM's ``local`` DDP, after the last
     microbatch), ``unpipelined`` (``torch`` DDP, which Megatron-LM of 2021 could use only without
     pipelining), ``always``. ``bucket_bytes``: per parameter, the gradient copy an overlapping DDP
-    keeps in its buckets (PyTorch's, without ``gradient_as_bucket_view``: 2 for 16-bit gradients)."""
+    keeps in its buckets (PyTorch's, without ``gradient_as_bucket_view``: 2 for 16-bit gradients).
+    ``zero``: what is split over the data-parallel ranks (Rajbhandari et al.): 0 nothing; 1 the fp32
+    master weights and moments (Megatron-LM's ``--use-distributed-optimizer``: gradients
+    reduce-scattered, updated 16-bit weights all-gathered); 3 the weights and gradients too (fully
+    sharded: every layer's weights gathered in the forward and again in the backward of every
+    microbatch, its gradient reduce-scattered)."""
 
     element_bytes: int = GRADIENT_BYTES
     step_copy_bytes: int = 0
     overlap: str = "never"
     bucket_bytes: int = 0
+    zero: int = 0
 
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAP:
             raise ConfigError(f"gradients.overlap: must be one of {', '.join(OVERLAP)}, got {self.overlap!r}")
+        if self.zero not in (0, 1, 3):
+            raise ConfigError(f"--zero: must be 0, 1 or 3, got {self.zero!r}")
 
     def overlapped(self, layout: Layout) -> bool:
         """Whether this layout's data-parallel all-reduce hides behind its backward."""
@@ -327,12 +335,25 @@ def memory_per_gpu(model: ModelShape, layout: Layout, optimizer: str = "adamw",
     gradient copy (:class:`Gradients`), which peaks when the activations are gone."""
     params = stage_parameters_per_gpu(model, layout)
     bucket = gradients.bucket_bytes if gradients.overlapped(layout) else 0
+    d, zero = layout.data, gradients.zero
+    if zero and optimizer == "onebit_lamb":
+        raise ConfigError("--zero: 1-bit LAMB keeps each worker's whole momentum and error buffers (its server error "
+                          "is already split); use --zero 0 with onebit_lamb")
+    weights = ACTIVATION_BYTES * params
+    grads = (gradients.element_bytes + bucket) * params
+    optimizer_state = optimizer_bytes_per_parameter(optimizer, d) * params
+    if zero >= 1:
+        optimizer_state /= d
+    if zero == 3:  # at rest 1/d; while a layer runs, its gathered weights and its whole gradient
+        layer = layer_parameters_per_gpu(model, layout.tensor)
+        weights = weights / d + ACTIVATION_BYTES * layer
+        grads = grads / d + gradients.element_bytes * layer
     return Memory(
-        weights=ACTIVATION_BYTES * params,
-        gradients=(gradients.element_bytes + bucket) * params,
-        optimizer=optimizer_bytes_per_parameter(optimizer, layout.data) * params,
+        weights=weights,
+        gradients=grads,
+        optimizer=optimizer_state,
         activations=activation_bytes(model, layout),
-        step_copy=gradients.step_copy_bytes * params,
+        step_copy=gradients.step_copy_bytes * params / (d if zero else 1),
     )
 
 
@@ -363,15 +384,24 @@ def onebit_padded_length(elements: int, data: int) -> int:
     return max(step, -(-elements // step) * step)
 
 
-def data_wire_bytes(parameters: float, data: int, optimizer: str, grad_bytes: int = GRADIENT_BYTES) -> float:
+def data_wire_bytes(parameters: float, data: int, optimizer: str, grad_bytes: int = GRADIENT_BYTES,
+                    zero: int = 0, microbatches: int = 1) -> float:
     """Bytes one GPU sends over ``data`` per step: a ring all-reduce of its gradient shard
     (``2(d−1)/d · parameters · grad_bytes``, §3.3; ``parameters`` as
     :func:`meshtron.megatron.megatron_figures`' ``data_bytes`` counts them) for AdamW and LAMB, or
     1-bit LAMB's compressed exchange in its compression stage: one sign bit per (padded) element in
     each of its two phases plus two fp32 scales per peer, ``2(d−1)/d · n/8 + 8(d−1)``
-    (:func:`meshtron.optim.compression.compressed_bytes_per_device`)."""
+    (:func:`meshtron.optim.compression.compressed_bytes_per_device`). With ``zero=1`` a reduce-scatter
+    of the gradients and an all-gather of the 16-bit weights, ``(d−1)/d · parameters · (grad_bytes + 2)``;
+    with ``zero=3``, per microbatch, two all-gathers of the 16-bit weights (forward, backward) and a
+    reduce-scatter of the gradients."""
     if data <= 1:
         return 0.0
+    ring = (data - 1) / data
+    if zero == 1:
+        return ring * parameters * (grad_bytes + ACTIVATION_BYTES)
+    if zero == 3:
+        return microbatches * ring * parameters * (grad_bytes + 2 * ACTIVATION_BYTES)
     if optimizer == "onebit_lamb":
         padded = onebit_padded_length(math.ceil(parameters), data)
         return 2 * (data - 1) * padded // (8 * data) + 8 * (data - 1)

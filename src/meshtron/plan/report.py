@@ -114,9 +114,11 @@ def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Clu
     for name in OPTIMIZERS:
         best = (known or {}).get(name)
         if best is None:
+            # 1-bit LAMB keeps its state whole (zero=0): it is priced so beside a split optimizer state
+            own = dataclasses.replace(gradients, zero=0) if name == "onebit_lamb" else gradients
             try:
                 best = search(model, gpus, global_batch, cluster, name, recompute,
-                              freeze_fraction=freeze_fraction, gradients=gradients).best
+                              freeze_fraction=freeze_fraction, gradients=own).best
             except ConfigError:  # nothing fits this optimizer's state
                 rows.append(OptimizerRow(name, None, math.inf, math.inf))
                 continue
@@ -281,7 +283,10 @@ def render(plan: Plan, top: int = 10) -> str:
         f"peak, {cluster.memory_gb:g} GB ({cluster.memory_gb - cluster.reserved_gb:g} usable), NVLink "
         f"{cluster.nvlink_gbps:g} GB/s, network {cluster.network_gbps:g} GB/s per node"),
         (f"searched  {result.tried} layouts, {result.too_big} do not fit; optimizer {plan.optimizer}; "
-         f"gradients all-reduced in {8 * plan.gradients.element_bytes} bits"),
+         f"gradients all-reduced in {8 * plan.gradients.element_bytes} bits"
+         + (f"; zero={plan.gradients.zero} (split over data: "
+            f"{'optimizer state' if plan.gradients.zero == 1 else 'weights, gradients and optimizer state'})"
+            if plan.gradients.zero else "")),
         f"memory    {MEMORY_MODEL} (meshtron describe counts a run as configured)",
         "",
     ]
@@ -291,7 +296,8 @@ def render(plan: Plan, top: int = 10) -> str:
     for i, e in enumerate(result.ranked[:top], 1):
         lay = e.layout
         fp32 = estimate(plan.model, lay, cluster, "lamb", gradients=plan.gradients).data_bytes
-        onebit = estimate(plan.model, lay, cluster, "onebit_lamb", gradients=plan.gradients).data_bytes
+        onebit = estimate(plan.model, lay, cluster, "onebit_lamb",
+                          gradients=dataclasses.replace(plan.gradients, zero=0)).data_bytes
         rows.append([i, lay.tensor, lay.pipe, lay.data, lay.chunks, lay.microbatch, lay.microbatches, lay.recompute,
                      f"{e.memory.total / 1e9:.1f}", f"{_speed(e, plan.freeze_fraction):.1f}",
                      f"{e.run_seconds(plan.freeze_fraction):.3g}", f"{e.bubble:.1%}", f"{e.communication_share:.1%}",

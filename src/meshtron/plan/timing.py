@@ -226,12 +226,16 @@ def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer:
     padded length, :func:`meshtron.plan.model.onebit_padded_length`) to the workers that own each
     chunk, then a ring all-gather of the server chunks' signs (half an all-reduce of ``n/8``).
     Data-parallel peers are ``t`` ranks apart (Megatron's rank order), so ``gpus_per_node/t`` of
-    them share a node."""
+    them share a node. With ``gradients.zero`` the exchange is reduce-scatters and all-gathers
+    (:func:`meshtron.plan.model.data_wire_bytes`), priced as ring all-reduces of the same bytes."""
     d = layout.data
     if d == 1:
         return 0.0
     parameters = figures(model, layout).data_bytes / ACTIVATION_BYTES
     per_node = min(d, max(1, cluster.gpus_per_node // layout.tensor))
+    if gradients.zero:  # reduce-scatters and all-gathers: a ring moves half an all-reduce's bytes in each
+        sent = data_wire_bytes(parameters, d, optimizer, gradients.element_bytes, gradients.zero, layout.microbatches)
+        return allreduce_seconds(sent * d / (2 * (d - 1)), d, per_node, cluster)
     if optimizer != "onebit_lamb":
         return allreduce_seconds(parameters * gradients.element_bytes, d, per_node, cluster)
     signs = onebit_padded_length(math.ceil(parameters), d) / 8
@@ -333,6 +337,7 @@ def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str
         layout=layout, optimizer=optimizer, step_seconds=step,
         tflops_per_gpu=flops_per_iteration(model, layout.global_batch) / step / layout.gpus / 1e12,
         bubble=bubble, memory=memory_per_gpu(model, layout, optimizer, gradients), seconds=seconds,
-        data_bytes=data_wire_bytes(parameters, layout.data, optimizer, gradients.element_bytes),
+        data_bytes=data_wire_bytes(parameters, layout.data, optimizer, gradients.element_bytes, gradients.zero,
+                                   layout.microbatches),
         warmup_seconds=warmup,
     )
