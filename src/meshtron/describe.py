@@ -11,6 +11,7 @@ device's share, as :func:`run_memory` counts it) above half of its available mem
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -179,8 +180,10 @@ def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb"
         layout.check(model)
     except ConfigError as err:
         return [f"plan: not priced ({err})"]
+    from meshtron.plan.model import FP32_GRADIENTS
+
     machine = load_cluster(cluster)
-    step = estimate(model, layout, machine, t.optimizer)
+    step = estimate(model, layout, machine, t.optimizer, dataclasses.replace(FP32_GRADIENTS, zero=t.zero))
     mem = step.memory
     gb = 1e9
     fits = "fits" if mem.total <= machine.usable_memory_bytes else "does NOT fit"
