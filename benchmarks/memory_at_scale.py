@@ -24,16 +24,14 @@ import os
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
 
-import math
 import time
 
 import _common
 import jax
 import numpy as np
 
-from meshtron.checkpoint import abstract_like
 from meshtron.config import load_config
-from meshtron.describe import activation_figures, parameter_rows, run_memory
+from meshtron.describe import activation_figures, bytes_per_device, parameter_rows, run_memory
 from meshtron.hlo.collectives import collectives
 from meshtron.train.loop import Trainer
 
@@ -54,11 +52,6 @@ CASES = [
 ]
 
 
-def per_device(shapes, shardings) -> float:
-    return float(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                     for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
-
-
 def arithmetic(params: int, sizes: tuple[int, int, int], zero: int) -> float:
     """16 bytes per parameter (fp32 weights 4, gradients 4, AdamW moments 8), split over pipe x tensor
     and, by the zero level, over data."""
@@ -73,11 +66,7 @@ def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str
     cfg = load_config(config, [f"mesh.data={d}", f"mesh.pipe={p}", f"mesh.tensor={t}", *extra])
     started = time.perf_counter()
     trainer = Trainer.from_config(cfg, jax.devices()[: d * p * t], read_data=False)
-    params = abstract_like(trainer.training_shapes(trainer.model_def.shapes()), trainer.steps.param_shardings)
-    with jax.set_mesh(trainer.mesh):
-        opt_state = abstract_like(jax.eval_shape(trainer.steps.init_state_fn, params), trainer.steps.opt_shardings)
-    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
-                                  sharding=trainer.steps.batch_sharding)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
     program = trainer.steps.compile(params, opt_state, tokens)
     seconds = time.perf_counter() - started
     param_in, opt_in = program.input_shardings[0][:2]
@@ -92,7 +81,7 @@ def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str
         "model": name, "config": config, "mesh": list(sizes), "zero": c.train.zero,
         "gather_once": c.train.gather_once, "remat": c.model.remat, "sequence_parallel": c.model.sequence_parallel,
         "microbatches": c.train.microbatches, "parameters": count, "compile_seconds": round(seconds, 1),
-        "compiled": {"parameters": per_device(params, param_in), "optimizer": per_device(opt_state, opt_in),
+        "compiled": {"parameters": bytes_per_device(params, param_in), "optimizer": bytes_per_device(opt_state, opt_in),
                      "temporaries": float(memory.temp_size_in_bytes),
                      "peak": float(memory.argument_size_in_bytes + memory.temp_size_in_bytes)},
         "data_wire_bytes": data_bytes,
@@ -115,20 +104,15 @@ def bytes_per_parameter() -> list[dict]:
             cfg = load_config("cpu8", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.chunks=1",
                                        "pipeline.schedule=1f1b", f"train.optimizer={optimizer}", f"train.zero={zero}"])
             trainer = Trainer.from_config(cfg, jax.devices()[:8], read_data=False)
-            params = abstract_like(trainer.model_def.shapes(), trainer.steps.param_shardings)
-            with jax.set_mesh(trainer.mesh):
-                opt_state = abstract_like(jax.eval_shape(trainer.steps.init_state_fn, params),
-                                          trainer.steps.opt_shardings)
-            tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
-                                          sharding=trainer.steps.batch_sharding)
+            params, opt_state, tokens = trainer.abstract_step_arguments()
             stage = trainer.steps.stages[-1]  # 1-bit LAMB: the compression stage's state
             program = trainer.steps.compile(params, opt_state, tokens, stage)
             param_in, opt_in = program.input_shardings[0][:2]
             count = trainer.model_def.parameter_count()
             table.append({"optimizer": optimizer, "zero": zero, "parameters": count,
-                          "bytes_per_parameter": (per_device(params, param_in) + per_device(opt_state, opt_in)) / count,
-                          "weights": per_device(params, param_in) / count,
-                          "optimizer_state": per_device(opt_state, opt_in) / count})
+                          "bytes_per_parameter": (bytes_per_device(params, param_in) + bytes_per_device(opt_state, opt_in)) / count,
+                          "weights": bytes_per_device(params, param_in) / count,
+                          "optimizer_state": bytes_per_device(opt_state, opt_in) / count})
     return table
 
 

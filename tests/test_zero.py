@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from meshtron.checkpoint import CheckpointStore, abstract_like
+from meshtron.checkpoint import CheckpointStore
 from meshtron.config import ConfigError, load_config
+from meshtron.describe import bytes_per_device
 from meshtron.hlo.collectives import collectives
 from meshtron.optim.zero import ZeroPlan
 from meshtron.train.loop import Trainer
@@ -114,18 +115,9 @@ def test_a_users_model_trains_alike_at_every_zero_level(monkeypatch):
 # ---- memory and traffic of the compiled step ----------------------------------------------------------
 
 
-def per_device(shapes, shardings) -> int:
-    return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-               for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True))
-
-
 def compiled(*overrides):
     t = trainer(*overrides, read_data=False)
-    params = abstract_like(t.training_shapes(t.model_def.shapes()), t.steps.param_shardings)
-    with jax.set_mesh(t.mesh):
-        opt_state = abstract_like(jax.eval_shape(t.steps.init_state_fn, params), t.steps.opt_shardings)
-    tokens = jax.ShapeDtypeStruct((t.cfg.train.batch_size, t.cfg.model.seq_len + 1), np.int32,
-                                  sharding=t.steps.batch_sharding)
+    params, opt_state, tokens = t.abstract_step_arguments()
     program = t.steps.compile(params, opt_state, tokens)
     # what one device holds, read from the shardings the compiled program takes
     param_in, opt_in = program.input_shardings[0][:2]
@@ -134,13 +126,13 @@ def compiled(*overrides):
     whole = {n for n, _ in t.steps.zero.replicated()}  # the leaves the plan could not split
     kept = [(x, s) for n, x, s in zip(leaf_names(params), jax.tree.leaves(params), jax.tree.leaves(param_in),
                                       strict=True) if n in whole]
-    return t, per_device(params, param_in), per_device(opt_state, opt_in), data, per_device(*zip(*kept)) if kept else 0
+    return t, bytes_per_device(params, param_in), bytes_per_device(opt_state, opt_in), data, bytes_per_device(*zip(*kept)) if kept else 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [mesh(8, 1, 1, microbatches=2), mesh(2, 2, 2, "interleaved", 2, 4)],
                          ids=["8x1x1", "2x2x2-interleaved"])
-def test_compiled_state_and_traffic_per_device(layout):
+def test_compiled_state_and_traffic_bytes_per_device(layout):
     t0, params0, opt0, data0, _ = compiled(*layout)
     _t1, params1, opt1, data1, kept = compiled(*layout, "train.zero=1")
     _, params3, opt3, _, _ = compiled(*layout, "train.zero=3")

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from meshtron import megatron
-from meshtron.checkpoint import abstract_like
 from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.hlo.summary import analyze
@@ -198,22 +197,24 @@ def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb"
     ]
 
 
+def bytes_per_device(shapes, shardings) -> float:
+    """Bytes one device holds of arrays shaped ``shapes`` laid out by ``shardings`` (trees alike), e.g.
+    a compiled program's ``input_shardings``."""
+    return float(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                     for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
+
+
 def print_compiled_memory(program, params, opt_state, seconds: float, trainer, out) -> None:
     """Memory per device of the compiled train step: what its arguments hold (read from the shardings
     the program takes), its temporaries, and the peak of the two."""
     param_in, opt_in = program.input_shardings[0][:2]
-
-    def per_device(shapes, shardings) -> float:
-        return float(sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                         for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
-
     memory = program.memory_analysis()
     zero = trainer.steps.zero
     fmt = format_bytes
     print(f"\ncompiled train step: memory per device (compiled in {seconds:.1f} s from abstract arrays; "
           f"zero={trainer.cfg.train.zero})", file=out)
-    print(f"  {'parameters':24s} {fmt(per_device(params, param_in))}", file=out)
-    print(f"  {'optimizer state':24s} {fmt(per_device(opt_state, opt_in))}", file=out)
+    print(f"  {'parameters':24s} {fmt(bytes_per_device(params, param_in))}", file=out)
+    print(f"  {'optimizer state':24s} {fmt(bytes_per_device(opt_state, opt_in))}", file=out)
     if memory is not None:
         peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
         print(f"  {'temporaries':24s} {fmt(memory.temp_size_in_bytes)} (activations, gradients, communication "
@@ -308,10 +309,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
 
     started = time.perf_counter()
     trainer = Trainer.from_config(cfg, devices, read_data=False, run=run)
-    params = abstract_like(trainer.training_shapes(trainer.model_def.shapes()), trainer.steps.param_shardings)
-    with jax.set_mesh(trainer.mesh):
-        opt_state = abstract_like(jax.eval_shape(trainer.steps.init_state_fn, params), trainer.steps.opt_shardings)
-    tokens = jax.ShapeDtypeStruct((t.batch_size, m.seq_len + 1), np.int32, sharding=trainer.steps.batch_sharding)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
     staged = len(trainer.steps.stages) > 1
     for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently
         program = trainer.steps.compile(params, opt_state, tokens, stage)

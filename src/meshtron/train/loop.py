@@ -139,6 +139,17 @@ class Trainer:
         return jax.eval_shape(lambda p: to_stage_order(p, self.model_def.layers, layout.stages, layout.chunks, layout),
                               shapes)
 
+    def abstract_step_arguments(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
+        """The train step's arguments -- parameters, optimizer state, a batch of tokens -- as abstract
+        arrays laid out as this run lays them out: what compiles the step for a mesh without allocating
+        a model (``meshtron describe --compile``)."""
+        params = abstract_like(self.training_shapes(self.model_def.shapes()), self.steps.param_shardings)
+        with jax.set_mesh(self.mesh):
+            opt_state = abstract_like(jax.eval_shape(self.steps.init_state_fn, params), self.steps.opt_shardings)
+        tokens = jax.ShapeDtypeStruct((self.cfg.train.batch_size, self.cfg.model.seq_len + 1), np.int32,
+                                      sharding=self.steps.batch_sharding)
+        return params, opt_state, tokens
+
     def init_params(self) -> Params:
         """Fresh parameters, sharded; with pipelining, block layers are put in stage order."""
         pipe = self.mesh.shape["pipe"]
