@@ -1,14 +1,17 @@
 """Per-device memory of real Llama models on their target meshes, compiled here without the hardware.
 
 For Llama-2 7B and 70B (their real dimensions, 4096-token sequences, bf16 compute with fp32
-parameters, AdamW), compiles the real train step from abstract arrays on 64 simulated devices --
-nothing is allocated -- across ``train.zero`` 0/1/3, recomputation and sequence parallelism, and
-prints per device: what the compiled program's arguments hold (parameters, optimizer state, read
-from the shardings it takes), its temporaries and the peak of the two, next to ``describe``'s
-model of the run and to the bytes-per-parameter arithmetic (16 bytes per parameter of fp32 AdamW
-training -- weights, gradients, two moments -- divided as the mesh and the zero level split them).
+parameters, AdamW), compiles the real train step from abstract arrays on up to 64 simulated devices
+-- nothing is allocated -- across ``train.zero`` 0/1/3, recomputation, sequence parallelism and
+pipeline schedules (and Llama-2 13B, Llama-3 8B and the paper's GPT 3.6B as bundled), and prints
+per device: what the compiled program's arguments hold (parameters, optimizer state, read from the
+shardings it takes), its temporaries and the peak of the two, next to the step memory model
+(:mod:`meshtron.plan.step_memory`, as ``describe`` prints it) on XLA:CPU -- the error is against
+this -- and on a GPU, and to the bytes-per-parameter arithmetic (16 bytes per parameter of fp32
+AdamW training -- weights, gradients, two moments -- divided as the mesh and the zero level split
+them).
 
-    .venv/bin/python benchmarks/memory_at_scale.py          # about 3 minutes on 2 cores
+    .venv/bin/python benchmarks/memory_at_scale.py          # about 5 minutes on 2 cores
 
 It first prints the state a step keeps per parameter per device for AdamW, LAMB and 1-bit LAMB at
 each zero level (the default model on 8 data ranks, from the compiled program).
@@ -31,8 +34,9 @@ import jax
 import numpy as np
 
 from meshtron.config import load_config
-from meshtron.describe import activation_figures, bytes_per_device, parameter_rows, run_memory
+from meshtron.describe import bytes_per_device, modelled_step_memory, parameter_rows
 from meshtron.hlo.collectives import collectives
+from meshtron.mesh import AXES
 from meshtron.train.loop import Trainer
 
 GB = 1e9
@@ -49,6 +53,11 @@ CASES = [
     *[("70B", "llama2_70b", (2, 4, 8), [f"train.zero={z}", "train.gather_once=false"]) for z in (0, 1)],
     ("70B", "llama2_70b", (2, 4, 8), ["train.zero=3", "train.gather_once=false", "train.microbatches=16"]),
     ("70B", "llama2_70b", (2, 4, 8), ["train.zero=3", "train.gather_once=true"]),
+    *[("7B", "llama2_7b", (8, 4, 2), ["train.zero=1", f"pipeline.schedule={schedule}", f"pipeline.chunks={chunks}"])
+      for schedule, chunks in (("gpipe", 1), ("interleaved", 2), ("zb-h1", 1))],
+    ("13B", "llama2_13b", (8, 4, 2), []),
+    ("L3 8B", "llama3_8b", (8, 1, 1), []),
+    ("GPT 3.6B", "paper/gpt_3_6b", (8, 1, 8), []),
 ]
 
 
@@ -72,21 +81,21 @@ def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str
     param_in, opt_in = program.input_shardings[0][:2]
     memory = program.memory_analysis()
     data_bytes = sum(c.total_wire_bytes for c in collectives(program, trainer.mesh) if "data" in c.axes)
-    rows = parameter_rows(trainer.model_def, dict(zip(("data", "pipe", "tensor"), sizes)))
-    _, activations = activation_figures(trainer.resolved, trainer.model_def)
-    model = run_memory(trainer.cfg, rows, activations, d)
+    rows = parameter_rows(trainer.model_def, dict(zip(AXES, sizes)))
+    model = {backend: modelled_step_memory(trainer.resolved, rows, backend) for backend in ("cpu", "gpu")}
     count = trainer.model_def.parameter_count()
     c = trainer.cfg
     return {
         "model": name, "config": config, "mesh": list(sizes), "zero": c.train.zero,
-        "gather_once": c.train.gather_once, "remat": c.model.remat, "sequence_parallel": c.model.sequence_parallel,
+        "gather_once": c.train.gather_once, "remat": c.model.remat,
+        "schedule": (c.pipeline.schedule + (f" v={c.pipeline.chunks}" if c.pipeline.chunks > 1 else "")) if p > 1 else "-", "sequence_parallel": c.model.sequence_parallel,
         "microbatches": c.train.microbatches, "parameters": count, "compile_seconds": round(seconds, 1),
         "compiled": {"parameters": bytes_per_device(params, param_in), "optimizer": bytes_per_device(opt_state, opt_in),
                      "temporaries": float(memory.temp_size_in_bytes),
                      "peak": float(memory.argument_size_in_bytes + memory.temp_size_in_bytes)},
         "data_wire_bytes": data_bytes,
-        "describe_model": {"weights": model.weights, "gradients": model.gradients, "optimizer": model.optimizer,
-                           "activations": model.activations, "total": model.total},
+        "step_model": {backend: {**mem.terms(), "temporaries": mem.temporaries, "peak": mem.peak}
+                  for backend, mem in model.items()},
         "arithmetic_16_bytes": arithmetic(count, sizes, c.train.zero),
     }
 
@@ -132,14 +141,16 @@ def main() -> None:
     for r in results:
         c = r["compiled"]
         label = f"zero={r['zero']}" + (" once" if r["gather_once"] else "")
-        rows.append([r["model"], "x".join(map(str, r["mesh"])), label, r["remat"], "sp" if r["sequence_parallel"] else "-",
+        rows.append([r["model"], "x".join(map(str, r["mesh"])), r["schedule"], label, r["remat"], "sp" if r["sequence_parallel"] else "-",
                      r["microbatches"], f"{c['parameters'] / GB:.2f}", f"{c['optimizer'] / GB:.2f}",
-                     f"{c['temporaries'] / GB:.1f}", f"{c['peak'] / GB:.1f}", f"{r['describe_model']['total'] / GB:.1f}",
+                     f"{c['temporaries'] / GB:.1f}", f"{c['peak'] / GB:.1f}", f"{r['step_model']['cpu']['peak'] / GB:.1f}",
+                     f"{100 * (r['step_model']['cpu']['peak'] / c['peak'] - 1):+.1f}%", f"{r['step_model']['gpu']['peak'] / GB:.1f}",
                      f"{r['arithmetic_16_bytes'] / GB:.1f}", f"{r['data_wire_bytes'] / GB:.1f}",
                      "yes" if c["peak"] <= GPU_GB * GB else "no", r["compile_seconds"]])
-    print("Llama-2, 4096-token sequences, bf16 compute, fp32 parameters, AdamW; GB per device (1e9 bytes)")
-    _common.print_table(["model", "mesh d x p x t", "zero", "remat", "SP", "m", "params", "opt state", "temp",
-                         "peak", "describe", "16 B/param", "data GB/step", f"peak <= {GPU_GB} GB", "compile s"], rows)
+    print("bf16 compute, fp32 parameters, AdamW; GB per device (1e9 bytes); error: model (CPU) against the compiled peak")
+    _common.print_table(["model", "mesh d x p x t", "schedule", "zero", "remat", "SP", "m", "params", "opt state", "temp",
+                         "peak", "model (CPU)", "error", "model (GPU)", "16 B/param", "data GB/step",
+                         f"peak <= {GPU_GB} GB", "compile s"], rows)
     path = _common.write_results("memory_at_scale", {"bytes_per_parameter": per_param, "results": results})
     plot(results)
     print(f"wrote {path}")
@@ -151,7 +162,7 @@ def plot(results: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    fig, ax = plt.subplots(figsize=(15, 5.5))
     x = np.arange(len(results))
     params = np.array([r["compiled"]["parameters"] for r in results]) / GB
     opt = np.array([r["compiled"]["optimizer"] for r in results]) / GB
@@ -159,12 +170,15 @@ def plot(results: list[dict]) -> None:
     ax.bar(x, params, label="parameters")
     ax.bar(x, opt, bottom=params, label="optimizer state")
     ax.bar(x, temp, bottom=params + opt, label="temporaries (XLA:CPU)")
-    ax.scatter(x, [r["arithmetic_16_bytes"] / GB for r in results], color="k", marker="_", s=200,
-               label="16 bytes/param arithmetic", zorder=3)
+    ax.scatter(x, [r["step_model"]["cpu"]["peak"] / GB for r in results], color="k", marker="_", s=300,
+               label="step memory model, XLA:CPU", zorder=3)
+    ax.scatter(x, [r["step_model"]["gpu"]["peak"] / GB for r in results], color="C3", marker="x", s=30,
+               label="step memory model, GPU", zorder=3)
     ax.axhline(GPU_GB, color="r", linestyle="--", label=f"{GPU_GB} GB GPU")
-    labels = [f"{r['model']} {'x'.join(map(str, r['mesh']))}\nz{r['zero']}{' once' if r['gather_once'] else ''} "
-              f"{r['remat'][:3]}{' sp' if r['sequence_parallel'] else ''}" for r in results]
-    ax.set_xticks(x, labels, fontsize=7)
+    labels = [f"{r['model']} {'x'.join(map(str, r['mesh']))} {r['schedule'] if r['schedule'] != '-' else ''}\n"
+              f"z{r['zero']}{' once' if r['gather_once'] else ''} {r['remat'][:3]}{' sp' if r['sequence_parallel'] else ''}"
+              for r in results]
+    ax.set_xticks(x, labels, fontsize=7, rotation=40, ha="right")
     ax.set_ylabel("GB per device")
     ax.set_title("compiled train step, memory per device (64 simulated devices, nothing allocated)")
     ax.legend(fontsize=8)

@@ -120,6 +120,9 @@ def test_describe_compile_compiles_a_real_model_for_its_mesh_without_allocating_
     for label in ("parameters", "optimizer state", "temporaries", "peak"):
         assert re.search(rf"^  {label} +\d", out, re.MULTILINE), label
     assert re.search(r"^reduce-scatter +data", out, re.MULTILINE) or config == "llama2_7b"  # 70B: zero=3
+    # The step memory model (tests/test_step_memory.py) next to it, within 10% of the compiled peak.
+    error = float(re.search(r"^  modelled \(XLA:CPU\) .*\(([-+][\d.]+)% against the compiled peak\)", out, re.MULTILINE)[1])
+    assert abs(error) <= 10, out
 
 
 def test_describe_compile_needs_the_mesh_simulated(capsys):

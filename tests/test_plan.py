@@ -474,4 +474,4 @@ def test_describe_prices_a_large_preset_with_the_planners_functions():
     # Two memory figures, each saying what it counts: the plan's Megatron-LM program, describe's own run.
     assert "counts                   Megatron-LM's mixed precision as the paper ran it" in text
     assert "memory per device, this run as configured (float32 parameters, gradients and optimizer state; " \
-           "bfloat16 activations)" in text
+           "bfloat16 activations; meshtron's step as XLA compiles it" in text

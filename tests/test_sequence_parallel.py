@@ -244,5 +244,5 @@ def test_describe_prints_the_activation_model_next_to_compiled_memory(capsys):
         seq_len=m.seq_len, microbatch=t.batch_size // (cfg.mesh.data * t.microbatches), hidden=m.hidden, heads=m.heads,
         mlp_dim=m.mlp_dim, tensor=cfg.mesh.tensor, sequence_parallel=True, remat="selective")
     assert f"per layer                {analysis.format_bytes(layer)} (remat selective, sequence parallelism" in out
-    assert "stashed stage inputs" in out and "compiled temporaries" in out
+    assert "stashed stage inputs" in out and "modelled (XLA:CPU)" in out
     assert "reduce-scatter      tensor" in out

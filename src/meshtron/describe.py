@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -26,6 +25,7 @@ from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, resolve_sizes
+from meshtron.plan.step_memory import BACKENDS, StepMemory, StepRun, StepShape, step_memory
 from meshtron.run import Run, resolve_run
 from meshtron.sharding import logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, model_def_from_config
@@ -102,53 +102,25 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
     return lines, total
 
 
-@dataclass(frozen=True)
-class RunMemory:
-    """Bytes per device of a run as configured (its dtypes and optimizer), by what holds them, on
-    the fullest device: parameters as the rules table lays them out, their gradients (in the
-    parameters' dtype, accumulated over microbatches), the optimizer state and the activations
-    (:func:`activation_figures`)."""
-
-    weights: float
-    gradients: float
-    optimizer: float
-    activations: float
-    optimizer_note: str
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+STEP_TERMS = (("parameters", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),
+              ("stash", "stash"), ("layers_kept", "layers kept"), ("working", "one layer's backward"),
+              ("logits", "logits"), ("weight_buffers", "B-to-W buffers"), ("peak", "peak"))
+""":class:`meshtron.plan.step_memory.StepMemory`'s terms as describe prints them."""
 
 
-def optimizer_state_bytes(optimizer: str, weight_bytes: float, elements: float, data: int) -> tuple[float, str]:
-    """Bytes per device of the optimizer state, and what it holds. AdamW and LAMB keep two moments in
-    the parameters' dtype (optax's default); 1-bit LAMB three (the moments and the frozen variance)
-    plus its fp32 error-feedback buffers: the worker error over the device's padded parameters and
-    the server error, its 1/d chunk (:mod:`meshtron.optim.onebit_lamb`; none without data
-    parallelism)."""
-    from meshtron.plan.model import onebit_padded_length
-
-    if optimizer != "onebit_lamb":
-        return 2 * weight_bytes, f"{optimizer}: 2 moments per parameter"
-    errors = 0.0
-    if data > 1:
-        padded = onebit_padded_length(math.ceil(elements), data)
-        errors = 4 * (padded + padded / data)
-    return 3 * weight_bytes + errors, "onebit_lamb: 3 moments per parameter + fp32 error buffers"
-
-
-def run_memory(cfg: Config, rows: list[tuple], activation_bytes: float, data: int) -> RunMemory:
-    """This run's :class:`RunMemory` from :func:`parameter_rows` and the activation model. With
-    ``train.zero`` the optimizer state (1, 3) and the parameters and gradients (3) are split over the
-    ``data`` ranks (:mod:`meshtron.optim.zero`; what no data size divides stays whole, a small part)."""
-    weights = float(sum(r[4] for r in rows))
-    itemsize = np.dtype(cfg.model.param_dtype).itemsize
-    optimizer, note = optimizer_state_bytes(cfg.train.optimizer, weights, weights / itemsize, data)
-    zero = cfg.train.zero if data > 1 else 0
-    if zero:
-        optimizer, note = optimizer / data, f"{note}, split over data={data} (zero={zero})"
-    held = weights / data if zero == 3 else weights
-    return RunMemory(held, held, optimizer, activation_bytes, note)
+def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemory:
+    """:func:`meshtron.plan.step_memory.step_memory` of this run, with the real model's parameter bytes
+    per device (:func:`parameter_rows`: the stacked ``blocks`` hold the stage's layers), so a model of
+    the user's own is priced by its own parameters (its activations by the built-in blocks' constants)."""
+    m = run.cfg.model
+    layers = m.layers
+    blocks = sum(r[4] for r in rows if r[0].split("/")[0] == "blocks")
+    rest = sum(r[4] for r in rows) - blocks
+    per_stage = layers // run.sizes[1]
+    shape = StepShape(m.family if m.factory is None else "gpt", layers, m.hidden, m.heads, m.kv_heads or m.heads,
+                      m.mlp_dim, m.vocab_size, m.seq_len, m.max_position_embeddings or m.seq_len)
+    return step_memory(shape, StepRun.from_config(run.cfg, run.program), backend,
+                       stage_bytes=(blocks / per_stage, rest))
 
 
 def available_host_memory() -> int:
@@ -204,9 +176,11 @@ def bytes_per_device(shapes, shardings) -> float:
                      for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
 
 
-def print_compiled_memory(program, params, opt_state, seconds: float, trainer, out) -> None:
+def print_compiled_memory(program, params, opt_state, seconds: float, trainer, out,
+                          model: StepMemory | None = None) -> None:
     """Memory per device of the compiled train step: what its arguments hold (read from the shardings
-    the program takes), its temporaries, and the peak of the two."""
+    the program takes), its temporaries, and the peak of the two -- next to ``model``'s (the step
+    memory model on XLA:CPU), when given."""
     param_in, opt_in = program.input_shardings[0][:2]
     memory = program.memory_analysis()
     zero = trainer.steps.zero
@@ -220,6 +194,9 @@ def print_compiled_memory(program, params, opt_state, seconds: float, trainer, o
         print(f"  {'temporaries':24s} {fmt(memory.temp_size_in_bytes)} (activations, gradients, communication "
               "buffers; XLA:CPU's buffer assignment)", file=out)
         print(f"  {'peak':24s} {fmt(peak)} (arguments + temporaries; outputs reuse the donated arguments)", file=out)
+        if model is not None:
+            print(f"  {'modelled (XLA:CPU)':24s} temporaries {fmt(model.temporaries)}, peak {fmt(model.peak)} "
+                  f"({model.peak / peak - 1:+.1%} against the compiled peak)", file=out)
     if zero is not None and zero.replicated():
         kept = sum(b for _, b in zero.replicated())
         print(f"  {'whole on every data rank':24s} {len(zero.replicated())} leaves, {fmt(kept)} in all (no dimension "
@@ -274,23 +251,28 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     for axes, nbytes in fig.bytes_by_axes.items():
         print(f"  {'/'.join(axes):8s} bytes            {format_bytes(nbytes)}", file=out)
 
-    activation, activation_bytes = activation_figures(run, model_def)
+    activation, _ = activation_figures(run, model_def)
     print("\nactivation memory per device (Korthikanti et al. 2022, Table 2, with meshtron's block constants)",
           file=out)
     for label, value in activation:
         print(f"  {label:24s} {value}", file=out)
 
-    memory = run_memory(cfg, rows, activation_bytes, sizes[0])
+    modelled = {backend: modelled_step_memory(run, rows, backend) for backend in BACKENDS}
     fmt = format_bytes
     print(f"\nmemory per device, this run as configured ({m.param_dtype} parameters, gradients and optimizer state; "
-          f"{m.dtype} activations)", file=out)
-    for label, value in (("weights", fmt(memory.weights)), ("gradients", fmt(memory.gradients)),
-                         ("optimizer state", f"{fmt(memory.optimizer)} ({memory.optimizer_note})"),
-                         ("activations", f"{fmt(memory.activations)} (above)"), ("total", fmt(memory.total))):
-        print(f"  {label:24s} {value}", file=out)
+          f"{m.dtype} activations; meshtron's step as XLA compiles it, on the fullest device)", file=out)
+    print(_table(("term", "GPU", "XLA:CPU (describe --compile)"),
+                 [(label, fmt(getattr(modelled["gpu"], name)), fmt(getattr(modelled["cpu"], name)))
+                  for name, label in STEP_TERMS if getattr(modelled["cpu"], name) or getattr(modelled["gpu"], name)]),
+          file=out)
+    if m.attention == "xla":
+        fused = modelled_step_memory(dataclasses.replace(run, cfg=dataclasses.replace(
+            cfg, model=dataclasses.replace(m, attention="cudnn"))), rows, "gpu")
+        print(f"  on a GPU with model.attention=cudnn (fused attention keeps no [s, s] scores): one layer's backward "
+              f"{fmt(fused.working)}, peak {fmt(fused.peak)}", file=out)
 
     budget = available_host_memory() / 2 if memory_budget is None else memory_budget
-    held = memory.total * math.prod(sizes)
+    held = modelled["cpu"].peak * math.prod(sizes)
     if force_compile and not on_devices:
         raise ConfigError(f"--compile: the mesh needs {math.prod(sizes)} devices and this process has {len(devices)}; "
                           "the CLI simulates up to 64 CPU devices, so use a mesh of at most 64")
@@ -314,14 +296,9 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently
         program = trainer.steps.compile(params, opt_state, tokens, stage)
         if stage == trainer.steps.stages[0]:
-            print_compiled_memory(program, params, opt_state, time.perf_counter() - started, trainer, out)
+            print_compiled_memory(program, params, opt_state, time.perf_counter() - started, trainer, out,
+                                  modelled["cpu"])
         step = analyze(program, trainer.mesh)
         label = f" ({stage} stage)" if staged else ""
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
         print(step.table(), file=out)
-        if step.memory is not None:
-            print(f"  compiled temporaries {fmt(step.memory.temp_size_in_bytes)} against the model's "
-                  f"{fmt(activation_bytes)} of activations and {fmt(memory.gradients)} of gradients (the rest: "
-                  "optimizer and loss temporaries, communication buffers); arguments "
-                  f"{fmt(step.memory.argument_size_in_bytes)} against {fmt(memory.weights + memory.optimizer)} of "
-                  "weights and optimizer state", file=out)

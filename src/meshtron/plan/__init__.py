@@ -10,7 +10,10 @@ efficiency table (:mod:`.cluster`), so that a layout can be priced before any GP
   compiled programs, and the schedule tables of :mod:`meshtron.pipeline.schedules`);
 * :mod:`.timing` -- seconds per step on a cluster, term by term, and TF/s per GPU the paper's way;
 * :mod:`.search` -- every valid layout that fits, ranked;
-* :mod:`.report` -- the table and the reasons, in the paper's terms.
+* :mod:`.report` -- the table and the reasons, in the paper's terms;
+* :mod:`.step_memory` -- meshtron's own step's memory per device (GPT, Llama, any contract model's
+  parameters; zero levels, recomputation, sequence parallelism, every schedule), on a GPU and on XLA:CPU,
+  which ``describe`` prints and ``plan`` shows beside Megatron-LM's.
 The same model fed costs measured on the simulated CPU mesh -- the step time of meshtron's own runs
 out -- is a benchmark harness, not part of the package: ``benchmarks/calibration.py``.
 

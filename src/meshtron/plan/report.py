@@ -30,6 +30,7 @@ from meshtron.plan.model import (
     parameter_count,
 )
 from meshtron.plan.search import SearchResult, search
+from meshtron.plan.step_memory import layout_step_memory
 from meshtron.plan.timing import Estimate, estimate
 
 __all__ = ["OptimizerRow", "Plan", "make_plan", "onebit_summary", "optimizer_rows", "reasons", "render"]
@@ -63,12 +64,20 @@ class Plan:
     freeze_fraction: float
     gradients: Gradients = FP32_GRADIENTS
 
+    def meshtron_gb(self, e: Estimate) -> float | None:
+        """GB per GPU of meshtron's own step on this layout (:func:`~meshtron.plan.step_memory.layout_step_memory`),
+        None where its schedule tables cannot run it."""
+        zero = 0 if self.optimizer == "onebit_lamb" else self.gradients.zero
+        memory = layout_step_memory(self.model, e.layout, self.optimizer, zero)
+        return None if memory is None else memory.peak / 1e9
+
     def to_dict(self, top: int = 10) -> dict:
         def layout(e: Estimate) -> dict:
             lay = e.layout
             return {"tensor": lay.tensor, "pipe": lay.pipe, "data": lay.data, "chunks": lay.chunks,
                     "microbatch": lay.microbatch, "microbatches": lay.microbatches, "recompute": lay.recompute,
-                    "memory_gb": e.memory.total / 1e9, "tflops_per_gpu": e.tflops_per_gpu,
+                    "memory_gb": e.memory.total / 1e9, "meshtron_memory_gb": self.meshtron_gb(e),
+                    "tflops_per_gpu": e.tflops_per_gpu,
                     "step_seconds": e.step_seconds, "bubble": e.bubble,
                     "communication_share": e.communication_share, "data_bytes": e.data_bytes,
                     "seconds": dict(e.seconds)}
@@ -258,6 +267,10 @@ def _why_larger(small: Estimate, large: Estimate) -> str:
     return " and ".join(f"less {labels[name]} ({saved[name]:.1%} of the step)" for name in top)
 
 
+def _gb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _count(n: float) -> str:
     """1.65B, 840.19M, 1.01T."""
     return next(f"{n / scale:.2f}{unit}" for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K"), (1, ""))
@@ -290,7 +303,7 @@ def render(plan: Plan, top: int = 10) -> str:
         f"memory    {MEMORY_MODEL} (meshtron describe counts a run as configured)",
         "",
     ]
-    header = ["#", "t", "p", "d", "v", "b", "m", "recompute", "GB/GPU", "TF/s/GPU*", "step s", "bubble", "comm",
+    header = ["#", "t", "p", "d", "v", "b", "m", "recompute", "GB/GPU", "meshtron GB", "TF/s/GPU*", "step s", "bubble", "comm",
               "GB over data (lamb)", "GB over data (1-bit)"]
     rows = []
     for i, e in enumerate(result.ranked[:top], 1):
@@ -299,11 +312,13 @@ def render(plan: Plan, top: int = 10) -> str:
         onebit = estimate(plan.model, lay, cluster, "onebit_lamb",
                           gradients=dataclasses.replace(plan.gradients, zero=0)).data_bytes
         rows.append([i, lay.tensor, lay.pipe, lay.data, lay.chunks, lay.microbatch, lay.microbatches, lay.recompute,
-                     f"{e.memory.total / 1e9:.1f}", f"{_speed(e, plan.freeze_fraction):.1f}",
+                     f"{e.memory.total / 1e9:.1f}", _gb(plan.meshtron_gb(e)), f"{_speed(e, plan.freeze_fraction):.1f}",
                      f"{e.run_seconds(plan.freeze_fraction):.3g}", f"{e.bubble:.1%}", f"{e.communication_share:.1%}",
                      f"{fp32 / 1e9:.3g}", f"{onebit / 1e9:.3g}"])
     out.append(_table(header, rows))
     out.append("* eq. 3's FLOPs (with full recomputation, the paper's count) per second per GPU; GB = 10^9 bytes; "
+               "meshtron GB: meshtron's own step on the layout (fp32 parameters, two gradient buffers, cuDNN "
+               "attention; docs/memory.md), which the ranking does not use; "
                + ("step and TF/s are the mean over a run, 1-bit LAMB's warmup included" if plan.optimizer == "onebit_lamb"
                   else "ranked by step time"))
     out += ["", "why #1 (Narayanan et al. 2021, §3):"] + [f"  - {line}" for line in plan.reasons]

@@ -1,0 +1,295 @@
+"""Per-device memory of meshtron's own compiled train step, before it is compiled.
+
+:mod:`meshtron.plan.model` prices Megatron-LM's runtime, the one the PTD-P paper measured. This
+module models the program meshtron itself compiles -- for its GPT and Llama (grouped-query
+attention, SwiGLU, untied head) or for the parameter bytes of any contract model -- on the fullest
+device, term by term:
+
+* **arguments**: the parameters and the optimizer state as ``train.zero`` splits them over ``data``
+  (parameters at rest ``/d`` with zero=3, optimizer state ``/d`` with zero >= 1);
+* **gradients**: the step accumulates a stage's gradients over the microbatches in the parameters'
+  dtype, and while a microbatch's backward runs its own gradients are a second copy (they are added
+  to the accumulator when it ends): ``2·G``. With zero=3 the accumulator is the device's ``1/d``
+  share, plus one layer's gathered weights and whole gradient in flight (``2·layer``); gathering a
+  stage's weights once per step (``train.gather_once``) keeps the gathered stage and whole
+  gradients instead (``3·G``);
+* **stash**: what full recomputation keeps -- the pipeline's stashed stage inputs (the schedule
+  program's ``stash_slots``) and, while one chunk is recomputed, each of its layers' inputs;
+* **layers kept**: with ``model.remat`` selective or none, every layer's backward residuals
+  (:func:`meshtron.megatron.layer_activation_bytes`, the counts the tests hold to JAX's autodiff);
+* **working**: what one layer's backward holds beyond that -- the working set of
+  ``model.attention=xla``'s backward, the ``[b, heads/t, s, s]`` scores, their mask, probabilities
+  and cotangents, four fp32 arrays (cuDNN's fused attention keeps none) -- or, with full
+  recomputation, the layer's recomputed residuals if they are larger (a wide MLP, a long microbatch);
+* **logits**: the last stage's fp32 logits and their cotangent, ``2 · b·s·V/t`` (every stage of an
+  SPMD pipeline runs the same program, so every device reserves them);
+* **zero-bubble buffers** (zb-h1): the input-gradient pass ``B`` recomputes the chunk keeping every
+  layer's residuals, and leaves per layer what the deferred weight gradient ``W`` multiplies (the
+  weight-bearing operations' inputs and output cotangents) in ``weight_slots`` B-to-W buffers.
+
+Two backends, because XLA's buffer assignment is the backend's: ``gpu`` (what a GPU pod's program
+holds) and ``cpu`` (XLA:CPU, the simulated mesh ``meshtron describe --compile`` compiles for). The
+CPU cannot compute in bf16: it converts bf16 values to fp32, so a layer input it recomputes from is
+held twice (2 + 4 bytes) and the residuals it keeps are the fp32 values (4 bytes); the bf16
+attention probabilities are kept both ways (6 bytes). On a GPU the same values are 2 bytes. These
+are the only terms that differ; ``tests/test_step_memory.py`` and ``benchmarks/memory_at_scale.py``
+hold the ``cpu`` figures to compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B.
+
+Pure Python: no JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, fields
+
+from meshtron import megatron
+from meshtron.config import Config, ModelConfig, padded_vocab_size
+from meshtron.errors import ConfigError
+from meshtron.pipeline.program import compile_program
+from meshtron.pipeline.schedules import make_schedule
+from meshtron.plan.model import Layout, ModelShape, onebit_padded_length
+
+__all__ = ["BACKENDS", "StepMemory", "StepRun", "StepShape", "block_parameters", "layout_step_memory",
+           "other_parameters", "step_memory"]
+
+BACKENDS = ("gpu", "cpu")
+SCORE_BUFFERS = 4
+"""``[b, heads/t, s, s]`` fp32 arrays ``jax.nn.dot_product_attention``'s XLA implementation holds while
+a layer's backward runs: the scores, the causal mask broadcast to them, the probabilities and their
+cotangent (read from XLA:CPU's buffer assignment of the 7B step)."""
+LOGIT_BUFFERS = 2  # fp32 logits and their cotangent
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A built-in model's dimensions (``family`` gpt: biases, LayerNorm, GELU MLP, learned positions,
+    tied head; llama: RMSNorm, SwiGLU, grouped-query attention, untied head, no biases)."""
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    mlp_dim: int
+    vocab_size: int
+    seq_len: int
+    positions: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_config(cls, model: ModelConfig) -> StepShape:
+        if model.factory is not None or model.family not in ("gpt", "llama"):
+            what = f"factory {model.factory}" if model.factory else f"family {model.family}"
+            raise ConfigError(f"model.family: the step memory model counts the built-in gpt and llama, got {what}; "
+                              "pass the model's parameter bytes (stage_bytes=) for a model of your own")
+        return cls(model.family, model.layers, model.hidden, model.heads, model.kv_heads or model.heads,
+                   model.mlp_dim, model.vocab_size, model.seq_len, model.max_position_embeddings or model.seq_len)
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """How the step runs: mesh sizes, microbatching, the pipeline program's buffer counts, and the
+    dtypes, recomputation, attention, optimizer and zero level of the config."""
+
+    data: int
+    pipe: int
+    tensor: int
+    microbatch: int
+    chunks: int = 1
+    stash_slots: int = 0  # pipeline: stashed stage inputs (0 without a pipeline)
+    weight_slots: int = 0  # split backward (zb-h1): B-to-W buffers
+    residual_slots: int = 0  # pipeline.recompute=false: in-flight chunks whose residuals are kept
+    remat: str = "full"
+    sequence_parallel: bool = False
+    zero: int = 0
+    gather_once: bool = False
+    optimizer: str = "adamw"
+    param_bytes: int = 4
+    compute_bytes: int = 2
+    attention: str = "xla"
+
+    @classmethod
+    def from_config(cls, cfg: Config, program=None) -> StepRun:
+        """``cfg`` with its resolved mesh; ``program``: its pipeline's compiled schedule (the slot counts)."""
+        m, t, mesh = cfg.model, cfg.train, cfg.mesh
+        microbatch = t.batch_size // (mesh.data * t.microbatches)
+        return cls(
+            data=mesh.data, pipe=mesh.pipe, tensor=mesh.tensor, microbatch=microbatch,
+            chunks=cfg.pipeline.chunks if mesh.pipe > 1 else 1,
+            stash_slots=program.stash_slots if program is not None else 0,
+            weight_slots=program.weight_slots if program is not None else 0,
+            residual_slots=program.residual_slots if program is not None else 0,
+            remat=m.remat, sequence_parallel=m.sequence_parallel and mesh.tensor > 1, zero=t.zero,
+            gather_once=t.gather_once, optimizer=t.optimizer, param_bytes=_itemsize(m.param_dtype),
+            compute_bytes=_itemsize(m.dtype), attention=m.attention)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes per device of one train step, by what holds them (see the module docstring)."""
+
+    backend: str
+    parameters: float
+    optimizer: float
+    gradients: float
+    stash: float
+    layers_kept: float
+    working: float
+    logits: float
+    weight_buffers: float
+
+    @property
+    def arguments(self) -> float:
+        """What the step takes and returns (donated): parameters and optimizer state."""
+        return self.parameters + self.optimizer
+
+    @property
+    def temporaries(self) -> float:
+        return (self.gradients + self.stash + self.layers_kept + self.working + self.logits
+                + self.weight_buffers)
+
+    @property
+    def peak(self) -> float:
+        return self.arguments + self.temporaries
+
+    def terms(self) -> dict[str, float]:
+        """Every non-zero term, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "backend" and getattr(self, f.name)}
+
+
+def block_parameters(shape: StepShape, tensor: int) -> float:
+    """One layer's parameters on one tensor rank: Megatron's split of the projections (query heads,
+    and key/value heads when ``tensor`` divides them, else whole; the MLP's inner dimension), the
+    norms and the row-parallel biases whole."""
+    h, a, k, d, f, t = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp_dim, tensor
+    if shape.family == "llama":
+        kv_split = t if k % t == 0 else 1
+        return 2 * h * a * d / t + 2 * h * k * d / kv_split + 3 * h * f / t + 2 * h
+    return (3 * h * h + 3 * h) / t + h * h / t + h + (2 * h * f + f) / t + h + 4 * h
+
+
+def other_parameters(shape: StepShape, tensor: int) -> float:
+    """The parameters outside the blocks on one tensor rank (vocabulary split over ``tensor``, padded
+    to a multiple of 128·t as Megatron does). Every pipeline stage holds them: the program is SPMD."""
+    h, vocab = shape.hidden, padded_vocab_size(shape.vocab_size, tensor)
+    if shape.family == "llama":
+        return 2 * vocab * h / tensor + h  # embedding, untied head, final norm
+    return vocab * h / tensor + shape.positions * h + 2 * h  # tied embedding, positions, final LayerNorm
+
+
+def _weight_boundary(shape: StepShape, tensor: int) -> float:
+    """Per token, the elements a zb-h1 ``B`` leaves for ``W``: each weight-bearing projection's input
+    and output cotangent (the inputs of the column-parallel projections and the cotangents of the
+    row-parallel ones are whole, ``h``; the rest split over ``tensor``)."""
+    h, a, k, d, f, t = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp_dim, tensor
+    if shape.family == "llama":
+        return 4 * h + (a + 2 * k) * d / t + h / t + 3 * f / t
+    return 4 * h + 4 * h / t + 2 * f / t
+
+
+def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
+                stage_bytes: tuple[float, float] | None = None) -> StepMemory:
+    """The step's bytes per device on ``backend`` (``gpu`` or ``cpu``).
+
+    ``stage_bytes``: ``(one layer's, the rest's)`` parameter bytes per device when the model is not a
+    built-in one (the blocks are then taken to be shaped like ``shape``'s for the activations)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    d, p, t, b = run.data, run.pipe, run.tensor, run.microbatch
+    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    if stage_bytes is None:
+        stage_bytes = (block_parameters(shape, t) * run.param_bytes, other_parameters(shape, t) * run.param_bytes)
+    layer_bytes, rest_bytes = stage_bytes
+    stage = shape.layers // p * layer_bytes + rest_bytes  # every device of a stage, before the zero split
+    cpu = backend == "cpu"
+    cb = run.compute_bytes
+    recompute_input = cb + (4 if cpu and cb < 4 else 0)  # a layer input the backward recomputes from
+    residual = 4 if cpu else cb  # what autodiff keeps for the backward
+    fused = run.attention == "cudnn" and not cpu
+
+    parameters = stage / d if run.zero == 3 else stage
+    optimizer = _optimizer_bytes(run, stage)
+    if run.zero == 3 and not run.gather_once:
+        gradients = 2 * stage / d + 2 * layer_bytes
+    elif run.zero == 3:
+        gradients = 3 * stage
+    else:
+        gradients = 2 * stage
+
+    tokens = b * s / (t if run.sequence_parallel else 1)  # a residual-stream array's rows on one device
+    chunk_layers = shape.layers // (p * run.chunks)
+    stash = run.stash_slots * tokens * h * cb
+    layers_kept = 0.0
+    split = run.weight_slots > 0
+    keeps = run.remat != "full" or run.residual_slots > 0 or split
+    if not keeps or split:
+        stash += chunk_layers * tokens * h * recompute_input
+    scores_one = b * (a / t) * s * s  # one [b, heads/t, s, s] array's elements
+    kept_scores = 0.0 if fused else scores_one * (4 + cb if cb < 4 else 8)  # fp32 probabilities (+ bf16 copy)
+    kept_layer = megatron.layer_activation_bytes(
+        seq_len=s, microbatch=b, hidden=h, heads=a, kv_heads=shape.kv_heads, mlp_dim=shape.mlp_dim, tensor=t,
+        sequence_parallel=run.sequence_parallel, remat="selective", bytes_per_element=residual)
+    if split:  # B's residuals for the chunk, and what W reads in each B-to-W buffer
+        layers_kept = chunk_layers * (kept_layer + kept_scores)
+    elif run.residual_slots:  # slot buffers in the residuals' own dtypes: activations, fp32 probabilities
+        slot_layer = kept_layer * cb / residual + (0.0 if fused else scores_one * 4)
+        layers_kept = run.residual_slots * chunk_layers * slot_layer
+    elif run.remat != "full":
+        layers_kept = chunk_layers * (kept_layer + (kept_scores if run.remat == "none" else 0.0))
+    weight_buffers = run.weight_slots * chunk_layers * b * s * _weight_boundary(shape, t) * residual
+    working = 0.0 if fused else SCORE_BUFFERS * scores_one * 4  # the attention core's backward
+    if not keeps:  # full recomputation: one layer's residuals, recomputed, while its backward runs
+        working = max(working, kept_layer + kept_scores)
+    logits = LOGIT_BUFFERS * b * s * padded_vocab_size(shape.vocab_size, t) / t * 4
+    return StepMemory(backend, parameters, optimizer, gradients, stash, layers_kept, working, logits,
+                      weight_buffers)
+
+
+def _optimizer_bytes(run: StepRun, stage: float) -> float:
+    """AdamW and LAMB keep two moments in the parameters' dtype; 1-bit LAMB three plus its fp32 worker
+    and server error buffers (:func:`meshtron.plan.model.onebit_padded_length`); ``/d`` with zero >= 1."""
+    if run.optimizer != "onebit_lamb":
+        return 2 * stage / (run.data if run.zero >= 1 else 1)
+    errors = 0.0
+    if run.data > 1:
+        padded = onebit_padded_length(math.ceil(stage / run.param_bytes), run.data)
+        errors = 4 * (padded + padded / run.data)
+    return 3 * stage + errors
+
+
+@functools.lru_cache(maxsize=256)
+def _slots(schedule: str, pipe: int, microbatches: int, chunks: int) -> tuple[int, int]:
+    """(stash, B-to-W) slots of meshtron's program for this schedule. Except GPipe's (all ``m``), the
+    peak is reached within the first ``2p`` microbatches, so the table is built for at most that many."""
+    built = microbatches if schedule == "gpipe" else min(microbatches, 2 * pipe)
+    program = compile_program(make_schedule(schedule, pipe, built, chunks))
+    return program.stash_slots, program.weight_slots
+
+
+def layout_step_memory(model: ModelShape, layout: Layout, optimizer: str = "adamw", zero: int = 0,
+                       schedule: str | None = None) -> StepMemory | None:
+    """meshtron's step on a GPU for one of the planner's layouts of the paper's GPT: fp32 parameters and
+    bf16 compute (meshtron's mixed precision), cuDNN's fused attention, no sequence parallelism, the
+    layout's schedule (1F1B, or interleaved when ``chunks > 1``) unless ``schedule`` names another.
+    None when meshtron's tables cannot run the layout (fewer microbatches than stages)."""
+    p, m = layout.pipe, layout.microbatches
+    schedule = schedule or layout.schedule
+    if p > 1 and m < p:
+        return None
+    stash, weights = _slots(schedule, p, m, layout.chunks) if p > 1 else (0, 0)
+    shape = StepShape("gpt", model.layers, model.hidden, model.heads, model.heads, 4 * model.hidden,
+                      model.vocab_size, model.seq_len, model.seq_len)
+    run = StepRun(data=layout.data, pipe=p, tensor=layout.tensor, microbatch=layout.microbatch, chunks=layout.chunks,
+                  stash_slots=stash, weight_slots=weights, remat=layout.recompute, zero=zero, optimizer=optimizer,
+                  attention="cudnn")
+    return step_memory(shape, run, "gpu")
