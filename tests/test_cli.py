@@ -44,8 +44,9 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
     assert records[0] == {"step": 0, "event": "start", "weights": "a new model from seed 0"}
     records = records[1:]
     assert [r["step"] for r in records] == [2, 3, 4, 6]  # every log_every steps, and every evaluation
-    assert set(records[0]) == {"step", "loss", "tokens_per_s", "lr", "grad_norm", "stage", "data_bytes",
-                               "model_flops_per_s"}
+    assert set(records[0]) == {"step", "loss", "tokens_per_s", "step_seconds", "lr", "grad_norm", "stage",
+                               "data_bytes", "model_flops_per_s"}
+    assert all(r["step_seconds"] > 0 for r in records)
     assert set(records[1]) - set(records[0]) == {"heldout_loss", "heldout_loss_per_byte"}  # bytes: the same
     assert records[1]["heldout_loss"] == records[1]["heldout_loss_per_byte"] > 0
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in records)

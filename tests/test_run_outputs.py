@@ -95,7 +95,7 @@ def test_a_bpe_run_logs_everywhere_and_its_checkpoint_decodes_with_its_tokenizer
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "eval/heldout_loss", "eval/heldout_nats_per_byte", "train/learning_rate", "train/grad_norm",
-            "perf/tokens_per_s", "perf/model_flops_per_s", "perf/model_flops_utilisation",
+            "perf/tokens_per_s", "perf/step_seconds", "perf/model_flops_per_s", "perf/model_flops_utilisation",
             "comm/bytes_over_data_per_step"} <= tags
     assert [e.step for e in events.Scalars("eval/heldout_loss")] == [3, 6]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in records])

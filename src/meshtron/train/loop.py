@@ -446,6 +446,7 @@ class Trainer:
             stream = self.train_stream(position.data_position)
             unigram = self.corpus.unigram_loss()
             with progress:
+                last_done = time.perf_counter()
                 for step in range(position.step + 1, t.steps + 1):
                     stage = self.optimizer.stage_at(updates)
                     profiler.before(step)
@@ -454,7 +455,8 @@ class Trainer:
                     params, opt_state, metrics = self.steps.train(params, opt_state, batch, stage)
                     on_event("dispatched", step)
                     loss, grad_norm = metrics.mean()  # blocks until the step is done
-                    elapsed = time.perf_counter() - tick
+                    done = time.perf_counter()
+                    elapsed, interval, last_done = done - tick, done - last_done, done
                     profiler.after(step)
                     finite = math.isfinite(loss) and math.isfinite(grad_norm) and metrics.was_applied()
                     if not finite:
@@ -484,7 +486,7 @@ class Trainer:
                                      data_bytes=stage_bytes, first_of_stage=stage_steps[stage] == 1,
                                      logged=step % t.log_every == 0 or step == t.steps or bool(stop),
                                      heldout=held, unigram=unigram,
-                                     bytes_per_token=self.corpus.heldout_bytes_per_token)
+                                     bytes_per_token=self.corpus.heldout_bytes_per_token, step_seconds=interval)
                     if store is not None and (step % cfg.checkpoint.every == 0 or step == t.steps or stop):
                         self.save(store, params, opt_state, RunPosition(step, updates, stream.position))
                         on_event("saving", step)

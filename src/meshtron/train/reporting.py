@@ -39,6 +39,7 @@ SCALARS = {
     "lr": "train/learning_rate",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s",
+    "step_seconds": "perf/step_seconds",
     "model_flops_per_s": "perf/model_flops_per_s",
     "mfu": "perf/model_flops_utilisation",
     "data_bytes": "comm/bytes_over_data_per_step",
@@ -216,14 +217,16 @@ class RunProgress:
 
     def stepped(self, step: int, *, loss: float, grad_norm: float, tokens_per_s: float, lr: float, stage: str,
                 data_bytes: float, logged: bool, first_of_stage: bool, heldout: float | None = None,
-                unigram: float = math.nan, bytes_per_token: float = math.nan) -> None:
+                unigram: float = math.nan, bytes_per_token: float = math.nan,
+                step_seconds: float = math.nan) -> None:
         """A step done: the bar shows it when it is logged or opens a stage (its traffic at once); its
         record is written when it is logged or evaluated (``heldout``: its held-out loss, printed
         above the bar with the unigram baseline and, for text, nats per byte)."""
         if logged or first_of_stage:
             self.bar.update(self.task, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
                             stage=f"{stage} " if self.staged else "", comm=format_bytes(data_bytes))
-        record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "step_seconds": step_seconds, "lr": lr,
+                  "grad_norm": grad_norm,
                   "stage": stage, "data_bytes": data_bytes, "model_flops_per_s": self.flops_per_token * tokens_per_s}
         if self.peak_flops:
             record["mfu"] = record["model_flops_per_s"] / self.peak_flops

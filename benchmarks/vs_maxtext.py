@@ -1,0 +1,281 @@
+"""meshtron against MaxText 0.2.5, Llama against Llama, on the same simulated CPU meshes.
+
+The same model in both (MaxText's default ``llama2`` decoder block): 4 layers, hidden 256, 4 heads with
+4 key/value heads (head 64), SwiGLU 1024, RMSNorm, rotary positions, untied head, vocabulary 1024,
+sequence 128, fp32, AdamW, full recomputation (MaxText's default ``remat_policy``; ``--remat``
+changes meshtron's), global batch 8 × 128 tokens. Each library trains ``--steps`` steps in its own
+process; the two alternate, mesh by mesh, ``--rounds`` times, and the median step time after step 3 of
+each run is kept. Meshes:
+
+* one device;
+* data 4 × tensor 2;
+* data 2 × pipe 2 × tensor 2, GPipe with 4 microbatches (MaxText's pipeline with one repeat);
+* data 2 × pipe 2 × tensor 2, circular / interleaved with 2 chunks per stage and 4 microbatches.
+
+MaxText lives in its own virtual environment (Python 3.12, jax 0.12.0.1; the pins of
+``maxtext_0.2.5_cpu_requirements.txt``, MaxText's own without the TPU-only ``libtpu``). ``--setup``
+builds it in ``--maxtext-dir`` (default ``/tmp/maxtext_try``): about 140 s and 2.4 GB, with network
+access to the package index.
+
+    .venv/bin/python benchmarks/vs_maxtext.py --setup        # once
+    .venv/bin/python benchmarks/vs_maxtext.py                # about 15 minutes on 2 cores; keep the machine idle
+
+It prints step times, tokens/s and model FLOP/s (6N + 12·l·h·s per token) with MaxText's over
+meshtron's step time, and each program's compile time and compiled temporaries (meshtron's from
+``meshtron describe --compile`` of the same run, MaxText's from its own compiled train step); writes
+``results/vs_maxtext.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import _common
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIREMENTS = Path(__file__).with_name("maxtext_0.2.5_cpu_requirements.txt")
+TOKENS = 8 * 128
+
+# The model, in each library's words.
+MAXTEXT_MODEL = ["dataset_type=synthetic", "max_target_length=128", "base_emb_dim=256", "base_num_query_heads=4",
+                 "base_num_kv_heads=4", "base_mlp_dim=1024", "base_num_decoder_layers=4", "head_dim=64",
+                 "vocab_size=1024", "dtype=float32", "enable_checkpointing=false", "hardware=cpu",
+                 "skip_jax_distributed_system=true", "jax_cache_dir="]
+MESHTRON_MODEL = ["model.family=llama", "model.layers=4", "model.hidden=256", "model.heads=4", "model.kv_heads=4",
+                  "model.mlp_dim=1024", "model.seq_len=128", "model.vocab_size=1024", "model.dtype=float32",
+                  "model.param_dtype=float32", "train.batch_size=8", "train.eval_every=100000", "train.log_every=1"]
+
+# name: (devices, MaxText arguments, meshtron overrides)
+MESHES = {
+    "1 device": (1, ["per_device_batch_size=8"],
+                 ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1"]),
+    "data 4 x tensor 2": (8, ["per_device_batch_size=1", "ici_fsdp_parallelism=1", "ici_pipeline_parallelism=1",
+                              "ici_data_parallelism=4", "ici_tensor_parallelism=2"],
+                          ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "train.microbatches=1"]),
+    "2x2x2 GPipe, m=4": (8, ["per_device_batch_size=1", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
+                             "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4",
+                             "num_layers_per_pipeline_stage=2"],
+                         ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=4",
+                          "pipeline.schedule=gpipe", "pipeline.chunks=1"]),
+    "2x2x2 circular / interleaved v=2, m=4": (
+        8, ["per_device_batch_size=1", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
+            "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4"],
+        ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=4", "pipeline.schedule=interleaved",
+         "pipeline.chunks=2"]),
+}
+
+# MaxText's train entry point, also printing its compiled step's memory and compile time.
+MAXTEXT_WRAPPER = '''
+import time
+from absl import app
+import jax.stages
+from maxtext.utils import max_utils
+from maxtext.trainers.pre_train import train
+
+_print_memory = max_utils.print_compiled_memory_stats
+def print_memory(stats, prefix=""):
+    if stats is not None:
+        print(f"COMPILED_TEMP_BYTES {stats.temp_size_in_bytes}", flush=True)
+    return _print_memory(stats, prefix)
+max_utils.print_compiled_memory_stats = print_memory
+
+_compile = jax.stages.Lowered.compile
+def timed_compile(self, *args, **kwargs):
+    start = time.perf_counter()
+    compiled = _compile(self, *args, **kwargs)
+    print(f"COMPILE_SECONDS {time.perf_counter() - start:.2f}", flush=True)
+    return compiled
+jax.stages.Lowered.compile = timed_compile
+
+if __name__ == "__main__":
+    app.run(train.main)
+'''
+
+
+def python312() -> str:
+    """Python 3.12 for MaxText: pyenv's, or python3.12 on PATH."""
+    pyenv = shutil.which("pyenv")
+    if pyenv:
+        root = subprocess.run([pyenv, "root"], capture_output=True, text=True, check=False).stdout.strip()
+        candidate = Path(root) / "versions" / "3.12.1" / "bin" / "python3"
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("python3.12")
+    if not found:
+        sys.exit("--setup: MaxText 0.2.5 needs Python 3.12 (pyenv's 3.12.1 or python3.12 on PATH); none found")
+    return found
+
+
+def setup(directory: Path) -> None:
+    venv = directory / "venv"
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (venv / "bin" / "python").exists():
+        subprocess.run([python312(), "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "-U", "pip"], check=True)
+    subprocess.run([*pip, "-r", str(REQUIREMENTS)], check=True)
+    subprocess.run([*pip, "--no-deps", "maxtext==0.2.5"], check=True)
+    (directory / "maxtext_train.py").write_text(MAXTEXT_WRAPPER)
+    print(f"MaxText 0.2.5 ready in {directory}")
+
+
+def median_after_3(times: dict[int, float]) -> float:
+    return statistics.median(t for step, t in times.items() if step > 3)
+
+
+def run_maxtext(directory: Path, name: str, devices: int, extra: list[str], steps: int) -> dict:
+    python = directory / "venv" / "bin" / "python"
+    if not python.exists():
+        sys.exit(f"MaxText is not set up in {directory}: run benchmarks/vs_maxtext.py --setup first")
+    config = next((directory / "venv" / "lib").glob("python3.12/site-packages/maxtext/configs/base.yml"))
+    (directory / "maxtext_train.py").write_text(MAXTEXT_WRAPPER)
+    out = Path(tempfile.mkdtemp(prefix="maxtext-"))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NO_GCE_CHECK": "True",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    try:
+        proc = subprocess.run([str(python), str(directory / "maxtext_train.py"), str(config), f"run_name={name}",
+                               f"base_output_directory={out}", f"steps={steps}", *MAXTEXT_MODEL, *extra],
+                              env=env, capture_output=True, text=True, timeout=1200, check=False)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    text = proc.stdout + proc.stderr
+    times = {int(k): float(s) for k, s in re.findall(r"completed step: (\d+), seconds: ([\d.]+)", text)}
+    if proc.returncode or len(times) < steps - 1:
+        raise RuntimeError(f"MaxText {name} failed (exit {proc.returncode}):\n{text[-3000:]}")
+    losses = re.findall(r"completed step: \d+,.*?loss: ([\d.]+)", text)
+    temp = re.findall(r"COMPILED_TEMP_BYTES (\d+)", text)
+    compile_s = re.findall(r"COMPILE_SECONDS ([\d.]+)", text)
+    return {"step_seconds": median_after_3(times), "times": times, "last_loss": float(losses[-1]),
+            "temp_bytes": int(temp[0]) if temp else None, "compile_seconds": float(compile_s[0]) if compile_s else None}
+
+
+def run_meshtron(devices: int, overrides: list[str], steps: int) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "meshtron.cli", "train", "--config", "llama_cpu8",
+                               "--metrics", str(metrics), *MESHTRON_MODEL, *overrides, f"train.steps={steps}"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"meshtron failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    times = {r["step"]: r["step_seconds"] for r in records if "step_seconds" in r}
+    return {"step_seconds": median_after_3(times), "times": times,
+            "last_loss": [r["loss"] for r in records if "loss" in r][-1], **compiled_figures(devices, overrides)}
+
+
+def compiled_figures(devices: int, overrides: list[str]) -> dict:
+    """meshtron's compile time and compiled temporaries for the same run (``describe --compile``)."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    proc = subprocess.run([sys.executable, "-m", "meshtron.cli", "describe", "--config", "llama_cpu8", "--compile",
+                           *MESHTRON_MODEL, *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    seconds = re.search(r"compiled in ([\d.]+) s", proc.stdout)
+    temp = re.search(r"^memory: .*temporaries ([\d.]+) (\w+)", proc.stdout, re.MULTILINE)
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    return {"compile_seconds": float(seconds[1]) if seconds else None,
+            "temp_bytes": int(float(temp[1]) * units[temp[2]]) if temp else None}
+
+
+def model_flops_per_token() -> float:
+    """6N + 12·l·h·s (:func:`meshtron.megatron.model_flops_per_token`) for this model."""
+    from meshtron.megatron import model_flops_per_token as flops
+
+    h, f, v, layers = 256, 1024, 1024, 4
+    params = layers * (4 * h * h + 3 * h * f + 2 * h) + 2 * v * h + h
+    return flops(params, layers, h, 128)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setup", action="store_true", help="build MaxText 0.2.5's environment and exit")
+    parser.add_argument("--maxtext-dir", type=Path, default=Path("/tmp/maxtext_try"))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--remat", default="full", choices=("full", "selective", "none"),
+                        help="meshtron's model.remat (MaxText runs its default, remat_policy=full)")
+    parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated names of the meshes to run")
+    args = parser.parse_args()
+    if args.setup:
+        setup(args.maxtext_dir)
+        return
+    names = [n.strip() for n in args.meshes.split(",")]
+    unknown = [n for n in names if n not in MESHES]
+    if unknown:
+        sys.exit(f"--meshes: unknown {unknown}; choose from {list(MESHES)}")
+    runs: dict[str, dict[str, list[dict]]] = {n: {"maxtext": [], "meshtron": []} for n in names}
+    for round_ in range(args.rounds):
+        for name in names:
+            devices, mt_args, mx_overrides = MESHES[name]
+            mt = run_maxtext(args.maxtext_dir, f"r{round_}", devices, mt_args, args.steps)
+            mx = run_meshtron(devices, [*mx_overrides, f"model.remat={args.remat}"], args.steps)
+            runs[name]["maxtext"].append(mt)
+            runs[name]["meshtron"].append(mx)
+            print(f"  round {round_ + 1} {name}: MaxText {mt['step_seconds']:.3f} s, meshtron {mx['step_seconds']:.3f} s",
+                  flush=True)
+    flops = model_flops_per_token()
+    rows, results = [], []
+    for name in names:
+        mt = [r["step_seconds"] for r in runs[name]["maxtext"]]
+        mx = [r["step_seconds"] for r in runs[name]["meshtron"]]
+        mt_s, mx_s = statistics.median(mt), statistics.median(mx)
+        first = {lib: runs[name][lib][0] for lib in ("maxtext", "meshtron")}
+        results.append({"mesh": name, "maxtext_step_seconds": mt, "meshtron_step_seconds": mx,
+                        "ratio": mt_s / mx_s, "model_flops_per_token": flops,
+                        "compile_seconds": {lib: first[lib]["compile_seconds"] for lib in first},
+                        "temp_bytes": {lib: first[lib]["temp_bytes"] for lib in first},
+                        "last_loss": {lib: [r["last_loss"] for r in runs[name][lib]] for lib in first}})
+        rows.append([name, " / ".join(f"{t:.3f}" for t in mt), " / ".join(f"{t:.3f}" for t in mx),
+                     f"{TOKENS / mt_s:,.0f}", f"{TOKENS / mx_s:,.0f}", f"{TOKENS / mt_s * flops / 1e9:.1f}",
+                     f"{TOKENS / mx_s * flops / 1e9:.1f}", f"{mt_s / mx_s:.2f}",
+                     " / ".join(_fmt(first[lib]["compile_seconds"], "{:.1f}") for lib in ("maxtext", "meshtron")),
+                     " / ".join(_fmt(first[lib]["temp_bytes"], "{:.1f}", 2**-20) for lib in ("maxtext", "meshtron"))])
+    print(f"Llama 4x256, seq 128, batch 8, fp32, meshtron remat {args.remat}; median step s after step 3, per round")
+    _common.print_table(["mesh", "MaxText s", "meshtron s", "MaxText tok/s", "meshtron tok/s", "MaxText GFLOP/s",
+                         "meshtron GFLOP/s", "MaxText/meshtron", "compile s (MT / mx)", "temp MiB (MT / mx)"], rows)
+    path = _common.write_results("vs_maxtext", {"remat": args.remat, "steps": args.steps, "rounds": args.rounds,
+                                                "results": results})
+    plot(results)
+    print(f"wrote {path}")
+
+
+def _fmt(value: float | None, pattern: str, scale: float = 1.0) -> str:
+    return "-" if value is None else pattern.format(value * scale)
+
+
+def plot(results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = np.arange(len(results))
+    for offset, lib, label in ((-0.2, "maxtext", "MaxText 0.2.5"), (0.2, "meshtron", "meshtron")):
+        times = [r[f"{lib}_step_seconds"] for r in results]
+        ax.bar(x + offset, [TOKENS / statistics.median(t) for t in times], width=0.4, label=label)
+        for xi, t in zip(x, times):
+            ax.scatter([xi + offset] * len(t), [TOKENS / s for s in t], color="k", s=8, zorder=3)
+    for xi, r in zip(x, results):
+        ax.text(xi + 0.2, TOKENS / statistics.median(r["meshtron_step_seconds"]), f"{r['ratio']:.2f}x",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [r["mesh"] for r in results], fontsize=8)
+    ax.set_ylabel("tokens/s (median; dots: rounds)")
+    ax.set_title("Llama 4x256 on simulated CPU meshes: meshtron against MaxText 0.2.5")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(_common.RESULTS / "vs_maxtext.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
