@@ -23,7 +23,7 @@ access to the package index.
 It prints step times, tokens/s and model FLOP/s (6N + 12·l·h·s per token) with MaxText's over
 meshtron's step time, and each program's compile time and compiled temporaries (meshtron's from
 ``meshtron describe --compile`` of the same run, MaxText's from its own compiled train step); writes
-``results/vs_maxtext.json`` and ``.png``.
+``results/vs_maxtext.json`` and ``.png`` (``vs_maxtext_remat_none.*`` with ``--remat none``).
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ MESHES = {
     "data 4 x tensor 2": (8, ["per_device_batch_size=1", "ici_fsdp_parallelism=1", "ici_pipeline_parallelism=1",
                               "ici_data_parallelism=4", "ici_tensor_parallelism=2"],
                           ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "train.microbatches=1"]),
-    "2x2x2 GPipe, m=4": (8, ["per_device_batch_size=1", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
+    "2x2x2 GPipe m=4": (8, ["per_device_batch_size=1", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
                              "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4",
                              "num_layers_per_pipeline_stage=2"],
                          ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=4",
                           "pipeline.schedule=gpipe", "pipeline.chunks=1"]),
-    "2x2x2 circular / interleaved v=2, m=4": (
+    "2x2x2 circular/interleaved v=2 m=4": (
         8, ["per_device_batch_size=1", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
             "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4"],
         ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=4", "pipeline.schedule=interleaved",
@@ -242,9 +242,10 @@ def main() -> None:
     print(f"Llama 4x256, seq 128, batch 8, fp32, meshtron remat {args.remat}; median step s after step 3, per round")
     _common.print_table(["mesh", "MaxText s", "meshtron s", "MaxText tok/s", "meshtron tok/s", "MaxText GFLOP/s",
                          "meshtron GFLOP/s", "MaxText/meshtron", "compile s (MT / mx)", "temp MiB (MT / mx)"], rows)
-    path = _common.write_results("vs_maxtext", {"remat": args.remat, "steps": args.steps, "rounds": args.rounds,
-                                                "results": results})
-    plot(results)
+    name = "vs_maxtext" if args.remat == "full" else f"vs_maxtext_remat_{args.remat}"
+    path = _common.write_results(name, {"remat": args.remat, "steps": args.steps, "rounds": args.rounds,
+                                        "results": results})
+    plot(results, name)
     print(f"wrote {path}")
 
 
@@ -252,7 +253,7 @@ def _fmt(value: float | None, pattern: str, scale: float = 1.0) -> str:
     return "-" if value is None else pattern.format(value * scale)
 
 
-def plot(results: list[dict]) -> None:
+def plot(results: list[dict], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,7 +275,7 @@ def plot(results: list[dict]) -> None:
     ax.set_title("Llama 4x256 on simulated CPU meshes: meshtron against MaxText 0.2.5")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(_common.RESULTS / "vs_maxtext.png", dpi=120)
+    fig.savefig(_common.RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":
