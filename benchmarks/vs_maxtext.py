@@ -3,7 +3,10 @@
 The same model in both (MaxText's default ``llama2`` decoder block): 4 layers, hidden 256, 4 heads with
 4 key/value heads (head 64), SwiGLU 1024, RMSNorm, rotary positions, untied head, vocabulary 1024,
 sequence 128, fp32, AdamW, full recomputation (MaxText's default ``remat_policy``; ``--remat``
-changes meshtron's), global batch 8 × 128 tokens. Each library trains ``--steps`` steps in its own
+changes meshtron's), global batch 8 × 128 tokens. On the pipelined meshes meshtron runs
+``pipeline.recompute=false`` (``--pipeline-recompute`` changes it): under ``model.remat=full`` each
+layer keeps its input and is recomputed once in its backward, two forwards per layer as in MaxText,
+where ``true`` would also rerun the whole stage from its stashed input (three). Each library trains ``--steps`` steps in its own
 process; the two alternate, mesh by mesh, ``--rounds`` times, and the median step time after step 3 of
 each run is kept. Meshes:
 
@@ -203,6 +206,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--remat", default="full", choices=("full", "selective", "none"),
                         help="meshtron's model.remat (MaxText runs its default, remat_policy=full)")
+    parser.add_argument("--pipeline-recompute", default="false", choices=("false", "true"),
+                        help="meshtron's pipeline.recompute on the pipelined meshes")
     parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated names of the meshes to run")
     args = parser.parse_args()
     if args.setup:
@@ -217,7 +222,10 @@ def main() -> None:
         for name in names:
             devices, mt_args, mx_overrides = MESHES[name]
             mt = run_maxtext(args.maxtext_dir, f"r{round_}", devices, mt_args, args.steps)
-            mx = run_meshtron(devices, [*mx_overrides, f"model.remat={args.remat}"], args.steps)
+            pipelined = "mesh.pipe=1" not in mx_overrides
+            mx = run_meshtron(devices, [*mx_overrides, f"model.remat={args.remat}",
+                                        *([f"pipeline.recompute={args.pipeline_recompute}"] if pipelined else [])],
+                              args.steps)
             runs[name]["maxtext"].append(mt)
             runs[name]["meshtron"].append(mx)
             print(f"  round {round_ + 1} {name}: MaxText {mt['step_seconds']:.3f} s, meshtron {mx['step_seconds']:.3f} s",
@@ -239,11 +247,15 @@ def main() -> None:
                      f"{TOKENS / mx_s * flops / 1e9:.1f}", f"{mt_s / mx_s:.2f}",
                      " / ".join(_fmt(first[lib]["compile_seconds"], "{:.1f}") for lib in ("maxtext", "meshtron")),
                      " / ".join(_fmt(first[lib]["temp_bytes"], "{:.1f}", 2**-20) for lib in ("maxtext", "meshtron"))])
-    print(f"Llama 4x256, seq 128, batch 8, fp32, meshtron remat {args.remat}; median step s after step 3, per round")
+    print(f"Llama 4x256, seq 128, batch 8, fp32, meshtron remat {args.remat} (pipelined: pipeline.recompute="
+          f"{args.pipeline_recompute}); median step s after step 3, per round")
     _common.print_table(["mesh", "MaxText s", "meshtron s", "MaxText tok/s", "meshtron tok/s", "MaxText GFLOP/s",
                          "meshtron GFLOP/s", "MaxText/meshtron", "compile s (MT / mx)", "temp MiB (MT / mx)"], rows)
     name = "vs_maxtext" if args.remat == "full" else f"vs_maxtext_remat_{args.remat}"
-    path = _common.write_results(name, {"remat": args.remat, "steps": args.steps, "rounds": args.rounds,
+    if args.pipeline_recompute == "true":
+        name += "_stage_recompute"
+    path = _common.write_results(name, {"remat": args.remat, "pipeline_recompute": args.pipeline_recompute,
+                                        "steps": args.steps, "rounds": args.rounds,
                                         "results": results})
     plot(results, name)
     print(f"wrote {path}")

@@ -81,6 +81,17 @@ def test_sequence_parallelism_and_recomputation_shrink_what_they_should():
     assert sp.layers_kept == 0 < selective.layers_kept < none.layers_kept
 
 
+def test_kept_residuals_under_full_recomputation_are_the_layer_inputs():
+    # llama2_7b: 8x4x2 1F1B, 8 layers per stage, microbatch 2 x 4096 tokens, hidden 4096, bf16.
+    stage_input = _memory("llama2_7b", [], "gpu")
+    layer_inputs = _memory("llama2_7b", ["pipeline.recompute=false"], "gpu")
+    residuals = _memory("llama2_7b", ["pipeline.recompute=false", "model.remat=none"], "gpu")
+    slots = resolve_run(load_config("llama2_7b", ["pipeline.recompute=false"]), 64).program.residual_slots
+    assert layer_inputs.layers_kept == slots * (8 + 1) * 2 * 4096 * 4096 * 2  # 8 layer inputs + the chunk output
+    assert stage_input.layers_kept == 0 < layer_inputs.layers_kept < residuals.layers_kept / 10
+    assert layer_inputs.working == stage_input.working  # one layer recomputed at a time, either way
+
+
 def test_bad_inputs_get_one_line():
     shape = StepShape.from_config(load_config("cpu8").model)
     with pytest.raises(ConfigError, match="^backend: must be one of gpu, cpu, got 'tpu'$"):
@@ -118,6 +129,7 @@ REAL = [  # the bundled real-size configs on their own meshes, and the paper's G
     ("llama2_7b", ["pipeline.schedule=zb-h1"]),  # B's residuals and the B-to-W buffers
     ("llama2_7b", ["mesh.data=2", "mesh.pipe=4", "mesh.tensor=8", "model.sequence_parallel=true", "train.zero=1",
                    "train.microbatches=64"]),
+    ("llama2_7b", ["pipeline.recompute=false"]),  # full recomputation from each layer's kept input
 ]
 
 

@@ -161,9 +161,13 @@ class PipelineConfig:
     """The pipeline schedule used when ``mesh.pipe > 1`` (``chunks`` = v for interleaved).
 
     ``recompute``: true (default) keeps only each in-flight microbatch's stage input and reruns the
-    stage's forward inside its backward (Megatron's full recomputation: least memory, a third more
-    compute); false keeps every layer's matmul outputs from the forward to the backward (Megatron's
-    default without ``--recompute-granularity``: no recomputed forward, more activation memory).
+    stage's forward inside its backward (least memory, a third more compute; under
+    ``model.remat=full`` each layer is then recomputed once more in its own backward, three forwards
+    in all). false keeps, per in-flight microbatch, what each layer keeps by ``model.remat``: its
+    matmul outputs with ``none`` or ``selective`` (Megatron's default without
+    ``--recompute-granularity``: no recomputed forward, most activation memory), its input alone
+    with ``full`` (Megatron's ``--recompute-granularity full``: each layer recomputed once, two
+    forwards).
 
     ``layout``: how many layers each virtual stage runs when they do not split evenly (or should not:
     the first stage also embeds, the last also computes the loss), as ``p·v`` counts (``[3, 5]``) or

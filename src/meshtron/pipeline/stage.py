@@ -30,6 +30,12 @@ class StageFunctions:
     ``layer`` applied to each of its layers in order, the chunk's leaves being ``[layers, ...]``);
     schedules with a split backward (zero bubble) need it, to cut each layer's backward into the
     input gradient and the weight gradient (:mod:`meshtron.pipeline.split_backward`).
+
+    ``remat`` is how the model recomputes a layer (``model.remat``: ``none``, ``selective`` or
+    ``full``). When the forward keeps each layer's residuals for the backward (``pipeline.recompute``
+    false), ``full`` keeps only each layer's input and recomputes the layer once in its backward:
+    Megatron's full recomputation, two forwards per layer instead of the three a stage recomputed
+    from its stashed input, with each in-flight microbatch keeping one input per layer.
     """
 
     embed: Callable[[PyTree, jax.Array], jax.Array]
@@ -37,3 +43,4 @@ class StageFunctions:
     loss: Callable[[PyTree, jax.Array, jax.Array], jax.Array]
     layout: Callable[[jax.Array], jax.Array] = lambda x: x
     layer: Callable[[PyTree, jax.Array], jax.Array] | None = None
+    remat: str = "none"

@@ -17,6 +17,8 @@ device, term by term:
   program's ``stash_slots``) and, while one chunk is recomputed, each of its layers' inputs;
 * **layers kept**: with ``model.remat`` selective or none, every layer's backward residuals
   (:func:`meshtron.megatron.layer_activation_bytes`, the counts the tests hold to JAX's autodiff);
+  with ``pipeline.recompute=false``, those of every in-flight microbatch (the program's
+  ``residual_slots``), or under ``model.remat=full`` each layer's input alone;
 * **working**: what one layer's backward holds beyond that -- the working set of
   ``model.attention=xla``'s backward, the ``[b, heads/t, s, s]`` scores, their mask, probabilities
   and cotangents, four fp32 arrays (cuDNN's fused attention keeps none) -- or, with full
@@ -231,8 +233,9 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     stash = run.stash_slots * tokens * h * cb
     layers_kept = 0.0
     split = run.weight_slots > 0
-    keeps = run.remat != "full" or run.residual_slots > 0 or split
-    if not keeps or split:
+    inputs_kept = run.residual_slots > 0 and run.remat == "full" and not split  # each layer's input, per slot
+    keeps = (run.remat != "full" or run.residual_slots > 0 or split) and not inputs_kept
+    if (not keeps and not inputs_kept) or split:
         stash += chunk_layers * tokens * h * recompute_input
     scores_one = b * (a / t) * s * s  # one [b, heads/t, s, s] array's elements
     kept_scores = 0.0 if fused else scores_one * (4 + cb if cb < 4 else 8)  # fp32 probabilities (+ bf16 copy)
@@ -241,6 +244,8 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
         sequence_parallel=run.sequence_parallel, remat="selective", bytes_per_element=residual)
     if split:  # B's residuals for the chunk, and what W reads in each B-to-W buffer
         layers_kept = chunk_layers * (kept_layer + kept_scores)
+    elif inputs_kept:  # each layer's input (as autodiff keeps it) and the chunk's output, per slot
+        layers_kept = run.residual_slots * (chunk_layers * residual + cb) * tokens * h
     elif run.residual_slots:  # slot buffers in the residuals' own dtypes: activations, fp32 probabilities
         slot_layer = kept_layer * cb / residual + (0.0 if fused else scores_one * 4)
         layers_kept = run.residual_slots * chunk_layers * slot_layer

@@ -112,7 +112,8 @@ def stage_functions(model_def: ModelDef) -> StageFunctions:
         graphdef, state = nnx.split(model_def.bind({"blocks": layer_blocks}).blocks)
         return constrain(layer_view(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
 
-    return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer)
+    return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
+                          remat=model_def.remat)
 
 
 def _layer_counts(layout: StageLayout | None) -> tuple[int, ...] | None:
