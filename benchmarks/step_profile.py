@@ -22,25 +22,33 @@ that matches:
 3. attention: any other op whose result or operand has such a [.., seq, seq] shape (softmax's
    max/exp/sum, the causal mask, their gradients, copies of scores).
 4. optimizer: an op whose name stack (HLO ``metadata op_name``, the jax name stack) lies outside the
-   differentiated function, i.e. contains neither ``jvp(`` nor ``transpose(``: gradient clipping and
+   differentiated function and every loop, i.e. contains none of ``jvp(``, ``transpose(`` and ``while/``
+   (a pipeline's backward taken layer by layer from kept residuals runs outside ``jvp``, inside the
+   schedule's loop): gradient clipping and
    the global norm, the AdamW moments and update, learning-rate schedule, step counters (optax has
    no name scopes of its own in either library, so this is the rule that works for both).
 5. copy/transpose: copy or transpose, or a fusion of nothing but copies, transposes, bitcasts and
    reshapes (``copy_bitcast_fusion``, ``wrapped_transpose``). The JSON also gives the part of it
    whose result feeds a GEMM directly (through bitcasts).
 6. element-wise: every other op of the train step (loop/input fusions, reductions, gathers,
-   dynamic-(update-)slices of the layer loop's stacked activations, ...).
+   dynamic-(update-)slices of the layer loop's stacked activations, ...). The JSON also gives the
+   part of it spent in fusions that contain a transpose (element-wise work that writes its result
+   transposed, e.g. for the weight-gradient GEMM that follows).
 7. other: control flow shells (while, conditional, call: only their own time, the thunks they run
    are counted by what they are), events whose name is not in the HLO dump, and ops of other jitted
-   programs that run during the step (meshtron's metrics, MaxText's host-side bookkeeping).
+   programs that run during the step (small eager computations, e.g. meshtron's learning-rate
+   schedule).
 
 Op time is each event's exclusive time on its thread (an op nested in another on the same thread is
-taken out of the outer one), summed over all devices: on the 8-device meshes the op-seconds of a
-step are up to 8 x the step's wall time, because the simulated devices share this machine's cores
-(and an op's time stretches when they compete for them). Step boundaries are the starts of
+taken out of the outer one), summed over all devices. The op-seconds of a step can exceed its wall
+time even on one device (XLA:CPU runs independent thunks concurrently), and on the 8-device meshes
+they are up to 8 x the wall time, because the simulated devices share this machine's cores (an op's
+time stretches when they compete for them, and a collective waits while the others compute). Step boundaries are the starts of
 consecutive executions of the train step (the first op event of a ``run_id``); the last profiled
 step, which has no successor, is left out. Host gap = step wall time minus the union of all op
-events of all devices in that window: time when no device runs anything (Python, dispatch, data,
+events of all devices in that window: time when no device runs anything, split in the JSON into the
+part inside the train step's execution (from its first op to its last: the executor between thunks,
+waiting on dependencies) and the part after it (Python, dispatch of the next step, data, metrics,
 profiler). Step times are under the profiler; the unprofiled median of the steps before it is
 printed next to them.
 
@@ -51,7 +59,7 @@ token (``vs_maxtext.model_flops_per_token``; N counts the embedding too, ~4 %) p
 recomputed under full remat, 2·l·(4h² + 3hf) + 4·l·h·s per token, times 8 x 128 tokens.
 Floor seconds = FLOPs / rate, to hold against each library's GEMM op-seconds and step time.
 
-    .venv/bin/python benchmarks/step_profile.py                 # the two default meshes, about 3 minutes
+    .venv/bin/python benchmarks/step_profile.py                 # the two default meshes, about 80 s
     .venv/bin/python benchmarks/step_profile.py --libraries meshtron --label after \\
         --meshtron-overrides model.remat=selective             # a variant of meshtron's run
 
@@ -63,6 +71,8 @@ and ``.png`` (``step_profile_<label>.*`` with ``--label``); traces and HLO dumps
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import os
 import re
@@ -98,7 +108,7 @@ class Instruction:
     name: str
     opcode: str
     shapes: list[tuple[int, ...]]  # the result's array shapes (several for a tuple)
-    operands: list[str]
+    operands: list[tuple[str, int | None]]  # (name, tuple index of ``%name#i``)
     called: list[str]  # computations it calls (fusion bodies, loop bodies, reducers)
     op_name: str
     batch_dot: bool  # a dot with batch dimensions
@@ -144,7 +154,8 @@ def parse_hlo(text: str) -> Hlo:
         if not opcode:
             continue
         close = _balanced(rest, opcode.end() - 1)
-        operands = re.findall(r"%([\w.-]+)", rest[opcode.end():close])
+        operands = [(name, int(index) if index else None)
+                    for name, index in re.findall(r"%([\w.-]+)(?:#(\d+))?", rest[opcode.end():close])]
         attributes = rest[close:]
         called = re.findall(r"(?:calls|to_apply|body|condition)=%([\w.-]+)", attributes)
         for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", attributes):
@@ -156,7 +167,7 @@ def parse_hlo(text: str) -> Hlo:
                                   target[1] if target else "")
         hlo.instructions[instruction.name] = instruction
         hlo.computations[computation].append(instruction.name)
-        for operand in operands:
+        for operand, _ in operands:
             hlo.users[operand].append(instruction.name)
     return hlo
 
@@ -173,10 +184,14 @@ class Classifier:
         return any(len(s) >= 3 and s.count(self.seq) >= 2 for s in shapes)
 
     def operand_shapes(self, instruction: Instruction) -> list[tuple[int, ...]]:
-        shapes = list(instruction.shapes)
-        for operand in instruction.operands:
-            if operand in self.hlo.instructions:
-                shapes += self.hlo.instructions[operand].shapes
+        """Its result's and array operands' shapes (an element ``%x#i`` of a tuple: that element's)."""
+        shapes = list(instruction.shapes) if len(instruction.shapes) == 1 else []
+        for operand, index in instruction.operands:
+            found = self.hlo.instructions[operand].shapes if operand in self.hlo.instructions else []
+            if index is not None and index < len(found):
+                shapes.append(found[index])
+            elif index is None and len(found) == 1:
+                shapes += found
         return shapes
 
     def fused(self, instruction: Instruction) -> list[Instruction]:
@@ -201,6 +216,10 @@ class Classifier:
         inner = self.fused(instruction)
         return bool(inner) and all(i.opcode in LAYOUT_OPS for i in inner) and any(
             i.opcode in ("copy", "transpose") for i in inner)
+
+    def transposes(self, name: str) -> bool:
+        """A fusion that also transposes (e.g. an element-wise op writing its result in a GEMM's layout)."""
+        return any(i.opcode == "transpose" for i in self.fused(self.hlo.instructions[name]))
 
     def feeds_gemm(self, name: str) -> bool:
         for user in self.hlo.users.get(name, []):
@@ -229,7 +248,7 @@ class Classifier:
             return "attention" if scores else "GEMM"
         if self.scores_shaped(self.operand_shapes(instruction)):
             return "attention"
-        if instruction.op_name and "jvp(" not in instruction.op_name and "transpose(" not in instruction.op_name:
+        if instruction.op_name and not any(scope in instruction.op_name for scope in ("jvp(", "transpose(", "while/")):
             return "optimizer"
         if self.is_layout(instruction):
             return "copy/transpose"
@@ -247,6 +266,7 @@ class OpEvent:
     start: int  # ns
     end: int
     exclusive: int  # ns, nested op events on the same thread taken out
+    waiting: int = 0  # ns in ``Rendezvous`` events inside it (a collective waiting for the other devices)
 
 
 def read_trace(path: Path) -> list[OpEvent]:
@@ -257,8 +277,11 @@ def read_trace(path: Path) -> list[OpEvent]:
     for plane in ProfileData.from_file(str(path)).planes:
         for line in plane.lines:
             stack: list[OpEvent] = []
-            ops = []
+            ops, rendezvous = [], []
             for event in line.events:
+                if event.name == "Rendezvous":
+                    rendezvous.append((int(event.start_ns), int(event.duration_ns)))
+                    continue
                 stats = dict(event.stats)
                 if "hlo_op" in stats:
                     start = int(event.start_ns)
@@ -272,20 +295,24 @@ def read_trace(path: Path) -> list[OpEvent]:
                 if stack:
                     stack[-1].exclusive -= min(op.end, stack[-1].end) - op.start
                 stack.append(op)
+            rendezvous.sort()
+            starts = [r[0] for r in rendezvous]
+            for op in ops:
+                inside = rendezvous[bisect.bisect_left(starts, op.start):bisect.bisect_left(starts, op.end)]
+                op.waiting = sum(min(d, op.end - s) for s, d in inside)
             events += ops
     return events
 
 
-def union_length(intervals: list[tuple[int, int]]) -> int:
-    total, reach = 0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            total += end - start
-            reach = end
-        elif end > reach:
-            total += end - reach
-            reach = end
-    return total
+def idle(window: tuple[int, int], busy: list[tuple[int, int]], split: int) -> tuple[int, int]:
+    """Time in ``window`` covered by no busy interval: (before ``split``, after it)."""
+    before, after, reach = 0, 0, window[0]
+    for start, end in [*sorted(busy), (window[1], window[1])]:
+        if start > reach:
+            before += max(0, min(start, split) - reach)
+            after += start - max(reach, split) if start > split else 0
+        reach = max(reach, end)
+    return before, after
 
 
 def breakdown(trace: Path, hlo_path: Path, module: str) -> dict:
@@ -294,18 +321,23 @@ def breakdown(trace: Path, hlo_path: Path, module: str) -> dict:
     events = read_trace(trace)
     train = [e for e in events if e.module == module]
     firsts: dict[int, int] = {}
+    lasts: dict[int, int] = {}
+    counts: dict[int, int] = defaultdict(int)
     for e in train:
         firsts[e.run_id] = min(firsts.get(e.run_id, e.start), e.start)
-    order = sorted(firsts, key=firsts.get)
+        lasts[e.run_id] = max(lasts.get(e.run_id, e.end), e.end)
+        counts[e.run_id] += 1
+    # An execution cut by the trace's start (the previous step's last ops) is not a step.
+    order = sorted((run for run in firsts if counts[run] >= max(counts.values()) / 2), key=firsts.get)
     if len(order) < 2:
         raise RuntimeError(f"{trace}: {len(order)} executions of {module} in the trace; need at least 2")
-    windows = [(firsts[a], firsts[b]) for a, b in zip(order, order[1:])]
+    windows = [(firsts[a], firsts[b]) for a, b in itertools.pairwise(order)]
     step_of = {run: i for i, run in enumerate(order[:-1])}
     steps = len(windows)
     kinds = dict.fromkeys(KINDS, 0.0)
     per_op: dict[str, float] = defaultdict(float)
     unmapped: dict[str, float] = defaultdict(float)
-    feeding = 0.0
+    feeding, waiting, transposing = 0.0, 0.0, 0.0
     busy: list[list[tuple[int, int]]] = [[] for _ in windows]
     devices = set()
     for e in events:
@@ -331,14 +363,21 @@ def breakdown(trace: Path, hlo_path: Path, module: str) -> dict:
             unmapped[e.name] += seconds
         elif kind == "copy/transpose" and classifier.feeds_gemm(e.name):
             feeding += seconds
+        elif kind == "element-wise" and classifier.transposes(e.name):
+            transposing += seconds
+        if kind == "collective":
+            waiting += e.waiting / 1e9
     walls = [(b - a) / 1e9 for a, b in windows]
-    gaps = [w - union_length(iv) / 1e9 for w, iv in zip(walls, busy)]
+    gaps = [idle(w, iv, lasts[run]) for w, iv, run in zip(windows, busy, order)]
     top = sorted(per_op.items(), key=lambda kv: -kv[1])[:12]
     return {"steps_analysed": steps, "devices": len(devices), "step_seconds": statistics.mean(walls),
-            "step_seconds_each": walls, "host_gap_seconds": statistics.mean(gaps),
+            "step_seconds_each": walls, "host_gap_seconds": statistics.mean(sum(g) for g in gaps) / 1e9,
+            "host_gap_inside_execution_seconds": statistics.mean(g[0] for g in gaps) / 1e9,
+            "host_gap_between_executions_seconds": statistics.mean(g[1] for g in gaps) / 1e9,
             "op_seconds": {k: v / steps for k, v in kinds.items()},
             "op_seconds_total": sum(kinds.values()) / steps,
-            "copy_transpose_feeding_gemm_seconds": feeding / steps,
+            "copy_transpose_feeding_gemm_seconds": feeding / steps, "collective_waiting_seconds": waiting / steps,
+            "element_wise_transposing_seconds": transposing / steps,
             "unmapped_seconds": {k: v / steps for k, v in sorted(unmapped.items(), key=lambda kv: -kv[1])},
             "top_ops": [{"op": name, "kind": "other" if ":" in name else classifier.kind(name), "seconds": s / steps,
                          "op_name": _op_name(classifier, name)} for name, s in top]}
@@ -471,6 +510,10 @@ def print_results(results: list[dict], floor: dict) -> None:
         unmapped = sum(b["unmapped_seconds"].values())
         print(f"\n{r['mesh']}, {LABELS[r['library']]}: {b['devices']} devices, {b['steps_analysed']} steps; "
               f"copy/transpose feeding a GEMM {b['copy_transpose_feeding_gemm_seconds']:.3f} s; "
+              f"collectives waiting in a rendezvous {b['collective_waiting_seconds']:.3f} s; "
+              f"element-wise fusions that also transpose {b['element_wise_transposing_seconds']:.3f} s; "
+              f"host gap inside the execution {b['host_gap_inside_execution_seconds']:.3f} s, "
+              f"after it {b['host_gap_between_executions_seconds']:.3f} s; "
               f"names not in the HLO {unmapped:.4f} s; top ops (s/step):")
         for op in b["top_ops"][:8]:
             print(f"    {op['seconds']:7.3f}  {op['kind']:<14} {op['op']:<40} {op['op_name'][:90]}")
