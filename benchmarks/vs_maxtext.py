@@ -6,8 +6,10 @@ sequence 128, fp32, AdamW, full recomputation (MaxText's default ``remat_policy`
 changes meshtron's), global batch 8 × 128 tokens. On the pipelined meshes meshtron runs
 ``pipeline.recompute=false`` (``--pipeline-recompute`` changes it): under ``model.remat=full`` each
 layer keeps its input and is recomputed once in its backward, two forwards per layer as in MaxText,
-where ``true`` would also rerun the whole stage from its stashed input (three). Each library trains ``--steps`` steps in its own
-process; the two alternate, mesh by mesh, ``--rounds`` times, and the median step time after step 3 of
+where ``true`` would also rerun the whole stage from its stashed input (three). ``--model gpt`` runs
+meshtron's GPT against MaxText's ``gpt3`` decoder instead (pre-LayerNorm with biases, fused QKV, GELU
+1024, learned positions, tied head; MaxText's ``gpt3-52k`` resized to the same dimensions). Each library
+trains ``--steps`` steps in its own process; the two alternate, mesh by mesh, ``--rounds`` times, and the median step time after step 3 of
 each run is kept. Meshes:
 
 * one device;
@@ -56,6 +58,23 @@ MAXTEXT_MODEL = ["dataset_type=synthetic", "max_target_length=128", "base_emb_di
 MESHTRON_MODEL = ["model.family=llama", "model.layers=4", "model.hidden=256", "model.heads=4", "model.kv_heads=4",
                   "model.mlp_dim=1024", "model.seq_len=128", "model.vocab_size=1024", "model.dtype=float32",
                   "model.param_dtype=float32", "train.batch_size=8", "train.eval_every=100000", "train.log_every=1"]
+
+# meshtron's GPT (pre-LayerNorm with biases, fused QKV, GELU, learned positions, tied head) against MaxText's
+# gpt3 decoder (the same block; its gpt3-52k config resized), both with AdamW.
+MAXTEXT_GPT = ["dataset_type=synthetic", "max_target_length=128", "model_name=gpt3-52k", "override_model_config=true",
+               "base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=1024",
+               "base_num_decoder_layers=4", "head_dim=64", "trainable_position_size=128", "vocab_size=1024",
+               "opt_type=adamw", "dtype=float32", "enable_checkpointing=false", "hardware=cpu",
+               "skip_jax_distributed_system=true", "jax_cache_dir="]
+MESHTRON_GPT = ["model.family=gpt", "model.layers=4", "model.hidden=256", "model.heads=4", "model.mlp_dim=1024",
+                "model.seq_len=128", "model.vocab_size=1024", "model.dtype=float32", "model.param_dtype=float32",
+                "train.batch_size=8", "train.eval_every=100000", "train.log_every=1"]
+
+# --model: (MaxText's model arguments, meshtron's config and overrides, title)
+MODELS = {
+    "llama": (MAXTEXT_MODEL, "llama_cpu8", MESHTRON_MODEL, "Llama 4x256"),
+    "gpt": (MAXTEXT_GPT, "cpu8", MESHTRON_GPT, "GPT 4x256"),
+}
 
 # name: (devices, MaxText arguments, meshtron overrides)
 MESHES = {
@@ -135,7 +154,8 @@ def median_after_3(times: dict[int, float]) -> float:
     return statistics.median(t for step, t in times.items() if step > 3)
 
 
-def run_maxtext(directory: Path, name: str, devices: int, extra: list[str], steps: int) -> dict:
+def run_maxtext(directory: Path, name: str, devices: int, extra: list[str], steps: int,
+                model: list[str] = MAXTEXT_MODEL) -> dict:
     python = directory / "venv" / "bin" / "python"
     if not python.exists():
         sys.exit(f"MaxText is not set up in {directory}: run benchmarks/vs_maxtext.py --setup first")
@@ -146,7 +166,7 @@ def run_maxtext(directory: Path, name: str, devices: int, extra: list[str], step
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     try:
         proc = subprocess.run([str(python), str(directory / "maxtext_train.py"), str(config), f"run_name={name}",
-                               f"base_output_directory={out}", f"steps={steps}", *MAXTEXT_MODEL, *extra],
+                               f"base_output_directory={out}", f"steps={steps}", *model, *extra],
                               env=env, capture_output=True, text=True, timeout=1200, check=False)
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -161,26 +181,29 @@ def run_maxtext(directory: Path, name: str, devices: int, extra: list[str], step
             "temp_bytes": int(temp[0]) if temp else None, "compile_seconds": float(compile_s[0]) if compile_s else None}
 
 
-def run_meshtron(devices: int, overrides: list[str], steps: int) -> dict:
+def run_meshtron(devices: int, overrides: list[str], steps: int, config: str = "llama_cpu8",
+                 model: list[str] = MESHTRON_MODEL) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        proc = subprocess.run([sys.executable, "-m", "meshtron.cli", "train", "--config", "llama_cpu8",
-                               "--metrics", str(metrics), *MESHTRON_MODEL, *overrides, f"train.steps={steps}"],
+        proc = subprocess.run([sys.executable, "-m", "meshtron.cli", "train", "--config", config,
+                               "--metrics", str(metrics), *model, *overrides, f"train.steps={steps}"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
         if proc.returncode:
             raise RuntimeError(f"meshtron failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     times = {r["step"]: r["step_seconds"] for r in records if "step_seconds" in r}
     return {"step_seconds": median_after_3(times), "times": times,
-            "last_loss": [r["loss"] for r in records if "loss" in r][-1], **compiled_figures(devices, overrides)}
+            "last_loss": [r["loss"] for r in records if "loss" in r][-1],
+            **compiled_figures(devices, overrides, config, model)}
 
 
-def compiled_figures(devices: int, overrides: list[str]) -> dict:
+def compiled_figures(devices: int, overrides: list[str], config: str = "llama_cpu8",
+                     model: list[str] = MESHTRON_MODEL) -> dict:
     """meshtron's compile time and compiled temporaries for the same run (``describe --compile``)."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    proc = subprocess.run([sys.executable, "-m", "meshtron.cli", "describe", "--config", "llama_cpu8", "--compile",
-                           *MESHTRON_MODEL, *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "meshtron.cli", "describe", "--config", config, "--compile",
+                           *model, *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     seconds = re.search(r"compiled in ([\d.]+) s", proc.stdout)
     temp = re.search(r"^memory: .*temporaries ([\d.]+) (\w+)", proc.stdout, re.MULTILINE)
@@ -189,13 +212,16 @@ def compiled_figures(devices: int, overrides: list[str]) -> dict:
             "temp_bytes": int(float(temp[1]) * units[temp[2]]) if temp else None}
 
 
-def model_flops_per_token() -> float:
+def model_flops_per_token(model: str = "llama") -> float:
     """6N + 12·l·h·s (:func:`meshtron.megatron.model_flops_per_token`) for this model."""
     from meshtron.megatron import model_flops_per_token as flops
 
-    h, f, v, layers = 256, 1024, 1024, 4
-    params = layers * (4 * h * h + 3 * h * f + 2 * h) + 2 * v * h + h
-    return flops(params, layers, h, 128)
+    h, f, v, layers, s = 256, 1024, 1024, 4, 128
+    if model == "gpt":  # biases, two LayerNorms per block, learned positions, tied head
+        params = layers * (4 * h * h + 2 * h * f + 4 * h + f + h + 4 * h) + v * h + s * h + 2 * h
+    else:  # SwiGLU, two RMSNorms per block, untied head
+        params = layers * (4 * h * h + 3 * h * f + 2 * h) + 2 * v * h + h
+    return flops(params, layers, h, s)
 
 
 def main() -> None:
@@ -208,6 +234,8 @@ def main() -> None:
                         help="meshtron's model.remat (MaxText runs its default, remat_policy=full)")
     parser.add_argument("--pipeline-recompute", default="false", choices=("false", "true"),
                         help="meshtron's pipeline.recompute on the pipelined meshes")
+    parser.add_argument("--model", default="llama", choices=tuple(MODELS),
+                        help="llama: meshtron's Llama against MaxText's llama2; gpt: meshtron's GPT against its gpt3")
     parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated names of the meshes to run")
     args = parser.parse_args()
     if args.setup:
@@ -218,19 +246,20 @@ def main() -> None:
     if unknown:
         sys.exit(f"--meshes: unknown {unknown}; choose from {list(MESHES)}")
     runs: dict[str, dict[str, list[dict]]] = {n: {"maxtext": [], "meshtron": []} for n in names}
+    maxtext_model, config, meshtron_model, title = MODELS[args.model]
     for round_ in range(args.rounds):
         for name in names:
             devices, mt_args, mx_overrides = MESHES[name]
-            mt = run_maxtext(args.maxtext_dir, f"r{round_}", devices, mt_args, args.steps)
+            mt = run_maxtext(args.maxtext_dir, f"r{round_}", devices, mt_args, args.steps, maxtext_model)
             pipelined = "mesh.pipe=1" not in mx_overrides
             mx = run_meshtron(devices, [*mx_overrides, f"model.remat={args.remat}",
                                         *([f"pipeline.recompute={args.pipeline_recompute}"] if pipelined else [])],
-                              args.steps)
+                              args.steps, config, meshtron_model)
             runs[name]["maxtext"].append(mt)
             runs[name]["meshtron"].append(mx)
             print(f"  round {round_ + 1} {name}: MaxText {mt['step_seconds']:.3f} s, meshtron {mx['step_seconds']:.3f} s",
                   flush=True)
-    flops = model_flops_per_token()
+    flops = model_flops_per_token(args.model)
     rows, results = [], []
     for name in names:
         mt = [r["step_seconds"] for r in runs[name]["maxtext"]]
@@ -247,17 +276,19 @@ def main() -> None:
                      f"{TOKENS / mx_s * flops / 1e9:.1f}", f"{mt_s / mx_s:.2f}",
                      " / ".join(_fmt(first[lib]["compile_seconds"], "{:.1f}") for lib in ("maxtext", "meshtron")),
                      " / ".join(_fmt(first[lib]["temp_bytes"], "{:.1f}", 2**-20) for lib in ("maxtext", "meshtron"))])
-    print(f"Llama 4x256, seq 128, batch 8, fp32, meshtron remat {args.remat} (pipelined: pipeline.recompute="
+    print(f"{title}, seq 128, batch 8, fp32, meshtron remat {args.remat} (pipelined: pipeline.recompute="
           f"{args.pipeline_recompute}); median step s after step 3, per round")
     _common.print_table(["mesh", "MaxText s", "meshtron s", "MaxText tok/s", "meshtron tok/s", "MaxText GFLOP/s",
                          "meshtron GFLOP/s", "MaxText/meshtron", "compile s (MT / mx)", "temp MiB (MT / mx)"], rows)
-    name = "vs_maxtext" if args.remat == "full" else f"vs_maxtext_remat_{args.remat}"
+    name = "vs_maxtext" + ("_gpt" if args.model == "gpt" else "")
+    if args.remat != "full":
+        name += f"_remat_{args.remat}"
     if args.pipeline_recompute == "true":
         name += "_stage_recompute"
-    path = _common.write_results(name, {"remat": args.remat, "pipeline_recompute": args.pipeline_recompute,
+    path = _common.write_results(name, {"model": args.model, "remat": args.remat, "pipeline_recompute": args.pipeline_recompute,
                                         "steps": args.steps, "rounds": args.rounds,
                                         "results": results})
-    plot(results, name)
+    plot(results, name, title)
     print(f"wrote {path}")
 
 
@@ -265,7 +296,7 @@ def _fmt(value: float | None, pattern: str, scale: float = 1.0) -> str:
     return "-" if value is None else pattern.format(value * scale)
 
 
-def plot(results: list[dict], name: str) -> None:
+def plot(results: list[dict], name: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,7 +315,7 @@ def plot(results: list[dict], name: str) -> None:
                 ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, [r["mesh"] for r in results], fontsize=8)
     ax.set_ylabel("tokens/s (median; dots: rounds)")
-    ax.set_title("Llama 4x256 on simulated CPU meshes: meshtron against MaxText 0.2.5")
+    ax.set_title(f"{title} on simulated CPU meshes: meshtron against MaxText 0.2.5")
     ax.legend()
     fig.tight_layout()
     fig.savefig(_common.RESULTS / f"{name}.png", dpi=120)
