@@ -4,9 +4,10 @@
 # in .venv-py312, the tests marked `both_stacks` -- what differs between JAX versions: every pipeline
 # schedule, the deadlock proof and stress test, 1-bit LAMB, checkpoints and fine-tuning from them,
 # multi-process, generation, attention, Linen models, the upstream XLA reproduction -- and of a matrix
-# of meshes (every schedule on every mesh), the cases marked representative (the rest are marked
-# `first_stack_only`), so that both legs of .ci/run fit CI's time; `make test-py312 PY312_TESTS=tests` runs all of it. `make test-fast` runs
-# the suite without the tests marked `slow` (the end-to-end runs), in a few minutes.
+# of meshes (every schedule on every mesh), the representative cases (the rest are marked
+# `first_stack_only`), so that both legs of .ci/run fit CI's time; `make test-py312 PY312_TESTS=tests`
+# runs all of it. `make test-fast` runs the suite without the tests marked `slow` (the end-to-end
+# runs), in a few minutes.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

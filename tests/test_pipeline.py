@@ -84,6 +84,16 @@ SCHEDULE_MESHES = [
 NO_RECOMPUTE = [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4))]  # zb-h1: test_stage_layout.py
 
 
+def assert_matches_reference(reference, md, mesh_shape, schedule, chunks, microbatches, recompute):
+    """``md`` pipelined on ``mesh_shape`` gives the unpipelined reference's loss and gradients."""
+    _, params, ref_loss, ref_grads = reference
+    steps = build(md, mesh_shape, schedule, chunks, microbatches, recompute=recompute)
+    loss, grads = steps.gradients(place(params, steps, md, chunks), jax.device_put(tokens(), steps.batch_sharding))
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
+    grads = to_canonical(jax.device_get(grads), LAYERS, mesh_shape[1], chunks)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
+
+
 def _representative_on_both(cases, on_both=((2, 2, 2),)):
     """``cases`` (tuples whose third item is the mesh) as pytest params; those on a mesh outside
     ``on_both`` are marked ``first_stack_only``: every schedule still runs on both stacks, on (2,2,2)."""
@@ -94,14 +104,9 @@ def _representative_on_both(cases, on_both=((2, 2, 2),)):
                          _representative_on_both([(*case, True) for case in SCHEDULE_MESHES])
                          + [(*case, False) for case in NO_RECOMPUTE])
 def test_every_schedule_matches_the_unpipelined_model(reference, mesh_shape, schedule, chunks, recompute):
-    md, params, ref_loss, ref_grads = reference
     p = mesh_shape[1]
     microbatches = 2 * p if p * 2 * mesh_shape[0] <= BATCH else p
-    steps = build(md, mesh_shape, schedule, chunks, microbatches, recompute=recompute)
-    loss, grads = steps.gradients(place(params, steps, md, chunks), jax.device_put(tokens(), steps.batch_sharding))
-    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
-    grads = to_canonical(jax.device_get(grads), LAYERS, p, chunks)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
+    assert_matches_reference(reference, reference[0], mesh_shape, schedule, chunks, microbatches, recompute)
 
 
 @pytest.mark.parametrize("schedule, chunks, mesh_shape", _representative_on_both(
@@ -110,14 +115,8 @@ def test_full_recomputation_from_kept_layer_inputs_matches_the_unpipelined_model
                                                                                  mesh_shape):
     # model.remat=full with pipeline.recompute=false: each layer's input kept, each layer recomputed once
     # in its backward (zb-h1's W reads kept matmul inputs, so it keeps those instead).
-    _, params, ref_loss, ref_grads = reference
-    md = model_def(remat="full")
-    p = mesh_shape[1]
-    steps = build(md, mesh_shape, schedule, chunks, 2 * p, recompute=False)
-    loss, grads = steps.gradients(place(params, steps, md, chunks), jax.device_put(tokens(), steps.batch_sharding))
-    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
-    grads = to_canonical(jax.device_get(grads), LAYERS, p, chunks)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
+    assert_matches_reference(reference, model_def(remat="full"), mesh_shape, schedule, chunks, 2 * mesh_shape[1],
+                             recompute=False)
 
 
 def test_uneven_evaluation_matches_the_unpipelined_model(reference):

@@ -233,9 +233,9 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     stash = run.stash_slots * tokens * h * cb
     layers_kept = 0.0
     split = run.weight_slots > 0
-    inputs_kept = run.residual_slots > 0 and run.remat == "full" and not split  # each layer's input, per slot
-    keeps = (run.remat != "full" or run.residual_slots > 0 or split) and not inputs_kept
-    if (not keeps and not inputs_kept) or split:
+    stage_recomputed = run.remat == "full" and not run.residual_slots and not split  # from the stashed input
+    inputs_kept = run.remat == "full" and run.residual_slots > 0 and not split  # each layer's input, per slot
+    if stage_recomputed or split:
         stash += chunk_layers * tokens * h * recompute_input
     scores_one = b * (a / t) * s * s  # one [b, heads/t, s, s] array's elements
     kept_scores = 0.0 if fused else scores_one * (4 + cb if cb < 4 else 8)  # fp32 probabilities (+ bf16 copy)
@@ -253,7 +253,7 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
         layers_kept = chunk_layers * (kept_layer + (kept_scores if run.remat == "none" else 0.0))
     weight_buffers = run.weight_slots * chunk_layers * b * s * _weight_boundary(shape, t) * residual
     working = 0.0 if fused else SCORE_BUFFERS * scores_one * 4  # the attention core's backward
-    if not keeps:  # full recomputation: one layer's residuals, recomputed, while its backward runs
+    if stage_recomputed or inputs_kept:  # full recomputation: one layer's residuals, recomputed, while its backward runs
         working = max(working, kept_layer + kept_scores)
     logits = LOGIT_BUFFERS * b * s * padded_vocab_size(shape.vocab_size, t) / t * 4
     return StepMemory(backend, parameters, optimizer, gradients, stash, layers_kept, working, logits,
