@@ -59,6 +59,10 @@ token (``vs_maxtext.model_flops_per_token``; N counts the embedding too, ~4 %) p
 recomputed under full remat, 2·l·(4h² + 3hf) + 4·l·h·s per token, times 8 x 128 tokens.
 Floor seconds = FLOPs / rate, to hold against each library's GEMM op-seconds and step time.
 
+Two counts check that both libraries do the same work, whatever the op times: the GEMM FLOPs the step
+executes (each GEMM event's dots, 2 x result elements x contracted elements, summed over devices; the
+attention's dots are not in it), and the bytes of the collectives' results per device, by collective.
+
     .venv/bin/python benchmarks/step_profile.py                 # the two default meshes, about 80 s
     .venv/bin/python benchmarks/step_profile.py --libraries meshtron --label after \\
         --meshtron-overrides model.remat=selective             # a variant of meshtron's run
@@ -74,6 +78,7 @@ import argparse
 import bisect
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -113,6 +118,8 @@ class Instruction:
     op_name: str
     batch_dot: bool  # a dot with batch dimensions
     target: str  # custom-call target
+    contracting: tuple[int, ...] = ()  # a dot's lhs contracting dimensions
+    result_bytes: int = 0  # bytes of the result (all elements of a tuple)
 
 
 @dataclass
@@ -134,6 +141,15 @@ def _balanced(text: str, start: int) -> int:
 
 def _shapes(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", text)]
+
+
+ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                 "f64": 8, "s64": 8, "u64": 8}
+
+
+def _bytes(text: str) -> int:
+    return sum(ELEMENT_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text))
 
 
 def parse_hlo(text: str) -> Hlo:
@@ -162,9 +178,12 @@ def parse_hlo(text: str) -> Hlo:
             called += re.findall(r"%([\w.-]+)", group)
         op_name = re.search(r'op_name="([^"]*)"', attributes)
         target = re.search(r'custom_call_target="([^"]*)"', attributes)
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes)
         instruction = Instruction(match[1], opcode[1], _shapes(shape), operands, called,
                                   op_name[1] if op_name else "", "lhs_batch_dims=" in attributes,
-                                  target[1] if target else "")
+                                  target[1] if target else "",
+                                  tuple(int(d) for d in contracting[1].split(",") if d) if contracting else (),
+                                  _bytes(shape))
         hlo.instructions[instruction.name] = instruction
         hlo.computations[computation].append(instruction.name)
         for operand, _ in operands:
@@ -209,6 +228,16 @@ class Classifier:
         return [i for i in [instruction, *self.fused(instruction)]
                 if i.opcode in ("dot", "convolution")
                 or (i.opcode == "custom-call" and re.search(r"matmul|dot|conv", i.target, re.IGNORECASE))]
+
+    def dot_flops(self, instruction: Instruction) -> int:
+        """FLOPs of the dots an instruction runs: 2 x result elements x contracted elements of each."""
+        flops = 0
+        for dot in self.dots(instruction):
+            if dot.opcode != "dot" or len(dot.shapes) != 1:
+                continue
+            lhs = self.operand_shapes(dot)[1]
+            flops += 2 * math.prod(dot.shapes[0]) * math.prod(lhs[d] for d in dot.contracting)
+        return flops
 
     def is_layout(self, instruction: Instruction) -> bool:
         if instruction.opcode in ("copy", "transpose"):
@@ -338,6 +367,8 @@ def breakdown(trace: Path, hlo_path: Path, module: str) -> dict:
     per_op: dict[str, float] = defaultdict(float)
     unmapped: dict[str, float] = defaultdict(float)
     feeding, waiting, transposing = 0.0, 0.0, 0.0
+    gemm_flops = 0
+    collective_bytes: dict[str, int] = defaultdict(int)
     busy: list[list[tuple[int, int]]] = [[] for _ in windows]
     devices = set()
     for e in events:
@@ -367,6 +398,11 @@ def breakdown(trace: Path, hlo_path: Path, module: str) -> dict:
             transposing += seconds
         if kind == "collective":
             waiting += e.waiting / 1e9
+            instruction = classifier.hlo.instructions[e.name]
+            if not instruction.opcode.endswith("-done"):
+                collective_bytes[re.sub(r"-start$", "", instruction.opcode)] += instruction.result_bytes
+        elif kind == "GEMM":
+            gemm_flops += classifier.dot_flops(classifier.hlo.instructions[e.name])
     walls = [(b - a) / 1e9 for a, b in windows]
     gaps = [idle(w, iv, lasts[run]) for w, iv, run in zip(windows, busy, order)]
     top = sorted(per_op.items(), key=lambda kv: -kv[1])[:12]
@@ -378,6 +414,8 @@ def breakdown(trace: Path, hlo_path: Path, module: str) -> dict:
             "op_seconds_total": sum(kinds.values()) / steps,
             "copy_transpose_feeding_gemm_seconds": feeding / steps, "collective_waiting_seconds": waiting / steps,
             "element_wise_transposing_seconds": transposing / steps,
+            "gemm_flops": gemm_flops / steps,
+            "collective_bytes_per_device": {k: v / steps / len(devices) for k, v in collective_bytes.items()},
             "unmapped_seconds": {k: v / steps for k, v in sorted(unmapped.items(), key=lambda kv: -kv[1])},
             "top_ops": [{"op": name, "kind": "other" if ":" in name else classifier.kind(name), "seconds": s / steps,
                          "op_name": _op_name(classifier, name)} for name, s in top]}
@@ -514,7 +552,10 @@ def print_results(results: list[dict], floor: dict) -> None:
               f"element-wise fusions that also transpose {b['element_wise_transposing_seconds']:.3f} s; "
               f"host gap inside the execution {b['host_gap_inside_execution_seconds']:.3f} s, "
               f"after it {b['host_gap_between_executions_seconds']:.3f} s; "
-              f"names not in the HLO {unmapped:.4f} s; top ops (s/step):")
+              f"names not in the HLO {unmapped:.4f} s; GEMMs run {b['gemm_flops'] / 1e9:.2f} GFLOP "
+              f"({b['gemm_flops'] / 1e9 / b['op_seconds']['GEMM']:.1f} GFLOP per op-second); collectives write "
+              + (", ".join(f"{v / 2**20:.2f} MiB of {k}" for k, v in b["collective_bytes_per_device"].items())
+                 or "nothing") + " per device; top ops (s/step):")
         for op in b["top_ops"][:8]:
             print(f"    {op['seconds']:7.3f}  {op['kind']:<14} {op['op']:<40} {op['op_name'][:90]}")
 
