@@ -100,6 +100,10 @@ def build_case(hf, name: str, root: Path):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, rope_theta=250000.0,
                                                                       tie_word_embeddings=True))
         save = {}
+    elif name == "mixtral":  # 8 experts, top-2
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **LLAMA, rope_theta=1e6, sliding_window=None, num_local_experts=8, num_experts_per_tok=2))
+        save = {}
     elif name == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**LLAMA, rope_theta=1e6,
                                                                           sliding_window=None))
@@ -139,7 +143,7 @@ def cases(hf, tmp_path_factory):
 # ---- (a) Hugging Face -> meshtron ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-tied", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "llama-tied", "gpt2", "mixtral"])
 def test_imported_logits_equal_hugging_face_on_any_mesh(cases, name):
     _, reference, output = cases(name)
     for shape in [(1, 1, 1), (2, 2, 2)]:
@@ -271,6 +275,20 @@ def test_a_gpt_checkpoint_exports_to_gpt2(hf, tmp_path, capfd):
     assert config["layer_norm_epsilon"] == 1e-6 and config["torch_dtype"] == config["dtype"] == "float32"
     model = from_pretrained(hf, exported, capfd)
     delta("export gpt2", hf_logits(hf[0], model), meshtron_logits(saved))
+
+
+def test_mixtral_imports_as_a_llama_with_experts_and_exports_back(hf, cases, tmp_path, capfd):
+    _, _, output = cases("mixtral")
+    pretrained = load_pretrained(output, MeshConfig(1, 1, 1))
+    moe = pretrained.config.model.moe
+    assert (moe.experts, moe.top_k, moe.mlp_dim, moe.capacity_factor, moe.aux_loss_weight) == (8, 2, 96, 0.0, 0.001)
+    assert pretrained.params["blocks"]["mlp"]["gate"].shape == (2, 8, 64, 96)
+    exported = export_hf(output, tmp_path / "hf")
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["architectures"], config["num_local_experts"], config["num_experts_per_tok"],
+            config["intermediate_size"]) == (["MixtralForCausalLM"], 8, 2, 96)
+    model = from_pretrained(hf, exported, capfd)
+    delta("export mixtral (imported)", hf_logits(hf[0], model), meshtron_logits(pretrained))
 
 
 def test_tied_llama_exports_tied_with_its_tokenizer(hf, cases, tmp_path, capfd):

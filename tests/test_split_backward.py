@@ -276,3 +276,23 @@ def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
     assert not _relaid_out(few_tokens, matrices), _relaid_out(few_tokens, matrices)
     kept = _relaid_out(hlo_of_w, matrices)
     assert kept and {tuple(sorted(int(d) for d in dims.split(","))) for dims in kept} == {(H, 4 * H)}, kept
+
+
+def test_a_jitted_helper_called_twice_in_the_pullback_is_split_as_two_calls():
+    # jnp.take normalises its indices in a jitted helper; JAX traces that helper's body once for both
+    # calls below, so the flattened pullback must give each inlined copy its own variables.
+    def layer(w, x):
+        y = x @ w
+        return jnp.take(y, jnp.argsort(y[:, 0]), axis=0) * 2.0 + jnp.take(y, jnp.argsort(y[:, 1]), axis=0)
+
+    w = jax.random.normal(jax.random.key(0), (8, 8))
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    dy = jax.random.normal(jax.random.key(2), (16, 8))
+    ref_w, ref_x = jax.vjp(layer, w, x)[1](dy)
+    _, stored, treedef, slots = residuals(layer, w, x)
+    for keep in (False, True):
+        split = SplitPullback(treedef, slots, stored, [w], dy, weight_reads_residuals=keep,
+                              contiguous_weight_matmuls=True)
+        [d_w], d_x = split.pullback(stored, [w], dy)
+        np.testing.assert_allclose(np.asarray(d_w), np.asarray(ref_w), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(d_x), np.asarray(ref_x), rtol=1e-5, atol=1e-6)

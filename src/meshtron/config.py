@@ -43,6 +43,26 @@ FAMILIES = ("gpt", "llama")
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts in place of every block's MLP (``llama``; :mod:`meshtron.models.moe`).
+
+    ``experts`` 0 is a dense model. Each token goes to ``top_k`` experts of ``mlp_dim`` (null: the
+    model's ``mlp_dim``); ``capacity_factor`` 0 is dropless, > 0 caps each expert at
+    ``ceil(capacity_factor · tokens · top_k / experts)`` assignments and drops the rest.
+    ``shared_experts`` always-on experts of the same width run on every token.
+    """
+
+    experts: int = 0
+    top_k: int = 2
+    mlp_dim: int | None = None
+    capacity_factor: float = 0.0
+    aux_loss_weight: float = 0.01  # the load-balancing loss's weight, per layer (Megatron's moe_aux_loss_coeff)
+    z_loss_weight: float = 0.0  # the router z-loss's weight, per layer (ST-MoE: 1e-3)
+    shared_experts: int = 0
+    normalize_top_k: bool = True  # renormalise the chosen experts' probabilities to sum to 1 (Mixtral)
+
+
+@dataclass
 class ModelConfig:
     """The model: a built-in ``family`` (gpt, llama) or a user's ``factory`` (``package.module:function``
     called as ``function(model_config, rngs)``), its sizes, dtypes and activation recomputation.
@@ -72,6 +92,7 @@ class ModelConfig:
     max_position_embeddings: int | None = None
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
     rules: dict[str, str | None] = field(default_factory=dict)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -378,6 +399,7 @@ def validate(cfg: Config) -> None:
               f"{m.kv_heads} must be >= 1 and divide model.heads={m.heads} (each key/value head serves a group "
               "of query heads)")
     _need(m.norm_eps > 0, "model.norm_eps", f"must be > 0 (the normalisation epsilon), got {m.norm_eps}")
+    validate_moe(m)
     if m.max_position_embeddings is not None:
         _need(m.max_position_embeddings >= m.seq_len, "model.max_position_embeddings",
               f"{m.max_position_embeddings} is shorter than model.seq_len={m.seq_len}: the training window must fit "
@@ -484,6 +506,22 @@ def validate_sizes(cfg: Config) -> None:
         check_batch_divisible(cfg, mesh.data)
 
 
+def validate_moe(m: ModelConfig) -> None:
+    e = m.moe
+    _need(e.experts >= 0, "model.moe.experts", f"must be >= 0 (0: a dense model), got {e.experts}")
+    if not e.experts:
+        return
+    _need(m.factory is not None or m.family == "llama", "model.moe.experts",
+          f"the {m.family} family has no mixture of experts; use model.family=llama")
+    _need(1 <= e.top_k <= e.experts, "model.moe.top_k", f"must be between 1 and model.moe.experts={e.experts}, got {e.top_k}")
+    _need(e.mlp_dim is None or e.mlp_dim >= 1, "model.moe.mlp_dim", f"must be >= 1 or null, got {e.mlp_dim}")
+    _need(e.capacity_factor >= 0, "model.moe.capacity_factor",
+          f"must be >= 0 (0: dropless), got {e.capacity_factor}")
+    for name in ("aux_loss_weight", "z_loss_weight"):
+        _need(getattr(e, name) >= 0, f"model.moe.{name}", f"must be >= 0, got {getattr(e, name)}")
+    _need(e.shared_experts >= 0, "model.moe.shared_experts", f"must be >= 0, got {e.shared_experts}")
+
+
 def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
     """Megatron's tensor-parallel split needs whole heads and equal MLP slices on every shard (for the
     built-in families; a user's model is checked parameter by parameter when it is laid out)."""
@@ -499,6 +537,9 @@ def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
             "model.mlp_dim",
             f"{m.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
         )
+        if m.moe.experts and m.moe.mlp_dim is not None:
+            _need(m.moe.mlp_dim % mesh.tensor == 0, "model.moe.mlp_dim",
+                  f"{m.moe.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}")
         kv = m.kv_heads or m.heads
         _need(
             kv % mesh.tensor == 0 or mesh.tensor % kv == 0,

@@ -70,6 +70,7 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 # Fields of model.* that the Hugging Face weights fix (an override may not change them).
 _SHAPE_FIELDS = ("family", "factory", "vocab_size", "hidden", "heads", "kv_heads", "layers", "mlp_dim",
                  "rope_theta", "norm_eps", "max_position_embeddings")
+_MOE_FIELDS = ("experts", "top_k", "mlp_dim")  # a Mixtral's experts, also fixed by the weights
 
 
 
@@ -182,7 +183,12 @@ def _read_params(weights: _Weights, mapping: ModuleType, m: ModelConfig, shapes:
     for spec in mapping.tensors(m):
         target = shapes[spec.path]
         name = mapping.EMBEDDING if spec.path == mapping.HEAD and tied else spec.hf
-        if spec.per_layer:
+        if spec.per_expert:
+            value = np.stack([np.stack([
+                to_meshtron(weights.read(name.format(i=i, j=j), spec.hf_shape, prefixes), spec, target.shape[2:],
+                            target.dtype)
+                for j in range(target.shape[1])]) for i in range(m.layers)])
+        elif spec.per_layer:
             value = np.stack([
                 to_meshtron(weights.read(name.format(i=i), spec.hf_shape, prefixes), spec, target.shape[1:],
                             target.dtype)
@@ -210,6 +216,8 @@ def _override_lines(m: ModelConfig, mesh: MeshConfig) -> list[str]:
               "rope_theta", "norm_eps")]
     if m.kv_heads is not None:
         lines.append(f"model.kv_heads={m.kv_heads}")
+    if m.moe.experts:
+        lines += [f"model.moe.{name}={getattr(m.moe, name)!r}" for name in (*_MOE_FIELDS, "aux_loss_weight")]
     lines += [f"mesh.{axis}={getattr(mesh, axis)}" for axis in ("data", "pipe", "tensor")]
     if mesh.pipe > 1:  # the fewest microbatches that fill the pipeline (an override may ask for more)
         lines.append(f"train.microbatches={mesh.pipe}")
@@ -220,8 +228,9 @@ def _run_config(model: ModelConfig, mesh: MeshConfig, overrides: Sequence[str]) 
     """The run config of the imported checkpoint: defaults, the model from Hugging Face, the mesh, then
     the caller's ``overrides`` (which may not change the model's shape)."""
     cfg = load_config(None, [*_override_lines(model, mesh), *overrides])
-    for name in _SHAPE_FIELDS:
-        wanted, got = getattr(model, name), getattr(cfg.model, name)
+    fixed = [(name, getattr(model, name), getattr(cfg.model, name)) for name in _SHAPE_FIELDS]
+    fixed += [(f"moe.{name}", getattr(model.moe, name), getattr(cfg.model.moe, name)) for name in _MOE_FIELDS]
+    for name, wanted, got in fixed:
         if name == "kv_heads":
             wanted, got = wanted or model.heads, got or cfg.model.heads
         if wanted != got:
@@ -359,7 +368,11 @@ def export_hf(checkpoint_dir: str | Path, output_dir: str | Path) -> Path:
         if spec.path == mapping.HEAD and tied:
             continue
         value = _get(params, spec.path)
-        if spec.per_layer:
+        if spec.per_expert:
+            for i in range(m.layers):
+                for j in range(value.shape[1]):
+                    tensors[spec.hf.format(i=i, j=j)] = to_hf(value[i, j], spec)
+        elif spec.per_layer:
             for i in range(m.layers):
                 tensors[spec.hf.format(i=i)] = to_hf(value[i], spec)
         else:

@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes: the one table that decides the parallel layout.
 
 Model code names *logical* axes only (``batch``, ``seq``, ``embed``, ``heads``, ``kv_heads``,
-``head_dim``, ``qkv``, ``mlp``, ``vocab``, ``layers``). :data:`MEGATRON_RULES` maps them onto the mesh the way
+``head_dim``, ``qkv``, ``mlp``, ``experts``, ``vocab``, ``layers``). :data:`MEGATRON_RULES` maps them onto the mesh the way
 Megatron-LM splits a transformer: attention by heads and the MLP's inner dimension over
 ``tensor`` (column-parallel in, row-parallel out), the vocabulary over ``tensor`` (vocab-parallel
 embedding and cross-entropy), the batch over ``data`` and the stacked layer axis over ``pipe``.
@@ -36,6 +36,7 @@ MEGATRON_RULES: Rules = (
     ("seq", None),
     ("residual_seq", None),
     ("pos", None),
+    ("experts", None),
 )
 
 _active_rules: list[Rules] = [MEGATRON_RULES]

@@ -132,6 +132,11 @@ def check_parity(
 ) -> list[ParityReport]:
     """Compare the loss and gradients of one random batch on each of ``layouts`` with one device.
 
+    The single-device run averages over the same groups of rows the layout splits the batch into (its
+    data shards times microbatches), so a model whose loss depends on the group it sees (the load
+    balance of a mixture of experts, computed per microbatch as Megatron and MaxText do) is held to
+    the same objective.
+
     ``model`` is a factory ``rngs -> model`` (with ``rules`` added to Megatron's table) or a
     :class:`ModelDef`. ``batch`` must be divisible by every layout's data size times its microbatches.
     Gradients match when ``|g - g_ref| <= atol + rtol·|g_ref|`` everywhere.
@@ -150,11 +155,20 @@ def check_parity(
     tokens = np.random.default_rng(seed).integers(0, md.vocab_size, size=(batch, seq_len + 1), dtype=np.int32)
     single = build_mesh(MeshConfig(1, 1, 1), devices[:1])
     params = jax.device_get(md.init(single, seed))
-    ref_loss, ref_grads = _gradients(md, Layout(1, 1, 1), params, tokens, devices)
-    names = leaf_names(ref_grads)
+    references: dict[int, tuple[float, Params]] = {}
 
+    def reference(groups: int) -> tuple[float, Params]:
+        # One device over the same groups of rows as the layout's data shards x microbatches: the
+        # mean of per-group losses. For a token-wise loss that is the whole batch's mean; a loss that
+        # depends on its group (a mixture of experts' load balance) is then compared like for like.
+        if groups not in references:
+            references[groups] = _gradients(md, Layout(1, 1, 1, microbatches=groups), params, tokens, devices)
+        return references[groups]
+
+    names = leaf_names(reference(1)[1])
     reports = []
     for layout in chosen:
+        ref_loss, ref_grads = reference(layout.data * layout.m)
         loss, grads = _gradients(md, layout, params, tokens, devices)
         worst, worst_diff, ok = "", 0.0, math.isclose(loss, ref_loss, rel_tol=loss_rtol)
         for name, g, r in zip(names, jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):

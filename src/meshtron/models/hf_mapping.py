@@ -32,7 +32,8 @@ class HfTensor:
     """One meshtron parameter and its Hugging Face tensor.
 
     ``hf`` is a name, with ``{i}`` for the layer of a per-layer tensor (the parameter is then
-    stacked ``[layers, ...]``). ``linear``: a ``[out, in]`` ``nn.Linear`` weight, transposed before
+    stacked ``[layers, ...]``) and ``{j}`` for the expert of a per-expert one (stacked
+    ``[layers, experts, ...]``). ``linear``: a ``[out, in]`` ``nn.Linear`` weight, transposed before
     it is reshaped to meshtron's shape. ``vocab``: the leading axis is the (padded) vocabulary.
     """
 
@@ -45,6 +46,10 @@ class HfTensor:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{j}" in self.hf
 
 
 def context(m: ModelConfig) -> int:

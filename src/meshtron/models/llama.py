@@ -11,6 +11,9 @@ out); key/value heads (``kv_heads``, a name of their own, distinct from ``head_d
 tensor size is a multiple of ``kv_heads`` (:func:`extra_rules` maps ``kv_heads`` to nothing then),
 which is what Megatron does when there are fewer key/value heads than ranks. The vocabulary of the
 embedding and of the head splits over ``tensor`` (vocab-parallel lookup and cross-entropy).
+
+With ``model.moe.experts`` every block's MLP is a mixture of experts (:mod:`meshtron.models.moe`):
+the model is then a Mixtral.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from meshtron.models.contract import (
     stack_blocks,
 )
 from meshtron.models.layers import INIT_STD, fused_projection, normal, ones, padded_vocab_init, pre_norm_block
+from meshtron.models.moe import MoE, MoEDims
 from meshtron.sharding import constrain, same_layout
 
 
@@ -50,6 +54,7 @@ class LlamaDims:
     norm_eps: float = 1e-5
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    moe: MoEDims | None = None  # a mixture of experts in place of every block's MLP (a Mixtral)
 
     @property
     def head_dim(self) -> int:
@@ -139,7 +144,7 @@ class Block(nnx.Module):
         self.attn_norm = _rms_norm(dims, rngs)
         self.attn = Attention(dims, rngs=rngs)
         self.mlp_norm = _rms_norm(dims, rngs)
-        self.mlp = MLP(dims, rngs=rngs)
+        self.mlp = MLP(dims, rngs=rngs) if dims.moe is None else MoE(dims.moe, rngs=rngs)
 
     def __call__(self, x: jax.Array, ctx: Context):
         """``x`` after the block; ``(x, cache)`` when decoding with ``ctx.cache``."""
@@ -184,13 +189,26 @@ class Llama(nnx.Module):
         return logits_of(self, tokens)
 
 
+def moe_dims(cfg: ModelConfig) -> MoEDims | None:
+    """The mixture of experts of ``model.moe`` (None: a dense model)."""
+    e = cfg.moe
+    if not e.experts:
+        return None
+    width = e.mlp_dim or cfg.mlp_dim
+    return MoEDims(
+        hidden=cfg.hidden, experts=e.experts, top_k=e.top_k, mlp_dim=width, capacity_factor=e.capacity_factor,
+        aux_loss_weight=e.aux_loss_weight, z_loss_weight=e.z_loss_weight, shared_mlp_dim=e.shared_experts * width,
+        normalize_top_k=e.normalize_top_k, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+    )
+
+
 def dims_from_config(cfg: ModelConfig, tensor: int = 1) -> LlamaDims:
     """Static shape; the vocabulary is padded to a multiple of 128 x tensor as in Megatron."""
     return LlamaDims(
         vocab_size=cfg.vocab_size, vocab_padded=padded_vocab_size(cfg.vocab_size, tensor), hidden=cfg.hidden,
         heads=cfg.heads, kv_heads=cfg.kv_heads or cfg.heads, layers=cfg.layers, mlp_dim=cfg.mlp_dim,
         rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
-        param_dtype=jnp.dtype(cfg.param_dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype), moe=moe_dims(cfg),
     )
 
 

@@ -1,6 +1,6 @@
 """The Llama family's Hugging Face mapping: ``LlamaForCausalLM`` (and a ``MistralForCausalLM`` that is a
-Llama: no sliding window) <-> meshtron's Llama (:mod:`meshtron.models.llama`); the contract of a
-mapping is :mod:`meshtron.models.hf_mapping`'s.
+Llama: no sliding window) and ``MixtralForCausalLM`` <-> meshtron's Llama (:mod:`meshtron.models.llama`,
+with ``model.moe`` for a Mixtral); the contract of a mapping is :mod:`meshtron.models.hf_mapping`'s.
 
 Layouts: ``nn.Linear`` weights are ``[out, in]``; the query projection's ``out`` is ``(n, d)``
 (head-major), so ``wq[h, n, d] = q_proj.weight.T.reshape(h, n, d)``, likewise ``wk``/``wv`` with
@@ -10,24 +10,31 @@ half-split rotary embedding (``rotate_half``) with ``theta^(-2i/d)`` frequencies
 of the query/key rows is needed. A tied Llama (``tie_word_embeddings: true``) is imported with its
 embedding copied into meshtron's separate ``lm_head``; on export the head is tied again when the two
 are still equal.
+
+A Mixtral's experts are stored one by one, as the Hub's checkpoints and ``save_pretrained`` write
+them: ``block_sparse_moe.experts.{j}.w1`` (gate), ``w3`` (up) and ``w2`` (down), each an
+``nn.Linear``, and the router ``block_sparse_moe.gate.weight`` ``[experts, hidden]``. meshtron
+stacks them ``[layers, experts, ...]`` and its router is ``[hidden, experts]``. Both route the same
+way: softmax over the experts, top-k, the k weights renormalised.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, MoEConfig
 from meshtron.errors import ConfigError
 from meshtron.models.hf_mapping import HfTensor, context, number, refuse, size
 
 DISPLAY_NAME = "Llama"  # as meshtron configs lists it
 GROUPED_QUERY = True  # key/value heads of their own (model.kv_heads)
 FAMILY = "llama"
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-MODEL_TYPES = ("llama", "mistral")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "mixtral")
 PREFIX = "model."
 HEAD = "lm_head"  # meshtron's separate head parameter
 EMBEDDING = "model.embed_tokens.weight"
@@ -50,11 +57,24 @@ def tensors(m: ModelConfig) -> list[HfTensor]:
         HfTensor("blocks.attn.wv.kernel", layer + "self_attn.v_proj.weight", (kvd, h), linear=True),
         HfTensor("blocks.attn.wo.kernel", layer + "self_attn.o_proj.weight", (h, qd), linear=True),
         HfTensor("blocks.mlp_norm.scale", layer + "post_attention_layernorm.weight", (h,)),
-        HfTensor("blocks.mlp.gate.kernel", layer + "mlp.gate_proj.weight", (f, h), linear=True),
-        HfTensor("blocks.mlp.up.kernel", layer + "mlp.up_proj.weight", (f, h), linear=True),
-        HfTensor("blocks.mlp.down.kernel", layer + "mlp.down_proj.weight", (h, f), linear=True),
+        *(_experts(m, layer) if m.moe.experts else [
+            HfTensor("blocks.mlp.gate.kernel", layer + "mlp.gate_proj.weight", (f, h), linear=True),
+            HfTensor("blocks.mlp.up.kernel", layer + "mlp.up_proj.weight", (f, h), linear=True),
+            HfTensor("blocks.mlp.down.kernel", layer + "mlp.down_proj.weight", (h, f), linear=True),
+        ]),
         HfTensor("norm.scale", "model.norm.weight", (h,)),
         HfTensor("lm_head", "lm_head.weight", (v, h), vocab=True),
+    ]
+
+
+def _experts(m: ModelConfig, layer: str) -> list[HfTensor]:
+    h, f = m.hidden, m.moe.mlp_dim or m.mlp_dim
+    expert = layer + "block_sparse_moe.experts.{j}."
+    return [
+        HfTensor("blocks.mlp.router", layer + "block_sparse_moe.gate.weight", (m.moe.experts, h), linear=True),
+        HfTensor("blocks.mlp.gate", expert + "w1.weight", (f, h), linear=True),
+        HfTensor("blocks.mlp.up", expert + "w3.weight", (f, h), linear=True),
+        HfTensor("blocks.mlp.down", expert + "w2.weight", (h, f), linear=True),
     ]
 
 
@@ -110,12 +130,33 @@ def model_config(hf: dict[str, Any], where: Path) -> ModelConfig:
     if heads % kv_heads:
         raise ConfigError(f"{where}: num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
     max_positions = size(hf, "max_position_embeddings", where, 2048)
+    mlp_dim = size(hf, "intermediate_size", where)
     return ModelConfig(
         family="llama", vocab_size=size(hf, "vocab_size", where), hidden=hidden, heads=heads, kv_heads=kv_heads,
-        layers=size(hf, "num_hidden_layers", where), mlp_dim=size(hf, "intermediate_size", where),
+        layers=size(hf, "num_hidden_layers", where), mlp_dim=mlp_dim,
         seq_len=min(max_positions, DEFAULT_SEQ_LEN), max_position_embeddings=max_positions,
         rope_theta=_rope_theta(hf, where), norm_eps=number(hf, "rms_norm_eps", where, 1e-6),
+        moe=_moe_config(hf, where, mlp_dim),
     )
+
+
+def _is_mixtral(hf: dict[str, Any]) -> bool:
+    return hf.get("model_type") == "mixtral" or hf.get("architectures") == ["MixtralForCausalLM"]
+
+
+def _moe_config(hf: dict[str, Any], where: Path, mlp_dim: int) -> MoEConfig:
+    """A Mixtral's experts (its experts are ``intermediate_size`` wide); a dense Llama's none."""
+    if not _is_mixtral(hf):
+        return MoEConfig()
+    if hf.get("router_jitter_noise", 0.0):
+        raise refuse(where, "router_jitter_noise", hf["router_jitter_noise"],
+                     "meshtron routes without noise (0.0); it only affects training in transformers")
+    experts = size(hf, "num_local_experts", where, 8)
+    top_k = size(hf, "num_experts_per_tok", where, 2)
+    if top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok={top_k} is more than num_local_experts={experts}")
+    return MoEConfig(experts=experts, top_k=top_k, mlp_dim=mlp_dim,
+                     aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)))
 
 
 
@@ -130,7 +171,20 @@ def ties_on_export(params: dict[str, Any]) -> bool:
 
 
 def hf_config(m: ModelConfig, tied: bool, eod: int | None) -> dict[str, Any]:
-    """The exported ``config.json``: a ``LlamaForCausalLM`` in float32."""
+    """The exported ``config.json``: a ``LlamaForCausalLM`` in float32, or a ``MixtralForCausalLM``."""
+    if m.moe.experts:
+        e = m.moe
+        if e.capacity_factor or e.shared_experts or not e.normalize_top_k:
+            field = ("capacity_factor" if e.capacity_factor else "shared_experts" if e.shared_experts
+                     else "normalize_top_k")
+            raise ConfigError(f"model.moe.{field}: a Mixtral is dropless, without shared experts and with "
+                              "renormalised top-k weights; this model cannot be exported as one")
+        dense = hf_config(replace(m, moe=MoEConfig(), mlp_dim=e.mlp_dim or m.mlp_dim), tied, eod)
+        for field in ("mlp_bias", "pretraining_tp", "head_dim"):
+            dense.pop(field)
+        return {**dense, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": e.experts, "num_experts_per_tok": e.top_k, "router_jitter_noise": 0.0,
+                "router_aux_loss_coef": e.aux_loss_weight, "output_router_logits": False, "sliding_window": None}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
         "bos_token_id": eod, "eos_token_id": eod, "tie_word_embeddings": tied, "torch_dtype": "float32",

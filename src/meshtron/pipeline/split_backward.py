@@ -75,9 +75,14 @@ class _Op:
     context: Any  # the equation's JaxprEqnContext (compute type, layouts) to bind under
 
 
-def _flatten(jaxpr: Any, consts: Sequence[Any], alias: dict, ops: list[_Op]) -> None:
+def _flatten(jaxpr: Any, consts: Sequence[Any], alias: dict, ops: list[_Op], inlined: bool = False) -> None:
     """Append ``jaxpr``'s equations to ``ops`` with nested ``jit``/``checkpoint`` calls inlined. ``alias`` maps a
-    variable to the atom (variable, literal or constant) it stands for."""
+    variable to the atom (variable, literal or constant) it stands for.
+
+    An inlined body's equations get fresh output variables (:class:`_Renamed`): JAX reuses one traced
+    body for every call of the same jitted helper with the same shapes (``jnp.take``'s index
+    normalisation, called once per gather), so without renaming two calls' results would be one
+    variable."""
 
     def atom(a):
         return a if _is_literal(a) else alias.get(a, a)
@@ -93,11 +98,24 @@ def _flatten(jaxpr: Any, consts: Sequence[Any], alias: dict, ops: list[_Op]) -> 
             body, body_consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
             for var, outer in zip(body.invars, eqn.invars):
                 alias[var] = atom(outer)
-            _flatten(body, body_consts, alias, ops)
+            _flatten(body, body_consts, alias, ops, inlined=True)
             for outer, inner_out in zip(eqn.outvars, body.outvars):
                 alias[outer] = atom(inner_out)
             continue
-        ops.append(_Op(eqn.primitive, eqn.params, tuple(atom(a) for a in eqn.invars), tuple(eqn.outvars), eqn.ctx))
+        inputs = tuple(atom(a) for a in eqn.invars)
+        if inlined:
+            for var in eqn.outvars:
+                alias[var] = _Renamed(var.aval)
+        ops.append(_Op(eqn.primitive, eqn.params, inputs, tuple(atom(v) for v in eqn.outvars), eqn.ctx))
+
+
+class _Renamed:
+    """One inlined copy of a body's variable (compared by identity, like a jaxpr variable)."""
+
+    __slots__ = ("aval",)
+
+    def __init__(self, aval: Any):
+        self.aval = aval
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.contract import RESIDUAL, Context, layer_view, run_blocks, token_losses
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
@@ -90,18 +91,23 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
                         is_leaf=param_shaped)
 
 
-def stage_functions(model_def: ModelDef) -> StageFunctions:
+def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunctions:
     """A contract model cut into embedding (first virtual stage), a chunk of blocks, and head + loss
     (last virtual stage). Activations between stages are ``x`` [rows, seq, hidden]; every stage
-    knows its positions from the shape (training sequences start at position 0)."""
+    knows its positions from the shape (training sequences start at position 0).
+
+    The runtime seeds each microbatch's loss gradient with ``1/microbatches``; the blocks'
+    auxiliary losses are seeded alike (:func:`~meshtron.models.auxiliary.auxiliary_loss_scale`)."""
+    aux_scale = 1.0 / microbatches
 
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
         inputs = tokens[:, :-1]
         return model_def.bind(shared).embed(inputs, Context.for_sequence(*inputs.shape))
 
     def stage(chunk_blocks: Params, x: jax.Array, active: jax.Array | None = None) -> jax.Array:
-        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_sequence(*x.shape[:2]),
-                          remat=model_def.remat, active=active)
+        with auxiliary_loss_scale(aux_scale):
+            return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x,
+                              Context.for_sequence(*x.shape[:2]), remat=model_def.remat, active=active)
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         model = model_def.bind(shared)
@@ -110,7 +116,8 @@ def stage_functions(model_def: ModelDef) -> StageFunctions:
     def layer(layer_blocks: Params, x: jax.Array) -> jax.Array:
         # One block, as run_blocks applies each: the stacked module's graph with one layer's values.
         graphdef, state = nnx.split(model_def.bind({"blocks": layer_blocks}).blocks)
-        return constrain(layer_view(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
+        with auxiliary_loss_scale(aux_scale):
+            return constrain(layer_view(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
 
     return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
                           remat=model_def.remat)
@@ -126,7 +133,7 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, 
     Called inside the trainer's data-parallel region; gradients are local to the data shard.
     ``layout``: an uneven ``pipeline.layout`` (the parameters are then padded as it says).
     """
-    fns = stage_functions(model_def)
+    fns = stage_functions(model_def, program.schedule.microbatches)
     chunks = program.schedule.chunks
     counts = _layer_counts(layout)
 

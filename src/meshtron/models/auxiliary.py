@@ -1,0 +1,66 @@
+"""Auxiliary losses a block adds to the training objective without returning them.
+
+A mixture-of-experts layer has losses of its own (load balance, router z-loss) that belong in the
+objective but are made deep inside a block, which returns only its output. Threading them out would
+change what a block returns, and with it the layer scan, recomputation and every pipeline schedule.
+Instead a block attaches each one to an activation it returns (:func:`attach_auxiliary_loss`): the
+forward value is unchanged, and the backward pass seeds the loss's gradient as if ``weight · loss``
+had been added to the objective. This is Megatron-Core's ``MoEAuxLossAutoScaler``.
+
+The seed must follow how the objective is averaged. The unpipelined step differentiates each
+microbatch's mean loss with a seed of 1 and averages the gradients afterwards, so the auxiliary seed
+is ``weight``; a pipeline seeds every microbatch's loss with ``1/m`` and sums, so it traces its blocks
+inside :func:`auxiliary_loss_scale` ``(1/m)``. Either way the gradient is that of
+``mean over microbatches (loss + Σ weight · auxiliary loss)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+_scales: list[float] = [1.0]
+
+
+@contextlib.contextmanager
+def auxiliary_loss_scale(scale: float) -> Iterator[None]:
+    """Blocks traced inside seed their auxiliary losses' gradients with ``weight · scale``: the
+    gradient seed the caller gives the main loss of the same microbatch."""
+    _scales.append(float(scale))
+    try:
+        yield
+    finally:
+        _scales.pop()
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _attached(x: jax.Array, loss: jax.Array, seed: float) -> jax.Array:
+    del loss, seed
+    return x
+
+
+def _attached_forward(x, loss, seed):
+    del seed
+    return x, jnp.zeros_like(loss)
+
+
+def _attached_backward(seed, zero_loss, grad):
+    return grad, zero_loss + jnp.asarray(seed, zero_loss.dtype)
+
+
+_attached.defvjp(_attached_forward, _attached_backward)
+
+
+def attach_auxiliary_loss(x: jax.Array, loss: jax.Array, weight: float) -> jax.Array:
+    """``x``, unchanged, whose backward pass also differentiates ``weight · loss`` (a scalar).
+
+    Attach it to a value that reaches the objective (a block's output): a loss attached to a value
+    nothing differentiates gets no gradient. ``weight`` 0 attaches nothing.
+    """
+    if not weight:
+        return x
+    return _attached(x, loss.astype(jnp.float32), weight * _scales[-1])

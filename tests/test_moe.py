@@ -1,0 +1,140 @@
+"""Mixture of experts (meshtron.models.moe): the dropless layer equals every expert applied densely,
+drops nothing, a capacity drops what an independent count says, the auxiliary losses' gradients are
+those of the losses added to the objective, and a Mixtral's loss and gradients on parallel layouts
+equal one device's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtron.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_config, validate
+from meshtron.mesh import build_mesh
+from meshtron.models.contract import lm_loss
+from meshtron.models.moe import MoE, MoEDims, route, routing_statistics
+from meshtron.testing import Layout, check_parity
+from meshtron.train.state import model_def_from_config
+
+H, E, K, F = 16, 8, 2, 24
+
+
+def layer(**kw) -> MoE:
+    with nnx.use_eager_sharding(False):
+        return MoE(MoEDims(hidden=H, experts=kw.pop("experts", E), top_k=kw.pop("top_k", K), mlp_dim=F, **kw),
+                   rngs=nnx.Rngs(0))
+
+
+def dense_reference(moe: MoE, x: np.ndarray, kept: np.ndarray | None = None) -> np.ndarray:
+    """Every expert on every token in numpy, each weighted by its routing weight (0 if not chosen or dropped)."""
+    tokens = np.asarray(x, np.float64).reshape(-1, H)
+    r = route(jnp.asarray(tokens @ np.asarray(moe.router[...], np.float64), jnp.float32), moe.dims.top_k)
+    chosen, weights = np.asarray(r.experts), np.asarray(r.weights, np.float64)
+    if kept is not None:
+        weights = weights * kept.reshape(chosen.shape)
+    gate, up, down = (np.asarray(w[...], np.float64) for w in (moe.gate, moe.up, moe.down))
+    out = np.zeros_like(tokens)
+    for e in range(gate.shape[0]):
+        a = tokens @ gate[e]
+        hidden = a / (1 + np.exp(-a)) * (tokens @ up[e])
+        out += np.sum(np.where(chosen == e, weights, 0.0), axis=1, keepdims=True) * (hidden @ down[e])
+    return out.reshape(x.shape)
+
+
+def test_dropless_equals_every_expert_applied_densely_and_drops_nothing():
+    moe = layer()
+    x = jax.random.normal(jax.random.key(1), (3, 7, H))
+    np.testing.assert_allclose(np.asarray(moe(x)), dense_reference(moe, x), rtol=1e-5, atol=1e-6)
+    # Routing everything to one expert (a router that prefers expert 3 by far) still drops nothing.
+    moe.router[...] = moe.router[...].at[:, 3].add(50.0)
+    out = moe(x)
+    np.testing.assert_allclose(np.asarray(out), dense_reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def independent_kept(experts: np.ndarray, n_experts: int, capacity: int) -> np.ndarray:
+    """Which assignments an expert of ``capacity`` rows keeps, taking them token by token."""
+    taken = np.zeros(n_experts, int)
+    kept = np.zeros(experts.size, bool)
+    for i, e in enumerate(experts.reshape(-1)):
+        kept[i] = taken[e] < capacity
+        taken[e] += 1
+    return kept
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+def test_capacity_drops_what_an_independent_count_drops(factor):
+    moe = layer(capacity_factor=factor)
+    moe.router[...] = moe.router[...].at[:, 0].add(0.05)  # a little imbalance, so factor 1 drops some
+    x = jax.random.normal(jax.random.key(2), (4, 8, H))
+    tokens = x.reshape(-1, H)
+    r = route(tokens @ moe.router[...], K)
+    capacity = moe.dims.capacity(tokens.shape[0] * K)
+    kept = independent_kept(np.asarray(r.experts), E, capacity)
+    [stats] = routing_statistics_of_layer(moe, x)
+    assert int(stats.dropped) == int((~kept).sum())
+    assert np.asarray(stats.load).sum() == tokens.shape[0] * K
+    if factor == 0.5:
+        assert int(stats.dropped) > 0
+    np.testing.assert_allclose(np.asarray(moe(x)), dense_reference(moe, x, kept), rtol=1e-5, atol=1e-6)
+
+
+def routing_statistics_of_layer(moe: MoE, x: jax.Array):
+    from meshtron.models.moe import collecting_statistics
+
+    with collecting_statistics() as found:
+        moe(x)
+    return found
+
+
+def mixtral(experts=E, top_k=K, **moe) -> ModelConfig:
+    return ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=2, layers=4, mlp_dim=128,
+                       seq_len=16, moe=MoEConfig(experts=experts, top_k=top_k, mlp_dim=32, **moe))
+
+
+def test_auxiliary_losses_have_the_gradients_of_the_losses_added_to_the_objective():
+    weighted, plain = (model_def_from_config(mixtral(aux_loss_weight=a, z_loss_weight=z))
+                       for a, z in ((0.3, 0.05), (0.0, 0.0)))
+    mesh = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    params = weighted.init(mesh, seed=0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(4, 17)), jnp.int32)
+
+    def explicit(p):
+        model = plain.bind(p)
+        stats = routing_statistics(model, tokens[:, :-1])
+        return lm_loss(model, tokens) + sum(0.3 * s.aux_loss + 0.05 * s.z_loss for s in stats)
+
+    got = jax.grad(lambda p: weighted.loss(p, tokens))(params)
+    want = jax.grad(explicit)(params)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    # The router's gradient is where they differ from the language-model loss alone.
+    alone = jax.grad(lambda p: plain.loss(p, tokens))(params)
+    assert not np.allclose(got["blocks"]["mlp"]["router"], alone["blocks"]["mlp"]["router"], atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.moe.experts=4", "model.moe.top_k=5"], r"^model.moe.top_k: must be between 1 and model.moe.experts=4, got 5"),
+    (["model.moe.experts=4", "model.family=gpt", "model.kv_heads=null"],
+     r"^model.moe.experts: the gpt family has no mixture of experts; use model.family=llama"),
+    (["model.moe.experts=4", "model.moe.capacity_factor=-1"], r"^model.moe.capacity_factor: must be >= 0"),
+    (["model.moe.experts=4", "model.moe.mlp_dim=33", "mesh.tensor=2"],
+     r"^model.moe.mlp_dim: 33 is not divisible by mesh.tensor=2"),
+])
+def test_bad_moe_settings_are_one_line_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config("llama_cpu8", overrides))
+
+
+_FIRST = pytest.mark.first_stack_only
+LAYOUTS = [Layout(1, 1, 8), Layout(8, 1, 1), Layout(2, 2, 2, "interleaved", 2), Layout(4, 2, 1, "zb-h1"),
+           Layout(1, 2, 4, "1f1b", recompute=False)]
+
+
+@pytest.mark.slow
+@pytest.mark.both_stacks
+@pytest.mark.parametrize("experts, top_k", [(8, 2), pytest.param(64, 8, marks=_FIRST)], ids=["e8k2", "e64k8"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_mixtral_loss_and_gradients_equal_one_device(layout, experts, top_k):
+    md = model_def_from_config(mixtral(experts, top_k, aux_loss_weight=0.01, z_loss_weight=0.001), layout.tensor)
+    [report] = check_parity(md, [layout])
+    assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
