@@ -47,7 +47,11 @@ def _timed(fn) -> float:
 
 
 def meshtron_step_times(cfg, steps: int) -> list[float]:
-    trainer = Trainer.from_config(cfg)
+    return trainer_step_times(Trainer.from_config(cfg), steps)
+
+
+def trainer_step_times(trainer: Trainer, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` train steps from fresh parameters (the first, which compiles, left out)."""
     params = trainer.init_params()
     opt_state = trainer.steps.init_opt_state(params)
     stream = trainer.train_stream()

@@ -108,6 +108,36 @@ def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, c
     assert unordered_collectives(compiled) == []
 
 
+# A mixture of experts adds all-to-alls over `data` inside the stage `cond`-s; full recomputation reruns
+# each layer, with them, in the backward pass. Dense Llama with full recomputation, both ways.
+MOE_LAYOUTS = [
+    ("mixtral_cpu8", ["model.remat=full"]),
+    ("mixtral_cpu8", ["model.remat=full", "pipeline.recompute=false"]),
+    ("mixtral_cpu8", ["pipeline.schedule=zb-h1", "pipeline.chunks=1", "model.moe.capacity_factor=1.0"]),
+    ("llama_cpu8", ["model.remat=full"]),
+    ("llama_cpu8", ["model.remat=full", "pipeline.recompute=false"]),
+]
+# The second stack checks the first and the last; the rest run on the first.
+_MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (0, 4) else pytest.mark.first_stack_only)
+              for i, (c, o) in enumerate(MOE_LAYOUTS)]
+
+
+@pytest.mark.parametrize("config, overrides", _MOE_CASES)
+def test_expert_parallel_and_recomputed_steps_order_every_collective(config, overrides):
+    from meshtron.config import load_config
+    from meshtron.train.loop import Trainer
+
+    small = ["model.hidden=64", "model.mlp_dim=128", "model.seq_len=32", "train.batch_size=8"]
+    cfg = load_config(config, [*small, *overrides, *(["model.moe.mlp_dim=32"] if "mixtral" in config else [])])
+    trainer = Trainer.from_config(cfg)
+    params = trainer.init_params()
+    batch = jax.device_put(np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32),
+                           trainer.steps.batch_sharding)
+    compiled = trainer.steps.lower(params, trainer.steps.init_opt_state(params), batch).compile()
+    assert ("all-to-all" in compiled.as_text()) == ("mixtral" in config)
+    assert unordered_collectives(compiled) == []
+
+
 # Each entry: overrides of mesh_configs/cpu8.yaml for one run. The first is the 1F1B run that
 # deadlocked on jaxlib 0.10.2 (devices 6 and 7 split between an all-reduce and a ppermute).
 STRESS = {

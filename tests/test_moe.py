@@ -86,13 +86,13 @@ def routing_statistics_of_layer(moe: MoE, x: jax.Array):
     return found
 
 
-def mixtral(experts=E, top_k=K, **moe) -> ModelConfig:
-    return ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=2, layers=4, mlp_dim=128,
+def mixtral(experts=E, top_k=K, layers=4, **moe) -> ModelConfig:
+    return ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=2, layers=layers, mlp_dim=128,
                        seq_len=16, moe=MoEConfig(experts=experts, top_k=top_k, mlp_dim=32, **moe))
 
 
 def test_auxiliary_losses_have_the_gradients_of_the_losses_added_to_the_objective():
-    weighted, plain = (model_def_from_config(mixtral(aux_loss_weight=a, z_loss_weight=z))
+    weighted, plain = (model_def_from_config(mixtral(layers=2, aux_loss_weight=a, z_loss_weight=z))
                        for a, z in ((0.3, 0.05), (0.0, 0.0)))
     mesh = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     params = weighted.init(mesh, seed=0)
@@ -126,15 +126,102 @@ def test_bad_moe_settings_are_one_line_naming_the_field(overrides, message):
 
 
 _FIRST = pytest.mark.first_stack_only
-LAYOUTS = [Layout(1, 1, 8), Layout(8, 1, 1), Layout(2, 2, 2, "interleaved", 2), Layout(4, 2, 1, "zb-h1"),
-           Layout(1, 2, 4, "1f1b", recompute=False)]
+REQUIRED = [Layout(1, 1, 8), Layout(8, 1, 1), Layout(2, 2, 2, "interleaved", 2), Layout(4, 2, 1, "zb-h1")]
+KEPT = Layout(1, 2, 4, "1f1b", recompute=False)
+
+
+def _case(layout, experts, top_k, capacity, *marks):
+    name = f"e{experts}k{top_k}" + (f"-capacity{capacity:g}" if capacity else "")
+    return pytest.param(layout, experts, top_k, capacity, marks=marks, id=f"{layout} {name}")
+
+
+# Dropless 8 experts top-2 on every kind of layout (both stacks), 64 experts top-8 on the four the issue
+# of expert parallelism names, a capacity with and without a pipeline.
+CASES = ([_case(layout, 8, 2, 0.0) for layout in [*REQUIRED, KEPT]]
+         + [_case(layout, 64, 8, 0.0, _FIRST) for layout in REQUIRED]
+         + [_case(layout, 8, 2, 1.0, _FIRST) for layout in REQUIRED[1:3]])
 
 
 @pytest.mark.slow
 @pytest.mark.both_stacks
-@pytest.mark.parametrize("experts, top_k", [(8, 2), pytest.param(64, 8, marks=_FIRST)], ids=["e8k2", "e64k8"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_mixtral_loss_and_gradients_equal_one_device(layout, experts, top_k):
-    md = model_def_from_config(mixtral(experts, top_k, aux_loss_weight=0.01, z_loss_weight=0.001), layout.tensor)
+@pytest.mark.parametrize("layout, experts, top_k, capacity", CASES)
+def test_mixtral_loss_and_gradients_equal_one_device(layout, experts, top_k, capacity):
+    # Experts split over data (8-, 2- and 4-way on the layouts with data > 1), over tensor by columns.
+    md = model_def_from_config(mixtral(experts, top_k, aux_loss_weight=0.01, z_loss_weight=0.001,
+                                       capacity_factor=capacity), layout.tensor)
     [report] = check_parity(md, [layout])
     assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+
+
+# ---- expert parallelism in training -------------------------------------------------------------------
+
+MIXTRAL = ["model.family=llama", "model.layers=2", "model.hidden=32", "model.heads=4", "model.kv_heads=2",
+           "model.mlp_dim=64", "model.seq_len=16", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp_dim=16",
+           "model.moe.z_loss_weight=0.001", "train.batch_size=16", "train.warmup_steps=2", "train.eval_every=1000",
+           "train.eval_batches=1"]
+REPLICATED = "model.rules={experts: null}"
+
+
+def mixtral_trainer(*overrides):
+    from meshtron.train.loop import Trainer
+
+    return Trainer.from_config(load_config(None, [*MIXTRAL, *overrides]))
+
+
+def test_experts_split_over_data_by_default_and_their_state_with_them():
+    trainer = mixtral_trainer("mesh.data=4", "mesh.pipe=1", "mesh.tensor=2")
+    spec = trainer.steps.param_shardings["blocks"]["mlp"]["gate"].spec
+    assert spec == jax.sharding.PartitionSpec("pipe", "data", None, "tensor")
+    assert trainer.steps.param_shardings["blocks"]["mlp"]["router"].spec == jax.sharding.PartitionSpec("pipe", None, None)
+    params = trainer.init_params()
+    state = trainer.steps.init_opt_state(params)
+    moments = [x for x in jax.tree.leaves(state.optimizer) if x.shape == params["blocks"]["mlp"]["gate"].shape]
+    assert moments and all(m.sharding.spec == spec for m in moments)
+    assert trainer.steps.zero.has_native and not trainer.steps.zero.active
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb", "onebit_lamb"])
+def test_expert_parallel_training_equals_replicated_experts(optimizer):
+    # The same run with every expert on every data rank (their gradients all-reduced) and with the
+    # experts split over data (tokens sent to them): 1-bit LAMB in its warmup, where nothing is compressed.
+    run = ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "train.steps=3", f"train.optimizer={optimizer}",
+           "optim.freeze_step=10"]
+    split = mixtral_trainer(*run).run()
+    whole = mixtral_trainer(*run, REPLICATED).run()
+    np.testing.assert_allclose(split.losses, whole.losses, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 jax.device_get(split.params), jax.device_get(whole.params))
+
+
+@pytest.mark.slow
+def test_expert_parallel_runs_at_every_zero_level_and_restore_on_any_expert_split(tmp_path):
+    from meshtron.checkpoint import CheckpointStore
+
+    run = ["model.layers=4", "train.steps=3", "checkpoint.every=3", f"checkpoint.dir={tmp_path / 'ep'}"]
+    layout = ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=interleaved", "pipeline.chunks=2",
+              "train.microbatches=4"]
+    first = mixtral_trainer(*layout, *run).run()
+    for zero in ("train.zero=1", "train.zero=3"):
+        other = mixtral_trainer(*layout, "model.layers=4", "train.steps=3", zero).run()
+        np.testing.assert_allclose(other.losses, first.losses, rtol=1e-5, err_msg=zero)
+    # 2-way expert split -> 8-way, and -> every expert on one device
+    for mesh in (["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1"], ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1"]):
+        other = mixtral_trainer(*mesh, *run)
+        params, _, position = other.restore(CheckpointStore(tmp_path / "ep", keep=3))
+        assert position.step == 3
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(other.canonical_params(params)),
+                     jax.device_get(first.params))
+
+
+def test_onebit_lamb_compresses_only_what_is_replicated_over_data():
+    from meshtron.optim.compression import error_lengths
+
+    trainer = mixtral_trainer("mesh.data=4", "mesh.pipe=1", "mesh.tensor=1", "train.optimizer=onebit_lamb")
+    params = trainer.init_params()
+    state = trainer.steps.init_opt_state(params).optimizer
+    onebit = next(s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "worker_error"))
+                  if hasattr(s, "worker_error"))
+    experts = sum(params["blocks"]["mlp"][k].size for k in ("gate", "up", "down"))
+    replicated = sum(x.size for x in jax.tree.leaves(params)) - experts
+    assert onebit.worker_error.shape[-1] == error_lengths([replicated], 4)[0]

@@ -228,6 +228,12 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     print(f"model     {family}: {model_def.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, mlp {m.mlp_dim}, "
           f"seq {m.seq_len}, vocab {model_def.vocab_size} (padded to {model_def.vocab_padded}), "
           f"dtype {m.dtype}, params {m.param_dtype}, remat {m.remat}, sequence parallel {m.sequence_parallel}", file=out)
+    if m.moe.experts and m.factory is None:
+        e = m.moe
+        routing = "dropless" if not e.capacity_factor else f"capacity factor {e.capacity_factor}"
+        print(f"experts   {e.experts} per layer, top-{e.top_k}, mlp {e.mlp_dim or m.mlp_dim} each, {routing}"
+              + (f", {e.shared_experts} shared" if e.shared_experts else "")
+              + "; the analytical figures below count a dense MLP of width mlp", file=out)
     rows = parameter_rows(model_def, mesh_sizes)
     total = sum(math.prod(r[1]) for r in rows)
     print(f"\nparameters ({total:,} in all, {format_bytes(sum(r[4] for r in rows))} per device)", file=out)

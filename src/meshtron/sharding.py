@@ -36,7 +36,7 @@ MEGATRON_RULES: Rules = (
     ("seq", None),
     ("residual_seq", None),
     ("pos", None),
-    ("experts", None),
+    ("experts", "data"),
 )
 
 _active_rules: list[Rules] = [MEGATRON_RULES]

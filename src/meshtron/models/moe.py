@@ -45,7 +45,7 @@ from flax import nnx
 from meshtron.models.auxiliary import attach_auxiliary_loss
 from meshtron.models.contract import RESIDUAL, Context
 from meshtron.models.layers import INIT_STD, normal
-from meshtron.sharding import constrain
+from meshtron.sharding import constrain, logical_to_spec
 
 EXPERTS = "experts"
 
@@ -177,6 +177,90 @@ def capacity_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: j
     return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype)), dropped
 
 
+def expert_axis() -> str | None:
+    """The mesh axis the rules put ``experts`` on, when it is manual here (inside the trainer's
+    ``shard_map``) and splits them: each device then holds ``experts / size`` of them and tokens must
+    travel to their experts. ``None``: every expert is on every device of this program (it may still
+    be split over an axis the compiler manages, which then moves the weights instead)."""
+    spec = logical_to_spec((EXPERTS,))
+    name = spec[0] if len(spec) else None
+    mesh = jax.sharding.get_abstract_mesh()
+    if name is None or mesh.empty or name not in mesh.manual_axes or mesh.shape[name] == 1:
+        return None
+    return name
+
+
+def _destination_slots(destination: jax.Array, ranks: int, rows: int) -> jax.Array:
+    """Each assignment's row in a ``[ranks · rows]`` send buffer: its destination's block, in order."""
+    order = jnp.argsort(destination, stable=True)
+    sizes = jnp.bincount(destination, length=ranks)
+    starts = jnp.cumsum(sizes) - sizes
+    within = jnp.arange(destination.shape[0], dtype=destination.dtype) - starts[destination[order]]
+    return destination * rows + jnp.zeros_like(destination).at[order].set(within)
+
+
+def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
+                             axis: str) -> jax.Array:
+    """:func:`dropless_experts` with the experts split over the manual mesh ``axis`` (``gate`` etc. hold
+    this device's ``E/n``): the assignments travel to the device of their expert and back in two
+    all-to-alls, and each device runs grouped matmuls over the rows it received.
+
+    A device may receive any number of rows, and the buffers of an all-to-all have one shape, so each
+    destination's block holds the most it can be sent without dropping: ``T · min(k, E/n)`` rows (a
+    token's k experts are distinct). XLA:CPU cannot run ``ragged_all_to_all``, which would send only
+    the rows that exist.
+    """
+    count, k = routing.experts.shape
+    n, local = jax.lax.axis_size(axis), gate.shape[0]
+    rows = count * min(k, local)
+    flat = routing.experts.reshape(-1)
+    slots = _destination_slots(flat // local, n, rows)
+    h = tokens.shape[-1]
+    send = jnp.zeros((n * rows, h), tokens.dtype).at[slots].set(jnp.take(tokens, jnp.arange(count * k) // k, axis=0))
+    ids = jnp.full((n * rows,), local, jnp.int32).at[slots].set((flat % local).astype(jnp.int32))
+    received = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
+    received_ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
+    order = jnp.argsort(received_ids, stable=True)  # by local expert; the empty rows (id = local) last
+    sizes = jnp.bincount(received_ids, length=local + 1)[:local].astype(jnp.int32)
+
+    def grouped(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
+
+    out = _swiglu_rows(jnp.take(received, order, axis=0), gate, up, down, grouped)
+    out = jnp.where((jnp.take(received_ids, order) < local)[:, None], out, 0.0)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    back = jax.lax.all_to_all(jnp.take(out, inverse, axis=0), axis, 0, 0, tiled=True)
+    out = jnp.take(back, slots, axis=0).reshape(count, k, h)
+    return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype))
+
+
+def expert_parallel_capacity(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
+                             capacity: int, axis: str) -> tuple[jax.Array, jax.Array]:
+    """:func:`capacity_experts` with the experts split over the manual mesh ``axis``: the
+    ``[E, capacity, h]`` buffer is exchanged by one all-to-all (GShard's dispatch), each device runs
+    its ``E/n`` experts on the ``n · capacity`` rows every device sent each of them, and a second
+    all-to-all brings the outputs back."""
+    count, k = routing.experts.shape
+    n, local, h = jax.lax.axis_size(axis), gate.shape[0], tokens.shape[-1]
+    experts = n * local
+    slots, kept = capacity_slots(routing, experts, capacity)
+    rows = jnp.take(tokens, jnp.arange(count * k) // k, axis=0)
+    buffer = jnp.zeros((experts * capacity + 1, h), tokens.dtype).at[slots].set(rows)[:-1]
+    received = jax.lax.all_to_all(buffer, axis, 0, 0, tiled=True)  # [source, local expert, capacity, h]
+    by_expert = received.reshape(n, local, capacity, h).transpose(1, 0, 2, 3).reshape(local, n * capacity, h)
+
+    def batched(lhs, rhs):
+        return jnp.einsum("ecx,exy->ecy", lhs, rhs.astype(lhs.dtype))
+
+    out = _swiglu_rows(by_expert, gate, up, down, batched)
+    out = out.reshape(local, n, capacity, h).transpose(1, 0, 2, 3).reshape(n * local * capacity, h)
+    out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    out = jnp.concatenate([out, jnp.zeros((1, h), out.dtype)])
+    out = jnp.take(out, slots, axis=0).reshape(count, k, h)
+    dropped = jnp.sum(~kept).astype(jnp.int32)
+    return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype)), dropped
+
+
 _collectors: list[list[RoutingStatistics] | None] = [None]
 
 
@@ -218,10 +302,17 @@ class MoE(nnx.Module):
         routing = route(tokens @ self.router[...].astype(x.dtype), d.top_k, d.normalize_top_k)
         gate, up, down = self.gate[...], self.up[...], self.down[...]
         dropped = jnp.int32(0)
+        axis = expert_axis()
         if d.capacity_factor > 0:
-            y, dropped = capacity_experts(tokens, routing, gate, up, down, d.capacity(b * s * d.top_k))
-        else:
+            capacity = d.capacity(b * s * d.top_k)
+            if axis is None:
+                y, dropped = capacity_experts(tokens, routing, gate, up, down, capacity)
+            else:
+                y, dropped = expert_parallel_capacity(tokens, routing, gate, up, down, capacity, axis)
+        elif axis is None:
             y = dropless_experts(tokens, routing, gate, up, down)
+        else:
+            y = expert_parallel_dropless(tokens, routing, gate, up, down, axis)
         y = y.reshape(b, s, h)
         if d.shared_mlp_dim:
             hidden = jax.nn.silu(x @ self.shared_gate[...].astype(x.dtype)) * (x @ self.shared_up[...].astype(x.dtype))

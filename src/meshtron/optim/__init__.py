@@ -75,7 +75,7 @@ def grad_clip_norm(cfg: TrainConfig) -> float:
 def clip_by_global_norm(max_norm: float, zero: ZeroPlan | None = None) -> optax.GradientTransformation:
     """``optax.clip_by_global_norm``, with the norm of the whole gradient when each data rank holds
     a share of it (``zero``: the plan that split it)."""
-    if zero is None or not zero.active:
+    if zero is None or not zero.splits_norms:
         return optax.clip_by_global_norm(max_norm)
 
     def update(updates, state, params=None):
@@ -111,7 +111,7 @@ def build_optimizer(cfg: TrainConfig, axes: Any, optim: OptimConfig | None = Non
     if cfg.optimizer == "adamw":
         base = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=cfg.weight_decay, mask=decay)
     else:
-        complete = zero.sum_squares if zero is not None and zero.active else None
+        complete = zero.sum_squares if zero is not None and zero.splits_norms else None
         base = layerwise_lamb(schedule, b1=b1, b2=b2, eps=eps, weight_decay=cfg.weight_decay, mask=decay,
                               stacked=stacked_from_axes(axes), complete_sums=complete)
     return _clipped(cfg, base, zero)

@@ -34,6 +34,13 @@ already applied). ``optax.chain`` forwards the keyword to this transform and hid
 others. The state has the same structure in both stages, so it can be checkpointed and restored in
 either.
 
+**Parameters the model splits over the data axis** (a mixture of experts' weights under expert
+parallelism: ``param_specs`` name ``axis_name``) have complete gradients where they are held, so
+they arrive already averaged (the train step divides them by the number of data ranks:
+:meth:`meshtron.optim.zero.ZeroPlan.mean_native`) and are never communicated, in either stage;
+their layer norms and maxima are taken over all their shards. Only what is replicated over
+``axis_name`` is compressed.
+
 **Layout.** Everything in the state is identical on every data shard except ``worker_error`` and
 ``server_error``, which are per device: global shape ``[data, shards · n]`` split over ``data`` and
 the other mesh axes (:func:`meshtron.optim.opt_state_specs` gives every leaf's spec). Under tensor or
@@ -159,8 +166,9 @@ def onebit_lamb(
         leaves, treedef = jax.tree.flatten(params)
         specs = _spec_leaves(param_specs, params, treedef)
         model_axes = _model_axes(mesh, axis_name)
+        native = _native(specs, axis_name)
         local = [_local_shape(x.shape, spec, mesh.shape) for x, spec in zip(leaves, specs, strict=True)]
-        _, lengths = _segments(local, specs, model_axes, axis_name)
+        _, lengths = _segments(_shared(local, native), _shared(specs, native), model_axes, axis_name)
         workers = mesh.shape[axis_name]
         worker_len, server_len = error_lengths(lengths, workers)
         shards = math.prod(mesh.shape[a] for a in model_axes)
@@ -195,21 +203,29 @@ def onebit_lamb(
             )
         treedef = jax.tree.structure(params)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        specs = _spec_leaves(param_specs, params, treedef)
         ctx = _Leaves(treedef, params, updates, state, _flags(stacked, params, treedef),
                       _mask_leaves(mask, params, treedef, default=True),
-                      _mask_leaves(momentum_mask, params, treedef, default=None))
+                      _mask_leaves(momentum_mask, params, treedef, default=None), _native(specs, axis_name))
         if compression_stage:
-            return _compression_step(ctx, lr, mesh, _spec_leaves(param_specs, params, treedef))
+            return _compression_step(ctx, lr, mesh, specs)
         return _warmup_step(ctx, lr)
 
+    def norm(x, st, own):
+        """The (per-layer) norm of a whole leaf: a native leaf's squares summed over its shards."""
+        return jnp.sqrt(jax.lax.psum(jnp.square(layer_norm(x, st)), axis_name)) if own else layer_norm(x, st)
+
     def _warmup_step(ctx: _Leaves, lr):
-        grads = mean_over(ctx.updates, axis_name)  # full-precision data-parallel average
+        # full-precision data-parallel average of what every rank holds (native leaves arrive averaged)
+        shared = mean_over([None if own else g for g, own in zip(ctx.updates, ctx.native)], axis_name)
+        grads = [g if own else mean for g, mean, own in zip(ctx.updates, shared, ctx.native)]
         out = {k: [] for k in ("update", "mu", "nu", "coeff")}
-        for g, m, v, p, st, decay, c in zip(grads, ctx.mu, ctx.nu, ctx.params, ctx.stacked, ctx.decay, ctx.lamb_coeff):
+        for g, m, v, p, st, decay, c, own in zip(grads, ctx.mu, ctx.nu, ctx.params, ctx.stacked, ctx.decay,
+                                                 ctx.lamb_coeff, ctx.native):
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
             u = _decayed(m / (jnp.sqrt(v) + eps), p, decay, weight_decay)
-            w_norm, u_norm = layer_norm(p, st), layer_norm(u, st)
+            w_norm, u_norm = norm(p, st, own), norm(u, st, own)
             defined = (w_norm > 0) & (u_norm > 0)
             ratio = w_norm / jnp.where(u_norm > 0, u_norm, 1.0)
             ratio = jnp.where(defined, jnp.maximum(jnp.minimum(ratio, max_coeff), min_coeff), 1.0)
@@ -228,19 +244,22 @@ def onebit_lamb(
             # The last warmup step's values are the ones the compression stage starts from.
             nu_fresh=nu,
             lamb_coeff=unflat(out["coeff"]),
-            scaling=unflat(_scaling_coefficients(out["mu"], ctx.stacked)),
+            scaling=unflat(_scaling_coefficients(out["mu"], ctx.stacked, ctx.native, axis_name)),
         )
         return unflat(out["update"]), state
 
     def _compression_step(ctx: _Leaves, lr, mesh, specs: list[P]):
         scaled = [(b1 * m + (1 - b1) * g) * per_layer(s, m) for g, m, s in zip(ctx.updates, ctx.mu, ctx.scaling)]
-        synced, worker_error, server_error = _exchange(
-            scaled, ctx.state.worker_error, ctx.state.server_error, specs, mesh, axis_name
+        exchanged, worker_error, server_error = _exchange(
+            _shared(scaled, ctx.native), ctx.state.worker_error, ctx.state.server_error,
+            _shared(specs, ctx.native), mesh, axis_name
         )
+        exchanged = iter(exchanged)
+        synced = [x if own else next(exchanged) for x, own in zip(scaled, ctx.native)]
         out = {k: [] for k in ("update", "mu", "nu_fresh", "factor")}
-        for m, m_last, v, v_fresh, p, st, decay, mmask, s, c, r in zip(
+        for m, m_last, v, v_fresh, p, st, decay, mmask, s, c, r, own in zip(
             synced, ctx.mu, ctx.nu, ctx.nu_fresh, ctx.params, ctx.stacked, ctx.decay, ctx.momentum_mask,
-            ctx.scaling, ctx.lamb_coeff, ctx.last_factor,
+            ctx.scaling, ctx.lamb_coeff, ctx.last_factor, ctx.native,
         ):
             m = m / per_layer(s, m)
             if mmask is not None:
@@ -251,8 +270,9 @@ def onebit_lamb(
             u_plain = m / denom
             u = _decayed(u_plain, p, decay, weight_decay)
             factor = _layer_max(denom / (jnp.sqrt(v_fresh) + eps), st)
+            factor = jax.lax.pmax(factor, axis_name) if own else factor
             if weight_decay > 0:
-                plain_norm, u_norm = layer_norm(u_plain, st), layer_norm(u, st)
+                plain_norm, u_norm = norm(u_plain, st, own), norm(u, st, own)
                 rho = jnp.where(u_norm > 0, jnp.minimum(1.0, plain_norm / jnp.where(u_norm > 0, u_norm, 1.0)), 1.0)
                 factor = factor * rho + (1 - rho)
             factor = jnp.maximum(jnp.minimum(factor, factor_max), factor_min)  # absolute bounds,
@@ -286,13 +306,23 @@ def onebit_lamb(
 class _Leaves:
     """The trees one update works on, flattened to aligned lists of leaves."""
 
-    def __init__(self, treedef, params, updates, state: OnebitLambState, stacked, decay, momentum_mask):
+    def __init__(self, treedef, params, updates, state: OnebitLambState, stacked, decay, momentum_mask, native):
         flat = treedef.flatten_up_to
-        self.treedef, self.state = treedef, state
+        self.treedef, self.state, self.native = treedef, state, native
         self.params, self.updates = flat(params), flat(updates)
         self.mu, self.nu, self.nu_fresh = flat(state.mu), flat(state.nu), flat(state.nu_fresh)
         self.lamb_coeff, self.last_factor, self.scaling = flat(state.lamb_coeff), flat(state.last_factor), flat(state.scaling)
         self.stacked, self.decay, self.momentum_mask = stacked, decay, momentum_mask
+
+
+def _native(specs: list[P], axis_name: str) -> list[bool]:
+    """Which leaves the parameters' own layout splits over ``axis_name`` (expert parallelism)."""
+    return [axis_name in spec_axes(spec) for spec in specs]
+
+
+def _shared(leaves: list, native: list) -> list:
+    """The leaves that are replicated over the data axis (the ones 1-bit LAMB compresses)."""
+    return [x for x, own in zip(leaves, native, strict=True) if not own]
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -327,14 +357,21 @@ def _layer_max(x: jax.Array, stacked: bool) -> jax.Array:
     return jnp.max(x, axis=tuple(range(1, x.ndim)) if stacked else None)
 
 
-def _scaling_coefficients(momenta: list[jax.Array], stacked: list[bool]) -> list[jax.Array]:
+def _scaling_coefficients(momenta: list[jax.Array], stacked: list[bool], native: list[bool],
+                          axis_name: str) -> list[jax.Array]:
     """``s = mean_q rms(m_q) / rms(m_p)`` per layer, so every layer's scaled momentum has the same
     RMS before sharing one compression scale; a layer with zero momentum gets 1, empty ones are left
-    out of the mean (DeepSpeed divides by zero and gets NaN there)."""
+    out of the mean (DeepSpeed divides by zero and gets NaN there). A native leaf's RMS is its whole
+    layer's, over all its shards."""
     rms = []
-    for m, st in zip(momenta, stacked):
+    for m, st, own in zip(momenta, stacked, native):
         per = max(m[0].size if st else m.size, 1)
-        rms.append(layer_norm(m, st) / math.sqrt(per))
+        if own:
+            shards = jax.lax.axis_size(axis_name)
+            square = jax.lax.psum(jnp.square(layer_norm(m, st)), axis_name)
+            rms.append(jnp.sqrt(square) / math.sqrt(per * shards))
+        else:
+            rms.append(layer_norm(m, st) / math.sqrt(per))
     count = sum((m.shape[0] if st else 1) for m, st in zip(momenta, stacked) if m.size)
     united = sum(jnp.sum(r) for r in rms) / max(count, 1)
     return [jnp.where(r > 0, united / jnp.where(r > 0, r, 1.0), 1.0) for r in rms]

@@ -22,6 +22,13 @@ them and ``meshtron describe`` prints their bytes.
 Norms over the whole gradient (clipping) or over a layer (LAMB's trust ratio) are then sums of
 per-rank partial sums: :meth:`ZeroPlan.sum_squares` adds the split leaves' over ``data``.
 
+**Leaves the model itself splits over data.** A mixture of experts' weights are split over ``data``
+by the rules table (expert parallelism: each data rank holds ``E/d`` experts), at every zero level.
+Their gradients are complete on the rank that holds them (the tokens of every rank reached them
+through the all-to-alls), so they are not reduced over ``data``, only divided by ``d`` for the mean;
+their optimizer state is split like them; and norms sum their squares over ``data`` like a split
+leaf's. The plan calls them *native*: :meth:`ZeroPlan.native_flags`.
+
 All methods that communicate run inside the trainer's ``shard_map`` that is manual over ``data``.
 """
 
@@ -35,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshtron.sharding import manual_part
+from meshtron.sharding import manual_part, spec_axes
 from meshtron.trees import leaf_names
 
 ZERO_LEVELS = (0, 1, 3)
@@ -60,6 +67,7 @@ class ZeroPlan:
     names: tuple[str, ...] = ()
     nbytes: tuple[int, ...] = ()
     axis: str = "data"
+    native: Any = None  # a tree of bools: leaves the parameters' own layout splits over ``axis``
 
     @classmethod
     def build(cls, level: int, shapes: Any, specs: Any, stacked: Any, size: int, axis: str = "data") -> ZeroPlan:
@@ -72,7 +80,7 @@ class ZeroPlan:
         spec_leaves = [getattr(s, "spec", s) for s in treedef.flatten_up_to(specs)]
 
         def choose(shape, spec, is_stacked) -> int | None:
-            if level == 0 or size == 1:
+            if level == 0 or size == 1 or axis in spec_axes(spec):
                 return None
             free = [k for k, entry in enumerate(_entries(spec, len(shape.shape)))
                     if entry is None and not (is_stacked and k == 0) and shape.shape[k] % size == 0]
@@ -81,8 +89,9 @@ class ZeroPlan:
         leaves = jax.tree.leaves(shapes)
         dims = [choose(s, p, st) for s, p, st in zip(leaves, spec_leaves, treedef.flatten_up_to(stacked), strict=True)]
         nbytes = tuple(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in leaves)
+        native = treedef.unflatten([size > 1 and axis in spec_axes(spec) for spec in spec_leaves])
         return cls(level, size, treedef.unflatten(dims), treedef.unflatten(spec_leaves), tuple(leaf_names(shapes)),
-                   nbytes, axis)
+                   nbytes, axis, native)
 
     @property
     def active(self) -> bool:
@@ -96,15 +105,39 @@ class ZeroPlan:
     def _dim_leaves(self) -> list[int | None]:
         return jax.tree.leaves(self.dims, is_leaf=lambda x: x is None)
 
+    def native_flags(self) -> Any:
+        """``True`` where the parameters' own layout splits a leaf over ``axis`` (expert parallelism)."""
+        if self.native is None:
+            return jax.tree.map(lambda d: False, self.dims, is_leaf=lambda x: x is None)
+        return self.native
+
+    @property
+    def has_native(self) -> bool:
+        return any(jax.tree.leaves(self.native_flags()))
+
+    @property
+    def splits_norms(self) -> bool:
+        """Whether a norm of the gradient needs sums over ``axis`` (some leaf is split over it)."""
+        return self.active or self.has_native
+
     def replicated(self) -> list[tuple[str, int]]:
         """``(name, bytes)`` of the leaves kept whole on every data rank although the plan is active."""
         if not self.active:
             return []
-        return [(n, b) for n, b, d in zip(self.names, self.nbytes, self._dim_leaves(), strict=True) if d is None]
+        native = jax.tree.leaves(self.native_flags())
+        return [(n, b) for n, b, d, own in zip(self.names, self.nbytes, self._dim_leaves(), native, strict=True)
+                if d is None and not own]
 
     def split_flags(self) -> Any:
-        """``True`` where a leaf is split over ``axis`` (a tree shaped like the parameters)."""
-        return jax.tree.map(lambda d: d is not None, self.dims, is_leaf=lambda x: x is None)
+        """``True`` where a leaf is split over ``axis``, by the plan or natively (a tree shaped like the
+        parameters)."""
+        return jax.tree.map(lambda d, own: d is not None or own, self.dims, self.native_flags(),
+                            is_leaf=lambda x: x is None)
+
+    def mean_native(self, grads: Any) -> Any:
+        """The native leaves' local gradients divided by ``size`` (their mean over ``axis``: they are
+        complete where they are held); the other leaves as they are."""
+        return jax.tree.map(lambda g, own: g / self.size if own else g, grads, self.native_flags())
 
     def specs(self, specs: Any) -> Any:
         """``specs`` (or shardings) with ``axis`` added on every split leaf's dimension."""
@@ -159,14 +192,17 @@ class ZeroPlan:
         divided by the number of ranks."""
 
         def reduce(g, how):
-            dim, arrived_summed = how
+            dim, arrived_summed, own = how
+            if own:
+                return g / self.size
             if dim is None:
                 return jax.lax.pmean(g, self.axis)
             if arrived_summed:
                 return g / self.size
             return jax.lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True) / self.size
 
-        how = {k: jax.tree.map(lambda d, _k=k: (d, _k in summed), v, is_leaf=lambda x: x is None)
+        native = self.native_flags()
+        how = {k: jax.tree.map(lambda d, own, _k=k: (d, _k in summed, own), v, native[k], is_leaf=lambda x: x is None)
                for k, v in self.dims.items()}
         return self._map(reduce, grads, dims=how)
 
@@ -210,5 +246,5 @@ class ZeroPlan:
 
 
 def no_zero(shapes: Any) -> ZeroPlan:
-    """The plan that splits nothing (every leaf whole on every data rank)."""
+    """The plan that splits nothing (every leaf whole on every data rank, none split natively)."""
     return ZeroPlan(0, 1, jax.tree.map(lambda _: None, shapes))

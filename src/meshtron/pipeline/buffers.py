@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from meshtron.pipeline.stage import PyTree
+from meshtron.sharding import manual_part, spec_axes
 
 __all__ = ["accumulate", "after", "chunk_of", "get", "index_after", "put", "read_slot", "token", "write_slot"]
 
@@ -65,6 +67,21 @@ def token(tree: PyTree) -> jax.Array:
     # sequence-parallel activation) would make the compiler gather all of it first.
     v = leaf[(0,) * leaf.ndim].astype(jnp.float32)
     return jnp.where(jnp.isfinite(v), v, 0.0) * 0.0
+
+
+def local_token(x: jax.Array, spec: PartitionSpec | None) -> jax.Array:
+    """:func:`token` of ``x`` laid out ``spec``, taken from each device's own shard: no collective.
+
+    An element of an array the compiler splits (a sequence-parallel activation) lives on one device
+    of its group; reading it from the others is an all-reduce -- a collective outside the chain the
+    token builds, racing the ``conditional`` s it should order. Each device reads its own block's
+    first element instead, in a ``shard_map`` over the compiler-managed axes, and the zeros agree."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
+    if spec is None or mesh.empty or not spec_axes(spec) & auto:
+        return token(x)
+    return jax.shard_map(token, mesh=mesh, in_specs=(manual_part(spec, auto),), out_specs=PartitionSpec(),
+                         axis_names=set(auto), check_vma=False)(x)
 
 
 def after(tree: PyTree, seq: jax.Array) -> PyTree:

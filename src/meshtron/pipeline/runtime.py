@@ -50,7 +50,12 @@ The rule this runtime follows instead:
     backward send -> the next tick; after the loop, the one reduction over ``axis``.
 
 The chain is a scalar ``seq``, always exactly zero, that each step reads (``x + seq``) and extends with a
-token of its own output (one element times zero, which XLA cannot fold for floating point).
+token of its own output (one element times zero, which XLA cannot fold for floating point). An
+activation's token is read from each device's own shard (:func:`~meshtron.pipeline.buffers.local_token`):
+reading one element of a sequence-parallel activation would be an all-reduce outside the chain. Inside
+a backward, the layers read what they recompute from (the inputs ``model.remat=full`` keeps) after the
+head's gradient, so a layer rerun with its collectives (tensor all-reduces, a mixture of experts'
+all-to-alls over ``data``) follows the head's ``cond`` instead of racing it.
 Collectives *inside* a ``cond`` are the tensor all-reduces of that stage, whose devices all take
 the same branch. :func:`meshtron.hlo.order.unordered_collectives` checks the rule on the
 optimized HLO of every compiled step (tests/test_deadlock.py); a stress test runs schedules x
@@ -86,6 +91,7 @@ from meshtron.pipeline.buffers import (
     chunk_of,
     get,
     index_after,
+    local_token,
     put,
     read_slot,
     token,
@@ -166,6 +172,15 @@ def segments(program: Program) -> list[_Segment]:
         sent += costs[best]
         out[best : best + 2] = [_merged(out[best], out[best + 1])]
     return out
+
+
+def _after_residuals(pullback, seq: jax.Array, params: PyTree):
+    """``pullback`` whose floating residuals (a ``jax.vjp`` pullback is a pytree of them) are computed
+    after ``seq``; the parameters among them are left as they are (no copy)."""
+    held = {id(p) for p in jax.tree.leaves(params)}
+    leaves, treedef = jax.tree.flatten(pullback)
+    return treedef.unflatten([r if id(r) in held or not jnp.issubdtype(r.dtype, jnp.floating) else after(r, seq)
+                              for r in leaves])
 
 
 def run_pipeline(
@@ -271,6 +286,8 @@ class _TickLoop:
         self.stage_params, self.shared_params = stage_params, shared_params
         self.act = jax.eval_shape(fns.embed, shared_params, tokens[0])
         self.pin = fns.layout
+        spec = None if fns.activation_spec is None else fns.activation_spec()
+        self.token = lambda x: local_token(x, spec)  # an activation's, from each device's own shard
         self.zeros_act = self.pin(self.zeros(self.act))
         self.zero_loss = self.zeros(jax.ShapeDtypeStruct((), jnp.float32))
         self.keep = program.keeps_residuals
@@ -311,7 +328,7 @@ class _TickLoop:
         y, loss = self.virtual_stage(chunk_of(self.stage_params, chunk), self.shared_params,
                                      self.pin(after(read_slot(stash, row["fwd_slot"]), seq)), chunk,
                                      self.tokens[row["fwd_mb"]])
-        return y, loss, seq + token((y, loss))
+        return y, loss, seq + token(loss) + self.token(y)
 
     def forward_keeping(self, row, stash, rbuf, seq):
         """The forward when nothing is recomputed: the layers run one by one under ``jax.vjp`` and
@@ -328,23 +345,38 @@ class _TickLoop:
                                              slot)
         loss = jax.lax.cond(virtual == self.last_virtual,
                             lambda: fns.loss(self.shared_params, y, tok).astype(jnp.float32), lambda: self.zero_loss)
-        return y, loss, [*stored, put(rbuf[-1], (slot,), y)], seq + token((y, loss))
+        return y, loss, [*stored, put(rbuf[-1], (slot,), y)], seq + token(loss) + self.token(y)
 
     def backward(self, row, stash, gbuf, g_stage, g_shared, seq):
         """The whole backward of a virtual stage, recomputed from its stashed input; the parameter
         gradients are added to the accumulators ``g_stage`` / ``g_shared`` in the branch."""
-        pin, zero_loss = self.pin, self.zero_loss
+        fns, pin, zero_loss = self.fns, self.pin, self.zero_loss
         chunk = row["bwd_chunk"]
         tok = self.tokens[row["bwd_mb"]]
-        is_last = chunk * self.p + self.stage_index == self.last_virtual
+        virtual = chunk * self.p + self.stage_index
+        is_last = virtual == self.last_virtual
+        chunk_params = chunk_of(self.stage_params, chunk)
         x = pin(after(read_slot(stash, row["bwd_stash_slot"]), seq))
-        _, pullback = jax.vjp(lambda cp, sh, xs: self.virtual_stage(cp, sh, xs, chunk, tok),
-                              chunk_of(self.stage_params, chunk), self.shared_params, x)
-        dy = pin(jnp.where(is_last, self.zeros_act, read_slot(gbuf, row["bwd_grad_slot"])))
-        d_params, d_shared, d_x = pullback((dy, jnp.where(is_last, zero_loss + self.inv_m, zero_loss)))
+        # The virtual stage's three parts (embedding, layers, head + loss) differentiated one by one,
+        # so that the layers' pullback can be ordered after the head's (below).
+        x0, pull_in = jax.vjp(
+            lambda sh, xs: pin(jax.lax.cond(virtual == 0, lambda: fns.embed(sh, tok), lambda: xs)),
+            self.shared_params, x)
+        y, pull_stage = jax.vjp(lambda cp, h: pin(self.run_stage(cp, h, chunk)), chunk_params, x0)
+        _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
+            is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), self.shared_params, y)
+        d_shared_out, dy_loss = pull_out(jnp.where(is_last, zero_loss + self.inv_m, zero_loss))
+        dy = pin(jnp.where(is_last, dy_loss, read_slot(gbuf, row["bwd_grad_slot"])))
+        if fns.remat == "full":
+            # What the pullback recomputes (each layer, with its collectives) reads its inputs after
+            # ``dy``, so it follows the head's ``cond`` instead of racing it.
+            pull_stage = _after_residuals(pull_stage, self.token(dy), chunk_params)
+        d_params, dx0 = pull_stage(dy)
+        d_shared_in, d_x = pull_in(pin(dx0))
         d_x = pin(d_x)
         g_stage = accumulate(g_stage, (chunk,), jax.tree.leaves(d_params))
-        return d_x, g_stage, jax.tree.map(jnp.add, g_shared, d_shared), seq + token((d_x, g_stage))
+        g_shared = jax.tree.map(lambda g, a, b: g + a + b, g_shared, d_shared_out, d_shared_in)
+        return d_x, g_stage, g_shared, seq + self.token(d_x)
 
     def backward_by_layer(self, row, stash, gbuf, rbuf, g_shared, seq, walk):
         """A virtual stage's backward, one layer at a time from stored residuals: the kept ones (this
@@ -370,23 +402,27 @@ class _TickLoop:
             # without a pass over the values (``after`` on them would add zero to every element).
             slot = index_after(row["bwd_res_slot"], seq)
             y = get(rbuf[-1], (slot,))
-
-            def residual_of(i):
-                return [get(b, (slot, i)) for b in rbuf[:-1]]
         else:
             y, stored = self.layers.layers_forward(chunk_params, x0, self.active(chunk))
-
-            def residual_of(i):
-                return [jax.lax.dynamic_index_in_dim(s, i, keepdims=False) for s in stored]
         _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
             is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), self.shared_params, y)
         d_shared_out, dy_loss = pull_out(jnp.where(is_last, zero_loss + self.inv_m, zero_loss))
         dy = pin(jnp.where(is_last, dy_loss, read_slot(gbuf, row["bwd_grad_slot"])))
+        # The layers' backward reads its residuals after ``dy``, so whatever it recomputes from them
+        # (a layer rerun under ``model.remat=full``, with its collectives) follows the head's
+        # ``cond`` instead of racing it.
+        walk_seq = self.token(dy)
+        if keep:
+            def residual_of(i):
+                return [get(b, (index_after(slot, walk_seq), i)) for b in rbuf[:-1]]
+        else:
+            def residual_of(i):
+                return [jax.lax.dynamic_index_in_dim(s, index_after(i, walk_seq), keepdims=False) for s in stored]
         dx0, buffer = walk(chunk_params, residual_of, dy, self.active(chunk))
         d_shared_in, d_x = pull_in(pin(dx0))
         d_x = pin(d_x)
         g_shared = jax.tree.map(lambda g, a, b: g + a + b, g_shared, d_shared_out, d_shared_in)
-        return d_x, buffer, g_shared, seq + token(d_x)
+        return d_x, buffer, g_shared, seq + self.token(d_x)
 
     def backward_input(self, row, stash, gbuf, rbuf, wbuf, g_stage, g_shared, seq):
         """The split backward's B: input gradient (sent at once) and the embedding/head gradients;
@@ -436,10 +472,10 @@ class _TickLoop:
             # `seq` threads one data dependency through every collective-bearing operation of the
             # tick, in one fixed order (see the module docstring): forward, backward, send forward,
             # send backward, then the next tick.
-            seq = seq + token(f_msg)
+            seq = seq + self.token(f_msg)
             if self.train:
                 gbuf = write_slot(gbuf, row["recv_bwd_slot"], b_msg)
-                seq = seq + token(b_msg)
+                seq = seq + self.token(b_msg)
             y_out, dx_out = f_msg, b_msg
             # Large state (residual and B-to-W buffers, gradient accumulators) enters a ``cond`` whole
             # and leaves it updated in place: an idle branch returns it as it came. Returning a
@@ -480,7 +516,7 @@ class _TickLoop:
                 )
             if seg.send_forward:
                 f_msg = pin(jax.lax.ppermute(pin(after(y_out, seq)), axis, [(i, (i + 1) % p) for i in range(p)]))
-                seq = seq + token(f_msg)
+                seq = seq + self.token(f_msg)
             if seg.send_backward:
                 b_msg = pin(jax.lax.ppermute(pin(after(dx_out, seq)), axis, [(i, (i - 1) % p) for i in range(p)]))
             return TickState(stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq), None
@@ -524,8 +560,8 @@ class _TickLoop:
             state, _ = jax.lax.scan(self.tick_of(seg), state, xs)
         # The loss lives on the last stage and the shared gradients on the first and last: one sum of
         # both, after everything the loop ran (the last messages included).
-        seq = state.seq + token(state.f_msg)
+        seq = state.seq + self.token(state.f_msg)
         if self.train:
-            seq = seq + token(state.b_msg) + token(state.g_stage)
+            seq = seq + self.token(state.b_msg) + token(state.g_stage)
         loss, g_shared = jax.lax.psum(after((state.loss_sum * self.inv_m, state.g_shared), seq), self.axis)
         return loss, state.g_stage, g_shared

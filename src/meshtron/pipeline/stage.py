@@ -36,6 +36,10 @@ class StageFunctions:
     false), ``full`` keeps only each layer's input and recomputes the layer once in its backward:
     Megatron's full recomputation, two forwards per layer instead of the three a stage recomputed
     from its stashed input, with each in-flight microbatch keeping one input per layer.
+
+    ``activation_spec()`` is the ``PartitionSpec`` ``layout`` pins activations to (None: unknown);
+    with it the runtime orders its collectives by tokens read from each device's own shard
+    (:func:`meshtron.pipeline.buffers.local_token`).
     """
 
     embed: Callable[[PyTree, jax.Array], jax.Array]
@@ -44,3 +48,4 @@ class StageFunctions:
     layout: Callable[[jax.Array], jax.Array] = lambda x: x
     layer: Callable[[PyTree, jax.Array], jax.Array] | None = None
     remat: str = "none"
+    activation_spec: Callable[[], Any] | None = None

@@ -26,7 +26,7 @@ from meshtron.models.contract import RESIDUAL, Context, layer_view, run_blocks, 
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.pipeline.schedules import Program, compile_program, forward_only
-from meshtron.sharding import constrain
+from meshtron.sharding import constrain, logical_to_spec
 from meshtron.train.state import ModelDef, Params
 
 PIPE = "pipe"
@@ -120,7 +120,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
             return constrain(layer_view(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
 
     return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
-                          remat=model_def.remat)
+                          remat=model_def.remat, activation_spec=lambda: logical_to_spec(RESIDUAL))
 
 
 def _layer_counts(layout: StageLayout | None) -> tuple[int, ...] | None:

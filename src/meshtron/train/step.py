@@ -40,7 +40,7 @@ from meshtron.hlo.collectives import collectives
 from meshtron.models.contract import layer_parameters
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
-from meshtron.optim.zero import ZeroPlan, no_zero
+from meshtron.optim.zero import ZeroPlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import Program
 from meshtron.train.pipelined import pipelined_gradients, pipelined_loss
@@ -146,16 +146,19 @@ def build_steps(
     (its norms sum over the shares).
     """
     shapes = model_def.shapes()
-    zero = zero or no_zero(shapes)
     model_specs = model_def.shardings(mesh)
+    zero = zero or ZeroPlan.build(0, shapes, model_specs, model_def.stacked(), mesh.shape[DATA])
     param_shardings = _named(mesh, zero.specs(model_specs)) if zero.shards_params else model_specs
+    native = zero.native_flags()  # leaves the model splits over data itself (experts): local, never pcast
     # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so
     # values cannot be re-typed from "varying" to "replicated" over ``data``; the varying-axes check
     # is then switched off, which is exact because every value lives on that single shard.
     check_vma = mesh.shape[DATA] > 1
 
-    def local(params: Params) -> Params:
-        return jax.lax.pcast(params, DATA, to="varying") if check_vma else params
+    def local(params: Params, split: Any = native) -> Params:
+        if not check_vma:
+            return params
+        return jax.tree.map(lambda x, own: x if own else jax.lax.pcast(x, DATA, to="varying"), params, split)
 
     def data_shard_map(fn, in_specs, out_specs):
         return jax.shard_map(
@@ -194,14 +197,20 @@ def build_steps(
         state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), shapes, zero.specs(model_specs), mesh, DATA)
     opt_shardings = _named(mesh, state_specs)
     state_data_specs = manual_part(state_specs, {DATA})
-    param_data_specs = manual_part(zero.specs(model_specs), {DATA}) if zero.shards_params else P()
+    param_data_specs = manual_part(_specs(zero.specs(model_specs) if zero.shards_params else model_specs), {DATA})
 
     def reduced(params: Params, opt_state: OptState, tokens: jax.Array):
         """Loss, reduced gradients, the parameters the optimizer updates, and the gradient's norm."""
         if not zero.active:
             loss, grads = shard_gradients(local(params), tokens)
-            grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
-            return loss, grads, params, reduction_state, optax.tree.norm(grads)
+            if not zero.has_native:
+                grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
+                return loss, grads, params, reduction_state, optax.tree.norm(grads)
+            # The reduction averages what every data rank holds whole; the native leaves are complete
+            # where they are held and only divided by d.
+            shared, reduction_state = reduction.update(_without(grads, native), opt_state.reduction, params)
+            grads = zero.mean_native(_merged(shared, grads, native))
+            return loss, grads, params, reduction_state, _norm(zero, grads)
         if not zero.shards_params:
             loss, grads = shard_gradients(local(params), tokens)
             grads = zero.scatter_mean(grads)
@@ -210,13 +219,12 @@ def build_steps(
             grads = zero.scatter_mean(grads)
         else:  # each layer gathered as it runs; its gradient comes back reduce-scattered
             whole = zero.gather(params, keep=LAYER_KEYS)
-            whole = jax.tree.map(lambda x, split: x if split else local(x), whole, zero.arrives_split(LAYER_KEYS))
+            whole = local(whole, jax.tree.map(lambda split, own: split or own, zero.arrives_split(LAYER_KEYS), native))
             with layer_parameters(zero.layer_view()):
                 loss, grads = shard_gradients(whole, tokens)
             grads = zero.scatter_mean(grads, summed=LAYER_KEYS)
         own = params if zero.shards_params else zero.shard(params)
-        norm = jnp.sqrt(sum(jax.tree.leaves(zero.sum_squares(jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads)))))
-        return loss, grads, own, opt_state.reduction, norm
+        return loss, grads, own, opt_state.reduction, _norm(zero, grads)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         loss, grads, own, reduction_state, grad_norm = reduced(params, opt_state, tokens)
@@ -243,22 +251,46 @@ def build_steps(
 
     def per_shard_gradients(params: Params, tokens: jax.Array):
         loss, grads = shard_gradients(local(params), tokens)
-        return mean_over(loss, DATA), mean_over(grads, DATA)
+        shared = mean_over(_without(grads, native), DATA)
+        return mean_over(loss, DATA), zero.mean_native(_merged(shared, grads, native))
 
     def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
         return mean_over(shard_loss(params, tokens), DATA)
 
+    # Without zero=3 every data rank holds every parameter whole, except the native leaves (experts).
+    model_data_specs = manual_part(_specs(model_specs), {DATA})
+
     def evaluate(params: Params, tokens: jax.Array) -> jax.Array:
         # With a pipeline, evaluation is a forward-only pipeline program over the same stages
         # (layers stay where training keeps them: nothing is gathered over ``pipe``).
-        return data_shard_map(per_shard_eval, (P(), P(DATA)), P())(params, tokens)
+        return data_shard_map(per_shard_eval, (model_data_specs, P(DATA)), P())(params, tokens)
 
-    gradients = data_shard_map(per_shard_gradients, (P(), P(DATA)), (P(), P()))
+    gradients = data_shard_map(per_shard_gradients, (model_data_specs, P(DATA)), (P(), model_data_specs))
     scoped = model_def.traced
     return TrainSteps(
         mesh, param_shardings, opt_shardings, batch_sharding, tuple(stages),
         train=scoped(train), evaluate=scoped(evaluate), gradients=scoped(gradients), init_state=init_state, zero=zero,
     )
+
+
+def _specs(tree: Any) -> Any:
+    """``PartitionSpec`` s of a tree of shardings or specs."""
+    return jax.tree.map(lambda s: getattr(s, "spec", s), tree, is_leaf=lambda x: isinstance(x, P) or hasattr(x, "spec"))
+
+
+def _without(tree: Any, drop: Any) -> Any:
+    """``tree`` with ``None`` where ``drop`` is true."""
+    return jax.tree.map(lambda x, d: None if d else x, tree, drop)
+
+
+def _merged(kept: Any, tree: Any, drop: Any) -> Any:
+    """``kept`` (from :func:`_without`) with ``tree``'s leaves where ``drop`` is true."""
+    return jax.tree.map(lambda d, x, k: x if d else k, drop, tree, kept, is_leaf=lambda x: x is None)
+
+
+def _norm(zero: ZeroPlan, grads: Any) -> jax.Array:
+    """The whole gradient's norm when data ranks hold shares of it (``zero``'s split and native leaves)."""
+    return jnp.sqrt(sum(jax.tree.leaves(zero.sum_squares(jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads)))))
 
 
 def _named(mesh: Mesh, specs: Any) -> Any:

@@ -1,0 +1,134 @@
+"""Mixture of experts against the dense model, and many small experts against a few large ones.
+
+(a) **Quality at equal active parameters.** ``llama_cpu8`` (a dense SwiGLU of width 384) against
+``mixtral_cpu8`` (8 experts of width 192, top-2: the same active width, 4x the feed-forward
+parameters), the same steps on the default data and mesh (data 2 x pipe 2 x tensor 2, interleaved,
+experts split over data): held-out loss, tokens/s, and the expert load of the trained model.
+
+(b) **Throughput at equal active FLOPs.** 8 experts top-2 of width 192 against 64 experts top-8 of
+width 48 (both 384 active) on the same mesh: median step time, the compiled step's FLOPs per device
+(``cost_analysis``) and the bytes the step sends over ``data`` (all-to-alls and the gradient
+reduction), which say where the time goes.
+
+    .venv/bin/python benchmarks/moe.py                 # (a) 300 steps each, (b) 20 steps each: ~20 minutes
+    .venv/bin/python benchmarks/moe.py --steps 100     # shorter (a)
+
+Writes ``results/moe.json`` and ``results/moe.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import _common  # sets the simulated devices before JAX is imported
+import jax
+import numpy as np
+import throughput as throughput_benchmark
+
+from meshtron.config import load_config
+from meshtron.hlo.collectives import collectives
+from meshtron.models.moe import routing_statistics
+from meshtron.train.loop import Trainer
+
+QUALITY = {"dense (mlp 384)": ("llama_cpu8", []),
+           "8 experts top-2 (mlp 192)": ("mixtral_cpu8", [])}
+THROUGHPUT = {"8 experts top-2 (mlp 192)": ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp_dim=192"],
+              "64 experts top-8 (mlp 48)": ["model.moe.experts=64", "model.moe.top_k=8", "model.moe.mlp_dim=48"]}
+
+
+def expert_load(trainer: Trainer, params) -> dict | None:
+    """Max and min over experts of the assignments each got, relative to the mean, per layer, on a
+    held-out batch (None for a dense model)."""
+    t = trainer.cfg.train
+    stream = trainer.corpus.heldout_stream(batch_size=t.batch_size, seq_len=trainer.cfg.model.seq_len, seed=t.seed)
+    tokens = np.asarray(stream.rows(0, slice(None)))[:, :-1]
+    md = trainer.model_def
+    with md.scope():  # on one device: the canonical parameters, every expert whole
+        stats = jax.jit(lambda p, x: routing_statistics(md.bind(p), x))(jax.device_get(params), tokens)
+    if not stats:
+        return None
+    loads = [np.asarray(s.load, np.float64) for s in stats]
+    return {"max_over_mean": [float(x.max() / x.mean()) for x in loads],
+            "min_over_mean": [float(x.min() / x.mean()) for x in loads],
+            "aux_loss": [float(s.aux_loss) for s in stats]}
+
+
+def quality(steps: int) -> dict:
+    out = {}
+    for name, (config, overrides) in QUALITY.items():
+        cfg = load_config(config, [f"train.steps={steps}", f"train.eval_every={steps}", *overrides])
+        trainer = Trainer.from_config(cfg)
+        result = trainer.run()
+        out[name] = {"config": config, "heldout_loss": result.heldout_loss, "unigram_loss": result.unigram_loss,
+                     "tokens_per_s": result.tokens_per_s, "final_train_loss": result.losses[-1],
+                     "parameters": int(sum(x.size for x in jax.tree.leaves(result.params))),
+                     "load": expert_load(trainer, result.params)}
+        print(f"  (a) {name}: held-out {result.heldout_loss:.4f}, {result.tokens_per_s:,.0f} tok/s", flush=True)
+    return out
+
+
+def throughput(steps: int) -> dict:
+    out = {}
+    for name, overrides in THROUGHPUT.items():
+        trainer = Trainer.from_config(load_config("mixtral_cpu8", overrides))
+        params = trainer.init_params()
+        opt_state = trainer.steps.init_opt_state(params)
+        batch = trainer.train_stream().next(trainer.steps.batch_sharding)
+        compiled = trainer.steps.compile(params, opt_state, batch)
+        flops = float(compiled.cost_analysis().get("flops", float("nan")))
+        sent = {}
+        for c in collectives(compiled, trainer.mesh):
+            if "data" in c.axes:
+                sent[c.kind] = sent.get(c.kind, 0.0) + c.total_wire_bytes
+        times = throughput_benchmark.trainer_step_times(trainer, steps)
+        out[name] = {"step_seconds": statistics.median(times), "times": times, "flops_per_device": flops,
+                     "data_bytes_by_kind": sent}
+        print(f"  (b) {name}: {statistics.median(times):.3f} s/step, {flops / 1e9:.2f} GFLOP/device, "
+              f"{sum(sent.values()) / 2**20:.1f} MiB over data", flush=True)
+    return out
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = list(results["quality"])
+    left.bar(names, [results["quality"][n]["heldout_loss"] for n in names], color=["tab:gray", "tab:blue"])
+    left.set_ylabel(f"held-out loss after {results['steps']} steps (nats/token)")
+    left.set_ylim(bottom=min(results["quality"][n]["heldout_loss"] for n in names) * 0.9)
+    names = list(results["throughput"])
+    right.bar(names, [results["throughput"][n]["step_seconds"] for n in names], color=["tab:blue", "tab:orange"])
+    right.set_ylabel("median step seconds (XLA:CPU, 8 simulated devices)")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("Mixture of experts on data 2 x pipe 2 x tensor 2: quality at equal active parameters, "
+                 "throughput at equal active FLOPs", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(_common.RESULTS / "moe.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300, help="training steps of each model in (a)")
+    parser.add_argument("--throughput-steps", type=int, default=20, help="timed steps of each model in (b)")
+    args = parser.parse_args()
+    results = {"steps": args.steps, "quality": quality(args.steps), "throughput": throughput(args.throughput_steps)}
+    rows = [[name, f"{r['parameters']:,}", f"{r['heldout_loss']:.4f}", f"{r['tokens_per_s']:,.0f}",
+             "-" if r["load"] is None else f"{max(r['load']['max_over_mean']):.2f}"]
+            for name, r in results["quality"].items()]
+    print(f"\n(a) {args.steps} steps on the default data and mesh")
+    _common.print_table(["model", "parameters", "held-out loss", "tokens/s", "busiest expert / mean"], rows)
+    rows = [[name, f"{r['step_seconds']:.3f}", f"{r['flops_per_device'] / 1e9:.2f}",
+             f"{sum(r['data_bytes_by_kind'].values()) / 2**20:.1f}"] for name, r in results["throughput"].items()]
+    print("\n(b) equal active FLOPs")
+    _common.print_table(["experts", "step s", "compiled GFLOP / device", "MiB over data / step"], rows)
+    _common.write_results("moe", results)
+    plot(results)
+
+
+if __name__ == "__main__":
+    main()
