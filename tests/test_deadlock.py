@@ -109,26 +109,32 @@ def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, c
 
 
 # A mixture of experts adds all-to-alls over `data` inside the stage `cond`-s; full recomputation reruns
-# each layer, with them, in the backward pass. Dense Llama with full recomputation, both ways.
+# each layer, with them, in the backward pass; sequence parallelism splits the activations the runtime
+# takes its ordering tokens from, and makes the norms' gradients all-reduces nothing downstream reads.
 MOE_LAYOUTS = [
     ("mixtral_cpu8", ["model.remat=full"]),
     ("mixtral_cpu8", ["model.remat=full", "pipeline.recompute=false"]),
     ("mixtral_cpu8", ["pipeline.schedule=zb-h1", "pipeline.chunks=1", "model.moe.capacity_factor=1.0"]),
+    ("mixtral_cpu8", ["model.sequence_parallel=true", "model.remat=full"]),
     ("llama_cpu8", ["model.remat=full"]),
     ("llama_cpu8", ["model.remat=full", "pipeline.recompute=false"]),
+    ("llama_cpu8", ["model.sequence_parallel=true"]),
+    ("llama_cpu8", ["model.sequence_parallel=true", "pipeline.recompute=false"]),
+    ("cpu8", ["model.sequence_parallel=true", "pipeline.schedule=zb-h1", "pipeline.chunks=1"]),
 ]
-# The second stack checks the first and the last; the rest run on the first.
-_MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (0, 4) else pytest.mark.first_stack_only)
+# The second stack checks two; the rest run on the first.
+_MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (3, 7) else pytest.mark.first_stack_only)
               for i, (c, o) in enumerate(MOE_LAYOUTS)]
 
 
 @pytest.mark.parametrize("config, overrides", _MOE_CASES)
-def test_expert_parallel_and_recomputed_steps_order_every_collective(config, overrides):
+def test_expert_parallel_recomputed_and_sequence_parallel_steps_order_every_collective(config, overrides):
     from meshtron.config import load_config
     from meshtron.train.loop import Trainer
 
     small = ["model.hidden=64", "model.mlp_dim=128", "model.seq_len=32", "train.batch_size=8"]
-    cfg = load_config(config, [*small, *overrides, *(["model.moe.mlp_dim=32"] if "mixtral" in config else [])])
+    moe = ["model.moe.mlp_dim=32"] if "mixtral" in config else []
+    cfg = load_config(config, [*small, *overrides, *moe, *(["model.heads=4"] if config == "cpu8" else [])])
     trainer = Trainer.from_config(cfg)
     params = trainer.init_params()
     batch = jax.device_put(np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32),

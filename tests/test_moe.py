@@ -1,7 +1,11 @@
 """Mixture of experts (meshtron.models.moe): the dropless layer equals every expert applied densely,
 drops nothing, a capacity drops what an independent count says, the auxiliary losses' gradients are
 those of the losses added to the objective, and a Mixtral's loss and gradients on parallel layouts
-equal one device's."""
+equal one device's. Expert parallelism: experts and their optimizer state split over data, training
+equal to replicated experts under AdamW, LAMB and 1-bit LAMB and at every zero level, checkpoints
+restored on any expert split, and the all-to-all bytes of the compiled step equal to their formula."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -225,3 +229,39 @@ def test_onebit_lamb_compresses_only_what_is_replicated_over_data():
     experts = sum(params["blocks"]["mlp"][k].size for k in ("gate", "up", "down"))
     replicated = sum(x.size for x in jax.tree.leaves(params)) - experts
     assert onebit.worker_error.shape[-1] == error_lengths([replicated], 4)[0]
+
+
+def all_to_all_bytes(data: int, tensor: int, microbatches: int, remat: str, capacity: float = 0.0) -> tuple[float, int]:
+    """(wire bytes over data per device and step, all-to-alls run) of a Mixtral step, from the compiled program."""
+    from meshtron.hlo.collectives import collectives
+
+    trainer = mixtral_trainer(f"mesh.data={data}", "mesh.pipe=1", f"mesh.tensor={tensor}",
+                              f"train.microbatches={microbatches}", f"model.remat={remat}",
+                              f"model.moe.capacity_factor={capacity}")
+    params = trainer.init_params()
+    batch = trainer.train_stream().next(trainer.steps.batch_sharding)
+    compiled = trainer.steps.compile(params, trainer.steps.init_opt_state(params), batch)
+    found = [c for c in collectives(compiled, trainer.mesh) if c.kind == "all-to-all"]
+    assert all(c.axes == ("data",) for c in found)
+    return sum(c.total_wire_bytes for c in found), sum(c.count for c in found)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data, tensor, microbatches, remat, capacity", [
+    (8, 1, 1, "none", 0.0), (4, 2, 2, "none", 0.0), (4, 2, 2, "full", 0.0), (4, 1, 2, "none", 1.0)])
+def test_all_to_all_bytes_per_layer_and_microbatch_are_the_formula(data, tensor, microbatches, remat, capacity):
+    # Per layer and microbatch, each device's all-to-alls over data send (n-1)/n of their buffers:
+    # dispatch (rows, and their int32 expert ids), combine, and the rows' two transposes backward;
+    # full recomputation dispatches and combines again. Dropless, a destination's block is
+    # T·min(k, E/n) rows; with a capacity the buffer is E·capacity rows, and carries no ids.
+    layers, hidden, experts, k, batch, seq = 2, 32, 8, 2, 16, 16
+    tokens = batch // data // microbatches * seq  # T, per microbatch and data rank
+    if capacity:
+        rows, ids = experts * math.ceil(capacity * tokens * k / experts), 0
+    else:
+        rows, ids = data * tokens * min(k, experts // data), 1
+    forwards = 2 if remat == "full" else 1
+    per_layer = (data - 1) / data * ((2 * forwards + 2) * rows * hidden * 4 + ids * forwards * rows * 4)
+    sent, count = all_to_all_bytes(data, tensor, microbatches, remat, capacity)
+    assert sent == pytest.approx(layers * microbatches * per_layer)
+    assert count == layers * microbatches * (2 * forwards + 2 + ids * forwards)

@@ -91,6 +91,15 @@ class RoutingStatistics(NamedTuple):
     z_loss: jax.Array
 
 
+def _whole(x: jax.Array) -> jax.Array:
+    """``x`` pinned whole on every device of the compiler-managed axes. The layer's input is the whole
+    sequence on every tensor rank (the block entered its tensor-parallel region), so its routing and
+    the index arrays that sort tokens by expert are the same everywhere; left to propagation, the
+    compiler may split them over ``tensor`` and gather them back (collectives the pipeline's
+    ordering does not know about)."""
+    return constrain(x, (None,) * x.ndim)
+
+
 def route(logits: jax.Array, top_k: int, normalize: bool = True) -> Routing:
     """Mixtral's routing of router ``logits`` [T, E]: softmax, top-k, renormalised weights."""
     logits = logits.astype(jnp.float32)
@@ -98,7 +107,7 @@ def route(logits: jax.Array, top_k: int, normalize: bool = True) -> Routing:
     weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return Routing(experts, weights, probs, logits)
+    return Routing(_whole(experts), _whole(weights), probs, logits)
 
 
 def expert_load(routing: Routing, experts: int) -> jax.Array:
@@ -131,7 +140,7 @@ def dropless_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: j
     """
     count, k = routing.experts.shape
     flat = routing.experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, token order inside each
+    order = _whole(jnp.argsort(flat, stable=True))  # assignments grouped by expert, token order inside each
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
     rows = jnp.take(tokens, order // k, axis=0)
 
@@ -139,7 +148,7 @@ def dropless_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: j
         return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
 
     out = _swiglu_rows(rows, gate, up, down, grouped)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    inverse = _whole(jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)))
     out = jnp.take(out, inverse, axis=0).reshape(count, k, -1)
     return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype))
 
@@ -153,7 +162,7 @@ def capacity_slots(routing: Routing, experts: int, capacity: int) -> tuple[jax.A
     starts = jnp.cumsum(sizes) - sizes
     rank = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.shape[0], dtype=flat.dtype) - starts[flat[order]])
     kept = rank < capacity
-    return jnp.where(kept, flat * capacity + rank, experts * capacity), kept
+    return _whole(jnp.where(kept, flat * capacity + rank, experts * capacity)), _whole(kept)
 
 
 def capacity_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
@@ -196,7 +205,7 @@ def _destination_slots(destination: jax.Array, ranks: int, rows: int) -> jax.Arr
     sizes = jnp.bincount(destination, length=ranks)
     starts = jnp.cumsum(sizes) - sizes
     within = jnp.arange(destination.shape[0], dtype=destination.dtype) - starts[destination[order]]
-    return destination * rows + jnp.zeros_like(destination).at[order].set(within)
+    return _whole(destination * rows + jnp.zeros_like(destination).at[order].set(within))
 
 
 def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
@@ -219,8 +228,8 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
     send = jnp.zeros((n * rows, h), tokens.dtype).at[slots].set(jnp.take(tokens, jnp.arange(count * k) // k, axis=0))
     ids = jnp.full((n * rows,), local, jnp.int32).at[slots].set((flat % local).astype(jnp.int32))
     received = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
-    received_ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
-    order = jnp.argsort(received_ids, stable=True)  # by local expert; the empty rows (id = local) last
+    received_ids = _whole(jax.lax.all_to_all(ids, axis, 0, 0, tiled=True))
+    order = _whole(jnp.argsort(received_ids, stable=True))  # by local expert; the empty rows (id = local) last
     sizes = jnp.bincount(received_ids, length=local + 1)[:local].astype(jnp.int32)
 
     def grouped(lhs, rhs):
@@ -228,7 +237,7 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
 
     out = _swiglu_rows(jnp.take(received, order, axis=0), gate, up, down, grouped)
     out = jnp.where((jnp.take(received_ids, order) < local)[:, None], out, 0.0)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    inverse = _whole(jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)))
     back = jax.lax.all_to_all(jnp.take(out, inverse, axis=0), axis, 0, 0, tiled=True)
     out = jnp.take(back, slots, axis=0).reshape(count, k, h)
     return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype))
@@ -298,7 +307,7 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         d = self.dims
         b, s, h = x.shape
-        tokens = x.reshape(b * s, h)
+        tokens = _whole(x.reshape(b * s, h))
         routing = route(tokens @ self.router[...].astype(x.dtype), d.top_k, d.normalize_top_k)
         gate, up, down = self.gate[...], self.up[...], self.down[...]
         dropped = jnp.int32(0)

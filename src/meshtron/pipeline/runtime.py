@@ -84,6 +84,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from meshtron.pipeline.buffers import (
     accumulate,
@@ -288,11 +289,25 @@ class _TickLoop:
         self.pin = fns.layout
         spec = None if fns.activation_spec is None else fns.activation_spec()
         self.token = lambda x: local_token(x, spec)  # an activation's, from each device's own shard
+        self.chunk_specs = None if fns.chunk_specs is None else jax.tree.leaves(
+            fns.chunk_specs(), is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.zeros_act = self.pin(self.zeros(self.act))
         self.zero_loss = self.zeros(jax.ShapeDtypeStruct((), jnp.float32))
         self.keep = program.keeps_residuals
         self.layers = (LayerBackward(program, fns, stage_params, self.zeros_act, self.pin, self.zeros)
                        if self.keep or schedule.split_backward else None)
+
+    def gradients_token(self, grads: PyTree, stacked: bool = False) -> jax.Array:
+        """A token of every leaf of a chunk's parameter gradients (``stacked``: the stage's gradient
+        accumulators, one more leading axis for the chunks), each from its own shard: what follows
+        it waits for all of them, the collectives that made them included (under sequence parallelism
+        a norm's scale gradient is an all-reduce over ``tensor`` that nothing else reads). Zero
+        without the specs (nothing is ordered)."""
+        if self.chunk_specs is None:
+            return self.zero_loss
+        specs = [PartitionSpec(None, *spec) if stacked else spec for spec in self.chunk_specs]
+        leaves = jax.tree.leaves(grads)
+        return sum((local_token(g, spec) for g, spec in zip(leaves, specs, strict=True)), self.zero_loss)
 
     def zeros(self, tree: PyTree) -> PyTree:
         def make(x):
@@ -372,13 +387,13 @@ class _TickLoop:
             # ``dy``, so it follows the head's ``cond`` instead of racing it.
             pull_stage = _after_residuals(pull_stage, self.token(dy), chunk_params)
         d_params, dx0 = pull_stage(dy)
-        d_shared_in, d_x = pull_in(pin(dx0))
+        d_shared_in, d_x = pull_in(pin(after(dx0, self.gradients_token(d_params))))
         d_x = pin(d_x)
         g_stage = accumulate(g_stage, (chunk,), jax.tree.leaves(d_params))
         g_shared = jax.tree.map(lambda g, a, b: g + a + b, g_shared, d_shared_out, d_shared_in)
         return d_x, g_stage, g_shared, seq + self.token(d_x)
 
-    def backward_by_layer(self, row, stash, gbuf, rbuf, g_shared, seq, walk):
+    def backward_by_layer(self, row, stash, gbuf, rbuf, g_shared, seq, walk, gradients_of=lambda buffer: buffer):
         """A virtual stage's backward, one layer at a time from stored residuals: the kept ones (this
         microbatch's slot of the residual buffers ``rbuf``, read layer by layer where they are used)
         or, recomputing, those of the chunk's forward rerun from its stashed input. The embedding and
@@ -419,7 +434,7 @@ class _TickLoop:
             def residual_of(i):
                 return [jax.lax.dynamic_index_in_dim(s, index_after(i, walk_seq), keepdims=False) for s in stored]
         dx0, buffer = walk(chunk_params, residual_of, dy, self.active(chunk))
-        d_shared_in, d_x = pull_in(pin(dx0))
+        d_shared_in, d_x = pull_in(pin(after(dx0, self.gradients_token(gradients_of(buffer), stacked=True))))
         d_x = pin(d_x)
         g_shared = jax.tree.map(lambda g, a, b: g + a + b, g_shared, d_shared_out, d_shared_in)
         return d_x, buffer, g_shared, seq + self.token(d_x)
@@ -437,7 +452,8 @@ class _TickLoop:
         d_x, (wbuf, rlayers, g_stage), g_shared, seq = self.backward_by_layer(
             row, stash, gbuf, rbuf, g_shared, seq,
             lambda cp, res, dy, act: self.layers.input_gradient_into(cp, res, dy, act, wbuf, slot, g_stage, chunk,
-                                                                     kept))
+                                                                     kept),
+            gradients_of=lambda buffer: buffer[2])
         return d_x, wbuf, None if rbuf is None else [*rlayers, rbuf[-1]], g_stage, g_shared, seq
 
     def backward_kept(self, row, gbuf, rbuf, g_stage, g_shared, seq):

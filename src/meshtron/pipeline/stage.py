@@ -39,7 +39,9 @@ class StageFunctions:
 
     ``activation_spec()`` is the ``PartitionSpec`` ``layout`` pins activations to (None: unknown);
     with it the runtime orders its collectives by tokens read from each device's own shard
-    (:func:`meshtron.pipeline.buffers.local_token`).
+    (:func:`meshtron.pipeline.buffers.local_token`). ``chunk_specs()`` is the same for one chunk's
+    parameters (a tree of ``PartitionSpec`` s shaped like them, the leading layer axis unsplit): the
+    runtime orders the embedding's backward after all of a chunk's parameter gradients with it.
     """
 
     embed: Callable[[PyTree, jax.Array], jax.Array]
@@ -49,3 +51,4 @@ class StageFunctions:
     layer: Callable[[PyTree, jax.Array], jax.Array] | None = None
     remat: str = "none"
     activation_spec: Callable[[], Any] | None = None
+    chunk_specs: Callable[[], Any] | None = None

@@ -119,8 +119,13 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
         with auxiliary_loss_scale(aux_scale):
             return constrain(layer_view(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
 
+    def chunk_specs():
+        return jax.tree.map(lambda axes: logical_to_spec((None, *axes[1:])), model_def.logical_axes()["blocks"],
+                            is_leaf=lambda x: isinstance(x, tuple))
+
     return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
-                          remat=model_def.remat, activation_spec=lambda: logical_to_spec(RESIDUAL))
+                          remat=model_def.remat, activation_spec=lambda: logical_to_spec(RESIDUAL),
+                          chunk_specs=chunk_specs)
 
 
 def _layer_counts(layout: StageLayout | None) -> tuple[int, ...] | None:
