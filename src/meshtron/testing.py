@@ -129,13 +129,15 @@ def check_parity(
     loss_rtol: float = 1e-5,
     raise_on_mismatch: bool = True,
     devices=None,
+    grouped_loss: bool = False,
 ) -> list[ParityReport]:
     """Compare the loss and gradients of one random batch on each of ``layouts`` with one device.
 
-    The single-device run averages over the same groups of rows the layout splits the batch into (its
-    data shards times microbatches), so a model whose loss depends on the group it sees (the load
-    balance of a mixture of experts, computed per microbatch as Megatron and MaxText do) is held to
-    the same objective.
+    The single-device run sees the whole batch at once, so a model that mixes rows of the batch is
+    caught on a data-parallel layout. With ``grouped_loss`` it averages instead over the groups of rows
+    the layout splits the batch into (data shards times microbatches): for a model whose loss depends
+    on the group it sees by design (the load balance of a mixture of experts, computed per
+    microbatch as Megatron and MaxText do).
 
     ``model`` is a factory ``rngs -> model`` (with ``rules`` added to Megatron's table) or a
     :class:`ModelDef`. ``batch`` must be divisible by every layout's data size times its microbatches.
@@ -168,7 +170,7 @@ def check_parity(
     names = leaf_names(reference(1)[1])
     reports = []
     for layout in chosen:
-        ref_loss, ref_grads = reference(layout.data * layout.m)
+        ref_loss, ref_grads = reference(layout.data * layout.m if grouped_loss else 1)
         loss, grads = _gradients(md, layout, params, tokens, devices)
         worst, worst_diff, ok = "", 0.0, math.isclose(loss, ref_loss, rel_tol=loss_rtol)
         for name, g, r in zip(names, jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):

@@ -243,8 +243,3 @@ class ZeroPlan:
         ``split`` is :meth:`split_flags` (the default)."""
         flags = self.split_flags() if split is None else split
         return jax.tree.map(lambda s, f: jax.lax.psum(s, self.axis) if f else s, squares, flags)
-
-
-def no_zero(shapes: Any) -> ZeroPlan:
-    """The plan that splits nothing (every leaf whole on every data rank, none split natively)."""
-    return ZeroPlan(0, 1, jax.tree.map(lambda _: None, shapes))

@@ -8,7 +8,10 @@ Layout of one step:
   of the batch, while ``tensor`` (and ``pipe``) stay with the compiler, which splits every layer
   Megatron-style from the parameter annotations;
 * parameters are cast to *varying* over ``data`` before differentiation, so autodiff returns each
-  shard's local gradient instead of inserting its own reduction;
+  shard's local gradient instead of inserting its own reduction; parameters the rules split over
+  ``data`` themselves (a mixture of experts' experts: expert parallelism) are local already, their
+  gradients complete where they are held, and are only divided by the number of data shards
+  (:meth:`meshtron.optim.zero.ZeroPlan.mean_native`);
 * gradients are accumulated over ``microbatches`` with a ``lax.scan``, then handed to the
   ``reduction`` transform (by default :func:`meshtron.optim.data_parallel_mean`) exactly once per
   step, then to the optimizer; an optimizer that reduces itself (1-bit LAMB) gets ``optax.identity()``
