@@ -132,13 +132,39 @@ def _swiglu_rows(rows: jax.Array, gate, up, down, matmul) -> jax.Array:
     return matmul(hidden, down)
 
 
+def _inverse(order: jax.Array) -> jax.Array:
+    """The permutation that undoes ``order``."""
+    return _whole(jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)))
+
+
+def _rank_in_group(groups: jax.Array, count: int) -> jax.Array:
+    """For each element of ``groups`` (ids below ``count``), how many earlier elements share its id."""
+    order = jnp.argsort(groups, stable=True)
+    sizes = jnp.bincount(groups, length=count)
+    starts = jnp.cumsum(sizes) - sizes
+    within = jnp.arange(groups.shape[0], dtype=groups.dtype) - starts[groups[order]]
+    return jnp.zeros_like(groups).at[order].set(within)
+
+
+def _assignment_rows(tokens: jax.Array, k: int) -> jax.Array:
+    """Each token repeated once per assignment: row ``t·k + j`` is token ``t``."""
+    return jnp.take(tokens, jnp.arange(tokens.shape[0] * k) // k, axis=0)
+
+
+def _combined(out: jax.Array, routing: Routing) -> jax.Array:
+    """The assignments' outputs ``[T·k, h]`` weighted by their routing weights and summed per token."""
+    count, k = routing.experts.shape
+    out = out.reshape(count, k, -1)
+    return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype))
+
+
 def dropless_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
                      down: jax.Array) -> jax.Array:
     """Every assignment through its expert: rows sorted by expert, grouped matmuls, unsorted, combined.
 
     ``tokens`` [T, h]; ``gate``/``up`` [E, h, f]; ``down`` [E, f, h]. Returns [T, h].
     """
-    count, k = routing.experts.shape
+    k = routing.experts.shape[1]
     flat = routing.experts.reshape(-1)
     order = _whole(jnp.argsort(flat, stable=True))  # assignments grouped by expert, token order inside each
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
@@ -148,42 +174,44 @@ def dropless_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: j
         return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
 
     out = _swiglu_rows(rows, gate, up, down, grouped)
-    inverse = _whole(jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)))
-    out = jnp.take(out, inverse, axis=0).reshape(count, k, -1)
-    return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype))
+    return _combined(jnp.take(out, _inverse(order), axis=0), routing)
 
 
 def capacity_slots(routing: Routing, experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
     """Each assignment's row in the ``[E·capacity]`` buffer (``E·capacity`` when dropped), and whether
     it is kept: an expert takes its assignments in token order until it is full."""
     flat = routing.experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=experts)
-    starts = jnp.cumsum(sizes) - sizes
-    rank = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.shape[0], dtype=flat.dtype) - starts[flat[order]])
+    rank = _rank_in_group(flat, experts)
     kept = rank < capacity
     return _whole(jnp.where(kept, flat * capacity + rank, experts * capacity)), _whole(kept)
 
 
 def capacity_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
-                     capacity: int) -> tuple[jax.Array, jax.Array]:
+                     capacity: int, axis: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Assignments up to ``capacity`` per expert through a ``[E, capacity, h]`` buffer; the rest
-    dropped. Returns the combined output [T, h] and the number of dropped assignments."""
-    count, k = routing.experts.shape
-    experts, h = gate.shape[0], tokens.shape[-1]
+    dropped. Returns the combined output [T, h] and the number of dropped assignments.
+
+    With the experts split over the manual mesh ``axis`` (``gate`` etc. hold this device's ``E/n``),
+    the buffer is exchanged by one all-to-all (GShard's dispatch), each device runs its experts on the
+    ``n · capacity`` rows every device sent each of them, and a second all-to-all brings them back."""
+    n, local, h = (1 if axis is None else jax.lax.axis_size(axis)), gate.shape[0], tokens.shape[-1]
+    experts = n * local
     slots, kept = capacity_slots(routing, experts, capacity)
-    rows = jnp.take(tokens, jnp.arange(count * k) // k, axis=0)
-    buffer = jnp.zeros((experts * capacity + 1, h), tokens.dtype).at[slots].set(rows)
-    buffer = buffer[:-1].reshape(experts, capacity, h)
+    buffer = jnp.zeros((experts * capacity + 1, h), tokens.dtype).at[slots].set(
+        _assignment_rows(tokens, routing.experts.shape[1]))[:-1]
+    if axis is not None:
+        buffer = jax.lax.all_to_all(buffer, axis, 0, 0, tiled=True)  # [source, local expert, capacity, h]
+    by_expert = buffer.reshape(n, local, capacity, h).transpose(1, 0, 2, 3).reshape(local, n * capacity, h)
 
     def batched(lhs, rhs):
         return jnp.einsum("ecx,exy->ecy", lhs, rhs.astype(lhs.dtype))
 
-    out = _swiglu_rows(buffer, gate, up, down, batched).reshape(experts * capacity, h)
+    out = _swiglu_rows(by_expert, gate, up, down, batched)
+    out = out.reshape(local, n, capacity, h).transpose(1, 0, 2, 3).reshape(experts * capacity, h)
+    if axis is not None:
+        out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
     out = jnp.concatenate([out, jnp.zeros((1, h), out.dtype)])  # the dropped assignments' row
-    out = jnp.take(out, slots, axis=0).reshape(count, k, h)
-    dropped = jnp.sum(~kept).astype(jnp.int32)
-    return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype)), dropped
+    return _combined(jnp.take(out, slots, axis=0), routing), jnp.sum(~kept).astype(jnp.int32)
 
 
 def expert_axis() -> str | None:
@@ -197,15 +225,6 @@ def expert_axis() -> str | None:
     if name is None or mesh.empty or name not in mesh.manual_axes or mesh.shape[name] == 1:
         return None
     return name
-
-
-def _destination_slots(destination: jax.Array, ranks: int, rows: int) -> jax.Array:
-    """Each assignment's row in a ``[ranks · rows]`` send buffer: its destination's block, in order."""
-    order = jnp.argsort(destination, stable=True)
-    sizes = jnp.bincount(destination, length=ranks)
-    starts = jnp.cumsum(sizes) - sizes
-    within = jnp.arange(destination.shape[0], dtype=destination.dtype) - starts[destination[order]]
-    return _whole(destination * rows + jnp.zeros_like(destination).at[order].set(within))
 
 
 def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
@@ -223,9 +242,10 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
     n, local = jax.lax.axis_size(axis), gate.shape[0]
     rows = count * min(k, local)
     flat = routing.experts.reshape(-1)
-    slots = _destination_slots(flat // local, n, rows)
+    destination = flat // local
+    slots = _whole(destination * rows + _rank_in_group(destination, n))  # its destination's block, in order
     h = tokens.shape[-1]
-    send = jnp.zeros((n * rows, h), tokens.dtype).at[slots].set(jnp.take(tokens, jnp.arange(count * k) // k, axis=0))
+    send = jnp.zeros((n * rows, h), tokens.dtype).at[slots].set(_assignment_rows(tokens, k))
     ids = jnp.full((n * rows,), local, jnp.int32).at[slots].set((flat % local).astype(jnp.int32))
     received = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
     received_ids = _whole(jax.lax.all_to_all(ids, axis, 0, 0, tiled=True))
@@ -237,37 +257,8 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
 
     out = _swiglu_rows(jnp.take(received, order, axis=0), gate, up, down, grouped)
     out = jnp.where((jnp.take(received_ids, order) < local)[:, None], out, 0.0)
-    inverse = _whole(jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype)))
-    back = jax.lax.all_to_all(jnp.take(out, inverse, axis=0), axis, 0, 0, tiled=True)
-    out = jnp.take(back, slots, axis=0).reshape(count, k, h)
-    return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype))
-
-
-def expert_parallel_capacity(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
-                             capacity: int, axis: str) -> tuple[jax.Array, jax.Array]:
-    """:func:`capacity_experts` with the experts split over the manual mesh ``axis``: the
-    ``[E, capacity, h]`` buffer is exchanged by one all-to-all (GShard's dispatch), each device runs
-    its ``E/n`` experts on the ``n · capacity`` rows every device sent each of them, and a second
-    all-to-all brings the outputs back."""
-    count, k = routing.experts.shape
-    n, local, h = jax.lax.axis_size(axis), gate.shape[0], tokens.shape[-1]
-    experts = n * local
-    slots, kept = capacity_slots(routing, experts, capacity)
-    rows = jnp.take(tokens, jnp.arange(count * k) // k, axis=0)
-    buffer = jnp.zeros((experts * capacity + 1, h), tokens.dtype).at[slots].set(rows)[:-1]
-    received = jax.lax.all_to_all(buffer, axis, 0, 0, tiled=True)  # [source, local expert, capacity, h]
-    by_expert = received.reshape(n, local, capacity, h).transpose(1, 0, 2, 3).reshape(local, n * capacity, h)
-
-    def batched(lhs, rhs):
-        return jnp.einsum("ecx,exy->ecy", lhs, rhs.astype(lhs.dtype))
-
-    out = _swiglu_rows(by_expert, gate, up, down, batched)
-    out = out.reshape(local, n, capacity, h).transpose(1, 0, 2, 3).reshape(n * local * capacity, h)
-    out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
-    out = jnp.concatenate([out, jnp.zeros((1, h), out.dtype)])
-    out = jnp.take(out, slots, axis=0).reshape(count, k, h)
-    dropped = jnp.sum(~kept).astype(jnp.int32)
-    return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype)), dropped
+    back = jax.lax.all_to_all(jnp.take(out, _inverse(order), axis=0), axis, 0, 0, tiled=True)
+    return _combined(jnp.take(back, slots, axis=0), routing)
 
 
 _collectors: list[list[RoutingStatistics] | None] = [None]
@@ -314,10 +305,7 @@ class MoE(nnx.Module):
         axis = expert_axis()
         if d.capacity_factor > 0:
             capacity = d.capacity(b * s * d.top_k)
-            if axis is None:
-                y, dropped = capacity_experts(tokens, routing, gate, up, down, capacity)
-            else:
-                y, dropped = expert_parallel_capacity(tokens, routing, gate, up, down, capacity, axis)
+            y, dropped = capacity_experts(tokens, routing, gate, up, down, capacity, axis)
         elif axis is None:
             y = dropless_experts(tokens, routing, gate, up, down)
         else:

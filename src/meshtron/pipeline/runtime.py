@@ -362,10 +362,26 @@ class _TickLoop:
                             lambda: fns.loss(self.shared_params, y, tok).astype(jnp.float32), lambda: self.zero_loss)
         return y, loss, [*stored, put(rbuf[-1], (slot,), y)], seq + token(loss) + self.token(y)
 
+    def embedding_vjp(self, virtual, tok, x):
+        """The first virtual stage's input and its pullback: the embedding of ``tok`` there, ``x`` elsewhere."""
+        fns, pin = self.fns, self.pin
+        return jax.vjp(lambda sh, xs: pin(jax.lax.cond(virtual == 0, lambda: fns.embed(sh, tok), lambda: xs)),
+                       self.shared_params, x)
+
+    def head_gradient(self, row, gbuf, is_last, tok, y):
+        """``(d_shared, dy)``: the head + loss gradients of the last virtual stage (seeded with ``1/m``) and
+        the gradient at the layers' output ``y`` -- from the loss there, received from the next stage
+        elsewhere."""
+        fns, zero_loss = self.fns, self.zero_loss
+        _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
+            is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), self.shared_params, y)
+        d_shared, dy_loss = pull_out(jnp.where(is_last, zero_loss + self.inv_m, zero_loss))
+        return d_shared, self.pin(jnp.where(is_last, dy_loss, read_slot(gbuf, row["bwd_grad_slot"])))
+
     def backward(self, row, stash, gbuf, g_stage, g_shared, seq):
         """The whole backward of a virtual stage, recomputed from its stashed input; the parameter
         gradients are added to the accumulators ``g_stage`` / ``g_shared`` in the branch."""
-        fns, pin, zero_loss = self.fns, self.pin, self.zero_loss
+        fns, pin = self.fns, self.pin
         chunk = row["bwd_chunk"]
         tok = self.tokens[row["bwd_mb"]]
         virtual = chunk * self.p + self.stage_index
@@ -374,14 +390,9 @@ class _TickLoop:
         x = pin(after(read_slot(stash, row["bwd_stash_slot"]), seq))
         # The virtual stage's three parts (embedding, layers, head + loss) differentiated one by one,
         # so that the layers' pullback can be ordered after the head's (below).
-        x0, pull_in = jax.vjp(
-            lambda sh, xs: pin(jax.lax.cond(virtual == 0, lambda: fns.embed(sh, tok), lambda: xs)),
-            self.shared_params, x)
+        x0, pull_in = self.embedding_vjp(virtual, tok, x)
         y, pull_stage = jax.vjp(lambda cp, h: pin(self.run_stage(cp, h, chunk)), chunk_params, x0)
-        _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
-            is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), self.shared_params, y)
-        d_shared_out, dy_loss = pull_out(jnp.where(is_last, zero_loss + self.inv_m, zero_loss))
-        dy = pin(jnp.where(is_last, dy_loss, read_slot(gbuf, row["bwd_grad_slot"])))
+        d_shared_out, dy = self.head_gradient(row, gbuf, is_last, tok, y)
         if fns.remat == "full":
             # What the pullback recomputes (each layer, with its collectives) reads its inputs after
             # ``dy``, so it follows the head's ``cond`` instead of racing it.
@@ -400,7 +411,7 @@ class _TickLoop:
         head + loss gradients are added to ``g_shared`` here; ``walk(chunk_params, residual_of, dy,
         active) -> (dx, buffer)`` walks the layers back, writing what it produces into the buffer it
         carries (the split backward's B: what W will need; the whole pullback: the layers' gradients)."""
-        fns, pin, zero_loss, keep = self.fns, self.pin, self.zero_loss, self.keep
+        pin, keep = self.pin, self.keep
         chunk = row["bwd_chunk"]
         tok = self.tokens[row["bwd_mb"]]
         virtual = chunk * self.p + self.stage_index
@@ -409,9 +420,7 @@ class _TickLoop:
         # The stage input matters only to recompute from: the embedding's pullback needs the tokens
         # alone, and the pass-through branch's is the identity, whatever ``x``.
         x = self.zeros_act if keep else pin(after(read_slot(stash, row["bwd_stash_slot"]), seq))
-        x0, pull_in = jax.vjp(
-            lambda sh, xs: pin(jax.lax.cond(virtual == 0, lambda: fns.embed(sh, tok), lambda: xs)),
-            self.shared_params, x)
+        x0, pull_in = self.embedding_vjp(virtual, tok, x)
         if keep:
             # The slot index carries the ordering token, so every read of the buffers waits for `seq`
             # without a pass over the values (``after`` on them would add zero to every element).
@@ -419,10 +428,7 @@ class _TickLoop:
             y = get(rbuf[-1], (slot,))
         else:
             y, stored = self.layers.layers_forward(chunk_params, x0, self.active(chunk))
-        _, pull_out = jax.vjp(lambda sh, yy: jax.lax.cond(
-            is_last, lambda: fns.loss(sh, yy, tok).astype(jnp.float32), lambda: zero_loss), self.shared_params, y)
-        d_shared_out, dy_loss = pull_out(jnp.where(is_last, zero_loss + self.inv_m, zero_loss))
-        dy = pin(jnp.where(is_last, dy_loss, read_slot(gbuf, row["bwd_grad_slot"])))
+        d_shared_out, dy = self.head_gradient(row, gbuf, is_last, tok, y)
         # The layers' backward reads its residuals after ``dy``, so whatever it recomputes from them
         # (a layer rerun under ``model.remat=full``, with its collectives) follows the head's
         # ``cond`` instead of racing it.
