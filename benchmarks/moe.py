@@ -46,12 +46,12 @@ def expert_load(trainer: Trainer, params) -> dict | None:
     md = trainer.model_def
     with md.scope():  # on one device: the canonical parameters, every expert whole
         stats = jax.jit(lambda p, x: routing_statistics(md.bind(p), x))(jax.device_get(params), tokens)
-    if not stats:
+    if stats is None:
         return None
-    loads = [np.asarray(s.load, np.float64) for s in stats]
-    return {"max_over_mean": [float(x.max() / x.mean()) for x in loads],
-            "min_over_mean": [float(x.min() / x.mean()) for x in loads],
-            "aux_loss": [float(s.aux_loss) for s in stats]}
+    loads = np.asarray(stats.load, np.float64)  # [layers, experts]
+    return {"max_over_mean": (loads.max(-1) / loads.mean(-1)).tolist(),
+            "min_over_mean": (loads.min(-1) / loads.mean(-1)).tolist(),
+            "aux_loss": np.asarray(stats.aux_loss, np.float64).tolist()}
 
 
 def quality(steps: int) -> dict:

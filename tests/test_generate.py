@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtron.config import MeshConfig, ModelConfig
+from meshtron.config import MeshConfig, ModelConfig, MoEConfig
 from meshtron.generate import Sampler, SampleResult, decode_tokens, encode_prompt, sample
 from meshtron.mesh import build_mesh
 from meshtron.sharding import axis_rules
@@ -27,6 +27,9 @@ FAMILIES = {
     "gpt": MODEL,
     "llama": ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=4, layers=2, mlp_dim=64,
                          seq_len=SEQ),
+    # A Mixtral: the Llama block with 8 experts, top-2 (split over data by the default rules).
+    "mixtral": ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=4, layers=2, mlp_dim=64,
+                           seq_len=SEQ, moe=MoEConfig(experts=8, top_k=2, mlp_dim=32)),
 }
 CACHE_MESHES = [(1, 1, 1), (1, 1, 4), (2, 1, 4)]
 

@@ -15,8 +15,10 @@ from flax import nnx
 
 from meshtron.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_config, validate
 from meshtron.mesh import build_mesh
+from meshtron.models.auxiliary import collecting_reports
 from meshtron.models.contract import lm_loss
 from meshtron.models.moe import MoE, MoEDims, route, routing_statistics
+from meshtron.models.moe import all_to_all_bytes as moe_all_to_all_bytes
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 
@@ -83,9 +85,7 @@ def test_capacity_drops_what_an_independent_count_drops(factor):
 
 
 def routing_statistics_of_layer(moe: MoE, x: jax.Array):
-    from meshtron.models.moe import collecting_statistics
-
-    with collecting_statistics() as found:
+    with collecting_reports() as found:
         moe(x)
     return found
 
@@ -105,7 +105,7 @@ def test_auxiliary_losses_have_the_gradients_of_the_losses_added_to_the_objectiv
     def explicit(p):
         model = plain.bind(p)
         stats = routing_statistics(model, tokens[:, :-1])
-        return lm_loss(model, tokens) + sum(0.3 * s.aux_loss + 0.05 * s.z_loss for s in stats)
+        return lm_loss(model, tokens) + 0.3 * jnp.sum(stats.aux_loss) + 0.05 * jnp.sum(stats.z_loss)
 
     got = jax.grad(lambda p: weighted.loss(p, tokens))(params)
     want = jax.grad(explicit)(params)
@@ -139,9 +139,11 @@ def _case(layout, experts, top_k, capacity, *marks):
     return pytest.param(layout, experts, top_k, capacity, marks=marks, id=f"{layout} {name}")
 
 
-# Dropless 8 experts top-2 on every kind of layout (both stacks), 64 experts top-8 on the four the issue
-# of expert parallelism names, a capacity with and without a pipeline.
-CASES = ([_case(layout, 8, 2, 0.0) for layout in [*REQUIRED, KEPT]]
+# Dropless 8 experts top-2 on every kind of layout (the second stack: 8-way expert parallelism, and
+# expert parallelism inside the zero-bubble pipeline), 64 experts top-8 on the four layouts that matter
+# most for expert parallelism, a capacity with and without a pipeline.
+CASES = ([_case(layout, 8, 2, 0.0, *(() if layout in (REQUIRED[1], REQUIRED[3]) else (_FIRST,)))
+          for layout in [*REQUIRED, KEPT]]
          + [_case(layout, 64, 8, 0.0, _FIRST) for layout in REQUIRED]
          + [_case(layout, 8, 2, 1.0, _FIRST) for layout in REQUIRED[1:3]])
 
@@ -218,6 +220,57 @@ def test_expert_parallel_runs_at_every_zero_level_and_restore_on_any_expert_spli
                      jax.device_get(first.params))
 
 
+# ---- routing in the run's metrics ---------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=interleaved", "pipeline.chunks=2",
+     "train.microbatches=4"],
+    ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1"],
+    ["mesh.data=4", "mesh.pipe=2", "mesh.tensor=1", "pipeline.schedule=zb-h1", "train.microbatches=2",
+     "pipeline.layout=[1,3]", "model.moe.capacity_factor=1.0"],
+], ids=["2x2x2 interleaved", "8x1x1", "4x2x1 zb-h1 uneven capacity"])
+def test_routing_reports_equal_one_devices_over_the_same_groups(layout):
+    # Each data shard's microbatch is routed (and load-balanced) on its own: one device with as many
+    # microbatches routes the same groups of rows, whatever the pipeline, expert split or layer layout.
+    run = ["model.layers=4", "model.moe.aux_loss_weight=0.01", *layout]
+    trainer = mixtral_trainer(*run)
+    groups = trainer.steps.report_groups
+    one = mixtral_trainer(*[o for o in run if not o.startswith(("mesh.", "pipeline.", "train.microbatches"))],
+                          "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", f"train.microbatches={groups}")
+    assert groups == 8 and one.steps.report_groups == 8
+    tokens = np.asarray(trainer.train_stream().next(trainer.steps.batch_sharding))
+    [got] = trainer.steps.layer_reports(trainer.init_params(), tokens)
+    [want] = one.steps.layer_reports(one.init_params(), tokens)
+    np.testing.assert_array_equal(got.load, want.load)
+    np.testing.assert_array_equal(got.dropped, want.dropped)
+    assert got.load.shape == (4, 8) and got.load.sum() == 4 * tokens[:, :-1].size * 2
+    np.testing.assert_allclose(got.aux_loss, want.aux_loss, rtol=1e-5)
+    np.testing.assert_allclose(got.z_loss, want.z_loss, rtol=1e-5)
+    ranks = trainer.mesh.shape["data"]  # experts split over data: each rank's E/d experts' assignments
+    np.testing.assert_array_equal(got.rank_load, got.load.reshape(4, ranks, -1).sum(-1))
+    if "capacity" in layout[-1]:
+        assert got.dropped.sum() > 0
+
+
+@pytest.mark.slow
+def test_a_run_records_routing_on_logged_steps_and_a_dense_run_does_not(tmp_path):
+    import json
+
+    records = {}
+    for name, extra in (("moe", []), ("dense", ["model.moe.experts=0"])):
+        path = tmp_path / f"{name}.jsonl"
+        with open(path, "w") as f:
+            mixtral_trainer("mesh.data=2", "mesh.pipe=1", "mesh.tensor=1", "train.steps=2", "train.log_every=1",
+                            *extra).run(metrics_file=f)
+        records[name] = [json.loads(line) for line in path.read_text().splitlines()][1:]
+    for record in records["moe"]:
+        assert record["moe/dropped_fraction"] == 0.0 and record["moe/load_imbalance"] >= 1.0
+        assert 0.5 < record["moe/aux_loss"] < 2.0 and record["moe/z_loss"] > 0  # 1 when balanced
+        assert record["moe/rank_load/0"] + record["moe/rank_load/1"] == pytest.approx(1.0)
+    assert not any(key.startswith("moe/") for record in records["dense"] for key in record)
+
+
 def test_onebit_lamb_compresses_only_what_is_replicated_over_data():
     from meshtron.optim.compression import error_lengths
 
@@ -265,3 +318,28 @@ def test_all_to_all_bytes_per_layer_and_microbatch_are_the_formula(data, tensor,
     sent, count = all_to_all_bytes(data, tensor, microbatches, remat, capacity)
     assert sent == pytest.approx(layers * microbatches * per_layer)
     assert count == layers * microbatches * (2 * forwards + 2 + ids * forwards)
+    # What describe prints as the formula is this one.
+    dims = MoEDims(hidden=hidden, experts=experts, top_k=k, mlp_dim=16, capacity_factor=capacity)
+    assert moe_all_to_all_bytes(dims, tokens, data, forwards) == pytest.approx(per_layer)
+
+
+@pytest.mark.slow
+def test_describe_prints_the_all_to_all_per_layer_and_microbatch_and_the_compiled_step_agrees():
+    import io
+
+    from meshtron.describe import describe
+
+    out = io.StringIO()
+    describe(load_config("mixtral_cpu8", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=2",
+                                          "model.hidden=32", "model.heads=4", "model.kv_heads=2", "model.mlp_dim=64",
+                                          "model.moe.mlp_dim=16", "model.seq_len=16", "train.batch_size=16"]), out)
+    text = out.getvalue()
+    dims = MoEDims(hidden=32, experts=8, top_k=2, mlp_dim=16)
+    formula = moe_all_to_all_bytes(dims, tokens=16, ranks=8)  # 16 rows / 8 ranks / 2 microbatches x 16 positions
+    from meshtron.units import format_bytes
+
+    assert (f"split over data (8 ranks, 1 expert each): all-to-all {format_bytes(formula)} per device, layer and "
+            "microbatch of 16 tokens") in text
+    assert f"all-to-all over data: {format_bytes(formula)} per layer and microbatch in the compiled step" in text
+    assert "by the formula (+0.0%)" in text
+

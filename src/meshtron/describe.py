@@ -203,6 +203,52 @@ def print_compiled_memory(program, params, opt_state, seconds: float, trainer, o
               "free of tensor/pipe that data divides)", file=out)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertExchange:
+    """A mixture of experts' all-to-alls over its expert axis, per device, MoE layer and microbatch."""
+
+    axis: str | None  # the mesh axis the rules put ``experts`` on (None: every expert on every device)
+    ranks: int
+    experts: int
+    tokens: int  # routed per microbatch and data rank
+    forwards: int  # forward passes per layer and step: 1, +1 under model.remat=full, +1 recomputing a stage
+    layers: int  # MoE layers a device runs per microbatch
+    microbatches: int
+    per_layer: float  # the formula's bytes sent per layer and microbatch
+
+    def line(self) -> str:
+        if self.ranks <= 1:
+            return "experts on every device (no expert parallelism): no all-to-all"
+        each = self.experts // self.ranks
+        return (f"split over {self.axis} ({self.ranks} ranks, {each} expert{'s' if each > 1 else ''} each): all-to-all "
+                f"{format_bytes(self.per_layer)} per device, layer and microbatch of {self.tokens} tokens (dispatch and "
+                f"combine in {self.forwards} forward{'s' if self.forwards > 1 else ''}, their transposes backward)")
+
+    def measured(self, collectives) -> str:
+        sent = sum(c.total_wire_bytes for c in collectives if c.kind == "all-to-all" and c.axes == (self.axis,))
+        per_layer = sent / (self.layers * self.microbatches)
+        return (f"all-to-all over {self.axis}: {format_bytes(per_layer)} per layer and microbatch in the compiled step, "
+                f"{format_bytes(self.per_layer)} by the formula ({per_layer / self.per_layer - 1:+.1%})")
+
+
+def expert_exchange(cfg: Config, sizes: tuple[int, ...], model_def: ModelDef) -> ExpertExchange:
+    """What the expert-parallel all-to-alls of ``cfg``'s step send (:func:`meshtron.models.moe.all_to_all_bytes`)."""
+    from meshtron.models.llama import moe_dims
+    from meshtron.models.moe import EXPERTS, all_to_all_bytes
+
+    m, t = cfg.model, cfg.train
+    mesh_sizes = dict(zip(AXES, sizes))
+    spec = logical_to_spec((EXPERTS,), model_def.rules)
+    axis = spec[0] if len(spec) and isinstance(spec[0], str) else None
+    ranks = mesh_sizes[axis] if axis else 1
+    tokens = t.batch_size // sizes[0] // t.microbatches * m.seq_len
+    forwards = 1 + (m.remat == "full") + (sizes[1] > 1 and cfg.pipeline.recompute)
+    dims = moe_dims(m)
+    per_layer = all_to_all_bytes(dims, tokens, ranks, forwards, np.dtype(m.dtype).itemsize)
+    return ExpertExchange(axis, ranks, dims.experts, tokens, forwards, model_def.layers // sizes[1], t.microbatches,
+                          per_layer)
+
+
 def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: Run | None = None,
              force_compile: bool = False) -> None:
     """Print the run ``cfg`` describes (``run``: already resolved). ``memory_budget``: the bytes this
@@ -228,12 +274,14 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     print(f"model     {family}: {model_def.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, mlp {m.mlp_dim}, "
           f"seq {m.seq_len}, vocab {model_def.vocab_size} (padded to {model_def.vocab_padded}), "
           f"dtype {m.dtype}, params {m.param_dtype}, remat {m.remat}, sequence parallel {m.sequence_parallel}", file=out)
-    if m.moe.experts and m.factory is None:
+    exchange = expert_exchange(cfg, sizes, model_def) if m.moe.experts and m.factory is None else None
+    if exchange is not None:
         e = m.moe
         routing = "dropless" if not e.capacity_factor else f"capacity factor {e.capacity_factor}"
         print(f"experts   {e.experts} per layer, top-{e.top_k}, mlp {e.mlp_dim or m.mlp_dim} each, {routing}"
               + (f", {e.shared_experts} shared" if e.shared_experts else "")
               + "; the analytical figures below count a dense MLP of width mlp", file=out)
+        print(f"          {exchange.line()}", file=out)
     rows = parameter_rows(model_def, mesh_sizes)
     total = sum(math.prod(r[1]) for r in rows)
     print(f"\nparameters ({total:,} in all, {format_bytes(sum(r[4] for r in rows))} per device)", file=out)
@@ -308,3 +356,5 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
         label = f" ({stage} stage)" if staged else ""
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
         print(step.table(), file=out)
+        if exchange is not None and exchange.ranks > 1 and sizes[1] == 1:
+            print(exchange.measured(step.collectives), file=out)

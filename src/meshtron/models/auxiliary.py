@@ -12,6 +12,11 @@ microbatch's mean loss with a seed of 1 and averages the gradients afterwards, s
 is ``weight``; a pipeline seeds every microbatch's loss with ``1/m`` and sums, so it traces its blocks
 inside :func:`auxiliary_loss_scale` ``(1/m)``. Either way the gradient is that of
 ``mean over microbatches (loss + Σ weight · auxiliary loss)``.
+
+A block reports what it measured on the way (a mixture of experts' routing: expert load, dropped
+assignments, the unweighted losses) with :func:`report`; :func:`meshtron.models.contract.run_blocks`
+with ``collect=True`` gathers each layer's reports and returns them stacked over the layers, so the
+measurement needs no new output of the block either.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 _scales: list[float] = [1.0]
+_collectors: list[list[Any] | None] = [None]
 
 
 @contextlib.contextmanager
@@ -64,3 +71,20 @@ def attach_auxiliary_loss(x: jax.Array, loss: jax.Array, weight: float) -> jax.A
     if not weight:
         return x
     return _attached(x, loss.astype(jnp.float32), weight * _scales[-1])
+
+
+@contextlib.contextmanager
+def collecting_reports() -> Iterator[list[Any]]:
+    """What blocks traced inside (not under a ``scan`` of their own) :func:`report`, in call order."""
+    found: list[Any] = []
+    _collectors.append(found)
+    try:
+        yield found
+    finally:
+        _collectors.pop()
+
+
+def report(value: Any) -> None:
+    """Hand ``value`` (a pytree of arrays) to the innermost :func:`collecting_reports`, if any."""
+    if _collectors[-1] is not None:
+        _collectors[-1].append(value)

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.errors import ConfigError
+from meshtron.models.auxiliary import collecting_reports
 from meshtron.sharding import Rules, constrain, variable_axes
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -194,7 +195,7 @@ def regathered(layer: Callable) -> Callable:
 
 
 def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none",
-               active: jax.Array | int | None = None):
+               active: jax.Array | int | None = None, collect: bool = False):
     """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
 
     With ``ctx.cache`` (stacked caches ``[layers, ...]``) every block gets its own and the result is
@@ -204,8 +205,14 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     Between blocks ``x`` is the residual stream, laid out :data:`RESIDUAL` (split over the sequence
     under sequence parallelism). ``active``: run only the first ``active`` blocks and pass ``x``
     through the rest (the padding slots of an uneven pipeline chunk).
+
+    ``collect=True`` (forward only) returns ``(x, reports)``: what each block
+    :func:`~meshtron.models.auxiliary.report` ed, a tuple per block stacked over the layers (zeros
+    for padding slots; ``()`` when no block reports anything).
     """
     graphdef, state = nnx.split(blocks)
+    if collect:
+        return _run_collecting(graphdef, state, x, ctx, active)
     if ctx.cache is None:
         def one_layer(h, layer_state):
             return constrain(layer_view(graphdef, layer_state)(h, ctx), RESIDUAL), None
@@ -234,6 +241,38 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
 
     (x, caches, _), _ = jax.lax.scan(cached_layer, (x, ctx.cache, jnp.int32(0)), state)
     return x, caches
+
+
+def _run_collecting(graphdef: Any, state: Any, x: jax.Array, ctx: Context, active: jax.Array | int | None):
+    def one_layer(h, layer_state):
+        with collecting_reports() as found:
+            h = constrain(layer_view(graphdef, layer_state)(h, ctx), RESIDUAL)
+        return h, tuple(found)
+
+    layers = jax.tree.leaves(state)[0].shape[0]
+    if active is None:
+        return jax.lax.scan(one_layer, x, state)
+    reports = jax.eval_shape(one_layer, x, jax.tree.map(lambda a: a[0], state))[1]
+
+    def maybe_layer(h, xs):
+        i, layer_state = xs
+        # A padding slot's zeros, typed as varying over the same manual axes as ``h`` (an empty sum of it).
+        nothing = jnp.sum(h.reshape(-1)[:0])
+
+        def zero(r):
+            return jnp.zeros(r.shape, r.dtype) + nothing.astype(r.dtype)
+
+        return jax.lax.cond(i < active, lambda: one_layer(h, layer_state),
+                            lambda: (h, jax.tree.map(zero, reports)))
+
+    return jax.lax.scan(maybe_layer, x, (jnp.arange(layers), state))
+
+
+def layer_reports(model: nnx.Module, tokens: jax.Array) -> tuple[Any, ...]:
+    """What the blocks :func:`~meshtron.models.auxiliary.report` for ``tokens`` [b, s] (the inputs,
+    without the last target), stacked over the layers: a forward through embedding and blocks."""
+    ctx = Context.for_sequence(*tokens.shape)
+    return run_blocks(model.blocks, model.embed(tokens, ctx), ctx, collect=True)[1]
 
 
 def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:

@@ -26,24 +26,24 @@ loss plus the weighted sum over layers, and no block returns anything new.
 the layer's output is a partial sum that the block's :func:`exit_parallel_region` all-reduces,
 as for a dense MLP). The router is replicated. Nothing here names a mesh axis.
 
-:func:`routing_statistics` runs a model's layers one by one and returns each MoE layer's expert
-load, dropped assignments and losses -- what a run reports.
+Each call reports its :class:`RoutingStatistics` (:func:`meshtron.models.auxiliary.report`): expert
+load, dropped assignments and the unweighted losses, which a run's logged steps record
+(:meth:`RoutingStatistics.metrics`) and :func:`routing_statistics` returns for a whole model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from meshtron.models.auxiliary import attach_auxiliary_loss
-from meshtron.models.contract import RESIDUAL, Context
+from meshtron.models.auxiliary import attach_auxiliary_loss, report
+from meshtron.models.contract import layer_reports
 from meshtron.models.layers import INIT_STD, normal
 from meshtron.sharding import constrain, logical_to_spec
 
@@ -82,13 +82,34 @@ class Routing(NamedTuple):
 
 
 class RoutingStatistics(NamedTuple):
-    """One MoE layer's routing of one batch: assignments per expert ``[E]`` (before any drop),
-    assignments dropped for capacity, the load-balancing loss and the z-loss (unweighted)."""
+    """One MoE layer's routing of one batch: assignments per expert ``[E]`` (before any drop), per
+    expert-parallel rank ``[n]`` (the ``E/n`` experts each holds; ``[1]`` without expert
+    parallelism), assignments dropped for capacity, the load-balancing loss and the z-loss
+    (unweighted). Stacked over layers, each field gains a leading ``[layers]`` axis."""
 
     load: jax.Array
+    rank_load: jax.Array
     dropped: jax.Array
     aux_loss: jax.Array
     z_loss: jax.Array
+
+    def metrics(self, groups: int = 1) -> dict[str, float]:
+        """A run's record of these statistics, stacked over the layers and summed over ``groups``
+        routing groups (microbatches × data shards, each routed and balanced on its own): the
+        losses as their mean over layers and groups, the dropped fraction of all assignments, the
+        busiest expert's load over the mean (``load_imbalance``, the worst layer; 1 is balanced),
+        and each expert-parallel rank's share of all assignments."""
+        load, ranks = np.asarray(self.load, np.float64), np.asarray(self.rank_load, np.float64)
+        record = {
+            "moe/aux_loss": float(np.mean(self.aux_loss)) / groups,
+            "moe/z_loss": float(np.mean(self.z_loss)) / groups,
+            "moe/dropped_fraction": float(np.sum(self.dropped) / max(np.sum(load), 1.0)),
+            "moe/load_imbalance": float(np.max(load.max(-1) / np.maximum(load.mean(-1), 1e-9))),
+        }
+        shares = ranks.reshape(-1, ranks.shape[-1]).sum(0) / max(ranks.sum(), 1.0)
+        if len(shares) > 1:
+            record.update({f"moe/rank_load/{r}": float(share) for r, share in enumerate(shares)})
+        return record
 
 
 def _whole(x: jax.Array) -> jax.Array:
@@ -214,6 +235,21 @@ def capacity_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: j
     return _combined(jnp.take(out, slots, axis=0), routing), jnp.sum(~kept).astype(jnp.int32)
 
 
+def all_to_all_bytes(dims: MoEDims, tokens: int, ranks: int, forwards: int = 1, itemsize: int = 4) -> float:
+    """Bytes one device sends over the expert axis (``ranks`` devices, ring all-to-all: ``(n-1)/n`` of
+    each buffer) per MoE layer and microbatch of ``tokens`` routed tokens: dispatch and combine in each
+    of ``forwards`` forward passes (2 when the layer is recomputed for its backward), and the rows'
+    two transposes in the backward. Dropless, each destination's block holds ``T · min(k, E/n)`` rows
+    and their int32 expert ids travel with them; with a capacity the buffer is ``E · capacity`` rows."""
+    if ranks <= 1:
+        return 0.0
+    if dims.capacity_factor:
+        rows, ids = dims.experts * dims.capacity(tokens * dims.top_k), 0
+    else:
+        rows, ids = ranks * tokens * min(dims.top_k, dims.experts // ranks), 1
+    return (ranks - 1) / ranks * ((2 * forwards + 2) * rows * dims.hidden * itemsize + ids * forwards * rows * 4)
+
+
 def expert_axis() -> str | None:
     """The mesh axis the rules put ``experts`` on, when it is manual here (inside the trainer's
     ``shard_map``) and splits them: each device then holds ``experts / size`` of them and tokens must
@@ -261,20 +297,6 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
     return _combined(jnp.take(back, slots, axis=0), routing)
 
 
-_collectors: list[list[RoutingStatistics] | None] = [None]
-
-
-@contextlib.contextmanager
-def collecting_statistics() -> Iterator[list[RoutingStatistics]]:
-    """MoE layers called (not under a scan) inside the block append their :class:`RoutingStatistics`."""
-    found: list[RoutingStatistics] = []
-    _collectors.append(found)
-    try:
-        yield found
-    finally:
-        _collectors.pop()
-
-
 class MoE(nnx.Module):
     """Router, ``experts`` SwiGLU experts and optional shared experts; ``x`` [b, s, h] -> [b, s, h]."""
 
@@ -315,21 +337,17 @@ class MoE(nnx.Module):
             hidden = jax.nn.silu(x @ self.shared_gate[...].astype(x.dtype)) * (x @ self.shared_up[...].astype(x.dtype))
             y = y + constrain(hidden, ("batch", "seq", "mlp")) @ self.shared_down[...].astype(x.dtype)
         aux, z = load_balancing_loss(routing, d.experts), router_z_loss(routing)
-        if _collectors[-1] is not None:
-            _collectors[-1].append(RoutingStatistics(expert_load(routing, d.experts), dropped, aux, z))
+        load = expert_load(routing, d.experts)
+        ranks = 1 if axis is None else jax.lax.axis_size(axis)
+        report(RoutingStatistics(load, load.reshape(ranks, -1).sum(-1), dropped, aux, z))
         y = attach_auxiliary_loss(y, aux, d.aux_loss_weight)
         return attach_auxiliary_loss(y, z, d.z_loss_weight)
 
 
-def routing_statistics(model: nnx.Module, tokens: jax.Array) -> list[RoutingStatistics]:
-    """Every MoE layer's :class:`RoutingStatistics` for ``tokens`` [b, s] (a contract model's layers
-    run one at a time, unrolled, so each layer's routing can be read; jit the caller)."""
-    ctx = Context.for_sequence(*tokens.shape)
-    x = model.embed(tokens, ctx)
-    graphdef, state = nnx.split(model.blocks)
-    layers = jax.tree.leaves(state)[0].shape[0]
-    with collecting_statistics() as found:
-        for i in range(layers):
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-            x = constrain(layer(x, ctx), RESIDUAL)
-    return found
+def routing_statistics(model: nnx.Module, tokens: jax.Array) -> RoutingStatistics | None:
+    """The MoE layers' :class:`RoutingStatistics` for ``tokens`` [b, s], stacked over the layers
+    (``load`` [layers, E], the rest [layers]; None for a model without them): a contract model whose
+    every block has one MoE layer, run forward once on one program (jit the caller). Training reports the same per step and
+    microbatch group on any mesh: :meth:`meshtron.train.step.TrainSteps.routing`."""
+    found = layer_reports(model, tokens)
+    return found[0] if found else None

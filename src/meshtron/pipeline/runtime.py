@@ -223,7 +223,8 @@ def run_pipeline_forward(
     axis: str = "pipe",
     check_vma: bool = True,
     layer_counts: tuple[int, ...] | None = None,
-) -> jax.Array:
+    reports: bool = False,
+) -> jax.Array | tuple[jax.Array, PyTree]:
     """Mean loss over the microbatches, computed stage by stage: held-out evaluation with pipe > 1.
 
     ``program`` must be compiled from :func:`meshtron.pipeline.schedules.forward_only` (a training
@@ -231,15 +232,21 @@ def run_pipeline_forward(
     :func:`run_pipeline`; the layers stay on their stage, only activations move (one forward
     ``ppermute`` per tick that sends), and the loss is identical on every stage after one sum over
     ``axis``.
+
+    ``reports=True`` (needs ``StageFunctions.reporting_stage``) returns ``(loss, reports)``: what this
+    stage's layers reported, summed over the microbatches, stacked ``[chunks, layers_per_chunk, ...]``
+    like ``stage_params`` (zeros in an uneven layout's padding slots).
     """
     if not program.schedule.forward_only:
         raise ValueError(
             f"run_pipeline_forward: needs a forward-only program (schedules.forward_only), got a "
             f"{program.schedule.name!r} training program"
         )
-    loss, _, _ = _TickLoop(program, fns, stage_params, shared_params, tokens, axis, check_vma,
-                           layer_counts).run()
-    return loss
+    if reports and fns.reporting_stage is None:
+        raise ValueError("run_pipeline_forward: reports=True needs StageFunctions.reporting_stage")
+    loop = _TickLoop(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts, reports)
+    loss, _, _ = loop.run()
+    return (loss, loop.reports) if reports else loss
 
 
 class TickState(NamedTuple):
@@ -257,6 +264,7 @@ class TickState(NamedTuple):
     g_shared: PyTree | None  # the shared (embedding, head) parameter gradients, accumulated
     loss_sum: jax.Array
     seq: jax.Array  # the ordering token: exactly zero, threaded through every collective-bearing operation
+    reports: PyTree | None = None  # forward-only with reports: what each chunk's layers reported, summed
 
 
 class _TickLoop:
@@ -266,8 +274,11 @@ class _TickLoop:
     gradient-sized state and runs no ``vjp``."""
 
     def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, shared_params: PyTree,
-                 tokens: jax.Array, axis: str, check_vma: bool, layer_counts: tuple[int, ...] | None = None):
+                 tokens: jax.Array, axis: str, check_vma: bool, layer_counts: tuple[int, ...] | None = None,
+                 collect: bool = False):
         schedule = program.schedule
+        self.collect = collect
+        self.reports: PyTree | None = None  # after run(), with collect: the summed reports
         self.program, self.fns, self.tokens, self.axis = program, fns, tokens, axis
         self.schedule = schedule
         self.train = not schedule.forward_only
@@ -320,30 +331,40 @@ class _TickLoop:
         """Layers the virtual stage of ``chunk`` runs (None: all of its slots)."""
         return None if self.counts is None else self.counts[chunk * self.p + self.stage_index]
 
-    def run_stage(self, chunk_params, x, chunk):
-        fns = self.fns
-        return fns.stage(chunk_params, x) if self.counts is None else fns.stage(chunk_params, x, self.active(chunk))
+    def run_stage(self, chunk_params, x, chunk, stage=None):
+        stage = stage or self.fns.stage
+        return stage(chunk_params, x) if self.counts is None else stage(chunk_params, x, self.active(chunk))
 
     # ---- the stage's bodies: forward, backward (whole, or B and W) ------------------------------
 
-    def virtual_stage(self, chunk_params, shared, x_stash, chunk, tok):
-        """One virtual stage, (y, loss): the embedding replaces the stashed input on the first virtual
-        stage and the head + loss run after the last; the layers are the same code for every kind,
-        so each segment compiles them once."""
+    def virtual_stage(self, chunk_params, shared, x_stash, chunk, tok, reporting: bool = False):
+        """One virtual stage, (y, loss, reports): the embedding replaces the stashed input on the first
+        virtual stage and the head + loss run after the last; the layers are the same code for every
+        kind, so each segment compiles them once. ``reporting``: the layers run as
+        ``reporting_stage`` and ``reports`` is what they reported (else None)."""
         fns, pin = self.fns, self.pin
         virtual = chunk * self.p + self.stage_index
         x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(shared, tok), lambda: x_stash))
-        y = pin(self.run_stage(chunk_params, x, chunk))
+        if reporting:
+            y, found = self.run_stage(chunk_params, x, chunk, fns.reporting_stage)
+        else:
+            y, found = self.run_stage(chunk_params, x, chunk), None
+        y = pin(y)
         loss = jax.lax.cond(virtual == self.last_virtual,
                             lambda: fns.loss(shared, y, tok).astype(jnp.float32), lambda: self.zero_loss)
-        return y, loss
+        return y, loss, found
 
-    def forward(self, row, stash, seq):
+    def forward(self, row, stash, seq, reports=None):
+        """A forward: ``(y, loss, reports, seq)``. ``reports``: None, or the accumulators ``[chunks,
+        layers_per_chunk, ...]`` of a forward-only program that collects them, returned with what this
+        chunk's layers reported added in place."""
         chunk = row["fwd_chunk"]
-        y, loss = self.virtual_stage(chunk_of(self.stage_params, chunk), self.shared_params,
-                                     self.pin(after(read_slot(stash, row["fwd_slot"]), seq)), chunk,
-                                     self.tokens[row["fwd_mb"]])
-        return y, loss, seq + token(loss) + self.token(y)
+        y, loss, found = self.virtual_stage(chunk_of(self.stage_params, chunk), self.shared_params,
+                                            self.pin(after(read_slot(stash, row["fwd_slot"]), seq)), chunk,
+                                            self.tokens[row["fwd_mb"]], reporting=reports is not None)
+        if reports is not None:
+            reports = accumulate(reports, (chunk,), jax.tree.leaves(found))
+        return y, loss, reports, seq + token(loss) + self.token(y)
 
     def forward_keeping(self, row, stash, rbuf, seq):
         """The forward when nothing is recomputed: the layers run one by one under ``jax.vjp`` and
@@ -488,7 +509,7 @@ class _TickLoop:
         zeros_act, zero_loss = self.zeros_act, self.zero_loss
 
         def tick(state: TickState, row_all):
-            stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq = state
+            stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports = state
             row = {k: jax.lax.dynamic_index_in_dim(row_all[k], self.stage_index, keepdims=False) for k in row_all}
             stash = write_slot(stash, row["recv_fwd_slot"], f_msg)
             # `seq` threads one data dependency through every collective-bearing operation of the
@@ -511,10 +532,10 @@ class _TickLoop:
                 )
                 loss_sum = loss_sum + loss
             elif seg.forward:
-                y_out, loss, seq = jax.lax.cond(
+                y_out, loss, reports, seq = jax.lax.cond(
                     row["fwd_mb"] >= 0,
-                    lambda: self.forward(row, stash, seq),
-                    lambda: (zeros_act, zero_loss, seq),
+                    lambda: self.forward(row, stash, seq, reports),
+                    lambda: (zeros_act, zero_loss, reports, seq),
                 )
                 loss_sum = loss_sum + loss
             if seg.backward and not self.schedule.split_backward:
@@ -541,7 +562,7 @@ class _TickLoop:
                 seq = seq + self.token(f_msg)
             if seg.send_backward:
                 b_msg = pin(jax.lax.ppermute(pin(after(dx_out, seq)), axis, [(i, (i - 1) % p) for i in range(p)]))
-            return TickState(stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq), None
+            return TickState(stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports), None
 
         return tick
 
@@ -570,7 +591,16 @@ class _TickLoop:
             g_shared=self.zeros(self.shared_params) if train else None,
             loss_sum=self.zero_loss,
             seq=self.zero_loss,
+            reports=self.zero_reports() if self.collect else None,
         )
+
+    def zero_reports(self) -> PyTree:
+        """Zeros shaped like one chunk's reports, for every chunk: ``[chunks, layers_per_chunk, ...]``."""
+        chunk = jax.tree.map(lambda a: a[0], self.stage_params)
+        x = self.zeros_act
+        found = jax.eval_shape(lambda: self.run_stage(chunk, x, 0, self.fns.reporting_stage)[1])
+        chunks = self.schedule.chunks
+        return self.zeros(jax.tree.map(lambda r: jax.ShapeDtypeStruct((chunks, *r.shape), r.dtype), found))
 
     def run(self) -> tuple[jax.Array, PyTree | None, PyTree | None]:
         """``(loss, stage_grads, shared_grads)``: every segment's ``scan``, then the one sum over ``axis``."""
@@ -586,4 +616,5 @@ class _TickLoop:
         if self.train:
             seq = seq + self.token(state.b_msg) + token(state.g_stage)
         loss, g_shared = jax.lax.psum(after((state.loss_sum * self.inv_m, state.g_shared), seq), self.axis)
+        self.reports = state.reports
         return loss, state.g_stage, g_shared

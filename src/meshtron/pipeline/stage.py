@@ -42,6 +42,11 @@ class StageFunctions:
     (:func:`meshtron.pipeline.buffers.local_token`). ``chunk_specs()`` is the same for one chunk's
     parameters (a tree of ``PartitionSpec`` s shaped like them, the leading layer axis unsplit): the
     runtime orders the embedding's backward after all of a chunk's parameter gradients with it.
+
+    ``reporting_stage(chunk_params, x[, active]) -> (y, reports)`` is ``stage`` that also returns
+    what the chunk's layers measured (a pytree of arrays stacked over the chunk's layers, e.g. a
+    mixture of experts' routing): the forward-only pipeline sums it over the microbatches when asked
+    (:func:`meshtron.pipeline.runtime.run_pipeline_forward` with ``reports=True``).
     """
 
     embed: Callable[[PyTree, jax.Array], jax.Array]
@@ -52,3 +57,4 @@ class StageFunctions:
     remat: str = "none"
     activation_spec: Callable[[], Any] | None = None
     chunk_specs: Callable[[], Any] | None = None
+    reporting_stage: Callable[..., tuple[jax.Array, PyTree]] | None = None

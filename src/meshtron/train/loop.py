@@ -451,6 +451,13 @@ class Trainer:
                     stage = self.optimizer.stage_at(updates)
                     profiler.before(step)
                     batch = stream.next(self.steps.batch_sharding)
+                    # What the layers measure (a mixture of experts' routing) on a logged step: a forward
+                    # pass over this batch with the parameters the step starts from, so the values are
+                    # those of the step's own forward.
+                    reported = {}
+                    if step % t.log_every == 0 or step == t.steps:
+                        for found in self.steps.layer_reports(params, batch):
+                            reported.update(found.metrics(self.steps.report_groups))
                     tick = time.perf_counter()
                     params, opt_state, metrics = self.steps.train(params, opt_state, batch, stage)
                     on_event("dispatched", step)
@@ -486,7 +493,8 @@ class Trainer:
                                      data_bytes=stage_bytes, first_of_stage=stage_steps[stage] == 1,
                                      logged=step % t.log_every == 0 or step == t.steps or bool(stop),
                                      heldout=held, unigram=unigram,
-                                     bytes_per_token=self.corpus.heldout_bytes_per_token, step_seconds=interval)
+                                     bytes_per_token=self.corpus.heldout_bytes_per_token, step_seconds=interval,
+                                     reported=reported)
                     if store is not None and (step % cfg.checkpoint.every == 0 or step == t.steps or stop):
                         self.save(store, params, opt_state, RunPosition(step, updates, stream.position))
                         on_event("saving", step)

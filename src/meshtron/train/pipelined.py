@@ -119,13 +119,17 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
         with auxiliary_loss_scale(aux_scale):
             return constrain(layer_view(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
 
+    def reporting_stage(chunk_blocks: Params, x: jax.Array, active: jax.Array | None = None):
+        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_sequence(*x.shape[:2]),
+                          active=active, collect=True)
+
     def chunk_specs():
         return jax.tree.map(lambda axes: logical_to_spec((None, *axes[1:])), model_def.logical_axes()["blocks"],
                             is_leaf=lambda x: isinstance(x, tuple))
 
     return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
                           remat=model_def.remat, activation_spec=lambda: logical_to_spec(RESIDUAL),
-                          chunk_specs=chunk_specs)
+                          chunk_specs=chunk_specs, reporting_stage=reporting_stage)
 
 
 def _layer_counts(layout: StageLayout | None) -> tuple[int, ...] | None:
@@ -168,12 +172,15 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, 
 
 
 def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bool,
-                   layout: StageLayout | None = None):
+                   layout: StageLayout | None = None, reports: bool = False):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
     Same stages, layer placement and microbatches as training (``schedule_program``'s), but a
     forward-only table: every stage keeps its own layers, so nothing is gathered over ``pipe``
     (the plain forward pass would all-gather every pipe-sharded layer onto each device).
+
+    ``reports=True``: ``-> (loss, reports)``, what the layers reported summed over the microbatches,
+    stacked over the stage-ordered layer axis (as the block parameters are).
     """
     sched = schedule_program.schedule
     program = compile_program(forward_only(sched.stages, sched.microbatches, sched.chunks))
@@ -182,13 +189,17 @@ def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bo
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
-        return run_pipeline_forward(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma,
-                                    layer_counts=_layer_counts(layout))
+        out = run_pipeline_forward(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma,
+                                   layer_counts=_layer_counts(layout), reports=reports)
+        if not reports:
+            return out
+        loss, found = out
+        return loss, jax.tree.map(lambda r: r.reshape(r.shape[0] * r.shape[1], *r.shape[2:]), found)
 
     def loss(params: Params, tokens: jax.Array) -> jax.Array:
         stage_map = jax.shard_map(
-            per_stage, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(PIPE), P(), P()), out_specs=P(),
-            axis_names={PIPE}, check_vma=check_vma,
+            per_stage, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(PIPE), P(), P()),
+            out_specs=(P(), P(PIPE)) if reports else P(), axis_names={PIPE}, check_vma=check_vma,
         )
         return stage_map(params["blocks"], {k: v for k, v in params.items() if k != "blocks"}, tokens)
 

@@ -83,7 +83,9 @@ class TensorBoard:
         self.writer = SummaryWriter(logdir=str(directory), flush_secs=10)
 
     def write(self, step: int, record: dict[str, Any]) -> None:
-        for key, tag in SCALARS.items():
+        """The record's known scalars under their tags, and every ``"group/name"`` key as it is."""
+        tags = {**SCALARS, **{key: key for key in record if "/" in key}}
+        for key, tag in tags.items():
             value = record.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(tag, value, global_step=step)
@@ -218,10 +220,11 @@ class RunProgress:
     def stepped(self, step: int, *, loss: float, grad_norm: float, tokens_per_s: float, lr: float, stage: str,
                 data_bytes: float, logged: bool, first_of_stage: bool, heldout: float | None = None,
                 unigram: float = math.nan, bytes_per_token: float = math.nan,
-                step_seconds: float = math.nan) -> None:
+                step_seconds: float = math.nan, reported: dict[str, float] | None = None) -> None:
         """A step done: the bar shows it when it is logged or opens a stage (its traffic at once); its
         record is written when it is logged or evaluated (``heldout``: its held-out loss, printed
-        above the bar with the unigram baseline and, for text, nats per byte)."""
+        above the bar with the unigram baseline and, for text, nats per byte). ``reported``: what
+        the layers measured this step (``"group/name"`` keys, e.g. ``moe/aux_loss``), added to it."""
         if logged or first_of_stage:
             self.bar.update(self.task, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
                             stage=f"{stage} " if self.staged else "", comm=format_bytes(data_bytes))
@@ -230,6 +233,7 @@ class RunProgress:
                   "stage": stage, "data_bytes": data_bytes, "model_flops_per_s": self.flops_per_token * tokens_per_s}
         if self.peak_flops:
             record["mfu"] = record["model_flops_per_s"] / self.peak_flops
+        record.update(reported or {})
         if heldout is not None:
             logged = True
             record["heldout_loss"] = heldout

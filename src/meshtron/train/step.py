@@ -40,13 +40,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.hlo.collectives import collectives
-from meshtron.models.contract import layer_parameters
+from meshtron.models.contract import layer_parameters, layer_reports
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
 from meshtron.optim.zero import ZeroPlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import Program
-from meshtron.train.pipelined import pipelined_gradients, pipelined_loss
+from meshtron.train.pipelined import canonical_positions, pipelined_gradients, pipelined_loss, stage_order
 from meshtron.train.state import ModelDef, Params
 
 DATA = "data"
@@ -176,6 +176,15 @@ def build_steps(
     if program is not None:
         run_schedule = pipelined_gradients(model_def, program, check_vma, layout)
         run_forward = pipelined_loss(model_def, program, check_vma, layout)
+        run_reporting = pipelined_loss(model_def, program, check_vma, layout, reports=True)
+        # The reports come stacked in stage order, as the block parameters are: back to model order.
+        sched = program.schedule
+        model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
+                                                                  layout)))
+
+        def shard_reports(params: Params, tokens: jax.Array):
+            found = run_reporting(params, as_microbatches(tokens))[1]
+            return jax.tree.map(lambda r: jnp.take(r, model_order, axis=0), found)
 
         def shard_gradients(params: Params, tokens: jax.Array):
             return run_schedule(params, as_microbatches(tokens))
@@ -189,6 +198,10 @@ def build_steps(
 
         def shard_loss(params: Params, tokens: jax.Array) -> jax.Array:
             return model_def.loss(params, tokens)
+
+        def shard_reports(params: Params, tokens: jax.Array):
+            found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), mb[:, :-1]), as_microbatches(tokens))
+            return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
 
     def init_state(p: Params) -> OptState:
         return OptState(reduction.init(p), optimizer.init(p))
@@ -268,11 +281,21 @@ def build_steps(
         # (layers stay where training keeps them: nothing is gathered over ``pipe``).
         return data_shard_map(per_shard_eval, (model_data_specs, P(DATA)), P())(params, tokens)
 
+    def per_shard_reports(params: Params, tokens: jax.Array):
+        found = shard_reports(params, tokens)
+        return jax.lax.psum(found, DATA) if check_vma else found
+
+    def reports(params: Params, tokens: jax.Array):
+        # A forward pass (the forward-only pipeline with one), each microbatch of each data shard
+        # routed on its own as in training, the reports summed over all of them.
+        return data_shard_map(per_shard_reports, (model_data_specs, P(DATA)), P())(params, tokens)
+
     gradients = data_shard_map(per_shard_gradients, (model_data_specs, P(DATA)), (P(), model_data_specs))
     scoped = model_def.traced
     return TrainSteps(
         mesh, param_shardings, opt_shardings, batch_sharding, tuple(stages),
         train=scoped(train), evaluate=scoped(evaluate), gradients=scoped(gradients), init_state=init_state, zero=zero,
+        reports=scoped(reports), report_groups=microbatches * mesh.shape[DATA],
     )
 
 
@@ -308,8 +331,10 @@ class TrainSteps:
     """
 
     def __init__(self, mesh: Mesh, param_shardings, opt_shardings, batch_sharding, stages: tuple[str, ...], *,
-                 train, evaluate, gradients, init_state, zero: ZeroPlan | None = None):
+                 train, evaluate, gradients, init_state, zero: ZeroPlan | None = None, reports=None,
+                 report_groups: int = 1):
         self.mesh = mesh
+        self.report_groups = report_groups  # routing groups a step's reports sum over: microbatches × data
         self.zero = zero  # how parameters and optimizer state are split over data
         self.param_shardings = param_shardings
         self.opt_shardings = opt_shardings
@@ -332,6 +357,9 @@ class TrainSteps:
         self._gradients_jit = jax.jit(
             gradients, in_shardings=(param_shardings, batch_sharding), out_shardings=(replicated, param_shardings)
         )
+        self._reports_jit = None if reports is None else jax.jit(
+            reports, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+        self._reports_compiled: Any = None
 
     def init_opt_state(self, params: Params) -> OptState:
         """Fresh optimizer state, created sharded."""
@@ -371,6 +399,26 @@ class TrainSteps:
         """Mean loss of ``tokens`` (no update); with a pipeline, a forward-only pipeline program."""
         with jax.set_mesh(self.mesh):
             return self._eval_jit(params, tokens)
+
+    def layer_reports(self, params: Params, tokens: jax.Array) -> tuple[Any, ...]:
+        """What the layers report (:func:`meshtron.models.contract.layer_reports`; a mixture of
+        experts: its routing) for this step's batch, from a forward pass with the step's own
+        microbatches and data shards: each field stacked over the layers in model order and summed
+        over the :attr:`report_groups` routing groups. ``()`` when no layer reports anything."""
+        params = jax.device_put(params, self.param_shardings)
+        tokens = jax.device_put(tokens, self.batch_sharding)
+        with jax.set_mesh(self.mesh):
+            if self._reports_compiled is None:  # compiled only for a model whose layers report something
+                lowered = self.lower_reports(params, tokens)
+                self._reports_compiled = lowered.compile() if jax.tree.leaves(lowered.out_info) else False
+            if self._reports_compiled is False:
+                return ()
+            return jax.device_get(self._reports_compiled(params, tokens))
+
+    def lower_reports(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
+        """The lowered program of :meth:`layer_reports`, for compiled-program analysis."""
+        with jax.set_mesh(self.mesh):
+            return self._reports_jit.lower(params, tokens)
 
     def lower_eval(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered evaluation step, for compiled-program analysis."""
