@@ -2,13 +2,13 @@
 
 import io
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import subprocess_env
 
 from meshtron.config import MeshConfig
 from meshtron.generate import sample
@@ -19,10 +19,8 @@ SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len
 
 
 def meshtron(*args, timeout=300, xla_flags=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must add the device flag itself
+    env = subprocess_env(xla_flags or "")  # the CLI must add the device flag itself
     env["JAX_PLATFORMS"] = "cpu"
-    if xla_flags:
-        env["XLA_FLAGS"] = xla_flags
     return subprocess.run(
         [sys.executable, "-m", "meshtron.cli", *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=timeout,
@@ -93,7 +91,7 @@ PEAK = ("import sys\nfrom meshtron.cli import main\nstatus = main(sys.argv[1:])\
 def test_describe_plans_a_real_model_on_a_mesh_this_machine_simulates_without_building_it(config):
     """32 and 64 devices are simulated here, but the models (1.7B, 3.6B and Llama-2's 6.7B parameters with
     their optimizer state) would not fit: describe prices them and builds nothing, in under 2 GB."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     run = subprocess.run([sys.executable, "-c", PEAK, "describe", "--config", config], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr
@@ -111,7 +109,7 @@ def test_describe_plans_a_real_model_on_a_mesh_this_machine_simulates_without_bu
 def test_describe_compile_compiles_a_real_model_for_its_mesh_without_allocating_it(config, overrides):
     """Llama-2 7B on 8x1x8 (64 devices) and 70B on 2x4x8 with zero=3: the real step compiled from
     abstract arrays, its memory per device printed, in well under the memory of one device's state."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     run = subprocess.run([sys.executable, "-c", PEAK, "describe", "--config", config, "--compile", *overrides],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr

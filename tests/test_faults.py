@@ -2,13 +2,13 @@
 checkpoint and ends exactly where an uninterrupted run ends."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import subprocess_env
 
 from meshtron.checkpoint import CheckpointStore
 from meshtron.config import load_config
@@ -24,7 +24,7 @@ RUN = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.mlp_dim=64",
 
 
 def killable(event: str, step: int, metrics: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     return subprocess.run([sys.executable, str(HERE / "killable_run.py"), event, str(step), str(metrics), *overrides],
                           env=env, capture_output=True, text=True, timeout=300, check=False)
 

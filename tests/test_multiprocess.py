@@ -2,7 +2,6 @@
 checkpoints written and read by both, and a dead process ending the other with a clear error."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from subprocess_env import subprocess_env
 
 from meshtron.config import load_config
 from meshtron.launch import free_port
@@ -28,7 +28,7 @@ RUN = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=1
 
 
 def cli_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess_env()
 
 
 def launch(*args: str) -> subprocess.CompletedProcess:

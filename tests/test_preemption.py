@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from subprocess_env import subprocess_env
 
 from meshtron.checkpoint import CheckpointStore
 from meshtron.config import ConfigError, load_config
@@ -79,7 +80,7 @@ def records(metrics: Path) -> list[dict]:
 
 def test_sigterm_stops_a_cli_run_with_a_checkpoint_and_the_resumed_run_is_bitwise(tmp_path, trainer, straight):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI adds the device flag itself
+    env = subprocess_env()  # the CLI adds the device flag itself
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshtron.cli", "train", "--metrics", str(metrics), *RUN, f"checkpoint.dir={ckpt}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -166,7 +167,7 @@ def test_max_minutes_must_be_positive():
 def test_sigterm_to_meshtron_launch_stops_every_process_at_one_step(tmp_path):
     """SLURM signals the job step; `meshtron launch` passes it on and all processes stop together."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     run = [arg for arg in RUN if not arg.startswith("mesh.")] + ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshtron.cli", "launch", "--processes", "2", "--metrics", str(metrics), *run,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from subprocess_env import subprocess_env
 
 from meshtron.config import load_config
 from meshtron.errors import ConfigError
@@ -103,7 +103,7 @@ def test_bad_inputs_get_one_line():
 
 COMPILE = """
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=64"
 import jax
 from meshtron.config import load_config
 from meshtron.describe import modelled_step_memory, parameter_rows
@@ -138,7 +138,7 @@ def test_the_model_agrees_with_compiled_steps_of_real_models_within_ten_percent(
     """Compiled from abstract arrays on 64 simulated devices (nothing allocated); with the two configs
     ``tests/test_cli.py`` compiles through ``describe --compile`` (7B on 8x1x8, 70B on 2x4x8 zero=3),
     eight real configurations."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(REAL)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
