@@ -36,8 +36,8 @@ train: $(STAMP)
 
 # Two pytest workers (pytest-xdist; each takes the next test when it is done, `worksteal`): a test
 # here spends much of its time in XLA's compiler, which uses one core, so one pytest process leaves
-# the second core of a 2-core machine idle (leg 1 of .ci/run: 31 minutes in one process, 22-23 with
-# two). Both workers share tests/conftest.py's compilation cache. TEST_WORKERS=0: one process.
+# the second core of a 2-core machine idle (two workers take about two thirds of one's time). Both
+# workers share tests/conftest.py's compilation cache. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
