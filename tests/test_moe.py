@@ -257,18 +257,25 @@ def test_routing_reports_equal_one_devices_over_the_same_groups(layout):
 def test_a_run_records_routing_on_logged_steps_and_a_dense_run_does_not(tmp_path):
     import json
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     records = {}
     for name, extra in (("moe", []), ("dense", ["model.moe.experts=0"])):
         path = tmp_path / f"{name}.jsonl"
         with open(path, "w") as f:
             mixtral_trainer("mesh.data=2", "mesh.pipe=1", "mesh.tensor=1", "train.steps=2", "train.log_every=1",
-                            *extra).run(metrics_file=f)
+                            f"train.tensorboard={tmp_path / name}", *extra).run(metrics_file=f)
         records[name] = [json.loads(line) for line in path.read_text().splitlines()][1:]
     for record in records["moe"]:
         assert record["moe/dropped_fraction"] == 0.0 and record["moe/load_imbalance"] >= 1.0
         assert 0.5 < record["moe/aux_loss"] < 2.0 and record["moe/z_loss"] > 0  # 1 when balanced
         assert record["moe/rank_load/0"] + record["moe/rank_load/1"] == pytest.approx(1.0)
     assert not any(key.startswith("moe/") for record in records["dense"] for key in record)
+    # TensorBoard gets them under the same names
+    events = EventAccumulator(str(tmp_path / "moe"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("moe/aux_loss")] == pytest.approx([r["moe/aux_loss"] for r in records["moe"]])
+    assert {"moe/z_loss", "moe/rank_load/1"} <= set(events.Tags()["scalars"])
 
 
 def test_onebit_lamb_compresses_only_what_is_replicated_over_data():
