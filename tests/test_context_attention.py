@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from meshtron.models.attention import causal_attention
-from meshtron.models.context_attention import balanced_order, gathered_kv_attention
+from meshtron.models.context_attention import balanced_order, gathered_kv_attention, ring_attention
 
 pytestmark = pytest.mark.both_stacks
 
@@ -28,19 +28,21 @@ def test_balanced_order_gives_each_rank_a_front_and_a_mirrored_back_chunk_and_eq
         balanced_order(12, 4)
 
 
+@pytest.mark.parametrize("exchange", ["gathered", "ring"])
 @pytest.mark.parametrize("ranks, heads, kv_heads", [(4, 4, 4), (8, 8, 2), (2, 6, 3)])
-def test_gathered_kv_attention_equals_unsplit_attention_with_its_gradients(ranks, heads, kv_heads):
+def test_split_attention_equals_unsplit_attention_with_its_gradients(exchange, ranks, heads, kv_heads):
     b, s, d = 2, 32, 8
     q, k, v, w = (jax.random.normal(key, shape) for key, shape in zip(
         jax.random.split(jax.random.key(0), 4), [(b, s, heads, d), (b, s, kv_heads, d), (b, s, kv_heads, d),
                                                   (b, s, heads, d)]))
     order = balanced_order(s, ranks)
+    attention = gathered_kv_attention if exchange == "gathered" else ring_attention
     mesh = jax.make_mesh((ranks,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ranks])
 
     def split(q, k, v):
         inputs = [jnp.take(x, order, axis=1) for x in (q, k, v)]
         out = jax.shard_map(
-            lambda q, k, v, pos: gathered_kv_attention(q, k, v, pos, "context"), mesh=mesh,
+            lambda q, k, v, pos: attention(q, k, v, pos, "context"), mesh=mesh,
             in_specs=(P(None, "context"),) * 3 + (P("context"),), out_specs=P(None, "context"),
         )(*inputs, jnp.asarray(order, jnp.int32))
         return jnp.take(out, np.argsort(order), axis=1)  # back to sequence order
@@ -55,3 +57,29 @@ def test_gathered_kv_attention_equals_unsplit_attention_with_its_gradients(ranks
     want = jax.grad(loss(causal_attention), argnums=(0, 1, 2))(q, k, v)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def compiled_temp_bytes(attention, ranks: int, local: int) -> int:
+    """Temporary bytes per device of the gradient of split attention over ``ranks`` x ``local`` tokens."""
+    seq, heads, d = ranks * local, 4, 32
+    mesh = jax.make_mesh((ranks,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ranks])
+    positions = jnp.asarray(balanced_order(seq, ranks), jnp.int32)
+
+    def loss(q, k, v):
+        return jnp.sum(jax.shard_map(
+            lambda q, k, v, pos: attention(q, k, v, pos, "context"), mesh=mesh,
+            in_specs=(P(None, "context"),) * 3 + (P("context"),), out_specs=P(None, "context"))(q, k, v, positions))
+
+    shape = jax.ShapeDtypeStruct((1, seq, heads, d), jnp.float32)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_the_ring_holds_the_same_memory_whatever_the_ring_size_and_gathering_grows_with_it():
+    # The same 256 tokens per rank on 2 and on 8 ranks: the ring's forward and backward hold two key/value
+    # blocks and one block's scores at a time; all-gathered keys hold the whole sequence and its scores.
+    ring = [compiled_temp_bytes(ring_attention, ranks, 256) for ranks in (2, 8)]
+    gathered = [compiled_temp_bytes(gathered_kv_attention, ranks, 256) for ranks in (2, 8)]
+    assert ring[1] == pytest.approx(ring[0], rel=0.05)
+    assert gathered[1] > 3 * gathered[0] and ring[1] < gathered[1] / 3

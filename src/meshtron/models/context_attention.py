@@ -8,16 +8,24 @@ sequence cut into ``2n``, so that every rank has the same amount of attention (M
 torchtitan's load balancing). Positions (RoPE, and the causal mask) are then those of the rank's own
 tokens, not ``0 .. S/n - 1``.
 
-:func:`gathered_kv_attention` is the simplest exchange: each rank all-gathers the keys and values
-(only the key/value heads under grouped-query attention) and attends for its own queries, with the
-mask built from the positions. Call it inside ``shard_map`` manual over the sequence's mesh axis.
+Two exchanges, both called inside ``shard_map`` manual over the sequence's mesh axis, with the mask
+built from the positions:
+
+* :func:`gathered_kv_attention`: each rank all-gathers the keys and values (only the key/value heads
+  under grouped-query attention) and attends for its own queries; it holds the whole sequence's
+  keys, values and scores.
+* :func:`ring_attention`: the key/value blocks travel around the ring, each folded into a running
+  softmax; forward and backward hold two blocks at a time, so its memory does not grow with the
+  number of ranks (``tests/test_context_attention.py`` reads it from compiled programs).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from meshtron.models.attention import Implementation
@@ -50,3 +58,108 @@ def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: j
     mask = (key_positions[None, :] <= positions[:, None])[None, None]  # [1, 1, s, S]
     scale = 1.0 / math.sqrt(q.shape[-1])
     return jax.nn.dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str) -> jax.Array:
+    """Causal attention of this rank's queries over the whole sequence, the keys and values passed
+    around the ring of the manual mesh ``axis`` one block at a time (``ppermute``), each block's
+    scores folded into a running softmax (the online-softmax rescaling of flash attention).
+
+    Arguments and result as :func:`gathered_kv_attention`. A rank holds two key/value blocks at a
+    time (its own and the one in flight), never the whole sequence's. The backward pass is a second
+    ring: it recomputes each block's probabilities from the forward's log-sum-exp, and the keys' and
+    values' gradients travel with their block until they are back on the rank that owns it, so the
+    backward also holds two blocks, not every step's scores. The math is fp32; the result has
+    ``v``'s dtype.
+    """
+    return _ring(q, k, v, positions, axis)
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """``[b, s, heads, d]`` -> ``[b, s, kv_heads, group, d]``: each key/value head's query heads."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, kv_heads, h // kv_heads, d)
+
+
+def _shift(tree, axis: str):
+    n = jax.lax.axis_size(axis)
+    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _block_scores(q, k, q_positions, k_positions, scale):
+    """Scores ``[b, kv_heads, group, s_q, s_k]`` (fp32) of grouped queries against a key block, and the
+    causal mask ``[s_q, s_k]`` from the tokens' positions."""
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
+    return scores, k_positions[None, :] <= q_positions[:, None]
+
+
+def _ring_forward(q, k, v, positions, axis):
+    kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
+    qg = _grouped(q, kv_heads).astype(jnp.float32)
+    b, s, _, g, _ = qg.shape
+    n = jax.lax.axis_size(axis)
+
+    def step(carry, _):
+        kb, vb, kpos, m, l, o = carry
+        scores, mask = _block_scores(qg, kb.astype(jnp.float32), positions, kpos, scale)
+        scores = jnp.where(mask, scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # finite: the own block holds each query's key
+        p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+        rescale = jnp.exp(m - m_new)
+        l = l * rescale + jnp.sum(p, axis=-1)
+        o = o * jnp.moveaxis(rescale, -1, 1)[..., None] + jnp.einsum("bhgqk,bkhd->bqhgd", p, vb.astype(jnp.float32))
+        kb, vb, kpos = _shift((kb, vb, kpos), axis)
+        return (kb, vb, kpos, m_new, l, o), None
+
+    m0 = jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32)
+    start = (k, v, positions, m0, jnp.zeros_like(m0), jnp.zeros_like(qg))
+    start = jax.tree.map(lambda x, ref=q: _like(x, ref), start)
+    (_, _, _, m, l, o), _ = jax.lax.scan(step, start, None, length=n)
+    out = (o / jnp.moveaxis(l, -1, 1)[..., None]).reshape(q.shape).astype(v.dtype)
+    return out, m + jnp.log(l)
+
+
+def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """``x`` varying over the manual axes ``ref`` varies over (a zero-size sum of ``ref`` added)."""
+    return x + jnp.sum(ref.reshape(-1)[:0]).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, positions, axis):
+    return _ring_forward(q, k, v, positions, axis)[0]
+
+
+def _ring_fwd(q, k, v, positions, axis):
+    out, lse = _ring_forward(q, k, v, positions, axis)
+    return out, (q, k, v, positions, out, lse)
+
+
+def _ring_bwd(axis, residuals, d_out):
+    q, k, v, positions, out, lse = residuals
+    kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
+    qg = _grouped(q, kv_heads).astype(jnp.float32)
+    dog = _grouped(d_out, kv_heads).astype(jnp.float32)
+    # D = rowsum(dO ∘ O): the softmax backward's correction, per query and head
+    correction = jnp.einsum("bqhgd,bqhgd->bhgq", dog, _grouped(out, kv_heads).astype(jnp.float32))
+    n = jax.lax.axis_size(axis)
+
+    def step(carry, _):
+        kb, vb, kpos, dk, dv, dq = carry
+        scores, mask = _block_scores(qg, kb.astype(jnp.float32), positions, kpos, scale)
+        p = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb.astype(jnp.float32))
+        ds = p * (dp - correction[..., None])
+        dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb.astype(jnp.float32)) * scale
+        dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg) * scale
+        dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
+        # the block moves on with its gradients; after n moves both are back on the rank that owns them
+        kb, vb, kpos, dk, dv = _shift((kb, vb, kpos, dk, dv), axis)
+        return (kb, vb, kpos, dk, dv, dq), None
+
+    zeros_kv = _like(jnp.zeros(k.shape, jnp.float32), q)
+    start = (k, v, positions, zeros_kv, zeros_kv, _like(jnp.zeros(qg.shape, jnp.float32), q))
+    (_, _, _, dk, dv, dq), _ = jax.lax.scan(step, start, None, length=n)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
