@@ -99,22 +99,25 @@ def _ring_forward(q, k, v, positions, axis):
     b, s, _, g, _ = qg.shape
     n = jax.lax.axis_size(axis)
 
-    def step(carry, _):
-        kb, vb, kpos, m, l, o = carry
+    def fold(stats, kb, vb, kpos):
+        """The running max, sum and weighted values with one more key/value block folded in."""
+        m, l, o = stats
         scores, mask = _block_scores(qg, kb.astype(jnp.float32), positions, kpos, scale)
         scores = jnp.where(mask, scores, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # finite: the own block holds each query's key
+        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # finite: the own block, first, holds each query's key
         p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
         rescale = jnp.exp(m - m_new)
-        l = l * rescale + jnp.sum(p, axis=-1)
         o = o * jnp.moveaxis(rescale, -1, 1)[..., None] + jnp.einsum("bhgqk,bkhd->bqhgd", p, vb.astype(jnp.float32))
-        kb, vb, kpos = _shift((kb, vb, kpos), axis)
-        return (kb, vb, kpos, m_new, l, o), None
+        return m_new, l * rescale + jnp.sum(p, axis=-1), o
 
-    m0 = jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32)
-    start = (k, v, positions, m0, jnp.zeros_like(m0), jnp.zeros_like(qg))
-    start = jax.tree.map(lambda x, ref=q: _like(x, ref), start)
-    (_, _, _, m, l, o), _ = jax.lax.scan(step, start, None, length=n)
+    def step(carry, _):
+        kb, vb, kpos, stats = carry
+        kb, vb, kpos = _shift((kb, vb, kpos), axis)  # the previous rank's block
+        return (kb, vb, kpos, fold(stats, kb, vb, kpos)), None
+
+    m0 = _like(jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32), q)
+    own = fold((m0, jnp.zeros_like(m0), _like(jnp.zeros_like(qg), q)), k, v, positions)
+    (_, _, _, (m, l, o)), _ = jax.lax.scan(step, (k, v, positions, own), None, length=n - 1)
     out = (o / jnp.moveaxis(l, -1, 1)[..., None]).reshape(q.shape).astype(v.dtype)
     return out, m + jnp.log(l)
 
