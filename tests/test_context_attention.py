@@ -9,8 +9,14 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from meshtron.hlo.collectives import collectives
 from meshtron.models.attention import causal_attention
-from meshtron.models.context_attention import balanced_order, gathered_kv_attention, ring_attention
+from meshtron.models.context_attention import (
+    balanced_order,
+    exchange_bytes,
+    gathered_kv_attention,
+    ring_attention,
+)
 
 pytestmark = pytest.mark.both_stacks
 
@@ -59,9 +65,9 @@ def test_split_attention_equals_unsplit_attention_with_its_gradients(exchange, r
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
-def compiled_temp_bytes(attention, ranks: int, local: int) -> int:
-    """Temporary bytes per device of the gradient of split attention over ``ranks`` x ``local`` tokens."""
-    seq, heads, d = ranks * local, 4, 32
+def compiled_gradient(attention, ranks: int, local: int, heads: int = 4, kv_heads: int = 4, d: int = 32):
+    """The compiled gradient of split attention over ``ranks`` x ``local`` tokens, and its mesh."""
+    seq = ranks * local
     mesh = jax.make_mesh((ranks,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ranks])
     positions = jnp.asarray(balanced_order(seq, ranks), jnp.int32)
 
@@ -70,10 +76,15 @@ def compiled_temp_bytes(attention, ranks: int, local: int) -> int:
             lambda q, k, v, pos: attention(q, k, v, pos, "context"), mesh=mesh,
             in_specs=(P(None, "context"),) * 3 + (P("context"),), out_specs=P(None, "context"))(q, k, v, positions))
 
-    shape = jax.ShapeDtypeStruct((1, seq, heads, d), jnp.float32)
+    q = jax.ShapeDtypeStruct((1, seq, heads, d), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, seq, kv_heads, d), jnp.float32)
     with jax.set_mesh(mesh):
-        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile(), mesh
+
+
+def compiled_temp_bytes(attention, ranks: int, local: int) -> int:
+    """Temporary bytes per device of the gradient of split attention over ``ranks`` x ``local`` tokens."""
+    return compiled_gradient(attention, ranks, local)[0].memory_analysis().temp_size_in_bytes
 
 
 def test_the_ring_holds_the_same_memory_whatever_the_ring_size_and_gathering_grows_with_it():
@@ -83,3 +94,15 @@ def test_the_ring_holds_the_same_memory_whatever_the_ring_size_and_gathering_gro
     gathered = [compiled_temp_bytes(gathered_kv_attention, ranks, 256) for ranks in (2, 8)]
     assert ring[1] == pytest.approx(ring[0], rel=0.05)
     assert gathered[1] > 3 * gathered[0] and ring[1] < gathered[1] / 3
+
+
+@pytest.mark.parametrize("exchange, attention", [("gathered", gathered_kv_attention), ("ring", ring_attention)])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_bytes_over_the_sequence_axis_are_the_formula(exchange, attention, ranks):
+    # one attention layer's forward and backward, grouped-query heads (4 query heads over 2 key/value heads)
+    compiled, mesh = compiled_gradient(attention, ranks, local=64, heads=4, kv_heads=2, d=16)
+    sent = sum(c.total_wire_bytes for c in collectives(compiled, mesh) if c.axes == ("context",))
+    assert sent == pytest.approx(sum(exchange_bytes(exchange, ranks, tokens=64, kv_heads=2, head_dim=16)))
+    with pytest.raises(ValueError, match="exchange: must be gathered or ring, got 'a2a'"):
+        exchange_bytes("a2a", ranks, 64, 2, 16)
+

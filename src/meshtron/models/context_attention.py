@@ -42,6 +42,24 @@ def balanced_order(seq_len: int, ranks: int) -> np.ndarray:
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in starts])
 
 
+def exchange_bytes(exchange: str, ranks: int, tokens: int, kv_heads: int, head_dim: int,
+                   itemsize: int = 4) -> tuple[float, float]:
+    """Bytes one rank sends over the sequence's axis per attention layer, ``(forward, backward)``, for
+    ``tokens`` per rank (the rank's block of keys: ``tokens · kv_heads · head_dim · itemsize``).
+
+    ``"gathered"``: the forward all-gathers keys, values and the int32 positions (a ring all-gather
+    sends ``(n-1)`` blocks of each); the backward reduce-scatters the keys' and values' gradients, as
+    many bytes. ``"ring"``: the forward passes keys, values and positions on ``n-1`` times; the
+    backward ``n`` times, with the keys' and values' fp32 gradients travelling along."""
+    if exchange not in ("gathered", "ring"):
+        raise ValueError(f"exchange: must be gathered or ring, got {exchange!r}")
+    block, positions = tokens * kv_heads * head_dim * itemsize, tokens * 4
+    if exchange == "gathered":
+        return (ranks - 1) * (2 * block + positions), (ranks - 1) * 2 * block
+    gradients = 2 * tokens * kv_heads * head_dim * 4
+    return (ranks - 1) * (2 * block + positions), ranks * (2 * block + positions + gradients)
+
+
 def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
                           implementation: Implementation = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, whose keys and values are
