@@ -156,3 +156,12 @@ def manual_part(specs, axes: set[str] | frozenset[str]):
         return PartitionSpec(*entries)
 
     return jax.tree.map(restrict, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the manual mesh axes ``ref`` varies over, its values unchanged: a
+    fresh constant (zeros for a ``cond`` branch or a ``scan`` carry) inside ``shard_map`` varies over
+    none, and must match what the other branch or the loop body computes from ``ref``. The sum of an
+    empty slice of ``ref`` is an exact zero with ``ref``'s type; it moves no data."""
+    return x + jax.numpy.sum(ref.reshape(-1)[:0]).astype(x.dtype)
+

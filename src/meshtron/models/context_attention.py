@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtron.models.attention import Implementation
+from meshtron.sharding import varying_like
 
 
 def balanced_order(seq_len: int, ranks: int) -> np.ndarray:
@@ -133,16 +134,11 @@ def _ring_forward(q, k, v, positions, axis):
         kb, vb, kpos = _shift((kb, vb, kpos), axis)  # the previous rank's block
         return (kb, vb, kpos, fold(stats, kb, vb, kpos)), None
 
-    m0 = _like(jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32), q)
-    own = fold((m0, jnp.zeros_like(m0), _like(jnp.zeros_like(qg), q)), k, v, positions)
+    m0 = varying_like(jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32), q)
+    own = fold((m0, jnp.zeros_like(m0), varying_like(jnp.zeros_like(qg), q)), k, v, positions)
     (_, _, _, (m, l, o)), _ = jax.lax.scan(step, (k, v, positions, own), None, length=n - 1)
     out = (o / jnp.moveaxis(l, -1, 1)[..., None]).reshape(q.shape).astype(v.dtype)
     return out, m + jnp.log(l)
-
-
-def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
-    """``x`` varying over the manual axes ``ref`` varies over (a zero-size sum of ``ref`` added)."""
-    return x + jnp.sum(ref.reshape(-1)[:0]).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -177,8 +173,8 @@ def _ring_bwd(axis, residuals, d_out):
         kb, vb, kpos, dk, dv = _shift((kb, vb, kpos, dk, dv), axis)
         return (kb, vb, kpos, dk, dv, dq), None
 
-    zeros_kv = _like(jnp.zeros(k.shape, jnp.float32), q)
-    start = (k, v, positions, zeros_kv, zeros_kv, _like(jnp.zeros(qg.shape, jnp.float32), q))
+    zeros_kv = varying_like(jnp.zeros(k.shape, jnp.float32), q)
+    start = (k, v, positions, zeros_kv, zeros_kv, varying_like(jnp.zeros(qg.shape, jnp.float32), q))
     (_, _, _, dk, dv, dq), _ = jax.lax.scan(step, start, None, length=n)
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

@@ -61,7 +61,7 @@ from flax import nnx
 
 from meshtron.errors import ConfigError
 from meshtron.models.auxiliary import collecting_reports
-from meshtron.sharding import Rules, constrain, variable_axes
+from meshtron.sharding import Rules, constrain, variable_axes, varying_like
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 LAYERS = "layers"
@@ -256,14 +256,8 @@ def _run_collecting(graphdef: Any, state: Any, x: jax.Array, ctx: Context, activ
 
     def maybe_layer(h, xs):
         i, layer_state = xs
-        # A padding slot's zeros, typed as varying over the same manual axes as ``h`` (an empty sum of it).
-        nothing = jnp.sum(h.reshape(-1)[:0])
-
-        def zero(r):
-            return jnp.zeros(r.shape, r.dtype) + nothing.astype(r.dtype)
-
-        return jax.lax.cond(i < active, lambda: one_layer(h, layer_state),
-                            lambda: (h, jax.tree.map(zero, reports)))
+        return jax.lax.cond(i < active, lambda: one_layer(h, layer_state),  # a padding slot reports zeros
+                            lambda: (h, jax.tree.map(lambda r: varying_like(jnp.zeros(r.shape, r.dtype), h), reports)))
 
     return jax.lax.scan(maybe_layer, x, (jnp.arange(layers), state))
 
