@@ -70,7 +70,7 @@ def test_launch_children_resolve_the_name(capsys, tmp_path, monkeypatch):
     assert devices_per_process("cpu8", [], 2) == 4
     assert devices_per_process("paper/gpt_1_7b", ["mesh.data=4"], 2) == 2
     assert main(["train", "--config=cpu8", "--print-config"]) == 0  # a child's argument form
-    assert yaml.safe_load(capsys.readouterr().out)["mesh"] == {"data": 2, "pipe": 2, "tensor": 2}
+    assert yaml.safe_load(capsys.readouterr().out)["mesh"] == {"data": 2, "pipe": 2, "tensor": 2, "context": 1}
 
 
 def test_configs_lists_every_bundled_config(capsys):
@@ -93,7 +93,7 @@ def test_print_config_is_the_merged_validated_config(capsys, tmp_path):
     printed = yaml.safe_load(capsys.readouterr().out)
     expected = load_config(CONFIGS / "cpu8.yaml", ["mesh.tensor=4", "train.steps=7"])
     assert printed == to_dict(expected)
-    assert printed["mesh"] == {"data": 2, "pipe": 2, "tensor": 4} and printed["train"]["steps"] == 7
+    assert printed["mesh"] == {"data": 2, "pipe": 2, "tensor": 4, "context": 1} and printed["train"]["steps"] == 7
     assert printed["model"]["hidden"] == 128 and printed["checkpoint"]["dir"] is None  # file, then defaults
     saved = tmp_path / "run.yaml"  # the output is a config file itself
     saved.write_text(yaml.safe_dump(printed))

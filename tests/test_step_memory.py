@@ -15,7 +15,7 @@ from subprocess_env import subprocess_env
 
 from meshtron.config import load_config
 from meshtron.errors import ConfigError
-from meshtron.mesh import AXES
+from meshtron.mesh import AXES, mesh_shape
 from meshtron.plan.step_memory import StepRun, StepShape, block_parameters, other_parameters, step_memory
 from meshtron.run import resolve_run
 
@@ -33,7 +33,7 @@ def test_parameter_counts_equal_the_built_models(config, overrides):
     from meshtron.train.state import model_def_from_config
 
     cfg = load_config(config, overrides)
-    sizes = dict(zip(AXES, (cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor)))
+    sizes = dict(zip(AXES, mesh_shape(cfg.mesh)))
     rows = parameter_rows(model_def_from_config(cfg.model, sizes["tensor"]), sizes)
     shape = StepShape.from_config(cfg.model)
     blocks = sum(r[4] for r in rows if r[0].startswith("blocks/"))
@@ -115,7 +115,7 @@ for config, overrides in json.loads(sys.argv[1]):
     trainer = Trainer.from_config(cfg, jax.devices()[: cfg.mesh.data * cfg.mesh.pipe * cfg.mesh.tensor], read_data=False)
     program = trainer.steps.compile(*trainer.abstract_step_arguments())
     memory = program.memory_analysis()
-    rows = parameter_rows(trainer.model_def, dict(zip(AXES, trainer.resolved.sizes)))
+    rows = parameter_rows(trainer.model_def, dict(zip(AXES, trainer.resolved.mesh_shape)))
     model = modelled_step_memory(trainer.resolved, rows, "cpu")
     out.append([config, overrides, memory.argument_size_in_bytes + memory.temp_size_in_bytes, model.peak])
 print(json.dumps(out))

@@ -24,7 +24,7 @@ from meshtron.bundled_configs import bundled, natural_order
 from meshtron.config import Config, MeshConfig, check_output_path, config_from_dict, load_config, to_dict
 from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
-from meshtron.mesh import devices_requested, ensure_cpu_devices
+from meshtron.mesh import devices_requested, ensure_cpu_devices, mesh_shape
 from meshtron.models.registry import hf_mapping
 from meshtron.run import Run, resolve_run
 from meshtron.units import format_count
@@ -142,8 +142,8 @@ def _read_bundled(name: str, source: Traversable) -> Config:
 
 def _devices(mesh: MeshConfig) -> int:
     """The mesh's device count; 0 when an axis is -1 ("the rest of the devices")."""
-    sizes = (mesh.data, mesh.pipe, mesh.tensor)
-    return sizes[0] * sizes[1] * sizes[2] if min(sizes) >= 1 else 0
+    sizes = mesh_shape(mesh)
+    return math.prod(sizes) if min(sizes) >= 1 else 0
 
 
 def _summary(cfg: Config) -> str:
@@ -151,6 +151,8 @@ def _summary(cfg: Config) -> str:
     without JAX) and shape."""
     mesh, m = cfg.mesh, cfg.model
     sizes = {"data": mesh.data, "pipe": mesh.pipe, "tensor": mesh.tensor}
+    if mesh.context != 1:
+        sizes["context"] = mesh.context
     layout = " x ".join(f"{axis} {'rest' if size == -1 else size}" for axis, size in sizes.items())
     if _devices(mesh):
         layout += f" = {_devices(mesh)} devices"
@@ -307,6 +309,7 @@ def _generation_mesh(args: argparse.Namespace) -> MeshConfig:
             setattr(mesh, name, int(value))
         except ValueError:
             raise ConfigError(f"{key}: expected an integer size, got {value!r}") from None
+    mesh.context = 1  # decoding does not split sequences: a context-parallel run's checkpoint samples without it
     return mesh
 
 
@@ -332,7 +335,7 @@ def _generate(args: argparse.Namespace) -> None:
 def _resolved(cfg: Config, program: bool = True) -> Run | None:
     """The run ``cfg`` describes, resolved before JAX starts (its stage layout and schedule checked and
     built once) when its mesh says its size; with a -1 axis, the trainer resolves it on the devices."""
-    sizes = (cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor)
+    sizes = mesh_shape(cfg.mesh)
     return None if -1 in sizes else resolve_run(cfg, math.prod(sizes), program=program)
 
 

@@ -28,15 +28,24 @@ from meshtron.errors import ConfigError
 from meshtron.megatron import REMAT_MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
+CONTEXT_EXCHANGES = ("gathered", "ring")
+RING_IN_PIPELINE = (
+    "ring cannot run inside pipeline stages (mesh.pipe > 1): XLA's collective-permute waits for every device of "
+    "the mesh, and stages run their layers at different ticks; use model.context_attention=gathered with a pipeline")
 
 
 @dataclass
 class MeshConfig:
-    """Degrees of data, pipeline and tensor parallelism; at most one may be -1 ("the rest")."""
+    """Degrees of data, pipeline, tensor and context parallelism; at most one may be -1 ("the rest").
+
+    ``context`` splits every sequence over its ranks (context parallelism: each rank holds
+    ``seq_len / context`` tokens, and attention exchanges keys and values over the axis as
+    ``model.context_attention`` says); gradients are then reduced over data x context."""
 
     data: int = -1
     pipe: int = 1
     tensor: int = 1
+    context: int = 1
 
 
 FAMILIES = ("gpt", "llama")
@@ -91,6 +100,9 @@ class ModelConfig:
     # a GPT's position table, a Llama's advertised context; null = seq_len. seq_len is the training window.
     max_position_embeddings: int | None = None
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
+    # Attention over a sequence split on mesh.context: gathered (keys and values all-gathered) or ring
+    # (blocks passed around, two resident at a time). Ignored with mesh.context=1.
+    context_attention: str = "gathered"
     rules: dict[str, str | None] = field(default_factory=dict)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -378,10 +390,10 @@ def validate(cfg: Config) -> None:
     (:func:`validate_sizes`); not the devices present (:mod:`meshtron.mesh`) nor the pipeline's
     stage layout and schedule (:func:`meshtron.run.resolve_run`)."""
     mesh = cfg.mesh
-    sizes = {"mesh.data": mesh.data, "mesh.pipe": mesh.pipe, "mesh.tensor": mesh.tensor}
+    sizes = {"mesh.data": mesh.data, "mesh.pipe": mesh.pipe, "mesh.tensor": mesh.tensor, "mesh.context": mesh.context}
     for name, size in sizes.items():
         _need(size == -1 or size >= 1, name, f"must be a positive size or -1 (the rest of the devices), got {size}")
-    _need(list(sizes.values()).count(-1) <= 1, "mesh", "at most one of data, pipe, tensor may be -1")
+    _need(list(sizes.values()).count(-1) <= 1, "mesh", "at most one of data, pipe, tensor, context may be -1")
 
     m = cfg.model
     for name in ("vocab_size", "hidden", "heads", "layers", "mlp_dim", "seq_len"):
@@ -406,9 +418,12 @@ def validate(cfg: Config) -> None:
               "the model's positions; raise it or lower model.seq_len")
     _need(m.attention in ("xla", "cudnn"), "model.attention",
           f"must be 'xla' or 'cudnn' (cuDNN flash attention, GPUs only), got {m.attention!r}")
+    _need(m.context_attention in CONTEXT_EXCHANGES, "model.context_attention",
+          f"must be one of {', '.join(CONTEXT_EXCHANGES)} (how attention exchanges keys and values over "
+          f"mesh.context), got {m.context_attention!r}")
     for name, axis in m.rules.items():
-        _need(axis is None or axis in ("data", "pipe", "tensor"), f"model.rules.{name}",
-              f"{axis!r} is not a mesh axis; use data, pipe, tensor or null (replicated)")
+        _need(axis is None or axis in ("data", "pipe", "context", "tensor"), f"model.rules.{name}",
+              f"{axis!r} is not a mesh axis; use data, pipe, context, tensor or null (replicated)")
 
     t = cfg.train
     for name in ("steps", "batch_size", "microbatches", "eval_every", "log_every", "eval_batches"):
@@ -502,8 +517,25 @@ def validate_sizes(cfg: Config) -> None:
               f"model.seq_len={m.seq_len} must be divisible by mesh.tensor={mesh.tensor} (each tensor rank holds "
               "seq_len/tensor positions)")
     validate_tensor_split(m, mesh)
+    if mesh.context > 1:
+        validate_context_split(m, mesh)
     if mesh.data > 0:
         check_batch_divisible(cfg, mesh.data)
+
+
+def validate_context_split(m: ModelConfig, mesh: MeshConfig) -> None:
+    """A sequence split over ``mesh.context`` ranks, each holding a front chunk and its mirror."""
+    _need(m.seq_len % (2 * mesh.context) == 0, "mesh.context",
+          f"model.seq_len={m.seq_len} must be divisible by 2 x mesh.context = {2 * mesh.context} (each context rank "
+          "holds two equal chunks of every sequence); use a seq_len or context size that fits")
+    if m.sequence_parallel and mesh.tensor > 1:
+        _need(m.seq_len % (2 * mesh.context * mesh.tensor) == 0, "model.sequence_parallel",
+              f"model.seq_len={m.seq_len} must be divisible by 2 x mesh.context x mesh.tensor = "
+              f"{2 * mesh.context * mesh.tensor} (the residual stream is split over both)")
+    _need(mesh.pipe == 1 or m.context_attention != "ring", "model.context_attention", RING_IN_PIPELINE)
+    _need(not m.moe.experts, "mesh.context",
+          "a mixture of experts is split over data ranks only, not over a split sequence; use mesh.context=1 "
+          "with model.moe.experts")
 
 
 def validate_moe(m: ModelConfig) -> None:

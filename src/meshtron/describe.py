@@ -24,7 +24,7 @@ from meshtron import megatron
 from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.hlo.summary import analyze
-from meshtron.mesh import AXES, resolve_sizes
+from meshtron.mesh import AXES, mesh_shape, resolve_sizes
 from meshtron.plan.step_memory import BACKENDS, StepMemory, StepRun, StepShape, step_memory
 from meshtron.run import Run, resolve_run
 from meshtron.sharding import logical_to_spec, placing_rules
@@ -237,7 +237,7 @@ def expert_exchange(cfg: Config, sizes: tuple[int, ...], model_def: ModelDef) ->
     from meshtron.models.moe import EXPERTS, all_to_all_bytes
 
     m, t = cfg.model, cfg.train
-    mesh_sizes = dict(zip(AXES, sizes))
+    mesh_sizes = dict(zip(AXES, mesh_shape(cfg.mesh)))
     spec = logical_to_spec((EXPERTS,), model_def.rules)
     axis = spec[0] if len(spec) and isinstance(spec[0], str) else None
     ranks = mesh_sizes[axis] if axis else 1
@@ -257,17 +257,17 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     arrays whatever the model's size (nothing is allocated), and its memory per device printed."""
     out = out or sys.stdout
     devices = jax.devices()
-    requested = [cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor]
+    requested = list(mesh_shape(cfg.mesh))
     on_devices = -1 in requested or math.prod(requested) <= len(devices)
     count = len(devices) if on_devices else math.prod(requested)  # planning: the mesh as written
-    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count)[2])
-    if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.sizes) > count:
+    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count).tensor)
+    if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.mesh_shape) > count:
         run = resolve_run(cfg, count, layers=model_def.layers)
     cfg, sizes = run.cfg, run.sizes
-    mesh_sizes = dict(zip(AXES, sizes))
+    mesh_sizes = dict(zip(AXES, run.mesh_shape))
     m = cfg.model
 
-    print(f"mesh      {mesh_sizes}  ({math.prod(sizes)} devices; this machine has {len(devices)} "
+    print(f"mesh      {mesh_sizes}  ({math.prod(run.mesh_shape)} devices; this machine has {len(devices)} "
           f"{devices[0].platform.upper()} devices)", file=out)
     family = f"{m.family}" if m.factory is None else f"factory {m.factory}"
     kv = f" ({m.kv_heads} kv)" if m.kv_heads and m.factory is None else ""

@@ -282,8 +282,8 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     model = mapping.model_config(hf, where)
     tied = mapping.head_tied(hf)
     devices = jax.devices()
-    data, pipe, tensor = resolve_sizes(mesh or MeshConfig(1, 1, 1), len(devices))
-    mesh_cfg = MeshConfig(data, pipe, tensor)
+    mesh_cfg = resolve_sizes(mesh or MeshConfig(1, 1, 1), len(devices))
+    tensor = mesh_cfg.tensor
     cfg = _run_config(model, mesh_cfg, overrides)
     if output.exists() and not output.is_dir():
         raise CheckpointError(f"{output}: is a file; give a new directory for the checkpoint")
@@ -305,7 +305,7 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     copy = save_tokenizer(tokenizer, output) if tokenizer is not None else None
     if copy is not None:
         cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(copy)))
-    layout = {"mesh": [data, pipe, tensor], "chunks": cfg.pipeline.chunks if pipe > 1 else 1}
+    layout = {"mesh": [mesh_cfg.data, mesh_cfg.pipe, tensor], "chunks": cfg.pipeline.chunks if mesh_cfg.pipe > 1 else 1}
     store = CheckpointStore(output, async_save=False)  # run_id None: no run owns an import
     try:
         store.save(RunPosition(0, 0, 0), {"params": params}, None, device_mesh,

@@ -1,10 +1,12 @@
-"""MeshConfig -> ``jax.sharding.Mesh`` with axes (data, pipe, tensor), tensor innermost.
+"""MeshConfig -> ``jax.sharding.Mesh`` with axes (data, pipe, context, tensor), tensor innermost.
 
 JAX meshes are row-major, so the last axis varies fastest over ``jax.devices()``: putting
 ``tensor`` last keeps each tensor-parallel group on neighbouring devices (inside one node on a
-GPU pod), the way Megatron-LM keeps its TP groups on NVLink. Axes are ``AxisType.Auto``: the
-compiler propagates shardings from the annotations, and ``shard_map`` takes manual control of
-the axes a transform needs (``data`` for the gradient reduction, ``pipe`` for pipelining).
+GPU pod), the way Megatron-LM keeps its TP groups on NVLink; ``context`` comes next (Megatron's
+tp-cp-dp-pp order), its ring or all-gather of keys and values the next most frequent traffic. Axes
+are ``AxisType.Auto``: the compiler propagates shardings from the annotations, and ``shard_map``
+takes manual control of the axes a transform needs (``data`` and ``context`` for the gradient
+reduction and the split sequence, ``pipe`` for pipelining).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import sys
 from meshtron.config import MeshConfig
 from meshtron.errors import ConfigError
 
-AXES = ("data", "pipe", "tensor")
+AXES = ("data", "pipe", "context", "tensor")
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 
-def resolve_sizes(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    """Fill a -1 with the devices left over and check the product fits in ``n_devices``."""
-    sizes = {"data": cfg.data, "pipe": cfg.pipe, "tensor": cfg.tensor}
+def resolve_sizes(cfg: MeshConfig, n_devices: int) -> MeshConfig:
+    """``cfg`` with a -1 filled with the devices left over; checks the product fits in ``n_devices``."""
+    sizes = {"data": cfg.data, "pipe": cfg.pipe, "context": cfg.context, "tensor": cfg.tensor}
     known = math.prod(s for s in sizes.values() if s != -1)
     for name, size in sizes.items():
         if size == -1:
@@ -35,15 +37,21 @@ def resolve_sizes(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
             sizes[name] = n_devices // known
     total = math.prod(sizes.values())
     if total > n_devices:
+        names = [a for a in AXES if a != "context" or sizes[a] > 1]
         raise ConfigError(
-            f"mesh: data x pipe x tensor = {sizes['data']} x {sizes['pipe']} x {sizes['tensor']} = {total} "
+            f"mesh: {' x '.join(names)} = {' x '.join(str(sizes[a]) for a in names)} = {total} "
             f"devices, but this run has {n_devices}; shrink the mesh (e.g. mesh.data) or add devices"
         )
-    return sizes["data"], sizes["pipe"], sizes["tensor"]
+    return MeshConfig(**sizes)
+
+
+def mesh_shape(cfg: MeshConfig) -> tuple[int, ...]:
+    """The sizes of a resolved ``cfg`` in :data:`AXES` order."""
+    return tuple(getattr(cfg, axis) for axis in AXES)
 
 
 def build_mesh(cfg: MeshConfig, devices=None, *, verbose: bool = False):
-    """A (data, pipe, tensor) mesh over the first data*pipe*tensor devices.
+    """A (data, pipe, context, tensor) mesh over the first data*pipe*context*tensor devices.
 
     A mesh smaller than the device count uses a subset and says so (when ``verbose``).
     """
@@ -52,7 +60,7 @@ def build_mesh(cfg: MeshConfig, devices=None, *, verbose: bool = False):
     from jax.sharding import AxisType, Mesh
 
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_sizes(cfg, len(devices))
+    shape = mesh_shape(resolve_sizes(cfg, len(devices)))
     used = math.prod(shape)
     if used < len(devices) and verbose:
         print(f"meshtron: mesh {shape} uses {used} of {len(devices)} devices", file=sys.stderr)
@@ -62,7 +70,7 @@ def build_mesh(cfg: MeshConfig, devices=None, *, verbose: bool = False):
 
 def devices_requested(cfg: MeshConfig, default: int = 8) -> int:
     """Devices a config needs; with a -1 axis, the larger of ``default`` and the fixed product."""
-    sizes = (cfg.data, cfg.pipe, cfg.tensor)
+    sizes = (cfg.data, cfg.pipe, cfg.context, cfg.tensor)
     fixed = math.prod(s for s in sizes if s != -1)
     if -1 not in sizes:
         return fixed

@@ -73,8 +73,13 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
     try:
         devices = list(jax.devices() if devices is None else devices)
         mesh_cfg = mesh or cfg.mesh
-        data, pipe, tensor = resolve_sizes(mesh_cfg, len(devices))
-        mesh_cfg = MeshConfig(data=data, pipe=pipe, tensor=tensor)
+        if mesh is None:  # decoding does not split sequences: the training mesh without its context axis
+            mesh_cfg = replace(mesh_cfg, context=1)
+        elif mesh_cfg.context != 1:
+            raise ConfigError(f"mesh.context: generation does not split sequences over context ranks (got "
+                              f"{mesh_cfg.context}); use mesh.context=1")
+        mesh_cfg = resolve_sizes(mesh_cfg, len(devices))
+        pipe, tensor = mesh_cfg.pipe, mesh_cfg.tensor
         if cfg.model.sequence_parallel and tensor == 1:  # nothing to split the sequence over: the same model
             cfg = replace(cfg, model=replace(cfg.model, sequence_parallel=False))
         if model is None:  # a model passed in is checked parameter by parameter (check_mesh below)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from meshtron.config import Config, MeshConfig, validate_sizes
+from meshtron.config import Config, validate_sizes
 from meshtron.errors import ConfigError
-from meshtron.mesh import resolve_sizes
+from meshtron.mesh import mesh_shape, resolve_sizes
 from meshtron.pipeline.layout import LayoutError, StageLayout
 from meshtron.pipeline.program import Program, compile_program
 from meshtron.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, is_schedule_file, make_schedule
@@ -39,13 +39,18 @@ class Run:
         mesh = self.cfg.mesh
         return mesh.data, mesh.pipe, mesh.tensor
 
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The mesh's sizes in :data:`meshtron.mesh.AXES` order (context included)."""
+        return mesh_shape(self.cfg.mesh)
+
 
 def resolve_run(cfg: Config, devices: int, *, layers: int | None = None, program: bool = True) -> Run:
     """``cfg`` on ``devices`` devices, checked and built once. ``layers``: the model's own depth when it
     is not ``model.layers`` (a model of the user's own decides its pipeline split). ``program``: also
     compile the schedule into the runtime's instructions (planning needs only the table)."""
-    data, pipe, tensor = resolve_sizes(cfg.mesh, devices)
-    cfg = replace(cfg, mesh=MeshConfig(data=data, pipe=pipe, tensor=tensor))
+    cfg = replace(cfg, mesh=resolve_sizes(cfg.mesh, devices))
+    pipe = cfg.mesh.pipe
     if layers is not None and layers != cfg.model.layers:
         cfg = replace(cfg, model=replace(cfg.model, layers=layers))
     validate_sizes(cfg)

@@ -4,7 +4,9 @@ Model code names *logical* axes only (``batch``, ``seq``, ``embed``, ``heads``, 
 ``head_dim``, ``qkv``, ``mlp``, ``experts``, ``vocab``, ``layers``). :data:`MEGATRON_RULES` maps them onto the mesh the way
 Megatron-LM splits a transformer: attention by heads and the MLP's inner dimension over
 ``tensor`` (column-parallel in, row-parallel out), the vocabulary over ``tensor`` (vocab-parallel
-embedding and cross-entropy), the batch over ``data`` and the stacked layer axis over ``pipe``.
+embedding and cross-entropy), the batch over ``data``, the stacked layer axis over ``pipe`` and the
+sequence over ``context`` (context parallelism: the train step is manual over that axis, and
+attention exchanges keys and values over it, :mod:`meshtron.models.context_attention`).
 Changing the layout means changing this table, never the model: :func:`extend_rules` adds a
 model's own logical names or overrides a mapping (``model.rules`` in a config).
 """
@@ -21,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 LogicalAxes = Sequence[str | None]
 Rules = Sequence[tuple[str, str | None]]
 
-MESH_AXES = ("data", "pipe", "tensor")
+MESH_AXES = ("data", "pipe", "context", "tensor")
 
 MEGATRON_RULES: Rules = (
     ("batch", "data"),
@@ -33,7 +35,7 @@ MEGATRON_RULES: Rules = (
     ("embed", None),
     ("head_dim", None),
     ("qkv", None),
-    ("seq", None),
+    ("seq", "context"),
     ("residual_seq", None),
     ("pos", None),
     ("experts", "data"),
@@ -140,6 +142,30 @@ def spec_axes(spec: PartitionSpec) -> set[str]:
         if entry is not None:
             names.update((entry,) if isinstance(entry, str) else entry)
     return names
+
+
+GRADIENT_AXES = ("data", "context")
+
+
+def gradient_axes(sizes: Mapping[str, int]) -> str | tuple[str, ...]:
+    """The mesh axes local gradients are averaged over, given the mesh's sizes: ``data``, and with a
+    sequence split over ``context`` both together (each context rank's gradient covers its tokens
+    only, as in Megatron-LM's data x context-parallel group). Only axes of more than one device;
+    ``"data"`` (a single axis name) unless the sequence is split."""
+    split = tuple(a for a in GRADIENT_AXES if sizes.get(a, 1) > 1)
+    if sizes.get("context", 1) == 1 or len(split) == 1:
+        return split[0] if split else "data"
+    return split
+
+
+def axis_names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes a collective's ``axis_name`` names (one, or a group such as data x context)."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def splits_over(spec: PartitionSpec, axis: str | tuple[str, ...]) -> bool:
+    """Whether ``spec`` splits over any of the mesh axes ``axis`` names."""
+    return bool(spec_axes(spec) & set(axis_names(axis)))
 
 
 def manual_part(specs, axes: set[str] | frozenset[str]):

@@ -13,7 +13,7 @@ result, leaf by leaf::
                            rules={"ffn": "tensor"}, seq_len=32)
 
 Each layout is ``(data, pipe, tensor)`` or ``(data, pipe, tensor, schedule, chunks)``, or a
-:class:`Layout`. A mismatch raises :class:`ParityError` naming the layout, the parameter and the
+:class:`Layout` (which also splits sequences over context ranks: ``Layout(2, 1, 2, context=2)``). A mismatch raises :class:`ParityError` naming the layout, the parameter and the
 numbers (``raise_on_mismatch=False`` returns the reports instead).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
@@ -47,7 +47,9 @@ class ParityError(AssertionError):
 class Layout:
     """A mesh and, with ``pipe > 1``, the pipeline schedule (``chunks`` = v for interleaved;
     ``recompute=False``: the forward keeps the layers' residuals, ``pipeline.recompute=false``;
-    ``layer_layout``: an uneven ``pipeline.layout``, counts per virtual stage or a Megatron string)."""
+    ``layer_layout``: an uneven ``pipeline.layout``, counts per virtual stage or a Megatron string;
+    ``context``: ranks each sequence is split over, their attention exchanging keys and values as
+    ``context_attention`` says, ``model.context_attention``)."""
 
     data: int
     pipe: int
@@ -57,6 +59,8 @@ class Layout:
     microbatches: int | None = None  # default: 2·pipe with a pipeline (enough to fill it), else 1
     recompute: bool = True
     layer_layout: tuple[int, ...] | str | None = None
+    context: int = 1
+    context_attention: str = "gathered"
 
     @classmethod
     def of(cls, spec: Layout | Sequence) -> Layout:
@@ -64,9 +68,15 @@ class Layout:
 
     def __str__(self) -> str:
         mesh = f"{self.data}x{self.pipe}x{self.tensor}"
+        if self.context > 1:
+            mesh += f" context={self.context} {self.context_attention}"
         kept = "" if self.recompute else " no-recompute"
         uneven = "" if self.layer_layout is None else f" layout={self.layer_layout}"
         return mesh if self.pipe == 1 else f"{mesh} {self.schedule} v={self.chunks} m={self.m}{kept}{uneven}"
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.pipe * self.tensor * self.context
 
     @property
     def m(self) -> int:
@@ -85,24 +95,25 @@ class ParityReport:
     ok: bool
 
 
-def _resolved(md: ModelDef, layout: Layout, batch: int) -> Run:
+def _resolved(md: ModelDef, layout: Layout, batch: int, seq_len: int) -> Run:
     """``layout`` as a run of this model (its stage layout, schedule and program), checked as a
     config's would be (a layout that cannot work is one line naming the setting)."""
     cfg = Config(
-        mesh=MeshConfig(layout.data, layout.pipe, layout.tensor),
-        model=ModelConfig(factory="meshtron.testing:check_parity", layers=md.layers),
+        mesh=MeshConfig(layout.data, layout.pipe, layout.tensor, layout.context),
+        model=ModelConfig(factory="meshtron.testing:check_parity", layers=md.layers, seq_len=seq_len,
+                          context_attention=layout.context_attention),
         train=TrainConfig(batch_size=batch, microbatches=layout.m),
         pipeline=PipelineConfig(schedule=layout.schedule, chunks=layout.chunks, recompute=layout.recompute,
                                 layout=None if layout.layer_layout is None else layout.layer_layout),
     )
-    return resolve_run(cfg, layout.data * layout.pipe * layout.tensor)
+    return resolve_run(cfg, layout.devices)
 
 
 def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray, devices) -> tuple[float, Params]:
     """Loss and canonical-order gradients of ``tokens`` on ``layout`` (parameters given canonical)."""
-    mesh = build_mesh(MeshConfig(layout.data, layout.pipe, layout.tensor), devices[: layout.data * layout.pipe *
-                                                                                     layout.tensor])
-    run = _resolved(md, layout, tokens.shape[0])
+    mesh = build_mesh(MeshConfig(layout.data, layout.pipe, layout.tensor, layout.context), devices[:layout.devices])
+    run = _resolved(md, layout, tokens.shape[0], tokens.shape[1] - 1)
+    md = replace(md, context_attention=layout.context_attention)
     program, stages = run.program, run.stage_layout
     md.check_mesh(mesh, stages.padded_layers if stages is not None else None)
     steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, program=program,
@@ -149,8 +160,8 @@ def check_parity(
     chosen = [Layout.of(spec) for spec in layouts]
     batch = batch or math.lcm(8, *(layout.data * layout.m for layout in chosen))
     for layout in chosen:
-        if layout.data * layout.pipe * layout.tensor > len(devices):
-            raise ValueError(f"layouts: {layout} needs {layout.data * layout.pipe * layout.tensor} devices, "
+        if layout.devices > len(devices):
+            raise ValueError(f"layouts: {layout} needs {layout.devices} devices, "
                              f"{len(devices)} are present")
         if batch % (layout.data * layout.m):
             raise ValueError(f"batch: {batch} rows do not split into data={layout.data} x {layout.m} microbatches")

@@ -64,7 +64,7 @@ class ParallelLM(nnx.Module):
                                         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("embed",)))
 
     def embed(self, tokens, ctx: contract.Context):
-        pos = jax.lax.dynamic_slice_in_dim(self.pos[...], ctx.positions[0, 0], tokens.shape[1])
+        pos = jnp.take(self.pos[...], ctx.positions[0], axis=0)  # (a split sequence's positions are not contiguous)
         x = constrain(jnp.take(self.tok[...], tokens, axis=0) + pos, contract.WHOLE_SEQUENCE)
         return contract.exit_parallel_region(x)
 

@@ -41,6 +41,8 @@ from typing import Literal, overload
 import jax
 import jax.numpy as jnp
 
+from meshtron.models.context_attention import sequence_split, split_attention
+
 Implementation = Literal["xla", "cudnn"] | None
 
 
@@ -120,6 +122,9 @@ def _causal_core(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, impl
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=implementation)
 
 
+_split_core = attention_core(split_attention)
+
+
 def stacked_caches(layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
                    dtype: jnp.dtype | type = jnp.float32) -> KVCache:
     """Empty caches for ``layers`` layers, stacked ``[layers, ...]`` (a model's ``init_cache``)."""
@@ -173,7 +178,10 @@ def causal_attention(
     Without ``cache``: every query attends to the keys at its own and earlier positions of the
     same sequence; returns ``[batch, seq, heads, head_dim]`` in ``v``'s dtype. ``positions`` is not
     needed (and is ignored): for contiguous positions the mask depends only on the order within
-    the sequence. (Packed documents needing a reset per document are not supported here.)
+    the sequence. (Packed documents needing a reset per document are not supported here.) When the
+    sequence is split over context-parallel ranks (traced inside the train step on a mesh with
+    ``context`` > 1), ``q``, ``k``, ``v`` are this rank's tokens and the keys and values of the others
+    are exchanged over that axis (:mod:`meshtron.models.context_attention`); the model does nothing.
 
     With ``cache`` (decoding): ``positions`` ``[batch, seq]`` are the absolute positions of the
     query tokens. They must be contiguous and start at the same position in every row -- true
@@ -191,6 +199,8 @@ def causal_attention(
     implementation = implementation or _implementation[-1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if cache is None:
+        if sequence_split() is not None:
+            return _split_core(q, k, v, implementation=implementation)
         return _causal_core(q, k, v, scale=scale, implementation=implementation)
 
     if positions is None:

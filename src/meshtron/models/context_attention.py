@@ -8,6 +8,13 @@ sequence cut into ``2n``, so that every rank has the same amount of attention (M
 torchtitan's load balancing). Positions (RoPE, and the causal mask) are then those of the rank's own
 tokens, not ``0 .. S/n - 1``.
 
+A model does nothing for any of this. The rules table places the logical ``seq`` axis on a mesh
+axis (``context``); the train step runs manual over it, each rank holding its two chunks of every
+sequence. :func:`sequence_split` sees that from inside, :meth:`meshtron.models.contract.Context.for_sequence`
+then gives each rank its tokens' positions (:func:`local_positions`), and
+:func:`meshtron.models.attention.causal_attention` attends across the ranks with the exchange the run
+chose (:func:`context_exchange`, ``model.context_attention``).
+
 Two exchanges, both called inside ``shard_map`` manual over the sequence's mesh axis, with the mask
 built from the positions:
 
@@ -21,15 +28,67 @@ built from the positions:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtron.models.attention import Implementation
-from meshtron.sharding import varying_like
+from meshtron.sharding import logical_to_spec, varying_like
+
+EXCHANGES = ("gathered", "ring")
+_exchange: list[str] = ["gathered"]
+
+
+@contextlib.contextmanager
+def context_exchange(name: str) -> Iterator[None]:
+    """Inside the block, attention over a split sequence exchanges keys and values as ``name`` says:
+    ``"gathered"`` (:func:`gathered_kv_attention`) or ``"ring"`` (:func:`ring_attention`)."""
+    if name not in EXCHANGES:
+        raise ValueError(f"model.context_attention: must be one of {', '.join(EXCHANGES)}, got {name!r}")
+    _exchange.append(name)
+    try:
+        yield
+    finally:
+        _exchange.pop()
+
+
+def sequence_split() -> tuple[str, int] | None:
+    """``(mesh axis, ranks)`` when code traced here sees a split sequence: the rules place the logical
+    ``seq`` axis on a mesh axis of more than one device over which the surrounding ``shard_map`` is
+    manual. ``None`` otherwise (the whole sequence is local)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    spec = logical_to_spec(("seq",))
+    axis = spec[0] if len(spec) else None
+    if not isinstance(axis, str) or axis not in mesh.manual_axes or mesh.shape[axis] == 1:
+        return None
+    return axis, mesh.shape[axis]
+
+
+def local_positions(tokens: int) -> jax.Array:
+    """Positions ``[tokens]`` of this rank's tokens of a split sequence (:func:`sequence_split`), laid
+    out by :func:`balanced_order`; ``0 .. tokens-1`` when the sequence is whole."""
+    split = sequence_split()
+    if split is None:
+        return jnp.arange(tokens, dtype=jnp.int32)
+    axis, ranks = split
+    order = balanced_order(tokens * ranks, ranks).reshape(ranks, tokens)
+    return jnp.asarray(order, jnp.int32)[jax.lax.axis_index(axis)]
+
+
+def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = None) -> jax.Array:
+    """Causal attention of this rank's tokens of a split sequence over the whole sequence, with the
+    active :func:`context_exchange`. Call only where :func:`sequence_split` is not ``None``."""
+    axis, _ = sequence_split()
+    positions = local_positions(q.shape[1])
+    if _exchange[-1] == "ring":
+        return ring_attention(q, k, v, positions, axis)
+    return gathered_kv_attention(q, k, v, positions, axis, implementation=implementation)
 
 
 def balanced_order(seq_len: int, ranks: int) -> np.ndarray:
@@ -62,7 +121,7 @@ def exchange_bytes(exchange: str, ranks: int, tokens: int, kv_heads: int, head_d
 
 
 def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
-                          implementation: Implementation = None) -> jax.Array:
+                          implementation: str | None = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, whose keys and values are
     all-gathered over the manual mesh ``axis``.
 

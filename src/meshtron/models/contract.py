@@ -61,6 +61,7 @@ from flax import nnx
 
 from meshtron.errors import ConfigError
 from meshtron.models.auxiliary import collecting_reports
+from meshtron.models.context_attention import local_positions
 from meshtron.sharding import Rules, constrain, variable_axes, varying_like
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -126,7 +127,10 @@ class ModelContractError(ConfigError):
 class Context:
     """What a block needs besides its input ``x``.
 
-    ``positions`` [b, s] are the absolute positions of ``x``'s tokens (rotary embeddings use them);
+    ``positions`` [b, s] are the absolute positions of ``x``'s tokens (rotary embeddings use them).
+    They are not always contiguous: where a sequence is split over context-parallel ranks, a rank
+    holds two chunks of it (:mod:`meshtron.models.context_attention`), so look rows of a position
+    table up by them (``take``) rather than slicing from the first;
     ``cache`` is, during cached decoding, this block's own cache (the layer scan hands every block
     its slice of the stacked caches), else ``None``.
     """
@@ -136,8 +140,13 @@ class Context:
 
     @classmethod
     def for_sequence(cls, batch: int, seq: int, start: int | jax.Array = 0, cache: Any = None) -> Context:
-        """Positions ``start .. start + seq - 1`` for every row."""
-        positions = jnp.arange(seq, dtype=jnp.int32)[None, :] + jnp.asarray(start, jnp.int32)
+        """Positions ``start .. start + seq - 1`` for every row; for this rank's ``seq`` tokens of a
+        sequence split over context-parallel ranks, their own positions
+        (:func:`~meshtron.models.context_attention.local_positions`)."""
+        if cache is None and isinstance(start, int) and start == 0:
+            positions = local_positions(seq)[None, :]
+        else:
+            positions = jnp.arange(seq, dtype=jnp.int32)[None, :] + jnp.asarray(start, jnp.int32)
         return cls(jnp.broadcast_to(positions, (batch, seq)), cache)
 
 
@@ -262,6 +271,15 @@ def _run_collecting(graphdef: Any, state: Any, x: jax.Array, ctx: Context, activ
     return jax.lax.scan(maybe_layer, x, (jnp.arange(layers), state))
 
 
+def next_token_pairs(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(inputs, targets)`` [b, s] of a batch: ``tokens`` [b, s + 1] read as a window, or -- this rank's
+    share of sequences split over context-parallel ranks, whose tokens are not contiguous --
+    ``[b, s, 2]``, every input token stacked with the one it predicts."""
+    if tokens.ndim == 3:
+        return tokens[..., 0], tokens[..., 1]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def layer_reports(model: nnx.Module, tokens: jax.Array) -> tuple[Any, ...]:
     """What the blocks :func:`~meshtron.models.auxiliary.report` for ``tokens`` [b, s] (the inputs,
     without the last target), stacked over the layers: a forward through embedding and blocks."""
@@ -301,8 +319,9 @@ def logits_of(model: nnx.Module, tokens: jax.Array, *, remat: str = "none") -> j
 
 
 def lm_loss(model: nnx.Module, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
-    """Mean next-token loss of ``tokens`` [batch, seq_len + 1]."""
-    return jnp.mean(token_losses(model, logits_of(model, tokens[:, :-1], remat=remat), tokens[:, 1:]))
+    """Mean next-token loss of ``tokens`` [batch, seq_len + 1] (or pairs, :func:`next_token_pairs`)."""
+    inputs, targets = next_token_pairs(tokens)
+    return jnp.mean(token_losses(model, logits_of(model, inputs, remat=remat), targets))
 
 
 # ---- checking a model -------------------------------------------------------------------------

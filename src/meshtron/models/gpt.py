@@ -172,9 +172,8 @@ class GPT(nnx.Module):
 
     def embed(self, tokens: jax.Array, ctx: Context) -> jax.Array:
         """Vocab-parallel lookup: each tensor shard holds a vocabulary slice; results are summed.
-        Positions are contiguous and shared by the rows (:class:`Context`): one slice of ``wpe``."""
-        start = ctx.positions[0, 0]
-        x = jnp.take(self.wte[...], tokens, axis=0) + jax.lax.dynamic_slice_in_dim(self.wpe[...], start, tokens.shape[1])
+        Positions are shared by the rows (:class:`Context`): one row of ``wpe`` per token."""
+        x = jnp.take(self.wte[...], tokens, axis=0) + jnp.take(self.wpe[...], ctx.positions[0], axis=0)
         return exit_parallel_region(constrain(x.astype(self.dims.dtype), WHOLE_SEQUENCE))
 
     def head(self, x: jax.Array) -> jax.Array:

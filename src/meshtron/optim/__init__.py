@@ -18,6 +18,7 @@ from meshtron.optim.masks import decay_from_axes, stacked_from_axes
 from meshtron.optim.onebit_lamb import OnebitLamb, OnebitLambState, onebit_lamb
 from meshtron.optim.reduce import data_parallel_mean
 from meshtron.optim.zero import ZeroPlan
+from meshtron.sharding import gradient_axes
 
 __all__ = [
     "OnebitLamb",
@@ -144,15 +145,18 @@ def optimizer_setup(cfg: Config, axes: Any, param_specs: Any = None, zero: ZeroP
     specs) let every device compress its own shard of the momentum under tensor/pipeline
     parallelism; gradient clipping, if asked for, sees each shard's local gradient (as in
     DeepSpeed's compression stage). ``zero``: the optimizer state is split over ``data`` as it says
-    (the train step then reduce-scatters the gradients instead of ``reduction``)."""
+    (the train step then reduce-scatters the gradients instead of ``reduction``). Both reduce over
+    the mesh's gradient group (:func:`meshtron.sharding.gradient_axes`: data, and context when
+    ``cfg.mesh`` splits sequences; its sizes must be resolved)."""
     t = cfg.train
+    axis = gradient_axes({"data": cfg.mesh.data, "context": cfg.mesh.context})
     if t.optimizer != "onebit_lamb":
-        return OptimizerSetup(build_optimizer(t, axes, cfg.optim, zero), data_parallel_mean("data"))
+        return OptimizerSetup(build_optimizer(t, axes, cfg.optim, zero), data_parallel_mean(axis))
     o = cfg.optim
     b1, b2, eps = _moments("onebit_lamb", o)
     warmup = freeze_step(cfg)
     tx = onebit_lamb(
-        learning_rate_schedule(t), freeze_step=warmup, axis_name="data", b1=b1, b2=b2, eps=eps,
+        learning_rate_schedule(t), freeze_step=warmup, axis_name=axis, b1=b1, b2=b2, eps=eps,
         weight_decay=t.weight_decay, max_coeff=o.max_coeff, min_coeff=o.min_coeff, coeff_beta=o.coeff_beta,
         factor_max=o.factor_max, factor_min=o.factor_min, factor_threshold=o.factor_threshold,
         mask=decay_from_axes(axes), stacked=stacked_from_axes(axes), param_specs=param_specs,

@@ -69,9 +69,10 @@ from meshtron.optim.compression import compressed_allreduce, error_lengths
 from meshtron.optim.lamb import layer_norm, per_layer
 from meshtron.optim.masks import tree_or_call
 from meshtron.optim.reduce import mean_over
-from meshtron.sharding import manual_part, spec_axes
+from meshtron.sharding import axis_names, manual_part, spec_axes, splits_over
 
 PyTree = Any
+Axis = str | tuple[str, ...]  # one mesh axis, or a group averaged over as one (data x context)
 SpecsLike = PyTree | Callable[[optax.Params], PyTree] | None
 
 
@@ -94,7 +95,7 @@ class OnebitLamb(optax.GradientTransformationExtraArgs):
     like any other) that also remembers its ``freeze_step`` and ``axis_name``."""
 
     freeze_step: int
-    axis_name: str
+    axis_name: Axis
 
     def compression_stage(self, step: int) -> bool:
         """The ``compression_stage`` to pass to ``update`` when ``step`` updates have been applied."""
@@ -105,7 +106,7 @@ def onebit_lamb(
     learning_rate: optax.ScalarOrSchedule,
     *,
     freeze_step: int,
-    axis_name: str = "data",
+    axis_name: Axis = "data",
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -127,7 +128,8 @@ def onebit_lamb(
       learning_rate: a float or an optax schedule of the update count.
       freeze_step: updates of uncompressed LAMB before compression starts (DeepSpeed's tutorial:
         15-25% of training); keep ``1 / (1 - coeff_beta) <= freeze_step``.
-      axis_name: the data-parallel mesh axis; ``update`` must run inside a ``shard_map`` manual
+      axis_name: the data-parallel mesh axis, or a tuple of axes averaged over together (data and
+        context under context parallelism); ``update`` must run inside a ``shard_map`` manual
         over it, and ``init`` under ``jax.set_mesh`` with a mesh that has it.
       b1, b2, eps: moment decay rates and the denominator term (added outside the square root).
       weight_decay: decoupled weight decay added to the update before the trust ratio.
@@ -158,7 +160,7 @@ def onebit_lamb(
 
     def init(params: optax.Params) -> OnebitLambState:
         mesh = _current_mesh(axis_name, "init")
-        if axis_name in mesh.manual_axes:
+        if set(axis_names(axis_name)) & set(mesh.manual_axes):
             raise ValueError(
                 f"onebit_lamb.init: call it outside shard_map (under `with jax.set_mesh(mesh):`); the state "
                 f"is global, with the per-device error buffers split over {axis_name!r}"
@@ -169,7 +171,7 @@ def onebit_lamb(
         native = _native(specs, axis_name)
         local = [_local_shape(x.shape, spec, mesh.shape) for x, spec in zip(leaves, specs, strict=True)]
         _, lengths = _segments(_shared(local, native), _shared(specs, native), model_axes, axis_name)
-        workers = mesh.shape[axis_name]
+        workers = _size(mesh, axis_name)
         worker_len, server_len = error_lengths(lengths, workers)
         shards = math.prod(mesh.shape[a] for a in model_axes)
         layers = [jnp.zeros(x.shape[:1] if st else (), jnp.float32) for x, st in zip(leaves, _flags(stacked, params, treedef))]
@@ -196,7 +198,7 @@ def onebit_lamb(
                 f"static argument of the jitted step, not a traced value (got {compression_stage!r})"
             )
         mesh = _current_mesh(axis_name, "update")
-        if axis_name not in mesh.manual_axes:
+        if not set(axis_names(axis_name)) <= set(mesh.manual_axes):
             raise ValueError(
                 f"onebit_lamb.update: run it inside a shard_map that is manual over {axis_name!r}, on each "
                 "shard's local gradients"
@@ -315,9 +317,9 @@ class _Leaves:
         self.stacked, self.decay, self.momentum_mask = stacked, decay, momentum_mask
 
 
-def _native(specs: list[P], axis_name: str) -> list[bool]:
+def _native(specs: list[P], axis_name: Axis) -> list[bool]:
     """Which leaves the parameters' own layout splits over ``axis_name`` (expert parallelism)."""
-    return [axis_name in spec_axes(spec) for spec in specs]
+    return [splits_over(spec, axis_name) for spec in specs]
 
 
 def _shared(leaves: list, native: list) -> list:
@@ -358,7 +360,7 @@ def _layer_max(x: jax.Array, stacked: bool) -> jax.Array:
 
 
 def _scaling_coefficients(momenta: list[jax.Array], stacked: list[bool], native: list[bool],
-                          axis_name: str) -> list[jax.Array]:
+                          axis_name: Axis) -> list[jax.Array]:
     """``s = mean_q rms(m_q) / rms(m_p)`` per layer, so every layer's scaled momentum has the same
     RMS before sharing one compression scale; a layer with zero momentum gets 1, empty ones are left
     out of the mean (DeepSpeed divides by zero and gets NaN there). A native leaf's RMS is its whole
@@ -381,9 +383,9 @@ def _scaling_coefficients(momenta: list[jax.Array], stacked: list[bool], native:
 # Layout: which mesh axes a parameter is split over, and the compressed buffer of one device
 
 
-def _current_mesh(axis_name: str, where: str):
+def _current_mesh(axis_name: Axis, where: str):
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis_name not in mesh.axis_names:
+    if mesh.empty or not set(axis_names(axis_name)) <= set(mesh.axis_names):
         raise ValueError(
             f"onebit_lamb.{where}: no mesh axis {axis_name!r} is in scope; call init under "
             f"`with jax.set_mesh(mesh):` and update inside a shard_map over {axis_name!r} on that mesh"
@@ -391,9 +393,14 @@ def _current_mesh(axis_name: str, where: str):
     return mesh
 
 
-def _model_axes(mesh, axis_name: str) -> tuple[str, ...]:
+def _model_axes(mesh, axis_name: Axis) -> tuple[str, ...]:
     """The mesh axes besides ``axis_name`` that have more than one device, in mesh order."""
-    return tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
+    return tuple(a for a in mesh.axis_names if a not in axis_names(axis_name) and mesh.shape[a] > 1)
+
+
+def _size(mesh, axis_name: Axis) -> int:
+    """Devices over the axes ``axis_name`` names (the workers that average)."""
+    return math.prod(mesh.shape[a] for a in axis_names(axis_name))
 
 
 def _spec_leaves(param_specs: SpecsLike, params, treedef) -> list[P]:
@@ -419,7 +426,7 @@ def _local_shape(shape: Sequence[int], spec: P, sizes) -> tuple[int, ...]:
     return tuple(local)
 
 
-def _segments(shapes, specs: list[P], model_axes: tuple[str, ...], axis_name: str):
+def _segments(shapes, specs: list[P], model_axes: tuple[str, ...], axis_name: Axis):
     """Group leaves by the model axes they are replicated over (one compression segment each).
 
     Returns ``(groups, lengths)``: the leaf indices of each segment in buffer order, and the
@@ -428,7 +435,7 @@ def _segments(shapes, specs: list[P], model_axes: tuple[str, ...], axis_name: st
     keys: dict[tuple[str, ...], list[int]] = {}
     for i, spec in enumerate(specs):
         named = spec_axes(spec)
-        if axis_name in named:
+        if named & set(axis_names(axis_name)):
             raise ValueError(
                 f"param_specs: parameter {i} is split over the data axis {axis_name!r} ({spec}); 1-bit LAMB "
                 "needs the whole momentum on every data rank (no ZeRO/FSDP sharding over that axis)"
@@ -439,7 +446,7 @@ def _segments(shapes, specs: list[P], model_axes: tuple[str, ...], axis_name: st
     return groups, lengths
 
 
-def _exchange(scaled: list[jax.Array], worker_error, server_error, specs: list[P], mesh, axis_name: str):
+def _exchange(scaled: list[jax.Array], worker_error, server_error, specs: list[P], mesh, axis_name: Axis):
     """Average the (scaled, local) momenta over ``axis_name`` with one compressed all-reduce.
 
     Every device flattens its own shard of every momentum leaf into one buffer; when other mesh
@@ -448,13 +455,13 @@ def _exchange(scaled: list[jax.Array], worker_error, server_error, specs: list[P
     parameter replicated over ``tensor`` is identical on those ranks by construction (its own
     segment and scales), which the type system cannot see through the byte buffers.
     """
-    if mesh.shape[axis_name] == 1:  # nothing to average; no compression, no error
+    if _size(mesh, axis_name) == 1:  # nothing to average; no compression, no error
         return scaled, worker_error, server_error
     model_axes = _model_axes(mesh, axis_name)
 
     def exchange(leaves, worker_error, server_error):
         groups, lengths = _segments([x.shape for x in leaves], specs, model_axes, axis_name)
-        expected = error_lengths(lengths, mesh.shape[axis_name])
+        expected = error_lengths(lengths, _size(mesh, axis_name))
         if (worker_error.shape[-1], server_error.shape[-1]) != expected:
             raise ValueError(
                 f"onebit_lamb: the error buffers hold {worker_error.shape[-1]} and {server_error.shape[-1]} elements "
@@ -493,7 +500,7 @@ def _exchange(scaled: list[jax.Array], worker_error, server_error, specs: list[P
     )(scaled, worker_error, server_error)
 
 
-def state_specs(state: OnebitLambState, param_specs: list[P], mesh, axis_name: str) -> OnebitLambState:
+def state_specs(state: OnebitLambState, param_specs: list[P], mesh, axis_name: Axis) -> OnebitLambState:
     """Every leaf's ``PartitionSpec``: moments like their parameters, per-layer values split like
     the layer axis, error buffers per device, the count replicated."""
     treedef = jax.tree.structure(state.mu)

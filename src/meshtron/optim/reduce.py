@@ -12,8 +12,10 @@ from __future__ import annotations
 import jax
 import optax
 
+from meshtron.sharding import gradient_axes
 
-def mean_over(tree, axis_name: str):
+
+def mean_over(tree, axis_name: str | tuple[str, ...]):
     """``lax.pmean`` over ``axis_name``, skipped when the axis has size 1.
 
     Skipping is exact (the mean over one shard is the shard) and also needed: XLA 0.10's SPMD
@@ -25,11 +27,12 @@ def mean_over(tree, axis_name: str):
     return jax.lax.pmean(tree, axis_name)
 
 
-def data_parallel_mean(axis_name: str = "data") -> optax.GradientTransformation:
-    """Average updates over the named mesh axis (``lax.pmean``); stateless.
+def data_parallel_mean(axis_name: str | tuple[str, ...] | None = None) -> optax.GradientTransformation:
+    """Average updates over the named mesh axis, or axes (``lax.pmean``); stateless.
 
     Must run inside a ``shard_map``/``pmap`` where ``axis_name`` is bound; the result is
-    identical (invariant) on every shard of that axis.
+    identical (invariant) on every shard of that axis. ``None``: the mesh's gradient group,
+    :func:`meshtron.sharding.gradient_axes` (``data``, and ``context`` when sequences are split).
     """
 
     def init(params: optax.Params) -> optax.EmptyState:
@@ -38,6 +41,6 @@ def data_parallel_mean(axis_name: str = "data") -> optax.GradientTransformation:
 
     def update(updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None):
         del params
-        return mean_over(updates, axis_name), state
+        return mean_over(updates, axis_name or gradient_axes(jax.sharding.get_abstract_mesh().shape)), state
 
     return optax.GradientTransformation(init, update)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshtron.sharding import manual_part, spec_axes
+from meshtron.sharding import axis_names, gradient_axes, manual_part, splits_over
 from meshtron.trees import leaf_names
 
 ZERO_LEVELS = (0, 1, 3)
@@ -66,11 +66,12 @@ class ZeroPlan:
     param_specs: Any = None  # the parameters' own PartitionSpecs (tensor, pipe), a tree
     names: tuple[str, ...] = ()
     nbytes: tuple[int, ...] = ()
-    axis: str = "data"
+    axis: str | tuple[str, ...] = "data"  # one mesh axis, or the group data x context
     native: Any = None  # a tree of bools: leaves the parameters' own layout splits over ``axis``
 
     @classmethod
-    def build(cls, level: int, shapes: Any, specs: Any, stacked: Any, size: int, axis: str = "data") -> ZeroPlan:
+    def build(cls, level: int, shapes: Any, specs: Any, stacked: Any, size: int,
+              axis: str | tuple[str, ...] = "data") -> ZeroPlan:
         """The plan for parameters of ``shapes`` laid out by ``specs`` (``PartitionSpec`` s or
         shardings) on a mesh whose ``axis`` has ``size`` devices; ``stacked`` marks leaves with a
         leading ``layers`` axis."""
@@ -80,7 +81,7 @@ class ZeroPlan:
         spec_leaves = [getattr(s, "spec", s) for s in treedef.flatten_up_to(specs)]
 
         def choose(shape, spec, is_stacked) -> int | None:
-            if level == 0 or size == 1 or axis in spec_axes(spec):
+            if level == 0 or size == 1 or splits_over(spec, axis):
                 return None
             free = [k for k, entry in enumerate(_entries(spec, len(shape.shape)))
                     if entry is None and not (is_stacked and k == 0) and shape.shape[k] % size == 0]
@@ -89,9 +90,16 @@ class ZeroPlan:
         leaves = jax.tree.leaves(shapes)
         dims = [choose(s, p, st) for s, p, st in zip(leaves, spec_leaves, treedef.flatten_up_to(stacked), strict=True)]
         nbytes = tuple(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in leaves)
-        native = treedef.unflatten([size > 1 and axis in spec_axes(spec) for spec in spec_leaves])
+        native = treedef.unflatten([size > 1 and splits_over(spec, axis) for spec in spec_leaves])
         return cls(level, size, treedef.unflatten(dims), treedef.unflatten(spec_leaves), tuple(leaf_names(shapes)),
                    nbytes, axis, native)
+
+    @classmethod
+    def for_mesh(cls, level: int, shapes: Any, specs: Any, stacked: Any, mesh) -> ZeroPlan:
+        """:meth:`build` over ``mesh``'s gradient group (:func:`meshtron.sharding.gradient_axes`: data,
+        and context when sequences are split -- Megatron's distributed optimizer over data x context)."""
+        axis = gradient_axes(mesh.shape)
+        return cls.build(level, shapes, specs, stacked, math.prod(mesh.shape[a] for a in axis_names(axis)), axis)
 
     @property
     def active(self) -> bool:

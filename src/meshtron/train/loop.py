@@ -94,9 +94,9 @@ class Trainer:
             raise ConfigError(f"cfg: Trainer.from_config takes a Config, or a config file or bundled name such as "
                               f"'cpu8', got a {type(cfg).__name__}")
         devices = list(jax.devices() if devices is None else devices)
-        _, _, tensor = resolve_sizes(cfg.mesh, len(devices))
+        tensor = resolve_sizes(cfg.mesh, len(devices)).tensor
         model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model)
-        if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.sizes) > len(devices):
+        if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.mesh_shape) > len(devices):
             # (a user's model decides its own depth, and with it the pipeline split)
             run = resolve_run(cfg, len(devices), layers=model_def.layers)
         cfg = run.cfg
@@ -112,7 +112,7 @@ class Trainer:
             seed=t.seed, samples=t.steps * t.batch_size, eval_samples=t.eval_batches * t.batch_size,
         )
         specs = model_def.shardings(mesh)
-        zero = ZeroPlan.build(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh.shape["data"])
+        zero = ZeroPlan.for_mesh(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh)
         optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=specs, zero=zero)
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
@@ -246,6 +246,8 @@ class Trainer:
         """What the per-device error buffers depend on: restored only onto the same layout."""
         layout = {"mesh": [int(self.mesh.shape[a]) for a in ("data", "pipe", "tensor")],
                   "chunks": self.cfg.pipeline.chunks if self.mesh.shape["pipe"] > 1 else 1}
+        if self.mesh.shape["context"] > 1:  # the buffers are per device of data x context
+            layout["context"] = int(self.mesh.shape["context"])
         stages = self.stage_layout
         if stages is not None and not stages.is_even:  # the buffers are padded as the layout says
             layout["layers_per_virtual_stage"] = list(stages.counts)

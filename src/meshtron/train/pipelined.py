@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from meshtron.models.auxiliary import auxiliary_loss_scale
-from meshtron.models.contract import RESIDUAL, Context, layer_view, run_blocks, token_losses
+from meshtron.models.contract import RESIDUAL, Context, layer_view, next_token_pairs, run_blocks, token_losses
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.pipeline.schedules import Program, compile_program, forward_only
@@ -94,14 +94,15 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
 def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunctions:
     """A contract model cut into embedding (first virtual stage), a chunk of blocks, and head + loss
     (last virtual stage). Activations between stages are ``x`` [rows, seq, hidden]; every stage
-    knows its positions from the shape (training sequences start at position 0).
+    knows its positions from the shape (training sequences start at position 0; a rank of a split
+    sequence, from its place on the context axis).
 
     The runtime seeds each microbatch's loss gradient with ``1/microbatches``; the blocks'
     auxiliary losses are seeded alike (:func:`~meshtron.models.auxiliary.auxiliary_loss_scale`)."""
     aux_scale = 1.0 / microbatches
 
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
-        inputs = tokens[:, :-1]
+        inputs = next_token_pairs(tokens)[0]
         return model_def.bind(shared).embed(inputs, Context.for_sequence(*inputs.shape))
 
     def stage(chunk_blocks: Params, x: jax.Array, active: jax.Array | None = None) -> jax.Array:
@@ -111,7 +112,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         model = model_def.bind(shared)
-        return jnp.mean(token_losses(model, model.head(y), tokens[:, 1:]))
+        return jnp.mean(token_losses(model, model.head(y), next_token_pairs(tokens)[1]))
 
     def layer(layer_blocks: Params, x: jax.Array) -> jax.Array:
         # One block, as run_blocks applies each: the stacked module's graph with one layer's values.

@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError
 from meshtron.models.attention import attention_implementation, selective_recompute
+from meshtron.models.context_attention import context_exchange
 from meshtron.models.contract import LAYERS, ModelFactory, check_model, checked_model, lm_loss
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
@@ -55,10 +56,12 @@ class ModelDef:
     remat: str = "none"
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's choice)
     window: int | None = None  # the run's model.seq_len, generation's default context (None: max_len)
+    context_attention: str = "gathered"  # the exchange over a split sequence (model.context_attention)
 
     @classmethod
     def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: str = "none",
-               attention: str | None = None, window: int | None = None) -> ModelDef:
+               attention: str | None = None, window: int | None = None,
+               context_attention: str = "gathered") -> ModelDef:
         """Trace ``factory`` abstractly (no parameter is created) and check the model contract."""
         rules = tuple(rules)
         with axis_rules(rules), nnx.use_eager_sharding(False):
@@ -67,7 +70,8 @@ class ModelDef:
         max_len = getattr(abstract, "max_len", None)
         can_cache = callable(getattr(abstract, "init_cache", None))
         graphdef, state = nnx.split(abstract, nnx.Param)
-        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat, attention, window)
+        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat, attention, window,
+                   context_attention)
 
     @property
     def context(self) -> int | None:
@@ -80,9 +84,9 @@ class ModelDef:
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         """Trace model code inside this: its activation constraints follow this model's rules, its
-        attention uses this run's implementation."""
+        attention uses this run's implementation (and, over a split sequence, its exchange)."""
         with axis_rules(self.rules), attention_implementation(self.attention), \
-                selective_recompute(self.remat == "selective"):
+                selective_recompute(self.remat == "selective"), context_exchange(self.context_attention):
             yield
 
     def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -251,4 +255,4 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
         raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "
                           "devices; use model.attention=xla")
     return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat,
-                           attention=cfg.attention, window=cfg.seq_len)
+                           attention=cfg.attention, window=cfg.seq_len, context_attention=cfg.context_attention)

@@ -16,6 +16,11 @@ Layout of one step:
   ``reduction`` transform (by default :func:`meshtron.optim.data_parallel_mean`) exactly once per
   step, then to the optimizer; an optimizer that reduces itself (1-bit LAMB) gets ``optax.identity()``
   as the reduction and the local gradients;
+* with a sequence split over ``context`` (context parallelism) the ``shard_map`` is manual over
+  ``data`` and ``context``: the batch's tokens are laid out as the load-balanced chunks each context
+  rank holds (:func:`context_layout`), every rank computes the loss and gradient of its own tokens,
+  and "data" below means the group data x context (:func:`meshtron.sharding.gradient_axes`): the
+  reduction, 1-bit LAMB and ZeRO all act over both axes together, as Megatron-LM's do;
 * optimizers with *stages* that communicate differently (1-bit LAMB's warmup and compression) get
   one compiled program per stage: the stage is a static argument whose extra ``update`` arguments
   come from ``stages``, and the host picks the stage each step;
@@ -39,17 +44,22 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtron.config import RING_IN_PIPELINE
+from meshtron.errors import ConfigError
 from meshtron.hlo.collectives import collectives
-from meshtron.models.contract import layer_parameters, layer_reports
+from meshtron.models.context_attention import balanced_order
+from meshtron.models.contract import layer_parameters, layer_reports, next_token_pairs
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
 from meshtron.optim.zero import ZeroPlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import Program
+from meshtron.sharding import axis_names, gradient_axes
 from meshtron.train.pipelined import canonical_positions, pipelined_gradients, pipelined_loss, stage_order
 from meshtron.train.state import ModelDef, Params
 
 DATA = "data"
+CONTEXT = "context"
 LAYER_KEYS = frozenset({"blocks"})  # the contract's stacked layers, gathered one layer at a time at zero=3
 SINGLE_STAGE = {"train": {}}
 
@@ -99,7 +109,7 @@ def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, micr
         return grad_fn(params, tokens)
 
     rows = tokens.shape[0] // microbatches
-    micro = tokens.reshape(microbatches, rows, tokens.shape[1])
+    micro = tokens.reshape(microbatches, rows, *tokens.shape[1:])
 
     def accumulate(carry, batch):
         loss_sum, grad_sum = carry
@@ -150,28 +160,41 @@ def build_steps(
     """
     shapes = model_def.shapes()
     model_specs = model_def.shardings(mesh)
-    zero = zero or ZeroPlan.build(0, shapes, model_specs, model_def.stacked(), mesh.shape[DATA])
+    context = mesh.shape.get(CONTEXT, 1)
+    if program is not None and context > 1 and model_def.context_attention == "ring":
+        raise ConfigError(f"model.context_attention: {RING_IN_PIPELINE}")
+    group = gradient_axes(mesh.shape)  # what gradients are averaged over: data (x context)
+    replicas = mesh.shape[DATA] * context
+    # Manual over the gradient group; over data alone without a split sequence (as ever, even with one rank).
+    manual = set(axis_names(group)) if context > 1 else {DATA}
+    zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
     param_shardings = _named(mesh, zero.specs(model_specs)) if zero.shards_params else model_specs
     native = zero.native_flags()  # leaves the model splits over data itself (experts): local, never pcast
     # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so
     # values cannot be re-typed from "varying" to "replicated" over ``data``; the varying-axes check
     # is then switched off, which is exact because every value lives on that single shard.
-    check_vma = mesh.shape[DATA] > 1
+    check_vma = replicas > 1
 
     def local(params: Params, split: Any = native) -> Params:
         if not check_vma:
             return params
-        return jax.tree.map(lambda x, own: x if own else jax.lax.pcast(x, DATA, to="varying"), params, split)
+        return jax.tree.map(lambda x, own: x if own else jax.lax.pcast(x, group, to="varying"), params, split)
 
     def data_shard_map(fn, in_specs, out_specs):
         return jax.shard_map(
-            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA}, check_vma=check_vma
+            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=check_vma
         )
 
     batch_sharding = NamedSharding(mesh, P(DATA, None))
+    # A shard's tokens (context_layout's), and one value per rank of the group.
+    shard_batch = P(DATA if DATA in manual else None, CONTEXT) if context > 1 else P(DATA)
+    per_replica = P(tuple(a for a in (DATA, CONTEXT) if a in manual)) if context > 1 else P(DATA)
+
+    def laid_out(tokens: jax.Array) -> jax.Array:
+        return context_layout(tokens, context)
 
     def as_microbatches(tokens: jax.Array) -> jax.Array:
-        return tokens.reshape(microbatches, tokens.shape[0] // microbatches, tokens.shape[1])
+        return tokens.reshape(microbatches, tokens.shape[0] // microbatches, *tokens.shape[1:])
 
     if program is not None:
         run_schedule = pipelined_gradients(model_def, program, check_vma, layout)
@@ -200,7 +223,8 @@ def build_steps(
             return model_def.loss(params, tokens)
 
         def shard_reports(params: Params, tokens: jax.Array):
-            found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), mb[:, :-1]), as_microbatches(tokens))
+            found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), next_token_pairs(mb)[0]),
+                                as_microbatches(tokens))
             return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
 
     def init_state(p: Params) -> OptState:
@@ -210,10 +234,10 @@ def build_steps(
     # and split over data by an active zero plan); per-device parts (1-bit LAMB's error buffers)
     # are split over the mesh; the rest is replicated.
     with jax.set_mesh(mesh):
-        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), shapes, zero.specs(model_specs), mesh, DATA)
+        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), shapes, zero.specs(model_specs), mesh, group)
     opt_shardings = _named(mesh, state_specs)
-    state_data_specs = manual_part(state_specs, {DATA})
-    param_data_specs = manual_part(_specs(zero.specs(model_specs) if zero.shards_params else model_specs), {DATA})
+    state_data_specs = manual_part(state_specs, manual)
+    param_data_specs = manual_part(_specs(zero.specs(model_specs) if zero.shards_params else model_specs), manual)
 
     def reduced(params: Params, opt_state: OptState, tokens: jax.Array):
         """Loss, reduced gradients, the parameters the optimizer updates, and the gradient's norm."""
@@ -252,7 +276,7 @@ def build_steps(
         if skip_nonfinite:
             applied = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
             if zero.active:  # each rank saw its own share of the update: all must agree
-                applied = jax.lax.pmin(applied.astype(jnp.int32), DATA) > 0
+                applied = jax.lax.pmin(applied.astype(jnp.int32), group) > 0
             new_params, new_state = jax.tree.map(
                 lambda new, old: jnp.where(applied, new, old), (new_params, new_state), (params, opt_state)
             )
@@ -261,42 +285,57 @@ def build_steps(
     def train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         return data_shard_map(
             partial(per_shard_train, stage=stage),
-            (param_data_specs, state_data_specs, P(DATA)),
-            (param_data_specs, state_data_specs, StepMetrics(P(DATA), P(DATA), P(DATA))),
-        )(params, opt_state, tokens)
+            (param_data_specs, state_data_specs, shard_batch),
+            (param_data_specs, state_data_specs, StepMetrics(per_replica, per_replica, per_replica)),
+        )(params, opt_state, laid_out(tokens))
 
     def per_shard_gradients(params: Params, tokens: jax.Array):
         loss, grads = shard_gradients(local(params), tokens)
-        shared = mean_over(_without(grads, native), DATA)
-        return mean_over(loss, DATA), zero.mean_native(_merged(shared, grads, native))
+        shared = mean_over(_without(grads, native), group)
+        return mean_over(loss, group), zero.mean_native(_merged(shared, grads, native))
 
     def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
-        return mean_over(shard_loss(params, tokens), DATA)
+        return mean_over(shard_loss(params, tokens), group)
 
     # Without zero=3 every data rank holds every parameter whole, except the native leaves (experts).
-    model_data_specs = manual_part(_specs(model_specs), {DATA})
+    model_data_specs = manual_part(_specs(model_specs), manual)
 
     def evaluate(params: Params, tokens: jax.Array) -> jax.Array:
         # With a pipeline, evaluation is a forward-only pipeline program over the same stages
         # (layers stay where training keeps them: nothing is gathered over ``pipe``).
-        return data_shard_map(per_shard_eval, (model_data_specs, P(DATA)), P())(params, tokens)
+        return data_shard_map(per_shard_eval, (model_data_specs, shard_batch), P())(params, laid_out(tokens))
 
     def per_shard_reports(params: Params, tokens: jax.Array):
         found = shard_reports(params, tokens)
-        return jax.lax.psum(found, DATA) if check_vma else found
+        return jax.lax.psum(found, group) if check_vma else found
 
     def reports(params: Params, tokens: jax.Array):
         # A forward pass (the forward-only pipeline with one), each microbatch of each data shard
         # routed on its own as in training, the reports summed over all of them.
-        return data_shard_map(per_shard_reports, (model_data_specs, P(DATA)), P())(params, tokens)
+        return data_shard_map(per_shard_reports, (model_data_specs, shard_batch), P())(params, laid_out(tokens))
 
-    gradients = data_shard_map(per_shard_gradients, (model_data_specs, P(DATA)), (P(), model_data_specs))
+    def gradients(params: Params, tokens: jax.Array):
+        return data_shard_map(per_shard_gradients, (model_data_specs, shard_batch), (P(), model_data_specs))(
+            params, laid_out(tokens))
+
     scoped = model_def.traced
     return TrainSteps(
         mesh, param_shardings, opt_shardings, batch_sharding, tuple(stages),
         train=scoped(train), evaluate=scoped(evaluate), gradients=scoped(gradients), init_state=init_state, zero=zero,
-        reports=scoped(reports), report_groups=microbatches * mesh.shape[DATA],
+        reports=scoped(reports), report_groups=microbatches * replicas, metrics_spec=per_replica,
     )
+
+
+def context_layout(tokens: jax.Array, ranks: int) -> jax.Array:
+    """``tokens`` [b, seq + 1] as the train step's shards see them when sequences are split over
+    ``ranks`` context-parallel ranks: ``[b, seq, 2]`` (every input token stacked with the one it
+    predicts, :func:`meshtron.models.contract.next_token_pairs`), the sequence in the load-balanced
+    order (:func:`meshtron.models.context_attention.balanced_order`), so that context rank ``r``'s
+    equal share holds chunks ``r`` and ``2·ranks - 1 - r``. ``tokens`` unchanged for one rank."""
+    if ranks == 1:
+        return tokens
+    pairs = jnp.stack([tokens[:, :-1], tokens[:, 1:]], axis=-1)
+    return jnp.take(pairs, jnp.asarray(balanced_order(pairs.shape[1], ranks)), axis=1)
 
 
 def _specs(tree: Any) -> Any:
@@ -332,16 +371,16 @@ class TrainSteps:
 
     def __init__(self, mesh: Mesh, param_shardings, opt_shardings, batch_sharding, stages: tuple[str, ...], *,
                  train, evaluate, gradients, init_state, zero: ZeroPlan | None = None, reports=None,
-                 report_groups: int = 1):
+                 report_groups: int = 1, metrics_spec: P | None = None):
         self.mesh = mesh
-        self.report_groups = report_groups  # routing groups a step's reports sum over: microbatches × data
+        self.report_groups = report_groups  # routing groups a step's reports sum over: microbatches × data (× context)
         self.zero = zero  # how parameters and optimizer state are split over data
         self.param_shardings = param_shardings
         self.opt_shardings = opt_shardings
         self.batch_sharding = batch_sharding
         self.stages = stages
         replicated = NamedSharding(mesh, P())
-        per_shard = NamedSharding(mesh, P(DATA))
+        per_shard = NamedSharding(mesh, P(DATA) if metrics_spec is None else metrics_spec)
         self.init_state_fn = init_state  # params -> fresh OptState (for abstract shapes: jax.eval_shape)
         self._init_jit = jax.jit(init_state, in_shardings=(param_shardings,), out_shardings=opt_shardings)
         self._train_jit = jax.jit(
