@@ -1,0 +1,183 @@
+"""Context parallelism: sequences split over the ``context`` mesh axis. The loss and every gradient
+equal one device's on data x pipeline x context x tensor layouts, for GPT, Llama (grouped-query) and
+a user's model, with either exchange; training, ZeRO and 1-bit LAMB reduce over data x context;
+checkpoints restore onto meshes without the split; bad settings are one line."""
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from meshtron.checkpoint import CheckpointStore
+from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config
+from meshtron.hlo.collectives import collectives
+from meshtron.models.contract import Context
+from meshtron.sharding import MEGATRON_RULES, extend_rules
+from meshtron.testing import Layout, check_parity
+from meshtron.train.loop import Trainer
+from meshtron.train.state import ModelDef, model_def_from_config
+from meshtron.train.step import context_layout
+
+SEQ = 32  # divisible by 2 x 8 context ranks
+
+
+def family(name: str, tensor: int = 1) -> ModelDef:
+    if name == "user":
+        import parallel_lm
+
+        return ModelDef.create(lambda r: parallel_lm.ParallelLM(64, 32, 4, 64, 4, SEQ, rngs=r),
+                               rules=extend_rules(MEGATRON_RULES, parallel_lm.RULES))
+    kv = {"kv_heads": 2} if name == "llama" else {}
+    return model_def_from_config(ModelConfig(family=name, vocab_size=64, hidden=32, heads=4, layers=4, mlp_dim=64,
+                                             seq_len=SEQ, **kv), tensor)
+
+
+# (data, pipe, context, tensor) as the issue names them; a Layout is (data, pipe, tensor, ...).
+LAYOUTS = {
+    "1x1x8x1-gathered": Layout(1, 1, 1, context=8),
+    "1x1x8x1-ring": Layout(1, 1, 1, context=8, context_attention="ring"),
+    "2x1x2x2-gathered": Layout(2, 1, 2, context=2),
+    "2x1x2x2-ring": Layout(2, 1, 2, context=2, context_attention="ring"),
+    "1x2x2x2-interleaved": Layout(1, 2, 2, "interleaved", 2, context=2),
+    "1x2x4x1-zbh1": Layout(1, 2, 1, "zb-h1", context=4),
+}
+FAST = {("llama", "2x1x2x2-ring"), ("gpt", "1x2x4x1-zbh1"), ("user", "1x1x8x1-gathered")}
+
+
+def _params():
+    for name in ("gpt", "llama", "user"):
+        for key, layout in LAYOUTS.items():
+            marks = [] if (name, key) in FAST else [pytest.mark.slow]
+            if (name, key) in {("llama", "2x1x2x2-ring"), ("llama", "1x2x2x2-interleaved")}:
+                marks.append(pytest.mark.both_stacks)
+            yield pytest.param(name, layout, id=f"{name}-{key}", marks=marks)
+
+
+@pytest.mark.parametrize("name, layout", list(_params()))
+def test_loss_and_gradients_equal_one_device(name, layout, monkeypatch):
+    monkeypatch.syspath_prepend("tests/models")
+    [report] = check_parity(family(name, layout.tensor), [layout], seq_len=SEQ)
+    assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+
+
+def test_a_model_that_slices_positions_from_the_first_is_caught_by_the_oracle(monkeypatch):
+    """The contract's positions are not contiguous on a context rank: a model that slices its position
+    table from the first position (instead of looking each one up) gets wrong positions, and the
+    oracle says so."""
+    monkeypatch.syspath_prepend("tests/models")
+    import parallel_lm
+
+    class SlicingLM(parallel_lm.ParallelLM):
+        def embed(self, tokens, ctx):
+            ctx = Context(jax.numpy.broadcast_to(ctx.positions[:, :1] + jax.numpy.arange(tokens.shape[1]),
+                                                 ctx.positions.shape))
+            return super().embed(tokens, ctx)
+
+    md = ModelDef.create(lambda r: SlicingLM(64, 32, 4, 64, 4, SEQ, rngs=r),
+                         rules=extend_rules(MEGATRON_RULES, parallel_lm.RULES))
+    [report] = check_parity(md, [Layout(1, 1, 1, context=4)], seq_len=SEQ, raise_on_mismatch=False)
+    assert not report.ok
+
+
+def test_the_step_lays_tokens_out_as_each_rank_s_front_and_mirrored_back_chunk():
+    tokens = np.arange(17)[None]  # 16 inputs, each with the token it predicts
+    pairs = np.asarray(context_layout(jax.numpy.asarray(tokens), 2))
+    assert pairs.shape == (1, 16, 2)
+    # rank 0: chunks 0 and 3 of 4; rank 1: chunks 1 and 2
+    assert pairs[0, :, 0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert (pairs[0, :, 1] == pairs[0, :, 0] + 1).all()
+
+
+# ---- training: the gradient group is data x context -------------------------------------------------
+
+MODEL = ["model.family=llama", "model.kv_heads=2", "model.layers=4", "model.hidden=32", "model.heads=4",
+         "model.mlp_dim=64", "model.seq_len=32", "train.batch_size=8", "train.warmup_steps=1",
+         "train.eval_every=1000", "train.eval_batches=1", "train.microbatches=2"]
+
+
+def trainer(data, pipe, context, tensor, *overrides, **kwargs) -> Trainer:
+    layout = [f"mesh.data={data}", f"mesh.pipe={pipe}", f"mesh.context={context}", f"mesh.tensor={tensor}"]
+    return Trainer.from_config(load_config(None, [*MODEL, *layout, *overrides]), **kwargs)
+
+
+@pytest.mark.slow
+def test_context_parallel_training_equals_data_parallel_training_at_every_zero_level():
+    reference = trainer(2, 1, 1, 1, "train.steps=3").run()
+    for overrides in ([], ["model.context_attention=ring"], ["train.zero=1"], ["train.zero=3"]):
+        t = trainer(2, 1, 2, 2, "train.steps=3", *overrides)
+        if overrides[:1] == ["train.zero=3"]:  # parameters split over the whole gradient group
+            specs = {str(s.spec) for s in jax.tree.leaves(t.steps.param_shardings)}
+            assert any("('data', 'context')" in s for s in specs), specs
+        result = t.run()
+        np.testing.assert_allclose(result.losses, reference.losses, rtol=2e-5, err_msg=str(overrides))
+        jax.tree.map(lambda a, b, o=overrides: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=str(o)),
+                     jax.device_get(result.params), jax.device_get(reference.params))
+        assert result.heldout_loss == pytest.approx(reference.heldout_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_onebit_lamb_compresses_over_data_and_context_together():
+    steps = ["train.optimizer=onebit_lamb", "optim.freeze_step=2", "train.steps=3"]
+    split = trainer(2, 1, 2, 1, *steps)
+    reference = trainer(2, 1, 1, 1, *steps).run()
+    result = split.run()
+    # the warmup (uncompressed LAMB) equals data parallelism's; compression then runs over 4 workers
+    np.testing.assert_allclose(result.losses[:2], reference.losses[:2], rtol=2e-5)
+    assert np.isfinite(result.losses).all()
+    compressed = split.steps._compiled["compression"]
+    over = {(c.kind, frozenset(c.axes)) for c in collectives(compressed, split.mesh)}
+    assert ("all-to-all", frozenset({"data", "context"})) in over, over
+    errors = [s.spec for s in jax.tree.leaves(split.steps.opt_shardings) if s.spec[:1] == P(("data", "context"))[:1]]
+    assert errors, "1-bit LAMB's error buffers are per worker of data x context"
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_bitwise_and_restore_without_the_split(tmp_path):
+    run = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=5", f"checkpoint.dir={tmp_path}"]
+    straight = trainer(1, 2, 2, 2, "train.steps=4").run()
+    first = trainer(1, 2, 2, 2, *run).run()
+    assert first.losses == straight.losses
+    for step in (3, 4):
+        shutil.rmtree(tmp_path / str(step), ignore_errors=True)
+    resumed = trainer(1, 2, 2, 2, *run).run()
+    assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
+    # onto a mesh that does not split sequences: the same canonical parameters
+    other = trainer(2, 1, 1, 2, *run)
+    params, _, position = other.restore(CheckpointStore(tmp_path, keep=5))
+    assert position.step == 4
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(other.canonical_params(params)),
+                 jax.device_get(first.params))
+
+
+@pytest.mark.slow
+def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path):
+    from meshtron.generate import sample
+    from meshtron.pretrained import load_pretrained
+
+    trainer(1, 1, 4, 2, "train.steps=1", "checkpoint.every=1", f"checkpoint.dir={tmp_path}").run()
+    model = load_pretrained(tmp_path)
+    assert model.mesh.shape["context"] == 1 and model.mesh.shape["tensor"] == 2
+    assert sample(model, "ab", max_new_tokens=4, temperature=0).text
+    with pytest.raises(ConfigError, match=r"^mesh.context: generation does not split sequences"):
+        load_pretrained(tmp_path, MeshConfig(1, 1, 2, context=2))
+
+
+# ---- bad settings ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.context=4", "model.seq_len=20"],
+     "mesh.context: model.seq_len=20 must be divisible by 2 x mesh.context = 8"),
+    (["mesh.context=2", "mesh.pipe=2", "model.context_attention=ring"],
+     "model.context_attention: ring cannot run inside pipeline stages"),
+    (["model.context_attention=ulysses"], "model.context_attention: must be one of gathered, ring"),
+    (["mesh.context=2", "model.family=llama", "model.moe.experts=4"],
+     "mesh.context: a mixture of experts is split over data ranks only"),
+    (["mesh.context=0"], "mesh.context: must be a positive size or -1"),
+    (["model.rules={seq: sequence}"], "model.rules.seq: 'sequence' is not a mesh axis; use data, pipe, context"),
+])
+def test_bad_context_settings_are_one_line(overrides, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, ["mesh.data=1", *overrides])
