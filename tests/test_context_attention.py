@@ -48,9 +48,9 @@ def test_split_attention_equals_unsplit_attention_with_its_gradients(exchange, r
     def split(q, k, v):
         inputs = [jnp.take(x, order, axis=1) for x in (q, k, v)]
         out = jax.shard_map(
-            lambda q, k, v, pos: attention(q, k, v, pos, "context"), mesh=mesh,
-            in_specs=(P(None, "context"),) * 3 + (P("context"),), out_specs=P(None, "context"),
-        )(*inputs, jnp.asarray(order, jnp.int32))
+            lambda q, k, v: attention(q, k, v, order, "context"), mesh=mesh,
+            in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"),
+        )(*inputs)
         return jnp.take(out, np.argsort(order), axis=1)  # back to sequence order
 
     def loss(fn):
@@ -69,12 +69,12 @@ def compiled_gradient(attention, ranks: int, local: int, heads: int = 4, kv_head
     """The compiled gradient of split attention over ``ranks`` x ``local`` tokens, and its mesh."""
     seq = ranks * local
     mesh = jax.make_mesh((ranks,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ranks])
-    positions = jnp.asarray(balanced_order(seq, ranks), jnp.int32)
+    order = balanced_order(seq, ranks)
 
     def loss(q, k, v):
         return jnp.sum(jax.shard_map(
-            lambda q, k, v, pos: attention(q, k, v, pos, "context"), mesh=mesh,
-            in_specs=(P(None, "context"),) * 3 + (P("context"),), out_specs=P(None, "context"))(q, k, v, positions))
+            lambda q, k, v: attention(q, k, v, order, "context"), mesh=mesh,
+            in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"))(q, k, v))
 
     q = jax.ShapeDtypeStruct((1, seq, heads, d), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, seq, kv_heads, d), jnp.float32)

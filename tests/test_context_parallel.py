@@ -181,3 +181,32 @@ def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path)
 def test_bad_context_settings_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, ["mesh.data=1", *overrides])
+
+
+# ---- what describe says, against the compiled step ---------------------------------------------------
+
+
+@pytest.mark.parametrize("exchange, remat, mesh", [
+    ("gathered", "none", ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"]),  # kv heads split over tensor
+    ("ring", "selective", ["mesh.data=1", "mesh.context=4", "mesh.tensor=2"]),
+    pytest.param("gathered", "full", ["mesh.data=1", "mesh.context=8", "mesh.tensor=1"], marks=pytest.mark.slow),
+])
+def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_step_agrees(exchange, remat, mesh):
+    import io
+
+    from meshtron.describe import describe
+    from meshtron.models.context_attention import exchange_bytes
+    from meshtron.units import format_bytes
+
+    out = io.StringIO()
+    cfg = load_config(None, [*MODEL, *mesh, "mesh.pipe=1", f"model.context_attention={exchange}",
+                             f"model.remat={remat}"])
+    describe(cfg, out)
+    text = out.getvalue()
+    ranks, tensor = cfg.mesh.context, cfg.mesh.tensor
+    tokens = 8 // cfg.mesh.data // 2 * SEQ // ranks  # rows per microbatch x the rank's share of the sequence
+    forward, backward = exchange_bytes(exchange, ranks, tokens, kv_heads=2 // tensor, head_dim=8)
+    per_layer = forward * (1 + (remat != "none")) + backward
+    assert f"{format_bytes(per_layer)} per device, layer and microbatch" in text
+    assert (f"{exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the compiled "
+            f"step, {format_bytes(per_layer)} by the formula (+0.0%)") in text

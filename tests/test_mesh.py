@@ -7,14 +7,14 @@ from meshtron.config import ConfigError, MeshConfig
 from meshtron.mesh import build_mesh, ensure_cpu_devices, resolve_sizes
 
 
-def test_axes_are_data_pipe_context_tensor_with_tensor_innermost():
+def test_axes_are_data_context_pipe_tensor_with_tensor_innermost():
     mesh = build_mesh(MeshConfig(2, 1, 4))
-    assert mesh.axis_names == ("data", "pipe", "context", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "pipe": 1, "context": 1, "tensor": 4}
+    assert mesh.axis_names == ("data", "context", "pipe", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "context": 1, "pipe": 1, "tensor": 4}
     ids = [[d.id for d in row] for row in mesh.devices[:, 0, 0, :]]
     assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]  # tensor groups are neighbouring devices
     mesh = build_mesh(MeshConfig(2, 1, 2, context=2))
-    assert [d.id for d in mesh.devices[0, 0, :, 0]] == [0, 2]  # context next to tensor (Megatron's tp-cp-dp-pp)
+    assert [d.id for d in mesh.devices[0, :, 0, 0]] == [0, 2]  # context next to tensor (Megatron's tp-cp-dp-pp)
 
 
 def test_minus_one_takes_the_rest_and_smaller_meshes_use_a_subset(capsys):
@@ -28,7 +28,7 @@ def test_minus_one_takes_the_rest_and_smaller_meshes_use_a_subset(capsys):
 def test_mesh_larger_than_devices_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"mesh: data x pipe x tensor = 4 x 1 x 4 = 16 devices, but this run has 8"):
         build_mesh(MeshConfig(4, 1, 4))
-    with pytest.raises(ConfigError, match=r"mesh: data x pipe x context x tensor = 2 x 1 x 4 x 2 = 16 devices"):
+    with pytest.raises(ConfigError, match=r"mesh: data x context x pipe x tensor = 2 x 4 x 1 x 2 = 16 devices"):
         build_mesh(MeshConfig(2, 1, 2, context=4))
     with pytest.raises(ConfigError, match="mesh.data=-1"):
         resolve_sizes(MeshConfig(-1, 1, 3), 8)

@@ -231,6 +231,55 @@ class ExpertExchange:
                 f"{format_bytes(self.per_layer)} by the formula ({per_layer / self.per_layer - 1:+.1%})")
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextExchange:
+    """What attention sends over ``context`` per device, attention layer and microbatch, when sequences
+    are split there (:func:`meshtron.models.context_attention.exchange_bytes`)."""
+
+    exchange: str  # model.context_attention: gathered or ring
+    ranks: int
+    tokens: int  # a rank's tokens per microbatch: rows x seq_len / ranks
+    kv_heads: int  # key/value heads on one device (split over tensor when it divides them)
+    forwards: int  # attention forwards per layer and step: 1, +1 recomputed (remat, a pipeline stage)
+    layers: int  # attention layers a device runs per microbatch
+    microbatches: int
+    forward: float  # the formula's bytes of one forward
+    backward: float
+
+    @property
+    def per_layer(self) -> float:
+        return self.forwards * self.forward + self.backward
+
+    def line(self) -> str:
+        how = "keys and values all-gathered" if self.exchange == "gathered" else "key/value blocks passed around a ring"
+        return (f"split over context ({self.ranks} ranks, {self.tokens} tokens each per microbatch: chunks r and "
+                f"{2 * self.ranks}-1-r of every sequence), {how}: {format_bytes(self.per_layer)} per device, layer and "
+                f"microbatch ({self.forwards} x {format_bytes(self.forward)} forward, {format_bytes(self.backward)} "
+                "backward)")
+
+    def measured(self, collectives) -> str:
+        # Attention's own: the gradient reduction over the group is an all-reduce (or ZeRO's, not measured here)
+        sent = sum(c.total_wire_bytes for c in collectives if c.axes == ("context",) and c.kind != "all-reduce")
+        per_layer = sent / (self.layers * self.microbatches)
+        return (f"{self.exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the "
+                f"compiled step, {format_bytes(self.per_layer)} by the formula ({per_layer / self.per_layer - 1:+.1%})")
+
+
+def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
+    """What ``cfg``'s attention exchanges over ``context`` (a resolved mesh with ``context`` > 1)."""
+    from meshtron.models.context_attention import exchange_bytes
+
+    m, t, mesh = cfg.model, cfg.train, cfg.mesh
+    kv = (m.kv_heads or m.heads) if m.family == "llama" else m.heads
+    kv_local = kv // mesh.tensor if kv % mesh.tensor == 0 else kv
+    tokens = t.batch_size // mesh.data // t.microbatches * m.seq_len // mesh.context
+    forwards = 1 + (m.remat in ("full", "selective")) + (mesh.pipe > 1 and cfg.pipeline.recompute)
+    forward, backward = exchange_bytes(m.context_attention, mesh.context, tokens, kv_local, m.hidden // m.heads,
+                                       np.dtype(m.dtype).itemsize)
+    return ContextExchange(m.context_attention, mesh.context, tokens, kv_local, forwards, model_def.layers // mesh.pipe,
+                           t.microbatches, forward, backward)
+
+
 def expert_exchange(cfg: Config, sizes: tuple[int, ...], model_def: ModelDef) -> ExpertExchange:
     """What the expert-parallel all-to-alls of ``cfg``'s step send (:func:`meshtron.models.moe.all_to_all_bytes`)."""
     from meshtron.models.llama import moe_dims
@@ -282,6 +331,10 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
               + (f", {e.shared_experts} shared" if e.shared_experts else "")
               + "; the analytical figures below count a dense MLP of width mlp", file=out)
         print(f"          {exchange.line()}", file=out)
+    split = context_exchange(cfg, model_def) if cfg.mesh.context > 1 and m.factory is None else None
+    if split is not None:
+        print(f"context   {split.line()}; the analytical figures below count a whole sequence per device, the "
+              "compiled step what a context rank holds", file=out)
     rows = parameter_rows(model_def, mesh_sizes)
     total = sum(math.prod(r[1]) for r in rows)
     print(f"\nparameters ({total:,} in all, {format_bytes(sum(r[4] for r in rows))} per device)", file=out)
@@ -358,3 +411,5 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
         print(step.table(), file=out)
         if exchange is not None and exchange.ranks > 1 and sizes[1] == 1:
             print(exchange.measured(step.collectives), file=out)
+        if split is not None and sizes[1] == 1 and not trainer.steps.zero.active:
+            print(split.measured(step.collectives), file=out)

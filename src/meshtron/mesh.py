@@ -1,12 +1,14 @@
-"""MeshConfig -> ``jax.sharding.Mesh`` with axes (data, pipe, context, tensor), tensor innermost.
+"""MeshConfig -> ``jax.sharding.Mesh`` with axes (data, context, pipe, tensor), tensor innermost.
 
 JAX meshes are row-major, so the last axis varies fastest over ``jax.devices()``: putting
 ``tensor`` last keeps each tensor-parallel group on neighbouring devices (inside one node on a
-GPU pod), the way Megatron-LM keeps its TP groups on NVLink; ``context`` comes next (Megatron's
-tp-cp-dp-pp order), its ring or all-gather of keys and values the next most frequent traffic. Axes
-are ``AxisType.Auto``: the compiler propagates shardings from the annotations, and ``shard_map``
-takes manual control of the axes a transform needs (``data`` and ``context`` for the gradient
-reduction and the split sequence, ``pipe`` for pipelining).
+GPU pod), the way Megatron-LM keeps its TP groups on NVLink. Axes are ``AxisType.Auto``: the
+compiler propagates shardings from the annotations, and ``shard_map`` takes manual control of the
+axes a transform needs (``data`` and ``context`` for the gradient reduction and the split sequence,
+then, nested inside, ``pipe`` for pipelining, ``tensor`` around an exchange). Nested manual axes must
+come in mesh order (XLA checks that manual axes are sorted by their index in the mesh), which is why
+``context`` precedes ``pipe``: without a pipeline it is next to ``tensor``, as in Megatron-LM's
+tp-cp-dp-pp order.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from meshtron.config import MeshConfig
 from meshtron.errors import ConfigError
 
-AXES = ("data", "pipe", "context", "tensor")
+AXES = ("data", "context", "pipe", "tensor")
 _FORCE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -51,7 +53,7 @@ def mesh_shape(cfg: MeshConfig) -> tuple[int, ...]:
 
 
 def build_mesh(cfg: MeshConfig, devices=None, *, verbose: bool = False):
-    """A (data, pipe, context, tensor) mesh over the first data*pipe*context*tensor devices.
+    """A (data, context, pipe, tensor) mesh over the first data*context*pipe*tensor devices.
 
     A mesh smaller than the device count uses a subset and says so (when ``verbose``).
     """

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 LogicalAxes = Sequence[str | None]
 Rules = Sequence[tuple[str, str | None]]
 
-MESH_AXES = ("data", "pipe", "context", "tensor")
+MESH_AXES = ("data", "context", "pipe", "tensor")
 
 MEGATRON_RULES: Rules = (
     ("batch", "data"),

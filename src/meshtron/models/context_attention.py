@@ -16,7 +16,7 @@ then gives each rank its tokens' positions (:func:`local_positions`), and
 chose (:func:`context_exchange`, ``model.context_attention``).
 
 Two exchanges, both called inside ``shard_map`` manual over the sequence's mesh axis, with the mask
-built from the positions:
+built from the positions (which every rank knows from the layout: only keys and values travel):
 
 * :func:`gathered_kv_attention`: each rank all-gathers the keys and values (only the key/value heads
   under grouped-query attention) and attends for its own queries; it holds the whole sequence's
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtron.sharding import logical_to_spec, varying_like
+from meshtron.sharding import constrain, logical_to_spec, manual_part, spec_axes, varying_like
 
 EXCHANGES = ("gathered", "ring")
 _exchange: list[str] = ["gathered"]
@@ -77,18 +77,21 @@ def local_positions(tokens: int) -> jax.Array:
     if split is None:
         return jnp.arange(tokens, dtype=jnp.int32)
     axis, ranks = split
-    order = balanced_order(tokens * ranks, ranks).reshape(ranks, tokens)
-    return jnp.asarray(order, jnp.int32)[jax.lax.axis_index(axis)]
+    return _rank_positions(balanced_order(tokens * ranks, ranks), axis)
+
+
+QUERIES = ("batch", "seq", "heads", "head_dim")
+KEYS = ("batch", "seq", "kv_heads", "head_dim")
 
 
 def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = None) -> jax.Array:
     """Causal attention of this rank's tokens of a split sequence over the whole sequence, with the
     active :func:`context_exchange`. Call only where :func:`sequence_split` is not ``None``."""
-    axis, _ = sequence_split()
-    positions = local_positions(q.shape[1])
+    axis, ranks = sequence_split()
+    order = balanced_order(q.shape[1] * ranks, ranks)
     if _exchange[-1] == "ring":
-        return ring_attention(q, k, v, positions, axis)
-    return gathered_kv_attention(q, k, v, positions, axis, implementation=implementation)
+        return ring_attention(q, k, v, order, axis)
+    return gathered_kv_attention(q, k, v, order, axis, implementation=implementation)
 
 
 def balanced_order(seq_len: int, ranks: int) -> np.ndarray:
@@ -107,38 +110,62 @@ def exchange_bytes(exchange: str, ranks: int, tokens: int, kv_heads: int, head_d
     """Bytes one rank sends over the sequence's axis per attention layer, ``(forward, backward)``, for
     ``tokens`` per rank (the rank's block of keys: ``tokens · kv_heads · head_dim · itemsize``).
 
-    ``"gathered"``: the forward all-gathers keys, values and the int32 positions (a ring all-gather
-    sends ``(n-1)`` blocks of each); the backward reduce-scatters the keys' and values' gradients, as
-    many bytes. ``"ring"``: the forward passes keys, values and positions on ``n-1`` times; the
-    backward ``n`` times, with the keys' and values' fp32 gradients travelling along."""
-    if exchange not in ("gathered", "ring"):
+    ``"gathered"``: the forward all-gathers keys and values (a ring all-gather sends ``(n-1)`` blocks
+    of each); the backward reduce-scatters their gradients, as many bytes. ``"ring"``: the forward
+    passes keys and values on ``n-1`` times; the backward ``n`` times, with the keys' and values'
+    fp32 gradients travelling along. Positions are never sent: every rank knows the layout."""
+    if exchange not in EXCHANGES:
         raise ValueError(f"exchange: must be gathered or ring, got {exchange!r}")
-    block, positions = tokens * kv_heads * head_dim * itemsize, tokens * 4
+    block = tokens * kv_heads * head_dim * itemsize
     if exchange == "gathered":
-        return (ranks - 1) * (2 * block + positions), (ranks - 1) * 2 * block
+        return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block
     gradients = 2 * tokens * kv_heads * head_dim * 4
-    return (ranks - 1) * (2 * block + positions), ranks * (2 * block + positions + gradients)
+    return (ranks - 1) * 2 * block, ranks * (2 * block + gradients)
 
 
-def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str, *,
+def _rank_positions(order: np.ndarray, axis: str, behind: jax.Array | int = 0) -> jax.Array:
+    """Positions ``[S/n]`` of the tokens rank ``(this rank - behind) mod n`` holds, in the layout
+    ``order`` [S] (positions of the tokens as stored, rank after rank)."""
+    n = jax.lax.axis_size(axis)
+    rows = jnp.asarray(np.asarray(order, np.int32).reshape(n, -1))
+    return rows[(jax.lax.axis_index(axis) - behind) % n]
+
+
+def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str, *,
                           implementation: str | None = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, whose keys and values are
     all-gathered over the manual mesh ``axis``.
 
-    ``q`` ``[b, s, heads, d]``, ``k``/``v`` ``[b, s, kv_heads, d]`` and ``positions`` ``[s]`` (int) are
-    this rank's ``s`` tokens, in any order the ranks agree on (:func:`balanced_order`); a query attends
-    to every key at its own or an earlier position. Returns ``[b, s, heads, d]``. The backward pass of
-    the all-gather is a reduce-scatter of the keys' and values' gradients.
+    ``q`` ``[b, s, heads, d]`` and ``k``/``v`` ``[b, s, kv_heads, d]`` are this rank's ``s`` tokens of a
+    sequence stored in the order ``order`` ``[n·s]`` (the positions of its tokens, rank after rank:
+    :func:`balanced_order`, or any order); a query attends to every key at its own or an earlier
+    position. Returns ``[b, s, heads, d]``. The backward pass of the all-gather is a reduce-scatter of
+    the keys' and values' gradients.
     """
-    keys = jax.lax.all_gather(k, axis, axis=1, tiled=True)
-    values = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-    key_positions = jax.lax.all_gather(positions, axis, axis=0, tiled=True)
+    keys, values = _gathered_heads(k, axis), _gathered_heads(v, axis)
+    positions = _rank_positions(order, axis)
+    key_positions = jnp.asarray(np.asarray(order, np.int32))
     mask = (key_positions[None, :] <= positions[:, None])[None, None]  # [1, 1, s, S]
     scale = 1.0 / math.sqrt(q.shape[-1])
     return jax.nn.dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation)
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, axis: str) -> jax.Array:
+def _gathered_heads(x: jax.Array, axis: str) -> jax.Array:
+    """``x`` [b, s, kv_heads, d] all-gathered over ``axis`` along the sequence, each device gathering
+    only the key/value heads the rules give it. Mesh axes still automatic here (tensor) are made manual
+    around the all-gather: left to the partitioner, it gathers the heads over them first (twice the
+    bytes on two tensor ranks, read from the compiled step by ``describe``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = logical_to_spec(KEYS)
+    auto = {a for a in spec_axes(spec) if a in mesh.axis_names and a not in mesh.manual_axes and mesh.shape[a] > 1}
+    gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
+    if not auto:
+        return gather(x)
+    local = manual_part(spec, auto)
+    return constrain(jax.shard_map(gather, mesh=mesh, in_specs=local, out_specs=local, axis_names=auto)(x), KEYS)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, the keys and values passed
     around the ring of the manual mesh ``axis`` one block at a time (``ppermute``), each block's
     scores folded into a running softmax (the online-softmax rescaling of flash attention).
@@ -150,7 +177,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arra
     backward also holds two blocks, not every step's scores. The math is fp32; the result has
     ``v``'s dtype.
     """
-    return _ring(q, k, v, positions, axis)
+    return _ring(q, k, v, tuple(int(p) for p in order), axis)
 
 
 def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -171,11 +198,12 @@ def _block_scores(q, k, q_positions, k_positions, scale):
     return scores, k_positions[None, :] <= q_positions[:, None]
 
 
-def _ring_forward(q, k, v, positions, axis):
+def _ring_forward(q, k, v, order, axis):
     kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
     qg = _grouped(q, kv_heads).astype(jnp.float32)
     b, s, _, g, _ = qg.shape
     n = jax.lax.axis_size(axis)
+    positions = _rank_positions(order, axis)
 
     def fold(stats, kb, vb, kpos):
         """The running max, sum and weighted values with one more key/value block folded in."""
@@ -188,40 +216,41 @@ def _ring_forward(q, k, v, positions, axis):
         o = o * jnp.moveaxis(rescale, -1, 1)[..., None] + jnp.einsum("bhgqk,bkhd->bqhgd", p, vb.astype(jnp.float32))
         return m_new, l * rescale + jnp.sum(p, axis=-1), o
 
-    def step(carry, _):
-        kb, vb, kpos, stats = carry
-        kb, vb, kpos = _shift((kb, vb, kpos), axis)  # the previous rank's block
-        return (kb, vb, kpos, fold(stats, kb, vb, kpos)), None
+    def step(carry, behind):
+        kb, vb, stats = carry
+        kb, vb = _shift((kb, vb), axis)  # the previous rank's block: rank (this - behind) mod n's
+        return (kb, vb, fold(stats, kb, vb, _rank_positions(order, axis, behind))), None
 
     m0 = varying_like(jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32), q)
     own = fold((m0, jnp.zeros_like(m0), varying_like(jnp.zeros_like(qg), q)), k, v, positions)
-    (_, _, _, (m, l, o)), _ = jax.lax.scan(step, (k, v, positions, own), None, length=n - 1)
+    (_, _, (m, l, o)), _ = jax.lax.scan(step, (k, v, own), jnp.arange(1, n))
     out = (o / jnp.moveaxis(l, -1, 1)[..., None]).reshape(q.shape).astype(v.dtype)
     return out, m + jnp.log(l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring(q, k, v, positions, axis):
-    return _ring_forward(q, k, v, positions, axis)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring(q, k, v, order, axis):
+    return _ring_forward(q, k, v, order, axis)[0]
 
 
-def _ring_fwd(q, k, v, positions, axis):
-    out, lse = _ring_forward(q, k, v, positions, axis)
-    return out, (q, k, v, positions, out, lse)
+def _ring_fwd(q, k, v, order, axis):
+    out, lse = _ring_forward(q, k, v, order, axis)
+    return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(axis, residuals, d_out):
-    q, k, v, positions, out, lse = residuals
+def _ring_bwd(order, axis, residuals, d_out):
+    q, k, v, out, lse = residuals
     kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
     qg = _grouped(q, kv_heads).astype(jnp.float32)
     dog = _grouped(d_out, kv_heads).astype(jnp.float32)
     # D = rowsum(dO ∘ O): the softmax backward's correction, per query and head
     correction = jnp.einsum("bqhgd,bqhgd->bhgq", dog, _grouped(out, kv_heads).astype(jnp.float32))
     n = jax.lax.axis_size(axis)
+    positions = _rank_positions(order, axis)
 
-    def step(carry, _):
-        kb, vb, kpos, dk, dv, dq = carry
-        scores, mask = _block_scores(qg, kb.astype(jnp.float32), positions, kpos, scale)
+    def step(carry, behind):
+        kb, vb, dk, dv, dq = carry
+        scores, mask = _block_scores(qg, kb.astype(jnp.float32), positions, _rank_positions(order, axis, behind), scale)
         p = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
         dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb.astype(jnp.float32))
         ds = p * (dp - correction[..., None])
@@ -229,13 +258,13 @@ def _ring_bwd(axis, residuals, d_out):
         dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg) * scale
         dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
         # the block moves on with its gradients; after n moves both are back on the rank that owns them
-        kb, vb, kpos, dk, dv = _shift((kb, vb, kpos, dk, dv), axis)
-        return (kb, vb, kpos, dk, dv, dq), None
+        kb, vb, dk, dv = _shift((kb, vb, dk, dv), axis)
+        return (kb, vb, dk, dv, dq), None
 
     zeros_kv = varying_like(jnp.zeros(k.shape, jnp.float32), q)
-    start = (k, v, positions, zeros_kv, zeros_kv, varying_like(jnp.zeros(qg.shape, jnp.float32), q))
-    (_, _, _, dk, dv, dq), _ = jax.lax.scan(step, start, None, length=n)
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    start = (k, v, zeros_kv, zeros_kv, varying_like(jnp.zeros(qg.shape, jnp.float32), q))
+    (_, _, dk, dv, dq), _ = jax.lax.scan(step, start, jnp.arange(n))
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
