@@ -35,13 +35,16 @@ def test_balanced_order_gives_each_rank_a_front_and_a_mirrored_back_chunk_and_eq
 
 
 @pytest.mark.parametrize("exchange", ["gathered", "ring"])
-@pytest.mark.parametrize("ranks, heads, kv_heads", [(4, 4, 4), (8, 8, 2), (2, 6, 3)])
-def test_split_attention_equals_unsplit_attention_with_its_gradients(exchange, ranks, heads, kv_heads):
+@pytest.mark.parametrize("ranks, heads, kv_heads, balanced", [(4, 4, 4, True), (8, 8, 2, True), (2, 6, 3, True),
+                                                             (4, 8, 2, False)])
+def test_split_attention_equals_unsplit_attention_with_its_gradients(exchange, ranks, heads, kv_heads, balanced):
+    # (the ring computes only the visible half of other ranks' blocks under the balanced layout; any
+    # other layout, here contiguous slices, goes through the masked blocks)
     b, s, d = 2, 32, 8
     q, k, v, w = (jax.random.normal(key, shape) for key, shape in zip(
         jax.random.split(jax.random.key(0), 4), [(b, s, heads, d), (b, s, kv_heads, d), (b, s, kv_heads, d),
                                                   (b, s, heads, d)]))
-    order = balanced_order(s, ranks)
+    order = balanced_order(s, ranks) if balanced else np.arange(s)
     attention = gathered_kv_attention if exchange == "gathered" else ring_attention
     mesh = jax.make_mesh((ranks,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ranks])
 
@@ -97,7 +100,7 @@ def test_the_ring_holds_the_same_memory_whatever_the_ring_size_and_gathering_gro
 
 
 @pytest.mark.parametrize("exchange, attention", [("gathered", gathered_kv_attention), ("ring", ring_attention)])
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [3, 4])  # (on 2, one layer alone, XLA shares the first move of forward and backward)
 def test_bytes_over_the_sequence_axis_are_the_formula(exchange, attention, ranks):
     # one attention layer's forward and backward, grouped-query heads (4 query heads over 2 key/value heads)
     compiled, mesh = compiled_gradient(attention, ranks, local=64, heads=4, kv_heads=2, d=16)

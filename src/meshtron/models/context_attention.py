@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtron.sharding import constrain, logical_to_spec, manual_part, spec_axes, varying_like
+from meshtron.sharding import constrain, logical_to_spec, manual_part, varying_like
 
 EXCHANGES = ("gathered", "ring")
 _exchange: list[str] = ["gathered"]
@@ -112,15 +112,16 @@ def exchange_bytes(exchange: str, ranks: int, tokens: int, kv_heads: int, head_d
 
     ``"gathered"``: the forward all-gathers keys and values (a ring all-gather sends ``(n-1)`` blocks
     of each); the backward reduce-scatters their gradients, as many bytes. ``"ring"``: the forward
-    passes keys and values on ``n-1`` times; the backward ``n`` times, with the keys' and values'
-    fp32 gradients travelling along. Positions are never sent: every rank knows the layout."""
+    passes keys and values on ``n-1`` times; the backward too, with the keys' and values' fp32
+    gradients travelling along, and moves the gradients once more to bring them home. Positions are
+    never sent: every rank knows the layout."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: must be gathered or ring, got {exchange!r}")
     block = tokens * kv_heads * head_dim * itemsize
     if exchange == "gathered":
         return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block
     gradients = 2 * tokens * kv_heads * head_dim * 4
-    return (ranks - 1) * 2 * block, ranks * (2 * block + gradients)
+    return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block + ranks * gradients
 
 
 def _rank_positions(order: np.ndarray, axis: str, behind: jax.Array | int = 0) -> jax.Array:
@@ -152,12 +153,13 @@ def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.nd
 
 def _gathered_heads(x: jax.Array, axis: str) -> jax.Array:
     """``x`` [b, s, kv_heads, d] all-gathered over ``axis`` along the sequence, each device gathering
-    only the key/value heads the rules give it. Mesh axes still automatic here (tensor) are made manual
-    around the all-gather: left to the partitioner, it gathers the heads over them first (twice the
-    bytes on two tensor ranks, read from the compiled step by ``describe``)."""
+    only the key/value heads the rules give it. Every mesh axis still automatic here (tensor) is made
+    manual around the all-gather: left to the partitioner, it gathers the heads over them first (twice
+    the bytes on two tensor ranks, read from the compiled step by ``describe``), and XLA:CPU's compiler
+    aborts on a bf16 all-gather in a partly manual region ("Invalid binary instruction opcode copy")."""
     mesh = jax.sharding.get_abstract_mesh()
     spec = logical_to_spec(KEYS)
-    auto = {a for a in spec_axes(spec) if a in mesh.axis_names and a not in mesh.manual_axes and mesh.shape[a] > 1}
+    auto = set(mesh.axis_names) - set(mesh.manual_axes)
     gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
     if not auto:
         return gather(x)
@@ -191,38 +193,69 @@ def _shift(tree, axis: str):
     return jax.lax.ppermute(tree, axis, [(i, (i + 1) % n) for i in range(n)])
 
 
-def _block_scores(q, k, q_positions, k_positions, scale):
-    """Scores ``[b, kv_heads, group, s_q, s_k]`` (fp32) of grouped queries against a key block, and the
-    causal mask ``[s_q, s_k]`` from the tokens' positions."""
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
-    return scores, k_positions[None, :] <= q_positions[:, None]
+def _is_balanced(order, ranks: int) -> bool:
+    """Whether ``order`` is :func:`balanced_order`'s layout, whose blocks from other ranks are each
+    half masked in a known way (:func:`_ring_forward`)."""
+    return len(order) % (2 * ranks) == 0 and np.array_equal(np.asarray(order), balanced_order(len(order), ranks))
+
+
+def _fold(stats, qg, kb, vb, scale, mask=None):
+    """The running max, sum and weighted values of queries ``qg`` with one more key/value block folded
+    in (the online-softmax rescaling); ``mask`` [s_q, s_k] hides keys, ``None`` shows them all."""
+    m, l, o = stats
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb.astype(jnp.float32), preferred_element_type=jnp.float32) * scale
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # finite: the own block, first, holds each query's key
+    p = jnp.exp(scores - m_new[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    rescale = jnp.exp(m - m_new)
+    o = o * jnp.moveaxis(rescale, -1, 1)[..., None] + jnp.einsum("bhgqk,bkhd->bqhgd", p, vb.astype(jnp.float32))
+    return m_new, l * rescale + jnp.sum(p, axis=-1), o
+
+
+def _rows(stats, start: int):
+    """The running statistics of the queries from row ``start`` on."""
+    m, l, o = stats
+    return m[..., start:], l[..., start:], o[:, start:]
+
+
+def _with_rows(stats, part, start: int):
+    """``stats`` with the rows from ``start`` on replaced by ``part``."""
+    return tuple(jnp.concatenate([whole[..., :start] if i < 2 else whole[:, :start], new], axis=-1 if i < 2 else 1)
+                 for i, (whole, new) in enumerate(zip(stats, part, strict=True)))
 
 
 def _ring_forward(q, k, v, order, axis):
+    """The ring's forward. Under the balanced layout (:func:`balanced_order`) every block after the
+    rank's own is half hidden by the causal mask, in one of two ways: from an earlier rank, every query
+    sees its front chunk and none of its back; from a later rank, only the back chunk's queries see it,
+    wholly. Each such step computes just that half, unmasked (``cond`` on the rank pair): the ring then
+    does ``(n + 1) / 2`` blocks of attention per rank instead of ``n``, the same on every rank."""
     kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
     qg = _grouped(q, kv_heads).astype(jnp.float32)
     b, s, _, g, _ = qg.shape
     n = jax.lax.axis_size(axis)
     positions = _rank_positions(order, axis)
-
-    def fold(stats, kb, vb, kpos):
-        """The running max, sum and weighted values with one more key/value block folded in."""
-        m, l, o = stats
-        scores, mask = _block_scores(qg, kb.astype(jnp.float32), positions, kpos, scale)
-        scores = jnp.where(mask, scores, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # finite: the own block, first, holds each query's key
-        p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
-        rescale = jnp.exp(m - m_new)
-        o = o * jnp.moveaxis(rescale, -1, 1)[..., None] + jnp.einsum("bhgqk,bkhd->bqhgd", p, vb.astype(jnp.float32))
-        return m_new, l * rescale + jnp.sum(p, axis=-1), o
+    half, balanced = s // 2, _is_balanced(order, n)
 
     def step(carry, behind):
         kb, vb, stats = carry
         kb, vb = _shift((kb, vb), axis)  # the previous rank's block: rank (this - behind) mod n's
-        return (kb, vb, fold(stats, kb, vb, _rank_positions(order, axis, behind))), None
+        if not balanced:
+            kpos = _rank_positions(order, axis, behind)
+            return (kb, vb, _fold(stats, qg, kb, vb, scale, kpos[None, :] <= positions[:, None])), None
+        earlier = behind <= jax.lax.axis_index(axis)  # the block comes from a rank before this one
+        stats = jax.lax.cond(
+            earlier,
+            lambda: _fold(stats, qg, kb[:, :half], vb[:, :half], scale),  # every query, its front chunk
+            lambda: _with_rows(stats, _fold(_rows(stats, half), qg[:, half:], kb, vb, scale), half))  # back queries
+        return (kb, vb, stats), None
 
     m0 = varying_like(jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32), q)
-    own = fold((m0, jnp.zeros_like(m0), varying_like(jnp.zeros_like(qg), q)), k, v, positions)
+    own = _fold((m0, jnp.zeros_like(m0), varying_like(jnp.zeros_like(qg), q)), qg, k, v, scale,
+                positions[None, :] <= positions[:, None])
     (_, _, (m, l, o)), _ = jax.lax.scan(step, (k, v, own), jnp.arange(1, n))
     out = (o / jnp.moveaxis(l, -1, 1)[..., None]).reshape(q.shape).astype(v.dtype)
     return out, m + jnp.log(l)
@@ -238,6 +271,19 @@ def _ring_fwd(q, k, v, order, axis):
     return out, (q, k, v, out, lse)
 
 
+def _block_gradients(qg, dog, lse, correction, kb, vb, scale, mask=None):
+    """One key/value block's share of the attention backward, for the queries ``qg`` (with their
+    output gradients ``dog``, log-sum-exp and softmax correction): ``(dq, dk, dv)``, fp32."""
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb.astype(jnp.float32), preferred_element_type=jnp.float32) * scale
+    p = jnp.exp(scores - lse[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb.astype(jnp.float32))
+    ds = p * (dp - correction[..., None])
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb.astype(jnp.float32)) * scale
+    return dq, jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg) * scale, jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
+
+
 def _ring_bwd(order, axis, residuals, d_out):
     q, k, v, out, lse = residuals
     kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
@@ -247,23 +293,34 @@ def _ring_bwd(order, axis, residuals, d_out):
     correction = jnp.einsum("bqhgd,bqhgd->bhgq", dog, _grouped(out, kv_heads).astype(jnp.float32))
     n = jax.lax.axis_size(axis)
     positions = _rank_positions(order, axis)
+    half, balanced = q.shape[1] // 2, _is_balanced(order, n)
+
+    def earlier_block(kb, vb, dk, dv, dq):  # every query against the block's front chunk
+        gq, gk, gv = _block_gradients(qg, dog, lse, correction, kb[:, :half], vb[:, :half], scale)
+        return dk.at[:, :half].add(gk), dv.at[:, :half].add(gv), dq + gq
+
+    def later_block(kb, vb, dk, dv, dq):  # the back chunk's queries against the whole block
+        gq, gk, gv = _block_gradients(qg[:, half:], dog[:, half:], lse[..., half:], correction[..., half:], kb, vb,
+                                      scale)
+        return dk + gk, dv + gv, dq.at[:, half:].add(gq)
 
     def step(carry, behind):
         kb, vb, dk, dv, dq = carry
-        scores, mask = _block_scores(qg, kb.astype(jnp.float32), positions, _rank_positions(order, axis, behind), scale)
-        p = jnp.where(mask, jnp.exp(scores - lse[..., None]), 0.0)
-        dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb.astype(jnp.float32))
-        ds = p * (dp - correction[..., None])
-        dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb.astype(jnp.float32)) * scale
-        dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg) * scale
-        dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
-        # the block moves on with its gradients; after n moves both are back on the rank that owns them
+        # the next block arrives with the gradients it has gathered so far
         kb, vb, dk, dv = _shift((kb, vb, dk, dv), axis)
+        if balanced:
+            dk, dv, dq = jax.lax.cond(behind <= jax.lax.axis_index(axis), earlier_block, later_block, kb, vb, dk, dv, dq)
+        else:
+            kpos = _rank_positions(order, axis, behind)
+            gq, gk, gv = _block_gradients(qg, dog, lse, correction, kb, vb, scale, kpos[None, :] <= positions[:, None])
+            dk, dv, dq = dk + gk, dv + gv, dq + gq
         return (kb, vb, dk, dv, dq), None
 
-    zeros_kv = varying_like(jnp.zeros(k.shape, jnp.float32), q)
-    start = (k, v, zeros_kv, zeros_kv, varying_like(jnp.zeros(qg.shape, jnp.float32), q))
-    (_, _, dk, dv, dq), _ = jax.lax.scan(step, start, jnp.arange(n))
+    # the rank's own block (causal within it), then the n - 1 others as they come round; a block's
+    # gradients travel with it, and one last move brings them home (the block itself is not needed)
+    dq, dk, dv = _block_gradients(qg, dog, lse, correction, k, v, scale, positions[None, :] <= positions[:, None])
+    (_, _, dk, dv, dq), _ = jax.lax.scan(step, (k, v, dk, dv, dq), jnp.arange(1, n))
+    dk, dv = _shift((dk, dv), axis)
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
