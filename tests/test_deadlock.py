@@ -108,7 +108,8 @@ def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, c
     assert unordered_collectives(compiled) == []
 
 
-# A mixture of experts adds all-to-alls over `data` inside the stage `cond`-s; full recomputation reruns
+# A mixture of experts adds all-to-alls over `data` inside the stage `cond`-s (context parallelism,
+# all-gathers over `context`); full recomputation reruns
 # each layer, with them, in the backward pass; sequence parallelism splits the activations the runtime
 # takes its ordering tokens from, and makes the norms' gradients all-reduces nothing downstream reads.
 MOE_LAYOUTS = [
@@ -121,9 +122,15 @@ MOE_LAYOUTS = [
     ("llama_cpu8", ["model.sequence_parallel=true"]),
     ("llama_cpu8", ["model.sequence_parallel=true", "pipeline.recompute=false"]),
     ("cpu8", ["model.sequence_parallel=true", "pipeline.schedule=zb-h1", "pipeline.chunks=1"]),
+    # context parallelism: keys and values all-gathered over `context` inside the stage `cond`-s (and the
+    # ring's collective-permutes without a pipeline), with recomputation and sequence parallelism
+    ("llama_cpu8", ["mesh.data=1", "mesh.context=2", "model.remat=full"]),
+    ("llama_cpu8", ["mesh.data=1", "mesh.context=2", "pipeline.schedule=zb-h1", "pipeline.chunks=1"]),
+    ("cpu8", ["mesh.data=1", "mesh.context=2", "model.sequence_parallel=true"]),
+    ("llama_cpu8", ["mesh.pipe=1", "mesh.context=2", "model.context_attention=ring", "model.remat=selective"]),
 ]
 # The second stack checks two; the rest run on the first.
-_MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (3, 7) else pytest.mark.first_stack_only)
+_MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (3, 7, 10) else pytest.mark.first_stack_only)
               for i, (c, o) in enumerate(MOE_LAYOUTS)]
 
 
