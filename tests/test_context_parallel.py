@@ -41,16 +41,20 @@ LAYOUTS = {
     "2x1x2x2-gathered": Layout(2, 1, 2, context=2),
     "2x1x2x2-ring": Layout(2, 1, 2, context=2, context_attention="ring"),
     "1x2x2x2-interleaved": Layout(1, 2, 2, "interleaved", 2, context=2),
+    "1x2x2x2-interleaved-ring": Layout(1, 2, 2, "interleaved", 2, context=2, context_attention="ring"),
     "1x2x4x1-zbh1": Layout(1, 2, 1, "zb-h1", context=4),
+    "1x2x4x1-zbh1-ring": Layout(1, 2, 1, "zb-h1", context=4, context_attention="ring"),
 }
-FAST = {("llama", "2x1x2x2-ring"), ("gpt", "1x2x4x1-zbh1"), ("user", "1x1x8x1-gathered")}
+FAST = {("llama", "2x1x2x2-ring"), ("gpt", "1x2x4x1-zbh1"), ("user", "1x1x8x1-gathered"),
+        ("llama", "1x2x4x1-zbh1-ring")}
 
 
 def _params():
     for name in ("gpt", "llama", "user"):
         for key, layout in LAYOUTS.items():
             marks = [] if (name, key) in FAST else [pytest.mark.slow]
-            if (name, key) in {("llama", "2x1x2x2-ring"), ("llama", "1x2x2x2-interleaved")}:
+            if (name, key) in {("llama", "2x1x2x2-ring"), ("llama", "1x2x2x2-interleaved"),
+                               ("llama", "1x2x2x2-interleaved-ring")}:
                 marks.append(pytest.mark.both_stacks)
             yield pytest.param(name, layout, id=f"{name}-{key}", marks=marks)
 
@@ -170,8 +174,9 @@ def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path)
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.context=4", "model.seq_len=20"],
      "mesh.context: model.seq_len=20 must be divisible by 2 x mesh.context = 8"),
-    (["mesh.context=2", "mesh.pipe=2", "model.context_attention=ring"],
-     "model.context_attention: ring cannot run inside pipeline stages"),
+    (["mesh.context=2", "mesh.pipe=2", "model.layers=4", "model.context_attention=ring", "pipeline.layout=[1,3]",
+      "train.microbatches=2", "train.batch_size=8"],
+     "model.context_attention: ring runs pipeline stages in lockstep"),
     (["model.context_attention=ulysses"], "model.context_attention: must be one of gathered, ring"),
     (["mesh.context=2", "model.family=llama", "model.moe.experts=4"],
      "mesh.context: a mixture of experts is split over data ranks only"),
@@ -179,8 +184,11 @@ def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path)
     (["model.rules={seq: sequence}"], "model.rules.seq: 'sequence' is not a mesh axis; use data, pipe, context"),
 ])
 def test_bad_context_settings_are_one_line(overrides, message):
+    from meshtron.run import resolve_run
+
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, ["mesh.data=1", *overrides])
+        cfg = load_config(None, ["mesh.data=1", *overrides])
+        resolve_run(cfg, 8)
 
 
 # ---- what describe says, against the compiled step ---------------------------------------------------

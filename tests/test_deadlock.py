@@ -128,6 +128,7 @@ MOE_LAYOUTS = [
     ("llama_cpu8", ["mesh.data=1", "mesh.context=2", "pipeline.schedule=zb-h1", "pipeline.chunks=1"]),
     ("cpu8", ["mesh.data=1", "mesh.context=2", "model.sequence_parallel=true"]),
     ("llama_cpu8", ["mesh.pipe=1", "mesh.context=2", "model.context_attention=ring", "model.remat=selective"]),
+    ("llama_cpu8", ["mesh.data=1", "mesh.context=2", "model.context_attention=ring"]),  # stages in lockstep
 ]
 # The second stack checks two; the rest run on the first.
 _MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (3, 7, 10) else pytest.mark.first_stack_only)

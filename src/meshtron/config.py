@@ -30,8 +30,8 @@ from meshtron.megatron import REMAT_MODES
 DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT_EXCHANGES = ("gathered", "ring")
 RING_IN_PIPELINE = (
-    "ring cannot run inside pipeline stages (mesh.pipe > 1): XLA's collective-permute waits for every device of "
-    "the mesh, and stages run their layers at different ticks; use model.context_attention=gathered with a pipeline")
+    "ring runs pipeline stages in lockstep (XLA's collective-permute waits for every device of the mesh), which an "
+    "uneven pipeline.layout's per-stage layer counts cannot; use an even layout or model.context_attention=gathered")
 
 
 @dataclass
@@ -532,7 +532,6 @@ def validate_context_split(m: ModelConfig, mesh: MeshConfig) -> None:
         _need(m.seq_len % (2 * mesh.context * mesh.tensor) == 0, "model.sequence_parallel",
               f"model.seq_len={m.seq_len} must be divisible by 2 x mesh.context x mesh.tensor = "
               f"{2 * mesh.context * mesh.tensor} (the residual stream is split over both)")
-    _need(mesh.pipe == 1 or m.context_attention != "ring", "model.context_attention", RING_IN_PIPELINE)
     _need(not m.moe.experts, "mesh.context",
           "a mixture of experts is split over data ranks only, not over a split sequence; use mesh.context=1 "
           "with model.moe.experts")

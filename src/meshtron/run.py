@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from meshtron.config import Config, validate_sizes
+from meshtron.config import RING_IN_PIPELINE, Config, validate_sizes
 from meshtron.errors import ConfigError
 from meshtron.mesh import mesh_shape, resolve_sizes
 from meshtron.pipeline.layout import LayoutError, StageLayout
@@ -105,6 +105,8 @@ def _check_pipeline(cfg: Config) -> StageLayout | None:
             f"{_example_layout(layers, virtual)})",
         )
     layout = stage_layout(pl.layout, layers, pipe, pl.chunks)
+    _need(cfg.mesh.context == 1 or cfg.model.context_attention != "ring" or layout.is_even,
+          "model.context_attention", RING_IN_PIPELINE)
     if not is_schedule_file(pl.schedule):  # a CSV's own stages, microbatches and chunks: make_schedule checks
         _need(m >= pipe, "train.microbatches",
               f"{m} microbatches cannot fill {pipe} pipeline stages; use train.microbatches >= {pipe}")

@@ -194,6 +194,7 @@ def run_pipeline(
     axis: str = "pipe",
     check_vma: bool = True,
     layer_counts: tuple[int, ...] | None = None,
+    lockstep: bool = False,
 ) -> tuple[jax.Array, PyTree, PyTree]:
     """Mean loss over the microbatches and the gradients of it, on this stage.
 
@@ -206,11 +207,17 @@ def run_pipeline(
     ``layer_counts[k]``: an uneven layout's layers of virtual stage ``k`` (``chunk·p + stage``); each
     chunk's ``layers_per_chunk`` slots then hold that many layers and padding, which is skipped
     (needs ``StageFunctions.stage(chunk_params, x, active)``). ``None``: every slot is a layer.
+
+    ``lockstep``: every stage runs the forward, backward and W work of every tick, idle or not, and
+    keeps the result only where its instruction says so -- for stage code with collectives that must
+    be entered by every device of the mesh at once (a ring attention's collective-permutes, which
+    XLA rendezvous over all devices): idle ticks then compute and discard instead of skipping.
     """
     if program.schedule.forward_only:
         raise ValueError("run_pipeline: a forward-only program computes no gradients; "
                          "use run_pipeline_forward")
-    return _TickLoop(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts).run()
+    return _TickLoop(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts,
+                     lockstep=lockstep).run()
 
 
 def run_pipeline_forward(
@@ -224,6 +231,7 @@ def run_pipeline_forward(
     check_vma: bool = True,
     layer_counts: tuple[int, ...] | None = None,
     reports: bool = False,
+    lockstep: bool = False,
 ) -> jax.Array | tuple[jax.Array, PyTree]:
     """Mean loss over the microbatches, computed stage by stage: held-out evaluation with pipe > 1.
 
@@ -244,7 +252,8 @@ def run_pipeline_forward(
         )
     if reports and fns.reporting_stage is None:
         raise ValueError("run_pipeline_forward: reports=True needs StageFunctions.reporting_stage")
-    loop = _TickLoop(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts, reports)
+    loop = _TickLoop(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts, reports,
+                     lockstep=lockstep)
     loss, _, _ = loop.run()
     return (loss, loop.reports) if reports else loss
 
@@ -275,8 +284,9 @@ class _TickLoop:
 
     def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, shared_params: PyTree,
                  tokens: jax.Array, axis: str, check_vma: bool, layer_counts: tuple[int, ...] | None = None,
-                 collect: bool = False):
+                 collect: bool = False, lockstep: bool = False):
         schedule = program.schedule
+        self.lockstep = lockstep
         self.collect = collect
         self.reports: PyTree | None = None  # after run(), with collect: the summed reports
         self.program, self.fns, self.tokens, self.axis = program, fns, tokens, axis
@@ -503,6 +513,13 @@ class _TickLoop:
 
     # ---- one tick, and the loop ------------------------------------------------------------------
 
+    def branch(self, busy_if: jax.Array, busy, idle):
+        """``busy()`` where this stage has work this tick, else ``idle()``: a ``cond`` (idle ticks skip),
+        or, in lockstep, both computed and the result selected (every device runs the same collectives)."""
+        if not self.lockstep:
+            return jax.lax.cond(busy_if, busy, idle)
+        return jax.tree.map(lambda b, i: jnp.where(busy_if, b, i), busy(), idle())
+
     def tick_of(self, seg: _Segment):
         """The body of the ``scan`` over one segment's ticks: receive, forward, backward (B), W, send."""
         p, axis, pin = self.p, self.axis, self.pin
@@ -525,34 +542,34 @@ class _TickLoop:
             # slot's worth of values instead would make every idle branch materialise zeros of that
             # size and every tick copy them into the buffer.
             if seg.forward and self.keep:
-                y_out, loss, rbuf, seq = jax.lax.cond(
+                y_out, loss, rbuf, seq = self.branch(
                     row["fwd_mb"] >= 0,
                     lambda: self.forward_keeping(row, stash, rbuf, seq),
                     lambda: (zeros_act, zero_loss, rbuf, seq),
                 )
                 loss_sum = loss_sum + loss
             elif seg.forward:
-                y_out, loss, reports, seq = jax.lax.cond(
+                y_out, loss, reports, seq = self.branch(
                     row["fwd_mb"] >= 0,
                     lambda: self.forward(row, stash, seq, reports),
                     lambda: (zeros_act, zero_loss, reports, seq),
                 )
                 loss_sum = loss_sum + loss
             if seg.backward and not self.schedule.split_backward:
-                dx_out, g_stage, g_shared, seq = jax.lax.cond(
+                dx_out, g_stage, g_shared, seq = self.branch(
                     row["bwd_mb"] >= 0,
                     (lambda: self.backward_kept(row, gbuf, rbuf, g_stage, g_shared, seq)) if self.keep
                     else (lambda: self.backward(row, stash, gbuf, g_stage, g_shared, seq)),
                     lambda: (zeros_act, g_stage, g_shared, seq),
                 )
             elif seg.backward:
-                dx_out, wbuf, rbuf, g_stage, g_shared, seq = jax.lax.cond(
+                dx_out, wbuf, rbuf, g_stage, g_shared, seq = self.branch(
                     row["bwd_mb"] >= 0,
                     lambda: self.backward_input(row, stash, gbuf, rbuf, wbuf, g_stage, g_shared, seq),
                     lambda: (zeros_act, wbuf, rbuf, g_stage, g_shared, seq),
                 )
             if seg.weight:
-                g_stage, seq = jax.lax.cond(
+                g_stage, seq = self.branch(
                     row["wgt_mb"] >= 0,
                     lambda: self.weight_gradient(row, wbuf, rbuf, g_stage, seq),
                     lambda: (g_stage, seq),

@@ -137,11 +137,13 @@ def _layer_counts(layout: StageLayout | None) -> tuple[int, ...] | None:
     return None if layout is None or layout.is_even else layout.counts
 
 
-def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, layout: StageLayout | None = None):
+def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, layout: StageLayout | None = None,
+                        lockstep: bool = False):
     """``(params, tokens [m, rows, seq+1]) -> (loss, grads)`` running ``program`` over ``pipe``.
 
     Called inside the trainer's data-parallel region; gradients are local to the data shard.
     ``layout``: an uneven ``pipeline.layout`` (the parameters are then padded as it says).
+    ``lockstep``: stages run every tick's work, idle or not (:func:`~meshtron.pipeline.runtime.run_pipeline`).
     """
     fns = stage_functions(model_def, program.schedule.microbatches)
     chunks = program.schedule.chunks
@@ -151,7 +153,7 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, 
         # This stage's [layers/p, ...] block parameters, viewed as [chunks, layers/(p·v), ...].
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
         loss, g_blocks, g_shared = run_pipeline(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma,
-                                                layer_counts=counts)
+                                                layer_counts=counts, lockstep=lockstep)
         g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
         return loss, g_blocks, g_shared
 
@@ -173,7 +175,7 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, 
 
 
 def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bool,
-                   layout: StageLayout | None = None, reports: bool = False):
+                   layout: StageLayout | None = None, reports: bool = False, lockstep: bool = False):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
     Same stages, layer placement and microbatches as training (``schedule_program``'s), but a
@@ -191,7 +193,7 @@ def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bo
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
         out = run_pipeline_forward(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma,
-                                   layer_counts=_layer_counts(layout), reports=reports)
+                                   layer_counts=_layer_counts(layout), reports=reports, lockstep=lockstep)
         if not reports:
             return out
         loss, found = out

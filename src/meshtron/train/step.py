@@ -161,7 +161,10 @@ def build_steps(
     shapes = model_def.shapes()
     model_specs = model_def.shardings(mesh)
     context = mesh.shape.get(CONTEXT, 1)
-    if program is not None and context > 1 and model_def.context_attention == "ring":
+    # A ring attention's collective-permutes are entered by every device of the mesh at once: pipeline
+    # stages then run every tick's work in lockstep instead of skipping idle ticks.
+    lockstep = program is not None and context > 1 and model_def.context_attention == "ring"
+    if lockstep and layout is not None and not layout.is_even:
         raise ConfigError(f"model.context_attention: {RING_IN_PIPELINE}")
     group = gradient_axes(mesh.shape)  # what gradients are averaged over: data (x context)
     replicas = mesh.shape[DATA] * context
@@ -197,9 +200,9 @@ def build_steps(
         return tokens.reshape(microbatches, tokens.shape[0] // microbatches, *tokens.shape[1:])
 
     if program is not None:
-        run_schedule = pipelined_gradients(model_def, program, check_vma, layout)
-        run_forward = pipelined_loss(model_def, program, check_vma, layout)
-        run_reporting = pipelined_loss(model_def, program, check_vma, layout, reports=True)
+        run_schedule = pipelined_gradients(model_def, program, check_vma, layout, lockstep)
+        run_forward = pipelined_loss(model_def, program, check_vma, layout, lockstep=lockstep)
+        run_reporting = pipelined_loss(model_def, program, check_vma, layout, reports=True, lockstep=lockstep)
         # The reports come stacked in stage order, as the block parameters are: back to model order.
         sched = program.schedule
         model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
