@@ -218,3 +218,40 @@ def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_
     assert f"{format_bytes(per_layer)} per device, layer and microbatch" in text
     assert (f"{exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the compiled "
             f"step, {format_bytes(per_layer)} by the formula (+0.0%)") in text
+
+
+# ---- the planner -----------------------------------------------------------------------------------
+
+
+def test_the_planner_splits_work_activations_and_tensor_traffic_over_context_ranks():
+    from meshtron.models.context_attention import exchange_bytes
+    from meshtron.plan.model import Layout as PlanLayout
+    from meshtron.plan.model import ModelShape, activation_bytes, context_wire_bytes
+    from meshtron.plan.timing import layer_gemms
+
+    model = ModelShape(layers=24, hidden=2304, heads=24, seq_len=32768, vocab_size=51200)
+    whole = PlanLayout(2, 2, 4, 1, 64, recompute="selective")
+    split = PlanLayout(2, 2, 4, 1, 64, recompute="selective", context=4)
+    assert split.gpus == 4 * whole.gpus and split.replicas == 16
+    # every rank does a quarter of the work and holds a quarter of the activations
+    assert sum(f for f, _ in layer_gemms(model, split)) == pytest.approx(sum(f for f, _ in layer_gemms(model, whole)) / 4)
+    assert activation_bytes(model, split) == pytest.approx(activation_bytes(model, whole) / 4)
+    # the exchange is the all-gather's formula (keys and values of h/t width, 16 bits; selective reruns the core)
+    forward, backward = exchange_bytes("gathered", 4, tokens=32768 // 4, kv_heads=24 // 2, head_dim=2304 // 24,
+                                       itemsize=2)
+    assert context_wire_bytes(model, split) == pytest.approx(2 * forward + backward)
+    assert context_wire_bytes(model, whole) == 0
+    assert PlanLayout(1, 1, 1, 1, 8, context=3).problem(model) == "context=3 needs seq_len (32768) divisible by 2 x context"
+
+
+def test_plan_takes_a_context_size():
+    import contextlib
+    import io
+
+    from meshtron.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--config", "paper/gpt_1_7b", "--gpus", "64", "--context", "4", "--batch", "64",
+                     "model.seq_len=32768", "--top", "2"]) == 0
+    assert "every sequence split over 4 context ranks (keys and values all-gathered)" in out.getvalue()

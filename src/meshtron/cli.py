@@ -122,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
                       help="split over data: 1 the optimizer state (Megatron's distributed optimizer), 3 the weights "
                            "and gradients too (fully sharded); 1-bit LAMB is priced at 0")
+    plan.add_argument("--context", type=int, metavar="C",
+                      help="split every sequence over C context ranks in every layout (default: the config's mesh.context)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default 10)")
     plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.layers=64")
@@ -183,8 +185,9 @@ def _plan(args: argparse.Namespace) -> None:
 
     # The model and batch come from the config; its mesh is what the plan chooses, so it is reset
     # before validation (a preset's 3072-GPU mesh must not reject a model override).
-    layout_free = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1", "pipeline.chunks=1",
-                   "pipeline.layout=null"]
+    layout_free = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "mesh.context=1", "train.microbatches=1",
+                   "pipeline.chunks=1", "pipeline.layout=null"]
+    context = args.context if args.context is not None else load_config(args.config, args.overrides).mesh.context
     cfg = load_config(args.config, [*args.overrides, *layout_free])
     modes = tuple(mode.strip() for mode in args.recompute.split(",") if mode.strip())
     unknown = [mode for mode in modes if mode not in RECOMPUTE]
@@ -202,7 +205,8 @@ def _plan(args: argparse.Namespace) -> None:
         gradients = dataclasses.replace(gradients, zero=args.zero)
     plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, batch,
                      load_cluster(args.cluster), optimizer, modes,
-                     freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), gradients=gradients)
+                     freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), gradients=gradients,
+                     context=context)
     print(render(plan, args.top))
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_dict(args.top), indent=2) + "\n")

@@ -155,7 +155,9 @@ class ModelShape:
 class Layout:
     """One way to run the model: tensor (t), pipeline (p) and data (d) parallel sizes, model chunks
     per pipeline stage (v; v > 1 is the interleaved schedule), microbatch size (b), global batch
-    (B) and the activation recomputation mode."""
+    (B), the activation recomputation mode, and context ranks (c) each sequence is split over
+    (every GPU then holds ``s/c`` of each of its microbatch's sequences, and attends over all ``s``
+    with keys and values all-gathered over the c ranks: ``model.context_attention=gathered``)."""
 
     tensor: int
     pipe: int
@@ -164,10 +166,16 @@ class Layout:
     global_batch: int
     chunks: int = 1
     recompute: str = "full"
+    context: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.pipe * self.data
+        return self.tensor * self.pipe * self.data * self.context
+
+    @property
+    def replicas(self) -> int:
+        """The gradient group: data x context ranks (each context rank's gradient covers its tokens)."""
+        return self.data * self.context
 
     @property
     def microbatches(self) -> int:
@@ -193,6 +201,8 @@ class Layout:
             return f"global batch {self.global_batch} is not divisible by data x microbatch = {d * b}"
         if v > 1 and (p == 1 or self.microbatches % p):
             return f"the interleaved schedule needs pipe > 1 and microbatches ({self.microbatches}) a multiple of {p}"
+        if self.context < 1 or model.seq_len % (2 * self.context):
+            return f"context={self.context} needs seq_len ({model.seq_len}) divisible by 2 x context"
         return None
 
     def check(self, model: ModelShape) -> None:
@@ -307,7 +317,9 @@ def activation_bytes(model: ModelShape, layout: Layout) -> float:
     if layout.recompute == "full":
         working = megatron.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t)
     logits = b * s * model.vocab_size / t * (ACTIVATION_BYTES + 4)
-    return kept + working + logits
+    # A context rank holds s/c of every sequence: each term is linear in its own tokens (the scores too,
+    # s/c queries against s keys), so all of it divides by c.
+    return (kept + working + logits) / layout.context
 
 
 @dataclass(frozen=True)
@@ -335,7 +347,7 @@ def memory_per_gpu(model: ModelShape, layout: Layout, optimizer: str = "adamw",
     gradient copy (:class:`Gradients`), which peaks when the activations are gone."""
     params = stage_parameters_per_gpu(model, layout)
     bucket = gradients.bucket_bytes if gradients.overlapped(layout) else 0
-    d, zero = layout.data, gradients.zero
+    d, zero = layout.replicas, gradients.zero
     if zero and optimizer == "onebit_lamb":
         raise ConfigError("--zero: 1-bit LAMB keeps each worker's whole momentum and error buffers (its server error "
                           "is already split); use --zero 0 with onebit_lamb")
@@ -359,6 +371,20 @@ def memory_per_gpu(model: ModelShape, layout: Layout, optimizer: str = "adamw",
 
 # ----------------------------------------------------------------------------------------------
 # Communication volume per mesh axis and step, bytes one GPU sends
+
+
+def context_wire_bytes(model: ModelShape, layout: Layout) -> float:
+    """Bytes one GPU sends over ``context`` per layer and microbatch, keys and values all-gathered
+    (:func:`meshtron.models.context_attention.exchange_bytes`, ``gathered``, which the compiled step
+    matches): ``(c−1)`` blocks of keys and of values in every forward (twice with recomputation, which
+    reruns the attention), their gradients reduce-scattered backward; a block is the rank's
+    ``b·s/c`` tokens of the ``h/t`` key/value width, in 16 bits."""
+    c = layout.context
+    if c == 1:
+        return 0.0
+    block = layout.microbatch * model.seq_len / c * model.hidden / layout.tensor * ACTIVATION_BYTES
+    forwards = 1 + (layout.recompute != "none")
+    return (c - 1) * 2 * block * (forwards + 1)
 
 
 def tensor_wire_bytes(model: ModelShape, layout: Layout) -> float:

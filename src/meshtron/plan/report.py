@@ -68,13 +68,16 @@ class Plan:
         """GB per GPU of meshtron's own step on this layout (:func:`~meshtron.plan.step_memory.layout_step_memory`),
         None where its schedule tables cannot run it."""
         zero = 0 if self.optimizer == "onebit_lamb" else self.gradients.zero
+        if e.layout.context > 1:  # meshtron's step memory model counts whole sequences
+            return None
         memory = layout_step_memory(self.model, e.layout, self.optimizer, zero)
         return None if memory is None else memory.peak / 1e9
 
     def to_dict(self, top: int = 10) -> dict:
         def layout(e: Estimate) -> dict:
             lay = e.layout
-            return {"tensor": lay.tensor, "pipe": lay.pipe, "data": lay.data, "chunks": lay.chunks,
+            return {"tensor": lay.tensor, "pipe": lay.pipe, "data": lay.data, "context": lay.context,
+                    "chunks": lay.chunks,
                     "microbatch": lay.microbatch, "microbatches": lay.microbatches, "recompute": lay.recompute,
                     "memory_gb": e.memory.total / 1e9, "meshtron_memory_gb": self.meshtron_gb(e),
                     "tflops_per_gpu": e.tflops_per_gpu,
@@ -100,12 +103,13 @@ class Plan:
 
 def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
               recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
-              gradients: Gradients = FP32_GRADIENTS) -> Plan:
-    """Search, explain the winner, and price every optimizer on its own best layout."""
+              gradients: Gradients = FP32_GRADIENTS, context: int = 1) -> Plan:
+    """Search, explain the winner, and price every optimizer on its own best layout (``context``:
+    every layout splits each sequence over that many ranks)."""
     result = search(model, gpus, global_batch, cluster, optimizer, recompute,
-                    freeze_fraction=freeze_fraction, gradients=gradients)
+                    freeze_fraction=freeze_fraction, gradients=gradients, context=context)
     rows = optimizer_rows(model, gpus, global_batch, cluster, recompute, freeze_fraction,
-                          known={optimizer: result.best}, gradients=gradients)
+                          known={optimizer: result.best}, gradients=gradients, context=context)
     return Plan(model, gpus, global_batch, cluster, optimizer, result, rows,
                 reasons(model, result, cluster, freeze_fraction), freeze_fraction, gradients)
 
@@ -113,7 +117,7 @@ def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster,
 def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster,
                    recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
                    known: dict[str, Estimate] | None = None,
-                   gradients: Gradients = FP32_GRADIENTS) -> list[OptimizerRow]:
+                   gradients: Gradients = FP32_GRADIENTS, context: int = 1) -> list[OptimizerRow]:
     """AdamW, LAMB and 1-bit LAMB, each on the layout the search ranks first for it: 1-bit LAMB's
     extra state may force another layout, and its compressed exchange may favour more data
     parallelism, so comparing both on one layout would misstate the choice. 1-bit LAMB is ranked by
@@ -127,7 +131,7 @@ def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Clu
             own = dataclasses.replace(gradients, zero=0) if name == "onebit_lamb" else gradients
             try:
                 best = search(model, gpus, global_batch, cluster, name, recompute,
-                              freeze_fraction=freeze_fraction, gradients=own).best
+                              freeze_fraction=freeze_fraction, gradients=own, context=context).best
             except ConfigError:  # nothing fits this optimizer's state
                 rows.append(OptimizerRow(name, None, math.inf, math.inf))
                 continue
@@ -296,7 +300,9 @@ def render(plan: Plan, top: int = 10) -> str:
         f"peak, {cluster.memory_gb:g} GB ({cluster.memory_gb - cluster.reserved_gb:g} usable), NVLink "
         f"{cluster.nvlink_gbps:g} GB/s, network {cluster.network_gbps:g} GB/s per node"),
         (f"searched  {result.tried} layouts, {result.too_big} do not fit; optimizer {plan.optimizer}; "
-         f"gradients all-reduced in {8 * plan.gradients.element_bytes} bits"
+         + (f"every sequence split over {result.best.layout.context} context ranks (keys and values all-gathered); "
+            if result.best.layout.context > 1 else "")
+         + f"gradients all-reduced in {8 * plan.gradients.element_bytes} bits"
          + (f"; zero={plan.gradients.zero} (split over data: "
             f"{'optimizer state' if plan.gradients.zero == 1 else 'weights, gradients and optimizer state'})"
             if plan.gradients.zero else "")),
@@ -333,6 +339,7 @@ def render(plan: Plan, top: int = 10) -> str:
             continue
         lay = e.layout
         where = f"t={lay.tensor} p={lay.pipe} d={lay.data} v={lay.chunks} b={lay.microbatch} {lay.recompute}"
+        where += f" c={lay.context}" if lay.context > 1 else ""
         orows.append([row.optimizer, where, f"{e.data_bytes / 1e9:.3g}", f"{e.seconds['data'] * 1e3:.1f} ms",
                       f"{e.data_share:.1%}", f"{e.memory.total / 1e9:.1f}", f"{e.step_seconds:.3g}",
                       f"{row.run_seconds:.3g}",

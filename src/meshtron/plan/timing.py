@@ -38,6 +38,7 @@ from meshtron.plan.model import (
     Layout,
     Memory,
     ModelShape,
+    context_wire_bytes,
     data_wire_bytes,
     figures,
     flops_per_iteration,
@@ -95,7 +96,7 @@ def layer_gemms(model: ModelShape, layout: Layout) -> list[tuple[float, float]]:
     with the backward's two GEMMs each (same dimensions, twice the FLOPs) and the recomputed
     forward: all of it with ``full`` recomputation, the attention core with ``selective``."""
     b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
-    tokens, heads, d = b * s, model.heads / t, model.head_dim
+    tokens, heads, d = b * s // layout.context, model.heads / t, model.head_dim  # (a context rank's s/c queries)
     dense_passes = 3 + (layout.recompute == "full")
     attention_passes = 3 + (layout.recompute in ("full", "selective"))
     dense = [
@@ -104,7 +105,7 @@ def layer_gemms(model: ModelShape, layout: Layout) -> list[tuple[float, float]]:
         (2 * tokens * h * 4 * h / t, min(tokens, h, 4 * h / t)),
         (2 * tokens * 4 * h / t * h, min(tokens, 4 * h / t, h)),
     ]
-    attention = [(2 * b * heads * s * s * d, min(s, d))] * 2
+    attention = [(2 * tokens * heads * s * d, min(s // layout.context, d))] * 2
     return ([(flops * dense_passes, dim) for flops, dim in dense]
             + [(flops * attention_passes, dim) for flops, dim in attention])
 
@@ -124,8 +125,8 @@ def layer_memory_seconds(model: ModelShape, layout: Layout, cluster: Cluster,
     ``element_bytes`` price another runtime's kernels (``benchmarks/calibration.py``: meshtron's,
     fp32 and without dropout)."""
     b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
-    tokens = b * s
-    widths = {"residual": tokens * h, "mlp": tokens * 4 * h / t, "scores": b * model.heads / t * s * s}
+    tokens = b * s / layout.context
+    widths = {"residual": tokens * h, "mlp": tokens * 4 * h / t, "scores": tokens * model.heads / t * s}
     recomputed = {"full": set(widths), "selective": {"scores"}, "none": set()}[layout.recompute]
     elements = sum(width * (forward * (1 + (name in recomputed)) + backward)
                    for name, width in widths.items() for forward, backward in [passes[name]])
@@ -135,7 +136,7 @@ def layer_memory_seconds(model: ModelShape, layout: Layout, cluster: Cluster,
 def logits_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
     """The LM head on the last stage, one microbatch: ``[bs, h]·[h, V/t]`` forward and its two
     backward GEMMs (``6·b·s·h·V/t``, eq. 3's last term), never recomputed."""
-    b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
+    b, s, h, t = layout.microbatch, model.seq_len // layout.context, model.hidden, layout.tensor
     dim = min(b * s, h, model.vocab_size / t)
     return 6 * b * s * h * model.vocab_size / t / (cluster.peak_tflops * 1e12 * cluster.gemm(dim))
 
@@ -172,8 +173,9 @@ def tensor_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> tuple
         return 0.0, 0.0
     fig = figures(model, layout)
     per_node = min(t, cluster.gpus_per_node)
-    one = allreduce_seconds(fig.tensor_allreduce_bytes, t, per_node, cluster)
-    small = allreduce_seconds(layout.microbatch * model.seq_len * 4, t, per_node, cluster)
+    c = layout.context  # a context rank's activations hold s/c of the sequence
+    one = allreduce_seconds(fig.tensor_allreduce_bytes / c, t, per_node, cluster)
+    small = allreduce_seconds(layout.microbatch * model.seq_len / c * 4, t, per_node, cluster)
     head = one * (2 if layout.pipe == 1 else 1) + 3 * small
     return fig.tensor_allreduces_per_layer * one, head
 
@@ -187,7 +189,7 @@ def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
     if layout.pipe == 1:
         return 0.0
     t = layout.tensor
-    message = layout.microbatch * model.seq_len * model.hidden * ACTIVATION_BYTES
+    message = layout.microbatch * model.seq_len / layout.context * model.hidden * ACTIVATION_BYTES
     if layout.gpus > cluster.gpus_per_node:
         send = message / t / (cluster.nic_gbps * 1e9 * cluster.network_efficiency) + cluster.network_latency_us * 1e-6
     else:
@@ -197,6 +199,21 @@ def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
         gather = ((t - 1) / t * message / (cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency)
                   + (t - 1) * cluster.nvlink_latency_us * 1e-6)
     return 2 * layout.chunks * (send + gather)
+
+
+def context_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
+    """One layer's key/value all-gathers over ``context`` (and their reduce-scatters backward) for one
+    microbatch (:func:`meshtron.plan.model.context_wire_bytes`): context ranks are ``t`` apart (the
+    mesh puts tensor innermost, context next), ``gpus_per_node/t`` of them in a node; each collective
+    is priced as half a ring all-reduce of the bytes it gathers."""
+    c = layout.context
+    if c == 1:
+        return 0.0
+    per_node = min(c, max(1, cluster.gpus_per_node // layout.tensor))
+    sent = context_wire_bytes(model, layout)
+    collectives = 2 * (2 + (layout.recompute != "none"))  # keys and values, in each forward and the backward
+    one = sent / collectives  # the bytes one all-gather (or reduce-scatter) sends
+    return collectives * allreduce_seconds(one * c / (c - 1), c, per_node, cluster) / 2
 
 
 def alltoall_seconds(nbytes: float, group: int, per_node: int, cluster: Cluster) -> float:
@@ -228,7 +245,7 @@ def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer:
     Data-parallel peers are ``t`` ranks apart (Megatron's rank order), so ``gpus_per_node/t`` of
     them share a node. With ``gradients.zero`` the exchange is reduce-scatters and all-gathers
     (:func:`meshtron.plan.model.data_wire_bytes`), priced as ring all-reduces of the same bytes."""
-    d = layout.data
+    d = layout.replicas  # data x context: each context rank's gradient covers its own tokens
     if d == 1:
         return 0.0
     parameters = figures(model, layout).data_bytes / ACTIVATION_BYTES
@@ -292,7 +309,8 @@ class Estimate:
     @property
     def communication_share(self) -> float:
         """Exposed tensor, pipeline and data-parallel communication over the step time."""
-        return (self.seconds["tensor"] + self.seconds["pipe"] + self.seconds["data"]) / self.step_seconds
+        return (self.seconds["tensor"] + self.seconds.get("context", 0.0) + self.seconds["pipe"]
+                + self.seconds["data"]) / self.step_seconds
 
     @property
     def data_share(self) -> float:
@@ -318,6 +336,7 @@ def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str
         "gemm": stage_layers * layer_gemm_seconds(model, layout, cluster) + head,
         "elementwise": stage_layers * layer_memory_seconds(model, layout, cluster),
         "tensor": stage_layers * tensor_layer + tensor_head,
+        "context": stage_layers * context_seconds(model, layout, cluster),
         "pipe": p2p_seconds(model, layout, cluster),
         "host": host_seconds(layout, cluster),
     }
@@ -337,7 +356,7 @@ def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str
         layout=layout, optimizer=optimizer, step_seconds=step,
         tflops_per_gpu=flops_per_iteration(model, layout.global_batch) / step / layout.gpus / 1e12,
         bubble=bubble, memory=memory_per_gpu(model, layout, optimizer, gradients), seconds=seconds,
-        data_bytes=data_wire_bytes(parameters, layout.data, optimizer, gradients.element_bytes, gradients.zero,
+        data_bytes=data_wire_bytes(parameters, layout.replicas, optimizer, gradients.element_bytes, gradients.zero,
                                    layout.microbatches),
         warmup_seconds=warmup,
     )
