@@ -1,7 +1,7 @@
 """Context parallelism: per-device memory, bytes over ``context`` and step time against the number of
 context ranks c and the sequence length, and the causal load per rank with and without balancing.
 
-    .venv/bin/python benchmarks/context_parallel.py          # about 10 minutes on 2 cores
+    .venv/bin/python benchmarks/context_parallel.py          # about 15 minutes on 2 cores
 
 Four measurements, all from compiled programs or runs on simulated CPU devices:
 
@@ -15,8 +15,8 @@ Four measurements, all from compiled programs or runs on simulated CPU devices:
 * **bytes** -- the bytes each device sends over ``context`` per attention layer and microbatch, read
   from the compiled step's collectives, against :func:`meshtron.models.context_attention.exchange_bytes`.
 * **step time** -- a small Llama (hidden 128, 4 layers, 4 heads, 2 key/value heads) on 8 simulated
-  devices, data x context = 8, one sequence per device per step, for sequences of 512 to 2048 tokens:
-  median of timed steps after a compiled warmup.
+  devices, data x context = 8, a batch of 8 sequences (one sequence's worth of tokens per device), for
+  sequences of 512 to 2048 tokens: median of timed steps after a compiled warmup.
 * **balance** -- the causal attention a rank must compute (query-key pairs not masked) with the
   balanced layout and with contiguous slices, and the blocks the ring computes per rank.
 
@@ -171,6 +171,7 @@ def plot(results: dict) -> None:
     mem.set(xscale="log", yscale="log", xlabel="context ranks c", ylabel="GB per device",
             title="Llama-2 7B activations, forward + backward (compiled)")
     mem.set_xticks(RANKS, [str(c) for c in RANKS])
+    mem.minorticks_off()
     mem.legend(fontsize=7)
     for exchange, style in (("gathered", "o"), ("ring", "s")):
         rows = [r for r in results["bytes"] if r["exchange"] == exchange]
@@ -193,8 +194,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="8192,16384,32768", help="7B sequence lengths to compile")
     parser.add_argument("--step-lengths", default="512,1024,2048", help="small model's timed sequence lengths")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from results/context_parallel.json")
     args = parser.parse_args()
+    if args.plot_only:
+        import json
+
+        plot(json.loads((_common.RESULTS / "context_parallel.json").read_text()))
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     step_lengths = [int(x) for x in args.step_lengths.split(",")]
 

@@ -62,6 +62,17 @@ def test_two_processes_train_and_resume_like_one(tmp_path):
     np.testing.assert_allclose(losses(tmp_path / "a.jsonl"), straight.losses, rtol=1e-6)
 
 
+@pytest.mark.first_stack_only
+def test_a_context_group_across_two_processes_trains_like_one(tmp_path):
+    # (data, context, pipe, tensor) = (1, 4, 1, 2): context ranks 0-1 in one process, 2-3 in the other, so
+    # the key/value all-gathers and the gradient reduction over data x context cross the boundary
+    run = [*RUN, "mesh.data=1", "mesh.context=4", "train.steps=3"]
+    result = launch("--metrics", str(tmp_path / "a.jsonl"), "--config", "mesh_configs/cpu8.yaml", *run)
+    assert result.returncode == 0, result.stdout + result.stderr
+    straight = Trainer.from_config(load_config("mesh_configs/cpu8.yaml", run)).run()
+    np.testing.assert_allclose(losses(tmp_path / "a.jsonl"), straight.losses, rtol=1e-6)
+
+
 def test_a_dead_process_ends_the_other_with_a_clear_error(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     metrics = tmp_path / "m.jsonl"

@@ -245,6 +245,7 @@ class ContextExchange:
     microbatches: int
     forward: float  # the formula's bytes of one forward
     backward: float
+    widened: float | None = None  # per layer, the formula with 16-bit values sent as fp32 (XLA:CPU's collectives)
 
     @property
     def per_layer(self) -> float:
@@ -261,8 +262,12 @@ class ContextExchange:
         # Attention's own: the gradient reduction over the group is an all-reduce (or ZeRO's, not measured here)
         sent = sum(c.total_wire_bytes for c in collectives if c.axes == ("context",) and c.kind != "all-reduce")
         per_layer = sent / (self.layers * self.microbatches)
-        return (f"{self.exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the "
+        line = (f"{self.exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the "
                 f"compiled step, {format_bytes(self.per_layer)} by the formula ({per_layer / self.per_layer - 1:+.1%})")
+        if self.widened is not None and jax.default_backend() == "cpu":
+            line += (f"; XLA:CPU sends 16-bit collectives as fp32: {format_bytes(self.widened)} "
+                     f"({per_layer / self.widened - 1:+.1%})")
+        return line
 
 
 def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
@@ -274,10 +279,14 @@ def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
     kv_local = kv // mesh.tensor if kv % mesh.tensor == 0 else kv
     tokens = t.batch_size // mesh.data // t.microbatches * m.seq_len // mesh.context
     forwards = 1 + (m.remat in ("full", "selective")) + (mesh.pipe > 1 and cfg.pipeline.recompute)
-    forward, backward = exchange_bytes(m.context_attention, mesh.context, tokens, kv_local, m.hidden // m.heads,
-                                       np.dtype(m.dtype).itemsize)
+    def per_layer(itemsize: int) -> tuple[float, float]:
+        return exchange_bytes(m.context_attention, mesh.context, tokens, kv_local, m.hidden // m.heads, itemsize)
+
+    forward, backward = per_layer(np.dtype(m.dtype).itemsize)
+    wide = per_layer(4)
+    widened = forwards * wide[0] + wide[1] if np.dtype(m.dtype).itemsize == 2 else None
     return ContextExchange(m.context_attention, mesh.context, tokens, kv_local, forwards, model_def.layers // mesh.pipe,
-                           t.microbatches, forward, backward)
+                           t.microbatches, forward, backward, widened)
 
 
 def expert_exchange(cfg: Config, sizes: tuple[int, ...], model_def: ModelDef) -> ExpertExchange:
