@@ -255,3 +255,24 @@ def test_plan_takes_a_context_size():
         assert main(["plan", "--config", "paper/gpt_1_7b", "--gpus", "64", "--context", "4", "--batch", "64",
                      "model.seq_len=32768", "--top", "2"]) == 0
     assert "every sequence split over 4 context ranks (keys and values all-gathered)" in out.getvalue()
+
+
+def test_rules_that_keep_the_sequence_whole_cannot_split_it(monkeypatch):
+    monkeypatch.syspath_prepend("tests/models")
+    import parallel_lm
+
+    md = ModelDef.create(lambda r: parallel_lm.ParallelLM(64, 32, 4, 64, 4, SEQ, rngs=r),
+                         rules=extend_rules(MEGATRON_RULES, {**parallel_lm.RULES, "seq": None}))
+    with pytest.raises(ConfigError, match=r"^model.rules.seq: mesh.context=2 splits every sequence over 'context', "
+                                          r"but the rules place the logical axis seq on None"):
+        check_parity(md, [Layout(1, 1, 1, context=2)], seq_len=SEQ)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exchange", ["gathered", "ring"])
+def test_sequence_parallelism_inside_a_context_rank_keeps_parity(exchange):
+    # the residual stream split over context x tensor: sequence parallelism's rule on top of the split
+    md = model_def_from_config(ModelConfig(family="llama", vocab_size=64, hidden=32, heads=4, kv_heads=2, layers=4,
+                                           mlp_dim=64, seq_len=SEQ, sequence_parallel=True), 2)
+    [report] = check_parity(md, [Layout(2, 1, 2, context=2, context_attention=exchange)], seq_len=SEQ)
+    assert report.ok

@@ -54,7 +54,7 @@ from meshtron.optim.reduce import mean_over
 from meshtron.optim.zero import ZeroPlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import Program
-from meshtron.sharding import axis_names, gradient_axes
+from meshtron.sharding import axis_names, gradient_axes, logical_to_spec
 from meshtron.train.pipelined import canonical_positions, pipelined_gradients, pipelined_loss, stage_order
 from meshtron.train.state import ModelDef, Params
 
@@ -164,6 +164,10 @@ def build_steps(
     # A ring attention's collective-permutes are entered by every device of the mesh at once: pipeline
     # stages then run every tick's work in lockstep instead of skipping idle ticks.
     lockstep = program is not None and context > 1 and model_def.context_attention == "ring"
+    if context > 1 and logical_to_spec(("seq",), model_def.rules)[:1] != P(CONTEXT)[:1]:
+        raise ConfigError(f"model.rules.seq: mesh.context={context} splits every sequence over {CONTEXT!r}, but the "
+                          f"rules place the logical axis seq on {logical_to_spec(('seq',), model_def.rules)[0]!r}; "
+                          "map seq to context (the default rule) or use mesh.context=1")
     if lockstep and layout is not None and not layout.is_even:
         raise ConfigError(f"model.context_attention: {RING_IN_PIPELINE}")
     group = gradient_axes(mesh.shape)  # what gradients are averaged over: data (x context)
