@@ -148,7 +148,8 @@ def test_imported_logits_equal_hugging_face_on_any_mesh(cases, name):
     _, reference, output = cases(name)
     for shape in [(1, 1, 1), (2, 2, 2)]:
         pretrained = load_pretrained(output, MeshConfig(*shape))
-        assert pretrained.step == 0 and dict(pretrained.mesh.shape) == dict(zip(("data", "pipe", "tensor"), shape))
+        assert pretrained.step == 0 and dict(pretrained.mesh.shape) == {**dict(zip(("data", "pipe", "tensor"), shape)),
+                                                                         "context": 1}
         delta(f"import {name} {'x'.join(map(str, shape))}", meshtron_logits(pretrained), reference)
 
 
@@ -183,7 +184,7 @@ def test_hub_layout_gpt2_and_a_parallel_import_mesh(cases, tmp_path):
     save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
     output = import_hf(hub, tmp_path / "out", mesh=MeshConfig(2, 2, 2))
     pretrained = load_pretrained(output)  # the recorded mesh
-    assert dict(pretrained.mesh.shape) == {"data": 2, "pipe": 2, "tensor": 2}
+    assert dict(pretrained.mesh.shape) == {"data": 2, "context": 1, "pipe": 2, "tensor": 2}
     delta("import gpt2 (hub layout, written 2x2x2) 1x1x1",
           meshtron_logits(load_pretrained(output, MeshConfig(1, 1, 1))), reference)
 

@@ -63,7 +63,7 @@ def test_trains_checkpoints_restores_on_another_mesh_and_generates(tmp_path):
 
     restored = meshtron.load_pretrained(tmp_path, MeshConfig(1, 1, 8), model=parallel_lm.factory,
                                         rules=parallel_lm.RULES)
-    assert restored.step == 6 and dict(restored.mesh.shape) == {"data": 1, "pipe": 1, "tensor": 8}
+    assert restored.step == 6 and dict(restored.mesh.shape) == {"data": 1, "context": 1, "pipe": 1, "tensor": 8}
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored.params), jax.device_get(result.params))
     out = meshtron.sample(restored.model_def, restored.params, restored.mesh, "def ", max_new_tokens=8)
     assert len(out.new_tokens) == 8 and all(0 <= t < 256 for t in out.new_tokens)

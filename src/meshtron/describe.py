@@ -24,7 +24,7 @@ from meshtron import megatron
 from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.hlo.summary import analyze
-from meshtron.mesh import AXES, mesh_shape, resolve_sizes
+from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
 from meshtron.plan.step_memory import BACKENDS, StepMemory, StepRun, StepShape, step_memory
 from meshtron.run import Run, resolve_run
 from meshtron.sharding import logical_to_spec, placing_rules
@@ -325,7 +325,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     mesh_sizes = dict(zip(AXES, run.mesh_shape))
     m = cfg.model
 
-    print(f"mesh      {mesh_sizes}  ({math.prod(run.mesh_shape)} devices; this machine has {len(devices)} "
+    print(f"mesh      {shown_sizes(mesh_sizes)}  ({math.prod(run.mesh_shape)} devices; this machine has {len(devices)} "
           f"{devices[0].platform.upper()} devices)", file=out)
     family = f"{m.family}" if m.factory is None else f"factory {m.factory}"
     kv = f" ({m.kv_heads} kv)" if m.kv_heads and m.factory is None else ""

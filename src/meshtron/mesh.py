@@ -52,6 +52,11 @@ def mesh_shape(cfg: MeshConfig) -> tuple[int, ...]:
     return tuple(getattr(cfg, axis) for axis in AXES)
 
 
+def shown_sizes(shape) -> dict[str, int]:
+    """A mesh's sizes as printed for people: ``context`` only when sequences are split over it."""
+    return {axis: int(size) for axis, size in dict(shape).items() if axis != "context" or size > 1}
+
+
 def build_mesh(cfg: MeshConfig, devices=None, *, verbose: bool = False):
     """A (data, context, pipe, tensor) mesh over the first data*context*pipe*tensor devices.
 

@@ -26,7 +26,7 @@ from meshtron.data.text import Corpus
 from meshtron.data.tokenizers import save_tokenizer
 from meshtron.errors import ConfigError, NonFiniteLossError, RunStopped
 from meshtron.megatron import model_flops_per_token
-from meshtron.mesh import build_mesh, resolve_sizes
+from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes
 from meshtron.models.contract import ModelFactory
 from meshtron.optim import OptimizerSetup, ZeroPlan, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
@@ -545,7 +545,7 @@ def _note(message: str) -> None:
 
 def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
     out = out or sys.stdout
-    mesh = dict(trainer.mesh.shape)
+    mesh = shown_sizes(trainer.mesh.shape)
     margin = result.unigram_loss - result.heldout_loss
     per_byte = trainer.corpus.heldout_bytes_per_token
     lines = [
