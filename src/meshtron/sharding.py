@@ -115,14 +115,17 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     """Pin an activation's layout by logical names; a no-op outside a mesh context.
 
     Inside a ``shard_map`` the manual axes are already local to the device, so they are dropped
-    from the constraint; only the compiler-managed (auto) axes are constrained.
+    from the constraint; only the compiler-managed (auto) axes are constrained. Axes of one device
+    split nothing and are dropped too (jax 0.12's XLA aborts on a constraint naming a size-1 auto axis
+    that lies between manual ones: "Manual axes must be sorted by mesh axis index").
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
     manual = set(mesh.manual_axes)
     spec = logical_to_spec(axes)
-    spec = PartitionSpec(*(None if (a is None or a in manual or a not in mesh.axis_names) else a for a in spec))
+    spec = PartitionSpec(*(None if (a is None or a in manual or a not in mesh.axis_names or mesh.shape[a] == 1)
+                           else a for a in spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

@@ -101,6 +101,7 @@ from meshtron.pipeline.buffers import (
 from meshtron.pipeline.layer_backward import LayerBackward
 from meshtron.pipeline.program import Program
 from meshtron.pipeline.stage import PyTree, StageFunctions
+from meshtron.sharding import varying_like
 
 __all__ = ["StageFunctions", "TickState", "exact_segments", "run_pipeline", "run_pipeline_forward", "segments"]
 
@@ -297,9 +298,13 @@ class _TickLoop:
         self.stage_index = jax.lax.axis_index(axis)
         self.inv_m = 1.0 / schedule.microbatches
         self.counts = None if layer_counts is None else jnp.asarray(layer_counts, jnp.int32)
-        # Whatever a stage computes varies over every manual axis (its parameters vary over `pipe`, its
-        # data over `data`); fresh zeros (idle slots, initial carries) are cast to match.
-        self.manual = tuple(sorted(jax.sharding.get_abstract_mesh().manual_axes)) if check_vma else ()
+        # Whatever a stage computes varies over the manual axes its inputs vary over (its parameters over
+        # `pipe` and `data`, its tokens over `data`, and `context` when the sequence is split); fresh
+        # zeros (idle slots, initial carries) are typed to match: a zero scalar that varies like both.
+        self.varies = None
+        if check_vma:
+            first = jax.tree.leaves(stage_params)[0]
+            self.varies = varying_like(varying_like(jnp.zeros((), jnp.float32), tokens), first)
         if check_vma:
             # Local copies on every stage: differentiating w.r.t. a value replicated over `axis` would
             # make autodiff insert its own psum inside the stage's branch; gradients are summed once below.
@@ -333,7 +338,7 @@ class _TickLoop:
     def zeros(self, tree: PyTree) -> PyTree:
         def make(x):
             z = jnp.zeros(x.shape, x.dtype)
-            return jax.lax.pcast(z, self.manual, to="varying") if self.manual else z
+            return z if self.varies is None else varying_like(z, self.varies)
 
         return jax.tree.map(make, tree)
 

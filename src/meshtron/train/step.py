@@ -172,8 +172,10 @@ def build_steps(
         raise ConfigError(f"model.context_attention: {RING_IN_PIPELINE}")
     group = gradient_axes(mesh.shape)  # what gradients are averaged over: data (x context)
     replicas = mesh.shape[DATA] * context
-    # Manual over the gradient group; over data alone without a split sequence (as ever, even with one rank).
-    manual = set(axis_names(group)) if context > 1 else {DATA}
+    # Manual over data and context whatever their sizes: every mesh axis before `pipe`, so that the
+    # pipeline's nested manual axes come in mesh order (jax 0.12's XLA aborts on a size-1 auto axis
+    # between manual ones: "Manual axes must be sorted by mesh axis index").
+    manual = {DATA, CONTEXT} & set(mesh.axis_names)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
     param_shardings = _named(mesh, zero.specs(model_specs)) if zero.shards_params else model_specs
     native = zero.native_flags()  # leaves the model splits over data itself (experts): local, never pcast
@@ -194,8 +196,8 @@ def build_steps(
 
     batch_sharding = NamedSharding(mesh, P(DATA, None))
     # A shard's tokens (context_layout's), and one value per rank of the group.
-    shard_batch = P(DATA if DATA in manual else None, CONTEXT) if context > 1 else P(DATA)
-    per_replica = P(tuple(a for a in (DATA, CONTEXT) if a in manual)) if context > 1 else P(DATA)
+    shard_batch = P(DATA if DATA in axis_names(group) else None, CONTEXT) if context > 1 else P(DATA)
+    per_replica = P(axis_names(group)) if context > 1 else P(DATA)
 
     def laid_out(tokens: jax.Array) -> jax.Array:
         return context_layout(tokens, context)
