@@ -116,8 +116,8 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
 
     Inside a ``shard_map`` the manual axes are already local to the device, so they are dropped
     from the constraint; only the compiler-managed (auto) axes are constrained. Axes of one device
-    split nothing and are dropped too (jax 0.12's XLA aborts on a constraint naming a size-1 auto axis
-    that lies between manual ones: "Manual axes must be sorted by mesh axis index").
+    split nothing and are dropped too (``seq`` maps to ``context``, of one device unless sequences
+    are split): the constraint is the same, and the program names only axes that split.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
