@@ -169,6 +169,7 @@ def op_costs(repeats: int = 15) -> dict:
     chunk = jax.tree.map(lambda a: a[: MODEL.layers // 2], jax.device_get(md.init(mesh, 0))["blocks"])
     x = jnp.asarray(np.random.default_rng(0).normal(size=(ROWS, MODEL.seq_len, MODEL.hidden)), jnp.float32)
     dy = 0.01 * x
+    tok = jnp.zeros((ROWS, MODEL.seq_len + 1), jnp.int32)  # the microbatch's tokens (the layers read positions)
     slot = jnp.int32(0)
 
     def zeros(tree):
@@ -187,26 +188,26 @@ def op_costs(repeats: int = 15) -> dict:
         program = compile_program(make_schedule("zb-h1", 2, 2, 1), keep_residuals=keep)
 
         def lb(cp):  # built while tracing: it tells parameters from residuals by identity
-            return LayerBackward(program, fns, jax.tree.map(lambda a: a[None], cp), x, lambda a: a, zeros)
+            return LayerBackward(program, fns, jax.tree.map(lambda a: a[None], cp), x, tok, lambda a: a, zeros)
 
         def residual_of(cp, rb):
             if keep:
                 return lambda i: [get(b, (slot, i)) for b in rb[:-1]]
-            stored = lb(cp).layers_forward(cp, x)[1]
+            stored = lb(cp).layers_forward(cp, x, tok)[1]
             return lambda i: [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in stored]
 
         grads = jax.tree.map(lambda a: jnp.zeros((1, *a.shape), a.dtype), chunk)
         wbuf = jax.jit(lambda cp: lb(cp).buffers(1))(chunk)
         if keep:
             rbuf = jax.jit(lambda cp: lb(cp).residual_buffers(1))(chunk)
-            forward = jax.jit(lambda cp, rb: [*lb(cp).forward_into(cp, x, None, rb[:-1], slot)[1], rb[-1]],
+            forward = jax.jit(lambda cp, rb: [*lb(cp).forward_into(cp, x, tok, None, rb[:-1], slot)[1], rb[-1]],
                               donate_argnums=1)
             fused = jax.jit(lambda cp, rb, g: lb(cp).backward_into(cp, residual_of(cp, rb), dy, None, g, slot)[1],
                             donate_argnums=2)
         else:
             rbuf = None
-            forward = jax.jit(lambda cp, _: fns.stage(cp, x))  # returns y: the timing waits for it
-            fused = jax.jit(lambda cp, rb, g: jax.tree.map(jnp.add, g, jax.vjp(fns.stage, cp, x)[1](dy)[0]),
+            forward = jax.jit(lambda cp, _: fns.stage(cp, x, tok))  # returns y: the timing waits for it
+            fused = jax.jit(lambda cp, rb, g: jax.tree.map(jnp.add, g, jax.vjp(lambda c, h: fns.stage(c, h, tok), cp, x)[1](dy)[0]),
                             donate_argnums=2)
         def input_gradient(cp, rb, wb, g):  # kept residuals: B also writes boundary values over those only B reads
             kept = None if rb is None else (rb[:-1], slot)

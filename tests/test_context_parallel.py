@@ -24,14 +24,9 @@ SEQ = 32  # divisible by 2 x 8 context ranks
 
 
 def family(name: str, tensor: int = 1) -> ModelDef:
-    if name == "user":
-        import parallel_lm
+    from families import small
 
-        return ModelDef.create(lambda r: parallel_lm.ParallelLM(64, 32, 4, 64, 4, SEQ, rngs=r),
-                               rules=extend_rules(MEGATRON_RULES, parallel_lm.RULES))
-    kv = {"kv_heads": 2} if name == "llama" else {}
-    return model_def_from_config(ModelConfig(family=name, vocab_size=64, hidden=32, heads=4, layers=4, mlp_dim=64,
-                                             seq_len=SEQ, **kv), tensor)
+    return small(name, SEQ, tensor)
 
 
 # (data, pipe, context, tensor) as the issue names them; a Layout is (data, pipe, tensor, ...).

@@ -167,7 +167,7 @@ def embed(shared, tokens):
     return shared["wte"][tokens[:, :-1]]
 
 
-def stage(chunk, x):
+def stage(chunk, x, tokens):
     def layer(x, w):
         return x + jnp.tanh(x @ w["w1"]) @ w["w2"], None
 
@@ -192,7 +192,7 @@ def init(seed=0):
 
 def unpipelined_loss(shared, blocks, tokens):
     flat = tokens.reshape(-1, SEQ + 1)
-    return float(loss(shared, stage(blocks, embed(shared, flat)), flat))
+    return float(loss(shared, stage(blocks, embed(shared, flat), flat), flat))
 
 
 def stage_ordered(blocks, p, v):

@@ -25,7 +25,12 @@ def one_layer(family, remat="none", mlp_dim=64):
     params = jax.tree.map(lambda a: a[0], md.init(mesh, seed=0)["blocks"])
     x = jax.random.normal(jax.random.key(1), (B, S, H))
     dy = jax.random.normal(jax.random.key(2), (B, S, H))
-    return md, mesh, stage_functions(md).layer, params, x, dy
+    layer = stage_functions(md).layer
+
+    def one_sequence_per_row(p, h):  # the microbatch's tokens (a layer reads their positions)
+        return layer(p, h, jnp.zeros((h.shape[0], h.shape[1] + 1), jnp.int32))
+
+    return md, mesh, one_sequence_per_row, params, x, dy
 
 
 @pytest.mark.parametrize("family, remat", [("gpt", "none"), ("llama", "none"), ("gpt", "selective")])

@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes (default 1)")
     pre.add_argument("--json-key", default="text", metavar="KEY", help="the text field of a JSON line (text)")
     pre.add_argument("--no-eod", action="store_true", help="do not append the end-of-document token")
+    pre.add_argument("--sft", action="store_true",
+                     help="supervised fine-tuning examples: JSON lines of {prompt, response} or {messages: [...]}, "
+                          "rendered with the chat template; also writes PREFIX.loss_mask.bin/.idx (answers only)")
     plot = sub.add_parser("plot", help="draw train and held-out loss curves of runs (--metrics files) into a PNG")
     plot.add_argument("metrics", nargs="+", metavar="METRICS.jsonl")
     plot.add_argument("--output", default="loss.png", metavar="FILE.png", help="(default loss.png)")
@@ -261,6 +264,11 @@ def _preprocess(args: argparse.Namespace) -> None:
 
     if args.workers < 1:
         raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
+    if args.sft:
+        from meshtron.data.sft import preprocess_sft
+
+        preprocess_sft(args.input, args.tokenizer, args.output, progress=True)
+        return
     preprocess(args.input, args.tokenizer, args.output, workers=args.workers, json_key=args.json_key,
                append_eod=not args.no_eod, progress=True)
 

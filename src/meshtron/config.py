@@ -181,12 +181,18 @@ class DataConfig:
     tokenized: ``bytes``, a Hugging Face ``tokenizer.json`` or a SentencePiece ``.model`` (an indexed
     dataset is already tokens; its tokenizer is what ``generate`` decodes with). ``holdout_fraction``:
     the held-out tail (of the text, or of the documents of each indexed dataset).
+
+    ``reset_per_document``: every document of a window attends, is positioned and predicts on its own
+    (Megatron-LM's ``--reset-attention-mask --reset-position-ids --eod-mask-loss``, from the indexed
+    dataset's document boundaries); off by default (documents run into each other). Supervised
+    fine-tuning data (``meshtron preprocess --sft``) is always packed that way, its loss on the answers.
     """
 
     path: str | None = None
     holdout_fraction: float = 0.1
     tokenizer: str = "bytes"
     blend: list[Any] | None = None
+    reset_per_document: bool = False
 
 
 @dataclass

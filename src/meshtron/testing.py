@@ -141,6 +141,7 @@ def check_parity(
     raise_on_mismatch: bool = True,
     devices=None,
     grouped_loss: bool = False,
+    documents: bool = False,
 ) -> list[ParityReport]:
     """Compare the loss and gradients of one random batch on each of ``layouts`` with one device.
 
@@ -149,6 +150,10 @@ def check_parity(
     the layout splits the batch into (data shards times microbatches): for a model whose loss depends
     on the group it sees by design (the load balance of a mixture of experts, computed per
     microbatch as Megatron and MaxText do).
+
+    With ``documents`` the batch is windows of packed documents (:func:`packed_windows`: random
+    document lengths, loss masks with holes, padding at the end of some rows): a model whose
+    positions or attention ignore the documents, or a layout that mixes them up, fails.
 
     ``model`` is a factory ``rngs -> model`` (with ``rules`` added to Megatron's table) or a
     :class:`ModelDef`. ``batch`` must be divisible by every layout's data size times its microbatches.
@@ -165,7 +170,9 @@ def check_parity(
                              f"{len(devices)} are present")
         if batch % (layout.data * layout.m):
             raise ValueError(f"batch: {batch} rows do not split into data={layout.data} x {layout.m} microbatches")
-    tokens = np.random.default_rng(seed).integers(0, md.vocab_size, size=(batch, seq_len + 1), dtype=np.int32)
+    rng = np.random.default_rng(seed)
+    tokens = (packed_windows(rng, batch, seq_len, md.vocab_size) if documents else
+              rng.integers(0, md.vocab_size, size=(batch, seq_len + 1), dtype=np.int32))
     single = build_mesh(MeshConfig(1, 1, 1), devices[:1])
     params = jax.device_get(md.init(single, seed))
     references: dict[int, tuple[float, Params]] = {}
@@ -199,3 +206,21 @@ def check_parity(
             raise ParityError(f"{layout}: loss {loss:.7g} differs from one device's {ref_loss:.7g}")
         reports.append(ParityReport(layout, loss, ref_loss, worst, worst_diff, ok))
     return reports
+
+
+def packed_windows(rng: np.random.Generator, batch: int, seq_len: int, vocab: int) -> np.ndarray:
+    """Random windows of packed documents ``[batch, seq_len + 1, 3]`` (token, segment, loss mask;
+    :mod:`meshtron.models.documents`): each row cut into documents of 1 to ``seq_len / 2`` tokens
+    numbered from 1, every odd row ending in padding (segment 0), and the first quarter of each
+    document (a prompt) not counted in the loss."""
+    out = np.zeros((batch, seq_len + 1, 3), np.int32)
+    out[..., 0] = rng.integers(0, vocab, size=(batch, seq_len + 1))
+    for row in range(batch):
+        end = seq_len + 1 - (int(rng.integers(1, seq_len // 4 + 1)) if row % 2 else 0)
+        start, segment = 0, 1
+        while start < end:
+            length = min(int(rng.integers(1, max(seq_len // 2, 1) + 1)), end - start)
+            out[row, start : start + length, 1] = segment
+            out[row, start + length // 4 : start + length, 2] = 1
+            start, segment = start + length, segment + 1
+    return out

@@ -64,7 +64,8 @@ class ParallelLM(nnx.Module):
                                         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("embed",)))
 
     def embed(self, tokens, ctx: contract.Context):
-        pos = jnp.take(self.pos[...], ctx.positions[0], axis=0)  # (a split sequence's positions are not contiguous)
+        # looked up by position: a split sequence's are not contiguous, packed documents' restart per row
+        pos = jnp.take(self.pos[...], ctx.positions if ctx.segments is not None else ctx.positions[0], axis=0)
         x = constrain(jnp.take(self.tok[...], tokens, axis=0) + pos, contract.WHOLE_SEQUENCE)
         return contract.exit_parallel_region(x)
 

@@ -107,6 +107,18 @@ def blend_indices(weights: Sequence[float], num_samples: int) -> tuple[np.ndarra
     return dataset_index, sample_index
 
 
+def split_windows(prefix: str, *, documents: bool = False, **kwargs: Any) -> Any:
+    """The windows of one split of the indexed dataset ``prefix``: whole examples packed
+    (:class:`~meshtron.data.sft.PackedExamples`) for supervised fine-tuning data, else windows over the
+    document stream (:class:`TokenWindows`), as packed documents when ``documents``. ``kwargs``:
+    ``seq_len``, ``seed``, ``split``, ``holdout_fraction``, ``num_samples``."""
+    from meshtron.data.sft import PackedExamples, has_loss_mask
+
+    if has_loss_mask(prefix):
+        return PackedExamples(prefix, **kwargs)
+    return TokenWindows(prefix, reset_per_document=documents, **kwargs)
+
+
 class BlendedSamples:
     """``num_samples`` samples drawn from ``datasets`` by ``weights`` (see the module doc).
 
@@ -139,13 +151,14 @@ class BlendedSamples:
 
     @classmethod
     def from_blend(cls, blend: Any, *, seq_len: int, seed: int, num_samples: int, split: str = "train",
-                   holdout_fraction: float = 0.1) -> BlendedSamples:
-        """The blend ``data.blend`` (a raw list or a :class:`Blend`) of :class:`TokenWindows`, each
+                   holdout_fraction: float = 0.1, documents: bool = False) -> BlendedSamples:
+        """The blend ``data.blend`` (a raw list or a :class:`Blend`) of :func:`split_windows`, each
         as long as its share of ``num_samples``."""
         parsed = blend if isinstance(blend, Blend) else parse_blend(blend)
         counts = np.bincount(blend_indices(parsed.weights, num_samples)[0], minlength=len(parsed.prefixes))
-        datasets = [TokenWindows(prefix, seq_len=seq_len, seed=seed, split=split, holdout_fraction=holdout_fraction,
-                                 num_samples=int(count)) for prefix, count in zip(parsed.prefixes, counts)]
+        datasets = [split_windows(prefix, seq_len=seq_len, seed=seed, split=split, holdout_fraction=holdout_fraction,
+                                  num_samples=int(count), documents=documents)
+                    for prefix, count in zip(parsed.prefixes, counts)]
         return cls(parsed.weights, datasets, num_samples, names=parsed.prefixes)
 
     def __len__(self) -> int:

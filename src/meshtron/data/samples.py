@@ -48,6 +48,18 @@ def holdout_documents(num_documents: int, holdout_fraction: float) -> int:
     return max(1, round(num_documents * holdout_fraction))
 
 
+def split_range(n: int, holdout_fraction: float, split: str, name: str, unit: str = "documents") -> tuple[int, int]:
+    """``(first, stop)``: the documents of ``split`` among ``n`` (the held-out ones are the last); one
+    line naming ``data.holdout_fraction`` when that leaves a split empty."""
+    held = holdout_documents(n, holdout_fraction)
+    if split == "heldout" and held == 0:
+        raise ConfigError(f"data.holdout_fraction: is 0, so {name!r} has no held-out {unit}; set it above 0")
+    if n - held < 1:
+        raise ConfigError(f"data.holdout_fraction: {holdout_fraction} of {name!r}'s {n} {unit} leaves none "
+                          f"for training; lower it or use a dataset with more {unit}")
+    return (0, n - held) if split == "train" else (n - held, n)
+
+
 def _small_int(values: np.ndarray) -> np.ndarray:
     return values.astype(np.int32) if len(values) < 2**31 else values
 
@@ -61,7 +73,7 @@ class TokenWindows:
     """
 
     def __init__(self, dataset: IndexedDataset | str | Path, *, seq_len: int, seed: int, split: str = "train",
-                 holdout_fraction: float = 0.1, num_samples: int | None = None):
+                 holdout_fraction: float = 0.1, num_samples: int | None = None, reset_per_document: bool = False):
         self.dataset = dataset if isinstance(dataset, IndexedDataset) else IndexedDataset(dataset)
         if split not in SPLITS:
             raise ConfigError(f"split: {split!r} is not one of {', '.join(SPLITS)}")
@@ -72,16 +84,10 @@ class TokenWindows:
         if not 0 <= holdout_fraction < 1:
             raise ConfigError(f"data.holdout_fraction: must be in [0, 1), got {holdout_fraction!r}")
         self.seq_len, self.seed, self.split = int(seq_len), int(seed), split
+        self.reset_per_document = reset_per_document
         self.holdout_fraction = holdout_fraction
         name = self.dataset.prefix
-        n = self.dataset.num_documents
-        held = holdout_documents(n, holdout_fraction)
-        if split == "heldout" and held == 0:
-            raise ConfigError(f"data.holdout_fraction: is 0, so {name!r} has no held-out documents; set it above 0")
-        if n - held < 1:
-            raise ConfigError(f"data.holdout_fraction: {holdout_fraction} of {name!r}'s {n} documents leaves none "
-                              "for training; lower it or use a dataset with more documents")
-        first, stop = (0, n - held) if split == "train" else (n - held, n)
+        first, stop = split_range(self.dataset.num_documents, holdout_fraction, split, name)
         self.first_document, self.stop_document = first, stop
         offsets = self.dataset.document_token_offsets()[first : stop + 1]
         lengths = np.diff(offsets)
@@ -147,25 +153,28 @@ class TokenWindows:
         return epoch, int(self._epoch(epoch)[2][within]) * self.seq_len
 
     def sample(self, index: int) -> np.ndarray:
-        """Sample ``index``: ``seq_len + 1`` tokens (int32), inputs ``[:-1]`` and targets ``[1:]``."""
+        """Sample ``index``: ``seq_len + 1`` tokens (int32), inputs ``[:-1]`` and targets ``[1:]``. With
+        ``reset_per_document``: ``[seq_len + 1, 3]``, each token with its document's number within the window
+        (from 1) and a loss mask of ones (:mod:`meshtron.models.documents`): Megatron's
+        ``--reset-attention-mask --reset-position-ids --eod-mask-loss``, from the index's boundaries."""
         epoch, start = self.window(index)
         order, ends, _ = self._epoch(epoch)
         k = int(np.searchsorted(ends, start, side="right"))
         offset = start - (int(ends[k - 1]) if k else 0)
         out = np.empty(self.seq_len + 1, np.int32)
-        filled = 0
+        segments = np.empty(self.seq_len + 1, np.int32)
+        filled, segment = 0, 1
         while filled < len(out):
             doc = int(order[k])
             take = min(len(out) - filled, int(self._lengths[doc]) - offset)
             out[filled : filled + take] = self.dataset.read(int(self._starts[doc]) + offset, take)
+            segments[filled : filled + take] = segment
             filled += take
-            k, offset = k + 1, 0
+            k, offset, segment = k + 1, 0, segment + 1
+        if self.reset_per_document:
+            return np.stack([out, segments, np.ones_like(out)], axis=-1)
         return out
 
     def samples(self, indices) -> np.ndarray:
-        """Samples ``indices`` stacked: ``[len(indices), seq_len + 1]`` int32."""
-        indices = list(indices)
-        out = np.empty((len(indices), self.seq_len + 1), np.int32)
-        for row, index in enumerate(indices):
-            out[row] = self.sample(index)
-        return out
+        """Samples ``indices`` stacked: ``[len(indices), seq_len + 1]`` int32 (``[..., 3]`` with ``reset_per_document``)."""
+        return np.stack([self.sample(index) for index in indices]).astype(np.int32)

@@ -38,7 +38,8 @@ class SampleStream(Batches):
     :class:`~meshtron.data.text.BatchStream`."""
 
     def __init__(self, samples: Samples, *, batch_size: int, position: int = 0):
-        super().__init__(batch_size=batch_size, window=len(samples.sample(0)), position=position)
+        first = samples.sample(0)
+        super().__init__(batch_size=batch_size, window=len(first), position=position, channels=first.shape[1:])
         self.samples = samples
 
     def rows(self, index: int, row_slice: slice) -> np.ndarray:
@@ -75,9 +76,9 @@ class TokenDatasets:
             n = min(len(self.train), max(1, _UNIGRAM_SAMPLE_TOKENS // window))
             counts = np.ones(self.vocab_size, np.float64)
             for i in range(n):
-                counts += np.bincount(self.train.sample(i), minlength=self.vocab_size)[: self.vocab_size]
+                counts += np.bincount(tokens_of(self.train.sample(i)), minlength=self.vocab_size)[: self.vocab_size]
             log_probs = np.log(counts / counts.sum())
-            held = np.concatenate([self.heldout.sample(i) for i in range(min(len(self.heldout), 256))])
+            held = np.concatenate([tokens_of(self.heldout.sample(i)) for i in range(min(len(self.heldout), 256))])
             self._unigram = float(-log_probs[np.minimum(held, self.vocab_size - 1)].mean())
         return self._unigram
 
@@ -88,10 +89,14 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
     ``data.blend``. ``samples``: training samples the run draws (``steps x batch``); an indexed
     dataset's sample order is built for that many (epochs repeat as needed)."""
     if cfg.blend is None and (cfg.path is None or indexed_prefix(cfg.path) is None):
+        if cfg.reset_per_document:
+            raise ConfigError(f"data.reset_per_document: {cfg.path or 'the built-in corpus'} is one text, not "
+                              "documents; preprocess documents into an indexed dataset (meshtron preprocess) and "
+                              "train on that, or set data.reset_per_document=false")
         return Corpus.from_config(cfg, seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size)
-    from meshtron.data.blend import Blend, BlendedSamples, parse_blend
+    from meshtron.data.blend import Blend, BlendedSamples, parse_blend, split_windows
     from meshtron.data.indexed import IndexedDataset
-    from meshtron.data.samples import TokenWindows
+    from meshtron.data.sft import has_loss_mask
 
     tokenizer = load_tokenizer(cfg.tokenizer)
     check_vocab(tokenizer, vocab_size)
@@ -106,20 +111,30 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
         if high >= vocab_size:
             raise ConfigError(f"model.vocab_size: {prefix} holds token id {high}; set model.vocab_size={high + 1} "
                               "or more (the vocabulary of the tokenizer that wrote it)")
+    # Supervised fine-tuning data (a loss mask beside the tokens) is packed as documents, and then every
+    # dataset of the blend is too: a batch's windows all have the same form.
+    documents = cfg.reset_per_document or any(has_loss_mask(p) for p in blend.prefixes)
     splits = {}
     for split, count in (("train", samples), ("heldout", eval_samples)):
         if len(blend.prefixes) == 1:
-            splits[split] = TokenWindows(blend.prefixes[0], seq_len=seq_len, seed=seed, split=split,
-                                         holdout_fraction=cfg.holdout_fraction, num_samples=count)
+            splits[split] = split_windows(blend.prefixes[0], seq_len=seq_len, seed=seed, split=split,
+                                          holdout_fraction=cfg.holdout_fraction, num_samples=count,
+                                          documents=documents)
         else:  # each dataset sized to its share of the samples
             splits[split] = BlendedSamples.from_blend(blend, seq_len=seq_len, seed=seed, num_samples=count,
-                                                      split=split, holdout_fraction=cfg.holdout_fraction)
+                                                      split=split, holdout_fraction=cfg.holdout_fraction,
+                                                      documents=documents)
     source = (f"indexed {blend.prefixes[0]}" if len(blend.prefixes) == 1 else
               "blend " + ", ".join(f"{w:.3g} x {p}" for w, p in zip(blend.weights, blend.prefixes)))
     train_samples, heldout_samples = splits["train"], splits["heldout"]
     data = TokenDatasets(train_samples, heldout_samples, source, tokenizer, vocab_size)
     data.heldout_bytes_per_token = _bytes_per_token(data, eval_samples)
     return data
+
+
+def tokens_of(sample: np.ndarray) -> np.ndarray:
+    """A sample's tokens: the sample itself, or channel 0 of a window of packed documents."""
+    return sample if sample.ndim == 1 else sample[:, 0]
 
 
 def _max_token(dataset: Any, pieces: int = 256, size: int = 4096) -> int:
@@ -137,6 +152,6 @@ def _bytes_per_token(data: TokenDatasets, eval_samples: int) -> float:
     if data.tokenizer.kind == BYTES:
         return 1.0
     count = min(len(data.heldout), eval_samples)
-    ids = [data.heldout.sample(i)[1:] for i in range(count)]  # the predicted tokens
+    ids = [tokens_of(data.heldout.sample(i))[1:] for i in range(count)]  # the predicted tokens
     text = sum(len(data.tokenizer.decode(row.tolist()).encode("utf-8")) for row in ids)
     return text / max(sum(len(r) for r in ids), 1)

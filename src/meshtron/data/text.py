@@ -123,8 +123,9 @@ class Batches(ABC):
     next batch): what the training loop saves and resumes. Subclasses say which rows batch ``i`` holds
     (:meth:`rows`); each process builds only the rows its devices hold."""
 
-    def __init__(self, *, batch_size: int, window: int, position: int = 0):
+    def __init__(self, *, batch_size: int, window: int, position: int = 0, channels: tuple[int, ...] = ()):
         self.batch_size, self.window, self.position = batch_size, window, position
+        self.channels = channels  # (3,): windows of packed documents, [batch, window, 3]
 
     @abstractmethod
     def rows(self, index: int, row_slice: slice) -> np.ndarray:
@@ -137,7 +138,7 @@ class Batches(ABC):
         """Batch ``index`` as a global ``jax.Array`` laid out by ``sharding`` (local rows only)."""
         import jax
 
-        shape = (self.batch_size, self.window)
+        shape = (self.batch_size, self.window, *self.channels)
         return jax.make_array_from_callback(shape, sharding, lambda idx: self.rows(index, idx[0]))
 
     def next(self, sharding):

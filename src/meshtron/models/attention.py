@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtron.models.context_attention import sequence_split, split_attention
+from meshtron.models.documents import active_segments, same_document
 
 Implementation = Literal["xla", "cudnn"] | None
 
@@ -122,6 +123,15 @@ def _causal_core(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, impl
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=implementation)
 
 
+@attention_core
+def _documents_core(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, *, scale: float,
+                    implementation: Implementation) -> jax.Array:
+    # A boolean mask beside the causal one: XLA applies both to the scores; cuDNN turns the mask into
+    # a bias and keeps its own causal mask.
+    return jax.nn.dot_product_attention(q, k, v, mask=same_document(segments, segments), is_causal=True, scale=scale,
+                                        implementation=implementation)
+
+
 _split_core = attention_core(split_attention)
 
 
@@ -153,14 +163,14 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
 @overload
 def causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
-    cache: None = None, implementation: Implementation = None,
+    cache: None = None, implementation: Implementation = None, segments: jax.Array | None = None,
 ) -> jax.Array: ...
 
 
 @overload
 def causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array, cache: KVCache,
-    implementation: Implementation = None,
+    implementation: Implementation = None, segments: None = None,
 ) -> tuple[jax.Array, KVCache]: ...
 
 
@@ -172,13 +182,17 @@ def causal_attention(
     positions: jax.Array | None = None,
     cache: KVCache | None = None,
     implementation: Implementation = None,
+    segments: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, KVCache]:
     """Causal (grouped-query) self-attention, scaled by ``1/sqrt(head_dim)``.
 
     Without ``cache``: every query attends to the keys at its own and earlier positions of the
     same sequence; returns ``[batch, seq, heads, head_dim]`` in ``v``'s dtype. ``positions`` is not
-    needed (and is ignored): for contiguous positions the mask depends only on the order within
-    the sequence. (Packed documents needing a reset per document are not supported here.) When the
+    needed (and is ignored): the mask depends only on the order within the sequence. In a window of
+    packed documents a query sees only the earlier keys of its own document: ``segments`` [batch, seq]
+    say which document each token is of (default: those of the active
+    :func:`~meshtron.models.documents.document_segments` scope, which the trainer opens around the
+    blocks, so a model passes nothing). When the
     sequence is split over context-parallel ranks (traced inside the train step on a mesh with
     ``context`` > 1), ``q``, ``k``, ``v`` are this rank's tokens and the keys and values of the others
     are exchanged over that axis (:mod:`meshtron.models.context_attention`); the model does nothing.
@@ -199,8 +213,11 @@ def causal_attention(
     implementation = implementation or _implementation[-1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if cache is None:
+        segments = active_segments() if segments is None else segments
         if sequence_split() is not None:
-            return _split_core(q, k, v, implementation=implementation)
+            return _split_core(q, k, v, implementation=implementation, segments=segments)
+        if segments is not None:
+            return _documents_core(q, k, v, segments, scale=scale, implementation=implementation)
         return _causal_core(q, k, v, scale=scale, implementation=implementation)
 
     if positions is None:

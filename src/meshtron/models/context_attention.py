@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshtron.models.documents import same_document
 from meshtron.sharding import constrain, logical_to_spec, manual_part, varying_like
 
 EXCHANGES = ("gathered", "ring")
@@ -82,16 +83,20 @@ def local_positions(tokens: int) -> jax.Array:
 
 QUERIES = ("batch", "seq", "heads", "head_dim")
 KEYS = ("batch", "seq", "kv_heads", "head_dim")
+TOKENS = ("batch", "seq")
 
 
-def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = None) -> jax.Array:
+def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = None,
+                    segments: jax.Array | None = None) -> jax.Array:
     """Causal attention of this rank's tokens of a split sequence over the whole sequence, with the
-    active :func:`context_exchange`. Call only where :func:`sequence_split` is not ``None``."""
+    active :func:`context_exchange`. Call only where :func:`sequence_split` is not ``None``.
+    ``segments`` [b, s]: this rank's tokens' documents, for packed windows (a query then sees keys of
+    its own document only)."""
     axis, ranks = sequence_split()
     order = balanced_order(q.shape[1] * ranks, ranks)
     if _exchange[-1] == "ring":
-        return ring_attention(q, k, v, order, axis)
-    return gathered_kv_attention(q, k, v, order, axis, implementation=implementation)
+        return ring_attention(q, k, v, order, axis, segments=segments)
+    return gathered_kv_attention(q, k, v, order, axis, implementation=implementation, segments=segments)
 
 
 def balanced_order(seq_len: int, ranks: int) -> np.ndarray:
@@ -133,7 +138,7 @@ def _rank_positions(order: np.ndarray, axis: str, behind: jax.Array | int = 0) -
 
 
 def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str, *,
-                          implementation: str | None = None) -> jax.Array:
+                          implementation: str | None = None, segments: jax.Array | None = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, whose keys and values are
     all-gathered over the manual mesh ``axis``.
 
@@ -141,33 +146,37 @@ def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.nd
     sequence stored in the order ``order`` ``[n·s]`` (the positions of its tokens, rank after rank:
     :func:`balanced_order`, or any order); a query attends to every key at its own or an earlier
     position. Returns ``[b, s, heads, d]``. The backward pass of the all-gather is a reduce-scatter of
-    the keys' and values' gradients.
+    the keys' and values' gradients. ``segments`` [b, s] (packed documents): the tokens' documents,
+    all-gathered too; a query then sees keys of its own document only.
     """
     keys, values = _gathered_heads(k, axis), _gathered_heads(v, axis)
     positions = _rank_positions(order, axis)
     key_positions = jnp.asarray(np.asarray(order, np.int32))
     mask = (key_positions[None, :] <= positions[:, None])[None, None]  # [1, 1, s, S]
+    if segments is not None:
+        mask = mask & same_document(segments, _gathered_heads(segments, axis, TOKENS))
     scale = 1.0 / math.sqrt(q.shape[-1])
     return jax.nn.dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation)
 
 
-def _gathered_heads(x: jax.Array, axis: str) -> jax.Array:
+def _gathered_heads(x: jax.Array, axis: str, logical: tuple[str, ...] = KEYS) -> jax.Array:
     """``x`` [b, s, kv_heads, d] all-gathered over ``axis`` along the sequence, each device gathering
     only the key/value heads the rules give it. Every mesh axis still automatic here (tensor) is made
     manual around the all-gather: left to the partitioner, it gathers the heads over them first (twice
     the bytes on two tensor ranks, read from the compiled step by ``describe``), and XLA:CPU's compiler
     aborts on a bf16 all-gather in a partly manual region ("Invalid binary instruction opcode copy")."""
     mesh = jax.sharding.get_abstract_mesh()
-    spec = logical_to_spec(KEYS)
+    spec = logical_to_spec(logical)
     auto = set(mesh.axis_names) - set(mesh.manual_axes)
     gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
     if not auto:
         return gather(x)
     local = manual_part(spec, auto)
-    return constrain(jax.shard_map(gather, mesh=mesh, in_specs=local, out_specs=local, axis_names=auto)(x), KEYS)
+    return constrain(jax.shard_map(gather, mesh=mesh, in_specs=local, out_specs=local, axis_names=auto)(x), logical)
 
 
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str) -> jax.Array:
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str, *,
+                   segments: jax.Array | None = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, the keys and values passed
     around the ring of the manual mesh ``axis`` one block at a time (``ppermute``), each block's
     scores folded into a running softmax (the online-softmax rescaling of flash attention).
@@ -177,9 +186,23 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, 
     ring: it recomputes each block's probabilities from the forward's log-sum-exp, and the keys' and
     values' gradients travel with their block until they are back on the rank that owns it, so the
     backward also holds two blocks, not every step's scores. The math is fp32; the result has
-    ``v``'s dtype.
+    ``v``'s dtype. ``segments`` (packed documents) travel round with their block of keys.
     """
-    return _ring(q, k, v, tuple(int(p) for p in order), axis)
+    return _ring(q, k, v, segments, tuple(int(p) for p in order), axis)
+
+
+def _documents(query_segments, key_segments):
+    """``[b, 1, 1, s_q, s_k]`` (scores' ``bhgqk``): same document; ``None`` without segments."""
+    if query_segments is None:
+        return None
+    return same_document(query_segments, key_segments)[:, :, None]
+
+
+def _both(mask, other):
+    """The conjunction of two masks, either of which may be ``None`` (no mask)."""
+    if mask is None or other is None:
+        return other if mask is None else mask
+    return mask & other
 
 
 def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -227,48 +250,53 @@ def _with_rows(stats, part, start: int):
                  for i, (whole, new) in enumerate(zip(stats, part, strict=True)))
 
 
-def _ring_forward(q, k, v, order, axis):
+def _ring_forward(q, k, v, seg, order, axis):
     """The ring's forward. Under the balanced layout (:func:`balanced_order`) every block after the
     rank's own is half hidden by the causal mask, in one of two ways: from an earlier rank, every query
     sees its front chunk and none of its back; from a later rank, only the back chunk's queries see it,
-    wholly. Each such step computes just that half, unmasked (``cond`` on the rank pair): the ring then
-    does ``(n + 1) / 2`` blocks of attention per rank instead of ``n``, the same on every rank."""
+    wholly. Each such step computes just that half, unmasked but for packed documents (``cond`` on the
+    rank pair): the ring then does ``(n + 1) / 2`` blocks of attention per rank instead of ``n``, the
+    same on every rank. ``seg``: the rank's tokens' documents, or ``None``."""
     kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
     qg = _grouped(q, kv_heads).astype(jnp.float32)
     b, s, _, g, _ = qg.shape
     n = jax.lax.axis_size(axis)
     positions = _rank_positions(order, axis)
     half, balanced = s // 2, _is_balanced(order, n)
+    back = None if seg is None else seg[:, half:]
 
     def step(carry, behind):
-        kb, vb, stats = carry
-        kb, vb = _shift((kb, vb), axis)  # the previous rank's block: rank (this - behind) mod n's
+        kb, vb, ks, stats = carry
+        kb, vb, ks = _shift((kb, vb, ks), axis)  # the previous rank's block: rank (this - behind) mod n's
         if not balanced:
             kpos = _rank_positions(order, axis, behind)
-            return (kb, vb, _fold(stats, qg, kb, vb, scale, kpos[None, :] <= positions[:, None])), None
+            mask = _both(kpos[None, :] <= positions[:, None], _documents(seg, ks))
+            return (kb, vb, ks, _fold(stats, qg, kb, vb, scale, mask)), None
         earlier = behind <= jax.lax.axis_index(axis)  # the block comes from a rank before this one
+        front = None if ks is None else ks[:, :half]
         stats = jax.lax.cond(
-            earlier,
-            lambda: _fold(stats, qg, kb[:, :half], vb[:, :half], scale),  # every query, its front chunk
-            lambda: _with_rows(stats, _fold(_rows(stats, half), qg[:, half:], kb, vb, scale), half))  # back queries
-        return (kb, vb, stats), None
+            earlier,  # every query, against the block's front chunk; or the back queries against all of it
+            lambda: _fold(stats, qg, kb[:, :half], vb[:, :half], scale, _documents(seg, front)),
+            lambda: _with_rows(stats, _fold(_rows(stats, half), qg[:, half:], kb, vb, scale, _documents(back, ks)),
+                               half))
+        return (kb, vb, ks, stats), None
 
     m0 = varying_like(jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32), q)
     own = _fold((m0, jnp.zeros_like(m0), varying_like(jnp.zeros_like(qg), q)), qg, k, v, scale,
-                positions[None, :] <= positions[:, None])
-    (_, _, (m, l, o)), _ = jax.lax.scan(step, (k, v, own), jnp.arange(1, n))
+                _both(positions[None, :] <= positions[:, None], _documents(seg, seg)))
+    (_, _, _, (m, l, o)), _ = jax.lax.scan(step, (k, v, seg, own), jnp.arange(1, n))
     out = (o / jnp.moveaxis(l, -1, 1)[..., None]).reshape(q.shape).astype(v.dtype)
     return out, m + jnp.log(l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, order, axis):
-    return _ring_forward(q, k, v, order, axis)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, seg, order, axis):
+    return _ring_forward(q, k, v, seg, order, axis)[0]
 
 
-def _ring_fwd(q, k, v, order, axis):
-    out, lse = _ring_forward(q, k, v, order, axis)
-    return out, (q, k, v, out, lse)
+def _ring_fwd(q, k, v, seg, order, axis):
+    out, lse = _ring_forward(q, k, v, seg, order, axis)
+    return out, (q, k, v, seg, out, lse)
 
 
 def _block_gradients(qg, dog, lse, correction, kb, vb, scale, mask=None):
@@ -285,7 +313,7 @@ def _block_gradients(qg, dog, lse, correction, kb, vb, scale, mask=None):
 
 
 def _ring_bwd(order, axis, residuals, d_out):
-    q, k, v, out, lse = residuals
+    q, k, v, seg, out, lse = residuals
     kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
     qg = _grouped(q, kv_heads).astype(jnp.float32)
     dog = _grouped(d_out, kv_heads).astype(jnp.float32)
@@ -294,34 +322,40 @@ def _ring_bwd(order, axis, residuals, d_out):
     n = jax.lax.axis_size(axis)
     positions = _rank_positions(order, axis)
     half, balanced = q.shape[1] // 2, _is_balanced(order, n)
+    back = None if seg is None else seg[:, half:]
 
-    def earlier_block(kb, vb, dk, dv, dq):  # every query against the block's front chunk
-        gq, gk, gv = _block_gradients(qg, dog, lse, correction, kb[:, :half], vb[:, :half], scale)
+    def earlier_block(kb, vb, ks, dk, dv, dq):  # every query against the block's front chunk
+        front = None if ks is None else ks[:, :half]
+        gq, gk, gv = _block_gradients(qg, dog, lse, correction, kb[:, :half], vb[:, :half], scale,
+                                      _documents(seg, front))
         return dk.at[:, :half].add(gk), dv.at[:, :half].add(gv), dq + gq
 
-    def later_block(kb, vb, dk, dv, dq):  # the back chunk's queries against the whole block
+    def later_block(kb, vb, ks, dk, dv, dq):  # the back chunk's queries against the whole block
         gq, gk, gv = _block_gradients(qg[:, half:], dog[:, half:], lse[..., half:], correction[..., half:], kb, vb,
-                                      scale)
+                                      scale, _documents(back, ks))
         return dk + gk, dv + gv, dq.at[:, half:].add(gq)
 
     def step(carry, behind):
-        kb, vb, dk, dv, dq = carry
+        kb, vb, ks, dk, dv, dq = carry
         # the next block arrives with the gradients it has gathered so far
-        kb, vb, dk, dv = _shift((kb, vb, dk, dv), axis)
+        kb, vb, ks, dk, dv = _shift((kb, vb, ks, dk, dv), axis)
         if balanced:
-            dk, dv, dq = jax.lax.cond(behind <= jax.lax.axis_index(axis), earlier_block, later_block, kb, vb, dk, dv, dq)
+            dk, dv, dq = jax.lax.cond(behind <= jax.lax.axis_index(axis), earlier_block, later_block,
+                                      kb, vb, ks, dk, dv, dq)
         else:
             kpos = _rank_positions(order, axis, behind)
-            gq, gk, gv = _block_gradients(qg, dog, lse, correction, kb, vb, scale, kpos[None, :] <= positions[:, None])
+            mask = _both(kpos[None, :] <= positions[:, None], _documents(seg, ks))
+            gq, gk, gv = _block_gradients(qg, dog, lse, correction, kb, vb, scale, mask)
             dk, dv, dq = dk + gk, dv + gv, dq + gq
-        return (kb, vb, dk, dv, dq), None
+        return (kb, vb, ks, dk, dv, dq), None
 
     # the rank's own block (causal within it), then the n - 1 others as they come round; a block's
     # gradients travel with it, and one last move brings them home (the block itself is not needed)
-    dq, dk, dv = _block_gradients(qg, dog, lse, correction, k, v, scale, positions[None, :] <= positions[:, None])
-    (_, _, dk, dv, dq), _ = jax.lax.scan(step, (k, v, dk, dv, dq), jnp.arange(1, n))
+    dq, dk, dv = _block_gradients(qg, dog, lse, correction, k, v, scale,
+                                  _both(positions[None, :] <= positions[:, None], _documents(seg, seg)))
+    (_, _, _, dk, dv, dq), _ = jax.lax.scan(step, (k, v, seg, dk, dv, dq), jnp.arange(1, n))
     dk, dv = _shift((dk, dv), axis)
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.errors import ConfigError
+from meshtron.models import documents
 from meshtron.models.auxiliary import collecting_reports
 from meshtron.models.context_attention import local_positions
 from meshtron.sharding import Rules, constrain, variable_axes, varying_like
@@ -133,10 +134,15 @@ class Context:
     table up by them (``take``) rather than slicing from the first;
     ``cache`` is, during cached decoding, this block's own cache (the layer scan hands every block
     its slice of the stacked caches), else ``None``.
+    ``segments`` [b, s], for windows of packed documents (:mod:`meshtron.models.documents`), is which
+    document each token belongs to (positions then restart at every document, so they differ from
+    row to row: look them up per row); attention masks by them on its own (``run_blocks`` opens
+    their scope). ``None`` for one sequence per row.
     """
 
     positions: jax.Array
     cache: Any = None
+    segments: jax.Array | None = None
 
     @classmethod
     def for_sequence(cls, batch: int, seq: int, start: int | jax.Array = 0, cache: Any = None) -> Context:
@@ -148,6 +154,15 @@ class Context:
         else:
             positions = jnp.arange(seq, dtype=jnp.int32)[None, :] + jnp.asarray(start, jnp.int32)
         return cls(jnp.broadcast_to(positions, (batch, seq)), cache)
+
+    @classmethod
+    def for_tokens(cls, tokens: jax.Array) -> Context:
+        """The context of a training batch as the step hands it (:func:`next_token_pairs`' forms, or
+        packed documents' features): their own positions and segments, else :meth:`for_sequence`."""
+        seen = documents.view(tokens)
+        if seen.segments is None:
+            return cls.for_sequence(*seen.inputs.shape)
+        return cls(seen.positions, segments=seen.segments)
 
 
 def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -220,6 +235,9 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     for padding slots; ``()`` when no block reports anything).
     """
     graphdef, state = nnx.split(blocks)
+    if ctx.cache is None and ctx.segments is not None and documents.active_segments() is not ctx.segments:
+        with documents.document_segments(ctx.segments):  # what causal_attention masks packed documents by
+            return run_blocks(blocks, x, ctx, remat=remat, active=active, collect=collect)
     if collect:
         return _run_collecting(graphdef, state, x, ctx, active)
     if ctx.cache is None:
@@ -274,16 +292,17 @@ def _run_collecting(graphdef: Any, state: Any, x: jax.Array, ctx: Context, activ
 def next_token_pairs(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(inputs, targets)`` [b, s] of a batch: ``tokens`` [b, s + 1] read as a window, or -- this rank's
     share of sequences split over context-parallel ranks, whose tokens are not contiguous --
-    ``[b, s, 2]``, every input token stacked with the one it predicts."""
-    if tokens.ndim == 3:
-        return tokens[..., 0], tokens[..., 1]
-    return tokens[:, :-1], tokens[:, 1:]
+    ``[b, s, 2]``, every input token stacked with the one it predicts, or packed documents' features
+    ``[b, s, 5]`` (:mod:`meshtron.models.documents`)."""
+    seen = documents.view(tokens)
+    return seen.inputs, seen.targets
 
 
-def layer_reports(model: nnx.Module, tokens: jax.Array) -> tuple[Any, ...]:
+def layer_reports(model: nnx.Module, tokens: jax.Array, ctx: Context | None = None) -> tuple[Any, ...]:
     """What the blocks :func:`~meshtron.models.auxiliary.report` for ``tokens`` [b, s] (the inputs,
-    without the last target), stacked over the layers: a forward through embedding and blocks."""
-    ctx = Context.for_sequence(*tokens.shape)
+    without the last target; in ``ctx``, default one sequence per row), stacked over the layers: a
+    forward through embedding and blocks."""
+    ctx = Context.for_sequence(*tokens.shape) if ctx is None else ctx
     return run_blocks(model.blocks, model.embed(tokens, ctx), ctx, collect=True)[1]
 
 
@@ -312,16 +331,19 @@ def token_losses(model: nnx.Module, logits: jax.Array, targets: jax.Array) -> ja
     return vocab_parallel_cross_entropy(logits, targets, model.vocab_size)
 
 
-def logits_of(model: nnx.Module, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
-    """The full forward pass through the contract: embed -> blocks -> head."""
-    ctx = Context.for_sequence(*tokens.shape)
+def logits_of(model: nnx.Module, tokens: jax.Array, *, remat: str = "none", ctx: Context | None = None) -> jax.Array:
+    """The full forward pass through the contract: embed -> blocks -> head, of ``tokens`` [b, s] (in
+    ``ctx``: packed documents', :meth:`Context.for_tokens`; default, one sequence per row)."""
+    ctx = Context.for_sequence(*tokens.shape) if ctx is None else ctx
     return model.head(run_blocks(model.blocks, model.embed(tokens, ctx), ctx, remat=remat))
 
 
 def lm_loss(model: nnx.Module, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
-    """Mean next-token loss of ``tokens`` [batch, seq_len + 1] (or pairs, :func:`next_token_pairs`)."""
-    inputs, targets = next_token_pairs(tokens)
-    return jnp.mean(token_losses(model, logits_of(model, inputs, remat=remat), targets))
+    """Mean next-token loss of a batch (any form :func:`next_token_pairs` reads); for packed
+    documents' features, each token's loss weighted as they say."""
+    seen = documents.view(tokens)
+    logits = logits_of(model, seen.inputs, remat=remat, ctx=Context.for_tokens(tokens))
+    return documents.weighted_mean(token_losses(model, logits, seen.targets), seen.weights)
 
 
 # ---- checking a model -------------------------------------------------------------------------

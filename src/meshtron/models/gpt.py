@@ -172,8 +172,10 @@ class GPT(nnx.Module):
 
     def embed(self, tokens: jax.Array, ctx: Context) -> jax.Array:
         """Vocab-parallel lookup: each tensor shard holds a vocabulary slice; results are summed.
-        Positions are shared by the rows (:class:`Context`): one row of ``wpe`` per token."""
-        x = jnp.take(self.wte[...], tokens, axis=0) + jnp.take(self.wpe[...], ctx.positions[0], axis=0)
+        One row of ``wpe`` per token, at its position: shared by the rows of one sequence per row (looked
+        up once), each row's own in windows of packed documents, whose positions restart per document."""
+        positions = ctx.positions[0] if ctx.segments is None else ctx.positions
+        x = jnp.take(self.wte[...], tokens, axis=0) + jnp.take(self.wpe[...], positions, axis=0)
         return exit_parallel_region(constrain(x.astype(self.dims.dtype), WHOLE_SEQUENCE))
 
     def head(self, x: jax.Array) -> jax.Array:

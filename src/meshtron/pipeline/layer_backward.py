@@ -34,7 +34,7 @@ class LayerBackward:
     """
 
     def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, example_x: jax.Array,
-                 pin: Callable[[jax.Array], jax.Array], zeros: Callable[[PyTree], PyTree]):
+                 example_tokens: jax.Array, pin: Callable[[jax.Array], jax.Array], zeros: Callable[[PyTree], PyTree]):
         if fns.layer is None:
             why = ("splits the backward per layer" if program.schedule.split_backward
                    else "keeps each layer's residuals (no recomputation)")
@@ -56,7 +56,9 @@ class LayerBackward:
         first = jax.tree.map(lambda a: a[0, 0], stage_params)  # chunk 0, layer 0
         self._layers = jax.tree.leaves(stage_params)[0].shape[1]
         self._example_x = jax.ShapeDtypeStruct(example_x.shape, example_x.dtype)
-        y, stored, treedef, self._slots = residuals(self._layer, first, example_x)
+        # A layer reads its microbatch's tokens (positions, packed documents) as a closed-over value:
+        # what its backward needs of them is then among its residuals, like any other.
+        y, stored, treedef, self._slots = residuals(self._with_tokens(example_tokens), first, example_x)
         self._stored_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored]
         # Kept residuals live until W (the program frees their slot there), so W reads them rather
         # than B storing the activations W multiplies a second time: B leaves W only what depends on
@@ -78,8 +80,11 @@ class LayerBackward:
         self._to_w = [k for k, (home, g) in enumerate(zip(self._homes, self._at_b))
                       if home is None and g is None]  # boundary index per B-to-W buffer
 
-    def _residuals(self, layer_params: PyTree, x: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        y, stored, _, slots = residuals(self._layer, layer_params, x)
+    def _with_tokens(self, tokens: jax.Array) -> Callable[[PyTree, jax.Array], jax.Array]:
+        return lambda layer_params, x: self._layer(layer_params, x, tokens)
+
+    def _residuals(self, layer_params: PyTree, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+        y, stored, _, slots = residuals(self._with_tokens(tokens), layer_params, x)
         if slots != self._slots:  # a layer whose pullback differs from the first one's
             raise ValueError("split backward: the layers of a chunk must share one structure "
                              f"(residuals that are parameters: {slots} vs {self._slots})")
@@ -99,9 +104,9 @@ class LayerBackward:
 
         return jax.lax.scan(maybe, init, (jnp.arange(layers), xs), reverse=reverse)
 
-    def layers_forward(self, chunk_params: PyTree, x: jax.Array,
+    def layers_forward(self, chunk_params: PyTree, x: jax.Array, tokens: jax.Array,
                        active: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
-        return self._scan(lambda h, lp: self._residuals(lp, h), x, chunk_params, active,
+        return self._scan(lambda h, lp: self._residuals(lp, h, tokens), x, chunk_params, active,
                           lambda h, lp: (h, self._zeros(self._stored_avals)))
 
     def _walk(self, step, carry, chunk_params: PyTree, active: jax.Array | None, reverse: bool = False):
@@ -117,12 +122,13 @@ class LayerBackward:
 
         return jax.lax.scan(body, carry, (jnp.arange(self._layers), chunk_params), reverse=reverse)[0]
 
-    def forward_into(self, chunk_params: PyTree, x: jax.Array, active: jax.Array | None,
+    def forward_into(self, chunk_params: PyTree, x: jax.Array, tokens: jax.Array, active: jax.Array | None,
                      buffers: list[jax.Array], slot: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        """The chunk's forward, each layer's residuals written to ``buffers[j][slot, layer]``."""
+        """The chunk's forward on the microbatch of ``tokens``, each layer's residuals written to
+        ``buffers[j][slot, layer]``."""
         def step(c, i, lp):
             h, bufs = c
-            y, stored = self._residuals(lp, h)
+            y, stored = self._residuals(lp, h, tokens)
             return y, [put(b, (slot, i), v) for b, v in zip(bufs, stored)]
 
         return self._walk(step, (x, list(buffers)), chunk_params, active)

@@ -207,7 +207,7 @@ def run_pipeline(
 
     ``layer_counts[k]``: an uneven layout's layers of virtual stage ``k`` (``chunk·p + stage``); each
     chunk's ``layers_per_chunk`` slots then hold that many layers and padding, which is skipped
-    (needs ``StageFunctions.stage(chunk_params, x, active)``). ``None``: every slot is a layer.
+    (needs ``StageFunctions.stage(chunk_params, x, tokens, active)``). ``None``: every slot is a layer.
 
     ``lockstep``: every stage runs the forward, backward and W work of every tick, idle or not, and
     keeps the result only where its instruction says so -- for stage code with collectives that must
@@ -320,7 +320,9 @@ class _TickLoop:
         self.zeros_act = self.pin(self.zeros(self.act))
         self.zero_loss = self.zeros(jax.ShapeDtypeStruct((), jnp.float32))
         self.keep = program.keeps_residuals
-        self.layers = (LayerBackward(program, fns, stage_params, self.zeros_act, self.pin, self.zeros)
+        # The example microbatch's tokens vary like those a tick reads (picked by the stage's own row).
+        example_tokens = tokens[0] if self.varies is None else varying_like(tokens[0], self.varies)
+        self.layers = (LayerBackward(program, fns, stage_params, self.zeros_act, example_tokens, self.pin, self.zeros)
                        if self.keep or schedule.split_backward else None)
 
     def gradients_token(self, grads: PyTree, stacked: bool = False) -> jax.Array:
@@ -346,9 +348,10 @@ class _TickLoop:
         """Layers the virtual stage of ``chunk`` runs (None: all of its slots)."""
         return None if self.counts is None else self.counts[chunk * self.p + self.stage_index]
 
-    def run_stage(self, chunk_params, x, chunk, stage=None):
+    def run_stage(self, chunk_params, x, chunk, tok, stage=None):
+        """The layers of ``chunk`` on ``x``, for the microbatch whose tokens are ``tok``."""
         stage = stage or self.fns.stage
-        return stage(chunk_params, x) if self.counts is None else stage(chunk_params, x, self.active(chunk))
+        return stage(chunk_params, x, tok) if self.counts is None else stage(chunk_params, x, tok, self.active(chunk))
 
     # ---- the stage's bodies: forward, backward (whole, or B and W) ------------------------------
 
@@ -361,9 +364,9 @@ class _TickLoop:
         virtual = chunk * self.p + self.stage_index
         x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(shared, tok), lambda: x_stash))
         if reporting:
-            y, found = self.run_stage(chunk_params, x, chunk, fns.reporting_stage)
+            y, found = self.run_stage(chunk_params, x, chunk, tok, fns.reporting_stage)
         else:
-            y, found = self.run_stage(chunk_params, x, chunk), None
+            y, found = self.run_stage(chunk_params, x, chunk, tok), None
         y = pin(y)
         loss = jax.lax.cond(virtual == self.last_virtual,
                             lambda: fns.loss(shared, y, tok).astype(jnp.float32), lambda: self.zero_loss)
@@ -392,7 +395,7 @@ class _TickLoop:
         x_stash = pin(after(read_slot(stash, row["fwd_slot"]), seq))
         x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(self.shared_params, tok), lambda: x_stash))
         slot = row["fwd_res_slot"]
-        y, stored = self.layers.forward_into(chunk_of(self.stage_params, chunk), x, self.active(chunk), rbuf[:-1],
+        y, stored = self.layers.forward_into(chunk_of(self.stage_params, chunk), x, tok, self.active(chunk), rbuf[:-1],
                                              slot)
         loss = jax.lax.cond(virtual == self.last_virtual,
                             lambda: fns.loss(self.shared_params, y, tok).astype(jnp.float32), lambda: self.zero_loss)
@@ -427,7 +430,7 @@ class _TickLoop:
         # The virtual stage's three parts (embedding, layers, head + loss) differentiated one by one,
         # so that the layers' pullback can be ordered after the head's (below).
         x0, pull_in = self.embedding_vjp(virtual, tok, x)
-        y, pull_stage = jax.vjp(lambda cp, h: pin(self.run_stage(cp, h, chunk)), chunk_params, x0)
+        y, pull_stage = jax.vjp(lambda cp, h: pin(self.run_stage(cp, h, chunk, tok)), chunk_params, x0)
         d_shared_out, dy = self.head_gradient(row, gbuf, is_last, tok, y)
         if fns.remat == "full":
             # What the pullback recomputes (each layer, with its collectives) reads its inputs after
@@ -463,7 +466,7 @@ class _TickLoop:
             slot = index_after(row["bwd_res_slot"], seq)
             y = get(rbuf[-1], (slot,))
         else:
-            y, stored = self.layers.layers_forward(chunk_params, x0, self.active(chunk))
+            y, stored = self.layers.layers_forward(chunk_params, x0, tok, self.active(chunk))
         d_shared_out, dy = self.head_gradient(row, gbuf, is_last, tok, y)
         # The layers' backward reads its residuals after ``dy``, so whatever it recomputes from them
         # (a layer rerun under ``model.remat=full``, with its collectives) follows the head's
@@ -620,7 +623,7 @@ class _TickLoop:
         """Zeros shaped like one chunk's reports, for every chunk: ``[chunks, layers_per_chunk, ...]``."""
         chunk = jax.tree.map(lambda a: a[0], self.stage_params)
         x = self.zeros_act
-        found = jax.eval_shape(lambda: self.run_stage(chunk, x, 0, self.fns.reporting_stage)[1])
+        found = jax.eval_shape(lambda: self.run_stage(chunk, x, 0, self.tokens[0], self.fns.reporting_stage)[1])
         chunks = self.schedule.chunks
         return self.zeros(jax.tree.map(lambda r: jax.ShapeDtypeStruct((chunks, *r.shape), r.dtype), found))
 

@@ -20,13 +20,14 @@ class StageFunctions:
     """The model, cut for pipelining.
 
     ``embed(shared, tokens) -> x`` builds the first virtual stage's input from a microbatch of
-    tokens; ``stage(chunk_params, x) -> y`` runs one chunk of layers; ``loss(shared, y, tokens)``
-    is the scalar loss after the last virtual stage. ``layout(x) -> x`` pins an activation (or its
+    tokens; ``stage(chunk_params, x, tokens) -> y`` runs one chunk of layers on that microbatch (its
+    tokens say where its tokens are: positions, packed documents); ``loss(shared, y, tokens)`` is the
+    scalar loss after the last virtual stage. ``layout(x) -> x`` pins an activation (or its
     gradient) to the layout the stages produce over the compiler-managed axes; the runtime applies
     it to everything it stores, reads and sends, so its buffers and messages keep that layout
     (under sequence parallelism a ``seq/t`` slice) instead of one the compiler's propagation picks.
 
-    ``layer(layer_params, x) -> y`` is one layer of a chunk (``stage`` applied to a chunk equals
+    ``layer(layer_params, x, tokens) -> y`` is one layer of a chunk (``stage`` applied to a chunk equals
     ``layer`` applied to each of its layers in order, the chunk's leaves being ``[layers, ...]``);
     schedules with a split backward (zero bubble) need it, to cut each layer's backward into the
     input gradient and the weight gradient (:mod:`meshtron.pipeline.split_backward`).
@@ -43,17 +44,17 @@ class StageFunctions:
     parameters (a tree of ``PartitionSpec`` s shaped like them, the leading layer axis unsplit): the
     runtime orders the embedding's backward after all of a chunk's parameter gradients with it.
 
-    ``reporting_stage(chunk_params, x[, active]) -> (y, reports)`` is ``stage`` that also returns
+    ``reporting_stage(chunk_params, x, tokens[, active]) -> (y, reports)`` is ``stage`` that also returns
     what the chunk's layers measured (a pytree of arrays stacked over the chunk's layers, e.g. a
     mixture of experts' routing): the forward-only pipeline sums it over the microbatches when asked
     (:func:`meshtron.pipeline.runtime.run_pipeline_forward` with ``reports=True``).
     """
 
     embed: Callable[[PyTree, jax.Array], jax.Array]
-    stage: Callable[[PyTree, jax.Array], jax.Array]
+    stage: Callable[..., jax.Array]
     loss: Callable[[PyTree, jax.Array, jax.Array], jax.Array]
     layout: Callable[[jax.Array], jax.Array] = lambda x: x
-    layer: Callable[[PyTree, jax.Array], jax.Array] | None = None
+    layer: Callable[[PyTree, jax.Array, jax.Array], jax.Array] | None = None
     remat: str = "none"
     activation_spec: Callable[[], Any] | None = None
     chunk_specs: Callable[[], Any] | None = None

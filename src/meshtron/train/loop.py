@@ -146,7 +146,8 @@ class Trainer:
         params = abstract_like(self.training_shapes(self.model_def.shapes()), self.steps.param_shardings)
         with jax.set_mesh(self.mesh):
             opt_state = abstract_like(jax.eval_shape(self.steps.init_state_fn, params), self.steps.opt_shardings)
-        tokens = jax.ShapeDtypeStruct((self.cfg.train.batch_size, self.cfg.model.seq_len + 1), np.int32,
+        channels = self.train_stream().channels  # (3,): windows of packed documents
+        tokens = jax.ShapeDtypeStruct((self.cfg.train.batch_size, self.cfg.model.seq_len + 1, *channels), np.int32,
                                       sharding=self.steps.batch_sharding)
         return params, opt_state, tokens
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.contract import RESIDUAL, Context, layer_view, next_token_pairs, run_blocks, token_losses
 from meshtron.pipeline.layout import StageLayout
@@ -94,34 +95,35 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
 def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunctions:
     """A contract model cut into embedding (first virtual stage), a chunk of blocks, and head + loss
     (last virtual stage). Activations between stages are ``x`` [rows, seq, hidden]; every stage
-    knows its positions from the shape (training sequences start at position 0; a rank of a split
-    sequence, from its place on the context axis).
+    reads its positions (and packed documents' segments) from the microbatch's tokens, which every
+    stage holds (:meth:`~meshtron.models.contract.Context.for_tokens`).
 
     The runtime seeds each microbatch's loss gradient with ``1/microbatches``; the blocks'
     auxiliary losses are seeded alike (:func:`~meshtron.models.auxiliary.auxiliary_loss_scale`)."""
     aux_scale = 1.0 / microbatches
 
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
-        inputs = next_token_pairs(tokens)[0]
-        return model_def.bind(shared).embed(inputs, Context.for_sequence(*inputs.shape))
+        return model_def.bind(shared).embed(next_token_pairs(tokens)[0], Context.for_tokens(tokens))
 
-    def stage(chunk_blocks: Params, x: jax.Array, active: jax.Array | None = None) -> jax.Array:
+    def stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None) -> jax.Array:
         with auxiliary_loss_scale(aux_scale):
-            return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x,
-                              Context.for_sequence(*x.shape[:2]), remat=model_def.remat, active=active)
+            return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),
+                              remat=model_def.remat, active=active)
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         model = model_def.bind(shared)
-        return jnp.mean(token_losses(model, model.head(y), next_token_pairs(tokens)[1]))
+        seen = documents.view(tokens)
+        return documents.weighted_mean(token_losses(model, model.head(y), seen.targets), seen.weights)
 
-    def layer(layer_blocks: Params, x: jax.Array) -> jax.Array:
+    def layer(layer_blocks: Params, x: jax.Array, tokens: jax.Array) -> jax.Array:
         # One block, as run_blocks applies each: the stacked module's graph with one layer's values.
         graphdef, state = nnx.split(model_def.bind({"blocks": layer_blocks}).blocks)
-        with auxiliary_loss_scale(aux_scale):
-            return constrain(layer_view(graphdef, state)(x, Context.for_sequence(*x.shape[:2])), RESIDUAL)
+        ctx = Context.for_tokens(tokens)
+        with auxiliary_loss_scale(aux_scale), documents.document_segments(ctx.segments):
+            return constrain(layer_view(graphdef, state)(x, ctx), RESIDUAL)
 
-    def reporting_stage(chunk_blocks: Params, x: jax.Array, active: jax.Array | None = None):
-        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_sequence(*x.shape[:2]),
+    def reporting_stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None):
+        return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),
                           active=active, collect=True)
 
     def chunk_specs():

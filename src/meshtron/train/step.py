@@ -48,7 +48,8 @@ from meshtron.config import RING_IN_PIPELINE
 from meshtron.errors import ConfigError
 from meshtron.hlo.collectives import collectives
 from meshtron.models.context_attention import balanced_order
-from meshtron.models.contract import layer_parameters, layer_reports, next_token_pairs
+from meshtron.models.contract import Context, layer_parameters, layer_reports, next_token_pairs
+from meshtron.models.documents import document_features, is_document_windows
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
 from meshtron.optim.zero import ZeroPlan
@@ -194,7 +195,7 @@ def build_steps(
             fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=check_vma
         )
 
-    batch_sharding = NamedSharding(mesh, P(DATA, None))
+    batch_sharding = NamedSharding(mesh, P(DATA, None))  # plain windows [b, s+1] or packed documents' [b, s+1, 3]
     # A shard's tokens (context_layout's), and one value per rank of the group.
     shard_batch = P(DATA if DATA in axis_names(group) else None, CONTEXT) if context > 1 else P(DATA)
     per_replica = P(axis_names(group)) if context > 1 else P(DATA)
@@ -232,8 +233,8 @@ def build_steps(
             return model_def.loss(params, tokens)
 
         def shard_reports(params: Params, tokens: jax.Array):
-            found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), next_token_pairs(mb)[0]),
-                                as_microbatches(tokens))
+            found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), next_token_pairs(mb)[0],
+                                                         Context.for_tokens(mb)), as_microbatches(tokens))
             return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
 
     def init_state(p: Params) -> OptState:
@@ -336,14 +337,23 @@ def build_steps(
 
 
 def context_layout(tokens: jax.Array, ranks: int) -> jax.Array:
-    """``tokens`` [b, seq + 1] as the train step's shards see them when sequences are split over
-    ``ranks`` context-parallel ranks: ``[b, seq, 2]`` (every input token stacked with the one it
-    predicts, :func:`meshtron.models.contract.next_token_pairs`), the sequence in the load-balanced
-    order (:func:`meshtron.models.context_attention.balanced_order`), so that context rank ``r``'s
-    equal share holds chunks ``r`` and ``2·ranks - 1 - r``. ``tokens`` unchanged for one rank."""
-    if ranks == 1:
+    """A batch as the train step's shards see it.
+
+    Plain windows ``tokens`` [b, seq + 1] stay as they are on one context rank. When sequences are split
+    over ``ranks`` context-parallel ranks they become ``[b, seq, 2]`` (every input token stacked with
+    the one it predicts, :func:`meshtron.models.contract.next_token_pairs`), the sequence in the
+    load-balanced order (:func:`meshtron.models.context_attention.balanced_order`), so that context
+    rank ``r``'s equal share holds chunks ``r`` and ``2·ranks - 1 - r``. Windows of packed documents
+    ``[b, seq + 1, 3]`` become their features ``[b, seq, 5]``
+    (:func:`meshtron.models.documents.document_features`), in that order too when split."""
+    if is_document_windows(tokens):
+        pairs = document_features(tokens)
+    elif ranks == 1:
         return tokens
-    pairs = jnp.stack([tokens[:, :-1], tokens[:, 1:]], axis=-1)
+    else:
+        pairs = jnp.stack([tokens[:, :-1], tokens[:, 1:]], axis=-1)
+    if ranks == 1:
+        return pairs
     return jnp.take(pairs, jnp.asarray(balanced_order(pairs.shape[1], ranks)), axis=1)
 
 
