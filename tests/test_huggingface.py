@@ -243,6 +243,36 @@ def test_a_fine_tune_starts_from_an_import_and_exports_back(hf, cases, tmp_path,
     delta("export llama (trained 1 step)", hf_logits(hf[0], model), meshtron_logits(trained))
 
 
+def test_a_lora_fine_tune_of_an_import_exports_merged(hf, cases, tmp_path, capfd):
+    """LoRA from an import (which holds no adapters: they are made fresh, the weights are the import's):
+    the base stays as imported, the export folds the adapters into their matrices, loads in
+    transformers with every weight and nothing else, and gives the adapted model's logits."""
+    from meshtron.models.lora import is_adapter
+    from meshtron.train.loop import Trainer
+    from meshtron.trees import leaf_names
+
+    _, _, imported = cases("llama")
+    output = tmp_path / "lora"
+    cfg = load_config(imported / CONFIG_FILE, [f"checkpoint.dir={output}", "train.steps=3", "train.batch_size=2",
+                                               "train.eval_batches=1", "train.warmup_steps=0", "train.lr=3e-2",
+                                               "train.lora.rank=4", "train.lora.alpha=8"])
+    Trainer.from_config(cfg).run()
+    trained = load_pretrained(output, MeshConfig(1, 1, 1))
+    base = load_pretrained(imported, MeshConfig(1, 1, 1))
+    names = leaf_names(trained.params)
+    assert any(is_adapter(n) for n in names)
+    kept = {n: a for n, a in zip(names, jax.tree.leaves(trained.params)) if not is_adapter(n)}
+    for n, a in zip(leaf_names(base.params), jax.tree.leaves(base.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(kept[n]), np.asarray(a), err_msg=n)  # the base is frozen
+    adapted = meshtron_logits(trained)
+    assert np.max(np.abs(adapted - meshtron_logits(base))) > 1e-3  # the adapters changed the model
+    exported = export_hf(output, tmp_path / "hf")
+    model = from_pretrained(hf, exported, capfd)
+    worst = float(np.max(np.abs(hf_logits(hf[0], model) - adapted)))
+    MEASURED["export llama with LoRA merged"] = worst
+    assert worst <= 1e-4
+
+
 def test_a_gpt_checkpoint_exports_to_gpt2(hf, tmp_path, capfd):
     """A checkpoint as a GPT run on data x tensor = 2 x 2 saves it (``Trainer.save``), with large random
     weights: exported, it gives Hugging Face's GPT-2 meshtron's logits."""

@@ -131,3 +131,24 @@ def test_sft_data_blended_with_pretraining_documents_trains_alike_on_a_pipeline(
                                                    "pipeline.schedule=zb-h1"])).run()
     np.testing.assert_allclose(piped.losses, reference.losses, rtol=2e-5)
     assert np.isfinite(reference.losses).all()
+
+
+def test_the_loss_counts_the_answers_alone(tmp_path):
+    """Through the train step's features, the targets with a loss weight are exactly the answers' tokens
+    and their end markers: no prompt, header, padding or next example's token."""
+    import jax.numpy as jnp
+
+    from meshtron.models import documents
+
+    records = examples(30)
+    preprocess_sft(write_jsonl(tmp_path / "sft.jsonl", records), "bytes", tmp_path / "sft", progress=False)
+    windows = PackedExamples(tmp_path / "sft", seq_len=127, seed=0, holdout_fraction=0.0)
+    answers = sorted((r["response"] if "response" in r else r["messages"][-1]["content"]) + "<|end|>" for r in records)
+    counted = []
+    for i in range(windows.samples_per_epoch):
+        seen = documents.view(documents.document_features(jnp.asarray(windows.sample(i)[None])))
+        targets, weights, segments = (np.asarray(x)[0] for x in (seen.targets, seen.weights, seen.segments))
+        for s in set(segments.tolist()) - {0}:
+            picked = targets[(segments == s) & (weights > 0)]
+            counted.append(bytes(picked.tolist()).decode())
+    assert sorted(counted) == answers

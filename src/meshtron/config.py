@@ -108,6 +108,20 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (``rank`` > 0 turns them on): the model's block matrices are frozen and each
+    chosen one trains ``W + (alpha / rank) · A B`` instead (:mod:`meshtron.models.lora`). ``targets``:
+    dotted path patterns (``"*attn*"``) or ``"axis:NAME"`` (matrices with that logical axis); ``["*"]``
+    is every projection into or out of the residual stream. ``dropout`` must be 0: adapters merged
+    into their matrices have no activation path of their own to drop inputs on."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["*"])
+
+
+@dataclass
 class TrainConfig:
     """The optimisation: global batch (sequences), microbatches, optimizer and schedule.
 
@@ -144,6 +158,7 @@ class TrainConfig:
     init_optimizer: bool = False  # with init_from: also its optimizer state and position (continue that run)
     zero: int = 0  # split over data: 0 nothing, 1 optimizer state (distributed optimizer), 3 also parameters (FSDP)
     gather_once: bool = False  # zero=3: gather parameters once per step, not each layer's before each use
+    lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters on a frozen model (rank 0: off)
 
 
 OPTIMIZERS = ("adamw", "lamb", "onebit_lamb")
@@ -455,6 +470,7 @@ def validate(cfg: Config) -> None:
         f"{t.batch_size} is not divisible by train.microbatches={t.microbatches}",
     )
 
+    validate_lora(t.lora, t.zero, cfg.model)
     _need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     _need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     _need(t.max_minutes is None or t.max_minutes > 0, "train.max_minutes",
@@ -527,6 +543,24 @@ def validate_sizes(cfg: Config) -> None:
         validate_context_split(m, mesh)
     if mesh.data > 0:
         check_batch_divisible(cfg, mesh.data)
+
+
+def validate_lora(lora: LoraConfig, zero: int, m: ModelConfig) -> None:
+    """``train.lora``'s settings, one line each (the rest is checked when the adapters are made)."""
+    _need(isinstance(lora.rank, int) and lora.rank >= 0, "train.lora.rank", f"must be an integer >= 0, got {lora.rank!r}")
+    if lora.rank == 0:
+        return
+    _need(lora.alpha > 0, "train.lora.alpha", f"must be > 0, got {lora.alpha}")
+    _need(lora.dropout == 0, "train.lora.dropout",
+          f"is {lora.dropout}; adapters are merged into their matrices, which leaves no separate activation path to "
+          "apply dropout on; set it to 0")
+    _need(bool(lora.targets) and all(isinstance(x, str) and x for x in lora.targets), "train.lora.targets",
+          "must be a non-empty list of path patterns or axis:NAME")
+    _need(zero == 0, "train.zero",
+          f"is {zero} with train.lora: the optimizer state is the adapters' alone (under a few percent of the "
+          "model), and the frozen matrices are not split over data; use train.zero=0")
+    _need(m.moe.experts == 0, "train.lora",
+          "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
 
 
 def validate_context_split(m: ModelConfig, mesh: MeshConfig) -> None:

@@ -283,7 +283,8 @@ class Sampler:
             (jax.random.key(seed), np.float32(temperature), np.int32(top_k or vocab_size))
         )
         pieces = []
-        with jax.set_mesh(self.mesh), axis_rules(self._rules), attention_implementation(self.model_def.attention):
+        with jax.set_mesh(self.mesh), axis_rules(self._rules), attention_implementation(self.model_def.attention), \
+                self.model_def.adapters():
             cache = self._empty_cache(params) if self.use_cache else None
             for start in range(0, max_new_tokens, self.chunk):
                 steps = min(self.chunk, max_new_tokens - start)

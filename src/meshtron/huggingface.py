@@ -329,6 +329,7 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
 
 def _restore_params(checkpoint_dir: Path) -> tuple[dict[str, Any], Config]:
     """The newest intact checkpoint's parameters as host arrays (on one device: padded for tensor=1)."""
+    from meshtron.models.lora import merged
     from meshtron.pretrained import load_pretrained, saved_config
 
     store, cfg = saved_config(checkpoint_dir, argument="checkpoint_dir")
@@ -338,7 +339,10 @@ def _restore_params(checkpoint_dir: Path) -> tuple[dict[str, Any], Config]:
         raise CheckpointError(f"{checkpoint_dir}: holds a model.factory={m.factory} model; only the built-in "
                               f"families ({', '.join(HF_MAPPINGS)}) export to Hugging Face")
     model = load_pretrained(checkpoint_dir, MeshConfig(1, 1, 1), jax.devices()[:1], argument="checkpoint_dir")
-    return jax.device_get(model.params), cfg
+    params = model.params
+    if model.model_def.lora is not None:  # a LoRA run's adapters, folded into their matrices
+        params = jax.jit(lambda p: merged(p, model.model_def.lora))(params)
+    return jax.device_get(params), cfg
 
 
 def _get(tree: dict[str, Any], dotted: str) -> np.ndarray:

@@ -20,7 +20,7 @@ from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokeni
 from meshtron.errors import ConfigError
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.contract import ModelFactory
-from meshtron.train.state import ModelDef, Params, model_def_from_config
+from meshtron.train.state import ModelDef, Params, lora_spec, model_def_from_config
 
 
 @dataclass
@@ -88,7 +88,8 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
             raise ConfigError(f"mesh.pipe: {pipe} does not divide the model's {cfg.model.layers} layers; "
                               "use a pipe size that does (or 1)")
         device_mesh = build_mesh(mesh_cfg, devices)
-        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model)
+        # a LoRA run's checkpoint holds its adapters: the model carries them and merges them as it runs
+        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, lora=lora_spec(cfg.train.lora))
         model_def.check_mesh(device_mesh)
         target = {"params": abstract_like(model_def.shapes(), model_def.shardings(device_mesh))}
         restored = store.restore_newest(target, None, device_mesh, resizable=model_def.resizable_in(target),

@@ -39,6 +39,7 @@ MEGATRON_RULES: Rules = (
     ("residual_seq", None),
     ("pos", None),
     ("experts", "data"),
+    ("lora_rank", None),
 )
 
 _active_rules: list[Rules] = [MEGATRON_RULES]

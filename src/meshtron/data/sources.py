@@ -96,7 +96,6 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
         return Corpus.from_config(cfg, seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size)
     from meshtron.data.blend import Blend, BlendedSamples, parse_blend, split_windows
     from meshtron.data.indexed import IndexedDataset
-    from meshtron.data.sft import has_loss_mask
 
     tokenizer = load_tokenizer(cfg.tokenizer)
     check_vocab(tokenizer, vocab_size)
@@ -111,9 +110,7 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
         if high >= vocab_size:
             raise ConfigError(f"model.vocab_size: {prefix} holds token id {high}; set model.vocab_size={high + 1} "
                               "or more (the vocabulary of the tokenizer that wrote it)")
-    # Supervised fine-tuning data (a loss mask beside the tokens) is packed as documents, and then every
-    # dataset of the blend is too: a batch's windows all have the same form.
-    documents = cfg.reset_per_document or any(has_loss_mask(p) for p in blend.prefixes)
+    documents = packs_documents(cfg)
     splits = {}
     for split, count in (("train", samples), ("heldout", eval_samples)):
         if len(blend.prefixes) == 1:
@@ -130,6 +127,19 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
     data = TokenDatasets(train_samples, heldout_samples, source, tokenizer, vocab_size)
     data.heldout_bytes_per_token = _bytes_per_token(data, eval_samples)
     return data
+
+
+def packs_documents(cfg: DataConfig) -> bool:
+    """Whether ``data`` trains on windows of packed documents (``[batch, seq + 1, 3]`` batches):
+    ``data.reset_per_document``, or supervised fine-tuning data (a loss mask beside the tokens) among
+    the datasets, and then every dataset of the blend is packed so: a batch's windows have one form."""
+    from meshtron.data.blend import parse_blend
+    from meshtron.data.sft import has_loss_mask
+
+    if cfg.reset_per_document:
+        return True
+    prefixes = parse_blend(list(cfg.blend)).prefixes if cfg.blend is not None else [cfg.path] if cfg.path else []
+    return any(has_loss_mask(indexed_prefix(p) or p) for p in prefixes)
 
 
 def tokens_of(sample: np.ndarray) -> np.ndarray:

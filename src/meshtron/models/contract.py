@@ -180,18 +180,24 @@ def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs
     return make(keys)
 
 
-_layer_views: list[Callable[[dict], dict] | None] = [None]
+_layer_views: list[tuple[Callable[[dict], dict], str | None]] = []
 
 
 @contextlib.contextmanager
-def layer_parameters(view: Callable[[dict], dict] | None) -> Iterator[None]:
+def layer_parameters(view: Callable[[dict], dict] | None, *, unsaved: str | None = None) -> Iterator[None]:
     """Blocks traced inside this run on ``view(parameters)`` of each layer (a pure dict shaped like one
-    layer of ``blocks``) instead of the parameters themselves.
+    layer of ``blocks``) instead of the parameters themselves; the model does nothing for it.
 
     The trainer uses it to keep parameters split across devices between uses and gather each layer's
-    just before that layer runs (fully sharded data parallelism); the model does nothing for it.
+    just before that layer runs (fully sharded data parallelism), and to add low-rank adapters to their
+    matrices (:mod:`meshtron.models.lora`). Views nest: the innermost sees the stored parameters first.
+    ``unsaved``: the checkpoint name (``jax.ad_checkpoint.checkpoint_name``) of what the view makes
+    and a layer's backward recomputes rather than keeps (see :func:`regathered`).
     """
-    _layer_views.append(view)
+    if view is None:
+        yield
+        return
+    _layer_views.append((view, unsaved))
     try:
         yield
     finally:
@@ -199,23 +205,31 @@ def layer_parameters(view: Callable[[dict], dict] | None) -> Iterator[None]:
 
 
 def layer_view(graphdef: Any, layer_state: Any) -> nnx.Module:
-    """One block from its layer's state, through the active :func:`layer_parameters` view."""
-    view = _layer_views[-1]
-    if view is not None:
+    """One block from its layer's state, through the active :func:`layer_parameters` views."""
+    if _layer_views:
         layer_state = jax.tree.map(lambda v: v, layer_state)
-        nnx.replace_by_pure_dict(layer_state, view(nnx.to_pure_dict(layer_state)))
+        values = nnx.to_pure_dict(layer_state)
+        for view, _ in reversed(_layer_views):
+            values = view(values)
+        nnx.replace_by_pure_dict(layer_state, values)
     return nnx.merge(graphdef, layer_state)
 
 
 def regathered(layer: Callable) -> Callable:
-    """``layer`` keeping for its backward pass only its matrix products' outputs, when a
-    :func:`layer_parameters` view is active: the view's output (a layer's gathered parameters) is then
-    made again in the backward instead of living from the forward until the backward reaches the
-    layer. The elementwise work between the products is recomputed; the products are not. The identity
-    without a view, or when the layer is recomputed whole anyway (``remat="full"``)."""
-    if _layer_views[-1] is None:
+    """``layer`` not keeping what a :func:`layer_parameters` view makes for its backward pass: the
+    view's output (a layer's gathered parameters, adapters merged into their matrices) is made again in
+    the backward instead of living from the forward until the backward reaches the layer. A view that
+    names what it makes (``unsaved``) has just that recomputed; otherwise the layer keeps only its
+    matrix products' outputs (the elementwise work between them is recomputed). The identity without
+    a view, or when the layer is recomputed whole anyway (``remat="full"``)."""
+    if not _layer_views:
         return layer
-    return jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable, prevent_cse=False)
+    names = [name for _, name in _layer_views if name is not None]
+    if len(names) == len(_layer_views):
+        policy = jax.checkpoint_policies.save_anything_except_these_names(*names)
+    else:
+        policy = jax.checkpoint_policies.dots_saveable
+    return jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
 
 def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none",
@@ -262,7 +276,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     def cached_layer(carry, layer_state):
         h, caches, i = carry
         cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), caches)
-        h, cache = nnx.merge(graphdef, layer_state)(h, replace(ctx, cache=cache))
+        h, cache = layer_view(graphdef, layer_state)(h, replace(ctx, cache=cache))
         caches = jax.tree.map(lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n, i, 0), caches, cache)
         return (h, caches, i + 1), None
 

@@ -21,13 +21,14 @@ from rich.console import Console
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
 from meshtron.checkpoint_dirs import checkpoint_location, imported_step, is_import, read_step_meta
 from meshtron.config import Config, load_config, parse_profile_steps, to_dict, writing_into_an_import
-from meshtron.data.sources import TokenDatasets, load_training_data
+from meshtron.data.sources import TokenDatasets, load_training_data, packs_documents
 from meshtron.data.text import Corpus
 from meshtron.data.tokenizers import save_tokenizer
 from meshtron.errors import ConfigError, NonFiniteLossError, RunStopped
 from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes
 from meshtron.models.contract import ModelFactory
+from meshtron.models.lora import with_adapters_of, without_adapters
 from meshtron.optim import OptimizerSetup, ZeroPlan, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
 from meshtron.pipeline.layout import StageLayout
@@ -41,7 +42,7 @@ from meshtron.train.pipelined import (
     to_stage_order,
 )
 from meshtron.train.reporting import RunProgress, StepProfiler
-from meshtron.train.state import ModelDef, Params, model_def_from_config
+from meshtron.train.state import ModelDef, Params, lora_spec, model_def_from_config
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
 from meshtron.units import format_bytes
@@ -95,7 +96,7 @@ class Trainer:
                               f"'cpu8', got a {type(cfg).__name__}")
         devices = list(jax.devices() if devices is None else devices)
         tensor = resolve_sizes(cfg.mesh, len(devices)).tensor
-        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model)
+        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, lora=lora_spec(cfg.train.lora))
         if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.mesh_shape) > len(devices):
             # (a user's model decides its own depth, and with it the pipeline split)
             run = resolve_run(cfg, len(devices), layers=model_def.layers)
@@ -113,7 +114,8 @@ class Trainer:
         )
         specs = model_def.shardings(mesh)
         zero = ZeroPlan.for_mesh(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh)
-        optimizer = optimizer_setup(cfg, model_def.logical_axes(), param_specs=specs, zero=zero)
+        optimizer = optimizer_setup(cfg, model_def.trainable_part(model_def.logical_axes()),
+                                    param_specs=model_def.trainable_part(specs), zero=zero)
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
             microbatches=cfg.train.microbatches, program=run.program, layout=layout, stages=optimizer.stages,
@@ -146,7 +148,7 @@ class Trainer:
         params = abstract_like(self.training_shapes(self.model_def.shapes()), self.steps.param_shardings)
         with jax.set_mesh(self.mesh):
             opt_state = abstract_like(jax.eval_shape(self.steps.init_state_fn, params), self.steps.opt_shardings)
-        channels = self.train_stream().channels  # (3,): windows of packed documents
+        channels = (3,) if packs_documents(self.cfg.data) else ()  # windows of packed documents
         tokens = jax.ShapeDtypeStruct((self.cfg.train.batch_size, self.cfg.model.seq_len + 1, *channels), np.int32,
                                       sharding=self.steps.batch_sharding)
         return params, opt_state, tokens
@@ -317,13 +319,21 @@ class Trainer:
     def _read_params(self, store: CheckpointStore, step: int | None, source: str) -> tuple[Params, dict[str, Any]]:
         """The parameters (only) of a checkpoint in ``store``, in this run's training layout, and its meta."""
         shapes = self.model_def.shapes()
-        target = {"params": abstract_like(shapes, self._canonical_shardings(self.steps.param_shardings))}
+        shardings = self._canonical_shardings(self.steps.param_shardings)
+        fresh_adapters = self.model_def.lora is not None and not _holds_adapters(store)
+        if fresh_adapters:  # LoRA on a model trained without: its weights, and adapters made here
+            shapes, shardings = without_adapters(shapes), without_adapters(shardings)
+        target = {"params": abstract_like(shapes, shardings)}
         restored = store.restore_newest(target, None, self.mesh, resizable=self.model_def.resizable_in(target),
                                         partial=True, only=step, source=source)
         if restored is None:
             raise ConfigError(f"{source}: {store.directory} holds no checkpoint; give a run's checkpoint.dir, an "
                               "import, or one of their step directories")
         params = restored.state["params"]
+        if fresh_adapters:
+            new = self.model_def.init(self.mesh, self.cfg.train.seed, shardings=self._canonical_shardings(
+                self.steps.param_shardings))
+            params = with_adapters_of(params, new)
         perm = self._layer_perm(to_stage=True)
         if perm is not None:
             with jax.set_mesh(self.mesh):
@@ -537,6 +547,14 @@ class Trainer:
                     f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}; stopped, {where}; lower train.lr")
         return (f"step {step}: loss {loss}, gradient norm {grad_norm} is not finite; stopped, {where}. "
                 "Lower train.lr (or raise train.warmup_steps), or set train.on_nonfinite=skip to skip such steps")
+
+
+def _holds_adapters(store: CheckpointStore) -> bool:
+    """Whether the newest checkpoint of ``store`` was written by a LoRA run (it then holds adapters)."""
+    steps = store.steps()
+    meta = read_step_meta(store.directory, steps[-1]) if steps else None
+    config = (meta or {}).get("config") or {}
+    return bool(((config.get("train") or {}).get("lora") or {}).get("rank"))
 
 
 def _note(message: str) -> None:

@@ -21,11 +21,19 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshtron.config import ModelConfig
+from meshtron.config import LoraConfig, ModelConfig
 from meshtron.errors import ConfigError
 from meshtron.models.attention import attention_implementation, selective_recompute
 from meshtron.models.context_attention import context_exchange
-from meshtron.models.contract import LAYERS, ModelFactory, check_model, checked_model, lm_loss
+from meshtron.models.contract import (
+    LAYERS,
+    ModelFactory,
+    check_model,
+    checked_model,
+    layer_parameters,
+    lm_loss,
+)
+from meshtron.models.lora import MERGED, LoraSpec, is_adapter, merge_view, with_adapters
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
 from meshtron.units import format_count
@@ -57,13 +65,17 @@ class ModelDef:
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's choice)
     window: int | None = None  # the run's model.seq_len, generation's default context (None: max_len)
     context_attention: str = "gathered"  # the exchange over a split sequence (model.context_attention)
+    lora: LoraSpec | None = None  # low-rank adapters on the frozen block matrices (train.lora)
 
     @classmethod
     def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: str = "none",
                attention: str | None = None, window: int | None = None,
-               context_attention: str = "gathered") -> ModelDef:
-        """Trace ``factory`` abstractly (no parameter is created) and check the model contract."""
+               context_attention: str = "gathered", lora: LoraSpec | None = None) -> ModelDef:
+        """Trace ``factory`` abstractly (no parameter is created) and check the model contract. With
+        ``lora``, the model carries adapters (:mod:`meshtron.models.lora`) and its factory makes them."""
         rules = tuple(rules)
+        if lora is not None:
+            factory = with_adapters(factory, lora)
         with axis_rules(rules), nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: checked_model(factory, nnx.Rngs(0)))
         check_model(abstract, rules)
@@ -71,7 +83,7 @@ class ModelDef:
         can_cache = callable(getattr(abstract, "init_cache", None))
         graphdef, state = nnx.split(abstract, nnx.Param)
         return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat, attention, window,
-                   context_attention)
+                   context_attention, lora)
 
     @property
     def context(self) -> int | None:
@@ -86,8 +98,29 @@ class ModelDef:
         """Trace model code inside this: its activation constraints follow this model's rules, its
         attention uses this run's implementation (and, over a split sequence, its exchange)."""
         with axis_rules(self.rules), attention_implementation(self.attention), \
-                selective_recompute(self.remat == "selective"), context_exchange(self.context_attention):
+                selective_recompute(self.remat == "selective"), context_exchange(self.context_attention), \
+                self.adapters():
             yield
+
+    def adapters(self) -> contextlib.AbstractContextManager:
+        """Inside this, blocks run with LoRA's adapters merged into their matrices (nothing without LoRA)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return layer_parameters(merge_view(self.lora), unsaved=MERGED)
+
+    def trainable(self) -> Params | None:
+        """``True`` for the parameters training updates: with LoRA the adapters alone (the rest is
+        frozen: no gradient reduction, no optimizer state); ``None`` when every parameter trains."""
+        if self.lora is None:
+            return None
+        flags = [is_adapter(name) for name in leaf_names(self.shapes())]
+        return jax.tree.unflatten(jax.tree.structure(self.shapes()), flags)
+
+    def trainable_part(self, tree: Any) -> Any:
+        """What training updates of a parameter-shaped ``tree`` (its frozen leaves ``None``): the whole
+        tree unless LoRA freezes the base."""
+        flags = self.trainable()
+        return tree if flags is None else jax.tree.map(lambda keep, x: x if keep else None, flags, tree)
 
     def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` traced under this model's rules (wrap what ``jax.jit`` traces)."""
@@ -233,8 +266,13 @@ def check_layout(params: Params, shardings: Params) -> None:
         raise AssertionError("parameters are not laid out as declared:\n  " + "\n  ".join(wrong))
 
 
+def lora_spec(cfg: LoraConfig) -> LoraSpec | None:
+    """``train.lora`` as the model sees it; ``None`` when off (rank 0)."""
+    return LoraSpec(cfg.rank, cfg.alpha, tuple(cfg.targets)) if cfg.rank else None
+
+
 def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[str, str | None] | None = None,
-                          factory: ModelFactory | None = None) -> ModelDef:
+                          factory: ModelFactory | None = None, lora: LoraSpec | None = None) -> ModelDef:
     """The :class:`ModelDef` of a run: ``factory`` (a user's model), else ``model.factory`` or
     ``model.family`` from the config; Megatron's rules extended by the family's own, then by
     ``model.rules`` and ``rules`` (later ones win). ``model.sequence_parallel`` maps the residual
@@ -255,4 +293,5 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
         raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "
                           "devices; use model.attention=xla")
     return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat,
-                           attention=cfg.attention, window=cfg.seq_len, context_attention=cfg.context_attention)
+                           attention=cfg.attention, window=cfg.seq_len, context_attention=cfg.context_attention,
+                           lora=lora)

@@ -21,6 +21,12 @@ Layout of one step:
   rank holds (:func:`context_layout`), every rank computes the loss and gradient of its own tokens,
   and "data" below means the group data x context (:func:`meshtron.sharding.gradient_axes`): the
   reduction, 1-bit LAMB and ZeRO all act over both axes together, as Megatron-LM's do;
+* with LoRA (:mod:`meshtron.models.lora`) only the adapters train: the frozen parameters' gradients
+  (zeros: they enter each layer under ``stop_gradient``) are dropped before the reduction, and the
+  reduction and the optimizer see the adapters alone, so nothing of the base crosses ``data`` and it
+  has no optimizer state;
+* windows of packed documents ``[b, seq + 1, 3]`` become per-token features before the split
+  (:func:`context_layout`, :mod:`meshtron.models.documents`);
 * optimizers with *stages* that communicate differently (1-bit LAMB's warmup and compression) get
   one compiled program per stage: the stage is a static argument whose extra ``update`` arguments
   come from ``stages``, and the host picks the stage each step;
@@ -178,6 +184,21 @@ def build_steps(
     # between manual ones: "Manual axes must be sorted by mesh axis index").
     manual = {DATA, CONTEXT} & set(mesh.axis_names)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
+    # With LoRA only the adapters train: the frozen parameters' (zero) gradients are dropped before the
+    # reduction, and the reduction and the optimizer see the adapters alone (no state for the rest).
+    trainable = model_def.trainable()
+    if trainable is not None and (zero.active or zero.has_native):
+        raise ConfigError("train.lora: trains adapters on a dense model with train.zero=0; this run splits "
+                          "parameters or optimizer state over data (train.zero, or experts)")
+
+    kept = model_def.trainable_part
+
+    def with_frozen(part: Any, whole: Any) -> Any:
+        """``part`` (from :func:`kept`) completed with ``whole``'s frozen leaves."""
+        if trainable is None:
+            return part
+        return jax.tree.map(lambda keep, x, y: x if keep else y, trainable, part, whole)
+
     param_shardings = _named(mesh, zero.specs(model_specs)) if zero.shards_params else model_specs
     native = zero.native_flags()  # leaves the model splits over data itself (experts): local, never pcast
     # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so
@@ -238,13 +259,14 @@ def build_steps(
             return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
 
     def init_state(p: Params) -> OptState:
-        return OptState(reduction.init(p), optimizer.init(p))
+        return OptState(reduction.init(kept(p)), optimizer.init(kept(p)))
 
     # Optimizer state is laid out like the parameters it mirrors (moments are tensor-sharded too,
     # and split over data by an active zero plan); per-device parts (1-bit LAMB's error buffers)
     # are split over the mesh; the rest is replicated.
     with jax.set_mesh(mesh):
-        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), shapes, zero.specs(model_specs), mesh, group)
+        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), kept(shapes), kept(zero.specs(model_specs)),
+                                      mesh, group)
     opt_shardings = _named(mesh, state_specs)
     state_data_specs = manual_part(state_specs, manual)
     param_data_specs = manual_part(_specs(zero.specs(model_specs) if zero.shards_params else model_specs), manual)
@@ -254,8 +276,8 @@ def build_steps(
         if not zero.active:
             loss, grads = shard_gradients(local(params), tokens)
             if not zero.has_native:
-                grads, reduction_state = reduction.update(grads, opt_state.reduction, params)
-                return loss, grads, params, reduction_state, optax.tree.norm(grads)
+                grads, reduction_state = reduction.update(kept(grads), opt_state.reduction, kept(params))
+                return loss, grads, kept(params), reduction_state, optax.tree.norm(grads)
             # The reduction averages what every data rank holds whole; the native leaves are complete
             # where they are held and only divided by d.
             shared, reduction_state = reduction.update(_without(grads, native), opt_state.reduction, params)
@@ -280,7 +302,7 @@ def build_steps(
         loss, grads, own, reduction_state, grad_norm = reduced(params, opt_state, tokens)
         updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, own, **stages[stage])
         new_own = optax.apply_updates(own, updates)
-        new_params = zero.gather(new_own) if zero.active and not zero.shards_params else new_own
+        new_params = zero.gather(new_own) if zero.active and not zero.shards_params else with_frozen(new_own, params)
         new_state = OptState(reduction_state, optimizer_state)
         applied = jnp.bool_(True)
         if skip_nonfinite:
