@@ -87,8 +87,16 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name, key", [pytest.param(n, k, marks=[] if (n, k) in {("llama", "1x2x4-zbh1"), (
-    "gpt", "2x1x2")} else [pytest.mark.slow]) for n in ("gpt", "llama", "user") for k in LAYOUTS])
+def _lora_layouts():
+    for n in ("gpt", "llama", "user"):
+        for k in LAYOUTS:
+            marks = [] if (n, k) in {("llama", "1x2x4-zbh1"), ("gpt", "2x1x2")} else [pytest.mark.slow]
+            if (n, k) == ("llama", "1x2x4-zbh1"):
+                marks.append(pytest.mark.both_stacks)
+            yield pytest.param(n, k, marks=marks)
+
+
+@pytest.mark.parametrize("name, key", list(_lora_layouts()))
 def test_adapter_gradients_equal_one_device(name, key, monkeypatch):
     monkeypatch.syspath_prepend("tests/models")
     layout = LAYOUTS[key]
@@ -153,6 +161,7 @@ def test_one_bit_lamb_compresses_the_adapters_alone():
 
 
 @pytest.mark.slow
+@pytest.mark.both_stacks
 def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
     from meshtron.generate import Sampler
     from meshtron.pretrained import load_pretrained
