@@ -337,7 +337,9 @@ def test_a_split_backward_costs_at_most_its_b_to_w_buffer():
     split_bytes, program, hlo = _keep_temp_bytes(md, split, rows)
 
     mesh = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-    layer = jax.checkpoint(stage_functions(md).layer, policy=jax.checkpoint_policies.dots_saveable)
+    one_layer = stage_functions(md).layer
+    tokens = jnp.zeros((rows, seq + 1), jnp.int32)  # the microbatch the layer runs (its positions)
+    layer = jax.checkpoint(lambda p, h: one_layer(p, h, tokens), policy=jax.checkpoint_policies.dots_saveable)
     first = jax.tree.map(lambda a: a[0], jax.device_get(md.init(mesh, 0))["blocks"])
     x = jax.ShapeDtypeStruct((rows, seq, hidden), jnp.float32)
 
