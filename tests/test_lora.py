@@ -19,16 +19,12 @@ SPEC = LoraSpec(4, alpha=8.0)
 
 
 def family(name: str, tensor: int = 1, lora: LoraSpec | None = SPEC):
-    from dataclasses import replace
-
     from families import small
 
-    md = small(name, SEQ, tensor)
-    if lora is None:
-        return md
     from meshtron.train.state import ModelDef
 
-    return replace(ModelDef.create(md.factory, rules=md.rules, window=md.window, lora=lora))
+    md = small(name, SEQ, tensor)
+    return md if lora is None else ModelDef.create(md.factory, rules=md.rules, window=md.window, lora=lora)
 
 
 def params_of(md, seed=0):

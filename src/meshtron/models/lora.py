@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,11 +119,8 @@ def with_adapters(factory: Callable[[nnx.Rngs], nnx.Module], spec: LoraSpec) -> 
             layers, ins, outs = w.shape[0], w.shape[1 : 1 + split], w.shape[1 + split :]
             in_axes, out_axes = tuple(axes[1 : 1 + split]), tuple(axes[1 + split :])
             key, sub = jax.random.split(key)
-            fan_in = 1
-            for size in ins:
-                fan_in *= size
             # A as Kaiming-uniform with a = sqrt(5) (what the paper's code and PEFT use), B zeros
-            bound = (1.0 / fan_in) ** 0.5
+            bound = (1.0 / math.prod(ins)) ** 0.5
             a = jax.random.uniform(sub, (layers, *ins, spec.rank), w.dtype, -bound, bound)
             b = jnp.zeros((layers, spec.rank, *outs), w.dtype)
             setattr(owner, str(path[-1]) + A_SUFFIX, nnx.Param(a, out_sharding=(LAYERS, *in_axes, RANK_AXIS)))
