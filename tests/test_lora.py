@@ -2,12 +2,16 @@
 frozen (no optimizer state, nothing reduced over data); gradients equal one device's on every kind of
 layout; a fine-tune from a checkpoint without adapters; merged exports and generation."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from meshtron.config import ConfigError, MeshConfig, load_config
+from meshtron.describe import bytes_per_device
+from meshtron.hlo.collectives import collectives
 from meshtron.mesh import build_mesh
 from meshtron.models.lora import LoraSpec, input_axes, is_adapter, merged, without_adapters
 from meshtron.testing import Layout, check_parity
@@ -127,11 +131,64 @@ def test_the_base_is_frozen_and_only_the_adapters_have_optimizer_state():
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-def test_lora_with_zero_or_dropout_is_one_line():
-    with pytest.raises(ConfigError, match="train.zero: is 1 with train.lora"):
-        trainer(*LORA, "train.zero=1")
+def test_lora_with_dropout_is_one_line():
     with pytest.raises(ConfigError, match="train.lora.dropout"):
         trainer(*LORA, "train.lora.dropout=0.1")
+
+
+@pytest.mark.slow
+def test_lora_trains_alike_at_every_zero_level_with_the_base_frozen():
+    layout = [*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.steps=3"]
+    reference = trainer(*layout)
+    start = jax.device_get(reference.init_params())
+    expected = reference.run()
+    for zero in (["train.zero=1"], ["train.zero=3"], ["train.zero=3", "train.gather_once=true"]):
+        result = trainer(*layout, *zero).run()
+        np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-5, err_msg=str(zero))
+        for name, a, b, s in zip(leaf_names(start), jax.tree.leaves(jax.device_get(result.params)),
+                                 jax.tree.leaves(jax.device_get(expected.params)), jax.tree.leaves(start), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=f"{zero} {name}")
+            if not is_adapter(name):
+                np.testing.assert_array_equal(a, s, err_msg=f"{zero} {name}")
+
+
+def compiled_bytes(*overrides: str):
+    """Per device: parameter and optimizer-state bytes the compiled step takes, and bytes sent over data."""
+    t = Trainer.from_config(load_config(None, [*MODEL, "mesh.data=8", "mesh.pipe=1", "mesh.tensor=1",
+                                               "train.batch_size=16", *overrides]), read_data=False)
+    params, opt_state, tokens = t.abstract_step_arguments()
+    program = t.steps.compile(params, opt_state, tokens)
+    param_in, opt_in = program.input_shardings[0][:2]
+    data = sum(c.total_wire_bytes for c in collectives(program, t.mesh) if "data" in c.axes)
+    return t, bytes_per_device(params, param_in), bytes_per_device(opt_state, opt_in), data
+
+
+@pytest.mark.slow
+def test_zero_splits_the_adapters_state_and_the_frozen_base_and_reduces_only_the_adapters():
+    """zero=1: the adapters' moments split over data, the traffic zero=0's (their gradients alone).
+    zero=3: the frozen base split too, each layer's matrices all-gathered as it runs (forward, and
+    again for the backward) -- and only the adapters' gradients reduce-scattered: nothing of the base
+    is reduced."""
+    _, params0, opt0, data0 = compiled_bytes(*LORA)
+    _, params1, opt1, data1 = compiled_bytes(*LORA, "train.zero=1")
+    t3, params3, opt3, data3 = compiled_bytes(*LORA, "train.zero=3")
+    d, m, gathers = 8, 2, 2
+    shapes = t3.model_def.shapes()
+    sizes = {n: math.prod(x.shape) * x.dtype.itemsize for n, x in zip(leaf_names(shapes), jax.tree.leaves(shapes))}
+    whole = {n for n, _ in t3.steps.zero.replicated()}  # adapters no data-divisible free dimension of which is left
+    assert whole and all(is_adapter(n) for n in whole)
+    kept = sum(sizes[n] for n in whole)
+    adapters = sum(b for n, b in sizes.items() if is_adapter(n))
+    assert data1 == pytest.approx(data0, rel=0.01)
+    assert data0 == pytest.approx(2 * (d - 1) / d * adapters, rel=0.01)  # an all-reduce of the adapters alone
+    assert params1 == params0 and opt1 == pytest.approx((opt0 - 2 * kept) / d + 2 * kept, rel=0.02)
+    assert params3 == pytest.approx((params0 - kept) / d + kept, rel=0.02) and opt3 == opt1
+    blocks = sum(b for n, b in sizes.items() if n.startswith("blocks.") and n not in whole)
+    split_adapters = sum(b for n, b in sizes.items() if is_adapter(n) and n not in whole)
+    shared = sum(b for n, b in sizes.items() if not n.startswith("blocks."))  # embedding, head, norm: frozen
+    ring = (d - 1) / d
+    expected = ring * (m * gathers * blocks + m * split_adapters + shared) + 2 * ring * kept
+    assert data3 == pytest.approx(expected, rel=0.01)
 
 
 def compiled_data_bytes(t: Trainer, stage: str | None = None) -> float:

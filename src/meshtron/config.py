@@ -470,7 +470,7 @@ def validate(cfg: Config) -> None:
         f"{t.batch_size} is not divisible by train.microbatches={t.microbatches}",
     )
 
-    validate_lora(t.lora, t.zero, cfg.model)
+    validate_lora(t.lora, cfg.model)
     _need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     _need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     _need(t.max_minutes is None or t.max_minutes > 0, "train.max_minutes",
@@ -545,7 +545,7 @@ def validate_sizes(cfg: Config) -> None:
         check_batch_divisible(cfg, mesh.data)
 
 
-def validate_lora(lora: LoraConfig, zero: int, m: ModelConfig) -> None:
+def validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
     """``train.lora``'s settings, one line each (the rest is checked when the adapters are made)."""
     _need(isinstance(lora.rank, int) and lora.rank >= 0, "train.lora.rank", f"must be an integer >= 0, got {lora.rank!r}")
     if lora.rank == 0:
@@ -556,9 +556,6 @@ def validate_lora(lora: LoraConfig, zero: int, m: ModelConfig) -> None:
           "apply dropout on; set it to 0")
     _need(bool(lora.targets) and all(isinstance(x, str) and x for x in lora.targets), "train.lora.targets",
           "must be a non-empty list of path patterns or axis:NAME")
-    _need(zero == 0, "train.zero",
-          f"is {zero} with train.lora: the optimizer state is the adapters' alone (under a few percent of the "
-          "model), and the frozen matrices are not split over data; use train.zero=0")
     _need(m.moe.experts == 0, "train.lora",
           "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
 

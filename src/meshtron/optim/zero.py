@@ -29,6 +29,11 @@ through the all-to-alls), so they are not reduced over ``data``, only divided by
 their optimizer state is split like them; and norms sum their squares over ``data`` like a split
 leaf's. The plan calls them *native*: :meth:`ZeroPlan.native_flags`.
 
+**Frozen leaves.** Trees given to the methods below may hold ``None`` for a leaf (LoRA's frozen base:
+:meth:`meshtron.train.state.ModelDef.trainable_part`): it is passed over -- nothing reduced, split or
+gathered for it -- so only what trains crosses ``data``, while at level 3 the frozen parameters are
+still split between steps and gathered layer by layer like the rest.
+
 All methods that communicate run inside the trainer's ``shard_map`` that is manual over ``data``.
 """
 
@@ -145,7 +150,8 @@ class ZeroPlan:
     def mean_native(self, grads: Any) -> Any:
         """The native leaves' local gradients divided by ``size`` (their mean over ``axis``: they are
         complete where they are held); the other leaves as they are."""
-        return jax.tree.map(lambda g, own: g / self.size if own else g, grads, self.native_flags())
+        return jax.tree.map(lambda g, own: g / self.size if own and g is not None else g, grads, self.native_flags(),
+                            is_leaf=lambda x: x is None)
 
     def specs(self, specs: Any) -> Any:
         """``specs`` (or shardings) with ``axis`` added on every split leaf's dimension."""
@@ -173,7 +179,7 @@ class ZeroPlan:
         """
         dims = self.dims if dims is None else dims
         specs = self.param_specs if specs is None else specs
-        body = lambda t: jax.tree.map(fn, t, dims, is_leaf=lambda x: x is None)
+        body = lambda t: jax.tree.map(lambda x, d: None if x is None else fn(x, d), t, dims, is_leaf=lambda x: x is None)
         mesh = jax.sharding.get_abstract_mesh()
         auto = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
         if not auto or specs is None:
@@ -250,4 +256,5 @@ class ZeroPlan:
         ``squares`` is shaped like the parameters (a scalar or a per-layer vector per leaf);
         ``split`` is :meth:`split_flags` (the default)."""
         flags = self.split_flags() if split is None else split
-        return jax.tree.map(lambda s, f: jax.lax.psum(s, self.axis) if f else s, squares, flags)
+        return jax.tree.map(lambda s, f: jax.lax.psum(s, self.axis) if f and s is not None else s, squares, flags,
+                            is_leaf=lambda x: x is None)

@@ -21,10 +21,11 @@ Layout of one step:
   rank holds (:func:`context_layout`), every rank computes the loss and gradient of its own tokens,
   and "data" below means the group data x context (:func:`meshtron.sharding.gradient_axes`): the
   reduction, 1-bit LAMB and ZeRO all act over both axes together, as Megatron-LM's do;
-* with LoRA (:mod:`meshtron.models.lora`) only the adapters train: the frozen parameters' gradients
-  (zeros: they enter each layer under ``stop_gradient``) are dropped before the reduction, and the
-  reduction and the optimizer see the adapters alone, so nothing of the base crosses ``data`` and it
-  has no optimizer state;
+* with LoRA (:mod:`meshtron.models.lora`) only the adapters train: the frozen parameters enter
+  differentiation under ``stop_gradient`` (no gradient is formed for them), their zero gradients are
+  dropped before the reduction, and the reduction and the optimizer see the adapters alone, so
+  nothing of the base crosses ``data`` and it has no optimizer state -- except, at ``train.zero=3``,
+  the all-gathers that bring each layer's frozen matrices to the ranks as it runs;
 * windows of packed documents ``[b, seq + 1, 3]`` become per-token features before the split
   (:func:`context_layout`, :mod:`meshtron.models.documents`);
 * optimizers with *stages* that communicate differently (1-bit LAMB's warmup and compression) get
@@ -187,9 +188,9 @@ def build_steps(
     # With LoRA only the adapters train: the frozen parameters' (zero) gradients are dropped before the
     # reduction, and the reduction and the optimizer see the adapters alone (no state for the rest).
     trainable = model_def.trainable()
-    if trainable is not None and (zero.active or zero.has_native):
-        raise ConfigError("train.lora: trains adapters on a dense model with train.zero=0; this run splits "
-                          "parameters or optimizer state over data (train.zero, or experts)")
+    if trainable is not None and zero.has_native:
+        raise ConfigError("train.lora: trains adapters on a dense model; this one splits experts over data "
+                          "(model.moe.experts > 0)")
 
     kept = model_def.trainable_part
 
@@ -207,6 +208,10 @@ def build_steps(
     check_vma = replicas > 1
 
     def local(params: Params, split: Any = native) -> Params:
+        """``params`` as differentiation sees them: frozen ones (LoRA's base) under ``stop_gradient``, so no
+        gradient is formed for them; over several data ranks, cast to varying (local gradients)."""
+        if trainable is not None:
+            params = jax.tree.map(lambda keep, x: x if keep else jax.lax.stop_gradient(x), trainable, params)
         if not check_vma:
             return params
         return jax.tree.map(lambda x, own: x if own else jax.lax.pcast(x, group, to="varying"), params, split)
@@ -283,26 +288,27 @@ def build_steps(
             shared, reduction_state = reduction.update(_without(grads, native), opt_state.reduction, params)
             grads = zero.mean_native(_merged(shared, grads, native))
             return loss, grads, params, reduction_state, _norm(zero, grads)
+        # (a frozen leaf is None in kept(...): nothing of it is reduced, split or gathered)
         if not zero.shards_params:
             loss, grads = shard_gradients(local(params), tokens)
-            grads = zero.scatter_mean(grads)
+            grads = zero.scatter_mean(kept(grads))
         elif gather_once:
             loss, grads = shard_gradients(local(zero.gather(params)), tokens)
-            grads = zero.scatter_mean(grads)
+            grads = zero.scatter_mean(kept(grads))
         else:  # each layer gathered as it runs; its gradient comes back reduce-scattered
             whole = zero.gather(params, keep=LAYER_KEYS)
             whole = local(whole, jax.tree.map(lambda split, own: split or own, zero.arrives_split(LAYER_KEYS), native))
             with layer_parameters(zero.layer_view()):
                 loss, grads = shard_gradients(whole, tokens)
-            grads = zero.scatter_mean(grads, summed=LAYER_KEYS)
-        own = params if zero.shards_params else zero.shard(params)
+            grads = zero.scatter_mean(kept(grads), summed=LAYER_KEYS)
+        own = kept(params) if zero.shards_params else zero.shard(kept(params))
         return loss, grads, own, opt_state.reduction, _norm(zero, grads)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         loss, grads, own, reduction_state, grad_norm = reduced(params, opt_state, tokens)
         updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, own, **stages[stage])
         new_own = optax.apply_updates(own, updates)
-        new_params = zero.gather(new_own) if zero.active and not zero.shards_params else with_frozen(new_own, params)
+        new_params = with_frozen(zero.gather(new_own) if zero.active and not zero.shards_params else new_own, params)
         new_state = OptState(reduction_state, optimizer_state)
         applied = jnp.bool_(True)
         if skip_nonfinite:
