@@ -36,7 +36,6 @@ import numpy as np
 from meshtron.config import load_config
 from meshtron.describe import bytes_per_device, modelled_step_memory, parameter_rows
 from meshtron.hlo.collectives import collectives
-from meshtron.mesh import AXES
 from meshtron.train.loop import Trainer
 
 GB = 1e9
@@ -70,18 +69,25 @@ def arithmetic(params: int, sizes: tuple[int, int, int], zero: int) -> float:
     return params * (weights + grads + moments) / (p * t)
 
 
-def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str]) -> dict:
+def compiled_step(config: str, sizes: tuple[int, int, int], extra: list[str]):
+    """``(trainer, compiled train step, abstract params, abstract optimizer state, seconds to build and
+    compile)`` of ``config`` on the mesh ``sizes`` (data, pipe, tensor) of simulated devices."""
     d, p, t = sizes
     cfg = load_config(config, [f"mesh.data={d}", f"mesh.pipe={p}", f"mesh.tensor={t}", *extra])
     started = time.perf_counter()
     trainer = Trainer.from_config(cfg, jax.devices()[: d * p * t], read_data=False)
     params, opt_state, tokens = trainer.abstract_step_arguments()
     program = trainer.steps.compile(params, opt_state, tokens)
-    seconds = time.perf_counter() - started
+    return trainer, program, params, opt_state, time.perf_counter() - started
+
+
+def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str]) -> dict:
+    p = sizes[1]
+    trainer, program, params, opt_state, seconds = compiled_step(config, sizes, extra)
     param_in, opt_in = program.input_shardings[0][:2]
     memory = program.memory_analysis()
     data_bytes = sum(c.total_wire_bytes for c in collectives(program, trainer.mesh) if "data" in c.axes)
-    rows = parameter_rows(trainer.model_def, dict(zip(AXES, sizes)))
+    rows = parameter_rows(trainer.model_def, dict(trainer.mesh.shape))
     model = {backend: modelled_step_memory(trainer.resolved, rows, backend) for backend in ("cpu", "gpu")}
     count = trainer.model_def.parameter_count()
     c = trainer.cfg
@@ -156,6 +162,19 @@ def main() -> None:
     print(f"wrote {path}")
 
 
+def memory_bars(ax, results: list[dict]) -> np.ndarray:
+    """Each result's compiled parameters, optimizer state and temporaries stacked as bars on ``ax``
+    (GB per device); returns the bars' positions."""
+    x = np.arange(len(results))
+    bottom = np.zeros(len(results))
+    for key, label in (("parameters", "parameters"), ("optimizer", "optimizer state"),
+                       ("temporaries", "temporaries (XLA:CPU)")):
+        heights = np.array([r["compiled"][key] for r in results]) / GB
+        ax.bar(x, heights, bottom=bottom, label=label)
+        bottom = bottom + heights
+    return x
+
+
 def plot(results: list[dict]) -> None:
     import matplotlib
 
@@ -163,13 +182,7 @@ def plot(results: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(15, 5.5))
-    x = np.arange(len(results))
-    params = np.array([r["compiled"]["parameters"] for r in results]) / GB
-    opt = np.array([r["compiled"]["optimizer"] for r in results]) / GB
-    temp = np.array([r["compiled"]["temporaries"] for r in results]) / GB
-    ax.bar(x, params, label="parameters")
-    ax.bar(x, opt, bottom=params, label="optimizer state")
-    ax.bar(x, temp, bottom=params + opt, label="temporaries (XLA:CPU)")
+    x = memory_bars(ax, results)
     ax.scatter(x, [r["step_model"]["cpu"]["peak"] / GB for r in results], color="k", marker="_", s=300,
                label="step memory model, XLA:CPU", zorder=3)
     ax.scatter(x, [r["step_model"]["gpu"]["peak"] / GB for r in results], color="C3", marker="x", s=30,

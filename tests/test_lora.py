@@ -8,12 +8,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshtron.config import ConfigError, MeshConfig, load_config
 from meshtron.describe import bytes_per_device
 from meshtron.hlo.collectives import collectives
 from meshtron.mesh import build_mesh
-from meshtron.models.lora import LoraSpec, input_axes, is_adapter, merged, without_adapters
+from meshtron.models.lora import (
+    LoraSpec,
+    adapter_dropout,
+    adapter_hook,
+    input_axes,
+    is_adapter,
+    merged,
+    without_adapters,
+)
 from meshtron.testing import Layout, check_parity
 from meshtron.train.loop import Trainer
 from meshtron.trees import leaf_names
@@ -131,9 +140,111 @@ def test_the_base_is_frozen_and_only_the_adapters_have_optimizer_state():
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-def test_lora_with_dropout_is_one_line():
-    with pytest.raises(ConfigError, match="train.lora.dropout"):
-        trainer(*LORA, "train.lora.dropout=0.1")
+def test_bad_dropout_is_one_line(monkeypatch):
+    with pytest.raises(ConfigError, match=r"train.lora.dropout: must be in \[0, 1\), got 1.0"):
+        load_config(None, [*MODEL, *LORA, "train.lora.dropout=1.0"])
+    # a user's model reading its matrices itself: its adapters are merged, which cannot drop inputs
+    monkeypatch.syspath_prepend("tests/models")
+    md = family("user", lora=LoraSpec(4, dropout=0.1))
+    with md.scope(), adapter_dropout(0.1, 0), pytest.raises(ConfigError, match=(
+            r"train.lora.dropout: is 0.1, and blocks.w_in is a matrix the model reads itself .* set "
+            r"train.lora.dropout=0 or narrow train.lora.targets")):
+        jax.eval_shape(md.loss, md.shapes(), jax.ShapeDtypeStruct((2, SEQ + 1), jnp.int32))
+
+
+def with_random_b(params, seed=1):
+    """``params`` with every adapter's B drawn at random (trained adapters, not the zeros they start as)."""
+    key = jax.random.key(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    out = []
+    for i, (path, x) in enumerate(leaves):
+        name = jax.tree_util.keystr(path)
+        out.append(0.05 * jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+                   if name.endswith("_lora_b']") else x)
+    return jax.tree.unflatten(treedef, out)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "user"])
+def test_adapters_on_activations_equal_the_merged_matrices(name, monkeypatch):
+    """GPT's and Llama's projections are nnx.Einsum modules: their adapters run on the activations; the user's
+    model reads its matrices itself: merged. Either way the loss is the merged model's, and the adapters'
+    gradients are those of W + (alpha/r)·A B."""
+    monkeypatch.syspath_prepend("tests/models")
+    md, base = family(name), family(name, lora=None)
+    params = with_random_b(params_of(md))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(4, SEQ + 1)), jnp.int32)
+    with md.scope():
+        loss, grads = jax.jit(jax.value_and_grad(md.loss))(params, tokens)
+
+    def through_merged(p):
+        with base.scope():
+            return base.loss(merged(p, SPEC), tokens)
+
+    expected_loss, expected = jax.jit(jax.value_and_grad(through_merged))(params)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for n, g, e in zip(leaf_names(params), jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        if is_adapter(n):
+            np.testing.assert_allclose(g, e, rtol=2e-4, atol=2e-6, err_msg=n)
+        elif n.startswith("blocks.") and input_axes(dict(zip(leaf_names(params), jax.tree.leaves(
+                md.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))))[n]):
+            assert not np.any(g), n  # the frozen matrices have no gradient
+
+
+def step_flops(*overrides: str) -> float:
+    t = Trainer.from_config(load_config(None, [*MODEL, "model.family=gpt", "model.hidden=128", "model.mlp_dim=512",
+                                               "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", *overrides]),
+                            jax.devices()[:1], read_data=False)
+    return t.steps.compile(*t.abstract_step_arguments()).cost_analysis()["flops"]
+
+
+def test_the_step_forms_no_gradient_of_the_frozen_matrices():
+    """The backward of a block matrix is two matmuls the size of its forward (the input's gradient and
+    the matrix's): with the adapters on the activations the second is not formed, so a LoRA step costs
+    about 2/3 of a full one in the blocks (the head, which does not train, also skips its matrix's)."""
+    full, lora = step_flops(), step_flops(*LORA)
+    assert lora < 0.75 * full, (lora, full)
+
+
+def test_dropout_drops_the_adapters_inputs_at_its_rate():
+    def block_with(hook, x):
+        """A block of one bias-free zero nnx.Linear with A = B = I and scale 1: it computes drop(x)."""
+        block = type("Block", (nnx.Module,), {})()
+        block.proj = nnx.Linear(256, 256, use_bias=False, kernel_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
+        block.proj.kernel_lora_a, block.proj.kernel_lora_b = nnx.Param(jnp.eye(256)), nnx.Param(jnp.eye(256))
+        hook(block, x)
+        return np.asarray(block.proj(x))
+
+    hook = adapter_hook(LoraSpec(256, alpha=256.0, dropout=0.25))
+    x = jnp.ones((8, 256), jnp.float32)
+    with adapter_dropout(0.25, seed=3):
+        y = block_with(hook, x)
+        again = block_with(hook, x)
+        other = block_with(hook, 2 * x)
+    assert 0.22 < np.mean(y == 0) < 0.28
+    np.testing.assert_allclose(y[y != 0], 1 / 0.75, rtol=1e-6)
+    np.testing.assert_array_equal(again, y)  # the same block input: the same mask (its recomputation)
+    assert np.mean((other == 0) != (y == 0)) > 0.2  # another input: another mask
+    np.testing.assert_allclose(block_with(hook, x), 1.0, rtol=1e-6)  # outside training: nothing dropped
+
+
+def test_reading_an_adapted_kernel_gives_the_merged_matrix_and_is_refused_with_dropout():
+    def linear_block():
+        block = type("Block", (nnx.Module,), {})()
+        block.proj = nnx.Linear(4, 4, use_bias=False, rngs=nnx.Rngs(0))
+        block.proj.kernel_lora_a = nnx.Param(jnp.arange(8.0).reshape(4, 2))
+        block.proj.kernel_lora_b = nnx.Param(jnp.arange(8.0).reshape(2, 4) / 10)
+        return block
+
+    block = linear_block()
+    w, a, b = block.proj.kernel[...], block.proj.kernel_lora_a[...], block.proj.kernel_lora_b[...]
+    adapter_hook(LoraSpec(2, alpha=4.0))(block, None)
+    np.testing.assert_allclose(block.proj.kernel[...], w + 2.0 * a @ b, rtol=1e-6)  # W + (alpha/r)·A B
+    block = linear_block()
+    with adapter_dropout(0.1, 0):
+        adapter_hook(LoraSpec(2, alpha=4.0, dropout=0.1))(block, jnp.ones((1, 4)))
+    with pytest.raises(ConfigError, match=r"train.lora.dropout: is 0.1, and the model reads the adapted "
+                                          r"matrix Linear.kernel itself instead of calling its module"):
+        block.proj.kernel[...]
 
 
 @pytest.mark.slow
@@ -247,11 +358,77 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
 
 
 @pytest.mark.slow
+def test_dropout_trains_the_same_run_alike_and_differs_from_none():
+    layout = [*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=zb-h1", "train.steps=3"]
+    first = trainer(*layout, "train.lora.dropout=0.2").run()
+    again = trainer(*layout, "train.lora.dropout=0.2").run()
+    none = trainer(*layout).run()
+    assert first.losses == again.losses
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(first.params), jax.device_get(again.params))
+    # B is zero until the first update with a learning rate above 0 (after the warmup's first step): the
+    # third step is the first whose adapters add anything to drop
+    assert first.losses[:2] == none.losses[:2] and abs(first.losses[2] - none.losses[2]) > 1e-5
+    assert first.heldout_loss != none.heldout_loss and np.isfinite(first.heldout_loss)
+
+
+@pytest.mark.slow
 def test_a_lora_run_resumes_bit_for_bit(tmp_path):
-    layout = [*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "checkpoint.every=2", "checkpoint.async_save=false"]
+    layout = [*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "checkpoint.every=2", "checkpoint.async_save=false",
+              "train.lora.dropout=0.1"]
     straight = trainer(*layout, "train.steps=4", f"checkpoint.dir={tmp_path / 'a'}").run()
     trainer(*layout, "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
     resumed = trainer(*layout, "train.steps=4", f"checkpoint.dir={tmp_path / 'b'}").run()
     assert resumed.losses == straight.losses[2:]
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed.params)), jax.tree.leaves(jax.device_get(straight.params))):
         np.testing.assert_array_equal(a, b)
+
+
+def saved_bytes(step_dir) -> int:
+    return sum(f.stat().st_size for f in (step_dir / "state").rglob("*") if f.is_file())
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
+    """A LoRA run from a base checkpoint writes the adapters (and their optimizer state) and a pointer to
+    the base; resuming, generation's loading and init_from follow it back, bit for bit; a base that is
+    gone is one line; train.lora.save_base=true writes self-contained checkpoints."""
+    import shutil
+
+    from meshtron.checkpoint import CheckpointError, CheckpointStore
+    from meshtron.checkpoint_dirs import read_step_meta
+    from meshtron.pretrained import load_pretrained
+
+    layout = ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "checkpoint.async_save=false"]
+    base = tmp_path / "base"
+    trainer(*layout, "train.steps=2", f"checkpoint.dir={base}").run()
+    lora = [*LORA, *layout, f"train.init_from={base}", "checkpoint.every=2"]
+    straight = trainer(*lora, "train.steps=4", f"checkpoint.dir={tmp_path / 'a'}").run()
+    trainer(*lora, "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
+    meta = read_step_meta(tmp_path / "b", 2)
+    assert meta["lora_base"] == {"dir": str(base.resolve()), "step": 2, "seed": 0}
+    store = CheckpointStore(tmp_path / "b", read_only=True)
+    saved = sorted(n.removeprefix("params.") for n in store.saved_tensors(2) if n.startswith("params."))
+    store.close()
+    assert saved == sorted(n for n in leaf_names(straight.params) if is_adapter(n))  # nothing of the base
+    assert saved_bytes(tmp_path / "b" / "2") < 0.5 * saved_bytes(base / "2")
+    resumed = trainer(*lora, "train.steps=4", f"checkpoint.dir={tmp_path / 'b'}").run()
+    assert resumed.losses == straight.losses[2:]
+    loaded = load_pretrained(tmp_path / "b", argument="--checkpoint")
+    assert loaded.step == 4
+    for name, a, b, c in zip(leaf_names(loaded.params), jax.tree.leaves(jax.device_get(loaded.params)),
+                             jax.tree.leaves(jax.device_get(straight.params)),
+                             jax.tree.leaves(jax.device_get(resumed.params)), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+        np.testing.assert_array_equal(c, b, err_msg=name)
+    # a run from the adapter-only checkpoint points to the same base, not to that checkpoint
+    trainer(*LORA, *layout, f"train.init_from={tmp_path / 'b'}", "train.steps=1",
+            f"checkpoint.dir={tmp_path / 'c'}").run()
+    assert read_step_meta(tmp_path / "c", 1)["lora_base"] == meta["lora_base"]
+
+    trainer(*lora, "train.steps=2", "train.lora.save_base=true", f"checkpoint.dir={tmp_path / 'd'}").run()
+    assert "lora_base" not in read_step_meta(tmp_path / "d", 2)
+    shutil.move(base, tmp_path / "moved")
+    with pytest.raises(CheckpointError, match=r"--checkpoint: an adapter-only LoRA checkpoint whose frozen base, "
+                                              r".*base/2, is gone; put the base back there"):
+        load_pretrained(tmp_path / "b", argument="--checkpoint")
+    assert jax.tree.leaves(load_pretrained(tmp_path / "d").params)  # self-contained

@@ -130,6 +130,9 @@ REAL = [  # the bundled real-size configs on their own meshes, and the paper's G
     ("llama2_7b", ["mesh.data=2", "mesh.pipe=4", "mesh.tensor=8", "model.sequence_parallel=true", "train.zero=1",
                    "train.microbatches=64"]),
     ("llama2_7b", ["pipeline.recompute=false"]),  # full recomputation from each layer's kept input
+    ("llama2_7b", ["train.lora.rank=16"]),  # LoRA: gradients and optimizer state of the adapters alone
+    ("llama2_7b", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=8", "model.sequence_parallel=true", "train.lora.rank=16",
+                   "train.zero=3"]),  # ... and the frozen base split over data
 ]
 
 
@@ -137,7 +140,7 @@ REAL = [  # the bundled real-size configs on their own meshes, and the paper's G
 def test_the_model_agrees_with_compiled_steps_of_real_models_within_ten_percent():
     """Compiled from abstract arrays on 64 simulated devices (nothing allocated); with the two configs
     ``tests/test_cli.py`` compiles through ``describe --compile`` (7B on 8x1x8, 70B on 2x4x8 zero=3),
-    eight real configurations."""
+    ten real configurations."""
     env = subprocess_env()
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(REAL)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900, check=False)

@@ -304,6 +304,10 @@ class CheckpointStore:
             multihost_utils.sync_global_devices("meshtron: damaged checkpoints set aside")
         self._manager.reload()
 
+    def saved_tensors(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{dotted name: (shape, dtype)}`` of the state step ``step`` holds, from orbax's metadata."""
+        return _saved_shapes(self._manager.item_metadata(step)["state"])
+
     def read_meta(self, step: int) -> dict[str, Any]:
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
@@ -338,7 +342,7 @@ class CheckpointStore:
             where = f"checkpoint {self.directory}/{step}"
             try:
                 meta = self.read_meta(step)
-                saved = _saved_shapes(self._manager.item_metadata(step)["state"])
+                saved = self.saved_tensors(step)
                 check_compatible(saved, target_state, where, resizable, partial, source)
                 with_errors = target_errors is not None and meta.get("has_errors") and use_errors(meta)
                 items = {"state": _restore_args(_as_saved(target_state, saved, mesh), partial)}

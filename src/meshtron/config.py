@@ -112,13 +112,16 @@ class LoraConfig:
     """Low-rank adapters (``rank`` > 0 turns them on): the model's block matrices are frozen and each
     chosen one trains ``W + (alpha / rank) · A B`` instead (:mod:`meshtron.models.lora`). ``targets``:
     dotted path patterns (``"*attn*"``) or ``"axis:NAME"`` (matrices with that logical axis); ``["*"]``
-    is every projection into or out of the residual stream. ``dropout`` must be 0: adapters merged
-    into their matrices have no activation path of their own to drop inputs on."""
+    is every projection into or out of the residual stream. ``dropout``: of the adapters' inputs in
+    training (on matrices the model applies through ``nnx.Linear`` / ``nnx.Einsum``). Checkpoints hold the
+    adapters and point to the frozen base (``train.init_from``'s checkpoint, or the seed);
+    ``save_base`` writes the base into each of them too (:mod:`meshtron.train.frozen_base`)."""
 
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
     targets: list[str] = field(default_factory=lambda: ["*"])
+    save_base: bool = False
 
 
 @dataclass
@@ -551,9 +554,7 @@ def validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
     if lora.rank == 0:
         return
     _need(lora.alpha > 0, "train.lora.alpha", f"must be > 0, got {lora.alpha}")
-    _need(lora.dropout == 0, "train.lora.dropout",
-          f"is {lora.dropout}; adapters are merged into their matrices, which leaves no separate activation path to "
-          "apply dropout on; set it to 0")
+    _need(0 <= lora.dropout < 1, "train.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
     _need(bool(lora.targets) and all(isinstance(x, str) and x for x in lora.targets), "train.lora.targets",
           "must be a non-empty list of path patterns or axis:NAME")
     _need(m.moe.experts == 0, "train.lora",

@@ -25,10 +25,11 @@ from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
+from meshtron.models.lora import is_adapter
 from meshtron.plan.step_memory import BACKENDS, StepMemory, StepRun, StepShape, step_memory
 from meshtron.run import Run, resolve_run
 from meshtron.sharding import logical_to_spec, placing_rules
-from meshtron.train.state import ModelDef, model_def_from_config
+from meshtron.train.state import ModelDef, lora_spec, model_def_from_config
 from meshtron.units import format_bytes
 
 
@@ -114,13 +115,18 @@ def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemor
     the user's own is priced by its own parameters (its activations by the built-in blocks' constants)."""
     m = run.cfg.model
     layers = m.layers
-    blocks = sum(r[4] for r in rows if r[0].split("/")[0] == "blocks")
-    rest = sum(r[4] for r in rows) - blocks
     per_stage = layers // run.sizes[1]
+
+    def per_layer_and_rest(chosen: list[tuple]) -> tuple[float, float]:
+        blocks = sum(r[4] for r in chosen if r[0].split("/")[0] == "blocks")
+        return blocks / per_stage, sum(r[4] for r in chosen) - blocks
+
+    # with LoRA only the adapters have gradients and optimizer state
+    trainable = per_layer_and_rest([r for r in rows if is_adapter(r[0])]) if run.cfg.train.lora.rank else None
     shape = StepShape(m.family if m.factory is None else "gpt", layers, m.hidden, m.heads, m.kv_heads or m.heads,
                       m.mlp_dim, m.vocab_size, m.seq_len, m.max_position_embeddings or m.seq_len)
     return step_memory(shape, StepRun.from_config(run.cfg, run.program), backend,
-                       stage_bytes=(blocks / per_stage, rest))
+                       stage_bytes=per_layer_and_rest(rows), trainable_bytes=trainable)
 
 
 def available_host_memory() -> int:
@@ -318,7 +324,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     requested = list(mesh_shape(cfg.mesh))
     on_devices = -1 in requested or math.prod(requested) <= len(devices)
     count = len(devices) if on_devices else math.prod(requested)  # planning: the mesh as written
-    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count).tensor)
+    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count).tensor, lora=lora_spec(cfg.train.lora))
     if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.mesh_shape) > count:
         run = resolve_run(cfg, count, layers=model_def.layers)
     cfg, sizes = run.cfg, run.sizes

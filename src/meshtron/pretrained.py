@@ -13,13 +13,14 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
+from meshtron.checkpoint import CheckpointError, CheckpointStore
 from meshtron.checkpoint_dirs import checkpoint_location
 from meshtron.config import Config, MeshConfig, config_from_dict, validate_tensor_split
 from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from meshtron.errors import ConfigError
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.contract import ModelFactory
+from meshtron.train.frozen_base import read_params
 from meshtron.train.state import ModelDef, Params, lora_spec, model_def_from_config
 
 
@@ -91,12 +92,10 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         # a LoRA run's checkpoint holds its adapters: the model carries them and merges them as it runs
         model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, lora=lora_spec(cfg.train.lora))
         model_def.check_mesh(device_mesh)
-        target = {"params": abstract_like(model_def.shapes(), model_def.shardings(device_mesh))}
-        restored = store.restore_newest(target, None, device_mesh, resizable=model_def.resizable_in(target),
-                                        partial=True, source=argument)
+        # (an adapter-only LoRA checkpoint gets its frozen base back from where it points)
+        params, meta = read_params(store, model_def, device_mesh, model_def.shardings(device_mesh), step=None,
+                                   source=argument, seed=cfg.train.seed)
     finally:
         store.close()
-    if restored is None:
-        raise CheckpointError(f"{argument} {directory}: holds no checkpoint")
-    return Pretrained(model_def, restored.state["params"], device_mesh, restored.step, replace(cfg, mesh=mesh_cfg),
+    return Pretrained(model_def, params, device_mesh, meta["step"], replace(cfg, mesh=mesh_cfg),
                       checkpoint_tokenizer(directory))

@@ -180,39 +180,49 @@ def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs
     return make(keys)
 
 
-_layer_views: list[tuple[Callable[[dict], dict], str | None]] = []
+LayerHook = Callable[[nnx.Module, "jax.Array | None"], None]
+_layer_views: list[tuple[Callable[[dict], dict] | None, str | None, LayerHook | None]] = []
 
 
 @contextlib.contextmanager
-def layer_parameters(view: Callable[[dict], dict] | None, *, unsaved: str | None = None) -> Iterator[None]:
+def layer_parameters(view: Callable[[dict], dict] | None, *, unsaved: str | None = None,
+                     hook: LayerHook | None = None) -> Iterator[None]:
     """Blocks traced inside this run on ``view(parameters)`` of each layer (a pure dict shaped like one
     layer of ``blocks``) instead of the parameters themselves; the model does nothing for it.
 
     The trainer uses it to keep parameters split across devices between uses and gather each layer's
-    just before that layer runs (fully sharded data parallelism), and to add low-rank adapters to their
-    matrices (:mod:`meshtron.models.lora`). Views nest: the innermost sees the stored parameters first.
-    ``unsaved``: the checkpoint name (``jax.ad_checkpoint.checkpoint_name``) of what the view makes
-    and a layer's backward recomputes rather than keeps (see :func:`regathered`).
+    just before that layer runs (fully sharded data parallelism). ``hook(block, x)`` then sees the
+    block built from them, and its input ``x``, before the block runs, and may change its modules in
+    place: low-rank adapters are applied that way (:mod:`meshtron.models.lora`). Views nest: the
+    innermost sees the stored parameters first; hooks run after every view, innermost first.
+    ``unsaved``: the checkpoint name (``jax.ad_checkpoint.checkpoint_name``) of what the view or hook
+    makes and a layer's backward recomputes rather than keeps (see :func:`regathered`).
     """
-    if view is None:
+    if view is None and hook is None:
         yield
         return
-    _layer_views.append((view, unsaved))
+    _layer_views.append((view, unsaved, hook))
     try:
         yield
     finally:
         _layer_views.pop()
 
 
-def layer_view(graphdef: Any, layer_state: Any) -> nnx.Module:
-    """One block from its layer's state, through the active :func:`layer_parameters` views."""
-    if _layer_views:
+def layer_view(graphdef: Any, layer_state: Any, x: jax.Array | None = None) -> nnx.Module:
+    """One block from its layer's state, through the active :func:`layer_parameters` views and hooks
+    (``x``: the input the block is about to run on, for the hooks)."""
+    views = [view for view, _, _ in reversed(_layer_views) if view is not None]
+    if views:
         layer_state = jax.tree.map(lambda v: v, layer_state)
         values = nnx.to_pure_dict(layer_state)
-        for view, _ in reversed(_layer_views):
+        for view in views:
             values = view(values)
         nnx.replace_by_pure_dict(layer_state, values)
-    return nnx.merge(graphdef, layer_state)
+    block = nnx.merge(graphdef, layer_state)
+    for _, _, hook in reversed(_layer_views):
+        if hook is not None:
+            hook(block, x)
+    return block
 
 
 def regathered(layer: Callable) -> Callable:
@@ -224,7 +234,7 @@ def regathered(layer: Callable) -> Callable:
     a view, or when the layer is recomputed whole anyway (``remat="full"``)."""
     if not _layer_views:
         return layer
-    names = [name for _, name in _layer_views if name is not None]
+    names = [name for _, name, _ in _layer_views if name is not None]
     if len(names) == len(_layer_views):
         policy = jax.checkpoint_policies.save_anything_except_these_names(*names)
     else:
@@ -256,7 +266,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
         return _run_collecting(graphdef, state, x, ctx, active)
     if ctx.cache is None:
         def one_layer(h, layer_state):
-            return constrain(layer_view(graphdef, layer_state)(h, ctx), RESIDUAL), None
+            return constrain(layer_view(graphdef, layer_state, h)(h, ctx), RESIDUAL), None
 
         one_layer = jax.checkpoint(one_layer, prevent_cse=False) if remat == "full" else regathered(one_layer)
         if active is None:
@@ -276,7 +286,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     def cached_layer(carry, layer_state):
         h, caches, i = carry
         cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), caches)
-        h, cache = layer_view(graphdef, layer_state)(h, replace(ctx, cache=cache))
+        h, cache = layer_view(graphdef, layer_state, h)(h, replace(ctx, cache=cache))
         caches = jax.tree.map(lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n, i, 0), caches, cache)
         return (h, caches, i + 1), None
 
@@ -287,7 +297,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
 def _run_collecting(graphdef: Any, state: Any, x: jax.Array, ctx: Context, active: jax.Array | int | None):
     def one_layer(h, layer_state):
         with collecting_reports() as found:
-            h = constrain(layer_view(graphdef, layer_state)(h, ctx), RESIDUAL)
+            h = constrain(layer_view(graphdef, layer_state, h)(h, ctx), RESIDUAL)
         return h, tuple(found)
 
     layers = jax.tree.leaves(state)[0].shape[0]

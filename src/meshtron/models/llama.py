@@ -35,6 +35,7 @@ from meshtron.models.contract import (
     stack_blocks,
 )
 from meshtron.models.layers import INIT_STD, fused_projection, normal, ones, padded_vocab_init, pre_norm_block
+from meshtron.models.lora import base_kernel, with_adapters_added
 from meshtron.models.moe import MoE, MoEDims
 from meshtron.sharding import constrain, same_layout
 
@@ -97,16 +98,19 @@ class Attention(nnx.Module):
         """q, k, v. When key/value heads are split like query heads, the three kernels are joined along
         a per-kv-head group axis (a local concatenation: every shard holds whole groups) and applied
         as one einsum, so the backward pass all-reduces one input gradient, as Megatron's fused QKV
-        does; with replicated key/value heads they are separate einsums."""
-        wq, wk, wv = self.wq.kernel[...], self.wk.kernel[...], self.wv.kernel[...]
-        e, n, d = wq.shape
-        kv = wk.shape[1]
+        does; with replicated key/value heads they are separate einsums. LoRA's adapters add their
+        rank-r terms beside the joined matmul."""
         if not same_layout("heads", "kv_heads"):
             return self.wq(x), self.wk(x), self.wv(x)
+        wq, wk, wv = base_kernel(self.wq), base_kernel(self.wk), base_kernel(self.wv)
+        e, n, d = wq.shape
+        kv = wk.shape[1]
         y = fused_projection("bse,ekgd->bskgd", x, lambda wq, wk, wv: jnp.concatenate(
             [wq.reshape(e, kv, n // kv, d), wk[:, :, None], wv[:, :, None]], axis=2), wq, wk, wv)
         b, s = x.shape[:2]
-        return y[:, :, :, :-2].reshape(b, s, n, d), y[:, :, :, -2], y[:, :, :, -1]
+        q, k, v = y[:, :, :, :-2].reshape(b, s, n, d), y[:, :, :, -2], y[:, :, :, -1]
+        return (with_adapters_added(self.wq, x, q), with_adapters_added(self.wk, x, k),
+                with_adapters_added(self.wv, x, v))
 
     def __call__(self, x: jax.Array, ctx: Context):
         q, k, v = self.project(x)
@@ -130,10 +134,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # gate and up applied as one einsum over their stacked kernels (both split on ``mlp``: a local
-        # stack), so the backward pass all-reduces one input gradient, as Megatron's fused projection.
+        # stack), so the backward pass all-reduces one input gradient, as Megatron's fused projection;
+        # LoRA's adapters add their rank-r terms beside it.
         y = fused_projection("bse,etf->bstf", x, lambda gate, up: jnp.stack([gate, up], axis=1),
-                             self.gate.kernel[...], self.up.kernel[...])
-        hidden = constrain(jax.nn.silu(y[:, :, 0]) * y[:, :, 1], ("batch", "seq", "mlp"))
+                             base_kernel(self.gate), base_kernel(self.up))
+        gate, up = with_adapters_added(self.gate, x, y[:, :, 0]), with_adapters_added(self.up, x, y[:, :, 1])
+        hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return self.down(hidden)
 
 

@@ -15,22 +15,25 @@ more, ``lora_rank`` (replicated). So they are laid out like their base -- ``B`` 
 where a column-parallel ``W``'s outputs are, ``A`` where a row-parallel one's inputs are, every layer's
 on its pipeline stage -- and checkpoints, schedules and ZeRO see ordinary parameters.
 
-**The forward.** Each layer's parameters pass through :func:`merge_view` before the layer runs (the
-contract's :func:`~meshtron.models.contract.layer_parameters` hook, so the model does nothing):
-``W + (alpha / r) · A B``, with ``W`` under ``stop_gradient``. The backward reaches ``A`` and ``B``
-through the merged matrix: no gradient of the base is formed beyond the merged matrix's own, which
-``A`` and ``B``'s gradients are read from (``(alpha / r) · dW Bᵀ`` and ``(alpha / r) · Aᵀ dW``). The
-merged matrix is never kept from the forward to the backward (it is recomputed from ``A``, ``B``
-and ``W``: :data:`MERGED`), so the activation memory is full fine-tuning's. Adapter dropout on the
-layer inputs needs the adapters applied to activations, which a merged weight cannot do: not offered.
+**The forward.** Each block passes through :func:`adapter_hook` before it runs (the contract's
+:func:`~meshtron.models.contract.layer_parameters` hook, so the model does nothing). A matrix applied
+by an ``nnx.Linear`` or ``nnx.Einsum`` gets its adapters on the activations, ``base(x) + (alpha / r)
+· (x A) B``, with the base matrix under ``stop_gradient``: the backward forms no gradient of the base
+matrix at all -- only ``x``'s, and the adapters' from the rank-``r`` products -- and adapter dropout
+(:func:`adapter_dropout`) drops the adapters' inputs as PEFT does. A matrix the model reads itself (a
+raw parameter in its own ``einsum``) is replaced by ``W + (alpha / r) · A B`` instead, ``W`` under
+``stop_gradient``, and the adapters' gradients are read from the merged matrix's; that merged matrix is
+never kept from the forward to the backward (:data:`MERGED`: recomputed), and dropout cannot apply
+to it (one line says so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +57,15 @@ class LoraSpec:
     rank: int
     alpha: float = 16.0
     targets: tuple[str, ...] = ("*",)
+    dropout: float = 0.0  # of the adapters' inputs, in training (:func:`adapter_dropout`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"train.lora.rank: must be a positive integer, got {self.rank!r}")
         if not self.alpha > 0:
             raise ConfigError(f"train.lora.alpha: must be positive, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"train.lora.dropout: must be in [0, 1), got {self.dropout!r}")
         if not self.targets:
             raise ConfigError("train.lora.targets: empty; give path patterns or axis:NAME (default [\"*\"])")
 
@@ -134,14 +140,176 @@ def with_adapters(factory: Callable[[nnx.Rngs], nnx.Module], spec: LoraSpec) -> 
     return build
 
 
-def merge_view(spec: LoraSpec) -> Callable[[dict], dict]:
-    """One layer's parameters (a pure dict) with every adapted matrix replaced by ``W + (alpha/r)·A B``,
-    ``W`` frozen (``stop_gradient``), named :data:`MERGED`."""
+@contextlib.contextmanager
+def adapter_dropout(rate: float, seed: int) -> Iterator[None]:
+    """Inside this (the train step's gradients), adapters applied to activations drop their inputs with
+    probability ``rate`` (kept ones scaled by ``1 / (1 - rate)``), as PEFT's ``lora_dropout`` does.
 
-    def view(layer: dict) -> dict:
-        return _merged(layer, spec.scale, stacked=False, name=MERGED)
+    The masks are drawn from ``seed``, a hash of the block's input (which is what activation
+    recomputation keeps, or recomputes exactly) and the matrix's place in the block: different for
+    every layer, microbatch, data rank and step, the same in a layer's forward and its recomputation,
+    and no random state to carry, checkpoint or split over pipeline stages. Evaluation and generation
+    run outside it: no dropout."""
+    _dropout.append((float(rate), int(seed)))
+    try:
+        yield
+    finally:
+        _dropout.pop()
 
-    return view
+
+_dropout: list[tuple[float, int]] = []
+
+
+def adapter_hook(spec: LoraSpec) -> Callable[[nnx.Module, jax.Array | None], None]:
+    """A :func:`~meshtron.models.contract.layer_parameters` hook applying ``spec``'s adapters to one block.
+
+    A matrix that is the ``kernel`` of an ``nnx.Linear`` or ``nnx.Einsum`` (whose equation contracts
+    exactly the matrix's input axes) gets its adapters on the activations: the module is replaced by
+    an :class:`AdaptedProjection`, ``y = base(x) + (alpha/r)·(drop(x) A) B`` with the base frozen, so no
+    gradient of the base matrix is formed at all and adapter dropout applies. Any other adapted
+    matrix (a raw parameter the model reads itself) is replaced by ``W + (alpha/r)·A B`` (named
+    :data:`MERGED`: recomputed in the backward, never kept); its adapters' gradients come from the
+    merged matrix's, and dropout cannot apply to it."""
+
+    def hook(block: nnx.Module, x: jax.Array | None) -> None:
+        rate, seed = _dropout[-1] if _dropout else (0.0, 0)
+        salt = _input_hash(x) if rate > 0 and x is not None else jnp.uint32(0)
+        index = 0
+        for path, owner in list(nnx.iter_graph(block)):
+            if not isinstance(owner, nnx.Module) or isinstance(owner, AdaptedProjection):
+                continue
+            for attr in sorted(vars(owner)):
+                if not attr.endswith(A_SUFFIX):
+                    continue
+                name = attr[: -len(A_SUFFIX)]
+                w, a, b = (getattr(owner, n) for n in (name, attr, name + B_SUFFIX))
+                equation = _activation_equation(owner, name, a[...].ndim - 1)
+                if equation is None or not path:
+                    if rate > 0:
+                        where = ".".join(["blocks", *map(str, path), name])
+                        raise ConfigError(f"train.lora.dropout: is {rate}, and {where} is a matrix the model reads "
+                                          "itself (not the kernel of an nnx.Linear or nnx.Einsum it calls), so its "
+                                          "adapters are merged into it and cannot drop inputs; set "
+                                          "train.lora.dropout=0 or narrow train.lora.targets")
+                    w.set_value(checkpoint_name(_merge_one(w.get_value(), a[...], b[...], spec.scale, False), MERGED))
+                    continue
+                parent = functools.reduce(lambda m, k: m[k] if isinstance(k, int) else getattr(m, k), path[:-1], block)
+                adapted = AdaptedProjection(owner, name, a[...], b[...], spec.scale, equation, rate,
+                                            jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), salt), index))
+                index += 1
+                if isinstance(path[-1], int):
+                    parent[path[-1]] = adapted
+                else:
+                    object.__setattr__(parent, path[-1], adapted)  # (a plain object, not an NNX attribute)
+
+    return hook
+
+
+class AdaptedProjection:
+    """An ``nnx.Linear`` / ``nnx.Einsum`` of a block with its adapters on the activations:
+    ``base(x) + (alpha/r) · (drop(x) A) B``, the base's matrix under ``stop_gradient``.
+
+    Everything else reads through to the base module. Reading ``kernel`` itself (a model that fuses
+    projections by joining their matrices) gives the merged matrix, which is exact without dropout;
+    with dropout that read is refused in one line, since the dropped inputs would be skipped."""
+
+    def __init__(self, base: nnx.Module, name: str, a: jax.Array, b: jax.Array, scale: float,
+                 equation: tuple[str, str], rate: float, key: jax.Array):
+        base_w = getattr(base, name)
+        base_w.set_value(jax.lax.stop_gradient(base_w.get_value()))
+        self._base, self._name, self._a, self._b = base, name, a, b
+        self._scale, self._equation, self._rate, self._key = scale, equation, rate, key
+
+    def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+        y = self._base(x, *args, **kwargs)
+        return y + self.adapter_term(x, y.dtype)
+
+    def adapter_term(self, x: jax.Array, dtype: Any) -> jax.Array:
+        """``(alpha/r) · (drop(x) A) B`` in ``dtype``: what the adapters add to the base's output."""
+        if self._rate > 0:
+            keep = jax.random.bernoulli(self._key, 1.0 - self._rate, x.shape)
+            x = jnp.where(keep, x / (1.0 - self._rate), jnp.zeros((), x.dtype)).astype(x.dtype)
+        into_rank, out_of_rank = self._equation
+        low = jnp.einsum(into_rank, x.astype(dtype), self._a.astype(dtype))
+        return self._scale * jnp.einsum(out_of_rank, low, self._b.astype(dtype))
+
+    @property
+    def frozen_kernel(self) -> jax.Array:
+        """The base matrix alone (frozen), for a model that joins several modules' matrices into one matmul
+        and adds each one's :meth:`adapter_term` to its part of the output (:func:`with_adapters_added`)."""
+        return getattr(self._base, self._name).get_value()
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr == self.__dict__.get("_name"):
+            if self._rate > 0:
+                raise ConfigError(f"train.lora.dropout: is {self._rate}, and the model reads the adapted matrix "
+                                  f"{type(self._base).__name__}.{attr} itself instead of calling its module, which "
+                                  "would skip the dropped inputs; set train.lora.dropout=0 or call the module")
+            merged = _merge_one(self.frozen_kernel, self._a, self._b, self._scale, False)
+            return _ArrayRead(checkpoint_name(merged, MERGED))
+        return getattr(self._base, attr)
+
+
+class _ArrayRead:
+    """What ``module.kernel`` is read as (``kernel[...]``, ``kernel.value``, ``kernel.shape``)."""
+
+    def __init__(self, value: jax.Array):
+        self.value = value
+
+    def __getitem__(self, index: Any) -> jax.Array:
+        return self.value[index]
+
+    def get_value(self) -> jax.Array:
+        return self.value
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.value, attr)
+
+
+def base_kernel(module: Any) -> jax.Array:
+    """``module.kernel[...]``; for a module with adapters on its activations, its frozen matrix alone. A model
+    that joins projections' matrices into one matmul reads them this way and then adds each module's
+    adapter term to its output with :func:`with_adapters_added`: one matmul of the frozen matrices, and
+    the adapters' rank-r products beside it."""
+    return module.frozen_kernel if isinstance(module, AdaptedProjection) else module.kernel[...]
+
+
+def with_adapters_added(module: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    """``y`` (``module``'s output computed from :func:`base_kernel`) plus what its adapters add for input
+    ``x`` (nothing without them)."""
+    return y + module.adapter_term(x, y.dtype) if isinstance(module, AdaptedProjection) else y
+
+
+def _activation_equation(owner: nnx.Module, name: str, ins: int) -> tuple[str, str] | None:
+    """The two einsum equations ``x -> x A`` and ``(x A) -> (x A) B`` of an adapted ``kernel`` that its
+    module applies to its input's trailing axes; ``None`` when it is not such a kernel."""
+    if name != "kernel":
+        return None
+    if isinstance(owner, nnx.Linear):
+        return "...i,ir->...r", "...r,ro->...o"
+    if not isinstance(owner, nnx.Einsum) or not isinstance(getattr(owner, "einsum_str", None), str):
+        return None
+    spec = owner.einsum_str.replace(" ", "")
+    if "->" not in spec or spec.count(",") != 1 or "." in spec:
+        return None
+    operands, y = spec.split("->")
+    x, k = operands.split(",")
+    k_in, k_out = k[:ins], k[ins:]
+    free = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in spec]
+    if not free or not set(k_in) <= set(x) or set(k_out) & set(x) or set(y) != (set(x) - set(k_in)) | set(k_out):
+        return None
+    r = free[0]
+    rest = "".join(c for c in x if c not in k_in)
+    return f"{x},{k_in}{r}->{rest}{r}", f"{rest}{r},{r}{k_out}->{y}"
+
+
+def _input_hash(x: jax.Array) -> jax.Array:
+    """A uint32 hash of ``x``'s bits (exact integer arithmetic: the same wherever and however it is split)."""
+    bits = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]).astype(jnp.uint32)
+    h = bits ^ (jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * jnp.uint32(0x9E3779B9))
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):  # MurmurHash3's finalizer, per element
+        h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
+    return jnp.sum(h ^ (h >> 16), dtype=jnp.uint32)
 
 
 def merged(params: dict, spec: LoraSpec) -> dict:
@@ -159,11 +327,25 @@ def without_adapters(tree: Any) -> Any:
     return {k: without_adapters(v) for k, v in tree.items() if not (isinstance(k, str) and is_adapter(k))}
 
 
-def with_adapters_of(base: Any, full: Any) -> Any:
-    """``base`` (a tree without adapters) with the adapters of ``full`` added where they belong."""
-    if not isinstance(full, dict):
-        return base
-    return {k: (v if isinstance(k, str) and is_adapter(k) else with_adapters_of(base[k], v)) for k, v in full.items()}
+def adapters_only(tree: Any) -> dict:
+    """The adapters' leaves of a parameter-shaped tree (nested dicts), and the dicts leading to them."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            inner = adapters_only(value)
+            if inner:
+                out[key] = inner
+        elif isinstance(key, str) and is_adapter(key):
+            out[key] = value
+    return out
+
+
+def grafted(base: Any, adapters: Any) -> Any:
+    """``base`` (a tree without adapters) with ``adapters`` (from :func:`adapters_only`) added where they belong."""
+    out = dict(base)
+    for key, value in adapters.items():
+        out[key] = grafted(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
 
 
 def _merged(tree: Any, scale: float, *, stacked: bool, drop: bool = False, name: str | None = None) -> Any:

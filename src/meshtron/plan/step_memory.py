@@ -200,11 +200,14 @@ def _weight_boundary(shape: StepShape, tensor: int) -> float:
 
 
 def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
-                stage_bytes: tuple[float, float] | None = None) -> StepMemory:
+                stage_bytes: tuple[float, float] | None = None,
+                trainable_bytes: tuple[float, float] | None = None) -> StepMemory:
     """The step's bytes per device on ``backend`` (``gpu`` or ``cpu``).
 
     ``stage_bytes``: ``(one layer's, the rest's)`` parameter bytes per device when the model is not a
-    built-in one (the blocks are then taken to be shaped like ``shape``'s for the activations)."""
+    built-in one (the blocks are then taken to be shaped like ``shape``'s for the activations).
+    ``trainable_bytes``: the same of the parameters that train, when some are frozen (LoRA: the
+    adapters); gradients and optimizer state are theirs alone (default: every parameter trains)."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     d, p, t, b = run.data, run.pipe, run.tensor, run.microbatch
@@ -213,6 +216,8 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
         stage_bytes = (block_parameters(shape, t) * run.param_bytes, other_parameters(shape, t) * run.param_bytes)
     layer_bytes, rest_bytes = stage_bytes
     stage = shape.layers // p * layer_bytes + rest_bytes  # every device of a stage, before the zero split
+    trained_layer, trained_rest = stage_bytes if trainable_bytes is None else trainable_bytes
+    trained = shape.layers // p * trained_layer + trained_rest  # what has gradients and optimizer state
     cpu = backend == "cpu"
     cb = run.compute_bytes
     recompute_input = cb + (4 if cpu and cb < 4 else 0)  # a layer input the backward recomputes from
@@ -220,13 +225,14 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     fused = run.attention == "cudnn" and not cpu
 
     parameters = stage / d if run.zero == 3 else stage
-    optimizer = _optimizer_bytes(run, stage)
+    optimizer = _optimizer_bytes(run, trained)
+    # (at zero=3 the gathered weights are counted here too: one layer's, or the whole stage's gathered once)
     if run.zero == 3 and not run.gather_once:
-        gradients = 2 * stage / d + 2 * layer_bytes
+        gradients = 2 * trained / d + layer_bytes + trained_layer
     elif run.zero == 3:
-        gradients = 3 * stage
+        gradients = stage + 2 * trained
     else:
-        gradients = 2 * stage
+        gradients = 2 * trained
 
     tokens = b * s / (t if run.sequence_parallel else 1)  # a residual-stream array's rows on one device
     chunk_layers = shape.layers // (p * run.chunks)

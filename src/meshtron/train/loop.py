@@ -28,11 +28,19 @@ from meshtron.errors import ConfigError, NonFiniteLossError, RunStopped
 from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes
 from meshtron.models.contract import ModelFactory
-from meshtron.models.lora import with_adapters_of, without_adapters
+from meshtron.models.lora import adapters_only
 from meshtron.optim import OptimizerSetup, ZeroPlan, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
 from meshtron.pipeline.layout import StageLayout
 from meshtron.run import Run, resolve_run
+from meshtron.train.frozen_base import (
+    BASE_KEY,
+    BasePointer,
+    adapters_only_target,
+    newest_meta,
+    read_params,
+    with_base,
+)
 from meshtron.train.pipelined import (
     canonical_positions,
     permute_layers,
@@ -77,6 +85,7 @@ class Trainer:
     corpus: Corpus | TokenDatasets | None  # the training data (a text, an indexed dataset or a blend); None: not read
     optimizer: OptimizerSetup
     programs: dict[Any, Any] = field(default_factory=dict, repr=False)  # jitted helpers, compiled once per run
+    base: BasePointer | None = None  # LoRA: where the frozen base came from (adapter-only checkpoints point to it)
 
     @classmethod
     def from_config(cls, cfg: Config | str | os.PathLike, devices=None, *, verbose: bool = False,
@@ -119,7 +128,7 @@ class Trainer:
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
             microbatches=cfg.train.microbatches, program=run.program, layout=layout, stages=optimizer.stages,
-            skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, gather_once=t.gather_once,
+            skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, gather_once=t.gather_once, seed=t.seed,
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 
@@ -296,8 +305,10 @@ class Trainer:
             trained = jax.eval_shape(self.steps.init_state_fn, self.training_shapes(shapes))
         opt_target, _ = split_error_buffers(abstract_like(abstract, self._canonical_shardings(self.steps.opt_shardings)))
         _, error_target = split_error_buffers(abstract_like(trained, self.steps.opt_shardings))
-        state_target = {"params": abstract_like(shapes, self._canonical_shardings(self.steps.param_shardings)),
-                        "opt_state": opt_target}
+        shardings = self._canonical_shardings(self.steps.param_shardings)
+        state_target = {"params": abstract_like(shapes, shardings), "opt_state": opt_target}
+        pointer = BasePointer.from_meta(newest_meta(store, step))  # an adapter-only checkpoint: its base is elsewhere
+        state_target = adapters_only_target(state_target, pointer)
         layout = self.layout()
         restored = store.restore_newest(
             state_target, error_target if any(x.size for x in jax.tree.leaves(error_target)) else None, self.mesh,
@@ -306,6 +317,9 @@ class Trainer:
         )
         if restored is None:
             return None
+        if BasePointer.from_meta(restored.meta) != pointer:
+            raise ConfigError(f"{source}: {store.directory}/{restored.step} and the newest step disagree on holding "
+                              "their frozen base (train.lora.save_base changed); move the newer steps aside")
         errors = restored.errors
         if errors is None and error_target:
             errors = jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), error_target),
@@ -313,32 +327,20 @@ class Trainer:
             if restored.position.updates >= (self.optimizer.freeze_step or 0):
                 _note(f"1-bit LAMB error buffers restart from zero (checkpoint layout {restored.meta.get('layout')}, "
                       f"this run {layout})")
-        params, opt_state = self.training_state(restored.state, errors or [])
+        state = with_base(restored.state, pointer, self.model_def, self.mesh, shardings, source)
+        params, opt_state = self.training_state(state, errors or [])
         return params, opt_state, restored.position, restored.meta
 
     def _read_params(self, store: CheckpointStore, step: int | None, source: str) -> tuple[Params, dict[str, Any]]:
         """The parameters (only) of a checkpoint in ``store``, in this run's training layout, and its meta."""
-        shapes = self.model_def.shapes()
-        shardings = self._canonical_shardings(self.steps.param_shardings)
-        fresh_adapters = self.model_def.lora is not None and not _holds_adapters(store)
-        if fresh_adapters:  # LoRA on a model trained without: its weights, and adapters made here
-            shapes, shardings = without_adapters(shapes), without_adapters(shardings)
-        target = {"params": abstract_like(shapes, shardings)}
-        restored = store.restore_newest(target, None, self.mesh, resizable=self.model_def.resizable_in(target),
-                                        partial=True, only=step, source=source)
-        if restored is None:
-            raise ConfigError(f"{source}: {store.directory} holds no checkpoint; give a run's checkpoint.dir, an "
-                              "import, or one of their step directories")
-        params = restored.state["params"]
-        if fresh_adapters:
-            new = self.model_def.init(self.mesh, self.cfg.train.seed, shardings=self._canonical_shardings(
-                self.steps.param_shardings))
-            params = with_adapters_of(params, new)
+        params, meta = read_params(store, self.model_def, self.mesh,
+                                   self._canonical_shardings(self.steps.param_shardings), step=step, source=source,
+                                   seed=self.cfg.train.seed)
         perm = self._layer_perm(to_stage=True)
         if perm is not None:
             with jax.set_mesh(self.mesh):
                 params = jax.jit(lambda p: permute_layers(p, perm), out_shardings=self.steps.param_shardings)(params)
-        return params, restored.meta
+        return params, meta
 
     def starting_state(self, store: CheckpointStore | None) -> tuple[Params, Any, RunPosition, str]:
         """Where the run starts, and one line saying where its weights came from: its own newest
@@ -353,6 +355,7 @@ class Trainer:
                     f"train.steps: {t.steps} is below the step of the newest checkpoint in {store.directory} "
                     f"({position.step}); raise train.steps to train on from it, or use another checkpoint.dir")
             store.adopt(meta)
+            self.base = BasePointer.from_meta(meta) or self._configured_base()
             line = f"weights: resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})"
             if t.init_from is not None:
                 line += "; train.init_from is used only when checkpoint.dir holds no checkpoint"
@@ -361,8 +364,26 @@ class Trainer:
             store.adopt({})
         if t.init_from is None:
             params = self.init_params()
+            self.base = BasePointer(None, None, t.seed)
             return params, self.steps.init_opt_state(params), RunPosition(0, 0, 0), f"weights: a new model from seed {t.seed}"
         return self._initial_state(*checkpoint_location(t.init_from))
+
+    def _configured_base(self, meta: dict[str, Any] | None = None) -> BasePointer:
+        """Where this run's frozen base comes from by its config: ``train.init_from`` (the step whose meta
+        record is ``meta``, default its newest -- or, if that checkpoint points to its own base, that
+        base), else a new model from ``train.seed``."""
+        t = self.cfg.train
+        if t.init_from is None:
+            return BasePointer(None, None, t.seed)
+        directory, step = checkpoint_location(t.init_from)
+        if meta is None:
+            source = CheckpointStore(directory, read_only=True)
+            try:
+                meta = newest_meta(source, step) or {}
+            finally:
+                source.close()
+        return BasePointer.from_meta(meta) or BasePointer(str(Path(directory).resolve()), meta.get("step", step),
+                                                          t.seed)
 
     def _initial_state(self, directory: Path, step: int | None) -> tuple[Params, Any, RunPosition, str]:
         """``train.init_from``: its parameters with a fresh optimizer state at step 0, or with
@@ -372,6 +393,7 @@ class Trainer:
         try:
             if not t.init_optimizer:
                 params, meta = self._read_params(source, step, "train.init_from")
+                self.base = self._configured_base(meta)
                 line = (f"weights: initialised from {source.directory}/{meta['step']} (train.init_from; a fresh "
                         f"optimizer state, step 0 of {t.steps})")
                 return params, self.steps.init_opt_state(params), RunPosition(0, 0, 0), line
@@ -385,7 +407,8 @@ class Trainer:
         if read is None:
             raise ConfigError(f"train.init_from: {directory} holds no checkpoint; give a run's checkpoint.dir, an "
                               "import, or one of their step directories")
-        params, opt_state, position, _ = read
+        params, opt_state, position, meta = read
+        self.base = self._configured_base(meta)
         if position.step > t.steps:
             raise ConfigError(f"train.steps: {t.steps} is below the step of train.init_from's checkpoint "
                               f"({position.step}), which train.init_optimizer=true continues from; raise train.steps")
@@ -397,8 +420,11 @@ class Trainer:
         state, errors = self.canonical_state(params, opt_state)
         # (with one data shard the buffers are empty: nothing to keep, and orbax refuses empty arrays)
         keep_errors = self.cfg.checkpoint.onebit_errors == "keep" and any(x.size for x in jax.tree.leaves(errors))
-        store.save(position, state, errors if keep_errors else None, self.mesh,
-                   {"seed": self.cfg.train.seed, "layout": self.layout(), "config": to_dict(self.cfg)})
+        meta = {"seed": self.cfg.train.seed, "layout": self.layout(), "config": to_dict(self.cfg)}
+        if self.model_def.lora is not None and not self.cfg.train.lora.save_base:  # the adapters, and where the base is
+            state = {**state, "params": adapters_only(state["params"])}
+            meta[BASE_KEY] = (self.base or self._configured_base()).to_meta()
+        store.save(position, state, errors if keep_errors else None, self.mesh, meta)
         if self.corpus.tokenizer is not None and jax.process_index() == 0:  # generate decodes with it
             save_tokenizer(self.corpus.tokenizer, store.directory)
 
@@ -547,14 +573,6 @@ class Trainer:
                     f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}; stopped, {where}; lower train.lr")
         return (f"step {step}: loss {loss}, gradient norm {grad_norm} is not finite; stopped, {where}. "
                 "Lower train.lr (or raise train.warmup_steps), or set train.on_nonfinite=skip to skip such steps")
-
-
-def _holds_adapters(store: CheckpointStore) -> bool:
-    """Whether the newest checkpoint of ``store`` was written by a LoRA run (it then holds adapters)."""
-    steps = store.steps()
-    meta = read_step_meta(store.directory, steps[-1]) if steps else None
-    config = (meta or {}).get("config") or {}
-    return bool(((config.get("train") or {}).get("lora") or {}).get("rank"))
 
 
 def _note(message: str) -> None:

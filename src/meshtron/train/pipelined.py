@@ -120,7 +120,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
         graphdef, state = nnx.split(model_def.bind({"blocks": layer_blocks}).blocks)
         ctx = Context.for_tokens(tokens)
         with auxiliary_loss_scale(aux_scale), documents.document_segments(ctx.segments):
-            return constrain(layer_view(graphdef, state)(x, ctx), RESIDUAL)
+            return constrain(layer_view(graphdef, state, x)(x, ctx), RESIDUAL)
 
     def reporting_stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None):
         return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),

@@ -33,7 +33,7 @@ from meshtron.models.contract import (
     layer_parameters,
     lm_loss,
 )
-from meshtron.models.lora import MERGED, LoraSpec, is_adapter, merge_view, with_adapters
+from meshtron.models.lora import MERGED, LoraSpec, adapter_hook, is_adapter, with_adapters
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
 from meshtron.units import format_count
@@ -103,10 +103,11 @@ class ModelDef:
             yield
 
     def adapters(self) -> contextlib.AbstractContextManager:
-        """Inside this, blocks run with LoRA's adapters merged into their matrices (nothing without LoRA)."""
+        """Inside this, blocks run with LoRA's adapters (:func:`meshtron.models.lora.adapter_hook`; nothing
+        without LoRA)."""
         if self.lora is None:
             return contextlib.nullcontext()
-        return layer_parameters(merge_view(self.lora), unsaved=MERGED)
+        return layer_parameters(None, unsaved=MERGED, hook=adapter_hook(self.lora))
 
     def trainable(self) -> Params | None:
         """``True`` for the parameters training updates: with LoRA the adapters alone (the rest is
@@ -268,7 +269,7 @@ def check_layout(params: Params, shardings: Params) -> None:
 
 def lora_spec(cfg: LoraConfig) -> LoraSpec | None:
     """``train.lora`` as the model sees it; ``None`` when off (rank 0)."""
-    return LoraSpec(cfg.rank, cfg.alpha, tuple(cfg.targets)) if cfg.rank else None
+    return LoraSpec(cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.dropout) if cfg.rank else None
 
 
 def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[str, str | None] | None = None,

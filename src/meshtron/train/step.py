@@ -40,6 +40,7 @@ Layout of one step:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from functools import partial
 from typing import Any, NamedTuple
@@ -57,6 +58,7 @@ from meshtron.hlo.collectives import collectives
 from meshtron.models.context_attention import balanced_order
 from meshtron.models.contract import Context, layer_parameters, layer_reports, next_token_pairs
 from meshtron.models.documents import document_features, is_document_windows
+from meshtron.models.lora import adapter_dropout
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.reduce import mean_over
 from meshtron.optim.zero import ZeroPlan
@@ -143,6 +145,7 @@ def build_steps(
     skip_nonfinite: bool = False,
     zero: ZeroPlan | None = None,
     gather_once: bool = False,
+    seed: int = 0,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -193,6 +196,7 @@ def build_steps(
                           "(model.moe.experts > 0)")
 
     kept = model_def.trainable_part
+    dropout = model_def.lora is not None and model_def.lora.dropout > 0  # LoRA's, in training only
 
     def with_frozen(part: Any, whole: Any) -> Any:
         """``part`` (from :func:`kept`) completed with ``whole``'s frozen leaves."""
@@ -305,7 +309,8 @@ def build_steps(
         return loss, grads, own, opt_state.reduction, _norm(zero, grads)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
-        loss, grads, own, reduction_state, grad_norm = reduced(params, opt_state, tokens)
+        with adapter_dropout(model_def.lora.dropout, seed) if dropout else contextlib.nullcontext():
+            loss, grads, own, reduction_state, grad_norm = reduced(params, opt_state, tokens)
         updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, own, **stages[stage])
         new_own = optax.apply_updates(own, updates)
         new_params = with_frozen(zero.gather(new_own) if zero.active and not zero.shards_params else new_own, params)
