@@ -253,7 +253,7 @@ def test_lora_trains_alike_at_every_zero_level_with_the_base_frozen():
     reference = trainer(*layout)
     start = jax.device_get(reference.init_params())
     expected = reference.run()
-    for zero in (["train.zero=1"], ["train.zero=3"], ["train.zero=3", "train.gather_once=true"]):
+    for zero in (["train.zero=1"], ["train.zero=3"]):  # (gather_once: tests/test_zero.py)
         result = trainer(*layout, *zero).run()
         np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-5, err_msg=str(zero))
         for name, a, b, s in zip(leaf_names(start), jax.tree.leaves(jax.device_get(result.params)),
@@ -358,13 +358,11 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
 
 
 @pytest.mark.slow
-def test_dropout_trains_the_same_run_alike_and_differs_from_none():
+def test_dropout_trains_differently_from_none():
     layout = [*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=zb-h1", "train.steps=3"]
+    # (that a run with dropout is reproduced bit for bit: test_a_lora_run_resumes_bit_for_bit, which uses it)
     first = trainer(*layout, "train.lora.dropout=0.2").run()
-    again = trainer(*layout, "train.lora.dropout=0.2").run()
     none = trainer(*layout).run()
-    assert first.losses == again.losses
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(first.params), jax.device_get(again.params))
     # B is zero until the first update with a learning rate above 0 (after the warmup's first step): the
     # third step is the first whose adapters add anything to drop
     assert first.losses[:2] == none.losses[:2] and abs(first.losses[2] - none.losses[2]) > 1e-5
