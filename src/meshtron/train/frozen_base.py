@@ -3,9 +3,9 @@
 A LoRA run trains a few percent of the model; the rest -- the frozen base -- is exactly what it started
 from. So by default its checkpoints hold the adapters and their optimizer state, and, in the meta
 record, a pointer to the base (:class:`BasePointer`): the checkpoint the run read it from
-(``train.init_from``: an import or another run) or the seed that made it. A 7B model's checkpoint is
-then tens of megabytes per save instead of tens of gigabytes (PEFT and Megatron-Bridge save adapters
-alone too). ``train.lora.save_base=true`` writes the base into every checkpoint instead
+(``train.init_from``: an import or another run) or the seed that made it. A 7B model's checkpoint
+at rank 16 is then 0.48 GB per save (40 M adapter parameters and their AdamW moments, fp32) instead
+of 81 GB (PEFT and Megatron-Bridge save adapters alone too). ``train.lora.save_base=true`` writes the base into every checkpoint instead
 (self-contained: nothing else needs to stay on disk).
 
 Every reader -- a resumed run, ``train.init_from``, ``generate``, ``export-hf`` -- goes through
