@@ -5,8 +5,8 @@ from. So by default its checkpoints hold the adapters and their optimizer state,
 record, a pointer to the base (:class:`BasePointer`): the checkpoint the run read it from
 (``train.init_from``: an import or another run) or the seed that made it. A 7B model's checkpoint
 at rank 16 is then 0.48 GB per save (40 M adapter parameters and their AdamW moments, fp32) instead
-of 81 GB (PEFT and Megatron-Bridge save adapters alone too). ``train.lora.save_base=true`` writes the base into every checkpoint instead
-(self-contained: nothing else needs to stay on disk).
+of 81 GB (PEFT and Megatron-Bridge save adapters alone too). ``train.lora.save_base=true`` writes the
+base into every checkpoint instead (self-contained: nothing else needs to stay on disk).
 
 Every reader -- a resumed run, ``train.init_from``, ``generate``, ``export-hf`` -- goes through
 :func:`read_params` or :func:`adapters_only_target` / :func:`with_base`: the base comes from the pointer, on
@@ -76,10 +76,10 @@ def read_base(pointer: BasePointer, model_def: ModelDef, mesh: Mesh, shardings: 
     model's: the adapters' are left out)."""
     if pointer.directory is None:
         return without_adapters(model_def.init(mesh, pointer.seed, shardings=shardings))
-    where = pointer.describe()
+    gone = CheckpointError(f"{source}: an adapter-only LoRA checkpoint whose frozen base, {pointer.describe()}, is "
+                           "gone; put the base back there, or use a checkpoint written with train.lora.save_base=true")
     if not Path(pointer.directory).is_dir():
-        raise CheckpointError(f"{source}: an adapter-only LoRA checkpoint whose frozen base, {where}, is gone; put "
-                              "the base back there, or use a checkpoint written with train.lora.save_base=true")
+        raise gone
     target = {"params": abstract_like(without_adapters(model_def.shapes()), without_adapters(shardings))}
     store = CheckpointStore(pointer.directory, read_only=True)
     try:
@@ -88,8 +88,7 @@ def read_base(pointer: BasePointer, model_def: ModelDef, mesh: Mesh, shardings: 
     finally:
         store.close()
     if restored is None:
-        raise CheckpointError(f"{source}: an adapter-only LoRA checkpoint whose frozen base, {where}, is gone; put "
-                              "the base back there, or use a checkpoint written with train.lora.save_base=true")
+        raise gone
     return restored.state["params"]
 
 
@@ -99,6 +98,14 @@ def adapters_only_target(target: dict[str, Any], pointer: BasePointer | None) ->
     if pointer is None:
         return target
     return {**target, "params": adapters_only(target["params"])}
+
+
+def check_read_alike(restored: Any, pointer: BasePointer | None, store: CheckpointStore, source: str) -> None:
+    """Refuse a restored step (an older one, the newest being damaged) that does not hold its base the way
+    the newest does, which the restore target was cut for."""
+    if BasePointer.from_meta(restored.meta) != pointer:
+        raise CheckpointError(f"{source}: {store.directory}/{restored.step} and the newest step disagree on holding "
+                              "their frozen base (train.lora.save_base changed); pass the step directory to read")
 
 
 def with_base(state: dict[str, Any], pointer: BasePointer | None, model_def: ModelDef, mesh: Mesh,
@@ -134,9 +141,7 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
     if restored is None:
         raise ConfigError(f"{source}: {store.directory} holds no checkpoint; give a run's checkpoint.dir, an "
                           "import, or one of their step directories")
-    if BasePointer.from_meta(restored.meta) != pointer:
-        raise CheckpointError(f"{source}: {store.directory}/{restored.step} and the newest step disagree on holding "
-                              "their frozen base (train.lora.save_base changed); pass the step directory to read")
+    check_read_alike(restored, pointer, store, source)
     params = with_base(restored.state, pointer, model_def, mesh, shardings, source)["params"]
     if lora and not has_adapters:
         params = grafted(params, adapters_only(model_def.init(mesh, seed, shardings=shardings)))

@@ -37,6 +37,7 @@ from meshtron.train.frozen_base import (
     BASE_KEY,
     BasePointer,
     adapters_only_target,
+    check_read_alike,
     newest_meta,
     read_params,
     with_base,
@@ -317,9 +318,7 @@ class Trainer:
         )
         if restored is None:
             return None
-        if BasePointer.from_meta(restored.meta) != pointer:
-            raise ConfigError(f"{source}: {store.directory}/{restored.step} and the newest step disagree on holding "
-                              "their frozen base (train.lora.save_base changed); move the newer steps aside")
+        check_read_alike(restored, pointer, store, source)
         errors = restored.errors
         if errors is None and error_target:
             errors = jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), error_target),
