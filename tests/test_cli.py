@@ -164,7 +164,8 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     assert run.returncode == 2
     assert run.stderr.strip() == (
         "meshtron: error: mesh: data x pipe x tensor = 4 x 2 x 4 = 32 devices, but this run has 8; "
-        "shrink the mesh (e.g. mesh.data) or add devices"
+        "shrink the mesh (e.g. mesh.data) or add devices (on a CPU, simulate them: "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=32 before JAX starts)"
     )
     missing = meshtron("train", "--config", "mesh_configs/cpu8.yaml", "data.path=/nope.txt")
     assert missing.returncode == 2 and "data.path" in missing.stderr and "Traceback" not in missing.stderr
@@ -235,3 +236,30 @@ def test_a_path_or_factory_that_cannot_work_is_one_line_before_anything_runs(arg
     err = capsys.readouterr().err
     assert err.startswith(f"meshtron: error: {message.format(**fill)}") and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file.txt"]  # nothing was written
+
+
+def test_overrides_stand_anywhere_and_generate_takes_its_checkpoint_either_way():
+    from meshtron.cli import _generation_checkpoint, _parse
+
+    imported = _parse(["import-hf", "hf", "--output", "runs/x", "model.seq_len=2048"])
+    assert imported.overrides == ["model.seq_len=2048"] and imported.output == "runs/x"
+    trained = _parse(["train", "mesh.data=2", "--config", "cpu8", "--metrics", "m.jsonl", "train.steps=3"])
+    assert trained.overrides == ["mesh.data=2", "train.steps=3"] and trained.metrics == "m.jsonl"
+    for argv in (["generate", "runs/a", "--prompt", "hi", "mesh.tensor=4"],
+                 ["generate", "--checkpoint", "runs/a", "--prompt", "hi", "mesh.tensor=4"],
+                 ["generate", "mesh.tensor=4", "--prompt", "hi", "--checkpoint", "runs/a"]):
+        args = _parse(argv)
+        _generation_checkpoint(args)
+        assert (args.checkpoint, args.overrides) == ("runs/a", ["mesh.tensor=4"]), argv
+
+
+def test_a_word_that_is_no_setting_is_refused_naming_it(capsys):
+    from meshtron.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["export-hf", "runs/a", "--output", "out", "model.seq_len=8"])
+    assert caught.value.code == 2
+    assert "unrecognized arguments: model.seq_len=8 (export-hf takes no section.key=value settings)" in (
+        capsys.readouterr().err)
+    assert main(["generate", "--prompt", "x"]) == 2
+    assert "generate: give the checkpoint once, as meshtron generate CKPT --prompt TEXT" in capsys.readouterr().err

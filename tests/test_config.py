@@ -73,3 +73,23 @@ def test_vocab_padding_follows_megatron():
     assert padded_vocab_size(256, 2) == 256
     assert padded_vocab_size(256, 8) == 1024
     assert padded_vocab_size(50257, 8) == 51200
+
+
+def test_a_glob_on_the_command_line_is_text_and_a_list_setting_takes_one_value():
+    """``train.lora.targets=*attn*`` is what a user types: not a YAML alias (a 25-line ScannerError before)."""
+    assert load_config("cpu8", ["train.lora.targets=*attn*"]).train.lora.targets == ["*attn*"]
+    assert load_config("cpu8", ["train.lora.targets=axis:mlp"]).train.lora.targets == ["axis:mlp"]
+    assert load_config("cpu8", ['train.lora.targets=["*attn*", axis:mlp]']).train.lora.targets == ["*attn*", "axis:mlp"]
+    assert load_config("cpu8", ["train.profile_steps=3:4"]).train.profile_steps == "3:4"
+    with pytest.raises(ConfigError, match=r"^override 'data.blend=\[0.7,data/web': its value is not valid YAML "
+                                          r"\(.*\); check its brackets and quotes") as caught:
+        load_config("cpu8", ["train.steps=3", "data.blend=[0.7,data/web"])
+    assert "\n" not in str(caught.value)
+
+
+def test_a_config_file_that_is_not_yaml_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lora:\n    targets: *attn*\n")
+    with pytest.raises(ConfigError, match=r"--config .*bad.yaml: not valid YAML \(") as caught:
+        load_config(bad)
+    assert "\n" not in str(caught.value)

@@ -17,6 +17,7 @@ from meshtron.models.context_attention import (
     gathered_kv_attention,
     ring_attention,
 )
+from meshtron.sharding import MEGATRON_RULES, axis_rules, constrain, extend_rules
 
 pytestmark = pytest.mark.both_stacks
 
@@ -109,3 +110,44 @@ def test_bytes_over_the_sequence_axis_are_the_formula(exchange, attention, ranks
     with pytest.raises(ValueError, match="exchange: must be gathered or ring, got 'a2a'"):
         exchange_bytes("a2a", ranks, 64, 2, 16)
 
+
+
+@pytest.mark.parametrize("kv_heads, pinned", [(1, False), (2, True)])
+def test_gathered_keys_keep_the_heads_each_tensor_rank_holds(kv_heads, pinned):
+    # Query heads split over two tensor ranks, key/value heads whole on both: one head that the rules'
+    # kv_heads would split unevenly (left unpinned by the model), or two under a name of the model's own
+    # kept whole (pinned). Values and gradients equal unsplit attention, and every device gathers all
+    # the heads it holds: the bytes over context are the formula's for the whole head count.
+    b, s, heads, d, ranks = 1, 32, 4, 8, 2
+    q, k, v, w = (jax.random.normal(key, shape) for key, shape in zip(
+        jax.random.split(jax.random.key(1), 4), [(b, s, heads, d), (b, s, kv_heads, d), (b, s, kv_heads, d),
+                                                  (b, s, heads, d)]))
+    order = balanced_order(s, ranks)
+    mesh = jax.make_mesh((ranks, 2), ("context", "tensor"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:2 * ranks])
+    kv_axes = ("batch", "seq", "kv_pair", "head_dim")
+
+    def attend(q, k, v):
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        if pinned:
+            k, v = constrain(k, kv_axes), constrain(v, kv_axes)
+        return gathered_kv_attention(q, k, v, order, "context")
+
+    def loss(q, k, v):  # of the tokens as the ranks hold them (balanced order)
+        out = jax.shard_map(attend, mesh=mesh, in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"),
+                            axis_names={"context"})(q, k, v)
+        return jnp.sum(out * jnp.take(w, order, axis=1))
+
+    stored = [jnp.take(x, order, axis=1) for x in (q, k, v)]
+    with jax.set_mesh(mesh), axis_rules(extend_rules(MEGATRON_RULES, {"kv_pair": None})):
+        gradient = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        sent = sum(c.total_wire_bytes for c in collectives(gradient.lower(*stored).compile(), mesh)
+                   if c.axes == ("context",) and c.kind != "all-reduce")  # (not the loss's sum)
+        value, grads = gradient(*stored)
+    want, want_grads = jax.value_and_grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v) * w),
+                                          argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for g, r in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(jnp.take(g, np.argsort(order), axis=1), r, rtol=1e-5, atol=1e-5)
+    assert sent == pytest.approx(sum(exchange_bytes("gathered", ranks, tokens=b * s // ranks, kv_heads=kv_heads,
+                                                    head_dim=d)))

@@ -3,6 +3,7 @@ equal one device's on data x pipeline x context x tensor layouts, for GPT, Llama
 a user's model, with either exchange; training, ZeRO and 1-bit LAMB reduce over data x context;
 checkpoints restore onto meshes without the split; bad settings are one line."""
 
+import re
 import shutil
 
 import jax
@@ -15,7 +16,7 @@ from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config
 from meshtron.hlo.collectives import collectives
 from meshtron.models.contract import Context
 from meshtron.sharding import MEGATRON_RULES, extend_rules
-from meshtron.testing import Layout, check_parity
+from meshtron.testing import Layout, ParityError, check_parity
 from meshtron.train.loop import Trainer
 from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.train.step import context_layout
@@ -78,6 +79,71 @@ def test_a_model_that_slices_positions_from_the_first_is_caught_by_the_oracle(mo
                          rules=extend_rules(MEGATRON_RULES, parallel_lm.RULES))
     [report] = check_parity(md, [Layout(1, 1, 1, context=4)], seq_len=SEQ, raise_on_mismatch=False)
     assert not report.ok
+
+
+def multi_query_model(kv_heads: int = 1) -> ModelDef:
+    """A user's model whose key/value heads have a name of their own (``kv_pair``) that the rules keep
+    whole on every tensor rank, while its query heads split over them: multi-query attention with one
+    head, or any count the tensor size does not divide."""
+    import parallel_lm
+    from flax import nnx
+
+    from meshtron.models import attention, contract
+    from meshtron.sharding import constrain
+
+    class MultiQueryBlock(parallel_lm.ParallelBlock):
+        def __init__(self, hidden: int, heads: int, ffn: int, *, rngs: nnx.Rngs):
+            super().__init__(hidden, heads, ffn, rngs=rngs)
+            self.wk, self.wv = (parallel_lm._param(rngs, (hidden, kv_heads, hidden // heads),
+                                                   ("embed", "kv_pair", "attn_dim")) for _ in range(2))
+
+        def __call__(self, x, ctx):
+            h = contract.enter_parallel_region(self.norm(x))
+            q = constrain(jax.numpy.einsum("bse,ehd->bshd", h, self.wq[...]), ("batch", "seq", "attn_heads", "attn_dim"))
+            k, v = (constrain(jax.numpy.einsum("bse,ehd->bshd", h, w[...]), ("batch", "seq", "kv_pair", "attn_dim"))
+                    for w in (self.wk, self.wv))
+            out = jax.numpy.einsum("bshd,hde->bse", attention.causal_attention(q, k, v), self.wo[...])
+            return constrain(x + contract.exit_parallel_region(out), contract.RESIDUAL)
+
+    class MultiQueryLM(parallel_lm.ParallelLM):
+        def __init__(self, *, rngs: nnx.Rngs):
+            super().__init__(64, 32, 4, 64, 2, SEQ, rngs=rngs)
+            self.blocks = contract.stack_blocks(lambda r: MultiQueryBlock(32, 4, 64, rngs=r), 2, rngs)
+
+    return ModelDef.create(lambda r: MultiQueryLM(rngs=r),
+                           rules=extend_rules(MEGATRON_RULES, {**parallel_lm.RULES, "kv_pair": None}))
+
+
+@pytest.mark.parametrize("exchange", ["gathered", pytest.param("ring", marks=pytest.mark.slow)])
+def test_key_value_heads_kept_whole_on_every_tensor_rank_keep_parity(exchange, monkeypatch):
+    """The gathered exchange keeps keys and values as the model laid them out: here whole on both
+    tensor ranks (one head, which two ranks cannot split), each device gathering all of them."""
+    monkeypatch.syspath_prepend("tests/models")
+    [report] = check_parity(multi_query_model(), [Layout(1, 1, 2, context=2, context_attention=exchange)],
+                            seq_len=SEQ)
+    assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+
+
+def test_a_layout_that_fails_to_run_is_one_line_in_the_oracle_s_report(monkeypatch):
+    """A layout whose program does not build is a failed parity naming the layout and the error, raised
+    or reported, not the traceback of the model's code."""
+    monkeypatch.syspath_prepend("tests/models")
+    import parallel_lm
+
+    class WholeSequenceLM(parallel_lm.ParallelLM):
+        def embed(self, tokens, ctx):
+            if tokens.shape[1] != SEQ:
+                raise ValueError(f"embed: expected {SEQ} tokens, got {tokens.shape[1]}\n(a second line)")
+            return super().embed(tokens, ctx)
+
+    md = ModelDef.create(lambda r: WholeSequenceLM(64, 32, 4, 64, 2, SEQ, rngs=r),
+                         rules=extend_rules(MEGATRON_RULES, parallel_lm.RULES))
+    line = f"1x1x1 context=2 gathered: failed to run: ValueError: embed: expected {SEQ} tokens, got {SEQ // 2}"
+    with pytest.raises(ParityError, match=f"^{line}$") as raised:
+        check_parity(md, [Layout(1, 1, 1, context=2)], seq_len=SEQ)
+    assert isinstance(raised.value.__context__, ValueError)  # the traceback, for whoever debugs the model
+    [report] = check_parity(md, [Layout(1, 1, 1, context=2)], seq_len=SEQ, raise_on_mismatch=False)
+    assert not report.ok and report.error == line and np.isnan(report.loss)
 
 
 def test_the_step_lays_tokens_out_as_each_rank_s_front_and_mirrored_back_chunk():
@@ -213,6 +279,10 @@ def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_
     assert f"{format_bytes(per_layer)} per device, layer and microbatch" in text
     assert (f"{exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the compiled "
             f"step, {format_bytes(per_layer)} by the formula (+0.0%)") in text
+    # the step memory model counts a rank's share of the sequence (and, gathered, every key); on these
+    # 32-token toy models it is within 30% of the compiled peak (docs/memory.md: small models)
+    error = float(re.search(r"\(([-+][\d.]+)% against the compiled peak\)", text)[1])
+    assert abs(error) <= 30, f"modelled peak {error:+.1f}% off the compiled one"
 
 
 # ---- the planner -----------------------------------------------------------------------------------

@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 from meshtron.config import MeshConfig, ModelConfig, MoEConfig
-from meshtron.generate import Sampler, SampleResult, decode_tokens, encode_prompt, sample
+from meshtron.generate import (
+    Sampler,
+    SampleResult,
+    decode_tokens,
+    default_stops,
+    encode_prompt,
+    first_stop,
+    sample,
+)
 from meshtron.mesh import build_mesh
 from meshtron.sharding import axis_rules
 from meshtron.train.state import model_def_from_config
@@ -306,3 +314,28 @@ def test_cache_is_used_when_the_model_and_mesh_allow_it(setup):
     assert not Sampler(uncached, mesh).use_cache
     with pytest.raises(ValueError, match="^use_cache: .*init_cache"):
         Sampler(uncached, mesh, use_cache=True)
+
+
+def test_generation_ends_at_a_stop_sequence_and_leaves_it_out(setup):
+    _, _, _, params, sampler = setup
+    full = sampler.sample(params, "Hello, mesh", max_new_tokens=20, stop=[])
+    assert full.finish_reason == "length" and len(full.new_tokens) == 20
+    ids = list(full.new_tokens)
+    one, two = ids[9], ids[12:14]
+    stopped = sampler.sample(params, "Hello, mesh", max_new_tokens=20, stop=[[one], two])
+    end = min(ids.index(one), next(i for i in range(19) if ids[i : i + 2] == two))
+    assert stopped.finish_reason == "stop" and list(stopped.new_tokens) == ids[:end]
+    # the default: the chat template's end of an answer (bytes have no end-of-text id)
+    assert default_stops(None) == (tuple(b"<|end|>"),)
+    assert first_stop([5, 1, 2, 3], [(2, 3), (9,)]) == 2 and first_stop([5, 1], [(2, 3)]) is None
+    with pytest.raises(ValueError, match=r"stop: a stop sequence is empty"):
+        sampler.sample(params, "Hello", max_new_tokens=2, stop=[[]])
+
+
+def test_a_tokenizers_end_of_text_id_ends_generation_by_default(tmp_path):
+    from meshtron.data.tokenizers import train_bpe
+
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    tokenizer = train_bpe([text], 280, tmp_path / "tokenizer.json", min_frequency=1)
+    assert default_stops(tokenizer) == ((tokenizer.eod,),)

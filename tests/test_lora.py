@@ -24,7 +24,9 @@ from meshtron.models.lora import (
     without_adapters,
 )
 from meshtron.testing import Layout, check_parity
+from meshtron.train.frozen_base import params_digest
 from meshtron.train.loop import Trainer
+from meshtron.train.state import lora_spec, model_def_from_config
 from meshtron.trees import leaf_names
 
 SEQ = 32
@@ -404,7 +406,8 @@ def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
     straight = trainer(*lora, "train.steps=4", f"checkpoint.dir={tmp_path / 'a'}").run()
     trainer(*lora, "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
     meta = read_step_meta(tmp_path / "b", 2)
-    assert meta["lora_base"] == {"dir": str(base.resolve()), "step": 2, "seed": 0}
+    assert meta["lora_base"] == {"dir": str(base.resolve()), "dir_relative": "../base", "step": 2, "seed": 0,
+                                 "params_sha256": params_digest(read_step_meta(base, 2))}
     stores = CheckpointStore(tmp_path / "b", read_only=True), CheckpointStore(base, read_only=True)
     held, whole = (store.saved_tensors(2) for store in stores)
     for store in stores:
@@ -433,3 +436,10 @@ def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
                                               r".*base/2, is gone; put the base back there"):
         load_pretrained(tmp_path / "b", argument="--checkpoint")
     assert jax.tree.leaves(load_pretrained(tmp_path / "d").params)  # self-contained
+
+
+def test_a_rank_above_the_matrices_rank_is_one_line():
+    cfg = load_config("llama_cpu8", ["train.lora.rank=400"])  # hidden 128: no block matrix has rank 400
+    with pytest.raises(ConfigError, match=r"^train.lora.rank: 400 is above the rank of blocks\..* \(\d+ x \d+ per "
+                                          r"layer: (\d+)\); use a rank of at most \1, or train the whole model"):
+        model_def_from_config(cfg.model, 1, lora=lora_spec(cfg.train.lora)).shapes()

@@ -3,6 +3,7 @@
 trains with Megatron's proportions, and bad data configs are one line."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -83,8 +84,13 @@ def test_bad_data_configs_are_one_line(datasets, tmp_path):
     root, _ = datasets
     with pytest.raises(ConfigError, match="data.blend: give either data.path or data.blend, not both"):
         load_config(None, [f"data.path={root / 'bytes'}", f"data.blend=[1,{root / 'bytes'}]"])
-    with pytest.raises(ConfigError, match=r"model.vocab_size: .*bpe holds token id 5\d\d; set model.vocab_size="):
+    with pytest.raises(ConfigError, match=r"data.path: .*bpe was tokenized with .*tokenizer.json \(huggingface, 512 ids, "
+                                          r"sha256 \w+\) but this run's tokenizer is bytes \(data.tokenizer\)"):
         trainer(*mesh(8, 1, 1), f"data.path={root / 'bpe'}", "model.vocab_size=256")
+    for suffix in (".bin", ".idx"):  # the same tokens without meshtron's record of the tokenizer (Megatron's tools)
+        shutil.copyfile(root / f"bpe{suffix}", tmp_path / f"megatron{suffix}")
+    with pytest.raises(ConfigError, match=r"model.vocab_size: .*megatron holds token id 5\d\d; set model.vocab_size="):
+        trainer(*mesh(8, 1, 1), f"data.path={tmp_path / 'megatron'}", "model.vocab_size=256")
     with pytest.raises(ConfigError, match="model.vocab_size: 256 does not cover the tokenizer's 512 ids"):
         trainer(*mesh(8, 1, 1), f"data.path={root / 'bpe'}", f"data.tokenizer={root / 'tokenizer.json'}")
     run = meshtron("train", "--config", "mesh_configs/cpu8.yaml", f"data.blend=[0.5,{root / 'bytes'},0.5]")

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtron.checkpoint_dirs import read_step_meta
 from meshtron.errors import CheckpointError
+from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.trees import leaf_names
 
 __all__ = ["CheckpointError", "CheckpointStore", "Restored", "RunPosition", "abstract_like", "checksums"]
@@ -215,6 +216,17 @@ class _KeepNewestOfThisRun:
         return [i not in dropped for i in range(len(checkpoints))]
 
 
+# Failures of the program or the machine while reading, not of the files: such a checkpoint is not
+# skipped as damaged (an older one would fail the same way, and renaming it would hide a good one).
+_NOT_DAMAGE = (MemoryError, TypeError, AttributeError, NameError, AssertionError, NotImplementedError)
+
+
+def _is_damage(err: Exception) -> bool:
+    """Whether an error while reading a checkpoint back says its files are damaged or incomplete."""
+    text = str(err)
+    return not isinstance(err, _NOT_DAMAGE) and "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text
+
+
 class CheckpointStore:
     """A directory of checkpoints: async saves, restore of the newest good one, and rotation that keeps
     this run's ``keep`` newest steps and never touches another's (``read_only``: never writes at all).
@@ -227,6 +239,9 @@ class CheckpointStore:
     def __init__(self, directory: str | Path, *, keep: int = 1, async_save: bool = True, read_only: bool = False):
         self.directory = Path(directory).absolute()
         self.read_only = read_only
+        # what opening the store creates (the directory and missing parents): a run that fails before it
+        # saves anything removes it again (discard_if_unused)
+        self.created = None if read_only else first_missing(self.directory)
         self.run_id: str | None = None
         self._saved: set[int] = set()
         self._owner: dict[int, str | None] = {}
@@ -284,6 +299,12 @@ class CheckpointStore:
 
     def close(self) -> None:
         self._manager.close()
+
+    def discard_if_unused(self) -> None:
+        """Remove the directory this store created, with the parents it created, if nothing was saved
+        in it (a run that failed before its first checkpoint); a directory that existed stays."""
+        if self.created is not None and jax.process_index() == 0:
+            remove_if_empty(self.directory, self.created)
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename damaged step directories to ``<step>.damaged`` (kept for inspection, never deleted) so
@@ -358,9 +379,14 @@ class CheckpointStore:
                     raise ValueError(f"checksum mismatch in {len(bad)} tensor(s), first {bad[0]}")
             except CheckpointError:
                 raise
-            except Exception as err:  # noqa: BLE001 -- any failure to read back means: damaged, try the one before
+            except Exception as err:  # a failure to read back the files means: damaged, try the one before
                 reason = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-                damaged.append(step)
+                if not _is_damage(err):  # the machine or the program failed, not the files: nothing is skipped
+                    raise CheckpointError(
+                        f"{where}: reading it failed ({type(err).__name__}: {reason}); that is not damage to its "
+                        "files, so nothing was skipped or moved; fix the cause (memory? the devices?) and run again"
+                    ) from err
+                damaged.append((step, reason))
                 _warn(f"{where} is damaged or incomplete ({reason}); skipping it")
                 continue
             position = RunPosition(meta["step"], meta["updates"], meta["data_position"])
@@ -368,13 +394,14 @@ class CheckpointStore:
             errors = restored["errors"] if with_errors else None
             if damaged:
                 if not self.read_only:
-                    self._set_aside(damaged)
+                    self._set_aside([s for s, _ in damaged])
                 _warn(f"using step {step}, the newest intact checkpoint")
             return Restored(step, position, state, errors, meta)
         if damaged:
+            what = "; ".join(f"step {s}: {reason}" for s, reason in damaged)
             raise CheckpointError(
-                f"checkpoint.dir {self.directory}: every checkpoint is damaged (steps {damaged}); move them away or "
-                "choose another checkpoint.dir to start afresh (nothing is deleted automatically)"
+                f"{source} {self.directory}: every checkpoint is damaged or incomplete ({what}); move them away "
+                f"or choose another {source} to start afresh (nothing is deleted automatically)"
             )
         return None
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -24,13 +25,10 @@ from meshtron.bundled_configs import bundled, natural_order
 from meshtron.config import Config, MeshConfig, check_output_path, config_from_dict, load_config, to_dict
 from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
-from meshtron.mesh import devices_requested, ensure_cpu_devices, mesh_shape
+from meshtron.mesh import MAX_SIMULATED_DEVICES, devices_requested, ensure_cpu_devices, mesh_shape
 from meshtron.models.registry import hf_mapping
 from meshtron.run import Run, resolve_run
 from meshtron.units import format_count
-
-# Planning presets (the paper's 1T model) may ask for thousands of devices; only simulate small meshes.
-MAX_SIMULATED_DEVICES = 64
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,8 +52,15 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--metrics", metavar="FILE.jsonl", help="written by process 0")
     launch.add_argument("--tensorboard", metavar="DIR", help="written by process 0 (train.tensorboard)")
     gen = sub.add_parser("generate", help="sample text from a checkpoint, on any mesh")
-    gen.add_argument("--checkpoint", required=True, metavar="DIR", help="a run's checkpoint.dir (newest intact step)")
+    gen.add_argument("checkpoint", nargs="?", metavar="CKPT",
+                     help="a run's checkpoint.dir or an import (newest intact step); or --checkpoint CKPT")
+    gen.add_argument("--checkpoint", dest="checkpoint_flag", metavar="CKPT", help="the same as CKPT")
     gen.add_argument("--prompt", required=True, metavar="TEXT")
+    gen.add_argument("--chat", action="store_true",
+                     help="TEXT is a user's message: apply the chat template the SFT data was rendered with, print "
+                          "the answer alone")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="write --max-tokens tokens (default: stop at the end-of-text token or the end of an answer)")
     gen.add_argument("--max-tokens", type=int, default=200, metavar="N", help="new tokens to generate (default 200)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
@@ -77,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     pre.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes (default 1)")
     pre.add_argument("--json-key", default="text", metavar="KEY", help="the text field of a JSON line (text)")
-    pre.add_argument("--no-eod", action="store_true", help="do not append the end-of-document token")
+    pre.add_argument("--no-eod", action="store_true",
+                     help="do not append the end-of-document token (--sft: do not end answers with it, so the "
+                          "model does not learn to stop)")
     pre.add_argument("--sft", action="store_true",
                      help="supervised fine-tuning examples: JSON lines of {prompt, response} or {messages: [...]}, "
                           "rendered with the chat template; also writes PREFIX.loss_mask.bin/.idx (answers only)")
@@ -86,14 +93,16 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--output", default="loss.png", metavar="FILE.png", help="(default loss.png)")
     plot.add_argument("--per-byte", action="store_true",
                       help="held-out loss in nats per byte of text (compares runs with different tokenizers)")
-    imp = sub.add_parser("import-hf", help="a Hugging Face Llama or GPT-2 checkpoint -> a meshtron checkpoint")
+    imp = sub.add_parser("import-hf", help="a Hugging Face Llama (Mistral-as-Llama), Mixtral or GPT-2 checkpoint -> a "
+                                           "meshtron checkpoint")
     imp.add_argument("directory", metavar="HF_DIR", help="config.json + *.safetensors (+ tokenizer.json)")
-    imp.add_argument("--output", required=True, metavar="CKPT", help="a new checkpoint directory")
+    imp.add_argument("--output", required=True, metavar="CKPT", help="a new (or empty) checkpoint directory")
     imp.add_argument("overrides", nargs="*", metavar="section.key=value",
                      help="settings of the recorded run, e.g. train.optimizer=lamb model.seq_len=8192")
-    exp = sub.add_parser("export-hf", help="a meshtron checkpoint -> a Hugging Face directory (safetensors)")
+    exp = sub.add_parser("export-hf", help="a meshtron Llama, Mixtral or GPT checkpoint -> a Hugging Face directory "
+                                           "(safetensors)")
     exp.add_argument("checkpoint", metavar="CKPT", help="a run's checkpoint.dir (newest intact step)")
-    exp.add_argument("--output", required=True, metavar="HF_DIR")
+    exp.add_argument("--output", required=True, metavar="HF_DIR", help="a new (or empty) directory, outside CKPT")
     sched = sub.add_parser("schedule", help="print a pipeline schedule's table and checker report, draw it as a PNG")
     sched.add_argument("name", metavar="NAME", help="gpipe, 1f1b, interleaved, 1f1b-p or zb-h1, or a PyTorch action "
                        "CSV (torch.distributed.pipelining's _dump_csv: one row of actions per rank)")
@@ -267,7 +276,7 @@ def _preprocess(args: argparse.Namespace) -> None:
     if args.sft:
         from meshtron.data.sft import preprocess_sft
 
-        preprocess_sft(args.input, args.tokenizer, args.output, progress=True)
+        preprocess_sft(args.input, args.tokenizer, args.output, append_eod=not args.no_eod, progress=True)
         return
     preprocess(args.input, args.tokenizer, args.output, workers=args.workers, json_key=args.json_key,
                append_eod=not args.no_eod, progress=True)
@@ -282,7 +291,7 @@ def _plot(args: argparse.Namespace) -> None:
 def _import_hf(args: argparse.Namespace) -> None:
     from meshtron.huggingface import FINETUNE_SUFFIX, import_hf
 
-    out = import_hf(args.directory, args.output, overrides=args.overrides)
+    out = import_hf(args.directory, args.output, overrides=args.overrides, argument="--output")
     print(f"checkpoint {out} (step 0, parameters); fine-tune it: meshtron train --config {out / 'config.yaml'} "
           f"data.path=... (starts from it, saves to {out}{FINETUNE_SUFFIX}: checkpoint.dir= chooses another)")
 
@@ -290,7 +299,7 @@ def _import_hf(args: argparse.Namespace) -> None:
 def _export_hf(args: argparse.Namespace) -> None:
     from meshtron.huggingface import export_hf
 
-    print(f"hugging face model {export_hf(args.checkpoint, args.output)}")
+    print(f"hugging face model {export_hf(args.checkpoint, args.output, argument='--output')}")
 
 
 _TOOLS = {"plan": _plan, "tokenizer": _tokenizer, "preprocess": _preprocess, "plot": _plot, "import-hf": _import_hf,
@@ -325,23 +334,41 @@ def _generation_mesh(args: argparse.Namespace) -> MeshConfig:
     return mesh
 
 
+def _generation_checkpoint(args: argparse.Namespace) -> None:
+    """``generate CKPT`` or ``generate --checkpoint CKPT`` (exactly one), its mesh overrides anywhere."""
+    if args.checkpoint is not None and _is_override(args.checkpoint):  # an override where CKPT may stand
+        args.overrides.insert(0, args.checkpoint)
+        args.checkpoint = None
+    given = [c for c in (args.checkpoint, args.checkpoint_flag) if c is not None]
+    if len(given) != 1:
+        raise ConfigError("generate: give the checkpoint once, as meshtron generate CKPT --prompt TEXT (or "
+                          f"--checkpoint CKPT){'' if not given else f'; got {given[0]!r} and {given[1]!r}'}")
+    args.checkpoint_name = "--checkpoint" if args.checkpoint_flag is not None else "checkpoint"
+    args.checkpoint = given[0]
+
+
 def _generate(args: argparse.Namespace) -> None:
+    _generation_checkpoint(args)
     mesh = _generation_mesh(args)
     needed = devices_requested(mesh)
     if needed <= MAX_SIMULATED_DEVICES:
         ensure_cpu_devices(needed)
+    from meshtron.data.sft import ChatTemplate
     from meshtron.generate import sample
     from meshtron.pretrained import load_pretrained
 
-    model = load_pretrained(args.checkpoint, mesh, argument="--checkpoint")
+    model = load_pretrained(args.checkpoint, mesh, argument=args.checkpoint_name)
+    prompt = ChatTemplate(model.tokenizer).prompt(args.prompt) if args.chat else args.prompt
     try:
-        result = sample(model, args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
-                        top_k=args.top_k, seed=args.seed)
+        result = sample(model, prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                        top_k=args.top_k, seed=args.seed, stop=[] if args.ignore_eos else None)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     shape = "x".join(str(model.mesh.shape[a]) for a in ("data", "pipe", "tensor"))
-    print(f"meshtron: step {model.step} of {args.checkpoint}, mesh {shape}", file=sys.stderr)
-    print(result.text)
+    ended = "ended at the end of text" if result.finish_reason == "stop" else f"--max-tokens {args.max_tokens}"
+    print(f"meshtron: step {model.step} of {args.checkpoint}, mesh {shape}, {len(result.new_tokens)} new tokens "
+          f"({ended})", file=sys.stderr)
+    print(result.continuation if args.chat else result.text)
 
 
 def _resolved(cfg: Config, program: bool = True) -> Run | None:
@@ -424,8 +451,30 @@ def _traceback_if_asked() -> None:
         traceback.print_exc()
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)+=")
+
+
+def _is_override(item: str) -> bool:
+    """Whether a command-line word is a ``section.key=value`` override."""
+    return bool(_OVERRIDE.match(item))
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``section.key=value`` overrides accepted anywhere, before or after flags
+    (argparse alone takes them only before the first flag that follows a positional)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [item for item in extra if not (_is_override(item) and hasattr(args, "overrides"))]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}"
+                     + ("" if hasattr(args, "overrides") else f" ({args.command} takes no section.key=value settings)"))
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         _check_outputs(args)
         if args.command == "configs":

@@ -355,7 +355,7 @@ def _read_yaml(path: Path) -> dict:
     try:
         content = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError(f"--config {path}: not valid YAML ({err})") from None
+        raise ConfigError(f"--config {path}: not valid YAML ({_one_line(err)})") from None
     if not isinstance(content, dict):
         sections = ", ".join(f.name for f in dataclasses.fields(Config))
         raise ConfigError(f"--config {path}: expected a mapping of sections ({sections})")
@@ -369,13 +369,55 @@ def _parse_overrides(overrides: list[str] | tuple[str, ...]) -> Any:
             raise ConfigError(
                 f"override {item!r}: expected section.key=value, e.g. mesh.tensor=4 or train.steps=20"
             )
-    # YAML 1.1 reads an unquoted 3:4 as the base-60 number 184: keep step ranges as written
-    overrides = [f"{k}={v!r}" if k.strip() in _STRING_KEYS and not v.startswith(("'", '"')) else f"{k}={v}"
-                 for k, _, v in (item.partition("=") for item in overrides)]
-    return OmegaConf.from_dotlist(list(overrides))
+    # YAML 1.1 reads an unquoted 3:4 as the base-60 number 184: keep step ranges as written. A value
+    # that starts with * or & (a glob such as *attn*) would be read as a YAML alias or anchor, which a
+    # command line never means: it is the text as written.
+    # A list field given one value (train.lora.targets=*attn*) is a list of that one value.
+    quoted = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        as_text = key.strip() in _STRING_KEYS or value.lstrip().startswith(("*", "&"))
+        if as_text and not value.startswith(("'", '"')):
+            value = repr(value)
+        if _is_list_field(key.strip()) and not value.lstrip().startswith("["):
+            value = f"[{value}]"
+        quoted.append(f"{key}={value}")
+    try:
+        return OmegaConf.from_dotlist(quoted)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {_failing_override(quoted)!r}: its value is not valid YAML ({_one_line(err)}); "
+                          "check its brackets and quotes (a list is [a, b]; quote text YAML would read otherwise)") from None
 
 
 _STRING_KEYS = ("train.profile_steps",)
+
+
+def _is_list_field(key: str) -> bool:
+    """Whether the dotted ``key`` names a field declared as a list (not an optional one)."""
+    section: Any = Config
+    *parents, name = key.split(".")
+    for part in parents:
+        found = {f.name: f for f in dataclasses.fields(section)}.get(part)
+        section = found.default_factory if found is not None and callable(found.default_factory) else None
+        if section is None or not dataclasses.is_dataclass(section):
+            return False
+    declared = {f.name: f.type for f in dataclasses.fields(section)}.get(name)
+    return isinstance(declared, str) and declared.startswith("list[")
+
+
+def _failing_override(overrides: list[str]) -> str:
+    """The first override whose value YAML cannot read."""
+    for item in overrides:
+        try:
+            yaml.safe_load(item.partition("=")[2])
+        except yaml.YAMLError:
+            return item
+    return overrides[0]
+
+
+def _one_line(err: Exception) -> str:
+    """A YAML error's several lines (problem, marks, context) as one."""
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())[:300]
 
 
 def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:

@@ -80,12 +80,14 @@ class SampleResult:
     """A prompt and what the model wrote after it.
 
     ``prompt_tokens`` is the whole prompt as given (even when only its tail fitted in the context);
-    ``new_tokens`` the ``max_new_tokens`` generated ids.
+    ``new_tokens`` the generated ids: ``max_new_tokens`` of them (``finish_reason`` ``"length"``), or
+    those before the first stop sequence (``"stop"``; the stop sequence itself is left out).
     """
 
     prompt_tokens: tuple[int, ...]
     new_tokens: tuple[int, ...]
     tokenizer: Tokenizer | None = None  # what decodes the ids; None: bytes
+    finish_reason: str = "length"  # "stop": ended at a stop sequence (not included); "length": max_new_tokens
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -141,6 +143,40 @@ def decode_tokens(ids: Sequence[int]) -> str:
             text.append(_REPLACEMENT)
     text.append(run.decode("utf-8", errors="replace"))
     return "".join(text)
+
+
+def default_stops(tokenizer: Tokenizer | None) -> tuple[tuple[int, ...], ...]:
+    """Where generation ends by default: the tokenizer's end-of-text id, and the end of an answer in
+    meshtron's chat template (the same id, or the text ``<|end|>`` for a tokenizer without one, such as
+    bytes)."""
+    from meshtron.data.sft import ChatTemplate
+    from meshtron.data.tokenizers import ByteTokenizer
+
+    tokenizer = tokenizer or ByteTokenizer()
+    stops = {tuple(ChatTemplate(tokenizer).end)}
+    eod = getattr(tokenizer, "eod", None)
+    if eod is not None:
+        stops.add((int(eod),))
+    return tuple(sorted(stops))
+
+
+def first_stop(ids: Sequence[int], stops: Sequence[Sequence[int]]) -> int | None:
+    """The index in ``ids`` where the first of the ``stops`` sequences begins, or ``None``."""
+    ids = list(ids)
+    starts = [start for stop in stops for start in range(len(ids) - len(stop) + 1)
+              if ids[start : start + len(stop)] == list(stop)]
+    return min(starts, default=None)
+
+
+def _check_stops(stops: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    try:
+        checked = tuple(tuple(int(t) for t in stop) for stop in stops)
+    except (TypeError, ValueError):
+        raise ValueError(f"stop: expected a list of token-id sequences, e.g. [[2]] (or [] to stop only at "
+                         f"max_new_tokens), got {stops!r}") from None
+    if any(not stop for stop in checked):
+        raise ValueError("stop: a stop sequence is empty; give at least one token id in each")
+    return checked
 
 
 def validate_request(
@@ -269,11 +305,14 @@ class Sampler:
         top_k: int | None = None,
         seed: int = 0,
         tokenizer: Tokenizer | None = None,
+        stop: Sequence[Sequence[int]] | None = None,
     ) -> SampleResult:
-        """Continue ``prompt`` by ``max_new_tokens`` tokens (see :func:`sample`)."""
+        """Continue ``prompt`` by up to ``max_new_tokens`` tokens, ending early at a ``stop`` sequence
+        (see :func:`sample`)."""
         vocab_size = self.model_def.vocab_size
         prompt_ids = encode_prompt(prompt, tokenizer)
         validate_request(prompt_ids, vocab_size, max_new_tokens, temperature, top_k)
+        stops = default_stops(tokenizer) if stop is None else _check_stops(stop)
         # Already-placed parameters stay put; host arrays (e.g. a restored checkpoint) are placed.
         params = jax.device_put(params, self.param_shardings)
         window, length = self._initial_window(prompt_ids)
@@ -282,7 +321,9 @@ class Sampler:
         settings = self._put(
             (jax.random.key(seed), np.float32(temperature), np.int32(top_k or vocab_size))
         )
-        pieces = []
+        new: list[int] = []
+        # Each chunk is one call of the compiled loop; a stop sequence is looked for between chunks (a
+        # chunk's tokens after it are computed and dropped), so stopping changes no compiled program.
         with jax.set_mesh(self.mesh), axis_rules(self._rules), attention_implementation(self.model_def.attention), \
                 self.model_def.adapters():
             cache = self._empty_cache(params) if self.use_cache else None
@@ -291,8 +332,10 @@ class Sampler:
                 window, length, fresh, cache, tokens = self._decode(
                     params, window, length, fresh, cache, *settings, *self._put((np.int32(start), np.int32(steps)))
                 )
-                pieces.append((tokens, steps))
-        new = [int(t) for tokens, steps in pieces for t in np.asarray(jax.device_get(tokens))[:steps]]
+                new += [int(t) for t in np.asarray(jax.device_get(tokens))[:steps]]
+                end = first_stop(new, stops)
+                if end is not None:
+                    return SampleResult(tuple(prompt_ids), tuple(new[:end]), tokenizer, "stop")
         return SampleResult(tuple(prompt_ids), tuple(new), tokenizer)
 
     def _initial_window(self, prompt_ids: list[int]) -> tuple[jax.Array, jax.Array]:
@@ -387,8 +430,9 @@ def sample(
     context: int | None = None,
     use_cache: bool | None = None,
     tokenizer: Tokenizer | None = None,
+    stop: Sequence[Sequence[int]] | None = None,
 ) -> SampleResult:
-    """Continue a prompt with ``max_new_tokens`` tokens, called either way:
+    """Continue a prompt with up to ``max_new_tokens`` tokens, called either way:
 
     * ``sample(pretrained, prompt, ...)`` with what :func:`meshtron.load_pretrained` returned: its
       parameters, mesh and tokenizer, and its recorded training window as the context;
@@ -399,7 +443,9 @@ def sample(
 
     ``prompt`` is text or a list of token ids. ``temperature`` 0 is greedy decoding; above 0 tokens
     are drawn from ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely when
-    given. ``seed`` makes sampling reproducible. ``context`` and ``use_cache``: see :class:`Sampler`
+    given. ``seed`` makes sampling reproducible. ``stop``: token-id sequences that end the text (left
+    out of it); by default the tokenizer's end-of-text id and the chat template's end of an answer
+    (:func:`default_stops`), ``[]`` to always produce ``max_new_tokens``. ``context`` and ``use_cache``: see :class:`Sampler`
     (by default a KV cache whenever the model has one and the mesh has ``pipe=1``). ``tokenizer``
     and ``context`` override what a ``Pretrained`` carries.
 
@@ -418,5 +464,5 @@ def sample(
         tokenizer = tokenizer or model.tokenizer
     return Sampler(model_def, mesh, context=context, use_cache=use_cache).sample(
         params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, stop=stop,
     )

@@ -27,10 +27,11 @@ sliding window, ...) is refused with one line naming the Hugging Face config fie
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -55,6 +56,7 @@ from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.hf_mapping import context, refuse, to_hf, to_meshtron
 from meshtron.models.llama_hf import DEFAULT_SEQ_LEN as DEFAULT_LLAMA_SEQ_LEN
 from meshtron.models.registry import HF_MAPPINGS, hf_mapping
+from meshtron.outputs import check_new_directory, new_directory, readable_by_all
 from meshtron.trees import leaf_names
 
 __all__ = ["CONFIG_FILE", "DEFAULT_LLAMA_SEQ_LEN", "FINETUNE_SUFFIX", "export_hf", "finetune_config", "import_hf"]
@@ -117,9 +119,6 @@ class _Weights:
     """The tensors of a Hugging Face directory's safetensors file(s), read one at a time as NumPy."""
 
     def __init__(self, hf_dir: Path):
-        from safetensors import safe_open
-
-        self._open = lambda path: safe_open(str(path), framework="np")
         self.where = hf_dir
         index = hf_dir / HF_INDEX
         if index.is_file():
@@ -142,6 +141,19 @@ class _Weights:
                 with self._open(file) as f:
                     self.files.update(dict.fromkeys(f.keys(), file))
         self.used: set[str] = set()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _open(path: Path) -> Iterator[Any]:
+        """A safetensors file open for reading; a truncated or garbled one is one line naming it."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="np") as f:
+                yield f
+        except SafetensorError as err:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({str(err).splitlines()[0][:200]}); "
+                                  "it may be truncated: download or copy it again") from None
 
     def find(self, name: str, prefixes: Sequence[str]) -> str | None:
         """The stored name of ``name``: as is, or with/without one of the model's prefixes."""
@@ -261,7 +273,7 @@ def finetune_config(cfg: Config, tokenizer: Path | None) -> dict[str, Any]:
 
 
 def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None = None,
-              overrides: Sequence[str] = ()) -> Path:
+              overrides: Sequence[str] = (), argument: str = "output") -> Path:
     """Write the Hugging Face model in ``hf_dir`` as step 0 of a meshtron checkpoint directory ``output``.
 
     ``mesh``: the mesh the checkpoint is written from and records (default 1x1x1; any mesh restores
@@ -270,12 +282,19 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     checkpoint holds the parameters only: a run started from it (``train.init_from``) creates its
     own optimizer state.
 
-    The tokenizer (``tokenizer.json``, else ``tokenizer.model``) is copied into ``output`` and
+    ``output`` must be a new (or empty) directory; it is written whole under a temporary name and put
+    in place at the end, so a failed import leaves nothing (``argument``: how errors name it). The
+    tokenizer (``tokenizer.json``, else ``tokenizer.model``) is copied into ``output`` and
     recorded as ``data.tokenizer``. ``output/config.yaml`` is the config of a fine-tune
     (:func:`finetune_config`): ``meshtron train --config output/config.yaml`` starts from the import
     and saves to ``output-finetune``. Returns ``output``.
     """
-    hf_dir, output = Path(hf_dir), Path(output).absolute()
+    hf_dir = Path(hf_dir)
+    if Path(output).is_dir() and any(p.name.isdigit() for p in Path(output).iterdir()):
+        raise CheckpointError(f"{argument}: {output} already holds checkpoints; give a new directory (nothing is "
+                              "overwritten)")
+    check_new_directory(output, argument, inside=hf_dir if hf_dir.is_dir() else None, what="the checkpoint")
+    output = Path(output).absolute()
     hf = _read_hf_config(hf_dir)
     where = hf_dir / HF_CONFIG
     mapping = _mapping(hf, where)
@@ -285,10 +304,6 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     mesh_cfg = resolve_sizes(mesh or MeshConfig(1, 1, 1), len(devices))
     tensor = mesh_cfg.tensor
     cfg = _run_config(model, mesh_cfg, overrides)
-    if output.exists() and not output.is_dir():
-        raise CheckpointError(f"{output}: is a file; give a new directory for the checkpoint")
-    if output.is_dir() and any(p.name.isdigit() for p in output.iterdir()):
-        raise CheckpointError(f"{output}: already holds checkpoints; give a new directory (nothing is overwritten)")
     tokenizer = _hf_tokenizer(hf_dir, model.vocab_size)
 
     from meshtron.train.state import model_def_from_config
@@ -301,21 +316,23 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     params = jax.device_put(host, model_def.shardings(device_mesh))
     del host
 
-    output.mkdir(parents=True, exist_ok=True)
-    copy = save_tokenizer(tokenizer, output) if tokenizer is not None else None
-    if copy is not None:
-        cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(copy)))
-    layout = {"mesh": [mesh_cfg.data, mesh_cfg.pipe, tensor], "chunks": cfg.pipeline.chunks if mesh_cfg.pipe > 1 else 1}
-    store = CheckpointStore(output, async_save=False)  # run_id None: no run owns an import
-    try:
-        store.save(RunPosition(0, 0, 0), {"params": params}, None, device_mesh,
-                   {"seed": cfg.train.seed, "layout": layout, "config": to_dict(cfg),
-                    "imported": {"from": "huggingface", "path": str(hf_dir.absolute()),
-                                 "architectures": hf.get("architectures")}})
-        store.wait()
-    finally:
-        store.close()
-    (output / CONFIG_FILE).write_text(yaml.safe_dump(finetune_config(cfg, copy), sort_keys=False))
+    with new_directory(output, argument, what="the checkpoint") as partial:
+        copy = save_tokenizer(tokenizer, partial) if tokenizer is not None else None
+        if copy is not None:  # recorded where it will be once the directory is in place
+            copy = output / copy.name
+            cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(copy)))
+        layout = {"mesh": [mesh_cfg.data, mesh_cfg.pipe, tensor],
+                  "chunks": cfg.pipeline.chunks if mesh_cfg.pipe > 1 else 1}
+        store = CheckpointStore(partial, async_save=False)  # run_id None: no run owns an import
+        try:
+            store.save(RunPosition(0, 0, 0), {"params": params}, None, device_mesh,
+                       {"seed": cfg.train.seed, "layout": layout, "config": to_dict(cfg),
+                        "imported": {"from": "huggingface", "path": str(hf_dir.absolute()),
+                                     "architectures": hf.get("architectures")}})
+            store.wait()
+        finally:
+            store.close()
+        (partial / CONFIG_FILE).write_text(yaml.safe_dump(finetune_config(cfg, copy), sort_keys=False))
     m = cfg.model
     if m.seq_len < context(m):
         print(f"meshtron: model.seq_len={m.seq_len} (the training window, and generate's context); the model's own "
@@ -351,18 +368,23 @@ def _get(tree: dict[str, Any], dotted: str) -> np.ndarray:
     return np.asarray(tree)
 
 
-def export_hf(checkpoint_dir: str | Path, output_dir: str | Path) -> Path:
+def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, argument: str = "output_dir") -> Path:
     """Write the newest checkpoint in ``checkpoint_dir`` as a Hugging Face model directory.
 
     ``output_dir`` gets ``config.json`` (``LlamaForCausalLM`` or ``GPT2LMHeadModel``, float32) and
     ``model.safetensors`` (float32, without meshtron's vocabulary padding), plus the checkpoint's
     tokenizer file (``tokenizer.json``: with a ``tokenizer_config.json`` for ``AutoTokenizer``).
     A Llama's head is written tied (``tie_word_embeddings: true``, no ``lm_head.weight``) when it
-    still equals the embedding. Returns ``output_dir``.
+    still equals the embedding. ``output_dir`` must be a new (or empty) directory outside the
+    checkpoint: an earlier export is never replaced. It is written whole under a temporary name and
+    put in place at the end (``argument``: how errors name it). Returns ``output_dir``.
     """
     from safetensors.numpy import save_file
 
-    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    checkpoint_dir = Path(checkpoint_dir)
+    check_new_directory(output_dir, argument, inside=checkpoint_dir if checkpoint_dir.is_dir() else None,
+                        what="the export")
+    output_dir = Path(output_dir).absolute()
     params, cfg = _restore_params(checkpoint_dir)
     m = cfg.model
     mapping = hf_mapping(m.family)
@@ -382,14 +404,16 @@ def export_hf(checkpoint_dir: str | Path, output_dir: str | Path) -> Path:
         else:
             tensors[spec.hf] = to_hf(value, spec)
     tokenizer = checkpoint_tokenizer(checkpoint_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(output_dir / HF_WEIGHTS), metadata={"format": "pt"})
-    (output_dir / HF_CONFIG).write_text(json.dumps(mapping.hf_config(m, tied, tokenizer.eod), indent=2) + "\n")
-    if tokenizer.kind != "bytes":
-        shutil.copyfile(tokenizer.path, output_dir / CHECKPOINT_FILES[tokenizer.kind])
-        if tokenizer.kind == "huggingface":
-            settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context(m)}
-            if tokenizer.eod is not None:
-                settings["eos_token"] = tokenizer.decode([tokenizer.eod])
-            (output_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    with new_directory(output_dir, argument, what="the export") as partial:
+        save_file(tensors, str(partial / HF_WEIGHTS), metadata={"format": "pt"})
+        readable_by_all(partial / HF_WEIGHTS)
+        (partial / HF_CONFIG).write_text(json.dumps(mapping.hf_config(m, tied, tokenizer.eod), indent=2) + "\n")
+        if tokenizer.kind != "bytes":
+            shutil.copyfile(tokenizer.path, partial / CHECKPOINT_FILES[tokenizer.kind])
+            if tokenizer.kind == "huggingface":
+                settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                            "model_max_length": context(m)}
+                if tokenizer.eod is not None:
+                    settings["eos_token"] = tokenizer.decode([tokenizer.eod])
+                (partial / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     return output_dir

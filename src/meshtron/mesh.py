@@ -42,7 +42,8 @@ def resolve_sizes(cfg: MeshConfig, n_devices: int) -> MeshConfig:
         names = [a for a in AXES if a != "context" or sizes[a] > 1]
         raise ConfigError(
             f"mesh: {' x '.join(names)} = {' x '.join(str(sizes[a]) for a in names)} = {total} "
-            f"devices, but this run has {n_devices}; shrink the mesh (e.g. mesh.data) or add devices"
+            f"devices, but this run has {n_devices}; shrink the mesh (e.g. mesh.data) or add devices (on a CPU, "
+            f"simulate them: XLA_FLAGS=--xla_force_host_platform_device_count={total} before JAX starts)"
         )
     return MeshConfig(**sizes)
 
@@ -90,6 +91,17 @@ def _has_accelerator_plugin() -> bool:
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
         return False
     return any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+
+
+# Larger meshes (the paper's 3072 GPUs) are planned or compiled from abstract devices, never simulated.
+MAX_SIMULATED_DEVICES = 64
+
+
+def simulate_devices_for(cfg: MeshConfig) -> bool:
+    """On a CPU, before JAX starts: as many simulated devices as the mesh needs (up to
+    :data:`MAX_SIMULATED_DEVICES`), so that a run of the Python API works as the command line does."""
+    needed = devices_requested(cfg)
+    return needed <= MAX_SIMULATED_DEVICES and ensure_cpu_devices(needed)
 
 
 def ensure_cpu_devices(n: int) -> bool:

@@ -1,4 +1,5 @@
-"""A trained model from a checkpoint directory, on any mesh: what ``meshtron generate`` samples from.
+"""A trained model from a checkpoint directory, on any mesh: what ``meshtron generate`` samples from,
+and what :meth:`Pretrained.logits` and :meth:`Pretrained.loss` run a forward pass of.
 
 Only the parameters are read (orbax partial restore: the optimizer state stays on disk), straight
 onto the shardings of the mesh asked for; the model's shape comes from the config the checkpoint
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -18,7 +20,8 @@ from meshtron.checkpoint_dirs import checkpoint_location
 from meshtron.config import Config, MeshConfig, config_from_dict, validate_tensor_split
 from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from meshtron.errors import ConfigError
-from meshtron.mesh import build_mesh, resolve_sizes
+from meshtron.forward import Forward
+from meshtron.mesh import build_mesh, resolve_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
 from meshtron.train.frozen_base import read_params
 from meshtron.train.state import ModelDef, Params, lora_spec, model_def_from_config
@@ -35,6 +38,39 @@ class Pretrained:
     step: int
     config: Config
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # the one the checkpoint carries (bytes: none)
+    _forward: Forward | None = field(default=None, init=False, repr=False, compare=False)  # compiled, per shape
+
+    def logits(self, tokens: Any) -> jax.Array:
+        """Float32 logits ``[batch, seq, vocab]`` of ``tokens``, an integer array ``[batch, seq]``
+        (one sequence: ``tokens[None]``), over the real vocabulary (``model_def.vocab_size``).
+
+        Any batch size and any length up to the model's positions (:attr:`max_positions`); each
+        shape compiles once and is kept. A ValueError names what is wrong otherwise."""
+        return self._forward_pass().logits(self.params, tokens)
+
+    def loss(self, tokens: Any, loss_mask: Any = None) -> jax.Array:
+        """Float32 next-token losses ``[batch, seq - 1]`` of ``tokens`` ``[batch, seq]``: entry ``t`` is
+        the loss of ``tokens[:, t + 1]`` predicted from ``tokens[:, :t + 1]`` -- the model's own
+        ``loss`` if it has one, else cross-entropy over the real vocabulary, as in training.
+
+        ``loss_mask``: booleans (or 0/1) shaped like the result, False where a loss does not count
+        (it is then 0); a mask over the tokens, as meshtron's fine-tuning masks are, is
+        ``mask[:, 1:]``. Rows hold up to :attr:`max_positions` + 1 tokens (the last is only a
+        target)."""
+        return self._forward_pass().losses(self.params, tokens, loss_mask)
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model runs over: its own ``max_len`` (a GPT's position table), else
+        the config's ``model.max_position_embeddings``, else its training window ``model.seq_len``."""
+        return self.model_def.max_len or self.config.model.max_position_embeddings or self.config.model.seq_len
+
+    def _forward_pass(self) -> Forward:
+        """The compiled forward pass for this model and mesh (rebuilt if either was replaced)."""
+        held = self._forward
+        if held is None or held.model_def is not self.model_def or held.mesh is not self.mesh:
+            self._forward = Forward(self.model_def, self.mesh, self.max_positions)
+        return self._forward
 
 
 def saved_config(directory: str | Path, *, argument: str = "directory") -> tuple[CheckpointStore, Config]:
@@ -72,13 +108,15 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
     """
     store, cfg = saved_config(directory, argument=argument)
     try:
-        devices = list(jax.devices() if devices is None else devices)
         mesh_cfg = mesh or cfg.mesh
         if mesh is None:  # decoding does not split sequences: the training mesh without its context axis
             mesh_cfg = replace(mesh_cfg, context=1)
         elif mesh_cfg.context != 1:
             raise ConfigError(f"mesh.context: generation does not split sequences over context ranks (got "
                               f"{mesh_cfg.context}); use mesh.context=1")
+        if devices is None:  # on a CPU, as many simulated devices as the mesh needs (if JAX has not started)
+            simulate_devices_for(mesh_cfg)
+        devices = list(jax.devices() if devices is None else devices)
         mesh_cfg = resolve_sizes(mesh_cfg, len(devices))
         pipe, tensor = mesh_cfg.pipe, mesh_cfg.tensor
         if cfg.model.sequence_parallel and tensor == 1:  # nothing to split the sequence over: the same model

@@ -14,6 +14,7 @@ model's own logical names or overrides a mapping (``model.rules`` in a config).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
@@ -118,7 +119,9 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     Inside a ``shard_map`` the manual axes are already local to the device, so they are dropped
     from the constraint; only the compiler-managed (auto) axes are constrained. Axes of one device
     split nothing and are dropped too (``seq`` maps to ``context``, of one device unless sequences
-    are split): the constraint is the same, and the program names only axes that split.
+    are split): the constraint is the same, and the program names only axes that split. The result
+    remembers ``axes`` (:func:`pinned_axes`): the gathered context exchange keeps keys and values as
+    the model laid them out, under whatever names it gave their heads.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -127,7 +130,34 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     spec = logical_to_spec(axes)
     spec = PartitionSpec(*(None if (a is None or a in manual or a not in mesh.axis_names or mesh.shape[a] == 1)
                            else a for a in spec))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return _pinned_to(jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), axes)
+
+
+_pins: dict[int, tuple[weakref.ref, tuple[str | None, ...]]] = {}
+
+
+def _pinned_to(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+    """``x``, remembered as laid out by the logical ``axes`` (:func:`pinned_axes`) for as long as it
+    lives: with automatic mesh axes an array's type does not say how they split it, and code that
+    must name its layout (a ``shard_map`` over those axes) needs the model's own names for it."""
+    key = id(x)
+
+    def forget(ref: weakref.ref) -> None:
+        if _pins.get(key, (None,))[0] is ref:
+            del _pins[key]
+
+    try:
+        _pins[key] = (weakref.ref(x, forget), tuple(axes))
+    except TypeError:  # a value that cannot be referred to weakly is simply not remembered
+        pass
+    return x
+
+
+def pinned_axes(x: jax.Array) -> tuple[str | None, ...] | None:
+    """The logical axes :func:`constrain` last pinned this very value to, or ``None`` (never pinned,
+    or computed from a pinned value: a new value, whose layout the compiler chooses)."""
+    entry = _pins.get(id(x))
+    return entry[1] if entry is not None and entry[0]() is x else None
 
 
 def variable_axes(variable: nnx.Variable) -> tuple[str | None, ...]:

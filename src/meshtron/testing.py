@@ -14,7 +14,8 @@ result, leaf by leaf::
 
 Each layout is ``(data, pipe, tensor)`` or ``(data, pipe, tensor, schedule, chunks)``, or a
 :class:`Layout` (which also splits sequences over context ranks: ``Layout(2, 1, 2, context=2)``). A mismatch raises :class:`ParityError` naming the layout, the parameter and the
-numbers (``raise_on_mismatch=False`` returns the reports instead).
+numbers, and so does a layout whose program fails to build or run, in one line naming the layout and the
+error (``raise_on_mismatch=False`` returns the reports instead, that layout's with its ``error``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import optax
 
 from meshtron.config import Config, MeshConfig, ModelConfig, PipelineConfig, TrainConfig
+from meshtron.errors import ConfigError
 from meshtron.mesh import build_mesh
 from meshtron.models.contract import ModelFactory
 from meshtron.optim import data_parallel_mean
@@ -85,7 +87,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class ParityReport:
-    """One layout against the single-device run: losses, and the largest gradient difference."""
+    """One layout against the single-device run: losses, and the largest gradient difference; or, for a
+    layout whose program failed to build or run, ``error`` (NaN numbers, not ``ok``)."""
 
     layout: Layout
     loss: float
@@ -93,6 +96,7 @@ class ParityReport:
     worst_parameter: str
     worst_abs_diff: float
     ok: bool
+    error: str = ""
 
 
 def _resolved(md: ModelDef, layout: Layout, batch: int, seq_len: int) -> Run:
@@ -127,6 +131,12 @@ def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray,
     return float(loss), jax.device_get(grads)
 
 
+def _failure(layout: Layout, error: Exception) -> str:
+    """One line for a layout whose program failed: the layout, the exception's type and first line."""
+    lines = str(error).strip().splitlines()
+    return f"{layout}: failed to run: {type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def check_parity(
     model: ModelFactory | ModelDef,
     layouts: Sequence[Layout | Sequence],
@@ -157,7 +167,10 @@ def check_parity(
 
     ``model`` is a factory ``rngs -> model`` (with ``rules`` added to Megatron's table) or a
     :class:`ModelDef`. ``batch`` must be divisible by every layout's data size times its microbatches.
-    Gradients match when ``|g - g_ref| <= atol + rtol·|g_ref|`` everywhere.
+    Gradients match when ``|g - g_ref| <= atol + rtol·|g_ref|`` everywhere. A layout that fails to
+    build or run is a failed parity too: one line naming it (its exception is the
+    :class:`ParityError`'s ``__context__``); a setting that cannot work on it (:class:`ConfigError`)
+    is raised as it is.
     """
     md = model if isinstance(model, ModelDef) else ModelDef.create(
         model, rules=extend_rules(MEGATRON_RULES, rules or {}))
@@ -189,7 +202,15 @@ def check_parity(
     reports = []
     for layout in chosen:
         ref_loss, ref_grads = reference(layout.data * layout.m if grouped_loss else 1)
-        loss, grads = _gradients(md, layout, params, tokens, devices)
+        try:
+            loss, grads = _gradients(md, layout, params, tokens, devices)
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 -- a program that fails to build or run is a report, not a traceback
+            if raise_on_mismatch:
+                raise ParityError(_failure(layout, error)) from None
+            reports.append(ParityReport(layout, math.nan, ref_loss, "", math.nan, False, _failure(layout, error)))
+            continue
         worst, worst_diff, ok = "", 0.0, math.isclose(loss, ref_loss, rel_tol=loss_rtol)
         for name, g, r in zip(names, jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
             g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)

@@ -36,6 +36,7 @@ all of ``.bin``, for zero-copy bulk access.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import weakref
@@ -57,6 +58,8 @@ CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 # Megatron's DType.optimal_dtype (what preprocess_data.py uses): uint16 below this many ids, else int32.
 UINT16_VOCAB_LIMIT = 65500
 _CHECK_CHUNK = 1 << 22  # elements per step of the index checks (bounded temporaries)
+META_SUFFIX = ".meta.json"
+META_FORMAT = "meshtron-indexed-meta"
 
 
 def best_dtype(vocab_size: int | None) -> np.dtype:
@@ -77,6 +80,11 @@ def strip_suffix(prefix: str | Path) -> str:
     """``foo.bin`` / ``foo.idx`` -> ``foo``: a prefix given with one of the two suffixes still works."""
     text = str(prefix)
     return text[:-4] if text.endswith((".bin", ".idx")) else text
+
+
+def meta_path(prefix: str | Path) -> Path:
+    """meshtron's metadata sidecar of the dataset ``prefix``: ``PREFIX.meta.json`` (:func:`read_meta`)."""
+    return Path(f"{strip_suffix(prefix)}{META_SUFFIX}")
 
 
 def exists(prefix: str | Path) -> bool:
@@ -300,6 +308,10 @@ class IndexedDatasetWriter:
     many one-sequence documents from one flat array. ``finalize()`` writes the index. Both files are
     written under temporary names and renamed by ``finalize``, so a failed run leaves no half
     dataset; as a context manager the writer finalizes on success and removes its files on error.
+    ``finalize`` is :meth:`write_index` then :meth:`put_in_place`: :class:`WrittenTogether` runs the
+    first for all its datasets before the second for any, so that several datasets replace the old
+    ones only when all of them are complete. Putting a dataset in place removes a metadata sidecar
+    (:func:`meta_path`) left from the files it replaces: it described those.
     """
 
     def __init__(self, prefix: str | Path, dtype=np.int32):
@@ -315,6 +327,7 @@ class IndexedDatasetWriter:
         self.document_indices = array("q", [0])
         self.tokens = 0
         self.finalized = False
+        self._indexed = False
 
     def _tokens(self, ids) -> np.ndarray:
         values = np.asarray(ids)
@@ -361,8 +374,13 @@ class IndexedDatasetWriter:
 
     def finalize(self) -> Path:
         """Write the index and put both files in place; returns the ``.idx`` path."""
-        if self.finalized:
-            return index_path(self.prefix)
+        self.write_index()
+        return self.put_in_place()
+
+    def write_index(self) -> None:
+        """Close ``.bin`` and write the index, both still under their temporary names."""
+        if self.finalized or self._indexed:
+            return
         self._file.close()
         lengths = np.frombuffer(self.sequence_lengths, dtype=np.int32) if self.sequence_lengths else np.empty(0, np.int32)
         pointers = np.zeros(len(lengths), np.int64)
@@ -374,9 +392,16 @@ class IndexedDatasetWriter:
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(docs.astype("<i8").tobytes())
-        os.replace(self._bin_tmp, data_path(self.prefix))
-        os.replace(self._idx_tmp, index_path(self.prefix))
-        self.finalized = True
+        self._indexed = True
+
+    def put_in_place(self) -> Path:
+        """Rename the finished files (:meth:`write_index`) over ``prefix.bin`` / ``.idx``; returns the ``.idx`` path."""
+        if not self.finalized:
+            self.write_index()
+            os.replace(self._bin_tmp, data_path(self.prefix))
+            os.replace(self._idx_tmp, index_path(self.prefix))
+            meta_path(self.prefix).unlink(missing_ok=True)  # it described the files just replaced
+            self.finalized = True
         return index_path(self.prefix)
 
     def abort(self) -> None:
@@ -402,3 +427,80 @@ def write_dataset(prefix: str | Path, documents: Iterable, dtype=np.int32) -> In
         for ids in documents:
             writer.add_document(ids)
     return IndexedDataset(prefix)
+
+
+def read_meta(dataset: IndexedDataset) -> dict | None:
+    """The metadata sidecar ``PREFIX.meta.json`` that ``meshtron preprocess`` writes beside the
+    Megatron files (which stay exactly Megatron's format): what tokenized the dataset, and its
+    document and token counts. ``None`` when there is none -- Megatron's tools and older meshtron
+    write none -- or when its counts are not the dataset's (the files were replaced since, by a
+    tool that does not know the sidecar), so a stale record never speaks for other tokens."""
+    path = meta_path(dataset.prefix)
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"indexed dataset {str(path)!r}: is not meshtron's metadata JSON ({err}); delete it or "
+                          "re-create the dataset with meshtron preprocess") from None
+    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
+        return None
+    if (meta.get("documents"), meta.get("tokens")) != (dataset.num_documents, dataset.total_tokens):
+        return None
+    return meta
+
+
+class WrittenTogether:
+    """Indexed datasets and small files that replace their old versions together or not at all.
+
+    Each is written under a temporary name (``NAME.tmp``); leaving the ``with`` block normally writes
+    every index, and only when all are complete renames each file into place. An error inside the
+    block -- a bad input line, an empty input found at the end, a failed write -- removes the
+    temporary files and leaves whatever was at the final names byte for byte as it was. (The renames
+    themselves are one ``os.replace`` each, not one atomic step.)
+    """
+
+    def __init__(self) -> None:
+        self._writers: list[IndexedDatasetWriter] = []
+        self._files: list[tuple[Path, Path]] = []  # (temporary, final)
+
+    def dataset(self, prefix: str | Path, dtype=np.int32) -> IndexedDatasetWriter:
+        """A writer for the dataset ``prefix``, put in place with the rest."""
+        writer = IndexedDatasetWriter(prefix, dtype)
+        self._writers.append(writer)
+        return writer
+
+    def text(self, path: str | Path, content: str) -> None:
+        """A small text file at ``path`` (a sidecar), put in place with the rest, after the datasets."""
+        final = Path(path)
+        temporary = final.with_name(final.name + ".tmp")
+        self._files.append((temporary, final))
+        temporary.write_text(content, encoding="utf-8")
+
+    def commit(self) -> None:
+        for writer in self._writers:
+            writer.write_index()
+        for writer in self._writers:
+            writer.put_in_place()
+        for temporary, final in self._files:
+            os.replace(temporary, final)
+
+    def abort(self) -> None:
+        for writer in self._writers:
+            if not writer.finalized:
+                writer.abort()
+        for temporary, _ in self._files:
+            temporary.unlink(missing_ok=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            self.commit()
+        except BaseException:
+            self.abort()
+            raise

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtron.data.indexed import IndexedDatasetWriter, best_dtype, strip_suffix
-from meshtron.data.tokenizers import BYTES, Tokenizer, load_tokenizer
+from meshtron.data.indexed import META_FORMAT, WrittenTogether, best_dtype, meta_path, strip_suffix
+from meshtron.data.tokenizers import BYTES, Tokenizer, load_tokenizer, tokenizer_record
 from meshtron.errors import ConfigError
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -92,6 +92,32 @@ def expand_inputs(inputs: str | Path | Sequence[str | Path]) -> list[Path]:
         for path in matches:
             files.setdefault(path.resolve(), None)
     return list(files)
+
+
+def input_names(files: Sequence[Path], shown: int = 3) -> str:
+    """The input files for a message: all of a few, else the first ``shown`` and how many in all."""
+    names = ", ".join(map(str, files[:shown]))
+    return names if len(files) <= shown else f"{names}, ... ({len(files)} files)"
+
+
+def refuse_empty(files: Sequence[Path], documents: int, tokens: int, unit: str = "documents",
+                 fix: str = "give files with text") -> None:
+    """An input with nothing to train on is a mistake (a wrong glob, an empty export): one line, raised
+    before anything is put in place, so a good dataset at the output is never replaced by an empty one."""
+    if tokens == 0:
+        held = f"only {documents} empty {unit}" if documents else f"no {unit[:-1]}"
+        raise ConfigError(f"--input: {input_names(files)} holds {held} (empty, or blank lines only); {fix} "
+                          "(nothing was written)")
+
+
+def dataset_meta(tokenizer: Tokenizer, documents: int, tokens: int, *, append_eod: bool, sft: bool = False) -> str:
+    """The metadata sidecar (``PREFIX.meta.json``, :func:`meshtron.data.indexed.read_meta`) of a dataset
+    written here: the tokenizer that wrote it -- what a run checks its own against -- and the counts
+    that tie the record to these very files."""
+    record = {"format": META_FORMAT, "version": 1, "tokenizer": tokenizer_record(tokenizer),
+              "documents": int(documents), "tokens": int(tokens),
+              "append_eod": bool(append_eod and (sft or tokenizer.eod is not None)), "sft": sft}
+    return json.dumps(record, indent=1) + "\n"
 
 
 def _tokenizer_spec(tokenizer: str | Path | Tokenizer | None) -> str:
@@ -237,9 +263,12 @@ def preprocess(inputs: str | Path | Sequence[str | Path], tokenizer: str | Path 
     document with the tokenizer's end-of-document id (if it has one). ``progress``: a progress bar
     on a terminal (plain lines otherwise) and the summary line; False prints nothing.
 
-    The files are written under temporary names and put in place at the end. A bad input (no file
-    for a glob, a line that is not JSON or lacks the field, text that is not UTF-8) is one
-    :class:`ConfigError` naming the file (and line) and the fix, and leaves no output.
+    Beside the Megatron files (unchanged from Megatron's format), ``PREFIX.meta.json`` records the
+    tokenizer (:func:`dataset_meta`): a run checks its own tokenizer against it. The files are written
+    under temporary names and put in place together at the end. A bad input (no file for a glob, a
+    line that is not JSON or lacks the field, text that is not UTF-8, no text at all) is one
+    :class:`ConfigError` naming the file (and line) and the fix, and leaves no output: files already
+    at ``output_prefix`` stay as they were.
     """
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"--workers: must be a positive integer, got {workers!r}")
@@ -254,7 +283,8 @@ def preprocess(inputs: str | Path | Sequence[str | Path], tokenizer: str | Path 
     documents = tokens = 0
     pool = None
     try:
-        with IndexedDatasetWriter(prefix, dtype) as writer:
+        with WrittenTogether() as out:
+            writer = out.dataset(prefix, dtype)
             if workers == 1:
                 _init_worker(*init_args)
                 results = map(_encode_batch, _batches(files, meter))
@@ -266,6 +296,8 @@ def preprocess(inputs: str | Path | Sequence[str | Path], tokenizer: str | Path 
                 writer.add_documents(flat, lengths)
                 documents += len(lengths)
                 tokens += len(flat)
+            refuse_empty(files, documents, tokens)
+            out.text(meta_path(prefix), dataset_meta(loaded, documents, tokens, append_eod=append_eod))
     finally:
         meter.close()
         if pool is not None:

@@ -20,18 +20,23 @@ header for generation and :meth:`ChatTemplate.answer` cuts a generated continuat
 
 **On disk** (:func:`preprocess_sft`): the tokens are a Megatron-LM indexed dataset ``PREFIX.bin`` /
 ``PREFIX.idx``, one document per example (readable by any tool that reads those), and the loss mask
-is a second one, ``PREFIX.loss_mask.bin`` / ``.idx``, of uint8 with the same document lengths.
+is a second one, ``PREFIX.loss_mask.bin`` / ``.idx``, of uint8 with the same document lengths;
+``PREFIX.meta.json`` records the tokenizer (:func:`meshtron.data.preprocess.dataset_meta`). An
+example with no answer (none, or only empty ones) is refused, so every example has a counted token.
 
 **Windows** (:class:`PackedExamples`): every epoch shuffles the examples and packs them whole, in that
 order, into windows of ``seq_len + 1`` tokens (a window closes when the next example does not fit; the
 rest is padding), each example its own document of the window: attention, positions and the loss
-stay inside it (:mod:`meshtron.models.documents`). An example longer than a window is cut to it.
+stay inside it (:mod:`meshtron.models.documents`). An example longer than a window is cut to it,
+and may lose its answer with the cut: :func:`check_answers` refuses a run where every training
+example does, and warns when some do.
 """
 
 from __future__ import annotations
 
 import json
 import operator
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -41,8 +46,8 @@ from pathlib import Path
 import numpy as np
 
 from meshtron.data import indexed
-from meshtron.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, strip_suffix
-from meshtron.data.preprocess import PreprocessStats, expand_inputs
+from meshtron.data.indexed import IndexedDataset, WrittenTogether, best_dtype, meta_path, strip_suffix
+from meshtron.data.preprocess import PreprocessStats, dataset_meta, expand_inputs, refuse_empty
 from meshtron.data.samples import SPLITS, split_range
 from meshtron.data.tokenizers import Tokenizer, load_tokenizer
 from meshtron.errors import ConfigError
@@ -51,6 +56,8 @@ MASK_SUFFIX = ".loss_mask"
 ROLES = ("system", "user", "assistant")
 END_TEXT = "<|end|>"
 _CACHED_EPOCHS = 2
+NO_ANSWER = np.iinfo(np.int64).max  # answer_starts of an example with no counted target at all
+_ANSWER_READ = 1 << 24  # mask bytes read at a time by answer_starts
 
 
 def mask_prefix(prefix: str | Path) -> str:
@@ -65,9 +72,11 @@ def has_loss_mask(prefix: str | Path) -> bool:
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """meshtron's chat template (module doc) for ``tokenizer``."""
+    """meshtron's chat template (module doc) for ``tokenizer``. ``append_end=False`` renders answers
+    without ``<END>`` (``preprocess --sft --no-eod``): the model then never learns to stop."""
 
     tokenizer: Tokenizer
+    append_end: bool = True
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text)) if text else []
@@ -86,7 +95,7 @@ class ChatTemplate:
             role, content = message["role"], message["content"]
             header = self._ids(f"<|{role}|>\n")
             if role == "assistant":
-                answer = self._ids(content) + self.end
+                answer = self._ids(content) + (self.end if self.append_end else [])
                 ids += header + answer
                 mask += [0] * len(header) + [1] * len(answer)
             else:
@@ -123,12 +132,19 @@ def messages_of(record: object, where: str) -> list[dict]:
                     or not isinstance(message.get("content"), str)):
                 raise ConfigError(f"--input: {where}: messages[{k}] must be {{\"role\": one of {', '.join(ROLES)}, "
                                   f"\"content\": a string}}, got {json.dumps(message)[:80]}")
-        if not any(m["role"] == "assistant" for m in messages):
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        if not answers:
             raise ConfigError(f"--input: {where}: no assistant message, so nothing to learn; add the answer")
+        if not any(a.strip() for a in answers):
+            raise ConfigError(f"--input: {where}: the assistant message's content is empty, so there is no answer to "
+                              "learn; write the answer or drop the line")
         return messages
     if isinstance(record, dict) and "prompt" in record and "response" in record:
         if not isinstance(record["prompt"], str) or not isinstance(record["response"], str):
             raise ConfigError(f"--input: {where}: 'prompt' and 'response' must be strings")
+        if not record["response"].strip():
+            raise ConfigError(f"--input: {where}: 'response' is empty, so there is no answer to learn; write the "
+                              "answer or drop the line")
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     keys = ", ".join(map(str, record)) if isinstance(record, dict) else f"a JSON {type(record).__name__}"
     raise ConfigError(f"--input: {where} has neither 'messages' nor 'prompt' and 'response' ({keys or 'no fields'}); "
@@ -136,40 +152,50 @@ def messages_of(record: object, where: str) -> list[dict]:
 
 
 def preprocess_sft(inputs: str | Path | Sequence[str | Path], tokenizer: str | Path | Tokenizer | None,
-                   output_prefix: str | Path, *, progress: bool = True) -> PreprocessStats:
-    """JSON lines of examples (module doc) -> ``PREFIX.bin``/``.idx`` (tokens) and
-    ``PREFIX.loss_mask.bin``/``.idx`` (the mask), written under temporary names and put in place at
-    the end; a bad line is one :class:`ConfigError` naming the file, the line and the fix, and leaves
-    no output."""
+                   output_prefix: str | Path, *, append_eod: bool = True, progress: bool = True) -> PreprocessStats:
+    """JSON lines of examples (module doc) -> ``PREFIX.bin``/``.idx`` (tokens),
+    ``PREFIX.loss_mask.bin``/``.idx`` (the mask) and ``PREFIX.meta.json`` (the tokenizer,
+    :func:`~meshtron.data.preprocess.dataset_meta`), all written under temporary names and put in
+    place together at the end. A bad line, or an input with no example, is one :class:`ConfigError`
+    naming the file (and line) and the fix, and leaves the files at ``output_prefix`` as they were.
+
+    ``append_eod=False`` (``--no-eod``): answers are not followed by ``<END>``, so the model does not
+    learn to stop (generation then runs to its token limit)."""
     files = expand_inputs(inputs)
     loaded = load_tokenizer(tokenizer or "bytes") if tokenizer is None or isinstance(tokenizer, str | Path) else tokenizer
-    template = ChatTemplate(loaded)
+    template = ChatTemplate(loaded, append_end=append_eod)
     prefix = strip_suffix(output_prefix)
     dtype = best_dtype(loaded.vocab_size)
     start, examples, tokens, size = time.perf_counter(), 0, 0, 0
-    with IndexedDatasetWriter(prefix, dtype) as ids_out, IndexedDatasetWriter(mask_prefix(prefix), np.uint8) as mask_out:
+    with WrittenTogether() as out:
+        ids_out, mask_out = out.dataset(prefix, dtype), out.dataset(mask_prefix(prefix), np.uint8)
         for path in files:
             size += path.stat().st_size
-            with open(path, "rb") as f:
-                for line, raw in enumerate(f, 1):
-                    if not raw.strip():
-                        continue
-                    where = f"{path}:{line}"
-                    try:
-                        record = json.loads(raw.decode("utf-8"))
-                    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                        raise ConfigError(f"--input: {where} is not a UTF-8 JSON object ({err}); write one example "
-                                          "per line") from None
-                    ids, mask = template.render(messages_of(record, where))
-                    ids_out.add_document(ids)
-                    mask_out.add_document(mask)
-                    examples, tokens = examples + 1, tokens + len(ids)
-    if examples == 0:
-        raise ConfigError(f"--input: {', '.join(map(str, files))} holds no example; write one JSON object per line")
+            for ids, mask in _rendered(path, template):
+                ids_out.add_document(ids)
+                mask_out.add_document(mask)
+                examples, tokens = examples + 1, tokens + len(ids)
+        refuse_empty(files, examples, tokens, "examples", "write one JSON example per line")
+        out.text(meta_path(prefix), dataset_meta(loaded, examples, tokens, append_eod=append_eod, sft=True))
     stats = PreprocessStats(prefix, len(files), examples, tokens, size, time.perf_counter() - start, dtype.name, 1)
     if progress:
         print(stats.summary().replace("documents", "examples") + f" (+ loss mask at {mask_prefix(prefix)}.bin/.idx)")
     return stats
+
+
+def _rendered(path: Path, template: ChatTemplate):
+    """``(ids, mask)`` of each example in the JSON lines file ``path`` (blank lines skipped)."""
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{line}"
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ConfigError(f"--input: {where} is not a UTF-8 JSON object ({err}); write one example "
+                                  "per line") from None
+            yield template.render(messages_of(record, where))
 
 
 class PackedExamples:
@@ -200,6 +226,7 @@ class PackedExamples:
         self._starts, self._lengths = offsets[:-1][keep], np.minimum(lengths[keep], seq_len + 1)
         if not len(self._lengths):
             raise ConfigError(f"data.path: the {split} split of {name!r} has no example of two tokens or more")
+        self.answer_starts = answer_starts(self.masks, self._starts, lengths[keep])
         self.seq_len, self.seed, self.split = int(seq_len), int(seed), split
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._first_window = [0]  # window number each built epoch starts at (epochs are built in order)
@@ -208,6 +235,17 @@ class PackedExamples:
 
     def __len__(self) -> int:
         return self.num_samples
+
+    @property
+    def num_examples(self) -> int:
+        """Examples of this split (of two tokens or more)."""
+        return len(self._lengths)
+
+    @property
+    def answers_lost(self) -> int:
+        """Examples of this split that train on nothing at this ``seq_len``: cut to ``seq_len + 1``
+        tokens before their first counted target (:func:`answer_starts`)."""
+        return int(np.count_nonzero(self.answer_starts > self.seq_len))
 
     def __repr__(self) -> str:
         return (f"PackedExamples({self.dataset.prefix!r}, split={self.split}, seq_len={self.seq_len}: "
@@ -255,3 +293,65 @@ class PackedExamples:
             out[filled : filled + length, 2] = self.masks.read(start, length)
             filled += length
         return out
+
+
+def answer_starts(masks: IndexedDataset, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each example's first counted target: the position, within the example, of its first mask 1
+    after its first token (which is never predicted); :data:`NO_ANSWER` when it has none.
+
+    An example cut to a window of ``seq_len + 1`` tokens keeps a counted target exactly when this is
+    at most ``seq_len``. ``starts`` / ``lengths``: the examples' token offsets (ascending) and whole
+    lengths. The mask is read in pieces of about 16 MB with positioned reads (uint8: one byte a token),
+    never memory-mapped, so a large dataset's check leaves nothing resident."""
+    out = np.full(len(starts), NO_ANSWER, np.int64)
+    starts = np.asarray(starts, np.int64)
+    ends = starts + np.asarray(lengths, np.int64)
+    first = 0
+    while first < len(starts):
+        stop = max(first + 1, int(np.searchsorted(ends, starts[first] + _ANSWER_READ, side="right")))
+        base = int(starts[first])
+        ones = np.flatnonzero(masks.read(base, int(ends[stop - 1]) - base)) + base
+        ones = np.append(ones, NO_ANSWER)
+        found = ones[np.searchsorted(ones, starts[first:stop] + 1)]
+        inside = found < ends[first:stop]
+        out[first:stop] = np.where(inside, found - starts[first:stop], NO_ANSWER)
+        first = stop
+    return out
+
+
+def packed_datasets(samples: object) -> list[PackedExamples]:
+    """The :class:`PackedExamples` among a split's samples: itself, or those of a blend."""
+    if isinstance(samples, PackedExamples):
+        return [samples]
+    return [d for d in getattr(samples, "datasets", []) if isinstance(d, PackedExamples)]
+
+
+def check_answers(samples: object, *, seq_len: int, field: str = "data.path", split: str = "train") -> None:
+    """Refuse SFT training data whose every example loses its answer at ``seq_len`` (the run would
+    log a loss of 0 and a gradient of 0, and learn nothing), and warn, one line on stderr, when some
+    do. ``samples``: one split (:class:`PackedExamples`, or a blend holding some); ``field``: the
+    setting that named the data, for the messages. The held-out split is only warned about (its loss
+    would read 0 when none of its answers fits)."""
+    kind = "training" if split == "train" else "held-out"
+    for windows in packed_datasets(samples):
+        lost, total = windows.answers_lost, windows.num_examples
+        if not lost:
+            continue
+        answered = windows.answer_starts[windows.answer_starts != NO_ANSWER]
+        keeps_all = f"model.seq_len={int(answered.max())} keeps every answer" if len(answered) else (
+            "no example has a counted token")
+        if lost == total and split == "train":
+            raise ConfigError(
+                f"{field}: every one of the {total} training examples of {windows.dataset.prefix} loses its answer at "
+                f"model.seq_len={seq_len} (cut to seq_len + 1 tokens before its first counted token), so the run "
+                f"would learn nothing; use a longer model.seq_len ({keeps_all}) or shorter examples")
+        _warn(f"{field}: {lost} of {total} {kind} examples of {windows.dataset.prefix} lose their answer at "
+              f"model.seq_len={seq_len} (cut before their first counted token) and count for nothing; "
+              f"{keeps_all}, or shorten those examples")
+
+
+def _warn(message: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:
+        print(f"meshtron: {message}", file=sys.stderr, flush=True)

@@ -16,9 +16,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from meshtron.checkpoint_dirs import checkpoint_location, read_step_meta, step_directories
 from meshtron.config import DataConfig, indexed_prefix
 from meshtron.data.text import Batches, Corpus
-from meshtron.data.tokenizers import BYTES, Tokenizer, check_vocab, load_tokenizer
+from meshtron.data.tokenizers import (
+    BYTES,
+    Tokenizer,
+    carried_tokenizer,
+    check_vocab,
+    describe_tokenizer,
+    load_tokenizer,
+    same_tokenizer,
+    tokenizer_record,
+)
 from meshtron.errors import ConfigError
 
 _UNIGRAM_SAMPLE_TOKENS = 1 << 20  # training tokens the unigram baseline of an indexed dataset counts
@@ -84,21 +94,40 @@ class TokenDatasets:
 
 
 def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_size: int, seed: int,
-                       samples: int, eval_samples: int) -> Corpus | TokenDatasets:
+                       samples: int, eval_samples: int, init_from: str | None = None,
+                       config_vocab_size: int | None = None) -> Corpus | TokenDatasets:
     """What ``data`` names: a text (tokenized by ``data.tokenizer``), an indexed dataset prefix, or
     ``data.blend``. ``samples``: training samples the run draws (``steps x batch``); an indexed
-    dataset's sample order is built for that many (epochs repeat as needed)."""
+    dataset's sample order is built for that many (epochs repeat as needed).
+
+    ``init_from``: ``train.init_from``, whose checkpoint fixes the model's vocabulary: a
+    ``model.vocab_size`` (``config_vocab_size``, the run's config's; default ``vocab_size``, the
+    model's) larger than the one its config records is refused (the extra rows would start at zero),
+    and the advice of a vocabulary error is then to re-tokenize the data with the checkpoint's
+    tokenizer, not to grow the model.
+    An indexed dataset whose metadata (``PREFIX.meta.json``) names another tokenizer than
+    ``data.tokenizer`` is refused; one without (Megatron's, older meshtron's) is read as before."""
+    origin = ModelOrigin.of(init_from)
+    if origin is not None:
+        origin.check_vocab_size(vocab_size if config_vocab_size is None else config_vocab_size)
     if cfg.blend is None and (cfg.path is None or indexed_prefix(cfg.path) is None):
         if cfg.reset_per_document:
             raise ConfigError(f"data.reset_per_document: {cfg.path or 'the built-in corpus'} is one text, not "
                               "documents; preprocess documents into an indexed dataset (meshtron preprocess) and "
                               "train on that, or set data.reset_per_document=false")
-        return Corpus.from_config(cfg, seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size)
+        tokenizer = None
+        if origin is not None:
+            tokenizer = load_tokenizer(cfg.tokenizer)
+            check_vocab(tokenizer, vocab_size, origin.vocab_fix())
+        return Corpus.from_config(cfg, seq_len=seq_len, batch_size=batch_size, vocab_size=vocab_size,
+                                  tokenizer=tokenizer)
     from meshtron.data.blend import Blend, BlendedSamples, parse_blend, split_windows
     from meshtron.data.indexed import IndexedDataset
+    from meshtron.data.sft import check_answers
 
     tokenizer = load_tokenizer(cfg.tokenizer)
-    check_vocab(tokenizer, vocab_size)
+    check_vocab(tokenizer, vocab_size, origin.vocab_fix() if origin is not None else None)
+    field_name = "data.blend" if cfg.blend is not None else "data.path"
     if cfg.blend is not None:
         blend = parse_blend(list(cfg.blend))
         prefixes = [indexed_prefix(p) or p for p in blend.prefixes]
@@ -106,10 +135,13 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
     else:
         blend = Blend([1.0], [indexed_prefix(cfg.path)])
     for prefix in blend.prefixes:
-        high = _max_token(IndexedDataset(prefix))
+        dataset = IndexedDataset(prefix)
+        check_data_tokenizer(dataset, tokenizer, cfg.tokenizer, field_name, origin)
+        high = _max_token(dataset)
         if high >= vocab_size:
-            raise ConfigError(f"model.vocab_size: {prefix} holds token id {high}; set model.vocab_size={high + 1} "
-                              "or more (the vocabulary of the tokenizer that wrote it)")
+            fix = (origin.vocab_fix() if origin is not None else
+                   f"set model.vocab_size={high + 1} or more (the vocabulary of the tokenizer that wrote it)")
+            raise ConfigError(f"model.vocab_size: {prefix} holds token id {high}; {fix}")
     documents = packs_documents(cfg)
     splits = {}
     for split, count in (("train", samples), ("heldout", eval_samples)):
@@ -121,12 +153,84 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
             splits[split] = BlendedSamples.from_blend(blend, seq_len=seq_len, seed=seed, num_samples=count,
                                                       split=split, holdout_fraction=cfg.holdout_fraction,
                                                       documents=documents)
+    for split, windows in splits.items():
+        check_answers(windows, seq_len=seq_len, field=field_name, split=split)
     source = (f"indexed {blend.prefixes[0]}" if len(blend.prefixes) == 1 else
               "blend " + ", ".join(f"{w:.3g} x {p}" for w, p in zip(blend.weights, blend.prefixes)))
     train_samples, heldout_samples = splits["train"], splits["heldout"]
     data = TokenDatasets(train_samples, heldout_samples, source, tokenizer, vocab_size)
     data.heldout_bytes_per_token = _bytes_per_token(data, eval_samples)
     return data
+
+
+@dataclass(frozen=True)
+class ModelOrigin:
+    """The checkpoint ``train.init_from`` names, as far as the data cares: its model's real vocabulary
+    (``model.vocab_size`` of the config it records; None when unreadable) and the tokenizer it
+    carries (a file's path, or ``bytes``), which the data must be tokenized with."""
+
+    init_from: str
+    vocab_size: int | None
+    tokenizer: str
+
+    @classmethod
+    def of(cls, init_from: str | None) -> ModelOrigin | None:
+        if init_from is None:
+            return None
+        directory, step = checkpoint_location(init_from)
+        steps = [step] if step is not None else list(reversed(step_directories(directory)))
+        vocab = None
+        for candidate in steps:  # the newest step whose meta record reads (a damaged one is skipped)
+            config = (read_step_meta(directory, candidate) or {}).get("config")
+            if isinstance(config, dict):
+                vocab = (config.get("model") or {}).get("vocab_size")
+                break
+        return cls(str(init_from), vocab if isinstance(vocab, int) else None, carried_tokenizer(directory))
+
+    def check_vocab_size(self, vocab_size: int) -> None:
+        """Refuse a ``model.vocab_size`` above the checkpoint's: restoring would zero-pad the embedding
+        and output rows (the padding to a multiple of 128 x tensor is resizable, so it is not refused
+        there), and no tokenizer of the model has ids for them."""
+        if self.vocab_size is not None and vocab_size > self.vocab_size:
+            raise ConfigError(f"model.vocab_size: {vocab_size} is larger than the checkpoint's {self.vocab_size} "
+                              f"(train.init_from={self.init_from}): the extra rows would start at zero; set "
+                              f"model.vocab_size={self.vocab_size} and re-run meshtron preprocess with its tokenizer "
+                              f"(--tokenizer {self.tokenizer})")
+
+    def vocab_fix(self) -> str:
+        """The advice of a vocabulary error on a run from this checkpoint."""
+        size = f"its {self.vocab_size} ids" if self.vocab_size is not None else "its vocabulary"
+        return (f"train.init_from={self.init_from} fixes the model's vocabulary ({size}), so a larger "
+                f"model.vocab_size would only add untrained rows: re-run meshtron preprocess with the model's tokenizer "
+                f"(--tokenizer {self.tokenizer}) and set data.tokenizer={self.tokenizer}")
+
+
+def check_data_tokenizer(dataset: Any, tokenizer: Tokenizer, spec: str, field_name: str,
+                         origin: ModelOrigin | None = None) -> None:
+    """Refuse an indexed dataset whose metadata records another tokenizer than the run's (``spec``:
+    ``data.tokenizer``): its ids would fit the model and mean other text. A dataset without
+    metadata passes. The advice: re-tokenize with the model's tokenizer (``train.init_from``'s, else
+    ``data.tokenizer``) -- or, when the data already has the model's tokenizer, point
+    ``data.tokenizer`` at it."""
+    from meshtron.data.indexed import read_meta
+
+    meta = read_meta(dataset)
+    recorded = (meta or {}).get("tokenizer")
+    if not isinstance(recorded, dict):
+        return
+    own = tokenizer_record(tokenizer)
+    if same_tokenizer(recorded, own):
+        return
+    written = recorded.get("source", BYTES) if recorded.get("kind") != BYTES else BYTES
+    model = origin.tokenizer if origin is not None else spec
+    if origin is not None and same_tokenizer(recorded, tokenizer_record(load_tokenizer(model))):
+        fix = f"set data.tokenizer={model} (the tokenizer of train.init_from's model, which wrote the data)"
+    else:
+        fix = f"re-run meshtron preprocess with the model's tokenizer, --tokenizer {model}, into {dataset.prefix}"
+        if origin is None:
+            fix += f", or set data.tokenizer={written} if that is the model's"
+    raise ConfigError(f"{field_name}: {dataset.prefix} was tokenized with {describe_tokenizer(recorded)} but this "
+                      f"run's tokenizer is {describe_tokenizer(own)} (data.tokenizer); {fix}")
 
 
 def packs_documents(cfg: DataConfig) -> bool:

@@ -10,6 +10,7 @@ reads it back, so a checkpoint decodes with the tokenizer that trained it wherev
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -120,11 +121,66 @@ def load_tokenizer(spec: str | Path | None) -> Tokenizer:
                       "SentencePiece model (.model)")
 
 
-def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
-    """``model.vocab_size`` must give every id of the tokenizer an embedding row."""
+def check_vocab(tokenizer: Tokenizer, vocab_size: int, fix: str | None = None) -> None:
+    """``model.vocab_size`` must give every id of the tokenizer an embedding row. ``fix``: the advice
+    when a larger ``model.vocab_size`` is not it (a model started from a checkpoint has its
+    vocabulary already); by default, to set one."""
     if vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size: {vocab_size} does not cover the tokenizer's {tokenizer.vocab_size} ids "
-                          f"({tokenizer.source}); set model.vocab_size={tokenizer.vocab_size} or more")
+                          f"({tokenizer.source}); {fix or f'set model.vocab_size={tokenizer.vocab_size} or more'}")
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_record(tokenizer: Tokenizer) -> dict:
+    """What identifies a tokenizer in a dataset's metadata (:func:`meshtron.data.indexed.read_meta`):
+    for bytes its kind alone; else its kind, file (absolute), vocabulary size, end-of-document id and
+    the SHA-256 of the file's bytes -- two tokenizers whose ids merely fit the same model differ there."""
+    if tokenizer.kind == BYTES:
+        return {"kind": BYTES}
+    path = getattr(tokenizer, "path", None)
+    has_file = path is not None and Path(path).is_file()
+    record = {"kind": tokenizer.kind, "source": str(Path(path).absolute()) if has_file else str(tokenizer.source),
+              "vocab_size": int(tokenizer.vocab_size), "eod": tokenizer.eod}
+    if has_file:
+        record["sha256"] = file_sha256(path)
+    return record
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Whether two :func:`tokenizer_record` s are one tokenizer: the same kind and file bytes (the same
+    size and end id when a record has no file hash)."""
+    if a.get("kind") != b.get("kind"):
+        return False
+    if a.get("kind") == BYTES:
+        return True
+    if a.get("sha256") and b.get("sha256"):
+        return a["sha256"] == b["sha256"]
+    return (a.get("vocab_size"), a.get("eod")) == (b.get("vocab_size"), b.get("eod"))
+
+
+def describe_tokenizer(record: dict) -> str:
+    """A :func:`tokenizer_record` in a few words, for messages."""
+    if record.get("kind") == BYTES:
+        return BYTES
+    sha = f", sha256 {record['sha256'][:12]}" if record.get("sha256") else ""
+    return f"{record.get('source')} ({record.get('kind')}, {record.get('vocab_size')} ids{sha})"
+
+
+def carried_tokenizer(directory: str | Path) -> str:
+    """The ``--tokenizer`` / ``data.tokenizer`` value of the tokenizer a checkpoint directory carries:
+    its file, or ``bytes`` when it carries none (:func:`save_tokenizer`)."""
+    for name in CHECKPOINT_FILES.values():
+        path = Path(directory) / name
+        if path.is_file():
+            return str(path)
+    return BYTES
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory: str | Path) -> Path | None:

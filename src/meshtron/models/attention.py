@@ -41,7 +41,7 @@ from typing import Literal, overload
 import jax
 import jax.numpy as jnp
 
-from meshtron.models.context_attention import sequence_split, split_attention
+from meshtron.models.context_attention import kv_axes, sequence_split, split_attention
 from meshtron.models.documents import active_segments, same_document
 
 Implementation = Literal["xla", "cudnn"] | None
@@ -214,8 +214,9 @@ def causal_attention(
     scale = 1.0 / math.sqrt(q.shape[-1])
     if cache is None:
         segments = active_segments() if segments is None else segments
-        if sequence_split() is not None:
-            return _split_core(q, k, v, implementation=implementation, segments=segments)
+        if sequence_split() is not None:  # k's and v's layouts read here: the core may retrace them
+            return _split_core(q, k, v, implementation=implementation, segments=segments, key_axes=kv_axes(k),
+                               value_axes=kv_axes(v))
         if segments is not None:
             return _documents_core(q, k, v, segments, scale=scale, implementation=implementation)
         return _causal_core(q, k, v, scale=scale, implementation=implementation)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtron.models.documents import same_document
-from meshtron.sharding import constrain, logical_to_spec, manual_part, varying_like
+from meshtron.sharding import LogicalAxes, constrain, logical_to_spec, manual_part, pinned_axes, varying_like
 
 EXCHANGES = ("gathered", "ring")
 _exchange: list[str] = ["gathered"]
@@ -86,17 +86,29 @@ KEYS = ("batch", "seq", "kv_heads", "head_dim")
 TOKENS = ("batch", "seq")
 
 
+def kv_axes(x: jax.Array) -> tuple[str | None, ...]:
+    """The logical axes of keys or values ``x`` [b, s, kv_heads, d] as the model laid them out: those it
+    pinned this very value to (:func:`meshtron.sharding.constrain`), else :data:`KEYS`. A model may
+    name its key/value heads as it likes (and keep them whole on every tensor rank); read it before
+    anything retraces ``x`` (``jax.checkpoint``), since a retraced value is a new one."""
+    axes = pinned_axes(x)
+    return axes if axes is not None and len(axes) == x.ndim else KEYS
+
+
 def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = None,
-                    segments: jax.Array | None = None) -> jax.Array:
+                    segments: jax.Array | None = None, key_axes: LogicalAxes | None = None,
+                    value_axes: LogicalAxes | None = None) -> jax.Array:
     """Causal attention of this rank's tokens of a split sequence over the whole sequence, with the
     active :func:`context_exchange`. Call only where :func:`sequence_split` is not ``None``.
     ``segments`` [b, s]: this rank's tokens' documents, for packed windows (a query then sees keys of
-    its own document only)."""
+    its own document only). ``key_axes``, ``value_axes``: the logical layout of ``k`` and ``v``
+    (default :func:`kv_axes`), which the gathered exchange keeps."""
     axis, ranks = sequence_split()
     order = balanced_order(q.shape[1] * ranks, ranks)
     if _exchange[-1] == "ring":
         return ring_attention(q, k, v, order, axis, segments=segments)
-    return gathered_kv_attention(q, k, v, order, axis, implementation=implementation, segments=segments)
+    return gathered_kv_attention(q, k, v, order, axis, implementation=implementation, segments=segments,
+                                 key_axes=key_axes, value_axes=value_axes)
 
 
 def balanced_order(seq_len: int, ranks: int) -> np.ndarray:
@@ -138,7 +150,8 @@ def _rank_positions(order: np.ndarray, axis: str, behind: jax.Array | int = 0) -
 
 
 def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str, *,
-                          implementation: str | None = None, segments: jax.Array | None = None) -> jax.Array:
+                          implementation: str | None = None, segments: jax.Array | None = None,
+                          key_axes: LogicalAxes | None = None, value_axes: LogicalAxes | None = None) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, whose keys and values are
     all-gathered over the manual mesh ``axis``.
 
@@ -147,9 +160,12 @@ def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.nd
     :func:`balanced_order`, or any order); a query attends to every key at its own or an earlier
     position. Returns ``[b, s, heads, d]``. The backward pass of the all-gather is a reduce-scatter of
     the keys' and values' gradients. ``segments`` [b, s] (packed documents): the tokens' documents,
-    all-gathered too; a query then sees keys of its own document only.
+    all-gathered too; a query then sees keys of its own document only. ``key_axes``, ``value_axes``:
+    the logical axes ``k`` and ``v`` are laid out by (default :func:`kv_axes`); each device gathers
+    the heads it holds, split over tensor ranks or whole.
     """
-    keys, values = _gathered_heads(k, axis), _gathered_heads(v, axis)
+    keys = _gathered_heads(k, axis, kv_axes(k) if key_axes is None else tuple(key_axes))
+    values = _gathered_heads(v, axis, kv_axes(v) if value_axes is None else tuple(value_axes))
     positions = _rank_positions(order, axis)
     key_positions = jnp.asarray(np.asarray(order, np.int32))
     mask = (key_positions[None, :] <= positions[:, None])[None, None]  # [1, 1, s, S]
@@ -159,20 +175,41 @@ def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.nd
     return jax.nn.dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation)
 
 
-def _gathered_heads(x: jax.Array, axis: str, logical: tuple[str, ...] = KEYS) -> jax.Array:
+def _gathered_heads(x: jax.Array, axis: str, logical: tuple[str | None, ...]) -> jax.Array:
     """``x`` [b, s, kv_heads, d] all-gathered over ``axis`` along the sequence, each device gathering
-    only the key/value heads the rules give it. Every mesh axis still automatic here (tensor) is made
-    manual around the all-gather: left to the partitioner, it gathers the heads over them first (twice
-    the bytes on two tensor ranks, read from the compiled step by ``describe``), and XLA:CPU's compiler
-    aborts on a bf16 all-gather in a partly manual region ("Invalid binary instruction opcode copy")."""
+    only the key/value heads it holds: its share where the rules split ``x``'s ``logical`` axes over
+    tensor ranks, all of them where they keep them whole. Every mesh axis still automatic here (tensor)
+    is made manual around the all-gather: left to the partitioner, it gathers the heads over them
+    first (twice the bytes on two tensor ranks, read from the compiled step by ``describe``), and
+    XLA:CPU's compiler aborts on a bf16 all-gather in a partly manual region ("Invalid binary
+    instruction opcode copy")."""
     mesh = jax.sharding.get_abstract_mesh()
-    spec = logical_to_spec(logical)
     auto = set(mesh.axis_names) - set(mesh.manual_axes)
     gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
     if not auto:
         return gather(x)
-    local = manual_part(spec, auto)
+    logical = _even(logical, x.shape, auto)
+    local = manual_part(logical_to_spec(logical), auto)
     return constrain(jax.shard_map(gather, mesh=mesh, in_specs=local, out_specs=local, axis_names=auto)(x), logical)
+
+
+def _even(logical: tuple[str | None, ...], shape: tuple[int, ...], auto: set[str]) -> tuple[str | None, ...]:
+    """``logical`` less the names the rules would split unevenly over the ``auto`` mesh axes (those
+    dimensions kept whole): ``shard_map`` takes even splits only, and an array the model left unpinned
+    (:func:`kv_axes` then assumes :data:`KEYS`) may have fewer key/value heads than tensor ranks."""
+    mesh = jax.sharding.get_abstract_mesh()
+    while True:
+        spec = logical_to_spec(logical)
+        uneven = [i for i, size in enumerate(shape) if size % _ranks(spec[i] if i < len(spec) else None, mesh, auto)]
+        if not uneven:
+            return logical
+        logical = logical[:uneven[0]] + (None,) + logical[uneven[0] + 1:]
+
+
+def _ranks(entry: str | tuple[str, ...] | None, mesh, auto: set[str]) -> int:
+    """How many parts a ``PartitionSpec`` entry splits its dimension into over the ``auto`` mesh axes."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.shape[n] for n in names if n in auto)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str, *,

@@ -13,8 +13,26 @@ their initialisers (and ``nn.with_logical_constraint`` on activations, if you li
 
 The Linen modules are called as ``embed(tokens, positions) -> x``, ``block(x, positions) -> x``
 and ``head(x) -> logits`` (``positions`` [batch, seq] are the tokens' absolute positions, what
-rotary embeddings or a position table need). Only the ``params`` collection is supported (no
-``batch_stats``, no dropout RNGs): the contract's model is a deterministic function of its parameters.
+rotary embeddings or a position table need).
+
+A head tied to the embedding (GPT-2's, a tied Llama's: ``logits = x @ table.T``) is asked for with
+``tie_head=True``. Split into three modules, the head cannot reach the embedding's table the way one
+Linen model would (``self.embed.attend(x)``), so it is handed the embedding's ``attend`` instead: the
+head is called as ``head(x, attend)``, and ``attend(y)`` runs ``embed.attend(y)`` on the embedding's
+own parameters (``nn.Embed.attend``, or an ``attend`` method of the user's embed module)::
+
+    class TiedHead(nn.Module):
+        @nn.compact
+        def __call__(self, x, attend):
+            return attend(nn.LayerNorm(...)(x))
+
+The table stays one parameter of the embedding, with its logical axes: the gradients of both uses
+add up in it, and checkpoints, optimizer sharding and pipelines see one leaf. Under pipeline
+parallelism the embedding runs on the first stage and the head on the last, like a tied NNX model:
+every parameter outside ``blocks`` is replicated over the pipeline and its gradient summed over it.
+
+Only the ``params`` collection is supported (no ``batch_stats``, no dropout RNGs): the contract's
+model is a deterministic function of its parameters.
 
 Each module is wrapped with Flax's own bridge (``flax.nnx.bridge.ToNNX``), with three things the
 bridge alone gets wrong for meshtron:
@@ -39,6 +57,8 @@ bridge alone gets wrong for meshtron:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +116,13 @@ class LinenLM(nnx.Module):
     ``vocab_size``: the real vocabulary (the head's logits may be padded beyond it). ``max_len``: the
     longest sequence the model can attend over, if it has one (a learned position table).
     ``sample_len``: the sequence length the modules are initialised on (their parameters must not
-    depend on it; a position table sized by the input would).
+    depend on it; a position table sized by the input would). ``tie_head``: the head is tied to the
+    embedding, called as ``head(x, attend)`` with the embed module's ``attend`` (see the module
+    docstring); the table stays the embedding's one parameter.
     """
 
     def __init__(self, embed: nn.Module, block: nn.Module, head: nn.Module, *, layers: int, vocab_size: int,
-                 rngs: nnx.Rngs, max_len: int | None = None, sample_len: int = 8):
+                 rngs: nnx.Rngs, max_len: int | None = None, sample_len: int = 8, tie_head: bool = False):
         for role, module in (("embed", embed), ("block", block), ("head", head)):
             if not isinstance(module, nn.Module):
                 raise ModelContractError(f"model: LinenLM's {role} is a {type(module).__name__}, not a "
@@ -113,7 +135,11 @@ class LinenLM(nnx.Module):
         self.linen_embed = from_linen(embed, tokens, positions, rngs=rngs)
         x = jax.eval_shape(lambda t, p: self.linen_embed(t, p), tokens, positions)
         self.blocks = stack_blocks(lambda r: _Block(block, x, positions, rngs=r), layers, rngs)
-        self.linen_head = from_linen(head, x, rngs=rngs)
+        self.tie_head = tie_head
+        if tie_head:
+            _check_tied(embed, x, self._attend)
+        self.linen_head = from_linen(head, x, *self._head_extras(), rngs=rngs)
+        _check_logits(jax.eval_shape(self.head, x), vocab_size, head)
 
     def embed(self, tokens: jax.Array, ctx: Context) -> jax.Array:
         with nn.logical_axis_rules(()):
@@ -121,4 +147,40 @@ class LinenLM(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         with nn.logical_axis_rules(()):
-            return self.linen_head(x)
+            return self.linen_head(x, *self._head_extras())
+
+    def _head_extras(self) -> tuple:
+        """What the head takes after ``x``: the embedding's ``attend`` when the head is tied."""
+        return (self._attend,) if self.tie_head else ()
+
+    def _attend(self, y: jax.Array) -> jax.Array:
+        """``embed.attend(y)`` on the embedding's own parameters: the tied head's projection.
+        ``mutable=False``: the bridge otherwise takes mutability from the enclosing Linen call (the
+        head's: every collection while it initialises) and would write the embedding's variables back
+        from inside the head."""
+        with nn.logical_axis_rules(()):
+            return self.linen_embed(y, method="attend", mutable=False)
+
+
+def _check_tied(embed: nn.Module, x: jax.ShapeDtypeStruct, attend: Callable[[jax.Array], jax.Array]) -> None:
+    """One line, not a trace, when the embedding cannot serve as the head's projection."""
+    name = type(embed).__name__
+    if not callable(getattr(type(embed), "attend", None)):
+        raise ModelContractError(
+            f"model: LinenLM(tie_head=True) projects with the embed module's attend(x) -> logits, and {name} has no "
+            "attend method; add one (nn.Embed.attend computes x @ table.T) or pass tie_head=False with a head of its own")
+    try:
+        jax.eval_shape(attend, x)
+    except (TypeError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModelContractError(
+            f"model: LinenLM(tie_head=True): {name}.attend cannot take the blocks' output of shape {tuple(x.shape)} "
+            f"({reason}); tie only a table as wide as the residual stream, or pass tie_head=False") from None
+
+
+def _check_logits(logits: jax.ShapeDtypeStruct, vocab_size: int, head: nn.Module) -> None:
+    """A head narrower than the vocabulary would leave targets no logit (their loss silently wrong)."""
+    if logits.shape[-1] < vocab_size:
+        raise ModelContractError(
+            f"model: LinenLM's head {type(head).__name__} returns {logits.shape[-1]} logits per token, fewer than "
+            f"vocab_size={vocab_size}; make the head (or the tied embedding's table) at least vocab_size wide")

@@ -123,6 +123,11 @@ def with_adapters(factory: Callable[[nnx.Rngs], nnx.Module], spec: LoraSpec) -> 
             owner = functools.reduce(lambda m, k: m[k] if isinstance(k, int) else getattr(m, k), path[:-1], blocks)
             w = var.get_value()
             layers, ins, outs = w.shape[0], w.shape[1 : 1 + split], w.shape[1 + split :]
+            full_rank = min(math.prod(ins), math.prod(outs))
+            if spec.rank > full_rank:  # the update A B could be no richer than the matrix itself
+                raise ConfigError(f"train.lora.rank: {spec.rank} is above the rank of {name} ({math.prod(ins)} x "
+                                  f"{math.prod(outs)} per layer: {full_rank}); use a rank of at most {full_rank}, or "
+                                  "train the whole model (train.lora.rank=0)")
             in_axes, out_axes = tuple(axes[1 : 1 + split]), tuple(axes[1 + split :])
             key, sub = jax.random.split(key)
             # A as Kaiming-uniform with a = sqrt(5) (what the paper's code and PEFT use), B zeros

@@ -29,6 +29,10 @@ device, term by term:
   layer's residuals, and leaves per layer what the deferred weight gradient ``W`` multiplies (the
   weight-bearing operations' inputs and output cotangents) in ``weight_slots`` B-to-W buffers.
 
+With context parallelism (``mesh.context`` = c) every activation term counts the device's ``s/c`` tokens
+of each sequence; the gathered exchange's scores span every key (``[b, heads/t, s/c, s]``), the ring's one
+block; gradients are reduced, and ``train.zero`` splits, over data x context.
+
 Two backends, because XLA's buffer assignment is the backend's: ``gpu`` (what a GPU pod's program
 holds) and ``cpu`` (XLA:CPU, the simulated mesh ``meshtron describe --compile`` compiles for). The
 CPU cannot compute in bf16: it converts bf16 values to fp32, so a layer input it recomputes from is
@@ -103,6 +107,8 @@ class StepRun:
     tensor: int
     microbatch: int
     chunks: int = 1
+    context: int = 1  # ranks each sequence is split over (mesh.context)
+    context_attention: str = "gathered"  # how they exchange keys and values: gathered or ring
     stash_slots: int = 0  # pipeline: stashed stage inputs (0 without a pipeline)
     weight_slots: int = 0  # split backward (zb-h1): B-to-W buffers
     residual_slots: int = 0  # pipeline.recompute=false: in-flight chunks whose residuals are kept
@@ -122,7 +128,8 @@ class StepRun:
         microbatch = t.batch_size // (mesh.data * t.microbatches)
         return cls(
             data=mesh.data, pipe=mesh.pipe, tensor=mesh.tensor, microbatch=microbatch,
-            chunks=cfg.pipeline.chunks if mesh.pipe > 1 else 1,
+            chunks=cfg.pipeline.chunks if mesh.pipe > 1 else 1, context=mesh.context,
+            context_attention=m.context_attention,
             stash_slots=program.stash_slots if program is not None else 0,
             weight_slots=program.weight_slots if program is not None else 0,
             residual_slots=program.residual_slots if program is not None else 0,
@@ -210,8 +217,12 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     adapters); gradients and optimizer state are theirs alone (default: every parameter trains)."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    d, p, t, b = run.data, run.pipe, run.tensor, run.microbatch
-    s, h, a = shape.seq_len, shape.hidden, shape.heads
+    # d: the ranks gradients are reduced and train.zero splits over (data x context); s: a device's tokens
+    # of each sequence, and s_keys the keys its queries attend to at once (all of them when gathered, one
+    # ring block otherwise)
+    d, p, t, b = run.data * run.context, run.pipe, run.tensor, run.microbatch
+    s, h, a = shape.seq_len // run.context, shape.hidden, shape.heads
+    s_keys = s if run.context == 1 or run.context_attention == "ring" else shape.seq_len
     if stage_bytes is None:
         stage_bytes = (block_parameters(shape, t) * run.param_bytes, other_parameters(shape, t) * run.param_bytes)
     layer_bytes, rest_bytes = stage_bytes
@@ -243,7 +254,7 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     inputs_kept = run.remat == "full" and run.residual_slots > 0 and not split  # each layer's input, per slot
     if stage_recomputed or split:
         stash += chunk_layers * tokens * h * recompute_input
-    scores_one = b * (a / t) * s * s  # one [b, heads/t, s, s] array's elements
+    scores_one = b * (a / t) * s * s_keys  # one [b, heads/t, s, s_keys] array's elements
     kept_scores = 0.0 if fused else scores_one * (4 + cb if cb < 4 else 8)  # fp32 probabilities (+ bf16 copy)
     kept_layer = megatron.layer_activation_bytes(
         seq_len=s, microbatch=b, hidden=h, heads=a, kv_heads=shape.kv_heads, mlp_dim=shape.mlp_dim, tensor=t,
@@ -268,13 +279,15 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
 
 def _optimizer_bytes(run: StepRun, stage: float) -> float:
     """AdamW and LAMB keep two moments in the parameters' dtype; 1-bit LAMB three plus its fp32 worker
-    and server error buffers (:func:`meshtron.plan.model.onebit_padded_length`); ``/d`` with zero >= 1."""
+    and server error buffers (:func:`meshtron.plan.model.onebit_padded_length`); ``/d`` with zero >= 1
+    (``d``: data x context ranks)."""
+    workers = run.data * run.context  # the gradient group: data x context
     if run.optimizer != "onebit_lamb":
-        return 2 * stage / (run.data if run.zero >= 1 else 1)
+        return 2 * stage / (workers if run.zero >= 1 else 1)
     errors = 0.0
-    if run.data > 1:
-        padded = onebit_padded_length(math.ceil(stage / run.param_bytes), run.data)
-        errors = 4 * (padded + padded / run.data)
+    if workers > 1:
+        padded = onebit_padded_length(math.ceil(stage / run.param_bytes), workers)
+        errors = 4 * (padded + padded / workers)
     return 3 * stage + errors
 
 

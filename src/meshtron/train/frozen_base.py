@@ -15,7 +15,9 @@ the reader's mesh, and the adapters from the checkpoint. If the base is gone, th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,32 +26,105 @@ from jax.sharding import Mesh
 from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from meshtron.checkpoint_dirs import read_step_meta
 from meshtron.errors import ConfigError
-from meshtron.models.lora import adapters_only, grafted, without_adapters
+from meshtron.models.lora import adapters_only, grafted, is_adapter, without_adapters
 from meshtron.train.state import ModelDef, Params
 
 BASE_KEY = "lora_base"  # the meta record's field holding the pointer
+PARAMS_PREFIX = "state.params."  # the parameters' names in a step's ``checksums`` (CheckpointStore.save)
+
+
+def params_digest(meta: dict[str, Any] | None) -> str | None:
+    """A SHA-256 (hex) of the base parameters' checksums in a step's meta record (sorted names and values;
+    adapters left out, since a LoRA checkpoint's own adapters are not part of the base it provides);
+    ``None`` when the record holds none.
+
+    It needs no read of the weights, and it is the same whatever mesh wrote them: each checksum is an
+    exact integer sum over the global array, and vocabulary padding only adds zero rows at the end.
+    Restoring a step checks its tensors against these same checksums, so an equal digest means the
+    same weights."""
+    sums = (meta or {}).get("checksums")
+    if not isinstance(sums, dict):
+        return None
+    base = sorted((name, int(value)) for name, value in sums.items()
+                  if name.startswith(PARAMS_PREFIX) and not is_adapter(name))
+    if not base:
+        return None
+    digest = hashlib.sha256()
+    for name, value in base:
+        digest.update(f"{name}={value}\n".encode())
+    return digest.hexdigest()
+
+
+def relative_path(directory: str, checkpoint_dir: str | Path) -> str | None:
+    """``directory`` relative to the checkpoint directory (``../llama1b``), both symlinks resolved;
+    ``None`` where there is no relative path (another drive on Windows)."""
+    try:
+        return os.path.relpath(Path(directory).resolve(), Path(checkpoint_dir).resolve())
+    except ValueError:
+        return None
+
+
+def holds_base(directory: str, step: int | None, digest: str | None) -> bool:
+    """Whether ``directory`` exists and -- when the pointer records the base's digest and step -- its
+    step's parameter checksums agree with it."""
+    if not Path(directory).is_dir():
+        return False
+    return digest is None or step is None or params_digest(read_step_meta(directory, step)) == digest
+
+
+def located(recorded: str | None, relative: str | None, checkpoint_dir: str | Path | None, step: int | None,
+            digest: str | None) -> str | None:
+    """Where the base a pointer records is now: the relative path first (a base and a run moved together),
+    then the absolute one; the first that holds the recorded base, else the first that exists (which
+    :func:`read_base` refuses, naming it), else the recorded path (gone)."""
+    joined = None
+    if relative is not None and checkpoint_dir is not None:
+        joined = str((Path(checkpoint_dir) / relative).resolve())
+    candidates = [c for c in dict.fromkeys((joined, recorded)) if c is not None]
+    existing = [c for c in candidates if Path(c).is_dir()]
+    return next((c for c in existing if holds_base(c, step, digest)), existing[0] if existing else recorded or joined)
 
 
 @dataclass(frozen=True)
 class BasePointer:
     """Where a LoRA run's frozen base comes from: step ``step`` of the checkpoint directory ``directory``
-    (absolute), or -- ``directory`` None -- a new model from ``seed``."""
+    (absolute), whose parameters' checksums hash to ``digest`` (:func:`params_digest`; ``None`` in a pointer
+    written before it was recorded: not checked), or -- ``directory`` None -- a new model from ``seed`` (which,
+    with the model config the checkpoint records, is the base's identity: no digest).
+
+    ``checkpoint``: the checkpoint directory whose meta record held the pointer, for messages."""
 
     directory: str | None
     step: int | None
     seed: int
+    digest: str | None = None
+    checkpoint: str | None = field(default=None, compare=False)
 
-    def to_meta(self) -> dict[str, Any]:
-        return {"dir": self.directory, "step": self.step, "seed": self.seed}
+    def to_meta(self, checkpoint_dir: str | Path) -> dict[str, Any]:
+        """The meta record's field, for a checkpoint written into ``checkpoint_dir``: ``dir`` (absolute),
+        ``step`` and ``seed``; for a base read from a directory, also ``dir_relative`` (to
+        ``checkpoint_dir``, tried first) and ``params_sha256``, when known."""
+        out: dict[str, Any] = {"dir": self.directory, "step": self.step, "seed": self.seed}
+        if self.directory is None:
+            return out
+        relative = relative_path(self.directory, checkpoint_dir)
+        if relative is not None:
+            out["dir_relative"] = relative
+        if self.digest is not None:
+            out["params_sha256"] = self.digest
+        return out
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any] | None) -> BasePointer | None:
-        """The pointer an adapter-only checkpoint's meta record holds; ``None`` when the checkpoint holds
-        its whole model."""
+    def from_meta(cls, meta: dict[str, Any] | None, checkpoint_dir: str | Path | None) -> BasePointer | None:
+        """The pointer the meta record of a checkpoint in ``checkpoint_dir`` holds, its directory
+        :func:`located` where the base is now; ``None`` when the checkpoint holds its whole model."""
         found = (meta or {}).get(BASE_KEY)
         if not isinstance(found, dict):
             return None
-        return cls(found.get("dir"), found.get("step"), int(found.get("seed", 0)))
+        step, digest = found.get("step"), found.get("params_sha256")
+        directory = located(found.get("dir"), found.get("dir_relative"), checkpoint_dir, step, digest)
+        return cls(directory, step, int(found.get("seed", 0)), digest,
+                   None if checkpoint_dir is None else str(checkpoint_dir))
 
     def describe(self) -> str:
         return f"a new model from seed {self.seed}" if self.directory is None else f"{self.directory}/{self.step}"
@@ -80,6 +155,8 @@ def read_base(pointer: BasePointer, model_def: ModelDef, mesh: Mesh, shardings: 
                            "gone; put the base back there, or use a checkpoint written with train.lora.save_base=true")
     if not Path(pointer.directory).is_dir():
         raise gone
+    if pointer.step is not None:  # before reading the weights
+        check_identity(pointer, read_step_meta(pointer.directory, pointer.step), source)
     target = {"params": abstract_like(without_adapters(model_def.shapes()), without_adapters(shardings))}
     store = CheckpointStore(pointer.directory, read_only=True)
     try:
@@ -89,7 +166,22 @@ def read_base(pointer: BasePointer, model_def: ModelDef, mesh: Mesh, shardings: 
         store.close()
     if restored is None:
         raise gone
+    check_identity(pointer, restored.meta, source)  # the step read (the newest, when the pointer names none)
     return restored.state["params"]
+
+
+def check_identity(pointer: BasePointer, meta: dict[str, Any] | None, source: str) -> None:
+    """Refuse a base whose parameters are not the ones the pointer recorded (another model of the same
+    shape written where the base was): grafting the adapters onto it would give a different model
+    silently. ``meta``: the base step's record; one that cannot be read is left to the restore, which
+    names it."""
+    found = params_digest(meta)
+    if pointer.digest is None or found is None or found == pointer.digest:
+        return
+    raise CheckpointError(
+        f"{source}: the frozen base of the adapter-only LoRA checkpoint {pointer.checkpoint}, {pointer.describe()}, "
+        f"is not the model it was trained on (its parameter checksums differ from {BASE_KEY}.params_sha256); put "
+        "the original base back there, or use a checkpoint written with train.lora.save_base=true")
 
 
 def adapters_only_target(target: dict[str, Any], pointer: BasePointer | None) -> dict[str, Any]:
@@ -103,7 +195,7 @@ def adapters_only_target(target: dict[str, Any], pointer: BasePointer | None) ->
 def check_read_alike(restored: Any, pointer: BasePointer | None, store: CheckpointStore, source: str) -> None:
     """Refuse a restored step (an older one, the newest being damaged) that does not hold its base the way
     the newest does, which the restore target was cut for."""
-    if BasePointer.from_meta(restored.meta) != pointer:
+    if BasePointer.from_meta(restored.meta, store.directory) != pointer:
         raise CheckpointError(f"{source}: {store.directory}/{restored.step} and the newest step disagree on holding "
                               "their frozen base (train.lora.save_base changed); pass the step directory to read")
 
@@ -131,7 +223,7 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
     if has_adapters and not lora:
         raise ConfigError(f"{source}: {store.directory} holds LoRA adapters; set the same train.lora to use or go "
                           "on training them, or export-hf it (which merges them) and start from that")
-    pointer = BasePointer.from_meta(meta)
+    pointer = BasePointer.from_meta(meta, store.directory)
     shapes, target_shardings = model_def.shapes(), shardings
     if lora and not has_adapters:  # LoRA on a model trained without: its weights, and adapters made here
         shapes, target_shardings = without_adapters(shapes), without_adapters(shardings)

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
-from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
+from meshtron.checkpoint import CheckpointError, CheckpointStore, RunPosition, abstract_like
 from meshtron.checkpoint_dirs import checkpoint_location, imported_step, is_import, read_step_meta
 from meshtron.config import Config, load_config, parse_profile_steps, to_dict, writing_into_an_import
 from meshtron.data.sources import TokenDatasets, load_training_data, packs_documents
@@ -26,11 +26,12 @@ from meshtron.data.text import Corpus
 from meshtron.data.tokenizers import save_tokenizer
 from meshtron.errors import ConfigError, NonFiniteLossError, RunStopped
 from meshtron.megatron import model_flops_per_token
-from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes
+from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
 from meshtron.models.lora import adapters_only
 from meshtron.optim import OptimizerSetup, ZeroPlan, learning_rate_schedule, optimizer_setup
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
+from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.pipeline.layout import StageLayout
 from meshtron.run import Run, resolve_run
 from meshtron.train.frozen_base import (
@@ -39,6 +40,7 @@ from meshtron.train.frozen_base import (
     adapters_only_target,
     check_read_alike,
     newest_meta,
+    params_digest,
     read_params,
     with_base,
 )
@@ -104,6 +106,8 @@ class Trainer:
         elif not isinstance(cfg, Config):
             raise ConfigError(f"cfg: Trainer.from_config takes a Config, or a config file or bundled name such as "
                               f"'cpu8', got a {type(cfg).__name__}")
+        if devices is None:  # on a CPU, as many simulated devices as the mesh needs (if JAX has not started)
+            simulate_devices_for(cfg.mesh)
         devices = list(jax.devices() if devices is None else devices)
         tensor = resolve_sizes(cfg.mesh, len(devices)).tensor
         model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, lora=lora_spec(cfg.train.lora))
@@ -121,9 +125,13 @@ class Trainer:
         corpus = None if not read_data else load_training_data(
             cfg.data, seq_len=cfg.model.seq_len, batch_size=t.batch_size, vocab_size=model_def.vocab_size,
             seed=t.seed, samples=t.steps * t.batch_size, eval_samples=t.eval_batches * t.batch_size,
+            init_from=t.init_from, config_vocab_size=cfg.model.vocab_size,
         )
         specs = model_def.shardings(mesh)
         zero = ZeroPlan.for_mesh(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh)
+        if t.zero and not zero.active:
+            _note(f"train.zero={t.zero}: the mesh has one data rank (mesh.data=1), so nothing is split over it; this "
+                  "run is the same as train.zero=0")
         optimizer = optimizer_setup(cfg, model_def.trainable_part(model_def.logical_axes()),
                                     param_specs=model_def.trainable_part(specs), zero=zero)
         steps = build_steps(
@@ -308,7 +316,8 @@ class Trainer:
         _, error_target = split_error_buffers(abstract_like(trained, self.steps.opt_shardings))
         shardings = self._canonical_shardings(self.steps.param_shardings)
         state_target = {"params": abstract_like(shapes, shardings), "opt_state": opt_target}
-        pointer = BasePointer.from_meta(newest_meta(store, step))  # an adapter-only checkpoint: its base is elsewhere
+        # an adapter-only checkpoint: its base is elsewhere
+        pointer = BasePointer.from_meta(newest_meta(store, step), store.directory)
         state_target = adapters_only_target(state_target, pointer)
         layout = self.layout()
         restored = store.restore_newest(
@@ -346,15 +355,30 @@ class Trainer:
         checkpoint in ``checkpoint.dir`` (resumed), else ``train.init_from`` (initialised), else a new
         model from ``train.seed``. Sets the store's run id (rotation deletes only this run's steps)."""
         t = self.cfg.train
-        resumed = self._read_state(store) if store is not None else None
+        try:
+            resumed = self._read_state(store) if store is not None else None
+        except CheckpointError as err:
+            other = another_run(newest_meta(store), self.cfg)
+            if other is None:
+                raise
+            raise ConfigError(
+                f"checkpoint.dir: {store.directory} holds the checkpoints of another run ({other}), which this run "
+                f"cannot resume; give this run a directory of its own (checkpoint.dir={store.directory}-2, say), or "
+                "resume that run with its settings") from err
         if resumed is not None:
             params, opt_state, position, meta = resumed
+            saved_vocab = ((meta.get("config") or {}).get("model") or {}).get("vocab_size")
+            if saved_vocab is not None and saved_vocab != self.cfg.model.vocab_size:  # (restored padded or cut)
+                raise ConfigError(
+                    f"model.vocab_size: {self.cfg.model.vocab_size} differs from the {saved_vocab} of the run this "
+                    f"checkpoint.dir ({store.directory}) resumes; set model.vocab_size={saved_vocab}, or give a new "
+                    "vocabulary's run a directory of its own")
             if position.step > t.steps:
                 raise ConfigError(
                     f"train.steps: {t.steps} is below the step of the newest checkpoint in {store.directory} "
                     f"({position.step}); raise train.steps to train on from it, or use another checkpoint.dir")
             store.adopt(meta)
-            self.base = BasePointer.from_meta(meta) or self._configured_base()
+            self.base = BasePointer.from_meta(meta, store.directory) or self._configured_base()
             line = f"weights: resumed from {store.directory}/{position.step} (step {position.step} of {t.steps})"
             if t.init_from is not None:
                 line += "; train.init_from is used only when checkpoint.dir holds no checkpoint"
@@ -370,7 +394,8 @@ class Trainer:
     def _configured_base(self, meta: dict[str, Any] | None = None) -> BasePointer:
         """Where this run's frozen base comes from by its config: ``train.init_from`` (the step whose meta
         record is ``meta``, default its newest -- or, if that checkpoint points to its own base, that
-        base), else a new model from ``train.seed``."""
+        base), with the digest of its parameters' recorded checksums (readers refuse another model put
+        there), else a new model from ``train.seed``."""
         t = self.cfg.train
         if t.init_from is None:
             return BasePointer(None, None, t.seed)
@@ -381,8 +406,8 @@ class Trainer:
                 meta = newest_meta(source, step) or {}
             finally:
                 source.close()
-        return BasePointer.from_meta(meta) or BasePointer(str(Path(directory).resolve()), meta.get("step", step),
-                                                          t.seed)
+        return BasePointer.from_meta(meta, directory) or BasePointer(
+            str(Path(directory).resolve()), meta.get("step", step), t.seed, params_digest(meta))
 
     def _initial_state(self, directory: Path, step: int | None) -> tuple[Params, Any, RunPosition, str]:
         """``train.init_from``: its parameters with a fresh optimizer state at step 0, or with
@@ -422,7 +447,7 @@ class Trainer:
         meta = {"seed": self.cfg.train.seed, "layout": self.layout(), "config": to_dict(self.cfg)}
         if self.model_def.lora is not None and not self.cfg.train.lora.save_base:  # the adapters, and where the base is
             state = {**state, "params": adapters_only(state["params"])}
-            meta[BASE_KEY] = (self.base or self._configured_base()).to_meta()
+            meta[BASE_KEY] = (self.base or self._configured_base()).to_meta(store.directory)
         store.save(position, state, errors if keep_errors else None, self.mesh, meta)
         if self.corpus.tokenizer is not None and jax.process_index() == 0:  # generate decodes with it
             save_tokenizer(self.corpus.tokenizer, store.directory)
@@ -446,16 +471,21 @@ class Trainer:
                               "with Trainer.from_config(cfg) to train")
         stopper = RunStopper(self.cfg.train.max_minutes, lead=jax.process_index() == 0,
                            saving=self.cfg.checkpoint.dir is not None)
-        with stopper:
-            return self._run(stopper, metrics_file, console, on_event)
+        store = self.open_checkpoints()
+        try:
+            with stopper:
+                return self._run(stopper, store, metrics_file, console, on_event)
+        except BaseException:
+            if store is not None:  # a run that failed before its first checkpoint leaves no empty directory
+                store.discard_if_unused()
+            raise
 
-    def _run(self, stopper: RunStopper, metrics_file: IO[str] | None, console: Console | None,
-             on_event: Callable[[str, int], None] | None) -> TrainResult:
+    def _run(self, stopper: RunStopper, store: CheckpointStore | None, metrics_file: IO[str] | None,
+             console: Console | None, on_event: Callable[[str, int], None] | None) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         lead = jax.process_index() == 0
         console = console or Console(stderr=True, quiet=not lead)
         schedule = learning_rate_schedule(t)
-        store = self.open_checkpoints()
         try:
             params, opt_state, position, weights = self.starting_state(store)
         except BaseException:
@@ -574,6 +604,34 @@ class Trainer:
                 "Lower train.lr (or raise train.warmup_steps), or set train.on_nonfinite=skip to skip such steps")
 
 
+# What makes a checkpoint's tensors: a run that differs in these cannot resume another's checkpoints.
+_STATE_SETTINGS = ("model", "train.optimizer", "train.lora.rank", "train.lora.targets", "train.lora.save_base")
+
+
+def another_run(meta: dict[str, Any] | None, cfg: Config, shown: int = 3) -> str | None:
+    """The settings (``key: theirs -> ours``) in which the run that wrote the checkpoint ``meta`` differs
+    from ``cfg`` in what its tensors are made of; ``None`` when it does not (or records no config)."""
+    saved = (meta or {}).get("config")
+    if not isinstance(saved, dict):
+        return None
+    theirs, ours = _flat(saved), _flat(to_dict(cfg))
+    keys = [k for k in sorted(set(theirs) | set(ours)) if k.startswith(_STATE_SETTINGS)]
+    differ = [f"{k}: {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in keys if theirs.get(k) != ours.get(k)]
+    if not differ:
+        return None
+    return ", ".join(differ[:shown]) + (f" and {len(differ) - shown} more" if len(differ) > shown else "")
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def _note(message: str) -> None:
     if jax.process_index() == 0:
         print(f"meshtron: {message}", file=sys.stderr)
@@ -609,9 +667,16 @@ def train_from_config(cfg: Config, metrics_path: str | None = None, run: Run | N
     run only process 0 writes metrics and prints. ``run``: ``cfg`` already resolved."""
     trainer = Trainer.from_config(cfg, verbose=jax.process_index() == 0, run=run)
     if metrics_path and jax.process_index() == 0:
+        created = first_missing(metrics_path)  # a run that fails before its first record leaves no file
         Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(metrics_path, "a+") as f:  # run() keeps the records of the steps it resumes after
-            result = trainer.run(metrics_file=f)
+        try:
+            with open(metrics_path, "a+") as f:  # run() keeps the records of the steps it resumes after
+                result = trainer.run(metrics_file=f)
+        except BaseException:
+            if created is not None and Path(metrics_path).stat().st_size == 0:
+                Path(metrics_path).unlink()
+                remove_if_empty(Path(metrics_path).parent, created)
+            raise
     else:
         result = trainer.run()
     if jax.process_index() == 0:
