@@ -63,6 +63,14 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
     model = load_pretrained(tmp_path / "ckpt", MeshConfig(data=8, pipe=1, tensor=1))
     here = sample(model.model_def, model.params, model.mesh, "The ", max_new_tokens=12)
     assert sampled.stdout == here.text + "\n" and len(here.new_tokens) == 12
+    # the checkpoint as a positional argument, the prompt as a chat message: the answer alone
+    chat = meshtron("generate", str(tmp_path / "ckpt"), "--chat", "--prompt", "The ", "--max-tokens", "12",
+                    "mesh.data=1", "mesh.tensor=2")
+    assert chat.returncode == 0, chat.stderr
+    from meshtron.data.sft import ChatTemplate
+
+    answer = sample(model, ChatTemplate(model.tokenizer).prompt("The "), max_new_tokens=12)
+    assert chat.stdout == answer.continuation + "\n"
     bad = meshtron("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "x", "model.hidden=64")
     assert bad.returncode == 2 and "generate takes mesh.data=, mesh.pipe= or mesh.tensor= only" in bad.stderr
 

@@ -59,6 +59,7 @@ def test_parameters_keep_their_linen_names_and_axes():
     assert tuple(qkv) == ("pipe", None, None, "tensor", None)  # layers over pipe, heads over tensor
 
 
+@pytest.mark.first_stack_only  # the Linen bridge's representative cases run on both stacks
 def test_a_tied_head_is_the_embedding_table_and_passes_the_oracle_with_a_pipeline():
     """The guide's tied example: one table and no head kernel, logits ``norm(x) @ table.T``, the
     table's gradient the sum of its embedding and head uses, and parity on a pipelined layout."""

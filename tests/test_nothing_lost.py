@@ -209,3 +209,57 @@ def test_a_failure_that_is_not_damage_sets_nothing_aside(saved, monkeypatch):
         store.restore_newest(target, None, mesh)
     store.close()
     assert hashes(directory) == before and sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+
+
+# ---- as a user runs them: the command line ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_command_line_refuses_what_cannot_work_in_one_line_and_changes_nothing(tmp_path):
+    """Each mistake as a user makes it: one ``meshtron: error:`` line, exit status 2, every file that was there
+    byte-identical and nothing new written."""
+    from meshtron.data.tokenizers import train_bpe
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(40)))
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": "x " * 60, "response": "yes"}) + "\n" for _ in range(40)))
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "no_answer.jsonl").write_text(json.dumps({"prompt": "hi", "response": ""}) + "\n")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 50)
+    train_bpe([text], 280, tmp_path / "tok.json", min_frequency=1)
+    for args in (["--input", str(corpus), "--output", "data/web"], ["--sft", "--input", str(sft), "--output", "data/sft"]):
+        made = meshtron("preprocess", *args, "--tokenizer", "bytes", cwd=tmp_path)
+        assert made.returncode == 0, made.stderr
+    before = hashes(tmp_path)
+    small = ["--config", "cpu8", "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1",
+             "train.batch_size=4", "train.steps=1"]
+    mistakes = [
+        (["preprocess", "--input", "empty.jsonl", "--tokenizer", "bytes", "--output", "data/web"],
+         r"--input: .*empty.jsonl holds no document \(empty, or blank lines only\); give files with text"),
+        (["preprocess", "--sft", "--input", "empty.jsonl", "--tokenizer", "bytes", "--output", "data/sft"],
+         r"--input: .*empty.jsonl holds no example"),
+        (["preprocess", "--sft", "--input", "no_answer.jsonl", "--tokenizer", "bytes", "--output", "data/sft"],
+         r"--input: .*no_answer.jsonl:1: 'response' is empty, so there is no answer to learn"),
+        (["train", *small, "data.path=data/sft", "model.seq_len=64", "checkpoint.dir=runs/sft"],
+         r"data.path: every one of the \d+ training examples of .*data/sft loses its answer at model.seq_len=64"),
+        (["train", *small, "data.path=data/web", "data.tokenizer=tok.json", "model.vocab_size=512",
+          "checkpoint.dir=runs/tok"],
+         r"data.path: .*data/web was tokenized with bytes but this run's tokenizer is .*tok.json"),
+        (["train", *small, "checkpoint.dir=runs/new/ckpt", "train.init_from=data"],
+         r"train.init_from: .*data holds no checkpoint"),
+        (["export-hf", "data", "--output", "out", "train.steps=3"], None),  # argparse's own usage line
+    ]
+    for args, pattern in mistakes:
+        run = meshtron(*args, cwd=tmp_path)
+        if pattern is None:
+            assert run.returncode == 2 and "unrecognized arguments: train.steps=3" in run.stderr
+        else:
+            one_line_error(run, pattern)
+        assert hashes(tmp_path) == before, args
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["corpus.jsonl", "sft.jsonl", "empty.jsonl", "no_answer.jsonl", "text.txt", "tok.json", "data"])
+    globbed = meshtron("train", "--config", "cpu8", "train.lora.rank=4", "train.lora.targets=*attn*", "--print-config",
+                       cwd=tmp_path)
+    assert globbed.returncode == 0 and "- '*attn*'" in globbed.stdout, globbed.stderr
