@@ -172,19 +172,23 @@ def assumed(tmp_path_factory) -> Path:
     hugging_face_model(root / "home" / "models" / "Mixtral-8x7B-v0.1", MIXTRAL, tokenizer)
     shutil.copyfile(ROOT / "mesh_configs" / "paper" / "gpt_1_7b.yaml", root / "my_model.yaml")
     shutil.copyfile(ROOT / "src" / "meshtron" / "plan" / "clusters" / "h100-80gb.yaml", root / "my_cluster.yaml")
+    for name in ("web", "code"):  # tokenised once here; a page that makes its own gets none (``_prepared``)
+        subprocess.run([str(BIN / "meshtron"), "preprocess", "--input", "corpus/*.jsonl", "--tokenizer",
+                        "tokenizer.json", "--output", f"prepared/{name}"], cwd=root, check=True, capture_output=True,
+                       env=_environment(root))
     return root
 
 
 def _prepared(page_dir: Path, assumed: Path, commands: list[Command]) -> None:
     """The page's directory: what every page assumes, and ``data/web`` / ``data/code`` (tokenised with the
     Hugging Face model's tokenizer) unless the page makes them."""
-    shutil.copytree(assumed, page_dir)
+    shutil.copytree(assumed, page_dir, ignore=shutil.ignore_patterns("prepared"))
     made = " ".join(c.text for c in commands if "preprocess" in c.text)
     for name in ("web", "code"):
         if f"--output data/{name}" not in made:
-            subprocess.run([str(BIN / "meshtron"), "preprocess", "--input", "corpus/*.jsonl", "--tokenizer",
-                            "tokenizer.json", "--output", f"data/{name}"], cwd=page_dir, check=True,
-                           capture_output=True, env=_environment(page_dir))
+            (page_dir / "data").mkdir(exist_ok=True)
+            for file in (assumed / "prepared").glob(f"{name}.*"):
+                shutil.copyfile(file, page_dir / "data" / file.name)
 
 
 def _environment(page_dir: Path) -> dict[str, str]:
