@@ -285,6 +285,25 @@ def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_
     assert abs(error) <= 30, f"modelled peak {error:+.1f}% off the compiled one"
 
 
+def test_describe_plans_a_context_run_too_large_for_the_machine_on_all_its_devices():
+    """Planning mode (more devices than the machine has) counts the context ranks: the devices the mesh
+    needs, and the plan's layout, which then prices each GPU's share of the sequence."""
+    import io
+
+    from meshtron.describe import describe
+
+    out = io.StringIO()
+    describe(load_config("paper/gpt_1_7b", ["mesh.data=4", "mesh.pipe=2", "mesh.tensor=2", "mesh.context=4",
+                                             "model.seq_len=32768", "train.batch_size=64"]), out)
+    text = out.getvalue()
+    assert "the mesh needs 64 devices" in text, text
+    whole = io.StringIO()
+    describe(load_config("paper/gpt_1_7b", ["mesh.data=4", "mesh.pipe=2", "mesh.tensor=2", "mesh.context=1",
+                                             "model.seq_len=32768", "train.batch_size=64"]), whole)
+    activations = [re.search(r"activations ([\d.]+)", t)[1] for t in (text, whole.getvalue())]
+    assert float(activations[0]) < float(activations[1]) / 2, activations  # each GPU holds s/4 of a sequence
+
+
 # ---- the planner -----------------------------------------------------------------------------------
 
 

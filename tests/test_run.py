@@ -9,7 +9,7 @@ import meshtron.run
 from meshtron.config import load_config
 from meshtron.errors import ConfigError
 from meshtron.pipeline.layout import StageLayout
-from meshtron.run import resolve_run
+from meshtron.run import MeshSizes, resolve_run
 from meshtron.train.loop import Trainer
 
 SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=16", "train.batch_size=8"]
@@ -41,7 +41,7 @@ def test_a_trainer_resolves_its_run_once(counted, mesh):
                                   read_data=False)
     assert counted == {"stage_layout": 1, "make_schedule": 1, "compile_program": 1}
     run = trainer.resolved
-    assert run.sizes == (2, 2, 2) and trainer.cfg is run.cfg and trainer.stage_layout is run.stage_layout
+    assert run.sizes == MeshSizes(data=2, pipe=2, tensor=2, context=1) and trainer.cfg is run.cfg and trainer.stage_layout is run.stage_layout
     assert run.schedule.name == "interleaved" and run.program.schedule is run.schedule
     trainer.init_params()  # the stage order of the layers: from the run, not parsed again
     assert counted["stage_layout"] == 1
@@ -61,4 +61,10 @@ def test_a_mesh_axis_left_to_the_devices_is_checked_once_it_has_a_size():
                                "train.microbatches=1"])
     with pytest.raises(ConfigError, match=r"^train.batch_size: 6 sequences cannot be split over mesh.data=4"):
         resolve_run(cfg, 8)
-    assert resolve_run(cfg, 6).sizes == (3, 1, 2)
+    assert resolve_run(cfg, 6).sizes == MeshSizes(data=3, pipe=1, tensor=2)
+
+
+def test_the_run_names_every_mesh_size_context_included():
+    sizes = resolve_run(load_config("llama_cpu8", ["mesh.data=-1", "mesh.pipe=1", "mesh.context=2"]), 8).sizes
+    assert (sizes.data, sizes.pipe, sizes.tensor, sizes.context) == (2, 1, 2, 2)
+    assert sizes.devices == 8 and sizes.replicas == 4

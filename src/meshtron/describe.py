@@ -27,7 +27,7 @@ from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
 from meshtron.models.lora import is_adapter
 from meshtron.plan.step_memory import BACKENDS, StepMemory, StepRun, StepShape, step_memory
-from meshtron.run import Run, resolve_run
+from meshtron.run import MeshSizes, Run, resolve_run
 from meshtron.sharding import logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, lora_spec, model_def_from_config
 from meshtron.units import format_bytes
@@ -72,7 +72,8 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
     """
     cfg = run.cfg
     m, t = cfg.model, cfg.train
-    data, pipe, tensor = run.sizes
+    sizes = run.sizes
+    data, pipe, tensor = sizes.data, sizes.pipe, sizes.tensor
     sp = m.sequence_parallel and tensor > 1
     itemsize = np.dtype(m.dtype).itemsize
     microbatch = t.batch_size // (data * t.microbatches)
@@ -115,7 +116,7 @@ def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemor
     the user's own is priced by its own parameters (its activations by the built-in blocks' constants)."""
     m = run.cfg.model
     layers = m.layers
-    per_stage = layers // run.sizes[1]
+    per_stage = layers // run.sizes.pipe
 
     def per_layer_and_rest(chosen: list[tuple]) -> tuple[float, float]:
         blocks = sum(r[4] for r in chosen if r[0].split("/")[0] == "blocks")
@@ -141,19 +142,18 @@ def available_host_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def planned_step(cfg: Config, sizes: tuple[int, ...], cluster: str = "a100-80gb") -> list[str]:
+def planned_step(cfg: Config, sizes: MeshSizes, cluster: str = "a100-80gb") -> list[str]:
     """This run's layout priced by :mod:`meshtron.plan` on a bundled cluster (the same memory and
     time formulas ``meshtron plan`` ranks layouts with), or nothing when the planner's model does not
     cover the run (not the paper's GPT, or a layout Megatron's schedules cannot run)."""
     from meshtron.plan import Layout, ModelShape, estimate, load_cluster
     from meshtron.plan.model import MEMORY_MODEL
 
-    data, pipe, tensor = sizes
     t = cfg.train
     try:
         model = ModelShape.from_config(cfg.model)
-        layout = Layout(tensor, pipe, data, t.batch_size // (data * t.microbatches), t.batch_size,
-                        cfg.pipeline.chunks, cfg.model.remat)
+        layout = Layout(sizes.tensor, sizes.pipe, sizes.data, t.batch_size // (sizes.data * t.microbatches),
+                        t.batch_size, cfg.pipeline.chunks, cfg.model.remat, sizes.context)
         layout.check(model)
     except ConfigError as err:
         return [f"plan: not priced ({err})"]
@@ -295,7 +295,7 @@ def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
                            t.microbatches, forward, backward, widened)
 
 
-def expert_exchange(cfg: Config, sizes: tuple[int, ...], model_def: ModelDef) -> ExpertExchange:
+def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> ExpertExchange:
     """What the expert-parallel all-to-alls of ``cfg``'s step send (:func:`meshtron.models.moe.all_to_all_bytes`)."""
     from meshtron.models.llama import moe_dims
     from meshtron.models.moe import EXPERTS, all_to_all_bytes
@@ -305,11 +305,11 @@ def expert_exchange(cfg: Config, sizes: tuple[int, ...], model_def: ModelDef) ->
     spec = logical_to_spec((EXPERTS,), model_def.rules)
     axis = spec[0] if len(spec) and isinstance(spec[0], str) else None
     ranks = mesh_sizes[axis] if axis else 1
-    tokens = t.batch_size // sizes[0] // t.microbatches * m.seq_len
-    forwards = 1 + (m.remat == "full") + (sizes[1] > 1 and cfg.pipeline.recompute)
+    tokens = t.batch_size // sizes.data // t.microbatches * m.seq_len
+    forwards = 1 + (m.remat == "full") + (sizes.pipe > 1 and cfg.pipeline.recompute)
     dims = moe_dims(m)
     per_layer = all_to_all_bytes(dims, tokens, ranks, forwards, np.dtype(m.dtype).itemsize)
-    return ExpertExchange(axis, ranks, dims.experts, tokens, forwards, model_def.layers // sizes[1], t.microbatches,
+    return ExpertExchange(axis, ranks, dims.experts, tokens, forwards, model_def.layers // sizes.pipe, t.microbatches,
                           per_layer)
 
 
@@ -357,12 +357,12 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
 
     t = cfg.train
     busiest = None
-    if sizes[1] > 1:  # an uneven pipeline.layout: the stage with the most layers sets the pace
+    if sizes.pipe > 1:  # an uneven pipeline.layout: the stage with the most layers sets the pace
         stages = run.stage_layout
-        busiest = max(sum(stages.counts[c * sizes[1] + s] for c in range(stages.chunks)) for s in range(sizes[1]))
+        busiest = max(sum(stages.counts[c * sizes.pipe + s] for c in range(stages.chunks)) for s in range(sizes.pipe))
     fig = megatron.megatron_figures(
         vocab_size=model_def.vocab_padded, hidden=m.hidden, layers=model_def.layers, seq_len=m.seq_len,
-        heads=m.heads, global_batch=t.batch_size, data=sizes[0], pipe=sizes[1], tensor=sizes[2],
+        heads=m.heads, global_batch=t.batch_size, data=sizes.data, pipe=sizes.pipe, tensor=sizes.tensor,
         microbatches=t.microbatches, remat=model_def.remat == "full", bytes_per_element=np.dtype(m.dtype).itemsize,
         layers_per_stage=busiest,
     )
@@ -394,17 +394,17 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
               f"{fmt(fused.working)}, peak {fmt(fused.peak)}", file=out)
 
     budget = available_host_memory() / 2 if memory_budget is None else memory_budget
-    held = modelled["cpu"].peak * math.prod(sizes)
+    held = modelled["cpu"].peak * sizes.devices
     if force_compile and not on_devices:
-        raise ConfigError(f"--compile: the mesh needs {math.prod(sizes)} devices and this process has {len(devices)}; "
+        raise ConfigError(f"--compile: the mesh needs {sizes.devices} devices and this process has {len(devices)}; "
                           "the CLI simulates up to 64 CPU devices, so use a mesh of at most 64")
     if not force_compile and (not on_devices or held > budget):
         plan_lines = planned_step(cfg, sizes)
         print(f"\n{plan_lines[0]}", file=out)
         for line in plan_lines[1:]:
             print(f"  {line}", file=out)
-        why = (f"the mesh needs {math.prod(sizes)} devices and this machine has {len(devices)}" if not on_devices else
-               f"its {math.prod(sizes)} devices would hold {fmt(held)}, more than the {fmt(budget)} this machine can "
+        why = (f"the mesh needs {sizes.devices} devices and this machine has {len(devices)}" if not on_devices else
+               f"its {sizes.devices} devices would hold {fmt(held)}, more than the {fmt(budget)} this machine can "
                "give")
         print(f"\ncompiled step: not analysed, {why} (planning mode: nothing is built; meshtron plan ranks other "
               "layouts)", file=out)
@@ -424,7 +424,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
         label = f" ({stage} stage)" if staged else ""
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
         print(step.table(), file=out)
-        if exchange is not None and exchange.ranks > 1 and sizes[1] == 1:
+        if exchange is not None and exchange.ranks > 1 and sizes.pipe == 1:
             print(exchange.measured(step.collectives), file=out)
-        if split is not None and sizes[1] == 1 and not trainer.steps.zero.active:
+        if split is not None and sizes.pipe == 1 and not trainer.steps.zero.active:
             print(split.measured(step.collectives), file=out)

@@ -18,7 +18,26 @@ from meshtron.pipeline.layout import LayoutError, StageLayout
 from meshtron.pipeline.program import Program, compile_program
 from meshtron.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, is_schedule_file, make_schedule
 
-__all__ = ["Run", "resolve_run", "stage_layout"]
+__all__ = ["MeshSizes", "Run", "resolve_run", "stage_layout"]
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    """A mesh's resolved sizes by axis name (none is -1)."""
+
+    data: int
+    pipe: int
+    tensor: int
+    context: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.pipe * self.tensor * self.context
+
+    @property
+    def replicas(self) -> int:
+        """The gradient group: every data and context rank holds its own gradient of the same parameters."""
+        return self.data * self.context
 
 
 @dataclass(frozen=True)
@@ -34,10 +53,9 @@ class Run:
     program: Program | None = None
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        """``(data, pipe, tensor)``."""
+    def sizes(self) -> MeshSizes:
         mesh = self.cfg.mesh
-        return mesh.data, mesh.pipe, mesh.tensor
+        return MeshSizes(mesh.data, mesh.pipe, mesh.tensor, mesh.context)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
