@@ -1,4 +1,5 @@
-"""meshtron.analysis: collectives read from compiled HLO, and Megatron's analytical figures.
+"""meshtron.hlo (collectives read from compiled HLO), meshtron.megatron (Megatron's analytical
+figures) and meshtron.units.
 
 The compiled-program tests run tiny shard_map / jit programs on the 8 simulated CPU devices that
 ``conftest.py`` sets up, and check the parser against numbers worked out by hand: which mesh axes a
@@ -15,19 +16,18 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron.analysis import (
-    ArrayShape,
+from meshtron.hlo.collectives import (
     Collective,
-    analyze,
     bytes_by_axes,
     collectives,
     count_by,
-    format_bytes,
     iota_device_groups,
-    megatron_figures,
-    parse_shape,
     ring_wire_bytes,
 )
+from meshtron.hlo.summary import analyze
+from meshtron.hlo.text import ArrayShape, parse_shape
+from meshtron.megatron import megatron_figures
+from meshtron.units import format_bytes
 
 
 def make_mesh(data: int, pipe: int, tensor: int) -> jax.sharding.Mesh:

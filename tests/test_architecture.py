@@ -77,9 +77,6 @@ def test_a_lower_room_imports_nothing_above_it(low, high):
 
 
 @pytest.mark.parametrize("path, names", [
-    ("meshtron.analysis", ["collectives", "analyze", "megatron_figures", "layer_activation_bytes", "format_bytes",
-                           "parse_hlo_module", "ring_wire_bytes", "MESHTRON_BLOCK"]),
-    ("meshtron.collective_order", ["unordered_collectives"]),
     ("meshtron.config", ["ConfigError", "load_config", "Config"]),
     ("meshtron.pipeline.schedules", ["make_schedule", "is_schedule_file", "check", "compile_program", "Program",
                                      "Schedule", "ScheduleError", "SCHEDULES", "render", "forward_only"]),

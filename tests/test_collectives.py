@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshtron import analysis
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.hlo.collectives import collectives
+from meshtron.megatron import megatron_figures
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.train.state import model_def_from_config
@@ -33,7 +34,7 @@ def compiled_step(mesh_shape, microbatches, remat, family="gpt"):
     opt_state = steps.init_opt_state(params)
     tokens = jax.device_put(jnp.zeros((BATCH, SEQ + 1), jnp.int32), steps.batch_sharding)
     local_param_bytes = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params))
-    return analysis.collectives(steps.lower(params, opt_state, tokens).compile(), mesh), local_param_bytes
+    return collectives(steps.lower(params, opt_state, tokens).compile(), mesh), local_param_bytes
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -84,7 +85,7 @@ def test_data_parallel_reduction_happens_once_per_step(microbatches, family):
 def test_megatron_figures_match_the_measured_bytes():
     data, microbatches = 2, 4
     colls, _ = compiled_step((data, 1, 4), microbatches, "none")
-    fig = analysis.megatron_figures(
+    fig = megatron_figures(
         vocab_size=256, hidden=HIDDEN, layers=LAYERS, seq_len=SEQ, heads=4, global_batch=BATCH,
         data=data, pipe=1, tensor=4, microbatches=microbatches, remat=False,
     )

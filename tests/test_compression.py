@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from onebit_reference import dense_reference
 
-from meshtron import analysis
 from meshtron.config import MeshConfig
+from meshtron.hlo.collectives import collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim.compression import (
     _pack,
@@ -89,7 +89,7 @@ def test_segments_are_compressed_independently_in_the_same_four_collectives():
     np.testing.assert_allclose(out[0], np.concatenate([first[0], second[0]]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new_we, np.concatenate([first[1], second[1]], axis=1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new_se, np.concatenate([first[2], second[2]], axis=1), rtol=1e-5, atol=1e-5)
-    colls = analysis.collectives(fn.lower(x, we, se).compile(), mesh)
+    colls = collectives(fn.lower(x, we, se).compile(), mesh)
     assert sorted(c.kind for c in colls) == ["all-gather", "all-gather", "all-gather", "all-to-all"]
     assert compressed_bytes_per_device(lengths, workers) == 2 * 3 * total // 32 + 8 * 2 * 3
 
@@ -137,7 +137,7 @@ def test_compiled_traffic_is_sign_bytes_and_scales():
     mesh, fn = runner(workers)
     we, se = zeros_state(n, workers)
     x = np.zeros((workers, n), np.float32)
-    colls = analysis.collectives(fn.lower(x, we, se).compile(), mesh)
+    colls = collectives(fn.lower(x, we, se).compile(), mesh)
     kinds = sorted((c.kind, c.dtype) for c in colls)
     assert kinds == [("all-gather", "f32"), ("all-gather", "f32"), ("all-gather", "u8"), ("all-to-all", "u8")]
     assert all(c.axes == ("data",) and c.count == 1 for c in colls)

@@ -3,7 +3,7 @@
 * The proof: in the optimized HLO of every pipelined train step, every operation that runs
   collectives inside a nested computation (the per-device stage ``cond``-s) is ordered by data
   dependencies against every other collective-bearing operation (see
-  :mod:`meshtron.collective_order`). The checker itself is tested on hand-written HLO.
+  :mod:`meshtron.hlo.order`). The checker itself is tested on hand-written HLO.
 * The stress test: real training runs over many (mesh, schedule, microbatches, vocabulary, hidden,
   batch) combinations -- the 1F1B run that used to deadlock on jaxlib 0.10.2 among them -- each in
   its own process under a time limit; a hang, an XLA abort or any non-zero exit fails.
@@ -18,8 +18,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtron.collective_order import unordered_collectives
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.hlo.order import unordered_collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.pipeline.schedules import compile_program, make_schedule

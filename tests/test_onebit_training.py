@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshtron import analysis
 from meshtron.config import load_config
+from meshtron.hlo.collectives import collectives
 from meshtron.train.loop import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
@@ -32,7 +32,7 @@ def run_steps(trainer, steps):
     for step in range(steps):
         stage = trainer.optimizer.stage_at(step)
         batch = stream.next(trainer.steps.batch_sharding)
-        colls.setdefault(stage, analysis.collectives(trainer.steps.compile(params, opt_state, batch, stage), trainer.mesh))
+        colls.setdefault(stage, collectives(trainer.steps.compile(params, opt_state, batch, stage), trainer.mesh))
         params, opt_state, metrics = trainer.steps.train(params, opt_state, batch, stage)
         losses.append(metrics.mean()[0])
     return losses, params, opt_state, colls

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshtron import analysis
 from meshtron.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config
+from meshtron.hlo.collectives import collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.pipeline.layout import StageLayout
@@ -178,7 +178,7 @@ def test_pipe_traffic_is_activations_forward_and_gradients_backward(schedule, ch
     md = model_def()
     p, m, b = 2, 4, 1
     exe, mesh = compiled(md, (2, p, 2), schedule, chunks, m, b)
-    colls = analysis.collectives(exe, mesh)
+    colls = collectives(exe, mesh)
     bsh = b * SEQ * HIDDEN * 4
     permutes = [c for c in colls if c.kind == "collective-permute"]
     assert permutes and all(c.axes == ("pipe",) and c.bytes == bsh for c in permutes)
@@ -294,7 +294,7 @@ def test_evaluation_is_a_forward_pipeline_that_gathers_no_layers(reference, sche
     p = mesh_shape[1]
     steps = build(md, mesh_shape, schedule, chunks, microbatches=2 * p)
     placed, batch = place(params, steps, md, chunks), jax.device_put(tokens(), steps.batch_sharding)
-    colls = analysis.collectives(steps.lower_eval(placed, batch).compile(), steps.mesh)
+    colls = collectives(steps.lower_eval(placed, batch).compile(), steps.mesh)
     assert not [c for c in colls if c.kind == "all-gather" and "pipe" in c.axes], colls
     assert [c for c in colls if c.kind == "collective-permute" and c.axes == ("pipe",)]
     plain = build(md, (1, 1, 1))

@@ -21,8 +21,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron import analysis
-from meshtron.collective_order import unordered_collectives
+from meshtron.hlo.collectives import collectives
+from meshtron.hlo.order import unordered_collectives
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward, segments
 from meshtron.pipeline.schedules import (
     Program,
@@ -255,7 +255,7 @@ def test_forward_only_loss_and_communication(mesh_shape, v, m):
     # (a) the deadlock rule holds on what XLA runs (stage conds hold the tensor all-reduces).
     assert "conditional" in compiled.as_text(), "idle slots must still be skipped"
     assert unordered_collectives(compiled) == []
-    colls = analysis.collectives(compiled, mesh)
+    colls = collectives(compiled, mesh)
     # (b) no parameter moves over pipe: the only other pipe collective is the one sum of the scalar loss.
     assert not [c for c in colls if c.kind == "all-gather" and "pipe" in c.axes]
     others = [c for c in colls if "pipe" in c.axes and c.kind != "collective-permute"]

@@ -2,7 +2,7 @@
 
 The model is held to the paper's published numbers (Table 1, Figure 12's non-interleaved line) and
 to the byte counts meshtron's own compiled programs are held to (the same functions in
-:mod:`meshtron.analysis` and :mod:`meshtron.optim.compression`).
+:mod:`meshtron.hlo.collectives`, :mod:`meshtron.megatron` and :mod:`meshtron.optim.compression`).
 """
 
 import dataclasses
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from meshtron import analysis
 from meshtron.cli import main
 from meshtron.config import ConfigError, load_config
+from meshtron.hlo.collectives import ring_wire_bytes
+from meshtron.megatron import megatron_figures
 from meshtron.optim.compression import compressed_bytes_per_device, error_lengths, padded_length
 from meshtron.plan import (
     GRADIENTS,
@@ -103,11 +104,11 @@ def test_optimizer_state_counts_onebit_lambs_error_buffers():
 def test_wire_bytes_per_axis_follow_the_figures_the_compiled_programs_are_held_to():
     layout = Layout(tensor=8, pipe=12, data=2, microbatch=1, global_batch=96, chunks=4)
     fig = figures(GPT_175B, layout)
-    assert tensor_wire_bytes(GPT_175B, layout) == analysis.ring_wire_bytes("all-reduce", fig.tensor_bytes, 8)
+    assert tensor_wire_bytes(GPT_175B, layout) == ring_wire_bytes("all-reduce", fig.tensor_bytes, 8)
     assert pipe_wire_bytes(GPT_175B, layout) == fig.pipe_bytes * 4 / 8  # v times, 1/t each (scatter/gather)
-    direct = analysis.megatron_figures(vocab_size=51200, hidden=12288, layers=96, seq_len=2048, heads=96,
-                                       global_batch=96, data=2, pipe=12, tensor=8, microbatches=48,
-                                       remat=True, bytes_per_element=2)
+    direct = megatron_figures(vocab_size=51200, hidden=12288, layers=96, seq_len=2048, heads=96,
+                              global_batch=96, data=2, pipe=12, tensor=8, microbatches=48,
+                              remat=True, bytes_per_element=2)
     assert (fig.tensor_bytes, fig.pipe_bytes, fig.data_bytes) == (direct.tensor_bytes, direct.pipe_bytes,
                                                                  direct.data_bytes)
     assert fig.params == parameter_count(GPT_175B)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshtron import analysis
 from meshtron.config import ConfigError, load_config
+from meshtron.megatron import layer_activation_bytes, megatron_flops
 from meshtron.pipeline.runtime import segments
 from meshtron.pipeline.schedules import Costs, check, compile_program, make_schedule
 from meshtron.plan.cluster import cluster_from_dict, load_cluster
@@ -140,8 +140,8 @@ def test_shared_wall_lends_idle_shares_up_to_the_cap():
 def test_data_parallel_step_is_the_devices_gemm_flops_over_its_peak():
     cfg = config(8, 1, 1)
     prediction = predict(cfg, hand_fed())
-    flops = analysis.megatron_flops(vocab_size=128, hidden=128, layers=8, seq_len=128, global_batch=32 // 8,
-                                    recompute="none")
+    flops = megatron_flops(vocab_size=128, hidden=128, layers=8, seq_len=128, global_batch=32 // 8,
+                           recompute="none")
     assert prediction.step_seconds == pytest.approx(flops / 10e9, rel=1e-6)
     assert prediction.seconds["gemm"] == pytest.approx(flops / 10e9, rel=1e-6)
     assert sum(prediction.seconds.values()) == pytest.approx(prediction.step_seconds)
@@ -154,8 +154,8 @@ def test_pipeline_on_a_fully_shared_machine_costs_its_total_work():
     over the machine's FLOP/s."""
     cfg = config(1, 8, 1, "1f1b", 1, 8)
     prediction = predict(cfg, hand_fed(gemm_alone=8.0, elementwise_alone=8.0))
-    flops = analysis.megatron_flops(vocab_size=128, hidden=128, layers=8, seq_len=128, global_batch=32,
-                                    recompute="full") + 2 * 32 * 128 * 128 * 128
+    flops = megatron_flops(vocab_size=128, hidden=128, layers=8, seq_len=128, global_batch=32,
+                           recompute="full") + 2 * 32 * 128 * 128 * 128
     assert prediction.step_seconds == pytest.approx(flops / (8 * 10e9), rel=1e-6)
     assert prediction.seconds["bubble"] == pytest.approx(0.0, abs=1e-9 * prediction.step_seconds)
 
@@ -248,12 +248,12 @@ def test_layout_of_reads_meshtrons_config():
 def test_kept_bytes_is_meshtrons_activation_count():
     cfg = config(8, 1, 1)
     model, layout = layout_of(cfg)
-    layer = analysis.layer_activation_bytes(seq_len=128, microbatch=4, hidden=128, heads=8, remat="none")
+    layer = layer_activation_bytes(seq_len=128, microbatch=4, hidden=128, heads=8, remat="none")
     assert kept_bytes(cfg, model, layout) == 8 * layer
     cfg = config(2, 2, 2, "1f1b", 1, 4)
     model, layout = layout_of(cfg)
     slots = compile_program(make_schedule("1f1b", 2, 4)).stash_slots
-    layer = analysis.layer_activation_bytes(seq_len=128, microbatch=4, hidden=128, heads=8, tensor=2, remat="none")
+    layer = layer_activation_bytes(seq_len=128, microbatch=4, hidden=128, heads=8, tensor=2, remat="none")
     assert kept_bytes(cfg, model, layout) == slots * 128 * 4 * 128 * 4 + 4 * layer
 
 

@@ -11,11 +11,18 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron import analysis
 from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config
+from meshtron.hlo.collectives import collectives, ring_wire_bytes
+from meshtron.megatron import (
+    layer_activation_bytes,
+    megatron_stage_activation_bytes,
+    paper_layer_activation_bytes,
+    pipeline_activation_bytes,
+)
 from meshtron.mesh import build_mesh
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
+from meshtron.units import format_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +50,7 @@ def per_layer_collectives(family: str, tensor: int, sequence_parallel: bool) -> 
     counts, wire = [], []
     for layers in (2, 4):
         exe, mesh = compiled_gradient(family, tensor, layers, sequence_parallel=sequence_parallel)
-        colls = analysis.collectives(exe, mesh)
+        colls = collectives(exe, mesh)
         assert all(c.axes == ("tensor",) for c in colls)
         counts.append(Counter({(c.kind, c.bytes): 0 for c in colls}))
         for c in colls:
@@ -69,8 +76,8 @@ def test_each_tensor_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_with_
     small = [k for k in sp if k[1] < activation // t]
     assert all(kind == "all-reduce" and nbytes <= 4 * 4 * H for kind, nbytes in small), small
     # Ring wire bytes: reduce-scatter + all-gather = all-reduce exactly; the whole layer within 1%.
-    conjugates = sum(analysis.ring_wire_bytes(kind, nbytes, t) * n for (kind, nbytes), n in big.items())
-    assert conjugates == pytest.approx(4 * analysis.ring_wire_bytes("all-reduce", activation, t))
+    conjugates = sum(ring_wire_bytes(kind, nbytes, t) * n for (kind, nbytes), n in big.items())
+    assert conjugates == pytest.approx(4 * ring_wire_bytes("all-reduce", activation, t))
     assert sp_wire == pytest.approx(tp_wire, rel=0.01)
 
 
@@ -89,7 +96,7 @@ def test_stage_boundaries_send_a_sequence_slice():
         params = jax.device_put(jax.device_get(md.init(mesh, 0)), steps.param_shardings)
         batch = jax.device_put(np.zeros((4 * B, S + 1), np.int32), steps.batch_sharding)
         exe = steps.lower(params, steps.init_opt_state(params), batch).compile()
-        sent[sp] = {c.bytes for c in analysis.collectives(exe, mesh) if c.kind == "collective-permute"}
+        sent[sp] = {c.bytes for c in collectives(exe, mesh) if c.kind == "collective-permute"}
     assert sent == {False: {B * S * H * 4}, True: {B * S * H * 4 // 2}}
 
 
@@ -156,9 +163,9 @@ def saved_per_layer(family: str, remat: str) -> int:
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 @pytest.mark.parametrize("remat", ["none", "selective"])
 def test_block_constants_are_what_autodiff_keeps(family, remat):
-    predicted = analysis.layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, mlp_dim=MLP,
-                                                kv_heads=SHAPES[family].get("kv_heads"), remat=remat,
-                                                bytes_per_element=1)
+    predicted = layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, mlp_dim=MLP,
+                                       kv_heads=SHAPES[family].get("kv_heads"), remat=remat,
+                                       bytes_per_element=1)
     assert saved_per_layer(family, remat) == predicted
 
 
@@ -171,8 +178,8 @@ def test_compiled_memory_per_layer_is_the_models(remat, sequence_parallel):
     temps = [compiled_gradient("gpt", t, layers, remat=remat, sequence_parallel=sequence_parallel)[0]
              .memory_analysis().temp_size_in_bytes for layers in depths]
     measured = (temps[1] - temps[0]) / (depths[1] - depths[0])
-    predicted = analysis.layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, mlp_dim=MLP,
-                                                tensor=t, sequence_parallel=sequence_parallel, remat=remat)
+    predicted = layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, mlp_dim=MLP,
+                                       tensor=t, sequence_parallel=sequence_parallel, remat=remat)
     assert measured == pytest.approx(predicted, rel=0.05)
 
 
@@ -181,23 +188,23 @@ def test_paper_formula_gives_the_papers_five_fold_saving():
     # bytes per layer; sequence parallelism with selective recomputation keeps sbh·34/8 -- about 5x less.
     gpt3 = {"seq_len": 2048, "microbatch": 1, "hidden": 12288, "heads": 96, "tensor": 8}
     sbh = 2048 * 12288
-    assert analysis.paper_layer_activation_bytes(**gpt3) == pytest.approx(sbh * (10 + 3 + 10))
-    saved = analysis.paper_layer_activation_bytes(**gpt3, sequence_parallel=True, remat="selective")
+    assert paper_layer_activation_bytes(**gpt3) == pytest.approx(sbh * (10 + 3 + 10))
+    saved = paper_layer_activation_bytes(**gpt3, sequence_parallel=True, remat="selective")
     assert saved == pytest.approx(sbh * 34 / 8)
-    assert analysis.paper_layer_activation_bytes(**{**gpt3, "tensor": 1}) == pytest.approx(sbh * (34 + 5 * 96 * 2048 / 12288))
-    assert analysis.paper_layer_activation_bytes(**gpt3, remat="full") == 2 * sbh
-    assert 5 < analysis.paper_layer_activation_bytes(**gpt3) / saved < 6
+    assert paper_layer_activation_bytes(**{**gpt3, "tensor": 1}) == pytest.approx(sbh * (34 + 5 * 96 * 2048 / 12288))
+    assert paper_layer_activation_bytes(**gpt3, remat="full") == 2 * sbh
+    assert 5 < paper_layer_activation_bytes(**gpt3) / saved < 6
 
 
 def test_pipeline_memory_counts_stashed_stage_inputs_and_one_chunk():
-    layer = analysis.layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, tensor=2,
-                                            sequence_parallel=True)
+    layer = layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, tensor=2,
+                                   sequence_parallel=True)
     stage_input = S * B * H * 4 / 2
-    assert analysis.pipeline_activation_bytes(layer_bytes=layer, input_bytes=stage_input, layers_per_chunk=2,
-                                              in_flight=3) == 3 * stage_input + 2 * layer
-    assert analysis.megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=4, in_flight=2) == 8 * layer
+    assert pipeline_activation_bytes(layer_bytes=layer, input_bytes=stage_input, layers_per_chunk=2,
+                                     in_flight=3) == 3 * stage_input + 2 * layer
+    assert megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=4, in_flight=2) == 8 * layer
     with pytest.raises(ValueError, match="remat must be one of none, full, selective"):
-        analysis.layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, remat="some")
+        layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, remat="some")
 
 
 @pytest.mark.parametrize(
@@ -240,9 +247,9 @@ def test_describe_prints_the_activation_model_next_to_compiled_memory(capsys):
     out = capsys.readouterr().out
     cfg = load_config("mesh_configs/cpu8.yaml", overrides)
     m, t = cfg.model, cfg.train
-    layer = analysis.layer_activation_bytes(
+    layer = layer_activation_bytes(
         seq_len=m.seq_len, microbatch=t.batch_size // (cfg.mesh.data * t.microbatches), hidden=m.hidden, heads=m.heads,
         mlp_dim=m.mlp_dim, tensor=cfg.mesh.tensor, sequence_parallel=True, remat="selective")
-    assert f"per layer                {analysis.format_bytes(layer)} (remat selective, sequence parallelism" in out
+    assert f"per layer                {format_bytes(layer)} (remat selective, sequence parallelism" in out
     assert "stashed stage inputs" in out and "modelled (XLA:CPU)" in out
     assert "reduce-scatter      tensor" in out
