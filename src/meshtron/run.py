@@ -18,7 +18,7 @@ from meshtron.pipeline.layout import LayoutError, StageLayout
 from meshtron.pipeline.program import Program, compile_program
 from meshtron.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, is_schedule_file, make_schedule
 
-__all__ = ["MeshSizes", "Run", "resolve_run", "stage_layout"]
+__all__ = ["MeshSizes", "Run", "resolve_run", "run_for_model", "stage_layout"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,15 @@ def resolve_run(cfg: Config, devices: int, *, layers: int | None = None, program
         raise ConfigError(f"pipeline.schedule: {err}") from None
     compiled = compile_program(schedule, keep_residuals=not pl.recompute) if program else None
     return Run(cfg, layout, schedule, compiled)
+
+
+def run_for_model(cfg: Config, devices: int, layers: int, run: Run | None = None) -> Run:
+    """``run`` (resolved before the model was built, as the CLI does before JAX starts) when it holds for
+    a model of ``layers`` layers on ``devices`` devices; else ``cfg`` resolved for them. A model of the
+    user's own decides its own depth, and with it the pipeline split."""
+    if run is not None and run.cfg.model.layers == layers and run.sizes.devices <= devices:
+        return run
+    return resolve_run(cfg, devices, layers=layers)
 
 
 def _need(ok: bool, field_name: str, message: str) -> None:

@@ -33,7 +33,7 @@ from meshtron.optim import OptimizerSetup, ZeroPlan, learning_rate_schedule, opt
 from meshtron.optim.layout import merge_error_buffers, split_error_buffers
 from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.pipeline.layout import StageLayout
-from meshtron.run import Run, resolve_run
+from meshtron.run import Run, run_for_model
 from meshtron.train.frozen_base import (
     BASE_KEY,
     BasePointer,
@@ -111,9 +111,7 @@ class Trainer:
         devices = list(jax.devices() if devices is None else devices)
         tensor = resolve_sizes(cfg.mesh, len(devices)).tensor
         model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, lora=lora_spec(cfg.train.lora))
-        if run is None or run.cfg.model.layers != model_def.layers or math.prod(run.mesh_shape) > len(devices):
-            # (a user's model decides its own depth, and with it the pipeline split)
-            run = resolve_run(cfg, len(devices), layers=model_def.layers)
+        run = run_for_model(cfg, len(devices), model_def.layers, run)
         cfg = run.cfg
         mesh = build_mesh(cfg.mesh, devices, verbose=verbose)
         if model_def.max_len is not None and model_def.max_len < cfg.model.seq_len:
