@@ -326,8 +326,7 @@ def test_one_bit_lamb_compresses_the_adapters_alone():
             np.testing.assert_array_equal(a, b, err_msg=name)
 
 
-@pytest.mark.slow
-@pytest.mark.both_stacks
+@pytest.mark.slow  # generation on the second stack: test_generate.py; LoRA there: the adapter gradients
 def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
     from meshtron.generate import Sampler
     from meshtron.pretrained import load_pretrained

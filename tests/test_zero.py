@@ -185,8 +185,7 @@ def assert_same_parameters(a, b):
     jax.tree.map(same, jax.device_get(a), jax.device_get(b))
 
 
-@pytest.mark.slow
-@pytest.mark.both_stacks
+@pytest.mark.slow  # on the second stack: test_checkpoint.py's resumes and restores onto other meshes
 def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
     run = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=5"]
     sharded = trainer(*mesh(8, 1, 1), "train.zero=3", *run, f"checkpoint.dir={tmp_path / 'z3'}")
