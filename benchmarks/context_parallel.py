@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 from meshtron.config import load_config
 from meshtron.hlo.collectives import collectives
 from meshtron.models.context_attention import balanced_order, exchange_bytes
+from meshtron.train.data_shards import context_layout
 from meshtron.train.loop import Trainer
-from meshtron.train.step import context_layout
 
 GB = 1e9
 RANKS = (1, 2, 4, 8)

@@ -39,6 +39,7 @@ import numpy as np
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
+from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.schedules import check, compile_program, make_schedule
 from meshtron.train.pipelined import to_stage_order
 from meshtron.train.state import model_def_from_config
@@ -53,7 +54,7 @@ def step_time_and_memory(p: int, m: int, schedule: str | None, chunks: int, step
     mesh = build_mesh(MeshConfig(1, p, 1), jax.devices()[:p])
     program = compile_program(make_schedule(schedule, p, m, chunks)) if p > 1 else None
     train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=m,
-                        program=program)
+                        pipeline=program and PipelinePlan(program))
     params = md.init(mesh, 0)
     if p > 1:
         params = jax.device_put(to_stage_order(jax.device_get(params), MODEL.layers, p, chunks), train.param_shardings)
@@ -84,7 +85,7 @@ def compile_seconds(mesh_shape: tuple[int, int, int], schedule: str | None, chun
     p = mesh_shape[1]
     program = compile_program(make_schedule(schedule, p, m, chunks)) if p > 1 else None
     train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=m,
-                        program=program)
+                        pipeline=program and PipelinePlan(program))
     params = md.init(mesh, 0)
     if p > 1:
         params = jax.device_put(to_stage_order(jax.device_get(params), COMPILE_MODEL.layers, p, chunks),

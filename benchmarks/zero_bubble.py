@@ -85,6 +85,7 @@ import numpy as np
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
+from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.schedules import Costs, Schedule, check, compile_program, make_schedule
 from meshtron.train.pipelined import to_stage_order
 from meshtron.train.state import model_def_from_config
@@ -130,7 +131,7 @@ def build(schedule: str, chunks: int, m: int, keep: bool = False):
     mesh = build_mesh(MeshConfig(1, 2, 1), jax.devices()[:2])
     program = compile_program(table(schedule, m, chunks), keep_residuals=keep)
     train = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()),
-                        microbatches=m, program=program)
+                        microbatches=m, pipeline=PipelinePlan(program))
     one_device = build_mesh(MeshConfig(1, 1, 1), jax.local_devices()[:1])  # initialised where it is readable
     host = to_stage_order(jax.device_get(md.init(one_device, 0)), MODEL.layers, 2, chunks)
     params = jax.tree.map(lambda a, s: place(np.asarray(a), s), host, train.param_shardings)

@@ -97,3 +97,24 @@ def test_the_architecture_guide_maps_every_module():
     present = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
     assert sorted(present - named) == [], "modules missing from docs/architecture.md's map"
     assert sorted(named - present) == [], "docs/architecture.md names modules that do not exist"
+
+
+# Checks that span two features, by a fragment of the one line each prints: each is written in one place,
+# so a third feature changes one check, not two that drift apart.
+CROSS_FEATURE_CHECKS = {
+    "sequence parallelism x tensor size": "splits activations over the tensor ranks and needs",
+    "sequence parallelism x sequence length": "(each tensor rank holds",
+    "LoRA x mixture of experts": "adapts the matrices of dense blocks",
+    "context x mixture of experts": "a mixture of experts is split over data ranks only",
+    "context x the seq rule": "splits every sequence over {CONTEXT!r}",
+    "ring attention x uneven pipeline layout": "RING_IN_PIPELINE)",
+    "gather_once x zero level": "gathers parameters split by train.zero=3",
+}
+
+
+@pytest.mark.parametrize("feature", sorted(CROSS_FEATURE_CHECKS))
+def test_each_cross_feature_check_is_written_once(feature):
+    fragment = CROSS_FEATURE_CHECKS[feature]
+    found = [f"{path.relative_to(SRC)}" for path in sorted(SRC.rglob("*.py"))
+             for _ in range(path.read_text().count(fragment))]
+    assert len(found) == 1, f"{feature}: {fragment!r} is written in {found or 'no file'}"

@@ -17,9 +17,9 @@ from meshtron.hlo.collectives import collectives
 from meshtron.models.contract import Context
 from meshtron.sharding import MEGATRON_RULES, extend_rules
 from meshtron.testing import Layout, ParityError, check_parity
+from meshtron.train.data_shards import context_layout
 from meshtron.train.loop import Trainer
 from meshtron.train.state import ModelDef, model_def_from_config
-from meshtron.train.step import context_layout
 
 SEQ = 32  # divisible by 2 x 8 context ranks
 

@@ -22,6 +22,7 @@ from meshtron.config import MeshConfig, ModelConfig, TrainConfig
 from meshtron.hlo.order import unordered_collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
+from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.schedules import compile_program, make_schedule
 from meshtron.train.pipelined import to_stage_order
 from meshtron.train.state import model_def_from_config
@@ -99,7 +100,7 @@ def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, c
     program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks),
                               keep_residuals=not recompute)
     steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=microbatches,
-                        program=program)
+                        pipeline=PipelinePlan(program))
     params = jax.device_put(to_stage_order(jax.device_get(md.init(mesh, 0)), MODEL.layers, mesh_shape[1], chunks),
                             steps.param_shardings)
     batch = jax.device_put(np.zeros((mesh_shape[0] * microbatches, MODEL.seq_len + 1), np.int32), steps.batch_sharding)

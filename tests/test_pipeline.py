@@ -12,6 +12,7 @@ from meshtron.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, l
 from meshtron.hlo.collectives import collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
+from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.schedules import compile_program, make_schedule
 from meshtron.train.pipelined import stage_order, to_canonical, to_stage_order
@@ -40,7 +41,8 @@ def build(md, mesh_shape, schedule=None, chunks=1, microbatches=1, lr=1e-2, reco
         program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks),
                                   keep_residuals=not recompute)
     opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1, lr=lr), md.logical_axes())
-    return build_steps(md, mesh, data_parallel_mean(), opt, microbatches=microbatches, program=program)
+    return build_steps(md, mesh, data_parallel_mean(), opt, microbatches=microbatches,
+                       pipeline=None if program is None else PipelinePlan(program))
 
 
 def place(params, steps, md, chunks):
@@ -128,7 +130,7 @@ def test_uneven_evaluation_matches_the_unpipelined_model(reference):
     mesh = build_mesh(MeshConfig(2, 2, 2), jax.devices())
     opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1), md.logical_axes())
     piped = build_steps(md, mesh, data_parallel_mean(), opt, microbatches=2,
-                        program=compile_program(make_schedule("1f1b", 2, 2)), layout=layout)
+                        pipeline=PipelinePlan(compile_program(make_schedule("1f1b", 2, 2)), layout))
     placed = jax.device_put(to_stage_order(params, LAYERS, 2, 1, layout), piped.param_shardings)
     assert jax.tree.leaves(placed["blocks"])[0].shape[0] == 10  # two chunks of 5 slots, 2 of them padding
     got = float(piped.eval(placed, jax.device_put(batch, piped.batch_sharding)))
@@ -306,7 +308,8 @@ def _keep_temp_bytes(md, table, rows):
     mesh = build_mesh(MeshConfig(1, 2, 1), jax.devices()[:2])
     program = compile_program(table, keep_residuals=True)
     opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1), md.logical_axes())
-    steps = build_steps(md, mesh, data_parallel_mean(), opt, microbatches=table.microbatches, program=program)
+    steps = build_steps(md, mesh, data_parallel_mean(), opt, microbatches=table.microbatches,
+                        pipeline=PipelinePlan(program))
     params = place(jax.device_get(md.init(mesh, 0)), steps, md, 1)
     batch = jnp.zeros((table.microbatches * rows, md.max_len + 1), jnp.int32)
     exe = steps.lower(params, steps.init_opt_state(params), jax.device_put(batch, steps.batch_sharding)).compile()

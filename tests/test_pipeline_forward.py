@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtron.hlo.collectives import collectives
 from meshtron.hlo.order import unordered_collectives
+from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward, segments
 from meshtron.pipeline.schedules import (
     Program,
@@ -151,9 +152,9 @@ def test_compiled_program_has_one_stash_slot_and_no_backward(p, m, v):
 
 def test_entry_points_refuse_the_other_kind_of_program():
     with pytest.raises(ValueError, match="use run_pipeline_forward"):
-        run_pipeline(compile_program(forward_only(2, 2)), None, None, None, None)
+        run_pipeline(PipelinePlan(compile_program(forward_only(2, 2))), None, None, None, None)
     with pytest.raises(ValueError, match="needs a forward-only program"):
-        run_pipeline_forward(compile_program(make_schedule("1f1b", 2, 2)), None, None, None, None)
+        run_pipeline_forward(PipelinePlan(compile_program(make_schedule("1f1b", 2, 2))), None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def evaluate(mesh: Mesh, program: Program):
 
     def per_device(blocks, shared, tokens):
         local = jax.tree.map(lambda a: a[0], blocks)  # this stage's [v, layers/(p·v), ...]
-        return jax.lax.pmean(run_pipeline_forward(program, FNS, local, shared, tokens), "data")
+        return jax.lax.pmean(run_pipeline_forward(PipelinePlan(program), FNS, local, shared, tokens), "data")
 
     return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("pipe"), P(), P(None, "data")),
                                  out_specs=P(), axis_names={"data", "pipe"}, check_vma=True))

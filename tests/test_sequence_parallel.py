@@ -84,6 +84,7 @@ def test_each_tensor_all_reduce_becomes_a_reduce_scatter_and_an_all_gather_with_
 def test_stage_boundaries_send_a_sequence_slice():
     from meshtron.config import TrainConfig
     from meshtron.optim import build_optimizer, data_parallel_mean
+    from meshtron.pipeline.execution import PipelinePlan
     from meshtron.pipeline.schedules import compile_program, make_schedule
     from meshtron.train.step import build_steps
 
@@ -92,7 +93,7 @@ def test_stage_boundaries_send_a_sequence_slice():
         mesh = build_mesh(MeshConfig(1, 2, 2), jax.devices()[:4])
         md = model_def_from_config(config("gpt", layers=4, sequence_parallel=sp), 2)
         steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()),
-                            microbatches=4, program=compile_program(make_schedule("1f1b", 2, 4, 1)))
+                            microbatches=4, pipeline=PipelinePlan(compile_program(make_schedule("1f1b", 2, 4, 1))))
         params = jax.device_put(jax.device_get(md.init(mesh, 0)), steps.param_shardings)
         batch = jax.device_put(np.zeros((4 * B, S + 1), np.int32), steps.batch_sharding)
         exe = steps.lower(params, steps.init_opt_state(params), batch).compile()

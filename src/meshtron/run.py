@@ -14,6 +14,7 @@ from typing import Any
 from meshtron.config import RING_IN_PIPELINE, Config, validate_sizes
 from meshtron.errors import ConfigError
 from meshtron.mesh import mesh_shape, resolve_sizes
+from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import LayoutError, StageLayout
 from meshtron.pipeline.program import Program, compile_program
 from meshtron.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, is_schedule_file, make_schedule
@@ -56,6 +57,11 @@ class Run:
     def sizes(self) -> MeshSizes:
         mesh = self.cfg.mesh
         return MeshSizes(mesh.data, mesh.pipe, mesh.tensor, mesh.context)
+
+    @property
+    def pipeline(self) -> PipelinePlan | None:
+        """How the pipeline runtime executes the training program (None without a pipeline or a program)."""
+        return None if self.program is None else PipelinePlan(self.program, self.stage_layout)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

@@ -120,8 +120,7 @@ def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray,
     md = replace(md, context_attention=layout.context_attention)
     program, stages = run.program, run.stage_layout
     md.check_mesh(mesh, stages.padded_layers if stages is not None else None)
-    steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, program=program,
-                        layout=stages)
+    steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, pipeline=run.pipeline)
     if program is not None:  # training keeps block layers in stage order (meshtron.train.pipelined)
         params = jax.device_get(to_stage_order(params, md.layers, layout.pipe, layout.chunks, stages))
     placed = jax.device_put(params, steps.param_shardings)

@@ -73,10 +73,11 @@ class ZeroPlan:
     nbytes: tuple[int, ...] = ()
     axis: str | tuple[str, ...] = "data"  # one mesh axis, or the group data x context
     native: Any = None  # a tree of bools: leaves the parameters' own layout splits over ``axis``
+    gather_once: bool = False  # level 3: gather the parameters once when a step starts, not each layer as it runs
 
     @classmethod
     def build(cls, level: int, shapes: Any, specs: Any, stacked: Any, size: int,
-              axis: str | tuple[str, ...] = "data") -> ZeroPlan:
+              axis: str | tuple[str, ...] = "data", *, gather_once: bool = False) -> ZeroPlan:
         """The plan for parameters of ``shapes`` laid out by ``specs`` (``PartitionSpec`` s or
         shardings) on a mesh whose ``axis`` has ``size`` devices; ``stacked`` marks leaves with a
         leading ``layers`` axis."""
@@ -97,14 +98,15 @@ class ZeroPlan:
         nbytes = tuple(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in leaves)
         native = treedef.unflatten([size > 1 and splits_over(spec, axis) for spec in spec_leaves])
         return cls(level, size, treedef.unflatten(dims), treedef.unflatten(spec_leaves), tuple(leaf_names(shapes)),
-                   nbytes, axis, native)
+                   nbytes, axis, native, gather_once)
 
     @classmethod
-    def for_mesh(cls, level: int, shapes: Any, specs: Any, stacked: Any, mesh) -> ZeroPlan:
+    def for_mesh(cls, level: int, shapes: Any, specs: Any, stacked: Any, mesh, *, gather_once: bool = False) -> ZeroPlan:
         """:meth:`build` over ``mesh``'s gradient group (:func:`meshtron.sharding.gradient_axes`: data,
         and context when sequences are split -- Megatron's distributed optimizer over data x context)."""
         axis = gradient_axes(mesh.shape)
-        return cls.build(level, shapes, specs, stacked, math.prod(mesh.shape[a] for a in axis_names(axis)), axis)
+        return cls.build(level, shapes, specs, stacked, math.prod(mesh.shape[a] for a in axis_names(axis)), axis,
+                         gather_once=gather_once)
 
     @property
     def active(self) -> bool:

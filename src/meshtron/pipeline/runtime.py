@@ -98,6 +98,7 @@ from meshtron.pipeline.buffers import (
     token,
     write_slot,
 )
+from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layer_backward import LayerBackward
 from meshtron.pipeline.program import Program
 from meshtron.pipeline.stage import PyTree, StageFunctions
@@ -186,16 +187,13 @@ def _after_residuals(pullback, seq: jax.Array, params: PyTree):
 
 
 def run_pipeline(
-    program: Program,
+    plan: PipelinePlan,
     fns: StageFunctions,
     stage_params: PyTree,
     shared_params: PyTree,
     tokens: jax.Array,
     *,
     axis: str = "pipe",
-    check_vma: bool = True,
-    layer_counts: tuple[int, ...] | None = None,
-    lockstep: bool = False,
 ) -> tuple[jax.Array, PyTree, PyTree]:
     """Mean loss over the microbatches and the gradients of it, on this stage.
 
@@ -205,38 +203,34 @@ def run_pipeline(
     ``(loss, stage_grads, shared_grads)``: the loss and shared gradients are identical on every
     stage (summed over ``axis``), stage gradients are this stage's own.
 
-    ``layer_counts[k]``: an uneven layout's layers of virtual stage ``k`` (``chunk·p + stage``); each
+    ``plan.layer_counts[k]``: an uneven layout's layers of virtual stage ``k`` (``chunk·p + stage``); each
     chunk's ``layers_per_chunk`` slots then hold that many layers and padding, which is skipped
     (needs ``StageFunctions.stage(chunk_params, x, tokens, active)``). ``None``: every slot is a layer.
 
-    ``lockstep``: every stage runs the forward, backward and W work of every tick, idle or not, and
+    ``plan.lockstep``: every stage runs the forward, backward and W work of every tick, idle or not, and
     keeps the result only where its instruction says so -- for stage code with collectives that must
     be entered by every device of the mesh at once (a ring attention's collective-permutes, which
     XLA rendezvous over all devices): idle ticks then compute and discard instead of skipping.
     """
-    if program.schedule.forward_only:
+    if plan.program.schedule.forward_only:
         raise ValueError("run_pipeline: a forward-only program computes no gradients; "
                          "use run_pipeline_forward")
-    return _TickLoop(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts,
-                     lockstep=lockstep).run()
+    return _TickLoop(plan, fns, stage_params, shared_params, tokens, axis).run()
 
 
 def run_pipeline_forward(
-    program: Program,
+    plan: PipelinePlan,
     fns: StageFunctions,
     stage_params: PyTree,
     shared_params: PyTree,
     tokens: jax.Array,
     *,
     axis: str = "pipe",
-    check_vma: bool = True,
-    layer_counts: tuple[int, ...] | None = None,
     reports: bool = False,
-    lockstep: bool = False,
 ) -> jax.Array | tuple[jax.Array, PyTree]:
     """Mean loss over the microbatches, computed stage by stage: held-out evaluation with pipe > 1.
 
-    ``program`` must be compiled from :func:`meshtron.pipeline.schedules.forward_only` (a training
+    ``plan.program`` must be compiled from :func:`meshtron.pipeline.schedules.forward_only` (a training
     table would idle through its backward ticks and keep its stash for them). Arguments as for
     :func:`run_pipeline`; the layers stay on their stage, only activations move (one forward
     ``ppermute`` per tick that sends), and the loss is identical on every stage after one sum over
@@ -246,15 +240,14 @@ def run_pipeline_forward(
     stage's layers reported, summed over the microbatches, stacked ``[chunks, layers_per_chunk, ...]``
     like ``stage_params`` (zeros in an uneven layout's padding slots).
     """
-    if not program.schedule.forward_only:
+    if not plan.program.schedule.forward_only:
         raise ValueError(
             f"run_pipeline_forward: needs a forward-only program (schedules.forward_only), got a "
-            f"{program.schedule.name!r} training program"
+            f"{plan.program.schedule.name!r} training program"
         )
     if reports and fns.reporting_stage is None:
         raise ValueError("run_pipeline_forward: reports=True needs StageFunctions.reporting_stage")
-    loop = _TickLoop(program, fns, stage_params, shared_params, tokens, axis, check_vma, layer_counts, reports,
-                     lockstep=lockstep)
+    loop = _TickLoop(plan, fns, stage_params, shared_params, tokens, axis, collect=reports)
     loss, _, _ = loop.run()
     return (loss, loop.reports) if reports else loss
 
@@ -283,11 +276,11 @@ class _TickLoop:
     accumulators) is ``None`` in the state and never traced, so the forward-only step holds no
     gradient-sized state and runs no ``vjp``."""
 
-    def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, shared_params: PyTree,
-                 tokens: jax.Array, axis: str, check_vma: bool, layer_counts: tuple[int, ...] | None = None,
-                 collect: bool = False, lockstep: bool = False):
+    def __init__(self, plan: PipelinePlan, fns: StageFunctions, stage_params: PyTree, shared_params: PyTree,
+                 tokens: jax.Array, axis: str, collect: bool = False):
+        program, check_vma, layer_counts = plan.program, plan.check_vma, plan.layer_counts
         schedule = program.schedule
-        self.lockstep = lockstep
+        self.lockstep = plan.lockstep
         self.collect = collect
         self.reports: PyTree | None = None  # after run(), with collect: the summed reports
         self.program, self.fns, self.tokens, self.axis = program, fns, tokens, axis

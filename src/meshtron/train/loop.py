@@ -126,7 +126,7 @@ class Trainer:
             init_from=t.init_from, config_vocab_size=cfg.model.vocab_size,
         )
         specs = model_def.shardings(mesh)
-        zero = ZeroPlan.for_mesh(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh)
+        zero = ZeroPlan.for_mesh(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh, gather_once=t.gather_once)
         if t.zero and not zero.active:
             _note(f"train.zero={t.zero}: the mesh has one data rank (mesh.data=1), so nothing is split over it; this "
                   "run is the same as train.zero=0")
@@ -134,8 +134,8 @@ class Trainer:
                                     param_specs=model_def.trainable_part(specs), zero=zero)
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
-            microbatches=cfg.train.microbatches, program=run.program, layout=layout, stages=optimizer.stages,
-            skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, gather_once=t.gather_once, seed=t.seed,
+            microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages,
+            skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed,
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 

@@ -24,10 +24,11 @@ from jax.sharding import PartitionSpec as P
 from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.contract import RESIDUAL, Context, layer_view, next_token_pairs, run_blocks, token_losses
+from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
-from meshtron.pipeline.schedules import Program, compile_program, forward_only
 from meshtron.sharding import constrain, logical_to_spec
+from meshtron.train.forward_backward import ForwardBackward, as_microbatches
 from meshtron.train.state import ModelDef, Params
 
 PIPE = "pipe"
@@ -135,27 +136,19 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
                           chunk_specs=chunk_specs, reporting_stage=reporting_stage)
 
 
-def _layer_counts(layout: StageLayout | None) -> tuple[int, ...] | None:
-    return None if layout is None or layout.is_even else layout.counts
+def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan):
+    """``(params, tokens [m, rows, seq+1]) -> (loss, grads)`` running ``plan``'s program over ``pipe``.
 
-
-def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, layout: StageLayout | None = None,
-                        lockstep: bool = False):
-    """``(params, tokens [m, rows, seq+1]) -> (loss, grads)`` running ``program`` over ``pipe``.
-
-    Called inside the trainer's data-parallel region; gradients are local to the data shard.
-    ``layout``: an uneven ``pipeline.layout`` (the parameters are then padded as it says).
-    ``lockstep``: stages run every tick's work, idle or not (:func:`~meshtron.pipeline.runtime.run_pipeline`).
+    Called inside the trainer's data-parallel region; gradients are local to the data shard. With an
+    uneven layout the parameters are padded as ``plan.layout`` says.
     """
-    fns = stage_functions(model_def, program.schedule.microbatches)
-    chunks = program.schedule.chunks
-    counts = _layer_counts(layout)
+    fns = stage_functions(model_def, plan.program.schedule.microbatches)
+    chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
         # This stage's [layers/p, ...] block parameters, viewed as [chunks, layers/(p·v), ...].
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
-        loss, g_blocks, g_shared = run_pipeline(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma,
-                                                layer_counts=counts, lockstep=lockstep)
+        loss, g_blocks, g_shared = run_pipeline(plan, fns, by_chunk, shared, tokens, axis=PIPE)
         g_blocks = jax.tree.map(lambda g: g.reshape(g.shape[0] * g.shape[1], *g.shape[2:]), g_blocks)
         return loss, g_blocks, g_shared
 
@@ -167,7 +160,7 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, 
             in_specs=(P(PIPE), P(), P()),
             out_specs=(P(), P(PIPE), P()),
             axis_names={PIPE},
-            check_vma=check_vma,
+            check_vma=plan.check_vma,
         )
         shared = {k: v for k, v in params.items() if k != "blocks"}
         loss, g_blocks, g_shared = stage_map(params["blocks"], shared, tokens)
@@ -176,26 +169,23 @@ def pipelined_gradients(model_def: ModelDef, program: Program, check_vma: bool, 
     return gradients
 
 
-def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bool,
-                   layout: StageLayout | None = None, reports: bool = False, lockstep: bool = False):
+def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = False):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
-    Same stages, layer placement and microbatches as training (``schedule_program``'s), but a
-    forward-only table: every stage keeps its own layers, so nothing is gathered over ``pipe``
-    (the plain forward pass would all-gather every pipe-sharded layer onto each device).
+    Same stages, layer placement and microbatches as training (``plan``'s), but a forward-only table:
+    every stage keeps its own layers, so nothing is gathered over ``pipe`` (the plain forward pass would
+    all-gather every pipe-sharded layer onto each device).
 
     ``reports=True``: ``-> (loss, reports)``, what the layers reported summed over the microbatches,
     stacked over the stage-ordered layer axis (as the block parameters are).
     """
-    sched = schedule_program.schedule
-    program = compile_program(forward_only(sched.stages, sched.microbatches, sched.chunks))
+    forward = plan.forward_only()
     fns = stage_functions(model_def)
-    chunks = sched.chunks
+    chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
-        out = run_pipeline_forward(program, fns, by_chunk, shared, tokens, axis=PIPE, check_vma=check_vma,
-                                   layer_counts=_layer_counts(layout), reports=reports, lockstep=lockstep)
+        out = run_pipeline_forward(forward, fns, by_chunk, shared, tokens, axis=PIPE, reports=reports)
         if not reports:
             return out
         loss, found = out
@@ -204,8 +194,33 @@ def pipelined_loss(model_def: ModelDef, schedule_program: Program, check_vma: bo
     def loss(params: Params, tokens: jax.Array) -> jax.Array:
         stage_map = jax.shard_map(
             per_stage, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(PIPE), P(), P()),
-            out_specs=(P(), P(PIPE)) if reports else P(), axis_names={PIPE}, check_vma=check_vma,
+            out_specs=(P(), P(PIPE)) if reports else P(), axis_names={PIPE}, check_vma=plan.check_vma,
         )
         return stage_map(params["blocks"], {k: v for k, v in params.items() if k != "blocks"}, tokens)
 
     return loss
+
+
+def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbatches: int) -> ForwardBackward:
+    """The pipeline runtime as the step's gradient source: ``plan``'s schedule over the ``microbatches`` for
+    gradients, its forward-only twin for the loss and the layers' reports (those brought back from stage
+    order to model order)."""
+    sched = plan.program.schedule
+    run_schedule = pipelined_gradients(model_def, plan)
+    run_forward = pipelined_loss(model_def, plan)
+    run_reporting = pipelined_loss(model_def, plan, reports=True)
+    model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
+                                                              plan.layout)))
+
+    def micro(tokens: jax.Array) -> jax.Array:
+        return as_microbatches(tokens, microbatches)
+
+    def reports(params: Params, tokens: jax.Array):
+        found = run_reporting(params, micro(tokens))[1]
+        return jax.tree.map(lambda r: jnp.take(r, model_order, axis=0), found)
+
+    return ForwardBackward(
+        gradients=lambda params, tokens: run_schedule(params, micro(tokens)),
+        loss=lambda params, tokens: run_forward(params, micro(tokens)),
+        reports=reports,
+    )

@@ -33,7 +33,7 @@ from meshtron.models.contract import (
     layer_parameters,
     lm_loss,
 )
-from meshtron.models.lora import MERGED, LoraSpec, adapter_hook, is_adapter, with_adapters
+from meshtron.models.lora import MERGED, LoraSpec, adapter_dropout, adapter_hook, is_adapter, with_adapters
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trees import leaf_names
 from meshtron.units import format_count
@@ -122,6 +122,13 @@ class ModelDef:
         tree unless LoRA freezes the base."""
         flags = self.trainable()
         return tree if flags is None else jax.tree.map(lambda keep, x: x if keep else None, flags, tree)
+
+    def training(self, seed: int) -> contextlib.AbstractContextManager:
+        """Inside this, model code runs as in training: what is random only in training (LoRA's adapter
+        dropout) is on, drawn from ``seed``."""
+        if self.lora is None or self.lora.dropout == 0:
+            return contextlib.nullcontext()
+        return adapter_dropout(self.lora.dropout, seed)
 
     def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` traced under this model's rules (wrap what ``jax.jit`` traces)."""
@@ -282,13 +289,7 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
 
     table = extend_rules(MEGATRON_RULES, family_rules(cfg, tensor) if factory is None else {})
     table = extend_rules(extend_rules(table, cfg.rules), rules or {})
-    if cfg.sequence_parallel:
-        if tensor < 2:
-            raise ConfigError("model.sequence_parallel: splits activations over the tensor ranks and needs "
-                              f"mesh.tensor > 1 (this mesh has tensor={tensor}); set mesh.tensor or turn it off")
-        if cfg.seq_len % tensor:
-            raise ConfigError(f"model.sequence_parallel: model.seq_len={cfg.seq_len} must be divisible by "
-                              f"mesh.tensor={tensor} (each tensor rank holds seq_len/tensor positions)")
+    if cfg.sequence_parallel:  # (its mesh checks: config.validate_sizes, for the run's resolved sizes)
         table = extend_rules(table, {"residual_seq": "tensor"})
     if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "

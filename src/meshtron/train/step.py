@@ -1,47 +1,34 @@
-"""The jitted (pjit-style) train and eval steps.
+"""The jitted (pjit-style) train and eval steps, composed of parts that each own one decision.
 
-Layout of one step:
+One train step is
 
-* ``jax.jit`` with explicit ``in_shardings``/``out_shardings`` and donated parameters and
-  optimizer state (updated in place);
-* inside, a ``jax.shard_map`` that is manual over ``data`` only: each data shard sees its slice
-  of the batch, while ``tensor`` (and ``pipe``) stay with the compiler, which splits every layer
-  Megatron-style from the parameter annotations;
-* parameters are cast to *varying* over ``data`` before differentiation, so autodiff returns each
-  shard's local gradient instead of inserting its own reduction; parameters the rules split over
-  ``data`` themselves (a mixture of experts' experts: expert parallelism) are local already, their
-  gradients complete where they are held, and are only divided by the number of data shards
-  (:meth:`meshtron.optim.zero.ZeroPlan.mean_native`);
-* gradients are accumulated over ``microbatches`` with a ``lax.scan``, then handed to the
-  ``reduction`` transform (by default :func:`meshtron.optim.data_parallel_mean`) exactly once per
-  step, then to the optimizer; an optimizer that reduces itself (1-bit LAMB) gets ``optax.identity()``
-  as the reduction and the local gradients;
-* with a sequence split over ``context`` (context parallelism) the ``shard_map`` is manual over
-  ``data`` and ``context``: the batch's tokens are laid out as the load-balanced chunks each context
-  rank holds (:func:`context_layout`), every rank computes the loss and gradient of its own tokens,
-  and "data" below means the group data x context (:func:`meshtron.sharding.gradient_axes`): the
-  reduction, 1-bit LAMB and ZeRO all act over both axes together, as Megatron-LM's do;
-* with LoRA (:mod:`meshtron.models.lora`) only the adapters train: the frozen parameters enter
-  differentiation under ``stop_gradient`` (no gradient is formed for them), their zero gradients are
-  dropped before the reduction, and the reduction and the optimizer see the adapters alone, so
-  nothing of the base crosses ``data`` and it has no optimizer state -- except, at ``train.zero=3``,
-  the all-gathers that bring each layer's frozen matrices to the ranks as it runs;
-* windows of packed documents ``[b, seq + 1, 3]`` become per-token features before the split
-  (:func:`context_layout`, :mod:`meshtron.models.documents`);
-* optimizers with *stages* that communicate differently (1-bit LAMB's warmup and compression) get
-  one compiled program per stage: the stage is a static argument whose extra ``update`` arguments
-  come from ``stages``, and the host picks the stage each step;
-* metrics (loss, gradient norm) come back per data shard and are averaged on the host, so they
-  add no collective to the step: what crosses ``data`` is the reduction and nothing else;
-* with ``train.zero`` (:mod:`meshtron.optim.zero`) the reduction becomes a reduce-scatter, the
-  optimizer updates each rank's share of every parameter, and the shares are all-gathered -- or,
-  at zero=3, stay split, each layer's parameters gathered as the layer runs.
+1. **gradients** of each data rank's own tokens over its microbatches: the plain model or the pipeline
+   runtime (:mod:`meshtron.train.forward_backward`), inside a ``shard_map`` manual over the data group
+   (:class:`~meshtron.train.data_shards.DataShards`: data, and context when sequences are split);
+   ``tensor`` and ``pipe`` stay with the compiler, which splits every layer Megatron-style from the
+   parameter annotations. Parameters are cast to *varying* over the group before differentiation, so
+   autodiff returns each rank's local gradient instead of inserting its own reduction; frozen parameters
+   (:class:`~meshtron.train.trainable.Trainable`) enter under ``stop_gradient``;
+2. one **gradient sync**, chosen once from the zero plan (:func:`meshtron.optim.sync.gradient_sync`): the
+   ``reduction`` transform's all-reduce (by default :func:`meshtron.optim.data_parallel_mean`; an optimizer
+   that reduces itself, 1-bit LAMB, gets ``optax.identity()`` and the local gradients), a reduce-scatter
+   into shares (ZeRO-1), or shares gathered once or layer by layer (ZeRO-3);
+3. the **optimizer** update of what trains (whole, or this rank's shares), then the sync's gather back;
+4. the **non-finite guard**: with ``skip_nonfinite`` a step whose update holds a NaN or Inf leaves
+   parameters and optimizer state as they were, every rank deciding alike.
+
+``jax.jit`` has explicit ``in_shardings``/``out_shardings`` and donates parameters and optimizer state
+(updated in place). Optimizers with *stages* that communicate differently (1-bit LAMB's warmup and
+compression) get one compiled program per stage: the stage is a static argument whose extra ``update``
+arguments come from ``stages``, and the host picks the stage each step. Metrics (loss, gradient norm) come
+back per rank of the group and are averaged on the host, so they add no collective to the step.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from dataclasses import replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -52,25 +39,18 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron.config import RING_IN_PIPELINE
-from meshtron.errors import ConfigError
 from meshtron.hlo.collectives import collectives
-from meshtron.models.context_attention import balanced_order
-from meshtron.models.contract import Context, layer_parameters, layer_reports, next_token_pairs
-from meshtron.models.documents import document_features, is_document_windows
-from meshtron.models.lora import adapter_dropout
+from meshtron.models.contract import layer_parameters
 from meshtron.optim.layout import manual_part, opt_state_specs
-from meshtron.optim.reduce import mean_over
+from meshtron.optim.sync import gradient_sync
 from meshtron.optim.zero import ZeroPlan
-from meshtron.pipeline.layout import StageLayout
-from meshtron.pipeline.schedules import Program
-from meshtron.sharding import axis_names, gradient_axes, logical_to_spec
-from meshtron.train.pipelined import canonical_positions, pipelined_gradients, pipelined_loss, stage_order
+from meshtron.pipeline.execution import PipelinePlan
+from meshtron.train.data_shards import DATA, DataShards
+from meshtron.train.forward_backward import plain_forward_backward
+from meshtron.train.pipelined import pipelined_forward_backward
 from meshtron.train.state import ModelDef, Params
+from meshtron.train.trainable import Trainable
 
-DATA = "data"
-CONTEXT = "context"
-LAYER_KEYS = frozenset({"blocks"})  # the contract's stacked layers, gathered one layer at a time at zero=3
 SINGLE_STAGE = {"train": {}}
 
 
@@ -108,30 +88,6 @@ class OptState(NamedTuple):
     optimizer: Any
 
 
-def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, microbatches: int):
-    """Mean loss and gradient of this shard's ``tokens`` [rows, seq+1], accumulated over microbatches.
-
-    ``params`` must already be varying over ``data`` so the gradients stay local.
-    """
-
-    grad_fn = jax.value_and_grad(model_def.loss)
-    if microbatches == 1:
-        return grad_fn(params, tokens)
-
-    rows = tokens.shape[0] // microbatches
-    micro = tokens.reshape(microbatches, rows, *tokens.shape[1:])
-
-    def accumulate(carry, batch):
-        loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, batch)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
-
-    # The first microbatch seeds the carry, so it has exactly the (varying-over-data) type of the rest.
-    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, grad_fn(params, micro[0]), micro[1:])
-    scale = 1.0 / microbatches
-    return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
-
-
 def build_steps(
     model_def: ModelDef,
     mesh: Mesh,
@@ -139,275 +95,120 @@ def build_steps(
     optimizer: optax.GradientTransformation,
     *,
     microbatches: int = 1,
-    program: Program | None = None,
-    layout: StageLayout | None = None,
+    pipeline: PipelinePlan | None = None,
     stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
     skip_nonfinite: bool = False,
     zero: ZeroPlan | None = None,
-    gather_once: bool = False,
+    trainable: Trainable | None = None,
     seed: int = 0,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
-    With ``skip_nonfinite`` a step whose update holds a NaN or Inf leaves parameters and optimizer
-    state as they were (``StepMetrics.applied`` is then false). The test is on the update, which
-    is the same on every data shard (it comes from reduced gradients, or 1-bit LAMB's all-reduced
-    momentum), so all replicas decide alike with no extra collective over ``data``.
-
-    With a pipeline ``program`` (mesh ``pipe`` > 1) the gradients come from the pipeline runtime
-    executing that schedule over the microbatches; block parameters are then in stage order
-    (:mod:`meshtron.train.pipelined`), padded as an uneven ``layout`` says. ``stages`` maps each stage name to the extra keyword
-    arguments of ``optimizer.update`` in that stage (one stage with none by default).
-
-    With an active ``zero`` plan (:mod:`meshtron.optim.zero`) the optimizer state is split over
-    ``data``: the local gradients are reduce-scattered instead of all-reduced (``reduction`` is not
-    used), each rank updates its share, and the updated shares are all-gathered -- or, at level 3,
-    parameters stay split: each layer's are all-gathered just before it runs (forward, and again for
-    the backward) and its gradient reduce-scattered as it is made, so a device holds one layer's whole
-    parameters and gradient at a time (fully sharded data parallelism); with ``gather_once`` they
-    are all-gathered once when the step starts instead (the traffic of level 1, the parameter
-    memory of level 0 while the step runs). ``optimizer`` must have been built with the same plan
-    (its norms sum over the shares).
+    ``pipeline`` (mesh ``pipe`` > 1): gradients come from the pipeline runtime executing its schedule over
+    the microbatches; block parameters are then in stage order (:mod:`meshtron.train.pipelined`), padded
+    as an uneven layout says. ``stages`` maps each optimizer stage name to the extra keyword arguments of
+    ``optimizer.update`` in it. ``zero``: how parameters and optimizer state are split over the data group
+    (:mod:`meshtron.optim.zero`; ``optimizer`` must have been built with the same plan, its norms summing
+    over the shares). ``trainable``: which parameters train (default: the model's own mask). ``seed``:
+    of what is random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not
+    applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
     """
-    shapes = model_def.shapes()
-    model_specs = model_def.shardings(mesh)
-    context = mesh.shape.get(CONTEXT, 1)
-    # A ring attention's collective-permutes are entered by every device of the mesh at once: pipeline
-    # stages then run every tick's work in lockstep instead of skipping idle ticks.
-    lockstep = program is not None and context > 1 and model_def.context_attention == "ring"
-    if context > 1 and logical_to_spec(("seq",), model_def.rules)[:1] != P(CONTEXT)[:1]:
-        raise ConfigError(f"model.rules.seq: mesh.context={context} splits every sequence over {CONTEXT!r}, but the "
-                          f"rules place the logical axis seq on {logical_to_spec(('seq',), model_def.rules)[0]!r}; "
-                          "map seq to context (the default rule) or use mesh.context=1")
-    if lockstep and layout is not None and not layout.is_even:
-        raise ConfigError(f"model.context_attention: {RING_IN_PIPELINE}")
-    group = gradient_axes(mesh.shape)  # what gradients are averaged over: data (x context)
-    replicas = mesh.shape[DATA] * context
-    # Manual over data and context whatever their sizes: every mesh axis before `pipe`, so that the
-    # pipeline's nested manual axes come in mesh order (jax 0.12's XLA aborts on a size-1 auto axis
-    # between manual ones: "Manual axes must be sorted by mesh axis index").
-    manual = {DATA, CONTEXT} & set(mesh.axis_names)
+    shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
+    shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
-    # With LoRA only the adapters train: the frozen parameters' (zero) gradients are dropped before the
-    # reduction, and the reduction and the optimizer see the adapters alone (no state for the rest).
-    trainable = model_def.trainable()
-    if trainable is not None and zero.has_native:
-        raise ConfigError("train.lora: trains adapters on a dense model; this one splits experts over data "
-                          "(model.moe.experts > 0)")
-
-    kept = model_def.trainable_part
-    dropout = model_def.lora is not None and model_def.lora.dropout > 0  # LoRA's, in training only
-
-    def with_frozen(part: Any, whole: Any) -> Any:
-        """``part`` (from :func:`kept`) completed with ``whole``'s frozen leaves."""
-        if trainable is None:
-            return part
-        return jax.tree.map(lambda keep, x, y: x if keep else y, trainable, part, whole)
-
-    param_shardings = _named(mesh, zero.specs(model_specs)) if zero.shards_params else model_specs
-    native = zero.native_flags()  # leaves the model splits over data itself (experts): local, never pcast
-    # With one data shard there is nothing to reduce: no collective is emitted (see mean_over), so
-    # values cannot be re-typed from "varying" to "replicated" over ``data``; the varying-axes check
-    # is then switched off, which is exact because every value lives on that single shard.
-    check_vma = replicas > 1
-
-    def local(params: Params, split: Any = native) -> Params:
-        """``params`` as differentiation sees them: frozen ones (LoRA's base) under ``stop_gradient``, so no
-        gradient is formed for them; over several data ranks, cast to varying (local gradients)."""
-        if trainable is not None:
-            params = jax.tree.map(lambda keep, x: x if keep else jax.lax.stop_gradient(x), trainable, params)
-        if not check_vma:
-            return params
-        return jax.tree.map(lambda x, own: x if own else jax.lax.pcast(x, group, to="varying"), params, split)
-
-    def data_shard_map(fn, in_specs, out_specs):
-        return jax.shard_map(
-            fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=manual, check_vma=check_vma
-        )
-
-    batch_sharding = NamedSharding(mesh, P(DATA, None))  # plain windows [b, s+1] or packed documents' [b, s+1, 3]
-    # A shard's tokens (context_layout's), and one value per rank of the group.
-    shard_batch = P(DATA if DATA in axis_names(group) else None, CONTEXT) if context > 1 else P(DATA)
-    per_replica = P(axis_names(group)) if context > 1 else P(DATA)
-
-    def laid_out(tokens: jax.Array) -> jax.Array:
-        return context_layout(tokens, context)
-
-    def as_microbatches(tokens: jax.Array) -> jax.Array:
-        return tokens.reshape(microbatches, tokens.shape[0] // microbatches, *tokens.shape[1:])
-
-    if program is not None:
-        run_schedule = pipelined_gradients(model_def, program, check_vma, layout, lockstep)
-        run_forward = pipelined_loss(model_def, program, check_vma, layout, lockstep=lockstep)
-        run_reporting = pipelined_loss(model_def, program, check_vma, layout, reports=True, lockstep=lockstep)
-        # The reports come stacked in stage order, as the block parameters are: back to model order.
-        sched = program.schedule
-        model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
-                                                                  layout)))
-
-        def shard_reports(params: Params, tokens: jax.Array):
-            found = run_reporting(params, as_microbatches(tokens))[1]
-            return jax.tree.map(lambda r: jnp.take(r, model_order, axis=0), found)
-
-        def shard_gradients(params: Params, tokens: jax.Array):
-            return run_schedule(params, as_microbatches(tokens))
-
-        def shard_loss(params: Params, tokens: jax.Array) -> jax.Array:
-            return run_forward(params, as_microbatches(tokens))
-    else:
-
-        def shard_gradients(params: Params, tokens: jax.Array):
-            return local_gradients(model_def, params, tokens, microbatches)
-
-        def shard_loss(params: Params, tokens: jax.Array) -> jax.Array:
-            return model_def.loss(params, tokens)
-
-        def shard_reports(params: Params, tokens: jax.Array):
-            found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), next_token_pairs(mb)[0],
-                                                         Context.for_tokens(mb)), as_microbatches(tokens))
-            return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
-
-    def init_state(p: Params) -> OptState:
-        return OptState(reduction.init(kept(p)), optimizer.init(kept(p)))
-
-    # Optimizer state is laid out like the parameters it mirrors (moments are tensor-sharded too,
-    # and split over data by an active zero plan); per-device parts (1-bit LAMB's error buffers)
-    # are split over the mesh; the rest is replicated.
-    with jax.set_mesh(mesh):
-        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), kept(shapes), kept(zero.specs(model_specs)),
-                                      mesh, group)
-    opt_shardings = _named(mesh, state_specs)
-    state_data_specs = manual_part(state_specs, manual)
-    param_data_specs = manual_part(_specs(zero.specs(model_specs) if zero.shards_params else model_specs), manual)
-
-    def reduced(params: Params, opt_state: OptState, tokens: jax.Array):
-        """Loss, reduced gradients, the parameters the optimizer updates, and the gradient's norm."""
-        if not zero.active:
-            loss, grads = shard_gradients(local(params), tokens)
-            if not zero.has_native:
-                grads, reduction_state = reduction.update(kept(grads), opt_state.reduction, kept(params))
-                return loss, grads, kept(params), reduction_state, optax.tree.norm(grads)
-            # The reduction averages what every data rank holds whole; the native leaves are complete
-            # where they are held and only divided by d.
-            shared, reduction_state = reduction.update(_without(grads, native), opt_state.reduction, params)
-            grads = zero.mean_native(_merged(shared, grads, native))
-            return loss, grads, params, reduction_state, _norm(zero, grads)
-        # (a frozen leaf is None in kept(...): nothing of it is reduced, split or gathered)
-        if not zero.shards_params:
-            loss, grads = shard_gradients(local(params), tokens)
-            grads = zero.scatter_mean(kept(grads))
-        elif gather_once:
-            loss, grads = shard_gradients(local(zero.gather(params)), tokens)
-            grads = zero.scatter_mean(kept(grads))
-        else:  # each layer gathered as it runs; its gradient comes back reduce-scattered
-            whole = zero.gather(params, keep=LAYER_KEYS)
-            whole = local(whole, jax.tree.map(lambda split, own: split or own, zero.arrives_split(LAYER_KEYS), native))
-            with layer_parameters(zero.layer_view()):
-                loss, grads = shard_gradients(whole, tokens)
-            grads = zero.scatter_mean(kept(grads), summed=LAYER_KEYS)
-        own = kept(params) if zero.shards_params else zero.shard(kept(params))
-        return loss, grads, own, opt_state.reduction, _norm(zero, grads)
+    trainable = trainable or Trainable(model_def.trainable())
+    sync = gradient_sync(zero, reduction, trains_part=trainable.is_partial)
+    source = plain_forward_backward(model_def, microbatches) if pipeline is None else pipelined_forward_backward(
+        model_def, _for_region(pipeline, shards, model_def), microbatches)
+    part = trainable.part
+    held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
-        with adapter_dropout(model_def.lora.dropout, seed) if dropout else contextlib.nullcontext():
-            loss, grads, own, reduction_state, grad_norm = reduced(params, opt_state, tokens)
-        updates, optimizer_state = optimizer.update(grads, opt_state.optimizer, own, **stages[stage])
-        new_own = optax.apply_updates(own, updates)
-        new_params = with_frozen(zero.gather(new_own) if zero.active and not zero.shards_params else new_own, params)
-        new_state = OptState(reduction_state, optimizer_state)
+        def differentiate(view: Params, local_leaves: Any, layer_view: Any = None):
+            with layer_parameters(layer_view) if layer_view is not None else contextlib.nullcontext():
+                loss, grads = source.gradients(shards.local(trainable.stopped(view), local_leaves), tokens)
+            return loss, part(grads)
+
+        with model_def.training(seed):
+            got = sync.reduced(differentiate, params, part(params), opt_state.reduction)
+        updates, optimizer_state = optimizer.update(got.grads, opt_state.optimizer, got.params, **stages[stage])
+        new_params = trainable.completed(sync.updated(optax.apply_updates(got.params, updates)), params)
+        new_state = OptState(got.reduction_state, optimizer_state)
         applied = jnp.bool_(True)
         if skip_nonfinite:
-            applied = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
-            if zero.active:  # each rank saw its own share of the update: all must agree
-                applied = jax.lax.pmin(applied.astype(jnp.int32), group) > 0
+            applied = sync.agreed(jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)])))
             new_params, new_state = jax.tree.map(
-                lambda new, old: jnp.where(applied, new, old), (new_params, new_state), (params, opt_state)
-            )
-        return new_params, new_state, StepMetrics(loss[None], grad_norm[None], applied[None])
-
-    def train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
-        return data_shard_map(
-            partial(per_shard_train, stage=stage),
-            (param_data_specs, state_data_specs, shard_batch),
-            (param_data_specs, state_data_specs, StepMetrics(per_replica, per_replica, per_replica)),
-        )(params, opt_state, laid_out(tokens))
+                lambda new, old: jnp.where(applied, new, old), (new_params, new_state), (params, opt_state))
+        return new_params, new_state, StepMetrics(got.loss[None], got.grad_norm[None], applied[None])
 
     def per_shard_gradients(params: Params, tokens: jax.Array):
-        loss, grads = shard_gradients(local(params), tokens)
-        shared = mean_over(_without(grads, native), group)
-        return mean_over(loss, group), zero.mean_native(_merged(shared, grads, native))
-
-    def per_shard_eval(params: Params, tokens: jax.Array) -> jax.Array:
-        return mean_over(shard_loss(params, tokens), group)
-
-    # Without zero=3 every data rank holds every parameter whole, except the native leaves (experts).
-    model_data_specs = manual_part(_specs(model_specs), manual)
-
-    def evaluate(params: Params, tokens: jax.Array) -> jax.Array:
-        # With a pipeline, evaluation is a forward-only pipeline program over the same stages
-        # (layers stay where training keeps them: nothing is gathered over ``pipe``).
-        return data_shard_map(per_shard_eval, (model_data_specs, shard_batch), P())(params, laid_out(tokens))
+        return sync.averaged(*source.gradients(shards.local(trainable.stopped(params), sync.local_leaves), tokens))
 
     def per_shard_reports(params: Params, tokens: jax.Array):
-        found = shard_reports(params, tokens)
-        return jax.lax.psum(found, group) if check_vma else found
+        found = source.reports(params, tokens)
+        return jax.lax.psum(found, shards.group) if shards.check_vma else found
 
-    def reports(params: Params, tokens: jax.Array):
-        # A forward pass (the forward-only pipeline with one), each microbatch of each data shard
-        # routed on its own as in training, the reports summed over all of them.
-        return data_shard_map(per_shard_reports, (model_data_specs, shard_batch), P())(params, laid_out(tokens))
+    def train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
+        metrics = StepMetrics(*[shards.per_replica] * 3)
+        return shards.shard_map(partial(per_shard_train, stage=stage), (held.params, held.state, shards.shard_batch),
+                                (held.params, held.state, metrics))(params, opt_state, shards.laid_out(tokens))
 
-    def gradients(params: Params, tokens: jax.Array):
-        return data_shard_map(per_shard_gradients, (model_data_specs, shard_batch), (P(), model_data_specs))(
-            params, laid_out(tokens))
+    def whole_params(fn, out_specs):
+        """``fn(params, tokens)`` over the region with every parameter whole (evaluation and analysis)."""
+        return lambda params, tokens: shards.shard_map(fn, (held.whole, shards.shard_batch), out_specs)(
+            params, shards.laid_out(tokens))
 
+    evaluate = whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())
     scoped = model_def.traced
     return TrainSteps(
-        mesh, param_shardings, opt_shardings, batch_sharding, tuple(stages),
-        train=scoped(train), evaluate=scoped(evaluate), gradients=scoped(gradients), init_state=init_state, zero=zero,
-        reports=scoped(reports), report_groups=microbatches * replicas, metrics_spec=per_replica,
+        mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages), train=scoped(train),
+        evaluate=scoped(evaluate), gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
+        init_state=held.init_state, zero=zero, reports=scoped(whole_params(per_shard_reports, P())), report_groups=microbatches * shards.replicas,
+        metrics_spec=shards.per_replica,
     )
 
 
-def context_layout(tokens: jax.Array, ranks: int) -> jax.Array:
-    """A batch as the train step's shards see it.
+class _HeldLayout(NamedTuple):
+    """How the step's state is held: its shardings, and the specs the data-parallel region sees (of the
+    parameters as held between steps, of the optimizer state, of every parameter whole)."""
 
-    Plain windows ``tokens`` [b, seq + 1] stay as they are on one context rank. When sequences are split
-    over ``ranks`` context-parallel ranks they become ``[b, seq, 2]`` (every input token stacked with
-    the one it predicts, :func:`meshtron.models.contract.next_token_pairs`), the sequence in the
-    load-balanced order (:func:`meshtron.models.context_attention.balanced_order`), so that context
-    rank ``r``'s equal share holds chunks ``r`` and ``2·ranks - 1 - r``. Windows of packed documents
-    ``[b, seq + 1, 3]`` become their features ``[b, seq, 5]``
-    (:func:`meshtron.models.documents.document_features`), in that order too when split."""
-    if is_document_windows(tokens):
-        pairs = document_features(tokens)
-    elif ranks == 1:
-        return tokens
-    else:
-        pairs = jnp.stack([tokens[:, :-1], tokens[:, 1:]], axis=-1)
-    if ranks == 1:
-        return pairs
-    return jnp.take(pairs, jnp.asarray(balanced_order(pairs.shape[1], ranks)), axis=1)
+    init_state: Any
+    param_shardings: Any
+    opt_shardings: Any
+    params: Any
+    state: Any
+    whole: Any
+
+
+def _held_layout(model_def: ModelDef, mesh: Mesh, shards: DataShards, zero: ZeroPlan, part, reduction,
+                 optimizer) -> _HeldLayout:
+    """Optimizer state laid out like the parameters it mirrors (moments are tensor-sharded too, and split
+    over data by an active zero plan); per-device parts (1-bit LAMB's error buffers) split over the mesh;
+    the rest replicated. Only what trains (``part``) has state."""
+    shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
+
+    def init_state(p: Params) -> OptState:
+        return OptState(reduction.init(part(p)), optimizer.init(part(p)))
+
+    held_specs = zero.specs(model_specs) if zero.shards_params else model_specs
+    with jax.set_mesh(mesh):
+        state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), part(shapes), part(zero.specs(model_specs)),
+                                      mesh, shards.group)
+    return _HeldLayout(init_state, _named(mesh, held_specs) if zero.shards_params else model_specs,
+                       _named(mesh, state_specs), manual_part(_specs(held_specs), shards.manual),
+                       manual_part(state_specs, shards.manual), manual_part(_specs(model_specs), shards.manual))
+
+
+def _for_region(pipeline: PipelinePlan, shards: DataShards, model_def: ModelDef) -> PipelinePlan:
+    """``pipeline`` as the region runs it: a ring attention's collective-permutes are entered by every device
+    of the mesh at once, so stages then run every tick's work in lockstep instead of skipping idle ticks."""
+    lockstep = shards.context > 1 and model_def.context_attention == "ring"
+    return replace(pipeline, lockstep=lockstep, check_vma=shards.check_vma)
 
 
 def _specs(tree: Any) -> Any:
     """``PartitionSpec`` s of a tree of shardings or specs."""
     return jax.tree.map(lambda s: getattr(s, "spec", s), tree, is_leaf=lambda x: isinstance(x, P) or hasattr(x, "spec"))
-
-
-def _without(tree: Any, drop: Any) -> Any:
-    """``tree`` with ``None`` where ``drop`` is true."""
-    return jax.tree.map(lambda x, d: None if d else x, tree, drop)
-
-
-def _merged(kept: Any, tree: Any, drop: Any) -> Any:
-    """``kept`` (from :func:`_without`) with ``tree``'s leaves where ``drop`` is true."""
-    return jax.tree.map(lambda d, x, k: x if d else k, drop, tree, kept, is_leaf=lambda x: x is None)
-
-
-def _norm(zero: ZeroPlan, grads: Any) -> jax.Array:
-    """The whole gradient's norm when data ranks hold shares of it (``zero``'s split and native leaves)."""
-    return jnp.sqrt(sum(jax.tree.leaves(zero.sum_squares(jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads)))))
 
 
 def _named(mesh: Mesh, specs: Any) -> Any:

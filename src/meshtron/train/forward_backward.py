@@ -1,0 +1,70 @@
+"""One data rank's loss and gradients over its microbatches: the first part of the train step.
+
+Two sources with one shape (:class:`ForwardBackward`), so the step composes either with any gradient
+sync: the plain model, its microbatches accumulated with a ``lax.scan``, and the pipeline runtime executing
+a schedule over them (:func:`meshtron.train.pipelined.pipelined_forward_backward`). Everything here runs
+inside the step's data-parallel ``shard_map``; gradients stay local to the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from meshtron.models.contract import Context, layer_reports, next_token_pairs
+from meshtron.train.state import ModelDef, Params
+
+__all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "plain_forward_backward"]
+
+
+class ForwardBackward(NamedTuple):
+    """``gradients(params, tokens) -> (mean loss, local gradients)``; ``loss(params, tokens)``: the
+    forward pass alone (evaluation); ``reports(params, tokens)``: what the layers report (a mixture of
+    experts' routing), stacked over the layers in model order and summed over the microbatches."""
+
+    gradients: Callable[[Params, jax.Array], tuple[jax.Array, Params]]
+    loss: Callable[[Params, jax.Array], jax.Array]
+    reports: Callable[[Params, jax.Array], Any]
+
+
+def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
+    return tokens.reshape(microbatches, tokens.shape[0] // microbatches, *tokens.shape[1:])
+
+
+def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, microbatches: int):
+    """Mean loss and gradient of this shard's ``tokens`` [rows, seq+1], accumulated over microbatches.
+
+    ``params`` must already be varying over ``data`` so the gradients stay local.
+    """
+    grad_fn = jax.value_and_grad(model_def.loss)
+    if microbatches == 1:
+        return grad_fn(params, tokens)
+    micro = as_microbatches(tokens, microbatches)
+
+    def accumulate(carry, batch):
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(params, batch)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    # The first microbatch seeds the carry, so it has exactly the (varying-over-data) type of the rest.
+    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, grad_fn(params, micro[0]), micro[1:])
+    scale = 1.0 / microbatches
+    return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
+
+
+def plain_forward_backward(model_def: ModelDef, microbatches: int) -> ForwardBackward:
+    """The whole model on every pipeline rank (``pipe`` = 1), microbatches accumulated in a scan."""
+
+    def reports(params: Params, tokens: jax.Array):
+        found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), next_token_pairs(mb)[0],
+                                                     Context.for_tokens(mb)), as_microbatches(tokens, microbatches))
+        return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
+
+    return ForwardBackward(
+        gradients=lambda params, tokens: local_gradients(model_def, params, tokens, microbatches),
+        loss=model_def.loss,
+        reports=reports,
+    )

@@ -1,0 +1,48 @@
+"""Which parameters training updates, as one mask that travels with the training state.
+
+Fine-tuning methods differ only in this mask (LoRA trains its adapters, a frozen embedding trains
+everything else); the step, the gradient sync and the optimizer read the mask and never the method. Frozen
+leaves enter differentiation under ``stop_gradient`` -- no gradient is formed for them -- and are ``None``
+in the trees the reduction and the optimizer see (levanter's ``trainables_only``; optax's own transforms
+treat a ``None`` leaf as absent), so nothing of them crosses the data group and they hold no optimizer
+state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+__all__ = ["Trainable"]
+
+
+@dataclass(frozen=True)
+class Trainable:
+    """``mask``: a tree shaped like the parameters, ``True`` where a leaf trains; ``None``: every leaf trains."""
+
+    mask: Any = None
+
+    @property
+    def is_partial(self) -> bool:
+        """Whether some leaves are frozen."""
+        return self.mask is not None
+
+    def stopped(self, params: Any) -> Any:
+        """``params`` as differentiation should see them: frozen leaves under ``stop_gradient``."""
+        if self.mask is None:
+            return params
+        return jax.tree.map(lambda keep, x: x if keep else jax.lax.stop_gradient(x), self.mask, params)
+
+    def part(self, tree: Any) -> Any:
+        """The trainable part of a parameter-shaped ``tree``: its frozen leaves ``None``."""
+        if self.mask is None:
+            return tree
+        return jax.tree.map(lambda keep, x: x if keep else None, self.mask, tree)
+
+    def completed(self, part: Any, whole: Any) -> Any:
+        """``part`` (from :meth:`part`) with ``whole``'s frozen leaves put back."""
+        if self.mask is None:
+            return part
+        return jax.tree.map(lambda keep, x, y: x if keep else y, self.mask, part, whole)
