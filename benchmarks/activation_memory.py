@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron import megatron
+from meshtron import families, megatron
 from meshtron.config import MeshConfig, ModelConfig
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import build_mesh
@@ -63,7 +63,8 @@ def measure(family: str, seq_len: int, tensor: int, remat: str, sequence_paralle
     dims = {"seq_len": seq_len, "microbatch": MICROBATCH, "hidden": shape["hidden"], "heads": shape["heads"],
             "tensor": tensor, "sequence_parallel": sequence_parallel, "remat": remat}
     measured = (temps[1] - temps[0]) / (DEPTHS[1] - DEPTHS[0])
-    predicted = megatron.layer_activation_bytes(**dims, kv_heads=shape.get("kv_heads"), mlp_dim=shape["mlp_dim"])
+    predicted = megatron.layer_activation_bytes(**dims, kv_heads=shape.get("kv_heads"), mlp_dim=shape["mlp_dim"],
+                                                block=families.FAMILIES[family].load_counts().BLOCK)
     return {
         "family": family, "seq_len": seq_len, "tensor": tensor, "remat": remat, "sequence_parallel": sequence_parallel,
         "measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted,

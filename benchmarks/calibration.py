@@ -77,6 +77,7 @@ from typing import Any
 from meshtron import megatron
 from meshtron.config import Config, padded_vocab_size
 from meshtron.errors import ConfigError
+from meshtron.models.gpt_counts import BLOCK as GPT_BLOCK
 from meshtron.pipeline.program import Program
 from meshtron.plan.cluster import Cluster, cluster_from_dict
 from meshtron.plan.model import Layout, ModelShape, figures
@@ -637,7 +638,8 @@ def kept_bytes(cfg: Config, model: ModelShape, layout: Layout) -> float:
     allocation is at least this (what :func:`predict` prices when not given the compiled size)."""
     s, b, h, t = model.seq_len, layout.microbatch, model.hidden, layout.tensor
     layer = megatron.layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=model.heads, tensor=t,
-                                            remat=cfg.model.remat, bytes_per_element=ELEMENT_BYTES)
+                                            remat=cfg.model.remat, bytes_per_element=ELEMENT_BYTES,
+                                            block=GPT_BLOCK)
     if layout.pipe == 1:
         return model.layers * layer
     program = program_of(cfg, layout.pipe)
@@ -673,7 +675,8 @@ def _layer_work(model: ModelShape, layout: Layout, cluster: Cluster, remat: str,
         one = allreduce_seconds(layout.microbatch * model.seq_len * model.hidden * ELEMENT_BYTES, t, t, cluster)
     per_layer = figures(model, layout).tensor_allreduces_per_layer
     kept = megatron.layer_activation_bytes(seq_len=model.seq_len, microbatch=layout.microbatch, hidden=model.hidden,
-                                           heads=model.heads, tensor=t, remat=remat, bytes_per_element=ELEMENT_BYTES)
+                                           heads=model.heads, tensor=t, remat=remat, bytes_per_element=ELEMENT_BYTES,
+                                           block=GPT_BLOCK)
     stacked = kept / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
     into, out_of = RESIDUAL_PASSES
     forward = StageWork(gemm=gemm_forward, elementwise=elem_forward, residuals=0.0 if stage_recompute else into * stacked,

@@ -132,11 +132,11 @@ def hugging_face_model(directory: Path, config: dict, tokenizer: Path) -> None:
     """A Hugging Face model directory in the real layout: config.json, model.safetensors, tokenizer.json."""
     from safetensors.numpy import save_file
 
-    from meshtron.models.registry import HF_MAPPINGS, hf_mapping
+    from meshtron.models.registry import hf_families, hf_mapping
 
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
-    mapping = next(hf_mapping(f) for f in HF_MAPPINGS if config["architectures"][0] in hf_mapping(f).ARCHITECTURES)
+    mapping = next(hf_mapping(f) for f in hf_families() if config["architectures"][0] in hf_mapping(f).ARCHITECTURES)
     model = mapping.model_config(config, directory / "config.json")
     rng = np.random.default_rng(0)
     tensors = {}

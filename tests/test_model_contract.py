@@ -11,9 +11,9 @@ from flax import nnx
 
 from meshtron.cli import main
 from meshtron.config import ConfigError, MeshConfig, ModelConfig
+from meshtron.families import FAMILIES
 from meshtron.mesh import build_mesh
 from meshtron.models import Context, ModelContractError, stack_blocks
-from meshtron.models.registry import FAMILIES
 from meshtron.sharding import MEGATRON_RULES, extend_rules, logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, model_def_from_config
 
@@ -36,7 +36,7 @@ def imported_modules(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("path", FAMILY_FREE, ids=lambda p: str(p.relative_to(SRC)))
 def test_no_family_is_imported_by_the_trainer_pipeline_optimizer_or_checkpoints(path):
-    families = set(FAMILIES.values())
+    families = {path for f in FAMILIES.values() for path in (f.module, f.counts)}
     bad = {name for name in imported_modules(path) if any(name == f or name.startswith(f + ".") for f in families)}
     assert not bad, f"{path.name} imports a model family: {bad}"
     text = path.read_text()
@@ -208,3 +208,15 @@ def _validate_attention(name):
     from meshtron.config import Config, validate
 
     validate(Config(model=ModelConfig(attention=name)))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_states_its_counts_in_pure_python(name):
+    """The planner, the step-memory model and describe ask a family for its numbers
+    (:mod:`meshtron.families`); they run without JAX, so a family's counts import none."""
+    family = FAMILIES[name]
+    counts = family.load_counts()
+    for attr in ("BLOCK", "PAPER_GPT", "kv_heads", "block_parameters", "other_parameters", "weight_boundary"):
+        assert hasattr(counts, attr), f"{family.counts} has no {attr}"
+    heavy = {n for n in imported_modules(Path(counts.__file__)) if n.split(".")[0] in ("jax", "jaxlib", "flax")}
+    assert not heavy, f"{family.counts} imports {heavy}"

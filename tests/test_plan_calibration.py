@@ -13,6 +13,7 @@ import yaml
 
 from meshtron.config import ConfigError, load_config
 from meshtron.megatron import layer_activation_bytes, megatron_flops
+from meshtron.models.gpt_counts import BLOCK as GPT_BLOCK
 from meshtron.pipeline.runtime import segments
 from meshtron.pipeline.schedules import Costs, check, compile_program, make_schedule
 from meshtron.plan.cluster import cluster_from_dict, load_cluster
@@ -248,12 +249,13 @@ def test_layout_of_reads_meshtrons_config():
 def test_kept_bytes_is_meshtrons_activation_count():
     cfg = config(8, 1, 1)
     model, layout = layout_of(cfg)
-    layer = layer_activation_bytes(seq_len=128, microbatch=4, hidden=128, heads=8, remat="none")
+    layer = layer_activation_bytes(seq_len=128, microbatch=4, hidden=128, heads=8, remat="none", block=GPT_BLOCK)
     assert kept_bytes(cfg, model, layout) == 8 * layer
     cfg = config(2, 2, 2, "1f1b", 1, 4)
     model, layout = layout_of(cfg)
     slots = compile_program(make_schedule("1f1b", 2, 4)).stash_slots
-    layer = layer_activation_bytes(seq_len=128, microbatch=4, hidden=128, heads=8, tensor=2, remat="none")
+    layer = layer_activation_bytes(seq_len=128, microbatch=4, hidden=128, heads=8, tensor=2, remat="none",
+                                   block=GPT_BLOCK)
     assert kept_bytes(cfg, model, layout) == slots * 128 * 4 * 128 * 4 + 4 * layer
 
 

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config
+from meshtron.families import FAMILIES
 from meshtron.hlo.collectives import collectives, ring_wire_bytes
 from meshtron.megatron import (
     layer_activation_bytes,
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 B, S, H, HEADS, MLP = 4, 32, 64, 8, 256
 SHAPES = {"gpt": {}, "llama": {"kv_heads": 4}}
+GPT_BLOCK = FAMILIES["gpt"].load_counts().BLOCK
 
 
 def config(family: str, **overrides) -> ModelConfig:
@@ -166,7 +168,7 @@ def saved_per_layer(family: str, remat: str) -> int:
 def test_block_constants_are_what_autodiff_keeps(family, remat):
     predicted = layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, mlp_dim=MLP,
                                        kv_heads=SHAPES[family].get("kv_heads"), remat=remat,
-                                       bytes_per_element=1)
+                                       bytes_per_element=1, block=FAMILIES[family].load_counts().BLOCK)
     assert saved_per_layer(family, remat) == predicted
 
 
@@ -180,7 +182,8 @@ def test_compiled_memory_per_layer_is_the_models(remat, sequence_parallel):
              .memory_analysis().temp_size_in_bytes for layers in depths]
     measured = (temps[1] - temps[0]) / (depths[1] - depths[0])
     predicted = layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, mlp_dim=MLP,
-                                       tensor=t, sequence_parallel=sequence_parallel, remat=remat)
+                                       tensor=t, sequence_parallel=sequence_parallel, remat=remat,
+                                       block=GPT_BLOCK)
     assert measured == pytest.approx(predicted, rel=0.05)
 
 
@@ -199,13 +202,13 @@ def test_paper_formula_gives_the_papers_five_fold_saving():
 
 def test_pipeline_memory_counts_stashed_stage_inputs_and_one_chunk():
     layer = layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, tensor=2,
-                                   sequence_parallel=True)
+                                   sequence_parallel=True, block=GPT_BLOCK)
     stage_input = S * B * H * 4 / 2
     assert pipeline_activation_bytes(layer_bytes=layer, input_bytes=stage_input, layers_per_chunk=2,
                                      in_flight=3) == 3 * stage_input + 2 * layer
     assert megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=4, in_flight=2) == 8 * layer
     with pytest.raises(ValueError, match="remat must be one of none, full, selective"):
-        layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, remat="some")
+        layer_activation_bytes(seq_len=S, microbatch=B, hidden=H, heads=HEADS, remat="some", block=GPT_BLOCK)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +253,8 @@ def test_describe_prints_the_activation_model_next_to_compiled_memory(capsys):
     m, t = cfg.model, cfg.train
     layer = layer_activation_bytes(
         seq_len=m.seq_len, microbatch=t.batch_size // (cfg.mesh.data * t.microbatches), hidden=m.hidden, heads=m.heads,
-        mlp_dim=m.mlp_dim, tensor=cfg.mesh.tensor, sequence_parallel=True, remat="selective")
+        mlp_dim=m.mlp_dim, tensor=cfg.mesh.tensor, sequence_parallel=True, remat="selective",
+        block=FAMILIES[m.family].load_counts().BLOCK)
     assert f"per layer                {format_bytes(layer)} (remat selective, sequence parallelism" in out
     assert "stashed stage inputs" in out and "modelled (XLA:CPU)" in out
     assert "reduce-scatter      tensor" in out

@@ -25,6 +25,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshtron.bundled_configs import resolve
 from meshtron.checkpoint_dirs import imported_step
 from meshtron.errors import ConfigError
+from meshtron.families import FAMILIES
 from meshtron.megatron import REMAT_MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,9 +47,6 @@ class MeshConfig:
     pipe: int = 1
     tensor: int = 1
     context: int = 1
-
-
-FAMILIES = ("gpt", "llama")
 
 
 @dataclass

@@ -23,6 +23,7 @@ import numpy as np
 from meshtron import megatron
 from meshtron.config import Config
 from meshtron.errors import ConfigError
+from meshtron.families import FACTORY_STAND_IN, FAMILIES
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
 from meshtron.models.lora import is_adapter
@@ -77,9 +78,11 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
     sp = m.sequence_parallel and tensor > 1
     itemsize = np.dtype(m.dtype).itemsize
     microbatch = t.batch_size // (data * t.microbatches)
+    block = FAMILIES[m.family if m.factory is None else FACTORY_STAND_IN].load_counts().BLOCK
     layer = megatron.layer_activation_bytes(
         seq_len=m.seq_len, microbatch=microbatch, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
-        mlp_dim=m.mlp_dim, tensor=tensor, sequence_parallel=sp, remat=m.remat, bytes_per_element=itemsize)
+        mlp_dim=m.mlp_dim, tensor=tensor, sequence_parallel=sp, remat=m.remat, bytes_per_element=itemsize,
+        block=block)
     layout = f"remat {m.remat}, {'sequence' if sp else 'no sequence'} parallelism, microbatch {microbatch}"
     lines = [("per layer", f"{format_bytes(layer)} ({layout})")]
     if m.factory is not None:
@@ -124,7 +127,7 @@ def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemor
 
     # with LoRA only the adapters have gradients and optimizer state
     trainable = per_layer_and_rest([r for r in rows if is_adapter(r[0])]) if run.cfg.train.lora.rank else None
-    shape = StepShape(m.family if m.factory is None else "gpt", layers, m.hidden, m.heads, m.kv_heads or m.heads,
+    shape = StepShape(m.family if m.factory is None else FACTORY_STAND_IN, layers, m.hidden, m.heads, m.kv_heads or m.heads,
                       m.mlp_dim, m.vocab_size, m.seq_len, m.max_position_embeddings or m.seq_len)
     return step_memory(shape, StepRun.from_config(run.cfg, run.program), backend,
                        stage_bytes=per_layer_and_rest(rows), trainable_bytes=trainable)
@@ -281,7 +284,8 @@ def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
     from meshtron.models.context_attention import exchange_bytes
 
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
-    kv = (m.kv_heads or m.heads) if m.family == "llama" else m.heads
+    family = FAMILIES.get(m.family)
+    kv = family.load_counts().kv_heads(m) if family is not None else m.heads
     kv_local = kv // mesh.tensor if kv % mesh.tensor == 0 else kv
     tokens = t.batch_size // mesh.data // t.microbatches * m.seq_len // mesh.context
     forwards = 1 + (m.remat in ("full", "selective")) + (mesh.pipe > 1 and cfg.pipeline.recompute)
@@ -297,7 +301,6 @@ def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
 
 def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> ExpertExchange:
     """What the expert-parallel all-to-alls of ``cfg``'s step send (:func:`meshtron.models.moe.all_to_all_bytes`)."""
-    from meshtron.models.llama import moe_dims
     from meshtron.models.moe import EXPERTS, all_to_all_bytes
 
     m, t = cfg.model, cfg.train
@@ -307,7 +310,7 @@ def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> Exper
     ranks = mesh_sizes[axis] if axis else 1
     tokens = t.batch_size // sizes.data // t.microbatches * m.seq_len
     forwards = 1 + (m.remat == "full") + (sizes.pipe > 1 and cfg.pipeline.recompute)
-    dims = moe_dims(m)
+    dims = FAMILIES[m.family].load_module().moe_dims(m)  # the one family with experts (config checks it)
     per_layer = all_to_all_bytes(dims, tokens, ranks, forwards, np.dtype(m.dtype).itemsize)
     return ExpertExchange(axis, ranks, dims.experts, tokens, forwards, model_def.layers // sizes.pipe, t.microbatches,
                           per_layer)

@@ -14,7 +14,7 @@ the newest checkpoint's parameters back as ``config.json`` + ``model.safetensors
 
 Each family's mapping -- which architectures it reads, its tensors' names and layouts, its
 ``config.json`` fields both ways -- lives with the family (``models/llama_hf.py``,
-``models/gpt_hf.py``; the registry in :mod:`meshtron.models.registry` names them); this module reads
+``models/gpt_hf.py``; :mod:`meshtron.families` names them); this module reads
 and writes the directories through them.
 
 meshtron pads the vocabulary of its embedding and head to a multiple of 128 x tensor
@@ -55,7 +55,7 @@ from meshtron.errors import ConfigError
 from meshtron.mesh import build_mesh, resolve_sizes
 from meshtron.models.hf_mapping import context, refuse, to_hf, to_meshtron
 from meshtron.models.llama_hf import DEFAULT_SEQ_LEN as DEFAULT_LLAMA_SEQ_LEN
-from meshtron.models.registry import HF_MAPPINGS, hf_mapping
+from meshtron.models.registry import hf_families, hf_mapping
 from meshtron.outputs import check_new_directory, new_directory, readable_by_all
 from meshtron.trees import leaf_names
 
@@ -98,7 +98,7 @@ def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
 
 def _mapping(hf: dict[str, Any], where: Path) -> ModuleType:
     """The family mapping that reads this ``config.json`` (by ``architectures``, else ``model_type``)."""
-    mappings = [hf_mapping(family) for family in HF_MAPPINGS]
+    mappings = [hf_mapping(family) for family in hf_families()]
     names = [name for m in mappings for name in m.ARCHITECTURES]
     supported = f"meshtron imports {', '.join(names)} (a Mistral without a sliding window is a Llama)"
     architectures = hf.get("architectures") or []
@@ -352,9 +352,9 @@ def _restore_params(checkpoint_dir: Path) -> tuple[dict[str, Any], Config]:
     store, cfg = saved_config(checkpoint_dir, argument="checkpoint_dir")
     store.close()
     m = cfg.model
-    if m.factory is not None or m.family not in HF_MAPPINGS:
+    if m.factory is not None or m.family not in hf_families():
         raise CheckpointError(f"{checkpoint_dir}: holds a model.factory={m.factory} model; only the built-in "
-                              f"families ({', '.join(HF_MAPPINGS)}) export to Hugging Face")
+                              f"families ({', '.join(hf_families())}) export to Hugging Face")
     model = load_pretrained(checkpoint_dir, MeshConfig(1, 1, 1), jax.devices()[:1], argument="checkpoint_dir")
     params = model.params
     if model.model_def.lora is not None:  # a LoRA run's adapters, folded into their matrices

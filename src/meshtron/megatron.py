@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "MESHTRON_BLOCK",
     "REMAT_MODES",
     "BlockActivations",
     "MegatronFigures",
@@ -234,6 +233,12 @@ class BlockActivations:
     of the query heads (``heads·head_dim``), ``key_value`` arrays the width of the key/value heads,
     ``mlp`` arrays the width of the MLP, and ``scores`` per-head ``[s, s]`` arrays (attention logits
     and probabilities) -- the only term selective recomputation drops.
+
+    Each built-in family states its block's (``BLOCK`` in its counts module, :mod:`meshtron.families`).
+    The ``gathered`` norm outputs that sequence parallelism leaves whole are a choice: Megatron-LM keeps
+    them split and all-gathers them again for the weight gradients (two more all-gathers per layer
+    backward); meshtron keeps them gathered, so the tensor traffic stays exactly that of the all-reduces
+    it replaces.
     """
 
     residual: float
@@ -244,26 +249,11 @@ class BlockActivations:
     scores: float
 
 
-MESHTRON_BLOCK = BlockActivations(residual=6, gathered=2, query=2, key_value=2, mlp=6, scores=2)
-"""The residuals JAX's autodiff keeps for meshtron's GPT and Llama blocks (fp32, no dropout), counted
-with ``jax.ad_checkpoint.saved_residuals`` (``tests/test_sequence_parallel.py`` holds both families to
-it): two norms' inputs and normalized values and the residual sum (6), the two norm outputs entering
-the regions (2), query and attention output (2), key and value (2), six MLP-width arrays (GELU's
-tanh-form intermediates; SwiGLU's gate, up, SiLU parts and product), logits and probabilities (2 per
-head). With ``mlp = 4h`` and as many key/value heads as query heads: ``s·b·h·(8 + 28/t + 2·a·s/(h·t))``
-elements per layer with tensor parallelism, ``s·b·h·(2 + (34 + 2·a·s/h)/t)`` with sequence
-parallelism -- against the paper's ``10 + 24/t + 5·a·s/(h·t)`` and ``(34 + 5·a·s/h)/t`` bytes at
-fp16. The ``2`` that sequence parallelism leaves whole is a choice: Megatron-LM keeps the norm
-outputs split and all-gathers them again for the weight gradients (two more all-gathers per layer
-backward); meshtron keeps them gathered, so the tensor traffic stays exactly that of the all-reduces
-it replaces."""
-
-
-def layer_activation_bytes(*, seq_len: int, microbatch: int, hidden: int, heads: int, kv_heads: int | None = None,
-                           mlp_dim: int | None = None, tensor: int = 1, sequence_parallel: bool = False,
-                           remat: str = "none", bytes_per_element: int = 4,
-                           block: BlockActivations = MESHTRON_BLOCK) -> float:
-    """Activation bytes one layer keeps for its backward pass, per device: Table 2 adapted to ``block``.
+def layer_activation_bytes(*, seq_len: int, microbatch: int, hidden: int, heads: int, block: BlockActivations,
+                           kv_heads: int | None = None, mlp_dim: int | None = None, tensor: int = 1,
+                           sequence_parallel: bool = False, remat: str = "none", bytes_per_element: int = 4) -> float:
+    """Activation bytes one layer keeps for its backward pass, per device: Table 2 adapted to ``block``
+    (a family's ``BLOCK``, :mod:`meshtron.families`).
 
     ``s·b·((R + G)·h + (Q·h + KV·h·k/a + M·f + S·a·s)/t)`` elements (``R``, ``G``, ``Q``, ``KV``,
     ``M``, ``S`` the fields of :class:`BlockActivations`; ``k`` key/value heads, replicated on every

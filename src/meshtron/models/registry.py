@@ -1,8 +1,8 @@
 """From a config to a model factory: ``model.family`` (gpt, llama) or ``model.factory`` (a user's model).
 
-Families are named by import path, exactly like a user's factory, so nothing here (and nothing
-that uses this module: the trainer, ``describe``, ``generate``) imports a model family: GPT is
-reached the same way as any model a user brings.
+Families are named by import path in :mod:`meshtron.families`, exactly like a user's factory, so
+nothing here (and nothing that uses this module: the trainer, ``describe``, ``generate``) imports a
+model family: GPT is reached the same way as any model a user brings.
 
 A family module provides ``build(cfg: ModelConfig, rngs, *, tensor) -> nnx.Module`` and may
 provide ``extra_rules(cfg, tensor) -> {logical name: mesh axis or None}``. A user factory named by
@@ -19,28 +19,31 @@ from typing import TYPE_CHECKING, Any
 
 from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError
+from meshtron.families import FAMILIES
 
 if TYPE_CHECKING:
     from meshtron.models.contract import ModelFactory
-
-FAMILIES = {"gpt": "meshtron.models.gpt", "llama": "meshtron.models.llama"}
-HF_MAPPINGS = {"llama": "meshtron.models.llama_hf", "gpt": "meshtron.models.gpt_hf"}
-"""Each family's Hugging Face mapping (:mod:`meshtron.models.hf_mapping` says what one provides)."""
 
 
 def _family(name: str) -> Any:
     if name not in FAMILIES:
         raise ConfigError(f"model.family: unknown family {name!r}; use one of {', '.join(FAMILIES)} "
                           "or model.factory=package.module:function for your own model")
-    return importlib.import_module(FAMILIES[name])
+    return FAMILIES[name].load_module()
+
+
+def hf_families() -> list[str]:
+    """The families with a Hugging Face mapping, the newest first (the order imports try and list them)."""
+    return [name for name, family in reversed(FAMILIES.items()) if family.hf_mapping is not None]
 
 
 def hf_mapping(family: str) -> Any:
-    """The Hugging Face mapping module of ``family`` (no JAX, no torch)."""
-    if family not in HF_MAPPINGS:
+    """The Hugging Face mapping module of ``family`` (no JAX, no torch; :mod:`meshtron.models.hf_mapping`
+    says what one provides)."""
+    if family not in hf_families():
         raise ConfigError(f"model.family: {family!r} has no Hugging Face mapping; families with one: "
-                          f"{', '.join(HF_MAPPINGS)}")
-    return importlib.import_module(HF_MAPPINGS[family])
+                          f"{', '.join(hf_families())}")
+    return FAMILIES[family].load_hf_mapping()
 
 
 def load_factory(spec: str) -> Callable[..., Any]:

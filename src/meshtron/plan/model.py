@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from meshtron import megatron
 from meshtron.config import OPTIMIZERS, ModelConfig
 from meshtron.errors import ConfigError
+from meshtron.families import FAMILIES
 from meshtron.hlo.collectives import ring_wire_bytes
 from meshtron.pipeline.schedules import check, make_schedule
 
@@ -141,7 +142,8 @@ class ModelShape:
     @classmethod
     def from_config(cls, model: ModelConfig) -> ModelShape:
         """The shape of a config's model; the paper's formulas cover the built-in GPT with a 4h MLP."""
-        if model.factory is not None or model.family != "gpt":
+        family = FAMILIES.get(model.family) if model.factory is None else None
+        if family is None or not family.load_counts().PAPER_GPT:
             what = f"factory {model.factory}" if model.factory else f"family {model.family}"
             raise ConfigError(f"model.family: the planner implements the paper's GPT (eq. 2, 3), got {what}; "
                               "use model.family=gpt")

@@ -53,6 +53,7 @@ from dataclasses import dataclass, fields
 from meshtron import megatron
 from meshtron.config import Config, ModelConfig, padded_vocab_size
 from meshtron.errors import ConfigError
+from meshtron.families import FAMILIES
 from meshtron.pipeline.program import compile_program
 from meshtron.pipeline.schedules import make_schedule
 from meshtron.plan.model import Layout, ModelShape, onebit_padded_length
@@ -70,8 +71,7 @@ LOGIT_BUFFERS = 2  # fp32 logits and their cotangent
 
 @dataclass(frozen=True)
 class StepShape:
-    """A built-in model's dimensions (``family`` gpt: biases, LayerNorm, GELU MLP, learned positions,
-    tied head; llama: RMSNorm, SwiGLU, grouped-query attention, untied head, no biases)."""
+    """A built-in model's dimensions; its ``family`` (:mod:`meshtron.families`) counts its parameters."""
 
     family: str
     layers: int
@@ -89,9 +89,10 @@ class StepShape:
 
     @classmethod
     def from_config(cls, model: ModelConfig) -> StepShape:
-        if model.factory is not None or model.family not in ("gpt", "llama"):
+        if model.factory is not None or model.family not in FAMILIES:
             what = f"factory {model.factory}" if model.factory else f"family {model.family}"
-            raise ConfigError(f"model.family: the step memory model counts the built-in gpt and llama, got {what}; "
+            raise ConfigError(f"model.family: the step memory model counts the built-in {' and '.join(FAMILIES)}, "
+                              f"got {what}; "
                               "pass the model's parameter bytes (stage_bytes=) for a model of your own")
         return cls(model.family, model.layers, model.hidden, model.heads, model.kv_heads or model.heads,
                    model.mlp_dim, model.vocab_size, model.seq_len, model.max_position_embeddings or model.seq_len)
@@ -176,34 +177,29 @@ class StepMemory:
                 if f.name != "backend" and getattr(self, f.name)}
 
 
+def _counts(shape: StepShape):
+    """The numbers of ``shape``'s family (:mod:`meshtron.families`)."""
+    return FAMILIES[shape.family].load_counts()
+
+
 def block_parameters(shape: StepShape, tensor: int) -> float:
     """One layer's parameters on one tensor rank: Megatron's split of the projections (query heads,
     and key/value heads when ``tensor`` divides them, else whole; the MLP's inner dimension), the
-    norms and the row-parallel biases whole."""
-    h, a, k, d, f, t = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp_dim, tensor
-    if shape.family == "llama":
-        kv_split = t if k % t == 0 else 1
-        return 2 * h * a * d / t + 2 * h * k * d / kv_split + 3 * h * f / t + 2 * h
-    return (3 * h * h + 3 * h) / t + h * h / t + h + (2 * h * f + f) / t + h + 4 * h
+    norms and the row-parallel biases whole (the family's ``block_parameters``)."""
+    return _counts(shape).block_parameters(shape, tensor)
 
 
 def other_parameters(shape: StepShape, tensor: int) -> float:
     """The parameters outside the blocks on one tensor rank (vocabulary split over ``tensor``, padded
     to a multiple of 128·t as Megatron does). Every pipeline stage holds them: the program is SPMD."""
-    h, vocab = shape.hidden, padded_vocab_size(shape.vocab_size, tensor)
-    if shape.family == "llama":
-        return 2 * vocab * h / tensor + h  # embedding, untied head, final norm
-    return vocab * h / tensor + shape.positions * h + 2 * h  # tied embedding, positions, final LayerNorm
+    return _counts(shape).other_parameters(shape, padded_vocab_size(shape.vocab_size, tensor), tensor)
 
 
 def _weight_boundary(shape: StepShape, tensor: int) -> float:
     """Per token, the elements a zb-h1 ``B`` leaves for ``W``: each weight-bearing projection's input
     and output cotangent (the inputs of the column-parallel projections and the cotangents of the
     row-parallel ones are whole, ``h``; the rest split over ``tensor``)."""
-    h, a, k, d, f, t = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp_dim, tensor
-    if shape.family == "llama":
-        return 4 * h + (a + 2 * k) * d / t + h / t + 3 * f / t
-    return 4 * h + 4 * h / t + 2 * f / t
+    return _counts(shape).weight_boundary(shape, tensor)
 
 
 def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
@@ -258,7 +254,8 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     kept_scores = 0.0 if fused else scores_one * (4 + cb if cb < 4 else 8)  # fp32 probabilities (+ bf16 copy)
     kept_layer = megatron.layer_activation_bytes(
         seq_len=s, microbatch=b, hidden=h, heads=a, kv_heads=shape.kv_heads, mlp_dim=shape.mlp_dim, tensor=t,
-        sequence_parallel=run.sequence_parallel, remat="selective", bytes_per_element=residual)
+        sequence_parallel=run.sequence_parallel, remat="selective", bytes_per_element=residual,
+        block=_counts(shape).BLOCK)
     if split:  # B's residuals for the chunk, and what W reads in each B-to-W buffer
         layers_kept = chunk_layers * (kept_layer + kept_scores)
     elif inputs_kept:  # each layer's input (as autodiff keeps it) and the chunk's output, per slot
