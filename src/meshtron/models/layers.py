@@ -4,6 +4,7 @@ and the pre-norm residual block body."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,23 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
         return jnp.einsum(spec, x, fuse(*kernels).astype(x.dtype))
 
     return jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, *kernels)
+
+
+def projection_kernel(module: Any) -> jax.Array:
+    """The matrix of a projection module that a fused projection joins with others: ``module.kernel[...]``;
+    for a module a layer hook has wrapped to add a term to its output (LoRA's adapters on the activations:
+    :func:`meshtron.models.contract.layer_parameters`), the wrapped module's own matrix
+    (``module.fused_kernel``). A model that joins matrices into one matmul reads them this way and then adds
+    each module's term with :func:`with_added_output`, so the hook's term is kept without the model knowing
+    what the hook is."""
+    return module.fused_kernel if hasattr(module, "added_output") else module.kernel[...]
+
+
+def with_added_output(module: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    """``y`` (``module``'s part of a fused projection of ``x``, from :func:`projection_kernel`) plus what a
+    hook-wrapped module adds to its output (``module.added_output(x, dtype)``); ``y`` for a plain module."""
+    added = getattr(module, "added_output", None)
+    return y if added is None else y + added(x, y.dtype)
 
 
 def pre_norm_block(x: jax.Array, ctx: Context, attn_norm: Callable, attn: Callable, mlp_norm: Callable,

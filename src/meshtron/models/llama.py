@@ -34,8 +34,16 @@ from meshtron.models.contract import (
     logits_of,
     stack_blocks,
 )
-from meshtron.models.layers import INIT_STD, fused_projection, normal, ones, padded_vocab_init, pre_norm_block
-from meshtron.models.lora import base_kernel, with_adapters_added
+from meshtron.models.layers import (
+    INIT_STD,
+    fused_projection,
+    normal,
+    ones,
+    padded_vocab_init,
+    pre_norm_block,
+    projection_kernel,
+    with_added_output,
+)
 from meshtron.models.moe import MoE, MoEDims
 from meshtron.sharding import constrain, same_layout
 
@@ -98,19 +106,18 @@ class Attention(nnx.Module):
         """q, k, v. When key/value heads are split like query heads, the three kernels are joined along
         a per-kv-head group axis (a local concatenation: every shard holds whole groups) and applied
         as one einsum, so the backward pass all-reduces one input gradient, as Megatron's fused QKV
-        does; with replicated key/value heads they are separate einsums. LoRA's adapters add their
-        rank-r terms beside the joined matmul."""
+        does; with replicated key/value heads they are separate einsums. What a layer hook adds to a
+        projection's output (LoRA's rank-r terms) is added beside the joined matmul."""
         if not same_layout("heads", "kv_heads"):
             return self.wq(x), self.wk(x), self.wv(x)
-        wq, wk, wv = base_kernel(self.wq), base_kernel(self.wk), base_kernel(self.wv)
+        wq, wk, wv = projection_kernel(self.wq), projection_kernel(self.wk), projection_kernel(self.wv)
         e, n, d = wq.shape
         kv = wk.shape[1]
         y = fused_projection("bse,ekgd->bskgd", x, lambda wq, wk, wv: jnp.concatenate(
             [wq.reshape(e, kv, n // kv, d), wk[:, :, None], wv[:, :, None]], axis=2), wq, wk, wv)
         b, s = x.shape[:2]
         q, k, v = y[:, :, :, :-2].reshape(b, s, n, d), y[:, :, :, -2], y[:, :, :, -1]
-        return (with_adapters_added(self.wq, x, q), with_adapters_added(self.wk, x, k),
-                with_adapters_added(self.wv, x, v))
+        return with_added_output(self.wq, x, q), with_added_output(self.wk, x, k), with_added_output(self.wv, x, v)
 
     def __call__(self, x: jax.Array, ctx: Context):
         q, k, v = self.project(x)
@@ -135,10 +142,10 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         # gate and up applied as one einsum over their stacked kernels (both split on ``mlp``: a local
         # stack), so the backward pass all-reduces one input gradient, as Megatron's fused projection;
-        # LoRA's adapters add their rank-r terms beside it.
+        # what a layer hook adds to either output (LoRA's rank-r terms) is added beside it.
         y = fused_projection("bse,etf->bstf", x, lambda gate, up: jnp.stack([gate, up], axis=1),
-                             base_kernel(self.gate), base_kernel(self.up))
-        gate, up = with_adapters_added(self.gate, x, y[:, :, 0]), with_adapters_added(self.up, x, y[:, :, 1])
+                             projection_kernel(self.gate), projection_kernel(self.up))
+        gate, up = with_added_output(self.gate, x, y[:, :, 0]), with_added_output(self.up, x, y[:, :, 1])
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return self.down(hidden)
 

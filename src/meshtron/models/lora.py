@@ -227,9 +227,9 @@ class AdaptedProjection:
 
     def __call__(self, x: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
         y = self._base(x, *args, **kwargs)
-        return y + self.adapter_term(x, y.dtype)
+        return y + self.added_output(x, y.dtype)
 
-    def adapter_term(self, x: jax.Array, dtype: Any) -> jax.Array:
+    def added_output(self, x: jax.Array, dtype: Any) -> jax.Array:
         """``(alpha/r) · (drop(x) A) B`` in ``dtype``: what the adapters add to the base's output."""
         if self._rate > 0:
             keep = jax.random.bernoulli(self._key, 1.0 - self._rate, x.shape)
@@ -239,9 +239,10 @@ class AdaptedProjection:
         return self._scale * jnp.einsum(out_of_rank, low, self._b.astype(dtype))
 
     @property
-    def frozen_kernel(self) -> jax.Array:
+    def fused_kernel(self) -> jax.Array:
         """The base matrix alone (frozen), for a model that joins several modules' matrices into one matmul
-        and adds each one's :meth:`adapter_term` to its part of the output (:func:`with_adapters_added`)."""
+        and adds each one's :meth:`added_output` to its part of the output
+        (:func:`meshtron.models.layers.projection_kernel`, :func:`~meshtron.models.layers.with_added_output`)."""
         return getattr(self._base, self._name).get_value()
 
     def __getattr__(self, attr: str) -> Any:
@@ -250,7 +251,7 @@ class AdaptedProjection:
                 raise ConfigError(f"train.lora.dropout: is {self._rate}, and the model reads the adapted matrix "
                                   f"{type(self._base).__name__}.{attr} itself instead of calling its module, which "
                                   "would skip the dropped inputs; set train.lora.dropout=0 or call the module")
-            merged = _merge_one(self.frozen_kernel, self._a, self._b, self._scale, False)
+            merged = _merge_one(self.fused_kernel, self._a, self._b, self._scale, False)
             return _ArrayRead(checkpoint_name(merged, MERGED))
         return getattr(self._base, attr)
 
@@ -269,20 +270,6 @@ class _ArrayRead:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self.value, attr)
-
-
-def base_kernel(module: Any) -> jax.Array:
-    """``module.kernel[...]``; for a module with adapters on its activations, its frozen matrix alone. A model
-    that joins projections' matrices into one matmul reads them this way and then adds each module's
-    adapter term to its output with :func:`with_adapters_added`: one matmul of the frozen matrices, and
-    the adapters' rank-r products beside it."""
-    return module.frozen_kernel if isinstance(module, AdaptedProjection) else module.kernel[...]
-
-
-def with_adapters_added(module: Any, x: jax.Array, y: jax.Array) -> jax.Array:
-    """``y`` (``module``'s output computed from :func:`base_kernel`) plus what its adapters add for input
-    ``x`` (nothing without them)."""
-    return y + module.adapter_term(x, y.dtype) if isinstance(module, AdaptedProjection) else y
 
 
 def _activation_equation(owner: nnx.Module, name: str, ins: int) -> tuple[str, str] | None:
