@@ -16,8 +16,9 @@ import pytest
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, checksums
 from meshtron.config import ConfigError, MeshConfig, load_config
+from meshtron.errors import NonFiniteLossError
 from meshtron.mesh import build_mesh
-from meshtron.train.loop import NonFiniteLossError, Trainer
+from meshtron.train.loop import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 
