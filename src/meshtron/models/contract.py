@@ -64,6 +64,7 @@ from meshtron.models import documents
 from meshtron.models.auxiliary import collecting_reports
 from meshtron.models.context_attention import local_positions
 from meshtron.sharding import Rules, constrain, variable_axes, varying_like
+from meshtron.trace_context import LayerView, current, using
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 LAYERS = "layers"
@@ -181,7 +182,6 @@ def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs
 
 
 LayerHook = Callable[[nnx.Module, "jax.Array | None"], None]
-_layer_views: list[tuple[Callable[[dict], dict] | None, str | None, LayerHook | None]] = []
 
 
 @contextlib.contextmanager
@@ -201,17 +201,15 @@ def layer_parameters(view: Callable[[dict], dict] | None, *, unsaved: str | None
     if view is None and hook is None:
         yield
         return
-    _layer_views.append((view, unsaved, hook))
-    try:
+    with using(layer_views=(*current().layer_views, LayerView(view, unsaved, hook))):
         yield
-    finally:
-        _layer_views.pop()
 
 
 def layer_view(graphdef: Any, layer_state: Any, x: jax.Array | None = None) -> nnx.Module:
     """One block from its layer's state, through the active :func:`layer_parameters` views and hooks
     (``x``: the input the block is about to run on, for the hooks)."""
-    views = [view for view, _, _ in reversed(_layer_views) if view is not None]
+    layer_views = current().layer_views
+    views = [v.view for v in reversed(layer_views) if v.view is not None]
     if views:
         layer_state = jax.tree.map(lambda v: v, layer_state)
         values = nnx.to_pure_dict(layer_state)
@@ -219,9 +217,9 @@ def layer_view(graphdef: Any, layer_state: Any, x: jax.Array | None = None) -> n
             values = view(values)
         nnx.replace_by_pure_dict(layer_state, values)
     block = nnx.merge(graphdef, layer_state)
-    for _, _, hook in reversed(_layer_views):
-        if hook is not None:
-            hook(block, x)
+    for v in reversed(layer_views):
+        if v.hook is not None:
+            v.hook(block, x)
     return block
 
 
@@ -232,10 +230,11 @@ def regathered(layer: Callable) -> Callable:
     names what it makes (``unsaved``) has just that recomputed; otherwise the layer keeps only its
     matrix products' outputs (the elementwise work between them is recomputed). The identity without
     a view, or when the layer is recomputed whole anyway (``remat="full"``)."""
-    if not _layer_views:
+    layer_views = current().layer_views
+    if not layer_views:
         return layer
-    names = [name for _, name, _ in _layer_views if name is not None]
-    if len(names) == len(_layer_views):
+    names = [v.unsaved for v in layer_views if v.unsaved is not None]
+    if len(names) == len(layer_views):
         policy = jax.checkpoint_policies.save_anything_except_these_names(*names)
     else:
         policy = jax.checkpoint_policies.dots_saveable

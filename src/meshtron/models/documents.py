@@ -34,6 +34,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from meshtron.trace_context import current, using
+
 WINDOW_CHANNELS = 3  # token, segment, loss mask
 FEATURES = 5  # input, target, position, segment, weight
 INPUT, TARGET, POSITION, SEGMENT, WEIGHT = range(FEATURES)
@@ -97,23 +99,17 @@ def weighted_mean(losses: jax.Array, weights: jax.Array | None) -> jax.Array:
     return jnp.mean(losses * weights)
 
 
-_segments: list[jax.Array | None] = [None]
-
-
 @contextlib.contextmanager
 def document_segments(segments: jax.Array | None) -> Iterator[None]:
     """Inside the block, attention over a whole sequence (no cache) masks keys of other documents:
     ``segments`` [b, s] are the segment ids of the tokens attention sees (``None``: one sequence)."""
-    _segments.append(segments)
-    try:
+    with using(segments=segments):
         yield
-    finally:
-        _segments.pop()
 
 
 def active_segments() -> jax.Array | None:
     """The segment ids of the innermost :func:`document_segments` (``None`` outside one)."""
-    return _segments[-1]
+    return current().segments
 
 
 def same_document(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:

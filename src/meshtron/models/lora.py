@@ -43,6 +43,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtron.errors import ConfigError
+from meshtron.trace_context import current, using
 
 RANK_AXIS = "lora_rank"
 A_SUFFIX, B_SUFFIX = "_lora_a", "_lora_b"
@@ -155,14 +156,8 @@ def adapter_dropout(rate: float, seed: int) -> Iterator[None]:
     every layer, microbatch, data rank and step, the same in a layer's forward and its recomputation,
     and no random state to carry, checkpoint or split over pipeline stages. Evaluation and generation
     run outside it: no dropout."""
-    _dropout.append((float(rate), int(seed)))
-    try:
+    with using(dropout=(float(rate), int(seed))):
         yield
-    finally:
-        _dropout.pop()
-
-
-_dropout: list[tuple[float, int]] = []
 
 
 def adapter_hook(spec: LoraSpec) -> Callable[[nnx.Module, jax.Array | None], None]:
@@ -177,7 +172,7 @@ def adapter_hook(spec: LoraSpec) -> Callable[[nnx.Module, jax.Array | None], Non
     merged matrix's, and dropout cannot apply to it."""
 
     def hook(block: nnx.Module, x: jax.Array | None) -> None:
-        rate, seed = _dropout[-1] if _dropout else (0.0, 0)
+        rate, seed = current().dropout
         salt = _input_hash(x) if rate > 0 and x is not None else jnp.uint32(0)
         index = 0
         for path, owner in list(nnx.iter_graph(block)):

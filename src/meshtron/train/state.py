@@ -23,8 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshtron.config import LoraConfig, ModelConfig
 from meshtron.errors import ConfigError
-from meshtron.models.attention import attention_implementation, selective_recompute
-from meshtron.models.context_attention import context_exchange
+from meshtron.models.context_attention import checked_exchange
 from meshtron.models.contract import (
     LAYERS,
     ModelFactory,
@@ -35,6 +34,7 @@ from meshtron.models.contract import (
 )
 from meshtron.models.lora import MERGED, LoraSpec, adapter_hook, is_adapter, with_adapters
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
+from meshtron.trace_context import LayerView, current, using
 from meshtron.trees import leaf_names
 from meshtron.units import format_count
 
@@ -95,11 +95,16 @@ class ModelDef:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        """Trace model code inside this: its activation constraints follow this model's rules, its
-        attention uses this run's implementation (and, over a split sequence, its exchange)."""
-        with axis_rules(self.rules), attention_implementation(self.attention), \
-                selective_recompute(self.remat == "selective"), context_exchange(self.context_attention), \
-                self.adapters():
+        """Trace model code inside this: its activation constraints follow this model's rules (flax's
+        partitioning metadata too), its attention uses this run's implementation (and, over a split
+        sequence, its exchange), cores recomputed under ``remat=selective``, and its blocks carry
+        LoRA's adapters (:meth:`adapters`)."""
+        views = current().layer_views
+        if self.lora is not None:
+            views = (*views, LayerView(None, MERGED, adapter_hook(self.lora)))
+        with using(rules=tuple(self.rules), attention=self.attention, recompute_core=self.remat == "selective",
+                   exchange=checked_exchange(self.context_attention), layer_views=views), \
+                nnx.logical_axis_rules(list(self.rules)):
             yield
 
     def adapters(self) -> contextlib.AbstractContextManager:
