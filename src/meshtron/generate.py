@@ -63,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtron.data.tokenizers import Tokenizer
 from meshtron.models.attention import KVCache, attention_implementation
-from meshtron.models.contract import Context, run_blocks
+from meshtron.models.blocks import Context, run_blocks
 from meshtron.sharding import axis_rules, constrain
 from meshtron.train.state import ModelDef, Params
 

@@ -29,7 +29,7 @@ __all__ = ["LayerView", "TraceContext", "current", "using"]
 
 @dataclasses.dataclass(frozen=True)
 class LayerView:
-    """One :func:`meshtron.models.contract.layer_parameters` scope: ``view`` maps a layer's stored
+    """One :func:`meshtron.models.blocks.layer_parameters` scope: ``view`` maps a layer's stored
     parameters (a pure dict) to those its block runs on, ``hook(block, x)`` may change the block built
     from them before it runs, ``unsaved`` names what either makes that a layer's backward recomputes."""
 

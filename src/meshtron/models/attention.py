@@ -191,7 +191,7 @@ def causal_attention(
     With ``cache`` (decoding): ``positions`` ``[batch, seq]`` are the absolute positions of the
     query tokens. They must be contiguous and start at the same position in every row -- true
     for prefill (``0 .. prompt_len - 1``) and for a one-token step at position ``p``, and what
-    :meth:`meshtron.models.contract.Context.for_sequence` makes. The new ``k``/``v`` (cast to the
+    :meth:`meshtron.models.blocks.Context.for_sequence` makes. The new ``k``/``v`` (cast to the
     cache's dtype) are written at ``positions[0, 0] ..`` with one ``dynamic_update_slice`` (a
     contiguous in-place write, no scatter), and each query attends to the cache entries at
     positions ``<= its own`` (an explicit boolean mask built from ``positions``; later, unwritten

@@ -14,7 +14,7 @@ inside :func:`auxiliary_loss_scale` ``(1/m)``. Either way the gradient is that o
 ``mean over microbatches (loss + Σ weight · auxiliary loss)``.
 
 A block reports what it measured on the way (a mixture of experts' routing: expert load, dropped
-assignments, the unweighted losses) with :func:`report`; :func:`meshtron.models.contract.run_blocks`
+assignments, the unweighted losses) with :func:`report`; :func:`meshtron.models.blocks.run_blocks`
 with ``collect=True`` gathers each layer's reports and returns them stacked over the layers, so the
 measurement needs no new output of the block either.
 """

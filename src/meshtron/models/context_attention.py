@@ -10,7 +10,7 @@ tokens, not ``0 .. S/n - 1``.
 
 A model does nothing for any of this. The rules table places the logical ``seq`` axis on a mesh
 axis (``context``); the train step runs manual over it, each rank holding its two chunks of every
-sequence. :func:`sequence_split` sees that from inside, :meth:`meshtron.models.contract.Context.for_sequence`
+sequence. :func:`sequence_split` sees that from inside, :meth:`meshtron.models.blocks.Context.for_sequence`
 then gives each rank its tokens' positions (:func:`local_positions`), and
 :func:`meshtron.models.attention.causal_attention` attends across the ranks with the exchange the run
 chose (:func:`context_exchange`, ``model.context_attention``).

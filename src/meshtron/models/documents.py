@@ -15,7 +15,7 @@ stage and context-parallel rank reads what it needs from its own tokens:
   document);
 * ``segment``: its document, which attention masks by (a query sees the earlier keys of its own
   document only: :func:`meshtron.models.attention.causal_attention` reads it from the scope
-  :func:`document_segments` that :func:`meshtron.models.contract.run_blocks` opens, so no model
+  :func:`document_segments` that :func:`meshtron.models.blocks.run_blocks` opens, so no model
   passes anything);
 * ``weight``: the token's share of the batch's loss, as fp32 bits. It is zero where the target is
   not the same document's next token (the last token of a document, padding) or is masked out, and

@@ -16,7 +16,7 @@ where a column-parallel ``W``'s outputs are, ``A`` where a row-parallel one's in
 on its pipeline stage -- and checkpoints, schedules and ZeRO see ordinary parameters.
 
 **The forward.** Each block passes through :func:`adapter_hook` before it runs (the contract's
-:func:`~meshtron.models.contract.layer_parameters` hook, so the model does nothing). A matrix applied
+:func:`~meshtron.models.blocks.layer_parameters` hook, so the model does nothing). A matrix applied
 by an ``nnx.Linear`` or ``nnx.Einsum`` gets its adapters on the activations, ``base(x) + (alpha / r)
 · (x A) B``, with the base matrix under ``stop_gradient``: the backward forms no gradient of the base
 matrix at all -- only ``x``'s, and the adapters' from the rank-``r`` products -- and adapter dropout
@@ -161,7 +161,7 @@ def adapter_dropout(rate: float, seed: int) -> Iterator[None]:
 
 
 def adapter_hook(spec: LoraSpec) -> Callable[[nnx.Module, jax.Array | None], None]:
-    """A :func:`~meshtron.models.contract.layer_parameters` hook applying ``spec``'s adapters to one block.
+    """A :func:`~meshtron.models.blocks.layer_parameters` hook applying ``spec``'s adapters to one block.
 
     A matrix that is the ``kernel`` of an ``nnx.Linear`` or ``nnx.Einsum`` (whose equation contracts
     exactly the matrix's input axes) gets its adapters on the activations: the module is replaced by

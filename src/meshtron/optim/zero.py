@@ -234,12 +234,12 @@ class ZeroPlan:
                 for k, v in self.dims.items()}
 
     def layer_view(self, key: str = "blocks"):
-        """A :func:`meshtron.models.contract.layer_parameters` view: one layer of the stacked ``key``
+        """A :func:`meshtron.models.blocks.layer_parameters` view: one layer of the stacked ``key``
         parameters (its leading ``layers`` axis gone), gathered whole from this rank's shares.
 
         Its transpose reduce-scatters the layer's gradient as the backward pass makes it. The backward
         gathers the layer again -- the layer is recomputed whole (``model.remat=full``) or keeps only
-        its matrix products (:func:`meshtron.models.contract.regathered`) -- so a layer's whole
+        its matrix products (:func:`meshtron.models.blocks.regathered`) -- so a layer's whole
         parameters live only while it runs, forward and backward."""
         dims = jax.tree.map(lambda d: None if d is None else d - 1, self.dims[key], is_leaf=lambda x: x is None)
         specs = jax.tree.map(lambda p: P(*tuple(p)[1:]), self.param_specs[key], is_leaf=lambda x: isinstance(x, P))
