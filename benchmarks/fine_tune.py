@@ -87,7 +87,7 @@ def step_costs(overrides: list[str]) -> dict:
     trainer = Trainer.from_config(load_config("llama_cpu8", overrides), read_data=False)
     params, opt_state, tokens = trainer.abstract_step_arguments()
     trainer.steps.compile(params, opt_state, tokens)
-    flags = trainer.model_def.trainable()
+    flags = trainer.steps.trainable.mask
     total = sum(x.size for x in jax.tree.leaves(params))
     trained = total if flags is None else sum(x.size for x, f in zip(jax.tree.leaves(params), jax.tree.leaves(flags))
                                               if f)

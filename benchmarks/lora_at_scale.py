@@ -46,7 +46,7 @@ def measure(name: str, config: str, sizes: tuple[int, int, int], tuning: str, ex
     param_in, opt_in = program.input_shardings[0][:2]
     memory = program.memory_analysis()
     model = modelled_step_memory(trainer.resolved, parameter_rows(trainer.model_def, dict(trainer.mesh.shape)), "cpu")
-    flags = trainer.model_def.trainable()
+    flags = trainer.steps.trainable.mask
     counts = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
     trainable = sum(c for c, keep in zip(counts, jax.tree.leaves(flags), strict=True) if keep) if flags else sum(counts)
     result = {

@@ -66,6 +66,7 @@ def test_the_import_graph_has_no_cycle():
     ("meshtron.units", "meshtron."),
     ("meshtron.megatron", "meshtron."),
     ("meshtron.families", "meshtron."),  # names and import paths only: a family is loaded when asked for
+    ("meshtron.trace_context", "meshtron."),
     ("meshtron.config", "meshtron.pipeline"),  # the schema knows no schedule: meshtron.run resolves them
     ("meshtron.config", "meshtron.train"),
     ("meshtron.hlo.text", "meshtron.hlo.collectives"),

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from meshtron.checkpoint import CheckpointStore
 from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config
 from meshtron.hlo.collectives import collectives
-from meshtron.models.contract import Context
+from meshtron.models.blocks import Context
 from meshtron.sharding import MEGATRON_RULES, extend_rules
 from meshtron.testing import Layout, ParityError, check_parity
 from meshtron.train.data_shards import context_layout
@@ -88,7 +88,7 @@ def multi_query_model(kv_heads: int = 1) -> ModelDef:
     import parallel_lm
     from flax import nnx
 
-    from meshtron.models import attention, contract
+    from meshtron.models import attention, blocks
     from meshtron.sharding import constrain
 
     class MultiQueryBlock(parallel_lm.ParallelBlock):
@@ -98,17 +98,17 @@ def multi_query_model(kv_heads: int = 1) -> ModelDef:
                                                    ("embed", "kv_pair", "attn_dim")) for _ in range(2))
 
         def __call__(self, x, ctx):
-            h = contract.enter_parallel_region(self.norm(x))
+            h = blocks.enter_parallel_region(self.norm(x))
             q = constrain(jax.numpy.einsum("bse,ehd->bshd", h, self.wq[...]), ("batch", "seq", "attn_heads", "attn_dim"))
             k, v = (constrain(jax.numpy.einsum("bse,ehd->bshd", h, w[...]), ("batch", "seq", "kv_pair", "attn_dim"))
                     for w in (self.wk, self.wv))
             out = jax.numpy.einsum("bshd,hde->bse", attention.causal_attention(q, k, v), self.wo[...])
-            return constrain(x + contract.exit_parallel_region(out), contract.RESIDUAL)
+            return constrain(x + blocks.exit_parallel_region(out), blocks.RESIDUAL)
 
     class MultiQueryLM(parallel_lm.ParallelLM):
         def __init__(self, *, rngs: nnx.Rngs):
             super().__init__(64, 32, 4, 64, 2, SEQ, rngs=rngs)
-            self.blocks = contract.stack_blocks(lambda r: MultiQueryBlock(32, 4, 64, rngs=r), 2, rngs)
+            self.blocks = blocks.stack_blocks(lambda r: MultiQueryBlock(32, 4, 64, rngs=r), 2, rngs)
 
     return ModelDef.create(lambda r: MultiQueryLM(rngs=r),
                            rules=extend_rules(MEGATRON_RULES, {**parallel_lm.RULES, "kv_pair": None}))

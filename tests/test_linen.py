@@ -19,7 +19,8 @@ from test_readme import run_example
 
 from meshtron.cli import main
 from meshtron.config import load_config
-from meshtron.models.contract import Context, ModelContractError, next_token_pairs, run_blocks, token_losses
+from meshtron.models.blocks import Context, run_blocks
+from meshtron.models.contract import ModelContractError, next_token_pairs, token_losses
 from meshtron.models.linen import LinenLM, from_linen
 from meshtron.train.loop import Trainer
 from meshtron.train.state import ModelDef

@@ -20,13 +20,14 @@ from meshtron.models.lora import (
     adapter_hook,
     input_axes,
     is_adapter,
+    lora_spec,
     merged,
     without_adapters,
 )
 from meshtron.testing import Layout, check_parity
 from meshtron.train.frozen_base import params_digest
 from meshtron.train.loop import Trainer
-from meshtron.train.state import lora_spec, model_def_from_config
+from meshtron.train.state import model_def_from_config
 from meshtron.trees import leaf_names
 
 SEQ = 32
@@ -39,7 +40,7 @@ def family(name: str, tensor: int = 1, lora: LoraSpec | None = SPEC):
     from meshtron.train.state import ModelDef
 
     md = small(name, SEQ, tensor)
-    return md if lora is None else ModelDef.create(md.factory, rules=md.rules, window=md.window, lora=lora)
+    return md if lora is None else ModelDef.create(md.factory, rules=md.rules, window=md.window, adaptation=lora)
 
 
 def params_of(md, seed=0):
@@ -335,7 +336,7 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
             f"checkpoint.dir={tmp_path}").run()
     pretrained = load_pretrained(tmp_path, MeshConfig(1, 1, 1), jax.devices()[:1])
     md = pretrained.model_def
-    assert md.lora == LoraSpec(4, 8.0)
+    assert md.adaptation == LoraSpec(4, 8.0)
     prompt = list(range(5, 15))
     ids = Sampler(md, pretrained.mesh).sample(pretrained.params, prompt, max_new_tokens=12).new_tokens
     assert Sampler(md, pretrained.mesh, use_cache=False).sample(pretrained.params, prompt,
@@ -441,4 +442,4 @@ def test_a_rank_above_the_matrices_rank_is_one_line():
     cfg = load_config("llama_cpu8", ["train.lora.rank=400"])  # hidden 128: no block matrix has rank 400
     with pytest.raises(ConfigError, match=r"^train.lora.rank: 400 is above the rank of blocks\..* \(\d+ x \d+ per "
                                           r"layer: (\d+)\); use a rank of at most \1, or train the whole model"):
-        model_def_from_config(cfg.model, 1, lora=lora_spec(cfg.train.lora)).shapes()
+        model_def_from_config(cfg.model, 1, adaptation=lora_spec(cfg.train.lora)).shapes()

@@ -26,11 +26,11 @@ from meshtron.errors import ConfigError
 from meshtron.families import FACTORY_STAND_IN, FAMILIES
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
-from meshtron.models.lora import is_adapter
+from meshtron.models.lora import is_adapter, lora_spec
 from meshtron.plan.step_memory import BACKENDS, StepMemory, StepRun, StepShape, step_memory
 from meshtron.run import MeshSizes, Run, run_for_model
 from meshtron.sharding import logical_to_spec, placing_rules
-from meshtron.train.state import ModelDef, lora_spec, model_def_from_config
+from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.units import format_bytes
 
 
@@ -327,7 +327,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     requested = list(mesh_shape(cfg.mesh))
     on_devices = -1 in requested or math.prod(requested) <= len(devices)
     count = len(devices) if on_devices else math.prod(requested)  # planning: the mesh as written
-    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count).tensor, lora=lora_spec(cfg.train.lora))
+    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count).tensor, adaptation=lora_spec(cfg.train.lora))
     run = run_for_model(cfg, count, model_def.layers, run)
     cfg, sizes = run.cfg, run.sizes
     mesh_sizes = dict(zip(AXES, run.mesh_shape))

@@ -63,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtron.data.tokenizers import Tokenizer
 from meshtron.models.attention import KVCache, attention_implementation
-from meshtron.models.contract import Context, run_blocks
+from meshtron.models.blocks import Context, run_blocks
 from meshtron.sharding import axis_rules, constrain
 from meshtron.train.state import ModelDef, Params
 
@@ -325,7 +325,7 @@ class Sampler:
         # Each chunk is one call of the compiled loop; a stop sequence is looked for between chunks (a
         # chunk's tokens after it are computed and dropped), so stopping changes no compiled program.
         with jax.set_mesh(self.mesh), axis_rules(self._rules), attention_implementation(self.model_def.attention), \
-                self.model_def.adapters():
+                self.model_def.adapted():
             cache = self._empty_cache(params) if self.use_cache else None
             for start in range(0, max_new_tokens, self.chunk):
                 steps = min(self.chunk, max_new_tokens - start)

@@ -346,7 +346,6 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
 
 def _restore_params(checkpoint_dir: Path) -> tuple[dict[str, Any], Config]:
     """The newest intact checkpoint's parameters as host arrays (on one device: padded for tensor=1)."""
-    from meshtron.models.lora import merged
     from meshtron.pretrained import load_pretrained, saved_config
 
     store, cfg = saved_config(checkpoint_dir, argument="checkpoint_dir")
@@ -357,8 +356,9 @@ def _restore_params(checkpoint_dir: Path) -> tuple[dict[str, Any], Config]:
                               f"families ({', '.join(hf_families())}) export to Hugging Face")
     model = load_pretrained(checkpoint_dir, MeshConfig(1, 1, 1), jax.devices()[:1], argument="checkpoint_dir")
     params = model.params
-    if model.model_def.lora is not None:  # a LoRA run's adapters, folded into their matrices
-        params = jax.jit(lambda p: merged(p, model.model_def.lora))(params)
+    adaptation = model.model_def.adaptation
+    if adaptation is not None:  # a LoRA run's adapters, folded into their matrices
+        params = jax.jit(adaptation.merged)(params)
     return jax.device_get(params), cfg
 
 

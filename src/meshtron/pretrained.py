@@ -23,8 +23,9 @@ from meshtron.errors import ConfigError
 from meshtron.forward import Forward
 from meshtron.mesh import build_mesh, resolve_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
+from meshtron.models.lora import lora_spec
 from meshtron.train.frozen_base import read_params
-from meshtron.train.state import ModelDef, Params, lora_spec, model_def_from_config
+from meshtron.train.state import ModelDef, Params, model_def_from_config
 
 
 @dataclass
@@ -128,7 +129,7 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
                               "use a pipe size that does (or 1)")
         device_mesh = build_mesh(mesh_cfg, devices)
         # a LoRA run's checkpoint holds its adapters: the model carries them and merges them as it runs
-        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, lora=lora_spec(cfg.train.lora))
+        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, adaptation=lora_spec(cfg.train.lora))
         model_def.check_mesh(device_mesh)
         # (an adapter-only LoRA checkpoint gets its frozen base back from where it points)
         params, meta = read_params(store, model_def, device_mesh, model_def.shardings(device_mesh), step=None,

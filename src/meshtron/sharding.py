@@ -21,6 +21,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshtron.trace_context import current, using
+
 LogicalAxes = Sequence[str | None]
 Rules = Sequence[tuple[str, str | None]]
 
@@ -43,8 +45,6 @@ MEGATRON_RULES: Rules = (
     ("lora_rank", None),
 )
 
-_active_rules: list[Rules] = [MEGATRON_RULES]
-
 
 def extend_rules(rules: Rules, overrides: Mapping[str, str | None]) -> Rules:
     """``rules`` with ``overrides`` applied: a name already in the table is remapped in place (every
@@ -60,17 +60,16 @@ def extend_rules(rules: Rules, overrides: Mapping[str, str | None]) -> Rules:
 
 @contextlib.contextmanager
 def axis_rules(rules: Rules) -> Iterator[None]:
-    """Use another rules table inside the block: model code traced here constrains its activations by it."""
-    _active_rules.append(tuple(rules))
-    try:
-        with nnx.logical_axis_rules(list(rules)):
-            yield
-    finally:
-        _active_rules.pop()
+    """Use another rules table inside the block: model code traced here constrains its activations by it
+    (and flax resolves partitioning metadata by it)."""
+    with using(rules=tuple(rules)), nnx.logical_axis_rules(list(rules)):
+        yield
 
 
 def current_rules() -> Rules:
-    return _active_rules[-1]
+    """The rules table of the innermost :func:`axis_rules` (:data:`MEGATRON_RULES` outside one)."""
+    rules = current().rules
+    return MEGATRON_RULES if rules is None else rules
 
 
 def placing_rules(axes: LogicalAxes, rules: Rules | None = None) -> list[int | None]:
@@ -133,21 +132,18 @@ def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     return _pinned_to(jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), axes)
 
 
-_pins: dict[int, tuple[weakref.ref, tuple[str | None, ...]]] = {}
-
-
 def _pinned_to(x: jax.Array, axes: LogicalAxes) -> jax.Array:
     """``x``, remembered as laid out by the logical ``axes`` (:func:`pinned_axes`) for as long as it
     lives: with automatic mesh axes an array's type does not say how they split it, and code that
     must name its layout (a ``shard_map`` over those axes) needs the model's own names for it."""
-    key = id(x)
+    pins, key = current().pins, id(x)
 
     def forget(ref: weakref.ref) -> None:
-        if _pins.get(key, (None,))[0] is ref:
-            del _pins[key]
+        if pins.get(key, (None,))[0] is ref:
+            del pins[key]
 
     try:
-        _pins[key] = (weakref.ref(x, forget), tuple(axes))
+        pins[key] = (weakref.ref(x, forget), tuple(axes))
     except TypeError:  # a value that cannot be referred to weakly is simply not remembered
         pass
     return x
@@ -156,7 +152,7 @@ def _pinned_to(x: jax.Array, axes: LogicalAxes) -> jax.Array:
 def pinned_axes(x: jax.Array) -> tuple[str | None, ...] | None:
     """The logical axes :func:`constrain` last pinned this very value to, or ``None`` (never pinned,
     or computed from a pinned value: a new value, whose layout the compiler chooses)."""
-    entry = _pins.get(id(x))
+    entry = current().pins.get(id(x))
     return entry[1] if entry is not None and entry[0]() is x else None
 
 

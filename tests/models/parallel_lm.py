@@ -2,7 +2,7 @@
 block (attention and MLP read the same normalised input and are added together), with logical
 axis names of its own (``attn_heads``, ``attn_dim``, ``ffn``) that a user maps with rules.
 
-It follows the public contract only (meshtron.models.contract) and uses meshtron's attention helper,
+It follows the public contract only (meshtron.models) and uses meshtron's attention helper,
 so it also decodes with a KV cache. Not in src/: the tests and the README use it as a user's model.
 """
 
@@ -12,7 +12,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtron.models import attention, contract
+from meshtron.models import (
+    RESIDUAL,
+    WHOLE_SEQUENCE,
+    Context,
+    attention,
+    enter_parallel_region,
+    exit_parallel_region,
+    stack_blocks,
+)
 from meshtron.sharding import constrain
 
 RULES = {"attn_heads": "tensor", "attn_dim": None, "ffn": "tensor"}
@@ -35,8 +43,8 @@ class ParallelBlock(nnx.Module):
         self.w_in = _param(rngs, (hidden, ffn), ("embed", "ffn"))
         self.w_out = _param(rngs, (ffn, hidden), ("ffn", "embed"))
 
-    def __call__(self, x, ctx: contract.Context):
-        h = contract.enter_parallel_region(self.norm(x))  # sequence parallelism: gathered here
+    def __call__(self, x, ctx: Context):
+        h = enter_parallel_region(self.norm(x))  # sequence parallelism: gathered here
         q, k, v = (jnp.einsum("bse,ehd->bshd", h, w[...]) for w in (self.wq, self.wk, self.wv))
         q, k, v = (constrain(t, ("batch", "seq", "attn_heads", "attn_dim")) for t in (q, k, v))
         cache = None
@@ -46,7 +54,7 @@ class ParallelBlock(nnx.Module):
             att, cache = attention.causal_attention(q, k, v, positions=ctx.positions, cache=ctx.cache)
         mlp = constrain(jax.nn.gelu(jnp.einsum("bse,ef->bsf", h, self.w_in[...])), ("batch", "seq", "ffn"))
         out = jnp.einsum("bshd,hde->bse", att, self.wo[...]) + jnp.einsum("bsf,fe->bse", mlp, self.w_out[...])
-        x = constrain(x + contract.exit_parallel_region(out), contract.RESIDUAL)  # ... and reduce-scattered here
+        x = constrain(x + exit_parallel_region(out), RESIDUAL)  # ... and reduce-scattered here
         return x if cache is None else (x, cache)
 
 
@@ -58,19 +66,19 @@ class ParallelLM(nnx.Module):
         self.vocab_size, self.max_len, self.heads, self.layers = vocab, max_len, heads, layers
         self.tok = _param(rngs, (vocab, hidden), ("vocab", "embed"))
         self.pos = _param(rngs, (max_len, hidden), (None, "embed"))
-        self.blocks = contract.stack_blocks(lambda r: ParallelBlock(hidden, heads, ffn, rngs=r), layers, rngs)
+        self.blocks = stack_blocks(lambda r: ParallelBlock(hidden, heads, ffn, rngs=r), layers, rngs)
         self.final_norm = nnx.LayerNorm(hidden, rngs=rngs,
                                         scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",)),
                                         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("embed",)))
 
-    def embed(self, tokens, ctx: contract.Context):
+    def embed(self, tokens, ctx: Context):
         # looked up by position: a split sequence's are not contiguous, packed documents' restart per row
         pos = jnp.take(self.pos[...], ctx.positions if ctx.segments is not None else ctx.positions[0], axis=0)
-        x = constrain(jnp.take(self.tok[...], tokens, axis=0) + pos, contract.WHOLE_SEQUENCE)
-        return contract.exit_parallel_region(x)
+        x = constrain(jnp.take(self.tok[...], tokens, axis=0) + pos, WHOLE_SEQUENCE)
+        return exit_parallel_region(x)
 
     def head(self, x):
-        logits = jnp.einsum("bse,ve->bsv", contract.enter_parallel_region(self.final_norm(x)), self.tok[...])
+        logits = jnp.einsum("bse,ve->bsv", enter_parallel_region(self.final_norm(x)), self.tok[...])
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def init_cache(self, batch: int, max_len: int):

@@ -1,6 +1,7 @@
-"""Models: the contract every model follows (:mod:`meshtron.models.contract`), the attention helper,
-and the built-in families (``gpt``, ``llama``), which are reached by name (:mod:`meshtron.models.registry`)
-exactly like a user's own model.
+"""Models: the contract every model follows (:mod:`meshtron.models.contract`), the stacked blocks it is
+built of and run by (:mod:`meshtron.models.blocks`), the attention helper, and the built-in families
+(``gpt``, ``llama``), which are reached by name (:mod:`meshtron.models.registry`) exactly like a user's
+own model.
 
 The contract's names load on first use: the families' Hugging Face mappings (``*_hf.py``) and the
 registry need no JAX, so ``meshtron configs`` stays light."""
@@ -14,7 +15,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in __all__:
-        from meshtron.models import contract
+        from meshtron.models import blocks, contract
 
-        return getattr(contract, name)
+        return getattr(blocks if hasattr(blocks, name) else contract, name)
     raise AttributeError(f"module 'meshtron.models' has no attribute {name!r}")

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from meshtron.models.context_attention import kv_axes, sequence_split, split_attention
 from meshtron.models.documents import active_segments, same_document
+from meshtron.trace_context import current, using
 
 Implementation = Literal["xla", "cudnn"] | None
 
@@ -68,30 +69,20 @@ class KVCache:
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-_implementation: list[Implementation] = [None]
-_recompute_core: list[bool] = [False]
-
-
 @contextlib.contextmanager
 def attention_implementation(name: Implementation) -> Iterator[None]:
     """Inside the block, :func:`causal_attention` calls without ``implementation`` use ``name``
     (``model.attention``: ``"xla"`` or ``"cudnn"``); models need not pass it down."""
-    _implementation.append(name)
-    try:
+    with using(attention=name):
         yield
-    finally:
-        _implementation.pop()
 
 
 @contextlib.contextmanager
 def selective_recompute(enabled: bool = True) -> Iterator[None]:
     """Inside the block, functions wrapped by :func:`attention_core` keep nothing for the backward pass
     but their inputs (``model.remat=selective``; the trainer sets it)."""
-    _recompute_core.append(enabled)
-    try:
+    with using(recompute_core=enabled):
         yield
-    finally:
-        _recompute_core.pop()
 
 
 def attention_core(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -110,7 +101,7 @@ def attention_core(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if not _recompute_core[-1]:
+        if not current().recompute_core:
             return fn(*args, **kwargs)
         return jax.checkpoint(functools.partial(fn, **kwargs), policy=jax.checkpoint_policies.nothing_saveable,
                               prevent_cse=False)(*args)
@@ -200,7 +191,7 @@ def causal_attention(
     With ``cache`` (decoding): ``positions`` ``[batch, seq]`` are the absolute positions of the
     query tokens. They must be contiguous and start at the same position in every row -- true
     for prefill (``0 .. prompt_len - 1``) and for a one-token step at position ``p``, and what
-    :meth:`meshtron.models.contract.Context.for_sequence` makes. The new ``k``/``v`` (cast to the
+    :meth:`meshtron.models.blocks.Context.for_sequence` makes. The new ``k``/``v`` (cast to the
     cache's dtype) are written at ``positions[0, 0] ..`` with one ``dynamic_update_slice`` (a
     contiguous in-place write, no scatter), and each query attends to the cache entries at
     positions ``<= its own`` (an explicit boolean mask built from ``positions``; later, unwritten
@@ -210,7 +201,7 @@ def causal_attention(
     checked here.
     """
     _check_shapes(q, k, v)
-    implementation = implementation or _implementation[-1]
+    implementation = implementation or current().attention
     scale = 1.0 / math.sqrt(q.shape[-1])
     if cache is None:
         segments = active_segments() if segments is None else segments

@@ -14,7 +14,7 @@ inside :func:`auxiliary_loss_scale` ``(1/m)``. Either way the gradient is that o
 ``mean over microbatches (loss + Σ weight · auxiliary loss)``.
 
 A block reports what it measured on the way (a mixture of experts' routing: expert load, dropped
-assignments, the unweighted losses) with :func:`report`; :func:`meshtron.models.contract.run_blocks`
+assignments, the unweighted losses) with :func:`report`; :func:`meshtron.models.blocks.run_blocks`
 with ``collect=True`` gathers each layer's reports and returns them stacked over the layers, so the
 measurement needs no new output of the block either.
 """
@@ -29,19 +29,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_scales: list[float] = [1.0]
-_collectors: list[list[Any] | None] = [None]
+from meshtron.trace_context import current, using
 
 
 @contextlib.contextmanager
 def auxiliary_loss_scale(scale: float) -> Iterator[None]:
     """Blocks traced inside seed their auxiliary losses' gradients with ``weight · scale``: the
     gradient seed the caller gives the main loss of the same microbatch."""
-    _scales.append(float(scale))
-    try:
+    with using(aux_scale=float(scale)):
         yield
-    finally:
-        _scales.pop()
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -70,21 +66,19 @@ def attach_auxiliary_loss(x: jax.Array, loss: jax.Array, weight: float) -> jax.A
     """
     if not weight:
         return x
-    return _attached(x, loss.astype(jnp.float32), weight * _scales[-1])
+    return _attached(x, loss.astype(jnp.float32), weight * current().aux_scale)
 
 
 @contextlib.contextmanager
 def collecting_reports() -> Iterator[list[Any]]:
     """What blocks traced inside (not under a ``scan`` of their own) :func:`report`, in call order."""
     found: list[Any] = []
-    _collectors.append(found)
-    try:
+    with using(reports=found):
         yield found
-    finally:
-        _collectors.pop()
 
 
 def report(value: Any) -> None:
     """Hand ``value`` (a pytree of arrays) to the innermost :func:`collecting_reports`, if any."""
-    if _collectors[-1] is not None:
-        _collectors[-1].append(value)
+    found = current().reports
+    if found is not None:
+        found.append(value)

@@ -10,7 +10,7 @@ tokens, not ``0 .. S/n - 1``.
 
 A model does nothing for any of this. The rules table places the logical ``seq`` axis on a mesh
 axis (``context``); the train step runs manual over it, each rank holding its two chunks of every
-sequence. :func:`sequence_split` sees that from inside, :meth:`meshtron.models.contract.Context.for_sequence`
+sequence. :func:`sequence_split` sees that from inside, :meth:`meshtron.models.blocks.Context.for_sequence`
 then gives each rank its tokens' positions (:func:`local_positions`), and
 :func:`meshtron.models.attention.causal_attention` attends across the ranks with the exchange the run
 chose (:func:`context_exchange`, ``model.context_attention``).
@@ -39,22 +39,24 @@ import numpy as np
 
 from meshtron.models.documents import same_document
 from meshtron.sharding import LogicalAxes, constrain, logical_to_spec, manual_part, pinned_axes, varying_like
+from meshtron.trace_context import current, using
 
 EXCHANGES = ("gathered", "ring")
-_exchange: list[str] = ["gathered"]
 
 
 @contextlib.contextmanager
 def context_exchange(name: str) -> Iterator[None]:
     """Inside the block, attention over a split sequence exchanges keys and values as ``name`` says:
     ``"gathered"`` (:func:`gathered_kv_attention`) or ``"ring"`` (:func:`ring_attention`)."""
+    with using(exchange=checked_exchange(name)):
+        yield
+
+
+def checked_exchange(name: str) -> str:
+    """``name`` if it is one of :data:`EXCHANGES`, else a ``ValueError`` that says which are."""
     if name not in EXCHANGES:
         raise ValueError(f"model.context_attention: must be one of {', '.join(EXCHANGES)}, got {name!r}")
-    _exchange.append(name)
-    try:
-        yield
-    finally:
-        _exchange.pop()
+    return name
 
 
 def sequence_split() -> tuple[str, int] | None:
@@ -105,7 +107,7 @@ def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
     (default :func:`kv_axes`), which the gathered exchange keeps."""
     axis, ranks = sequence_split()
     order = balanced_order(q.shape[1] * ranks, ranks)
-    if _exchange[-1] == "ring":
+    if current().exchange == "ring":
         return ring_attention(q, k, v, order, axis, segments=segments)
     return gathered_kv_attention(q, k, v, order, axis, implementation=implementation, segments=segments,
                                  key_axes=key_axes, value_axes=value_axes)

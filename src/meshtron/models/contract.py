@@ -13,10 +13,10 @@ user's model is a third. A model is any ``nnx.Module`` with:
     Token (and, if the model has them, position) embeddings: the first virtual pipeline stage.
 ``blocks``
     One block class, its parameters stacked on a leading ``layers`` axis: build it with
-    :func:`stack_blocks` from any function that makes one block. A block is called
-    ``block(x, ctx) -> x``; during cached decoding ``ctx.cache`` holds the block's own cache and
-    the block returns ``(x, new_cache)`` (:func:`meshtron.models.attention.causal_attention`
-    does both).
+    :func:`meshtron.models.blocks.stack_blocks` from any function that makes one block. A block is
+    called ``block(x, ctx) -> x`` (``ctx``: a :class:`~meshtron.models.blocks.Context`); during
+    cached decoding ``ctx.cache`` holds the block's own cache and the block returns
+    ``(x, new_cache)`` (:func:`meshtron.models.attention.causal_attention` does both).
 ``head(x [b, s, h]) -> logits [b, s, V]``
     Final norm and output projection: the last virtual stage. Logits stay split over the
     vocabulary when the head's parameters are (logical axis ``vocab``).
@@ -33,25 +33,25 @@ Every ``nnx.Param`` carries logical axis names (``nnx.with_partitioning(init, na
 rules table (:mod:`meshtron.sharding`) maps them to mesh axes, so the model names no mesh axis.
 Activations are pinned the same way (:func:`meshtron.sharding.constrain`): the residual stream --
 what ``embed`` returns, what blocks take and return, and the running sum inside a block -- as
-:data:`RESIDUAL` ``(batch, residual_seq, embed)``, activations inside the tensor-parallel regions
-with ``seq`` (e.g. ``(batch, seq, heads, head_dim)``). That one name is what sequence parallelism
-(``model.sequence_parallel``) needs: it splits ``residual_seq`` over the tensor ranks. Where a value
-crosses between the two -- a norm's output into a region, a region's summed output (or the
-vocab-parallel embedding lookup) back into the stream -- :func:`enter_parallel_region` and
-:func:`exit_parallel_region` are Megatron's ``g`` and ``ḡ``: all-gather forward and reduce-scatter
-backward, and the reverse, so each tensor all-reduce becomes a reduce-scatter and an all-gather of
-the same bytes. :func:`run_blocks` pins block inputs and outputs itself. Without sequence
-parallelism all of these are the plain tensor-parallel layout, so a model that skips them trains
-the same; under it, it may communicate more (the compiler then chooses where to reshard).
+:data:`~meshtron.models.blocks.RESIDUAL` ``(batch, residual_seq, embed)``, activations inside the
+tensor-parallel regions with ``seq`` (e.g. ``(batch, seq, heads, head_dim)``). That one name is what
+sequence parallelism (``model.sequence_parallel``) needs: it splits ``residual_seq`` over the tensor
+ranks. Where a value crosses between the two -- a norm's output into a region, a region's summed
+output (or the vocab-parallel embedding lookup) back into the stream --
+:func:`~meshtron.models.blocks.enter_parallel_region` and
+:func:`~meshtron.models.blocks.exit_parallel_region` are Megatron's ``g`` and ``ḡ``: all-gather
+forward and reduce-scatter backward, and the reverse, so each tensor all-reduce becomes a
+reduce-scatter and an all-gather of the same bytes. :func:`~meshtron.models.blocks.run_blocks` pins
+block inputs and outputs itself. Without sequence parallelism all of these are the plain
+tensor-parallel layout, so a model that skips them trains the same; under it, it may communicate
+more (the compiler then chooses where to reshard).
 :func:`check_model` enforces all of this with one error that names what is missing and the fix.
 """
 
 from __future__ import annotations
 
-import contextlib
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,256 +61,19 @@ from flax import nnx
 
 from meshtron.errors import ConfigError
 from meshtron.models import documents
-from meshtron.models.auxiliary import collecting_reports
-from meshtron.models.context_attention import local_positions
-from meshtron.sharding import Rules, constrain, variable_axes, varying_like
+from meshtron.models.blocks import LAYERS, Context, layer_parameters, run_blocks
+from meshtron.sharding import Rules, variable_axes
+
+__all__ = [
+    "Context", "ModelContractError", "ModelFactory", "check_model", "checked_model", "layer_parameters",
+    "layer_reports", "lm_loss", "logits_of", "next_token_pairs", "token_losses", "vocab_parallel_cross_entropy",
+]  # Context and layer_parameters are blocks' (imported from here by the train step)
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
-LAYERS = "layers"
-RESIDUAL = ("batch", "residual_seq", "embed")
-"""Logical axes of the residual stream -- embedding output, block inputs and outputs, the inputs of
-norms and of the head. ``residual_seq`` is replicated by default and split over ``tensor`` under
-sequence parallelism (``model.sequence_parallel``); the sequence axis *inside* the tensor-parallel
-regions (attention, MLP) is ``seq`` and is never split there."""
-WHOLE_SEQUENCE = ("batch", "seq", "embed")
-"""Logical axes of a residual-width value that needs the whole sequence: the input of a
-tensor-parallel region (a norm's output, before the column-parallel projections), and an embedding
-lookup before it enters the residual stream. See :func:`enter_parallel_region`."""
-
-
-def _layout_pin(forward: tuple[str, ...], backward: tuple[str, ...]) -> Callable[[jax.Array], jax.Array]:
-    """Identity that lays its value out ``forward`` and its gradient ``backward`` (logical axes)."""
-
-    @jax.custom_vjp
-    def pin(x: jax.Array) -> jax.Array:
-        return constrain(x, forward)
-
-    pin.defvjp(lambda x: (constrain(x, forward), None), lambda _, grad: (constrain(grad, backward),))
-    return pin
-
-
-_into_region = _layout_pin(WHOLE_SEQUENCE, RESIDUAL)
-_out_of_region = _layout_pin(RESIDUAL, WHOLE_SEQUENCE)
-
-
-def enter_parallel_region(x: jax.Array) -> jax.Array:
-    """``x`` from the residual stream into a tensor-parallel region -- Megatron's ``g`` operator.
-
-    Forward, ``x`` is laid out :data:`WHOLE_SEQUENCE`; backward, its gradient is laid out
-    :data:`RESIDUAL`. Under sequence parallelism that is an all-gather forward and a reduce-scatter
-    of the region's partial input gradients backward; without it, nothing forward and the
-    all-reduce backward. A plain constraint would pin the gradient to the whole sequence too (an
-    all-reduce, then a slice), and no constraint leaves the choice to the compiler's propagation,
-    which may reshard inside attention with all-to-alls instead.
-    """
-    return _into_region(x)
-
-
-def exit_parallel_region(x: jax.Array) -> jax.Array:
-    """A tensor-parallel region's output, summed over the tensor shards, into the residual stream --
-    Megatron's ``ḡ`` operator (the output of a row-parallel projection, or of the vocab-parallel
-    embedding lookup).
-
-    Forward, laid out :data:`RESIDUAL`: the sum is an all-reduce, or under sequence parallelism a
-    reduce-scatter. Backward, its gradient is laid out :data:`WHOLE_SEQUENCE`: an all-gather under
-    sequence parallelism, so the region's backward runs on the whole sequence as its forward did
-    (without the pin the compiler may gather the projection's weights instead and reshard the
-    attention backward with all-to-alls)."""
-    return _out_of_region(x)
 
 
 class ModelContractError(ConfigError):
     """The model does not provide what :mod:`meshtron.models.contract` asks for; the message says what and how to fix it."""
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class Context:
-    """What a block needs besides its input ``x``.
-
-    ``positions`` [b, s] are the absolute positions of ``x``'s tokens (rotary embeddings use them).
-    They are not always contiguous: where a sequence is split over context-parallel ranks, a rank
-    holds two chunks of it (:mod:`meshtron.models.context_attention`), so look rows of a position
-    table up by them (``take``) rather than slicing from the first;
-    ``cache`` is, during cached decoding, this block's own cache (the layer scan hands every block
-    its slice of the stacked caches), else ``None``.
-    ``segments`` [b, s], for windows of packed documents (:mod:`meshtron.models.documents`), is which
-    document each token belongs to (positions then restart at every document, so they differ from
-    row to row: look them up per row); attention masks by them on its own (``run_blocks`` opens
-    their scope). ``None`` for one sequence per row.
-    """
-
-    positions: jax.Array
-    cache: Any = None
-    segments: jax.Array | None = None
-
-    @classmethod
-    def for_sequence(cls, batch: int, seq: int, start: int | jax.Array = 0, cache: Any = None) -> Context:
-        """Positions ``start .. start + seq - 1`` for every row; for this rank's ``seq`` tokens of a
-        sequence split over context-parallel ranks, their own positions
-        (:func:`~meshtron.models.context_attention.local_positions`)."""
-        if cache is None and isinstance(start, int) and start == 0:
-            positions = local_positions(seq)[None, :]
-        else:
-            positions = jnp.arange(seq, dtype=jnp.int32)[None, :] + jnp.asarray(start, jnp.int32)
-        return cls(jnp.broadcast_to(positions, (batch, seq)), cache)
-
-    @classmethod
-    def for_tokens(cls, tokens: jax.Array) -> Context:
-        """The context of a training batch as the step hands it (:func:`next_token_pairs`' forms, or
-        packed documents' features): their own positions and segments, else :meth:`for_sequence`."""
-        seen = documents.view(tokens)
-        if seen.segments is None:
-            return cls.for_sequence(*seen.inputs.shape)
-        return cls(seen.positions, segments=seen.segments)
-
-
-def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs: nnx.Rngs) -> nnx.Module:
-    """``layers`` independent blocks made by ``make_block(rngs)``, their parameters stacked on a leading
-    ``layers`` axis (the canonical layout pipeline placement and checkpoints rely on).
-
-    Each block draws from its own key, split from ``rngs.params()``.
-    """
-    keys = jax.random.split(rngs.params(), layers)
-
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    def make(key: jax.Array) -> nnx.Module:
-        return make_block(nnx.Rngs(params=key))
-
-    return make(keys)
-
-
-LayerHook = Callable[[nnx.Module, "jax.Array | None"], None]
-_layer_views: list[tuple[Callable[[dict], dict] | None, str | None, LayerHook | None]] = []
-
-
-@contextlib.contextmanager
-def layer_parameters(view: Callable[[dict], dict] | None, *, unsaved: str | None = None,
-                     hook: LayerHook | None = None) -> Iterator[None]:
-    """Blocks traced inside this run on ``view(parameters)`` of each layer (a pure dict shaped like one
-    layer of ``blocks``) instead of the parameters themselves; the model does nothing for it.
-
-    The trainer uses it to keep parameters split across devices between uses and gather each layer's
-    just before that layer runs (fully sharded data parallelism). ``hook(block, x)`` then sees the
-    block built from them, and its input ``x``, before the block runs, and may change its modules in
-    place: low-rank adapters are applied that way (:mod:`meshtron.models.lora`). Views nest: the
-    innermost sees the stored parameters first; hooks run after every view, innermost first.
-    ``unsaved``: the checkpoint name (``jax.ad_checkpoint.checkpoint_name``) of what the view or hook
-    makes and a layer's backward recomputes rather than keeps (see :func:`regathered`).
-    """
-    if view is None and hook is None:
-        yield
-        return
-    _layer_views.append((view, unsaved, hook))
-    try:
-        yield
-    finally:
-        _layer_views.pop()
-
-
-def layer_view(graphdef: Any, layer_state: Any, x: jax.Array | None = None) -> nnx.Module:
-    """One block from its layer's state, through the active :func:`layer_parameters` views and hooks
-    (``x``: the input the block is about to run on, for the hooks)."""
-    views = [view for view, _, _ in reversed(_layer_views) if view is not None]
-    if views:
-        layer_state = jax.tree.map(lambda v: v, layer_state)
-        values = nnx.to_pure_dict(layer_state)
-        for view in views:
-            values = view(values)
-        nnx.replace_by_pure_dict(layer_state, values)
-    block = nnx.merge(graphdef, layer_state)
-    for _, _, hook in reversed(_layer_views):
-        if hook is not None:
-            hook(block, x)
-    return block
-
-
-def regathered(layer: Callable) -> Callable:
-    """``layer`` not keeping what a :func:`layer_parameters` view makes for its backward pass: the
-    view's output (a layer's gathered parameters, adapters merged into their matrices) is made again in
-    the backward instead of living from the forward until the backward reaches the layer. A view that
-    names what it makes (``unsaved``) has just that recomputed; otherwise the layer keeps only its
-    matrix products' outputs (the elementwise work between them is recomputed). The identity without
-    a view, or when the layer is recomputed whole anyway (``remat="full"``)."""
-    if not _layer_views:
-        return layer
-    names = [name for _, name, _ in _layer_views if name is not None]
-    if len(names) == len(_layer_views):
-        policy = jax.checkpoint_policies.save_anything_except_these_names(*names)
-    else:
-        policy = jax.checkpoint_policies.dots_saveable
-    return jax.checkpoint(layer, policy=policy, prevent_cse=False)
-
-
-def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none",
-               active: jax.Array | int | None = None, collect: bool = False):
-    """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
-
-    With ``ctx.cache`` (stacked caches ``[layers, ...]``) every block gets its own and the result is
-    ``(x, new_caches)``; otherwise ``x``. ``remat="full"`` recomputes each block in the backward pass
-    (Megatron's full activation recomputation: only block inputs are kept); ``"selective"`` is applied
-    inside the block, to its attention core (:func:`meshtron.models.attention.attention_core`).
-    Between blocks ``x`` is the residual stream, laid out :data:`RESIDUAL` (split over the sequence
-    under sequence parallelism). ``active``: run only the first ``active`` blocks and pass ``x``
-    through the rest (the padding slots of an uneven pipeline chunk).
-
-    ``collect=True`` (forward only) returns ``(x, reports)``: what each block
-    :func:`~meshtron.models.auxiliary.report` ed, a tuple per block stacked over the layers (zeros
-    for padding slots; ``()`` when no block reports anything).
-    """
-    graphdef, state = nnx.split(blocks)
-    if ctx.cache is None and ctx.segments is not None and documents.active_segments() is not ctx.segments:
-        with documents.document_segments(ctx.segments):  # what causal_attention masks packed documents by
-            return run_blocks(blocks, x, ctx, remat=remat, active=active, collect=collect)
-    if collect:
-        return _run_collecting(graphdef, state, x, ctx, active)
-    if ctx.cache is None:
-        def one_layer(h, layer_state):
-            return constrain(layer_view(graphdef, layer_state, h)(h, ctx), RESIDUAL), None
-
-        one_layer = jax.checkpoint(one_layer, prevent_cse=False) if remat == "full" else regathered(one_layer)
-        if active is None:
-            x, _ = jax.lax.scan(one_layer, x, state)
-            return x
-
-        def maybe_layer(h, xs):
-            i, layer_state = xs
-            return jax.lax.cond(i < active, lambda: one_layer(h, layer_state)[0], lambda: h), None
-
-        layers = jax.tree.leaves(state)[0].shape[0]
-        x, _ = jax.lax.scan(maybe_layer, x, (jnp.arange(layers), state))
-        return x
-
-    # The stacked caches ride in the carry and each layer updates its own slice in place: as scan
-    # inputs and outputs they would be copied whole every decoding step.
-    def cached_layer(carry, layer_state):
-        h, caches, i = carry
-        cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), caches)
-        h, cache = layer_view(graphdef, layer_state, h)(h, replace(ctx, cache=cache))
-        caches = jax.tree.map(lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n, i, 0), caches, cache)
-        return (h, caches, i + 1), None
-
-    (x, caches, _), _ = jax.lax.scan(cached_layer, (x, ctx.cache, jnp.int32(0)), state)
-    return x, caches
-
-
-def _run_collecting(graphdef: Any, state: Any, x: jax.Array, ctx: Context, active: jax.Array | int | None):
-    def one_layer(h, layer_state):
-        with collecting_reports() as found:
-            h = constrain(layer_view(graphdef, layer_state, h)(h, ctx), RESIDUAL)
-        return h, tuple(found)
-
-    layers = jax.tree.leaves(state)[0].shape[0]
-    if active is None:
-        return jax.lax.scan(one_layer, x, state)
-    reports = jax.eval_shape(one_layer, x, jax.tree.map(lambda a: a[0], state))[1]
-
-    def maybe_layer(h, xs):
-        i, layer_state = xs
-        return jax.lax.cond(i < active, lambda: one_layer(h, layer_state),  # a padding slot reports zeros
-                            lambda: (h, jax.tree.map(lambda r: varying_like(jnp.zeros(r.shape, r.dtype), h), reports)))
-
-    return jax.lax.scan(maybe_layer, x, (jnp.arange(layers), state))
 
 
 def next_token_pairs(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -15,7 +15,7 @@ stage and context-parallel rank reads what it needs from its own tokens:
   document);
 * ``segment``: its document, which attention masks by (a query sees the earlier keys of its own
   document only: :func:`meshtron.models.attention.causal_attention` reads it from the scope
-  :func:`document_segments` that :func:`meshtron.models.contract.run_blocks` opens, so no model
+  :func:`document_segments` that :func:`meshtron.models.blocks.run_blocks` opens, so no model
   passes anything);
 * ``weight``: the token's share of the batch's loss, as fp32 bits. It is zero where the target is
   not the same document's next token (the last token of a document, padding) or is masked out, and
@@ -33,6 +33,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from meshtron.trace_context import current, using
 
 WINDOW_CHANNELS = 3  # token, segment, loss mask
 FEATURES = 5  # input, target, position, segment, weight
@@ -97,23 +99,17 @@ def weighted_mean(losses: jax.Array, weights: jax.Array | None) -> jax.Array:
     return jnp.mean(losses * weights)
 
 
-_segments: list[jax.Array | None] = [None]
-
-
 @contextlib.contextmanager
 def document_segments(segments: jax.Array | None) -> Iterator[None]:
     """Inside the block, attention over a whole sequence (no cache) masks keys of other documents:
     ``segments`` [b, s] are the segment ids of the tokens attention sees (``None``: one sequence)."""
-    _segments.append(segments)
-    try:
+    with using(segments=segments):
         yield
-    finally:
-        _segments.pop()
 
 
 def active_segments() -> jax.Array | None:
     """The segment ids of the innermost :func:`document_segments` (``None`` outside one)."""
-    return _segments[-1]
+    return current().segments
 
 
 def same_document(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:

@@ -26,14 +26,14 @@ from flax import nnx
 
 from meshtron.config import ModelConfig, padded_vocab_size
 from meshtron.models.attention import KVCache, causal_attention, stacked_caches
-from meshtron.models.contract import (
+from meshtron.models.blocks import (
     WHOLE_SEQUENCE,
     Context,
     enter_parallel_region,
     exit_parallel_region,
-    logits_of,
     stack_blocks,
 )
+from meshtron.models.contract import logits_of
 from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block, zeros
 from meshtron.sharding import constrain
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtron.models.contract import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
+from meshtron.models.blocks import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
 from meshtron.sharding import constrain
 
 INIT_STD = 0.02
@@ -82,10 +82,10 @@ def pre_norm_block(x: jax.Array, ctx: Context, attn_norm: Callable, attn: Callab
     """``x + attn(attn_norm(x))``, then ``+ mlp(mlp_norm(.))``; ``(x, cache)`` when ``attn`` decodes with
     ``ctx.cache`` (it then returns its output and the layer's new cache).
 
-    Norms run on the residual stream's layout (:data:`~meshtron.models.contract.RESIDUAL`: split over
+    Norms run on the residual stream's layout (:data:`~meshtron.models.blocks.RESIDUAL`: split over
     the sequence under sequence parallelism) and their outputs enter the tensor-parallel regions
-    whole (:func:`~meshtron.models.contract.enter_parallel_region`); each region's output is summed
-    back into the stream (:func:`~meshtron.models.contract.exit_parallel_region`: an all-reduce, or a
+    whole (:func:`~meshtron.models.blocks.enter_parallel_region`); each region's output is summed
+    back into the stream (:func:`~meshtron.models.blocks.exit_parallel_region`: an all-reduce, or a
     reduce-scatter under sequence parallelism)."""
     attended = attn(enter_parallel_region(attn_norm(x)), ctx)
     attended, cache = attended if ctx.cache is not None else (attended, None)

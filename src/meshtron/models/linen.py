@@ -50,7 +50,7 @@ bridge alone gets wrong for meshtron:
   to check the parameter's shape, where ``nn.DenseGeneral`` constrains its kernel flattened to rank 2
   by names of the full rank (google/flax#3676). So the Linen modules run with Linen's logical rules
   switched off: parameters arrive laid out by meshtron (``jit`` in-shardings from their names), the
-  residual stream is pinned between blocks by :func:`meshtron.models.contract.run_blocks`, and the
+  residual stream is pinned between blocks by :func:`meshtron.models.blocks.run_blocks`, and the
   compiler propagates the rest from there. ``nn.with_logical_constraint`` calls inside the Linen
   code are therefore no-ops; a model that needs an activation layout pinned inside a block (for
   sequence parallelism beyond the block boundaries) is written in NNX.
@@ -66,7 +66,8 @@ from flax import linen as nn
 from flax import nnx
 from flax.nnx import bridge
 
-from meshtron.models.contract import Context, ModelContractError, stack_blocks
+from meshtron.models.blocks import Context, stack_blocks
+from meshtron.models.contract import ModelContractError
 
 __all__ = ["LinenLM", "from_linen"]
 

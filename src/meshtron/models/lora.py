@@ -16,7 +16,7 @@ where a column-parallel ``W``'s outputs are, ``A`` where a row-parallel one's in
 on its pipeline stage -- and checkpoints, schedules and ZeRO see ordinary parameters.
 
 **The forward.** Each block passes through :func:`adapter_hook` before it runs (the contract's
-:func:`~meshtron.models.contract.layer_parameters` hook, so the model does nothing). A matrix applied
+:func:`~meshtron.models.blocks.layer_parameters` hook, so the model does nothing). A matrix applied
 by an ``nnx.Linear`` or ``nnx.Einsum`` gets its adapters on the activations, ``base(x) + (alpha / r)
 · (x A) B``, with the base matrix under ``stop_gradient``: the backward forms no gradient of the base
 matrix at all -- only ``x``'s, and the adapters' from the rank-``r`` products -- and adapter dropout
@@ -42,7 +42,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from meshtron.config import LoraConfig
 from meshtron.errors import ConfigError
+from meshtron.trace_context import LayerView, current, using
 
 RANK_AXIS = "lora_rank"
 A_SUFFIX, B_SUFFIX = "_lora_a", "_lora_b"
@@ -72,6 +74,23 @@ class LoraSpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    # ---- the model adaptation (meshtron.models.adaptation.Adaptation) ----
+
+    def wrap(self, factory: Callable[[nnx.Rngs], nnx.Module]) -> Callable[[nnx.Rngs], nnx.Module]:
+        return with_adapters(factory, self)
+
+    def layer_view(self) -> LayerView:
+        return LayerView(None, MERGED, adapter_hook(self))
+
+    def trains(self, name: str) -> bool:
+        return is_adapter(name)
+
+    def training(self, seed: int) -> contextlib.AbstractContextManager:
+        return adapter_dropout(self.dropout, seed) if self.dropout > 0 else contextlib.nullcontext()
+
+    def merged(self, params: Any) -> Any:
+        return merged(params, self)
 
     def chooses(self, path: str, axes: Sequence[str | None]) -> bool:
         """Whether the block matrix ``path`` (dotted, from the model's root) with logical ``axes`` is adapted."""
@@ -155,18 +174,12 @@ def adapter_dropout(rate: float, seed: int) -> Iterator[None]:
     every layer, microbatch, data rank and step, the same in a layer's forward and its recomputation,
     and no random state to carry, checkpoint or split over pipeline stages. Evaluation and generation
     run outside it: no dropout."""
-    _dropout.append((float(rate), int(seed)))
-    try:
+    with using(dropout=(float(rate), int(seed))):
         yield
-    finally:
-        _dropout.pop()
-
-
-_dropout: list[tuple[float, int]] = []
 
 
 def adapter_hook(spec: LoraSpec) -> Callable[[nnx.Module, jax.Array | None], None]:
-    """A :func:`~meshtron.models.contract.layer_parameters` hook applying ``spec``'s adapters to one block.
+    """A :func:`~meshtron.models.blocks.layer_parameters` hook applying ``spec``'s adapters to one block.
 
     A matrix that is the ``kernel`` of an ``nnx.Linear`` or ``nnx.Einsum`` (whose equation contracts
     exactly the matrix's input axes) gets its adapters on the activations: the module is replaced by
@@ -177,7 +190,7 @@ def adapter_hook(spec: LoraSpec) -> Callable[[nnx.Module, jax.Array | None], Non
     merged matrix's, and dropout cannot apply to it."""
 
     def hook(block: nnx.Module, x: jax.Array | None) -> None:
-        rate, seed = _dropout[-1] if _dropout else (0.0, 0)
+        rate, seed = current().dropout
         salt = _input_hash(x) if rate > 0 and x is not None else jnp.uint32(0)
         index = 0
         for path, owner in list(nnx.iter_graph(block)):
@@ -367,3 +380,8 @@ def _merge_one(w: jax.Array, a: jax.Array, b: jax.Array, scale: float, stacked: 
     in_ix, out_ix = letters[:ins], letters[ins : ins + b.ndim - 1 - lead]
     delta = jnp.einsum(f"{l_}{in_ix}r,{l_}r{out_ix}->{l_}{in_ix}{out_ix}", a, b)
     return jax.lax.stop_gradient(w) + (scale * delta).astype(w.dtype)
+
+
+def lora_spec(cfg: LoraConfig) -> LoraSpec | None:
+    """``train.lora`` as the model sees it; ``None`` when off (rank 0)."""
+    return LoraSpec(cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.dropout) if cfg.rank else None

@@ -30,7 +30,7 @@ their optimizer state is split like them; and norms sum their squares over ``dat
 leaf's. The plan calls them *native*: :meth:`ZeroPlan.native_flags`.
 
 **Frozen leaves.** Trees given to the methods below may hold ``None`` for a leaf (LoRA's frozen base:
-:meth:`meshtron.train.state.ModelDef.trainable_part`): it is passed over -- nothing reduced, split or
+:class:`meshtron.train.trainable.Trainable`): it is passed over -- nothing reduced, split or
 gathered for it -- so only what trains crosses ``data``, while at level 3 the frozen parameters are
 still split between steps and gathered layer by layer like the rest.
 
@@ -236,12 +236,12 @@ class ZeroPlan:
                 for k, v in self.dims.items()}
 
     def layer_view(self, key: str = "blocks"):
-        """A :func:`meshtron.models.contract.layer_parameters` view: one layer of the stacked ``key``
+        """A :func:`meshtron.models.blocks.layer_parameters` view: one layer of the stacked ``key``
         parameters (its leading ``layers`` axis gone), gathered whole from this rank's shares.
 
         Its transpose reduce-scatters the layer's gradient as the backward pass makes it. The backward
         gathers the layer again -- the layer is recomputed whole (``model.remat=full``) or keeps only
-        its matrix products (:func:`meshtron.models.contract.regathered`) -- so a layer's whole
+        its matrix products (:func:`meshtron.models.blocks.regathered`) -- so a layer's whole
         parameters live only while it runs, forward and backward."""
         dims = jax.tree.map(lambda d: None if d is None else d - 1, self.dims[key], is_leaf=lambda x: x is None)
         specs = jax.tree.map(lambda p: P(*tuple(p)[1:]), self.param_specs[key], is_leaf=lambda x: isinstance(x, P))

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshtron.models.contract import Context, layer_reports, next_token_pairs
+from meshtron.models.blocks import Context
+from meshtron.models.contract import layer_reports, next_token_pairs
 from meshtron.train.state import ModelDef, Params
 
 __all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "plain_forward_backward"]

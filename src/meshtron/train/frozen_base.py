@@ -217,7 +217,7 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
 
     A checkpoint of a LoRA run whose base it only points to gets its base back; a model with adapters
     read from a checkpoint without them (LoRA on an import) gets fresh ones from ``seed``."""
-    lora = model_def.lora is not None
+    lora = model_def.adaptation is not None
     meta = newest_meta(store, step)
     has_adapters = holds_adapters(meta)
     if has_adapters and not lora:

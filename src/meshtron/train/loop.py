@@ -28,6 +28,7 @@ from meshtron.errors import ConfigError, RunStopped
 from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
+from meshtron.models.lora import lora_spec
 from meshtron.optim import OptimizerSetup, ZeroPlan, learning_rate_schedule, optimizer_setup
 from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.pipeline.layout import StageLayout
@@ -35,9 +36,10 @@ from meshtron.run import Run, run_for_model
 from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, StageTiming
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
-from meshtron.train.state import ModelDef, Params, lora_spec, model_def_from_config
+from meshtron.train.state import ModelDef, Params, model_def_from_config
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
+from meshtron.train.trainable import Trainable
 from meshtron.units import format_bytes
 
 
@@ -94,7 +96,7 @@ class Trainer:
             simulate_devices_for(cfg.mesh)
         devices = list(jax.devices() if devices is None else devices)
         tensor = resolve_sizes(cfg.mesh, len(devices)).tensor
-        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, lora=lora_spec(cfg.train.lora))
+        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, adaptation=lora_spec(cfg.train.lora))
         run = run_for_model(cfg, len(devices), model_def.layers, run)
         cfg = run.cfg
         mesh = build_mesh(cfg.mesh, devices, verbose=verbose)
@@ -114,11 +116,12 @@ class Trainer:
         if t.zero and not zero.active:
             note(f"train.zero={t.zero}: the mesh has one data rank (mesh.data=1), so nothing is split over it; this "
                   "run is the same as train.zero=0")
-        optimizer = optimizer_setup(cfg, model_def.trainable_part(model_def.logical_axes()),
-                                    param_specs=model_def.trainable_part(specs), zero=zero)
+        trainable = Trainable.of_model(model_def)
+        optimizer = optimizer_setup(cfg, trainable.part(model_def.logical_axes()), param_specs=trainable.part(specs),
+                                    zero=zero)
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
-            microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages,
+            microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages, trainable=trainable,
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed,
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)

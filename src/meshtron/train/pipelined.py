@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
-from meshtron.models.contract import RESIDUAL, Context, layer_view, next_token_pairs, run_blocks, token_losses
+from meshtron.models.blocks import RESIDUAL, Context, layer_view, run_blocks
+from meshtron.models.contract import next_token_pairs, token_losses
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
@@ -97,7 +98,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
     """A contract model cut into embedding (first virtual stage), a chunk of blocks, and head + loss
     (last virtual stage). Activations between stages are ``x`` [rows, seq, hidden]; every stage
     reads its positions (and packed documents' segments) from the microbatch's tokens, which every
-    stage holds (:meth:`~meshtron.models.contract.Context.for_tokens`).
+    stage holds (:meth:`~meshtron.models.blocks.Context.for_tokens`).
 
     The runtime seeds each microbatch's loss gradient with ``1/microbatches``; the blocks'
     auxiliary losses are seeded alike (:func:`~meshtron.models.auxiliary.auxiliary_loss_scale`)."""

@@ -343,7 +343,7 @@ class WeightsIO:
         # (with one data shard the buffers are empty: nothing to keep, and orbax refuses empty arrays)
         keep_errors = self.cfg.checkpoint.onebit_errors == "keep" and any(x.size for x in jax.tree.leaves(errors))
         meta = {"seed": self.cfg.train.seed, "layout": self.layout(), "config": to_dict(self.cfg)}
-        if self.model_def.lora is not None and not self.cfg.train.lora.save_base:  # the adapters, and where the base is
+        if self.model_def.adaptation is not None and not self.cfg.train.lora.save_base:  # the adapters, and where the base is
             state = {**state, "params": adapters_only(state["params"])}
             meta[BASE_KEY] = (self.base or self._configured_base()).to_meta(store.directory)
         store.save(position, state, errors if keep_errors else None, self.mesh, meta)

@@ -21,20 +21,14 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshtron.config import LoraConfig, ModelConfig
+from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError
-from meshtron.models.attention import attention_implementation, selective_recompute
-from meshtron.models.context_attention import context_exchange
-from meshtron.models.contract import (
-    LAYERS,
-    ModelFactory,
-    check_model,
-    checked_model,
-    layer_parameters,
-    lm_loss,
-)
-from meshtron.models.lora import MERGED, LoraSpec, adapter_dropout, adapter_hook, is_adapter, with_adapters
+from meshtron.models.adaptation import Adaptation
+from meshtron.models.blocks import LAYERS
+from meshtron.models.context_attention import checked_exchange
+from meshtron.models.contract import ModelFactory, check_model, checked_model, lm_loss
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
+from meshtron.trace_context import current, using
 from meshtron.trees import leaf_names
 from meshtron.units import format_count
 
@@ -65,17 +59,18 @@ class ModelDef:
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's choice)
     window: int | None = None  # the run's model.seq_len, generation's default context (None: max_len)
     context_attention: str = "gathered"  # the exchange over a split sequence (model.context_attention)
-    lora: LoraSpec | None = None  # low-rank adapters on the frozen block matrices (train.lora)
+    adaptation: Adaptation | None = None  # added parameters applied through the layer hook (LoRA's adapters)
 
     @classmethod
     def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: str = "none",
                attention: str | None = None, window: int | None = None,
-               context_attention: str = "gathered", lora: LoraSpec | None = None) -> ModelDef:
-        """Trace ``factory`` abstractly (no parameter is created) and check the model contract. With
-        ``lora``, the model carries adapters (:mod:`meshtron.models.lora`) and its factory makes them."""
+               context_attention: str = "gathered", adaptation: Adaptation | None = None) -> ModelDef:
+        """Trace ``factory`` abstractly (no parameter is created) and check the model contract. With an
+        ``adaptation`` (:mod:`meshtron.models.adaptation`: LoRA's adapters), the model carries its
+        parameters and its factory makes them."""
         rules = tuple(rules)
-        if lora is not None:
-            factory = with_adapters(factory, lora)
+        if adaptation is not None:
+            factory = adaptation.wrap(factory)
         with axis_rules(rules), nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: checked_model(factory, nnx.Rngs(0)))
         check_model(abstract, rules)
@@ -83,7 +78,7 @@ class ModelDef:
         can_cache = callable(getattr(abstract, "init_cache", None))
         graphdef, state = nnx.split(abstract, nnx.Param)
         return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat, attention, window,
-                   context_attention, lora)
+                   context_attention, adaptation)
 
     @property
     def context(self) -> int | None:
@@ -95,40 +90,29 @@ class ModelDef:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        """Trace model code inside this: its activation constraints follow this model's rules, its
-        attention uses this run's implementation (and, over a split sequence, its exchange)."""
-        with axis_rules(self.rules), attention_implementation(self.attention), \
-                selective_recompute(self.remat == "selective"), context_exchange(self.context_attention), \
-                self.adapters():
+        """Trace model code inside this: its activation constraints follow this model's rules (flax's
+        partitioning metadata too), its attention uses this run's implementation (and, over a split
+        sequence, its exchange), cores recomputed under ``remat=selective``, and its blocks apply the
+        adaptation (:meth:`adapted`)."""
+        views = current().layer_views
+        if self.adaptation is not None:
+            views = (*views, self.adaptation.layer_view())
+        with using(rules=tuple(self.rules), attention=self.attention, recompute_core=self.remat == "selective",
+                   exchange=checked_exchange(self.context_attention), layer_views=views), \
+                nnx.logical_axis_rules(list(self.rules)):
             yield
 
-    def adapters(self) -> contextlib.AbstractContextManager:
-        """Inside this, blocks run with LoRA's adapters (:func:`meshtron.models.lora.adapter_hook`; nothing
-        without LoRA)."""
-        if self.lora is None:
+    def adapted(self) -> contextlib.AbstractContextManager:
+        """Inside this, blocks apply the adaptation (nothing without one): for code that traces the model
+        under scopes of its own rather than :meth:`scope` (generation)."""
+        if self.adaptation is None:
             return contextlib.nullcontext()
-        return layer_parameters(None, unsaved=MERGED, hook=adapter_hook(self.lora))
-
-    def trainable(self) -> Params | None:
-        """``True`` for the parameters training updates: with LoRA the adapters alone (the rest is
-        frozen: no gradient reduction, no optimizer state); ``None`` when every parameter trains."""
-        if self.lora is None:
-            return None
-        flags = [is_adapter(name) for name in leaf_names(self.shapes())]
-        return jax.tree.unflatten(jax.tree.structure(self.shapes()), flags)
-
-    def trainable_part(self, tree: Any) -> Any:
-        """What training updates of a parameter-shaped ``tree`` (its frozen leaves ``None``): the whole
-        tree unless LoRA freezes the base."""
-        flags = self.trainable()
-        return tree if flags is None else jax.tree.map(lambda keep, x: x if keep else None, flags, tree)
+        return using(layer_views=(*current().layer_views, self.adaptation.layer_view()))
 
     def training(self, seed: int) -> contextlib.AbstractContextManager:
-        """Inside this, model code runs as in training: what is random only in training (LoRA's adapter
+        """Inside this, model code runs as in training: what is random only in training (an adaptation's
         dropout) is on, drawn from ``seed``."""
-        if self.lora is None or self.lora.dropout == 0:
-            return contextlib.nullcontext()
-        return adapter_dropout(self.lora.dropout, seed)
+        return contextlib.nullcontext() if self.adaptation is None else self.adaptation.training(seed)
 
     def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` traced under this model's rules (wrap what ``jax.jit`` traces)."""
@@ -274,13 +258,8 @@ def check_layout(params: Params, shardings: Params) -> None:
         raise AssertionError("parameters are not laid out as declared:\n  " + "\n  ".join(wrong))
 
 
-def lora_spec(cfg: LoraConfig) -> LoraSpec | None:
-    """``train.lora`` as the model sees it; ``None`` when off (rank 0)."""
-    return LoraSpec(cfg.rank, cfg.alpha, tuple(cfg.targets), cfg.dropout) if cfg.rank else None
-
-
 def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[str, str | None] | None = None,
-                          factory: ModelFactory | None = None, lora: LoraSpec | None = None) -> ModelDef:
+                          factory: ModelFactory | None = None, adaptation: Adaptation | None = None) -> ModelDef:
     """The :class:`ModelDef` of a run: ``factory`` (a user's model), else ``model.factory`` or
     ``model.family`` from the config; Megatron's rules extended by the family's own, then by
     ``model.rules`` and ``rules`` (later ones win). ``model.sequence_parallel`` maps the residual
@@ -296,4 +275,4 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
                           "devices; use model.attention=xla")
     return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat,
                            attention=cfg.attention, window=cfg.seq_len, context_attention=cfg.context_attention,
-                           lora=lora)
+                           adaptation=adaptation)

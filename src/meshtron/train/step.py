@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.hlo.collectives import collectives
-from meshtron.models.contract import layer_parameters
+from meshtron.models.blocks import layer_parameters
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.sync import gradient_sync
 from meshtron.optim.zero import ZeroPlan
@@ -116,7 +116,7 @@ def build_steps(
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
-    trainable = trainable or Trainable(model_def.trainable())
+    trainable = trainable or Trainable.of_model(model_def)
     sync = gradient_sync(zero, reduction, trains_part=trainable.is_partial)
     source = plain_forward_backward(model_def, microbatches) if pipeline is None else pipelined_forward_backward(
         model_def, _for_region(pipeline, shards, model_def), microbatches)
@@ -163,7 +163,8 @@ def build_steps(
     return TrainSteps(
         mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages), train=scoped(train),
         evaluate=scoped(evaluate), gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
-        init_state=held.init_state, zero=zero, reports=scoped(whole_params(per_shard_reports, P())), report_groups=microbatches * shards.replicas,
+        init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
+        report_groups=microbatches * shards.replicas,
         metrics_spec=shards.per_replica,
     )
 
@@ -223,11 +224,13 @@ class TrainSteps:
     """
 
     def __init__(self, mesh: Mesh, param_shardings, opt_shardings, batch_sharding, stages: tuple[str, ...], *,
-                 train, evaluate, gradients, init_state, zero: ZeroPlan | None = None, reports=None,
+                 train, evaluate, gradients, init_state, zero: ZeroPlan | None = None,
+                 trainable: Trainable | None = None, reports=None,
                  report_groups: int = 1, metrics_spec: P | None = None):
         self.mesh = mesh
         self.report_groups = report_groups  # routing groups a step's reports sum over: microbatches × data (× context)
         self.zero = zero  # how parameters and optimizer state are split over data
+        self.trainable = trainable or Trainable()  # which parameters train (the rest frozen: no state)
         self.param_shardings = param_shardings
         self.opt_shardings = opt_shardings
         self.batch_sharding = batch_sharding

@@ -15,6 +15,9 @@ from typing import Any
 
 import jax
 
+from meshtron.train.state import ModelDef
+from meshtron.trees import leaf_names
+
 __all__ = ["Trainable"]
 
 
@@ -23,6 +26,15 @@ class Trainable:
     """``mask``: a tree shaped like the parameters, ``True`` where a leaf trains; ``None``: every leaf trains."""
 
     mask: Any = None
+
+    @classmethod
+    def of_model(cls, model_def: ModelDef) -> Trainable:
+        """What trains in ``model_def``: everything, or what its adaptation says (LoRA: the adapters)."""
+        adaptation = model_def.adaptation
+        if adaptation is None:
+            return cls()
+        shapes = model_def.shapes()
+        return cls(jax.tree.unflatten(jax.tree.structure(shapes), [adaptation.trains(n) for n in leaf_names(shapes)]))
 
     @property
     def is_partial(self) -> bool:

@@ -1,0 +1,89 @@
+"""What model code reads while it is traced besides its arguments: one immutable value, the trace context.
+
+A model's blocks are called as ``block(x, ctx)`` and nothing more, yet how they trace depends on the
+run: which rules table lays out activations, which attention backend and context-parallel exchange
+attention uses, whether attention cores are recomputed, which views and hooks turn a layer's stored
+parameters into the block that runs, which packed documents attention masks by, adapter dropout, how
+auxiliary losses are seeded and where blocks' reports go. Threading all of that through every model
+would put the trainer's choices into every user's code, so the trainer sets them here and the few
+functions that need one read it (:mod:`meshtron.sharding`, :mod:`meshtron.models.attention`, ...).
+
+All of it is one frozen :class:`TraceContext` in one ``ContextVar``: :func:`using` replaces fields for
+the duration of a ``with`` block (the inner block wins, and leaving it restores the outer value),
+:func:`current` reads it. Values are read when JAX traces the code, which happens in the thread that
+calls the transformation, inside the ``with`` block that wraps it.
+
+This module imports nothing of meshtron: every floor above may read the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+__all__ = ["LayerView", "TraceContext", "current", "using"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerView:
+    """One :func:`meshtron.models.blocks.layer_parameters` scope: ``view`` maps a layer's stored
+    parameters (a pure dict) to those its block runs on, ``hook(block, x)`` may change the block built
+    from them before it runs, ``unsaved`` names what either makes that a layer's backward recomputes."""
+
+    view: Callable[[dict], dict] | None
+    unsaved: str | None
+    hook: Callable[[Any, Any], None] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceContext:
+    """The run's choices that model code reads while traced (defaults: no choice made).
+
+    ``rules``: the logical -> mesh axis table activations are constrained by (``None``: meshtron's
+    default, :data:`meshtron.sharding.MEGATRON_RULES`).
+    ``attention``: the attention backend when a call names none (``None``: JAX's choice).
+    ``recompute_core``: attention cores keep only their inputs for the backward (``remat=selective``).
+    ``exchange``: how attention over a split sequence exchanges keys and values.
+    ``layer_views``: the active layer views, outermost first.
+    ``segments``: packed documents' segment ids that whole-sequence attention masks by.
+    ``dropout``: adapter dropout's ``(rate, seed)``.
+    ``aux_scale``: what auxiliary losses' gradient seeds are multiplied by.
+    ``reports``: where blocks' reports are collected (``None``: dropped).
+    ``pins``: the logical axes each live value was last constrained to, by ``id`` (with a weak
+    reference that tells the value is still that one); one table shared by every context.
+    """
+
+    rules: tuple[tuple[str, str | None], ...] | None = None
+    attention: str | None = None
+    recompute_core: bool = False
+    exchange: str = "gathered"
+    layer_views: tuple[LayerView, ...] = ()
+    segments: Any = None
+    dropout: tuple[float, int] = (0.0, 0)
+    aux_scale: float = 1.0
+    reports: list[Any] | None = None
+    pins: dict[int, tuple[Any, tuple[str | None, ...]]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False)
+
+
+# Every context derives from this root (in every thread), so all share its one pins table, as they must:
+# a value pinned under one context is the same value under another.
+_current: ContextVar[TraceContext] = ContextVar("meshtron_trace_context", default=TraceContext())  # noqa: B039
+
+
+def current() -> TraceContext:
+    """The trace context in force here."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def using(**changes: Any) -> Iterator[TraceContext]:
+    """Inside the block, the current context with ``changes`` (fields of :class:`TraceContext`) made."""
+    token = _current.set(dataclasses.replace(_current.get(), **changes))
+    try:
+        yield _current.get()
+    finally:
+        _current.reset(token)
