@@ -120,3 +120,33 @@ def test_each_cross_feature_check_is_written_once(feature):
     found = [f"{path.relative_to(SRC)}" for path in sorted(SRC.rglob("*.py"))
              for _ in range(path.read_text().count(fragment))]
     assert len(found) == 1, f"{feature}: {fragment!r} is written in {found or 'no file'}"
+
+
+def _function(path: Path, name: str, cls: str | None = None) -> ast.AST:
+    tree = ast.parse(path.read_text())
+    scope = tree.body if cls is None else next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    return next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name)
+
+
+def test_the_train_step_is_a_composition_that_names_no_feature():
+    # A feature joins the step as a strategy (optim/sync.py), a mask (train/trainable.py), a trace-context
+    # field or a gradient source, not as another branch of build_steps.
+    step = SRC / "meshtron" / "train" / "step.py"
+    text = step.read_text().lower()
+    assert [word for word in ("lora", "native", "gather_once") if word in text] == []
+    build = _function(step, "build_steps")
+    nested = [n for n in ast.walk(build) if isinstance(n, (ast.FunctionDef, ast.Lambda)) and n is not build]
+    assert build.end_lineno - build.lineno + 1 <= 80 and len(nested) <= 8
+
+
+def test_the_trainer_keeps_to_the_loop():
+    loop = SRC / "meshtron" / "train" / "loop.py"
+    trainer, run = _function(loop, "Trainer"), _function(loop, "_run", cls="Trainer")
+    assert trainer.end_lineno - trainer.lineno + 1 <= 250 and run.end_lineno - run.lineno + 1 <= 60
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_model_family_imports_no_training_feature(family):
+    tree = ast.parse((SRC / "meshtron" / "models" / f"{family}.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "meshtron.models.lora" not in imported

@@ -137,8 +137,7 @@ def build_steps(
         applied = jnp.bool_(True)
         if skip_nonfinite:
             applied = sync.agreed(jnp.all(jnp.stack([jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)])))
-            new_params, new_state = jax.tree.map(
-                lambda new, old: jnp.where(applied, new, old), (new_params, new_state), (params, opt_state))
+            new_params, new_state = _chosen(applied, (new_params, new_state), (params, opt_state))
         return new_params, new_state, StepMetrics(got.loss[None], got.grad_norm[None], applied[None])
 
     def per_shard_gradients(params: Params, tokens: jax.Array):
@@ -198,6 +197,11 @@ def _held_layout(model_def: ModelDef, mesh: Mesh, shards: DataShards, zero: Zero
     return _HeldLayout(init_state, _named(mesh, held_specs) if zero.shards_params else model_specs,
                        _named(mesh, state_specs), manual_part(_specs(held_specs), shards.manual),
                        manual_part(state_specs, shards.manual), manual_part(_specs(model_specs), shards.manual))
+
+
+def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``applied``, else ``old`` (leaf by leaf): a skipped step changes nothing."""
+    return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
 
 def _for_region(pipeline: PipelinePlan, shards: DataShards, model_def: ModelDef) -> PipelinePlan:
