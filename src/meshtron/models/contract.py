@@ -35,7 +35,7 @@ Activations are pinned the same way (:func:`meshtron.sharding.constrain`): the r
 what ``embed`` returns, what blocks take and return, and the running sum inside a block -- as
 :data:`RESIDUAL` ``(batch, residual_seq, embed)``, activations inside the tensor-parallel regions
 with ``seq`` (e.g. ``(batch, seq, heads, head_dim)``). That one name is what sequence parallelism
-(``model.sequence_parallel``) needs: it splits ``residual_seq`` over the tensor ranks. Where a value
+(``parallel.sequence_parallel``) needs: it splits ``residual_seq`` over the tensor ranks. Where a value
 crosses between the two -- a norm's output into a region, a region's summed output (or the
 vocab-parallel embedding lookup) back into the stream -- :func:`enter_parallel_region` and
 :func:`exit_parallel_region` are Megatron's ``g`` and ``ḡ``: all-gather forward and reduce-scatter
@@ -70,7 +70,7 @@ LAYERS = "layers"
 RESIDUAL = ("batch", "residual_seq", "embed")
 """Logical axes of the residual stream -- embedding output, block inputs and outputs, the inputs of
 norms and of the head. ``residual_seq`` is replicated by default and split over ``tensor`` under
-sequence parallelism (``model.sequence_parallel``); the sequence axis *inside* the tensor-parallel
+sequence parallelism (``parallel.sequence_parallel``); the sequence axis *inside* the tensor-parallel
 regions (attention, MLP) is ``seq`` and is never split there."""
 WHOLE_SEQUENCE = ("batch", "seq", "embed")
 """Logical axes of a residual-width value that needs the whole sequence: the input of a

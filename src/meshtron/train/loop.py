@@ -20,7 +20,14 @@ from rich.console import Console
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, RunPosition, abstract_like
 from meshtron.checkpoint_dirs import checkpoint_location, imported_step, is_import, read_step_meta
-from meshtron.config import Config, load_config, parse_profile_steps, to_dict, writing_into_an_import
+from meshtron.config import (
+    Config,
+    load_config,
+    parse_profile_steps,
+    to_dict,
+    upgraded,
+    writing_into_an_import,
+)
 from meshtron.data.sources import TokenDatasets, load_training_data, packs_documents
 from meshtron.data.text import Corpus
 from meshtron.data.tokenizers import save_tokenizer
@@ -128,8 +135,8 @@ class Trainer:
         specs = model_def.shardings(mesh)
         zero = ZeroPlan.for_mesh(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh, gather_once=t.gather_once)
         if t.zero and not zero.active:
-            _note(f"train.zero={t.zero}: the mesh has one data rank (mesh.data=1), so nothing is split over it; this "
-                  "run is the same as train.zero=0")
+            _note(f"parallel.zero={t.zero}: the mesh has one data rank (parallel.data=1), so nothing is split over "
+                  "it; this run is the same as parallel.zero=0")
         optimizer = optimizer_setup(cfg, model_def.trainable_part(model_def.logical_axes()),
                                     param_specs=model_def.trainable_part(specs), zero=zero)
         steps = build_steps(
@@ -146,7 +153,7 @@ class Trainer:
 
     @property
     def stage_layout(self) -> StageLayout | None:
-        """Layers per virtual stage (``pipeline.layout``, else even); None without a pipeline."""
+        """Layers per virtual stage (``parallel.layout``, else even); None without a pipeline."""
         return self.resolved.stage_layout
 
     def training_shapes(self, shapes: Params) -> Params:
@@ -181,7 +188,7 @@ class Trainer:
 
     def _canonical_shardings(self, shardings):
         """Where the model-order (checkpoint) state lives: as in training, except that with an uneven
-        ``pipeline.layout`` the layer axis -- unpadded there, and maybe not divisible by ``pipe`` -- is
+        ``parallel.layout`` the layer axis -- unpadded there, and maybe not divisible by ``pipe`` -- is
         not split over ``pipe`` (only layer-stacked leaves name ``pipe``)."""
         layout = self.stage_layout
         if layout is None or layout.is_even:
@@ -308,7 +315,7 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             abstract = jax.eval_shape(self.steps.init_state_fn, shapes)
             # The error buffers are per device, in the training layout: sized by the stage-ordered
-            # parameters, which an uneven pipeline.layout pads.
+            # parameters, which an uneven parallel.layout pads.
             trained = jax.eval_shape(self.steps.init_state_fn, self.training_shapes(shapes))
         opt_target, _ = split_error_buffers(abstract_like(abstract, self._canonical_shardings(self.steps.opt_shardings)))
         _, error_target = split_error_buffers(abstract_like(trained, self.steps.opt_shardings))
@@ -603,7 +610,9 @@ class Trainer:
 
 
 # What makes a checkpoint's tensors: a run that differs in these cannot resume another's checkpoints.
-_STATE_SETTINGS = ("model", "train.optimizer", "train.lora.rank", "train.lora.targets", "train.lora.save_base")
+# (parallel.sequence_parallel and parallel.context_attention were model.* keys, and are kept here with them.)
+_STATE_SETTINGS = ("model", "parallel.sequence_parallel", "parallel.context_attention", "train.optimizer",
+                   "train.lora.rank", "train.lora.targets", "train.lora.save_base")
 
 
 def another_run(meta: dict[str, Any] | None, cfg: Config, shown: int = 3) -> str | None:
@@ -611,6 +620,10 @@ def another_run(meta: dict[str, Any] | None, cfg: Config, shown: int = 3) -> str
     from ``cfg`` in what its tensors are made of; ``None`` when it does not (or records no config)."""
     saved = (meta or {}).get("config")
     if not isinstance(saved, dict):
+        return None
+    try:
+        saved = upgraded(saved, "checkpoint's config")
+    except ConfigError:
         return None
     theirs, ours = _flat(saved), _flat(to_dict(cfg))
     keys = [k for k in sorted(set(theirs) | set(ours)) if k.startswith(_STATE_SETTINGS)]
