@@ -92,7 +92,9 @@ class ModelConfig:
 
     ``kv_heads`` (llama): key/value heads for grouped-query attention, null = ``heads``. ``rules``:
     additions to or overrides of the logical -> mesh axis table, e.g. ``{ffn: tensor}`` for a model's
-    own axis name, ``{kv_heads: null}`` to replicate one.
+    own axis name, ``{kv_heads: null}`` to replicate one. ``sequence_parallel`` and
+    ``context_attention`` are the copies code reads of ``parallel.sequence_parallel`` and
+    ``parallel.context_attention``, which users write (:class:`ParallelConfig`).
     """
 
     family: str = "gpt"
@@ -150,6 +152,9 @@ class TrainConfig:
     too, and with it its position (step, updates, data): the new run continues that run under a
     new directory (Megatron's ``--load A --save B``), because moments, step counts and the
     learning-rate schedule only make sense together.
+
+    ``microbatches``, ``zero`` and ``gather_once`` are the copies code reads of ``parallel.*``,
+    which users write (:class:`ParallelConfig`).
     """
 
     steps: int = 300
