@@ -196,6 +196,19 @@ def test_what_meshtron_writes_is_the_parallel_section_and_reads_back_silently(tm
     assert capsys.readouterr().err == ""
 
 
+def test_an_imports_own_old_config_file_is_read_without_a_note(tmp_path, capsys):
+    """import-hf writes config.yaml beside the imported model; one written before the parallel section
+    is meshtron's writing, not the user's: no note (a file of the user's elsewhere gets one)."""
+    (tmp_path / "0" / "meta").mkdir(parents=True)
+    (tmp_path / "0" / "meta" / "metadata").write_text('{"imported": {"from": "hf"}}')
+    (tmp_path / "config.yaml").write_text("mesh:\n  data: 1\n  pipe: 1\n  tensor: 1\n  context: 1\n")
+    assert load_config(tmp_path / "config.yaml").parallel.data == 1
+    assert capsys.readouterr().err == ""
+    (tmp_path / "mine.yaml").write_text("mesh:\n  data: 1\n")
+    load_config(tmp_path / "mine.yaml")
+    assert capsys.readouterr().err == "meshtron: mesh.data is deprecated; write parallel.data\n"
+
+
 def test_an_old_checkpoint_record_is_not_another_run():
     from meshtron.train.loop import another_run
 

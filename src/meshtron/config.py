@@ -459,7 +459,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if path is not None:
         file = resolve(path)  # a file, else a bundled config's name (cpu8)
         directory = file.absolute().parent
-        layers.append((f"config file {path}", _read_yaml(file), True))
+        # An import's own config.yaml (meshtron import-hf writes it beside the imported model, in the
+        # spelling of its day) is meshtron's writing: read without a note, as a checkpoint's record is.
+        written = not (file.name == "config.yaml" and imported_step(directory) is not None)
+        layers.append((f"config file {path}", _read_yaml(file), written))
     if overrides:
         layers.append(("command line", _parse_overrides(overrides), True))
     if fixed:
