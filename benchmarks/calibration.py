@@ -34,7 +34,7 @@ alone. Hence:
 tables of :mod:`meshtron.pipeline.schedules` run tick by tick (their ticks and the runtime's
 ``ppermute`` sends are read from the compiled :class:`~meshtron.pipeline.schedules.Program` and
 :func:`meshtron.pipeline.runtime.segments`, not the ``(p−1)/(v·m)`` formula), whole activations sent
-between stages (no scatter/gather), the pipeline's default recomputation (``pipeline.recompute``:
+between stages (no scatter/gather), the pipeline's default recomputation (``parallel.recompute``:
 the backward reruns the stage, the LM head included), and two costs Megatron does not have:
 
 * **residuals** -- autodiff of the ``scan`` over stacked layers keeps each layer's residuals
@@ -597,9 +597,9 @@ def layout_of(cfg: Config, devices: int = 8) -> tuple[ModelShape, Layout]:
     if model.mlp_dim != 4 * model.hidden:
         raise ConfigError(f"model.mlp_dim: the plan's formulas assume 4 x hidden = {4 * model.hidden}")
     if model.sequence_parallel:
-        raise ConfigError("model.sequence_parallel: not modelled by the calibration; turn it off")
+        raise ConfigError("parallel.sequence_parallel: not modelled by the calibration; turn it off")
     if p > 1 and cfg.pipeline.layout is not None:
-        raise ConfigError("pipeline.layout: uneven stages are not modelled by the calibration")
+        raise ConfigError("parallel.layout: uneven stages are not modelled by the calibration")
     shape = ModelShape(model.layers, model.hidden, model.heads, model.seq_len, padded_vocab_size(model.vocab_size, t))
     m, batch = cfg.train.microbatches, cfg.train.batch_size
     chunks = cfg.pipeline.chunks if p > 1 else 1
@@ -741,7 +741,7 @@ def predict(cfg: Config, machine: CpuMesh, temp_bytes: float | None = None) -> P
     else:
         program = program_of(cfg, p)
         if program.schedule.split_backward:
-            raise ConfigError("pipeline.schedule: split-backward (zero-bubble) tables are not modelled by the "
+            raise ConfigError("parallel.schedule: split-backward (zero-bubble) tables are not modelled by the "
                               "calibration")
         per_chunk, last = model.layers // (p * v), p * v - 1
         message = layout.microbatch * model.seq_len * model.hidden * ELEMENT_BYTES

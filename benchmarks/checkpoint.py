@@ -35,8 +35,8 @@ VARIANTS = {
 }
 RESTORE_MESHES = {
     "2x2x2": [],
-    "8x1x1": ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.chunks=1", "train.microbatches=1"],
-    "4x1x2": ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "pipeline.chunks=1", "train.microbatches=1"],
+    "8x1x1": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.chunks=1", "parallel.microbatches=1"],
+    "4x1x2": ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.chunks=1", "parallel.microbatches=1"],
 }
 
 

@@ -43,7 +43,7 @@ from meshtron.train.loop import Trainer
 GB = 1e9
 RANKS = (1, 2, 4, 8)
 SMALL = ["model.family=llama", "model.hidden=128", "model.heads=4", "model.kv_heads=2", "model.layers=4",
-         "model.mlp_dim=256", "model.vocab_size=256", "mesh.pipe=1", "mesh.tensor=1", "train.warmup_steps=1",
+         "model.mlp_dim=256", "model.vocab_size=256", "parallel.pipe=1", "parallel.tensor=1", "train.warmup_steps=1",
          "train.eval_every=100000", "train.eval_batches=1", "train.log_every=100000"]
 
 
@@ -57,10 +57,10 @@ def seven_b(c: int, seq: int, exchange: str) -> float:
     ``seq``-token sequence split over ``c`` context ranks: each rank's own gradients are the
     program's outputs (stacked over the ranks, not reduced), so what it holds besides them is the
     activations and the working memory of the pass."""
-    cfg = load_config("llama2_7b", ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", f"mesh.context={c}",
+    cfg = load_config("llama2_7b", ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", f"parallel.context={c}",
                                     f"model.seq_len={seq}", f"model.max_position_embeddings={max(seq, 4096)}",
-                                    "train.batch_size=1", "train.microbatches=1", "model.remat=full",
-                                    f"model.context_attention={exchange}"])
+                                    "train.batch_size=1", "parallel.microbatches=1", "model.remat=full",
+                                    f"parallel.context_attention={exchange}"])
     trainer = Trainer.from_config(cfg, jax.devices()[:c], read_data=False)
     md, mesh = trainer.model_def, trainer.mesh
     params, _, tokens = trainer.abstract_step_arguments()
@@ -93,8 +93,8 @@ def memory(lengths: list[int]) -> list[dict]:
 
 
 def small_trainer(c: int, seq: int, exchange: str, steps: int = 1) -> Trainer:
-    cfg = load_config(None, [*SMALL, f"mesh.data={8 // c}", f"mesh.context={c}", f"model.seq_len={seq}",
-                             "train.batch_size=8", "train.microbatches=1", f"model.context_attention={exchange}",
+    cfg = load_config(None, [*SMALL, f"parallel.data={8 // c}", f"parallel.context={c}", f"model.seq_len={seq}",
+                             "train.batch_size=8", "parallel.microbatches=1", f"parallel.context_attention={exchange}",
                              f"train.steps={steps}"])
     return Trainer.from_config(cfg, jax.devices()[:8], read_data=False)
 

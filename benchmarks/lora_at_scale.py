@@ -29,15 +29,15 @@ from meshtron.hlo.collectives import collectives
 
 GB = 1e9
 LORA = ["train.lora.rank=16", "train.lora.alpha=32"]
-SP = ["model.sequence_parallel=true"]
+SP = ["parallel.sequence_parallel=true"]
 # (model, config, mesh (data, pipe, tensor), fine-tuning, overrides)
 CASES = [
-    ("7B", "llama2_7b", (8, 1, 8), "full", [*SP, "train.zero=1"]),
-    *[("7B", "llama2_7b", (8, 1, 8), "LoRA r=16", [*SP, *LORA, f"train.zero={z}"]) for z in (0, 1, 3)],
-    ("7B", "llama2_7b", (8, 1, 8), "LoRA r=16", [*SP, *LORA, "train.zero=3", "train.gather_once=true"]),
-    ("70B", "llama2_70b", (2, 4, 8), "full", [*SP, "train.zero=1", "train.gather_once=false"]),
-    ("70B", "llama2_70b", (2, 4, 8), "LoRA r=16", [*SP, *LORA, "train.zero=0", "train.gather_once=false"]),
-    ("70B", "llama2_70b", (2, 4, 8), "LoRA r=16", [*SP, *LORA, "train.zero=3", "train.gather_once=true"]),
+    ("7B", "llama2_7b", (8, 1, 8), "full", [*SP, "parallel.zero=1"]),
+    *[("7B", "llama2_7b", (8, 1, 8), "LoRA r=16", [*SP, *LORA, f"parallel.zero={z}"]) for z in (0, 1, 3)],
+    ("7B", "llama2_7b", (8, 1, 8), "LoRA r=16", [*SP, *LORA, "parallel.zero=3", "parallel.gather_once=true"]),
+    ("70B", "llama2_70b", (2, 4, 8), "full", [*SP, "parallel.zero=1", "parallel.gather_once=false"]),
+    ("70B", "llama2_70b", (2, 4, 8), "LoRA r=16", [*SP, *LORA, "parallel.zero=0", "parallel.gather_once=false"]),
+    ("70B", "llama2_70b", (2, 4, 8), "LoRA r=16", [*SP, *LORA, "parallel.zero=3", "parallel.gather_once=true"]),
 ]
 
 

@@ -2,7 +2,7 @@
 
 For Llama-2 7B and 70B (their real dimensions, 4096-token sequences, bf16 compute with fp32
 parameters, AdamW), compiles the real train step from abstract arrays on up to 64 simulated devices
--- nothing is allocated -- across ``train.zero`` 0/1/3, recomputation, sequence parallelism and
+-- nothing is allocated -- across ``parallel.zero`` 0/1/3, recomputation, sequence parallelism and
 pipeline schedules (and Llama-2 13B, Llama-3 8B and the paper's GPT 3.6B as bundled), and prints
 per device: what the compiled program's arguments hold (parameters, optimizer state, read from the
 shardings it takes), its temporaries and the peak of the two, next to the step memory model
@@ -43,16 +43,16 @@ GPU_GB = 80
 
 # (name, config, mesh (data, pipe, tensor), extra overrides)
 CASES = [
-    *[("7B", "llama2_7b", (8, 1, 8), [f"train.zero={z}", "model.sequence_parallel=true"]) for z in (0, 1, 3)],
-    ("7B", "llama2_7b", (8, 1, 8), ["train.zero=1", "model.sequence_parallel=true", "model.remat=selective"]),
-    ("7B", "llama2_7b", (8, 1, 8), ["train.zero=1"]),
-    *[("7B", "llama2_7b", (2, 4, 8), [f"train.zero={z}", "model.sequence_parallel=true", "train.microbatches=64"])
+    *[("7B", "llama2_7b", (8, 1, 8), [f"parallel.zero={z}", "parallel.sequence_parallel=true"]) for z in (0, 1, 3)],
+    ("7B", "llama2_7b", (8, 1, 8), ["parallel.zero=1", "parallel.sequence_parallel=true", "model.remat=selective"]),
+    ("7B", "llama2_7b", (8, 1, 8), ["parallel.zero=1"]),
+    *[("7B", "llama2_7b", (2, 4, 8), [f"parallel.zero={z}", "parallel.sequence_parallel=true", "parallel.microbatches=64"])
       for z in (0, 1, 3)],
-    *[("7B", "llama2_7b", (8, 4, 2), [f"train.zero={z}"]) for z in (0, 1, 3)],
-    *[("70B", "llama2_70b", (2, 4, 8), [f"train.zero={z}", "train.gather_once=false"]) for z in (0, 1)],
-    ("70B", "llama2_70b", (2, 4, 8), ["train.zero=3", "train.gather_once=false", "train.microbatches=16"]),
-    ("70B", "llama2_70b", (2, 4, 8), ["train.zero=3", "train.gather_once=true"]),
-    *[("7B", "llama2_7b", (8, 4, 2), ["train.zero=1", f"pipeline.schedule={schedule}", f"pipeline.chunks={chunks}"])
+    *[("7B", "llama2_7b", (8, 4, 2), [f"parallel.zero={z}"]) for z in (0, 1, 3)],
+    *[("70B", "llama2_70b", (2, 4, 8), [f"parallel.zero={z}", "parallel.gather_once=false"]) for z in (0, 1)],
+    ("70B", "llama2_70b", (2, 4, 8), ["parallel.zero=3", "parallel.gather_once=false", "parallel.microbatches=16"]),
+    ("70B", "llama2_70b", (2, 4, 8), ["parallel.zero=3", "parallel.gather_once=true"]),
+    *[("7B", "llama2_7b", (8, 4, 2), ["parallel.zero=1", f"parallel.schedule={schedule}", f"parallel.chunks={chunks}"])
       for schedule, chunks in (("gpipe", 1), ("interleaved", 2), ("zb-h1", 1))],
     ("13B", "llama2_13b", (8, 4, 2), []),
     ("L3 8B", "llama3_8b", (8, 1, 1), []),
@@ -73,7 +73,7 @@ def compiled_step(config: str, sizes: tuple[int, int, int], extra: list[str]):
     """``(trainer, compiled train step, abstract params, abstract optimizer state, seconds to build and
     compile)`` of ``config`` on the mesh ``sizes`` (data, pipe, tensor) of simulated devices."""
     d, p, t = sizes
-    cfg = load_config(config, [f"mesh.data={d}", f"mesh.pipe={p}", f"mesh.tensor={t}", *extra])
+    cfg = load_config(config, [f"parallel.data={d}", f"parallel.pipe={p}", f"parallel.tensor={t}", *extra])
     started = time.perf_counter()
     trainer = Trainer.from_config(cfg, jax.devices()[: d * p * t], read_data=False)
     params, opt_state, tokens = trainer.abstract_step_arguments()
@@ -109,15 +109,15 @@ def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str
 def bytes_per_parameter() -> list[dict]:
     """Bytes per parameter per device of the state a step keeps (parameters + optimizer state, read from
     the compiled program's input shardings) for each optimizer and zero level, on 8 data ranks (the
-    default model at fp32; 1-bit LAMB's state cannot be split: train.zero=0 only)."""
+    default model at fp32; 1-bit LAMB's state cannot be split: parallel.zero=0 only)."""
     table = []
     for optimizer in ("adamw", "lamb", "onebit_lamb"):
         for zero in (0, 1, 3):
             if optimizer == "onebit_lamb" and zero:
                 table.append({"optimizer": optimizer, "zero": zero, "bytes_per_parameter": None})
                 continue
-            cfg = load_config("cpu8", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.chunks=1",
-                                       "pipeline.schedule=1f1b", f"train.optimizer={optimizer}", f"train.zero={zero}"])
+            cfg = load_config("cpu8", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.chunks=1",
+                                       "parallel.schedule=1f1b", f"train.optimizer={optimizer}", f"parallel.zero={zero}"])
             trainer = Trainer.from_config(cfg, jax.devices()[:8], read_data=False)
             params, opt_state, tokens = trainer.abstract_step_arguments()
             stage = trainer.steps.stages[-1]  # 1-bit LAMB: the compression stage's state

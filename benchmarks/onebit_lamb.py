@@ -28,8 +28,8 @@ from meshtron.units import format_bytes
 
 CONFIG = Path(__file__).resolve().parents[1] / "mesh_configs" / "cpu8.yaml"
 MESHES = {
-    "8x1x1": ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.chunks=1", "train.microbatches=1"],
-    "2x2x2": ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2"],  # cpu8.yaml: interleaved 1F1B, v=2, m=4
+    "8x1x1": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.chunks=1", "parallel.microbatches=1"],
+    "2x2x2": ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2"],  # cpu8.yaml: interleaved 1F1B, v=2, m=4
 }
 OPTIMIZERS = ("lamb", "onebit_lamb")
 ABLATION = {"8x1x1": {"lamb": 0.0, "onebit_lamb": 1.0}}  # mesh -> optimizer -> swapped train.grad_clip

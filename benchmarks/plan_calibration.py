@@ -50,11 +50,11 @@ RUNS = [
 def config_of(mesh: tuple[int, int, int], schedule: str | None, chunks: int, microbatches: int):
     d, p, t = mesh
     overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
-        f"mesh.data={d}", f"mesh.pipe={p}", f"mesh.tensor={t}", f"train.batch_size={BATCH}",
-        f"train.microbatches={microbatches}", f"pipeline.chunks={chunks}", "train.steps=100",
+        f"parallel.data={d}", f"parallel.pipe={p}", f"parallel.tensor={t}", f"train.batch_size={BATCH}",
+        f"parallel.microbatches={microbatches}", f"parallel.chunks={chunks}", "train.steps=100",
     ]
     if schedule is not None:
-        overrides.append(f"pipeline.schedule={schedule}")
+        overrides.append(f"parallel.schedule={schedule}")
     return load_config(None, overrides)
 
 

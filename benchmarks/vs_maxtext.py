@@ -4,7 +4,7 @@ The same model in both (MaxText's default ``llama2`` decoder block): 4 layers, h
 4 key/value heads (head 64), SwiGLU 1024, RMSNorm, rotary positions, untied head, vocabulary 1024,
 sequence 128, fp32, AdamW, full recomputation (MaxText's default ``remat_policy``; ``--remat``
 changes meshtron's), global batch 8 × 128 tokens. On the pipelined meshes meshtron runs
-``pipeline.recompute=false`` (``--pipeline-recompute`` changes it): under ``model.remat=full`` each
+``parallel.recompute=false`` (``--pipeline-recompute`` changes it): under ``model.remat=full`` each
 layer keeps its input and is recomputed once in its backward, two forwards per layer as in MaxText,
 where ``true`` would also rerun the whole stage from its stashed input (three). ``--model gpt`` runs
 meshtron's GPT against MaxText's ``gpt3`` decoder instead (pre-LayerNorm with biases, fused QKV, GELU
@@ -79,20 +79,20 @@ MODELS = {
 # name: (devices, MaxText arguments, meshtron overrides)
 MESHES = {
     "1 device": (1, ["per_device_batch_size=8"],
-                 ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1"]),
+                 ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "parallel.microbatches=1"]),
     "data 4 x tensor 2": (8, ["per_device_batch_size=1", "ici_fsdp_parallelism=1", "ici_pipeline_parallelism=1",
                               "ici_data_parallelism=4", "ici_tensor_parallelism=2"],
-                          ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "train.microbatches=1"]),
+                          ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.microbatches=1"]),
     "2x2x2 GPipe m=4": (8, ["per_device_batch_size=1", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
                              "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4",
                              "num_layers_per_pipeline_stage=2"],
-                         ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=4",
-                          "pipeline.schedule=gpipe", "pipeline.chunks=1"]),
+                         ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=4",
+                          "parallel.schedule=gpipe", "parallel.chunks=1"]),
     "2x2x2 circular/interleaved v=2 m=4": (
         8, ["per_device_batch_size=1", "ici_data_parallelism=2", "ici_tensor_parallelism=2",
             "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4"],
-        ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=4", "pipeline.schedule=interleaved",
-         "pipeline.chunks=2"]),
+        ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=4", "parallel.schedule=interleaved",
+         "parallel.chunks=2"]),
 }
 
 # MaxText's train entry point, also printing its compiled step's memory and compile time.
@@ -233,7 +233,7 @@ def main() -> None:
     parser.add_argument("--remat", default="full", choices=("full", "selective", "none"),
                         help="meshtron's model.remat (MaxText runs its default, remat_policy=full)")
     parser.add_argument("--pipeline-recompute", default="false", choices=("false", "true"),
-                        help="meshtron's pipeline.recompute on the pipelined meshes")
+                        help="meshtron's parallel.recompute on the pipelined meshes")
     parser.add_argument("--model", default="llama", choices=tuple(MODELS),
                         help="llama: meshtron's Llama against MaxText's llama2; gpt: meshtron's GPT against its gpt3")
     parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated names of the meshes to run")
@@ -251,9 +251,9 @@ def main() -> None:
         for name in names:
             devices, mt_args, mx_overrides = MESHES[name]
             mt = run_maxtext(args.maxtext_dir, f"r{round_}", devices, mt_args, args.steps, maxtext_model)
-            pipelined = "mesh.pipe=1" not in mx_overrides
+            pipelined = "parallel.pipe=1" not in mx_overrides
             mx = run_meshtron(devices, [*mx_overrides, f"model.remat={args.remat}",
-                                        *([f"pipeline.recompute={args.pipeline_recompute}"] if pipelined else [])],
+                                        *([f"parallel.recompute={args.pipeline_recompute}"] if pipelined else [])],
                               args.steps, config, meshtron_model)
             runs[name]["maxtext"].append(mt)
             runs[name]["meshtron"].append(mx)
@@ -276,7 +276,7 @@ def main() -> None:
                      f"{TOKENS / mx_s * flops / 1e9:.1f}", f"{mt_s / mx_s:.2f}",
                      " / ".join(_fmt(first[lib]["compile_seconds"], "{:.1f}") for lib in ("maxtext", "meshtron")),
                      " / ".join(_fmt(first[lib]["temp_bytes"], "{:.1f}", 2**-20) for lib in ("maxtext", "meshtron"))])
-    print(f"{title}, seq 128, batch 8, fp32, meshtron remat {args.remat} (pipelined: pipeline.recompute="
+    print(f"{title}, seq 128, batch 8, fp32, meshtron remat {args.remat} (pipelined: parallel.recompute="
           f"{args.pipeline_recompute}); median step s after step 3, per round")
     _common.print_table(["mesh", "MaxText s", "meshtron s", "MaxText tok/s", "meshtron tok/s", "MaxText GFLOP/s",
                          "meshtron GFLOP/s", "MaxText/meshtron", "compile s (MT / mx)", "temp MiB (MT / mx)"], rows)

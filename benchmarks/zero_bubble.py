@@ -10,10 +10,10 @@ cycle through the schedules (so slow phases of the machine hit all of them alike
 medians, the compiled step's temp memory, and the time each table *predicts* from the checker
 with this runtime's costs. Every schedule runs in both of the runtime's modes:
 
-* ``recompute`` (``pipeline.recompute=true``, the default): a stage backward recomputes its
+* ``recompute`` (``parallel.recompute=true``, the default): a stage backward recomputes its
   forward from the stashed input, so B (recompute + input gradient) costs 2 forwards, W one, and
   an unsplit backward 3;
-* ``keep`` (``pipeline.recompute=false``): the forward keeps every layer's matmul outputs, B is
+* ``keep`` (``parallel.recompute=false``): the forward keeps every layer's matmul outputs, B is
   the input gradient alone; priced with the paper's t_F = t_B = t_W.
 
 The check: ZB-H1's measured saving over 1F1B is at least half the predicted one,
@@ -106,7 +106,7 @@ SHAPE_ARGS = ["--hidden", str(HIDDEN), "--rows", str(ROWS), *([ZB_ONLY] if ZB_ON
 SPLIT_1F1B = "1f1b split"  # 1F1B's own table, each W in the tick of its B: what splitting alone costs
 RUNTIME_COSTS = {True: Costs(forward=1.0, backward=2.0, weight=1.0),  # recompute: B reruns the stage forward
                  False: Costs(forward=1.0, backward=1.0, weight=1.0)}  # keep: the paper's unit costs
-MODES = (False,) if ZB_ONLY in sys.argv else (True, False)  # pipeline.recompute
+MODES = (False,) if ZB_ONLY in sys.argv else (True, False)  # parallel.recompute
 
 
 def table(name: str, m: int, chunks: int) -> Schedule:
@@ -126,7 +126,7 @@ def place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 def build(schedule: str, chunks: int, m: int, keep: bool = False):
     """A ready-to-time train step (and its state) of ``schedule`` on mesh (1, 2, 1); ``keep``: the
-    forward keeps the layers' residuals (``pipeline.recompute=false``)."""
+    forward keeps the layers' residuals (``parallel.recompute=false``)."""
     md = model_def_from_config(MODEL, 1)
     mesh = build_mesh(MeshConfig(1, 2, 1), jax.devices()[:2])
     program = compile_program(table(schedule, m, chunks), keep_residuals=keep)

@@ -110,7 +110,7 @@ CROSS_FEATURE_CHECKS = {
     "context x mixture of experts": "a mixture of experts is split over data ranks only",
     "context x the seq rule": "splits every sequence over {CONTEXT!r}",
     "ring attention x uneven pipeline layout": "RING_IN_PIPELINE)",
-    "gather_once x zero level": "gathers parameters split by train.zero=3",
+    "gather_once x zero level": "gathers parameters split by parallel.zero=3",
 }
 
 

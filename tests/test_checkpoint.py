@@ -27,8 +27,8 @@ MODEL = ["model.layers=4", "model.hidden=32", "model.heads=8", "model.mlp_dim=64
 
 
 def mesh(data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=1):
-    return [f"mesh.data={data}", f"mesh.pipe={pipe}", f"mesh.tensor={tensor}", f"pipeline.schedule={schedule}",
-            f"pipeline.chunks={chunks}", f"train.microbatches={microbatches}"]
+    return [f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.tensor={tensor}", f"parallel.schedule={schedule}",
+            f"parallel.chunks={chunks}", f"parallel.microbatches={microbatches}"]
 
 
 INTERLEAVED_222 = mesh(2, 2, 2, "interleaved", 2, 2)
@@ -71,7 +71,7 @@ def killed_at(t: Trainer, step: int) -> None:
 @pytest.mark.parametrize("optimizer, layout", [
     ("adamw", INTERLEAVED_222),
     ("lamb", mesh(4, 1, 2)),
-    ("lamb", [*mesh(2, 2, 2, microbatches=2), "pipeline.layout=Et|tttL"]),  # uneven: padded layer slots
+    ("lamb", [*mesh(2, 2, 2, microbatches=2), "parallel.layout=Et|tttL"]),  # uneven: padded layer slots
 ])
 def test_resume_is_bitwise(tmp_path, optimizer, layout):
     t = trainer(*layout, f"train.optimizer={optimizer}", "train.steps=6", f"checkpoint.dir={tmp_path}",
@@ -119,7 +119,7 @@ def saved_on_222(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [
     mesh(1, 1, 8), mesh(8, 1, 1), mesh(4, 1, 2), mesh(1, 4, 2, microbatches=4),
-    [*mesh(2, 2, 2, microbatches=2), "pipeline.layout=[3,1]"],
+    [*mesh(2, 2, 2, microbatches=2), "parallel.layout=[3,1]"],
 ], ids=["1x1x8", "8x1x1", "4x1x2", "1x4x2-1f1b", "2x2x2-uneven"])
 def test_restore_onto_another_mesh(tmp_path, saved_on_222, layout, capsys):
     source, expected = saved_on_222

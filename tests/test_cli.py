@@ -34,7 +34,7 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
         "train", "--config", "mesh_configs/cpu8.yaml", "--metrics", str(metrics), *SMALL,
         "train.steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
         "train.optimizer=onebit_lamb", "optim.freeze_step=3",
-        "mesh.data=4", "mesh.pipe=1", "pipeline.chunks=1", "train.microbatches=2",  # quicker to compile
+        "parallel.data=4", "parallel.pipe=1", "parallel.chunks=1", "parallel.microbatches=2",  # quicker to compile
         f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=3",
     )
     assert run.returncode == 0, run.stderr
@@ -57,7 +57,7 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
 
     # The trained model samples the same text on another mesh (greedy), from the CLI and from Python.
     sampled = meshtron("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "The ", "--max-tokens", "12",
-                       "mesh.data=1", "mesh.tensor=2")
+                       "parallel.data=1", "parallel.tensor=2")
     assert sampled.returncode == 0, sampled.stderr
     assert "step 6 of" in sampled.stderr and "mesh 1x1x2" in sampled.stderr
     model = load_pretrained(tmp_path / "ckpt", MeshConfig(data=8, pipe=1, tensor=1))
@@ -65,14 +65,14 @@ def test_train_writes_metrics_and_a_summary(tmp_path):
     assert sampled.stdout == here.text + "\n" and len(here.new_tokens) == 12
     # the checkpoint as a positional argument, the prompt as a chat message: the answer alone
     chat = meshtron("generate", str(tmp_path / "ckpt"), "--chat", "--prompt", "The ", "--max-tokens", "12",
-                    "mesh.data=1", "mesh.tensor=2")
+                    "parallel.data=1", "parallel.tensor=2")
     assert chat.returncode == 0, chat.stderr
     from meshtron.data.sft import ChatTemplate
 
     answer = sample(model, ChatTemplate(model.tokenizer).prompt("The "), max_new_tokens=12)
     assert chat.stdout == answer.continuation + "\n"
     bad = meshtron("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "x", "model.hidden=64")
-    assert bad.returncode == 2 and "generate takes mesh.data=, mesh.pipe= or mesh.tensor= only" in bad.stderr
+    assert bad.returncode == 2 and "generate takes parallel.data=, parallel.pipe= or parallel.tensor= only" in bad.stderr
 
 
 @pytest.mark.slow
@@ -112,7 +112,7 @@ def test_describe_plans_a_real_model_on_a_mesh_this_machine_simulates_without_bu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, overrides", [("llama2_7b", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=8"]),
+@pytest.mark.parametrize("config, overrides", [("llama2_7b", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8"]),
                                                ("llama2_70b", [])])
 def test_describe_compile_compiles_a_real_model_for_its_mesh_without_allocating_it(config, overrides):
     """Llama-2 7B on 8x1x8 (64 devices) and 70B on 2x4x8 with zero=3: the real step compiled from
@@ -166,13 +166,13 @@ def test_planning_presets_describe_without_devices():
 def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     # The user fixed the device count, so the CLI may not raise it: the mesh does not fit.
     run = meshtron(
-        "train", "--config", "mesh_configs/cpu8.yaml", "mesh.data=4", "mesh.tensor=4",
+        "train", "--config", "mesh_configs/cpu8.yaml", "parallel.data=4", "parallel.tensor=4",
         xla_flags="--xla_force_host_platform_device_count=8",
     )
     assert run.returncode == 2
     assert run.stderr.strip() == (
-        "meshtron: error: mesh: data x pipe x tensor = 4 x 2 x 4 = 32 devices, but this run has 8; "
-        "shrink the mesh (e.g. mesh.data) or add devices (on a CPU, simulate them: "
+        "meshtron: error: parallel: data x pipe x tensor = 4 x 2 x 4 = 32 devices, but this run has 8; "
+        "shrink the mesh (e.g. parallel.data) or add devices (on a CPU, simulate them: "
         "XLA_FLAGS=--xla_force_host_platform_device_count=32 before JAX starts)"
     )
     missing = meshtron("train", "--config", "mesh_configs/cpu8.yaml", "data.path=/nope.txt")
@@ -251,14 +251,14 @@ def test_overrides_stand_anywhere_and_generate_takes_its_checkpoint_either_way()
 
     imported = _parse(["import-hf", "hf", "--output", "runs/x", "model.seq_len=2048"])
     assert imported.overrides == ["model.seq_len=2048"] and imported.output == "runs/x"
-    trained = _parse(["train", "mesh.data=2", "--config", "cpu8", "--metrics", "m.jsonl", "train.steps=3"])
-    assert trained.overrides == ["mesh.data=2", "train.steps=3"] and trained.metrics == "m.jsonl"
-    for argv in (["generate", "runs/a", "--prompt", "hi", "mesh.tensor=4"],
-                 ["generate", "--checkpoint", "runs/a", "--prompt", "hi", "mesh.tensor=4"],
-                 ["generate", "mesh.tensor=4", "--prompt", "hi", "--checkpoint", "runs/a"]):
+    trained = _parse(["train", "parallel.data=2", "--config", "cpu8", "--metrics", "m.jsonl", "train.steps=3"])
+    assert trained.overrides == ["parallel.data=2", "train.steps=3"] and trained.metrics == "m.jsonl"
+    for argv in (["generate", "runs/a", "--prompt", "hi", "parallel.tensor=4"],
+                 ["generate", "--checkpoint", "runs/a", "--prompt", "hi", "parallel.tensor=4"],
+                 ["generate", "parallel.tensor=4", "--prompt", "hi", "--checkpoint", "runs/a"]):
         args = _parse(argv)
         _generation_checkpoint(args)
-        assert (args.checkpoint, args.overrides) == ("runs/a", ["mesh.tensor=4"]), argv
+        assert (args.checkpoint, args.overrides) == ("runs/a", ["parallel.tensor=4"]), argv
 
 
 def test_a_word_that_is_no_setting_is_refused_naming_it(capsys):
@@ -271,3 +271,19 @@ def test_a_word_that_is_no_setting_is_refused_naming_it(capsys):
         capsys.readouterr().err)
     assert main(["generate", "--prompt", "x"]) == 2
     assert "generate: give the checkpoint once, as meshtron generate CKPT --prompt TEXT" in capsys.readouterr().err
+
+
+def test_an_old_key_on_the_command_line_is_one_deprecation_line_per_command(capsys):
+    """Old spellings (mesh.*, pipeline.*, train.microbatches, ...) still work, with one note on stderr, also
+    where a command reads its config twice (plan) or mixes meshtron's own settings with the user's."""
+    from meshtron.cli import main
+
+    assert main(["train", "--print-config", "--config", "cpu8", "mesh.tensor=1", "train.zero=1"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "meshtron: mesh.tensor, train.zero are deprecated; write parallel.tensor, parallel.zero\n"
+    assert "parallel:\n  data: 2\n  pipe: 2\n  tensor: 1\n" in captured.out and "mesh:" not in captured.out
+    assert main(["plan", "--config", "paper/gpt_76_1b", "--gpus", "1024", "--top", "1", "mesh.context=1"]) == 0
+    assert capsys.readouterr().err == "meshtron: mesh.context is deprecated; write parallel.context\n"
+    assert main(["train", "--print-config", "--config", "cpu8", "mesh.data=2", "parallel.data=1"]) == 2
+    assert capsys.readouterr().err == ("meshtron: error: mesh.data and parallel.data (command line): both set, to 2 "
+                                       "and 1; mesh.data is the old name of parallel.data: write only parallel.data\n")

@@ -159,20 +159,20 @@ def test_the_step_lays_tokens_out_as_each_rank_s_front_and_mirrored_back_chunk()
 
 MODEL = ["model.family=llama", "model.kv_heads=2", "model.layers=4", "model.hidden=32", "model.heads=4",
          "model.mlp_dim=64", "model.seq_len=32", "train.batch_size=8", "train.warmup_steps=1",
-         "train.eval_every=1000", "train.eval_batches=1", "train.microbatches=2"]
+         "train.eval_every=1000", "train.eval_batches=1", "parallel.microbatches=2"]
 
 
 def trainer(data, pipe, context, tensor, *overrides, **kwargs) -> Trainer:
-    layout = [f"mesh.data={data}", f"mesh.pipe={pipe}", f"mesh.context={context}", f"mesh.tensor={tensor}"]
+    layout = [f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.context={context}", f"parallel.tensor={tensor}"]
     return Trainer.from_config(load_config(None, [*MODEL, *layout, *overrides]), **kwargs)
 
 
 @pytest.mark.slow
 def test_context_parallel_training_equals_data_parallel_training_at_every_zero_level():
     reference = trainer(2, 1, 1, 1, "train.steps=3").run()
-    for overrides in ([], ["model.context_attention=ring"], ["train.zero=1"], ["train.zero=3"]):
+    for overrides in ([], ["parallel.context_attention=ring"], ["parallel.zero=1"], ["parallel.zero=3"]):
         t = trainer(2, 1, 2, 2, "train.steps=3", *overrides)
-        if overrides[:1] == ["train.zero=3"]:  # parameters split over the whole gradient group
+        if overrides[:1] == ["parallel.zero=3"]:  # parameters split over the whole gradient group
             specs = {str(s.spec) for s in jax.tree.leaves(t.steps.param_shardings)}
             assert any("('data', 'context')" in s for s in specs), specs
         result = t.run()
@@ -225,7 +225,7 @@ def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path)
     model = load_pretrained(tmp_path)
     assert model.mesh.shape["context"] == 1 and model.mesh.shape["tensor"] == 2
     assert sample(model, "ab", max_new_tokens=4, temperature=0).text
-    with pytest.raises(ConfigError, match=r"^mesh.context: generation does not split sequences"):
+    with pytest.raises(ConfigError, match=r"^parallel.context: generation does not split sequences"):
         load_pretrained(tmp_path, MeshConfig(1, 1, 2, context=2))
 
 
@@ -233,22 +233,22 @@ def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["mesh.context=4", "model.seq_len=20"],
-     "mesh.context: model.seq_len=20 must be divisible by 2 x mesh.context = 8"),
-    (["mesh.context=2", "mesh.pipe=2", "model.layers=4", "model.context_attention=ring", "pipeline.layout=[1,3]",
-      "train.microbatches=2", "train.batch_size=8"],
-     "model.context_attention: ring runs pipeline stages in lockstep"),
-    (["model.context_attention=ulysses"], "model.context_attention: must be one of gathered, ring"),
-    (["mesh.context=2", "model.family=llama", "model.moe.experts=4"],
-     "mesh.context: a mixture of experts is split over data ranks only"),
-    (["mesh.context=0"], "mesh.context: must be a positive size or -1"),
+    (["parallel.context=4", "model.seq_len=20"],
+     "parallel.context: model.seq_len=20 must be divisible by 2 x parallel.context = 8"),
+    (["parallel.context=2", "parallel.pipe=2", "model.layers=4", "parallel.context_attention=ring", "parallel.layout=[1,3]",
+      "parallel.microbatches=2", "train.batch_size=8"],
+     "parallel.context_attention: ring runs pipeline stages in lockstep"),
+    (["parallel.context_attention=ulysses"], "parallel.context_attention: must be one of gathered, ring"),
+    (["parallel.context=2", "model.family=llama", "model.moe.experts=4"],
+     "parallel.context: a mixture of experts is split over data ranks only"),
+    (["parallel.context=0"], "parallel.context: must be a positive size or -1"),
     (["model.rules={seq: sequence}"], "model.rules.seq: 'sequence' is not a mesh axis; use data, pipe, context"),
 ])
 def test_bad_context_settings_are_one_line(overrides, message):
     from meshtron.run import resolve_run
 
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
-        cfg = load_config(None, ["mesh.data=1", *overrides])
+        cfg = load_config(None, ["parallel.data=1", *overrides])
         resolve_run(cfg, 8)
 
 
@@ -256,9 +256,9 @@ def test_bad_context_settings_are_one_line(overrides, message):
 
 
 @pytest.mark.parametrize("exchange, remat, mesh", [
-    ("gathered", "none", ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"]),  # kv heads split over tensor
-    ("ring", "selective", ["mesh.data=1", "mesh.context=4", "mesh.tensor=2"]),
-    pytest.param("gathered", "full", ["mesh.data=1", "mesh.context=8", "mesh.tensor=1"], marks=pytest.mark.slow),
+    ("gathered", "none", ["parallel.data=2", "parallel.context=2", "parallel.tensor=2"]),  # kv heads split over tensor
+    ("ring", "selective", ["parallel.data=1", "parallel.context=4", "parallel.tensor=2"]),
+    pytest.param("gathered", "full", ["parallel.data=1", "parallel.context=8", "parallel.tensor=1"], marks=pytest.mark.slow),
 ])
 def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_step_agrees(exchange, remat, mesh):
     import io
@@ -268,7 +268,7 @@ def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_
     from meshtron.units import format_bytes
 
     out = io.StringIO()
-    cfg = load_config(None, [*MODEL, *mesh, "mesh.pipe=1", f"model.context_attention={exchange}",
+    cfg = load_config(None, [*MODEL, *mesh, "parallel.pipe=1", f"parallel.context_attention={exchange}",
                              f"model.remat={remat}"])
     describe(cfg, out)
     text = out.getvalue()
@@ -293,12 +293,12 @@ def test_describe_plans_a_context_run_too_large_for_the_machine_on_all_its_devic
     from meshtron.describe import describe
 
     out = io.StringIO()
-    describe(load_config("paper/gpt_1_7b", ["mesh.data=4", "mesh.pipe=2", "mesh.tensor=2", "mesh.context=4",
+    describe(load_config("paper/gpt_1_7b", ["parallel.data=4", "parallel.pipe=2", "parallel.tensor=2", "parallel.context=4",
                                              "model.seq_len=32768", "train.batch_size=64"]), out)
     text = out.getvalue()
     assert "the mesh needs 64 devices" in text, text
     whole = io.StringIO()
-    describe(load_config("paper/gpt_1_7b", ["mesh.data=4", "mesh.pipe=2", "mesh.tensor=2", "mesh.context=1",
+    describe(load_config("paper/gpt_1_7b", ["parallel.data=4", "parallel.pipe=2", "parallel.tensor=2", "parallel.context=1",
                                              "model.seq_len=32768", "train.batch_size=64"]), whole)
     activations = [re.search(r"activations ([\d.]+)", t)[1] for t in (text, whole.getvalue())]
     assert float(activations[0]) < float(activations[1]) / 2, activations  # each GPU holds s/4 of a sequence
@@ -347,7 +347,7 @@ def test_rules_that_keep_the_sequence_whole_cannot_split_it(monkeypatch):
 
     md = ModelDef.create(lambda r: parallel_lm.ParallelLM(64, 32, 4, 64, 4, SEQ, rngs=r),
                          rules=extend_rules(MEGATRON_RULES, {**parallel_lm.RULES, "seq": None}))
-    with pytest.raises(ConfigError, match=r"^model.rules.seq: mesh.context=2 splits every sequence over 'context', "
+    with pytest.raises(ConfigError, match=r"^model.rules.seq: parallel.context=2 splits every sequence over 'context', "
                                           r"but the rules place the logical axis seq on None"):
         check_parity(md, [Layout(1, 1, 1, context=2)], seq_len=SEQ)
 

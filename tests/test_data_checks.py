@@ -259,7 +259,7 @@ def test_trainer_passes_train_init_from_to_the_data_checks(tmp_path):
     imported = fake_checkpoint(tmp_path / "import", 256)
     cfg = load_config(None, ["model.layers=2", "model.hidden=32", "model.heads=4", "model.seq_len=16",
                              "model.vocab_size=300", f"data.path={tmp_path / 'data'}", f"train.init_from={imported}",
-                             "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.steps=1"])
+                             "parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "train.steps=1"])
     with pytest.raises(ConfigError, match=r"^model\.vocab_size: 300 is larger than the checkpoint's 256"):
         Trainer.from_config(cfg)
 

@@ -88,7 +88,7 @@ LAYOUTS = [
     ((1, 2, 4), "1f1b", 1, 4),
     ((2, 2, 2), "zb-h1", 1, 4),  # a third kind of work (W) in its own conditional
     ((1, 4, 2), "1f1b-p", 1, 8),
-    ((2, 2, 2), "zb-h1", 1, 4, False),  # the forward keeps residuals for B (pipeline.recompute=false)
+    ((2, 2, 2), "zb-h1", 1, 4, False),  # the forward keeps residuals for B (parallel.recompute=false)
 ]
 
 
@@ -115,21 +115,21 @@ def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, c
 # takes its ordering tokens from, and makes the norms' gradients all-reduces nothing downstream reads.
 MOE_LAYOUTS = [
     ("mixtral_cpu8", ["model.remat=full"]),
-    ("mixtral_cpu8", ["model.remat=full", "pipeline.recompute=false"]),
-    ("mixtral_cpu8", ["pipeline.schedule=zb-h1", "pipeline.chunks=1", "model.moe.capacity_factor=1.0"]),
-    ("mixtral_cpu8", ["model.sequence_parallel=true", "model.remat=full"]),
+    ("mixtral_cpu8", ["model.remat=full", "parallel.recompute=false"]),
+    ("mixtral_cpu8", ["parallel.schedule=zb-h1", "parallel.chunks=1", "model.moe.capacity_factor=1.0"]),
+    ("mixtral_cpu8", ["parallel.sequence_parallel=true", "model.remat=full"]),
     ("llama_cpu8", ["model.remat=full"]),
-    ("llama_cpu8", ["model.remat=full", "pipeline.recompute=false"]),
-    ("llama_cpu8", ["model.sequence_parallel=true"]),
-    ("llama_cpu8", ["model.sequence_parallel=true", "pipeline.recompute=false"]),
-    ("cpu8", ["model.sequence_parallel=true", "pipeline.schedule=zb-h1", "pipeline.chunks=1"]),
+    ("llama_cpu8", ["model.remat=full", "parallel.recompute=false"]),
+    ("llama_cpu8", ["parallel.sequence_parallel=true"]),
+    ("llama_cpu8", ["parallel.sequence_parallel=true", "parallel.recompute=false"]),
+    ("cpu8", ["parallel.sequence_parallel=true", "parallel.schedule=zb-h1", "parallel.chunks=1"]),
     # context parallelism: keys and values all-gathered over `context` inside the stage `cond`-s (and the
     # ring's collective-permutes without a pipeline), with recomputation and sequence parallelism
-    ("llama_cpu8", ["mesh.data=1", "mesh.context=2", "model.remat=full"]),
-    ("llama_cpu8", ["mesh.data=1", "mesh.context=2", "pipeline.schedule=zb-h1", "pipeline.chunks=1"]),
-    ("cpu8", ["mesh.data=1", "mesh.context=2", "model.sequence_parallel=true"]),
-    ("llama_cpu8", ["mesh.pipe=1", "mesh.context=2", "model.context_attention=ring", "model.remat=selective"]),
-    ("llama_cpu8", ["mesh.data=1", "mesh.context=2", "model.context_attention=ring"]),  # stages in lockstep
+    ("llama_cpu8", ["parallel.data=1", "parallel.context=2", "model.remat=full"]),
+    ("llama_cpu8", ["parallel.data=1", "parallel.context=2", "parallel.schedule=zb-h1", "parallel.chunks=1"]),
+    ("cpu8", ["parallel.data=1", "parallel.context=2", "parallel.sequence_parallel=true"]),
+    ("llama_cpu8", ["parallel.pipe=1", "parallel.context=2", "parallel.context_attention=ring", "model.remat=selective"]),
+    ("llama_cpu8", ["parallel.data=1", "parallel.context=2", "parallel.context_attention=ring"]),  # stages in lockstep
 ]
 # The second stack checks two; the rest run on the first.
 _MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (3, 7, 10) else pytest.mark.first_stack_only)
@@ -159,21 +159,21 @@ def test_expert_parallel_recomputed_and_sequence_parallel_steps_order_every_coll
 # deadlocked on jaxlib 0.10.2 (devices 6 and 7 split between an all-reduce and a ppermute).
 STRESS = {
     "1f1b-2x2x2-wide": ["model.layers=4", "model.hidden=256", "model.heads=4", "model.mlp_dim=1024",
-                           "model.seq_len=128", "model.vocab_size=1024", "train.batch_size=8", "mesh.data=2",
-                           "mesh.pipe=2", "mesh.tensor=2", "train.microbatches=4", "pipeline.schedule=1f1b",
-                           "pipeline.chunks=1"],
+                           "model.seq_len=128", "model.vocab_size=1024", "train.batch_size=8", "parallel.data=2",
+                           "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=4", "parallel.schedule=1f1b",
+                           "parallel.chunks=1"],
     "interleaved-2x2x2-m4": ["model.hidden=64", "model.mlp_dim=128", "model.vocab_size=512", "train.batch_size=16",
-                             "train.microbatches=4", "pipeline.schedule=interleaved", "pipeline.chunks=2"],
+                             "parallel.microbatches=4", "parallel.schedule=interleaved", "parallel.chunks=2"],
     "gpipe-2x2x2-m2": ["model.hidden=96", "model.heads=6", "model.mlp_dim=192", "model.seq_len=32",
-                       "train.batch_size=8", "train.microbatches=2", "pipeline.schedule=gpipe", "pipeline.chunks=1"],
-    "1f1b-1x4x2-m8": ["mesh.data=1", "mesh.pipe=4", "mesh.tensor=2", "model.hidden=64", "model.mlp_dim=128",
-                      "model.seq_len=32", "train.batch_size=16", "train.microbatches=8", "pipeline.schedule=1f1b",
-                      "pipeline.chunks=1"],
-    "interleaved-2x4x1-m4": ["mesh.data=2", "mesh.pipe=4", "mesh.tensor=1", "model.layers=8", "model.hidden=64",
+                       "train.batch_size=8", "parallel.microbatches=2", "parallel.schedule=gpipe", "parallel.chunks=1"],
+    "1f1b-1x4x2-m8": ["parallel.data=1", "parallel.pipe=4", "parallel.tensor=2", "model.hidden=64", "model.mlp_dim=128",
+                      "model.seq_len=32", "train.batch_size=16", "parallel.microbatches=8", "parallel.schedule=1f1b",
+                      "parallel.chunks=1"],
+    "interleaved-2x4x1-m4": ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=1", "model.layers=8", "model.hidden=64",
                              "model.mlp_dim=128", "model.seq_len=32", "model.vocab_size=384", "train.batch_size=8",
-                             "train.microbatches=4", "pipeline.schedule=interleaved", "pipeline.chunks=2"],
+                             "parallel.microbatches=4", "parallel.schedule=interleaved", "parallel.chunks=2"],
     "1f1b-2x2x2-onebit": ["model.hidden=64", "model.mlp_dim=128", "model.seq_len=32", "train.batch_size=8",
-                          "train.microbatches=2", "pipeline.schedule=1f1b", "pipeline.chunks=1",
+                          "parallel.microbatches=2", "parallel.schedule=1f1b", "parallel.chunks=1",
                           "train.optimizer=onebit_lamb", "optim.freeze_step=1"],
 }
 STRESS_TIMEOUT_S = 420  # per run; XLA's own rendezvous timeout aborts a stuck collective after 40 s

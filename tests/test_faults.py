@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
 RUN = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.mlp_dim=64", "model.seq_len=16",
        "train.batch_size=8", "train.steps=8", "train.warmup_steps=2", "train.log_every=1", "train.eval_every=1000",
-       "train.eval_batches=1", "mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "train.optimizer=onebit_lamb",
+       "train.eval_batches=1", "parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "train.optimizer=onebit_lamb",
        "optim.freeze_step=3"]
 
 

@@ -117,7 +117,7 @@ def test_a_run_never_trains_into_an_import(imported, capsys):
 def test_init_from_a_step_of_another_run_with_its_optimizer_continues_that_run(tmp_path):
     """``train.init_from=DIR/STEP`` with ``init_optimizer``: the new run continues at that step with that
     run's optimizer state and data position, bit for bit like the run itself, into its own directory."""
-    common = ["mesh.data=2", "mesh.pipe=1", "mesh.tensor=1", "model.layers=2", "model.hidden=32", "model.mlp_dim=64",
+    common = ["parallel.data=2", "parallel.pipe=1", "parallel.tensor=1", "model.layers=2", "model.hidden=32", "model.mlp_dim=64",
               "model.seq_len=32", "train.batch_size=4", "train.eval_batches=1", "train.steps=4"]
     first = tmp_path / "first"
     straight = Trainer.from_config(load_config(None, [*common, f"checkpoint.dir={first}", "checkpoint.every=2"])).run()

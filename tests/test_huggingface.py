@@ -281,7 +281,7 @@ def test_a_gpt_checkpoint_exports_to_gpt2(hf, tmp_path, capfd):
 
     cfg = load_config(None, ["model.family=gpt", f"model.vocab_size={VOCAB}", "model.hidden=64", "model.heads=4",
                              "model.layers=2", "model.mlp_dim=96", "model.seq_len=32", "model.norm_eps=1e-6",
-                             "mesh.data=2", "mesh.pipe=1", "mesh.tensor=2", f"checkpoint.dir={tmp_path / 'run'}",
+                             "parallel.data=2", "parallel.pipe=1", "parallel.tensor=2", f"checkpoint.dir={tmp_path / 'run'}",
                              "train.batch_size=2"])
     trainer = Trainer.from_config(cfg)
     rng = np.random.default_rng(1)

@@ -45,8 +45,8 @@ def test_a_linen_model_trains_checkpoints_and_generates_from_the_cli(tmp_path, c
                  f"checkpoint.dir={ckpt}"]) == 0
     out = capsys.readouterr().out
     assert "LinenLM" in out and f"checkpoints       {ckpt}: steps 2" in out
-    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "def ", "--max-tokens", "5", "mesh.pipe=1",
-                 "mesh.data=4"]) == 0
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "def ", "--max-tokens", "5", "parallel.pipe=1",
+                 "parallel.data=4"]) == 0
     assert capsys.readouterr().out.startswith("def ")
 
 

@@ -52,13 +52,13 @@ def test_key_value_heads_split_or_replicate(kv_heads, tensor, spec):
 
 def test_kv_heads_that_fit_neither_way_is_one_config_error():
     with pytest.raises(ConfigError, match=r"^model.kv_heads: 6 key/value heads can be neither split over nor "
-                                          r"replicated across mesh.tensor=8; use a divisor or a multiple of 8"):
-        _validated(["model.heads=24", "model.kv_heads=6", "mesh.tensor=8"])
+                                          r"replicated across parallel.tensor=8; use a divisor or a multiple of 8"):
+        _validated(["model.heads=24", "model.kv_heads=6", "parallel.tensor=8"])
     with pytest.raises(ConfigError, match=r"^model.kv_heads: 3 must be >= 1 and divide model.heads=4"):
         _validated(["model.kv_heads=3"])
 
 
 def _validated(overrides):
-    cfg = load_config("llama_cpu8", ["mesh.data=1", "mesh.pipe=1", "model.hidden=192", *overrides])
+    cfg = load_config("llama_cpu8", ["parallel.data=1", "parallel.pipe=1", "model.hidden=192", *overrides])
     validate(cfg)
     return cfg

@@ -118,7 +118,7 @@ def test_adapter_gradients_equal_one_device(name, key, monkeypatch):
 
 MODEL = ["model.family=llama", "model.kv_heads=2", "model.layers=4", "model.hidden=32", "model.heads=4",
          "model.mlp_dim=64", "model.seq_len=32", "model.vocab_size=256", "train.batch_size=8", "train.warmup_steps=1",
-         "train.eval_every=1000", "train.eval_batches=1", "train.microbatches=2", "train.lr=1e-2"]
+         "train.eval_every=1000", "train.eval_batches=1", "parallel.microbatches=2", "train.lr=1e-2"]
 LORA = ["train.lora.rank=4", "train.lora.alpha=8"]
 
 
@@ -127,7 +127,7 @@ def trainer(*overrides: str) -> Trainer:
 
 
 def test_the_base_is_frozen_and_only_the_adapters_have_optimizer_state():
-    t = trainer(*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.steps=3")
+    t = trainer(*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.steps=3")
     start = jax.device_get(t.init_params())
     params, opt_state, _tokens = t.abstract_step_arguments()
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
@@ -195,7 +195,7 @@ def test_adapters_on_activations_equal_the_merged_matrices(name, monkeypatch):
 
 def step_flops(*overrides: str) -> float:
     t = Trainer.from_config(load_config(None, [*MODEL, "model.family=gpt", "model.hidden=128", "model.mlp_dim=512",
-                                               "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", *overrides]),
+                                               "parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", *overrides]),
                             jax.devices()[:1], read_data=False)
     return t.steps.compile(*t.abstract_step_arguments()).cost_analysis()["flops"]
 
@@ -252,11 +252,11 @@ def test_reading_an_adapted_kernel_gives_the_merged_matrix_and_is_refused_with_d
 
 @pytest.mark.slow
 def test_lora_trains_alike_at_every_zero_level_with_the_base_frozen():
-    layout = [*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.steps=3"]
+    layout = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.steps=3"]
     reference = trainer(*layout)
     start = jax.device_get(reference.init_params())
     expected = reference.run()
-    for zero in (["train.zero=1"], ["train.zero=3"]):  # (gather_once: tests/test_zero.py)
+    for zero in (["parallel.zero=1"], ["parallel.zero=3"]):  # (gather_once: tests/test_zero.py)
         result = trainer(*layout, *zero).run()
         np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-5, err_msg=str(zero))
         for name, a, b, s in zip(leaf_names(start), jax.tree.leaves(jax.device_get(result.params)),
@@ -268,7 +268,7 @@ def test_lora_trains_alike_at_every_zero_level_with_the_base_frozen():
 
 def compiled_bytes(*overrides: str):
     """Per device: parameter and optimizer-state bytes the compiled step takes, and bytes sent over data."""
-    t = Trainer.from_config(load_config(None, [*MODEL, "mesh.data=8", "mesh.pipe=1", "mesh.tensor=1",
+    t = Trainer.from_config(load_config(None, [*MODEL, "parallel.data=8", "parallel.pipe=1", "parallel.tensor=1",
                                                "train.batch_size=16", *overrides]), read_data=False)
     params, opt_state, tokens = t.abstract_step_arguments()
     program = t.steps.compile(params, opt_state, tokens)
@@ -284,8 +284,8 @@ def test_zero_splits_the_adapters_state_and_the_frozen_base_and_reduces_only_the
     again for the backward) -- and only the adapters' gradients reduce-scattered: nothing of the base
     is reduced."""
     _, params0, opt0, data0 = compiled_bytes(*LORA)
-    _, params1, opt1, data1 = compiled_bytes(*LORA, "train.zero=1")
-    t3, params3, opt3, data3 = compiled_bytes(*LORA, "train.zero=3")
+    _, params1, opt1, data1 = compiled_bytes(*LORA, "parallel.zero=1")
+    t3, params3, opt3, data3 = compiled_bytes(*LORA, "parallel.zero=3")
     d, m, gathers = 8, 2, 2
     shapes = t3.model_def.shapes()
     sizes = {n: math.prod(x.shape) * x.dtype.itemsize for n, x in zip(leaf_names(shapes), jax.tree.leaves(shapes))}
@@ -313,7 +313,7 @@ def compiled_data_bytes(t: Trainer, stage: str | None = None) -> float:
 
 @pytest.mark.slow
 def test_one_bit_lamb_compresses_the_adapters_alone():
-    layout = ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "train.optimizer=onebit_lamb", "optim.freeze_step=2"]
+    layout = ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "train.optimizer=onebit_lamb", "optim.freeze_step=2"]
     lora = trainer(*LORA, *layout, "train.steps=4")
     full = trainer(*layout, "train.steps=4")
     for stage in ("warmup", "compression"):
@@ -332,7 +332,7 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
     from meshtron.generate import Sampler
     from meshtron.pretrained import load_pretrained
 
-    trainer(*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "train.steps=3", "train.lr=5e-2",
+    trainer(*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.steps=3", "train.lr=5e-2",
             f"checkpoint.dir={tmp_path}").run()
     pretrained = load_pretrained(tmp_path, MeshConfig(1, 1, 1), jax.devices()[:1])
     md = pretrained.model_def
@@ -361,7 +361,7 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
 
 @pytest.mark.slow
 def test_dropout_trains_differently_from_none():
-    layout = [*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=zb-h1", "train.steps=3"]
+    layout = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=zb-h1", "train.steps=3"]
     # (that a run with dropout is reproduced bit for bit: test_a_lora_run_resumes_bit_for_bit, which uses it)
     first = trainer(*layout, "train.lora.dropout=0.2").run()
     none = trainer(*layout).run()
@@ -373,7 +373,7 @@ def test_dropout_trains_differently_from_none():
 
 @pytest.mark.slow
 def test_a_lora_run_resumes_bit_for_bit(tmp_path):
-    layout = [*LORA, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "checkpoint.every=2", "checkpoint.async_save=false",
+    layout = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "checkpoint.every=2", "checkpoint.async_save=false",
               "train.lora.dropout=0.1"]
     straight = trainer(*layout, "train.steps=4", f"checkpoint.dir={tmp_path / 'a'}").run()
     trainer(*layout, "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
@@ -399,7 +399,7 @@ def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
     from meshtron.checkpoint_dirs import read_step_meta
     from meshtron.pretrained import load_pretrained
 
-    layout = ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "checkpoint.async_save=false"]
+    layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "checkpoint.async_save=false"]
     base = tmp_path / "base"
     trainer(*layout, "train.steps=2", f"checkpoint.dir={base}").run()
     lora = [*LORA, *layout, f"train.init_from={base}", "checkpoint.every=2"]

@@ -23,7 +23,7 @@ from meshtron.mesh import build_mesh
 from meshtron.train.frozen_base import BasePointer, params_digest
 from meshtron.trees import leaf_names
 
-LAYOUT = ["mesh.data=2", "checkpoint.async_save=false", "train.steps=1"]
+LAYOUT = ["parallel.data=2", "checkpoint.async_save=false", "train.steps=1"]
 
 
 def tree_hashes(root: Path) -> dict[str, str]:

@@ -26,11 +26,11 @@ def test_minus_one_takes_the_rest_and_smaller_meshes_use_a_subset(capsys):
 
 
 def test_mesh_larger_than_devices_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"mesh: data x pipe x tensor = 4 x 1 x 4 = 16 devices, but this run has 8"):
+    with pytest.raises(ConfigError, match=r"parallel: data x pipe x tensor = 4 x 1 x 4 = 16 devices, but this run has 8"):
         build_mesh(MeshConfig(4, 1, 4))
-    with pytest.raises(ConfigError, match=r"mesh: data x context x pipe x tensor = 2 x 4 x 1 x 2 = 16 devices"):
+    with pytest.raises(ConfigError, match=r"parallel: data x context x pipe x tensor = 2 x 4 x 1 x 2 = 16 devices"):
         build_mesh(MeshConfig(2, 1, 2, context=4))
-    with pytest.raises(ConfigError, match="mesh.data=-1"):
+    with pytest.raises(ConfigError, match="parallel.data=-1"):
         resolve_sizes(MeshConfig(-1, 1, 3), 8)
 
 

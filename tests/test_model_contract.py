@@ -152,7 +152,7 @@ def test_config_rules_reach_the_layout():
 
 
 def test_describe_names_the_rule_that_placed_each_parameter(capsys):
-    assert main(["describe", "--config", "cpu8", "model.rules={mlp: null}", "model.layers=2", "pipeline.chunks=1",
+    assert main(["describe", "--config", "cpu8", "model.rules={mlp: null}", "model.layers=2", "parallel.chunks=1",
                  "train.steps=1"]) == 0
     out = capsys.readouterr().out
     fc1 = next(line for line in out.splitlines() if line.startswith("blocks/mlp/fc1/kernel"))
@@ -177,7 +177,7 @@ def test_context_positions_are_shared_and_contiguous():
 @pytest.mark.slow
 def test_fewer_steps_than_the_checkpoint_is_an_error_not_a_silent_no_op(tmp_path, capsys):
     tiny = ["model.layers=2", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=16", "train.batch_size=8",
-            "train.microbatches=2", "pipeline.chunks=1", "train.eval_batches=1", f"checkpoint.dir={tmp_path}"]
+            "parallel.microbatches=2", "parallel.chunks=1", "train.eval_batches=1", f"checkpoint.dir={tmp_path}"]
     assert main(["train", "--config", "cpu8", "train.steps=2", *tiny]) == 0
     capsys.readouterr()
     assert main(["train", "--config", "cpu8", "train.steps=1", *tiny]) == 2

@@ -121,8 +121,8 @@ def test_auxiliary_losses_have_the_gradients_of_the_losses_added_to_the_objectiv
     (["model.moe.experts=4", "model.family=gpt", "model.kv_heads=null"],
      r"^model.moe.experts: the gpt family has no mixture of experts; use model.family=llama"),
     (["model.moe.experts=4", "model.moe.capacity_factor=-1"], r"^model.moe.capacity_factor: must be >= 0"),
-    (["model.moe.experts=4", "model.moe.mlp_dim=33", "mesh.tensor=2"],
-     r"^model.moe.mlp_dim: 33 is not divisible by mesh.tensor=2"),
+    (["model.moe.experts=4", "model.moe.mlp_dim=33", "parallel.tensor=2"],
+     r"^model.moe.mlp_dim: 33 is not divisible by parallel.tensor=2"),
 ])
 def test_bad_moe_settings_are_one_line_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -175,7 +175,7 @@ def mixtral_trainer(*overrides):
 
 
 def test_experts_split_over_data_by_default_and_their_state_with_them():
-    trainer = mixtral_trainer("mesh.data=4", "mesh.pipe=1", "mesh.tensor=2")
+    trainer = mixtral_trainer("parallel.data=4", "parallel.pipe=1", "parallel.tensor=2")
     spec = trainer.steps.param_shardings["blocks"]["mlp"]["gate"].spec
     assert spec == jax.sharding.PartitionSpec("pipe", "data", None, "tensor")
     assert trainer.steps.param_shardings["blocks"]["mlp"]["router"].spec == jax.sharding.PartitionSpec("pipe", None, None)
@@ -191,7 +191,7 @@ def test_experts_split_over_data_by_default_and_their_state_with_them():
 def test_expert_parallel_training_equals_replicated_experts(optimizer):
     # The same run with every expert on every data rank (their gradients all-reduced) and with the
     # experts split over data (tokens sent to them): 1-bit LAMB in its warmup, where nothing is compressed.
-    run = ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "train.steps=3", f"train.optimizer={optimizer}",
+    run = ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "train.steps=3", f"train.optimizer={optimizer}",
            "optim.freeze_step=10"]
     split = mixtral_trainer(*run).run()
     whole = mixtral_trainer(*run, REPLICATED).run()
@@ -205,14 +205,14 @@ def test_expert_parallel_runs_at_every_zero_level_and_restore_on_any_expert_spli
     from meshtron.checkpoint import CheckpointStore
 
     run = ["model.layers=4", "train.steps=3", "checkpoint.every=3", f"checkpoint.dir={tmp_path / 'ep'}"]
-    layout = ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=interleaved", "pipeline.chunks=2",
-              "train.microbatches=4"]
+    layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+              "parallel.microbatches=4"]
     first = mixtral_trainer(*layout, *run).run()
-    for zero in ("train.zero=1", "train.zero=3"):
+    for zero in ("parallel.zero=1", "parallel.zero=3"):
         other = mixtral_trainer(*layout, "model.layers=4", "train.steps=3", zero).run()
         np.testing.assert_allclose(other.losses, first.losses, rtol=1e-5, err_msg=zero)
     # 2-way expert split -> 8-way, and -> every expert on one device
-    for mesh in (["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1"], ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1"]):
+    for mesh in (["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1"], ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1"]):
         other = mixtral_trainer(*mesh, *run)
         params, _, position = other.restore(CheckpointStore(tmp_path / "ep", keep=3))
         assert position.step == 3
@@ -224,11 +224,11 @@ def test_expert_parallel_runs_at_every_zero_level_and_restore_on_any_expert_spli
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=interleaved", "pipeline.chunks=2",
-     "train.microbatches=4"],
-    ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1"],
-    ["mesh.data=4", "mesh.pipe=2", "mesh.tensor=1", "pipeline.schedule=zb-h1", "train.microbatches=2",
-     "pipeline.layout=[1,3]", "model.moe.capacity_factor=1.0"],
+    ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+     "parallel.microbatches=4"],
+    ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.microbatches=1"],
+    ["parallel.data=4", "parallel.pipe=2", "parallel.tensor=1", "parallel.schedule=zb-h1", "parallel.microbatches=2",
+     "parallel.layout=[1,3]", "model.moe.capacity_factor=1.0"],
 ], ids=["2x2x2 interleaved", "8x1x1", "4x2x1 zb-h1 uneven capacity"])
 def test_routing_reports_equal_one_devices_over_the_same_groups(layout):
     # Each data shard's microbatch is routed (and load-balanced) on its own: one device with as many
@@ -236,8 +236,8 @@ def test_routing_reports_equal_one_devices_over_the_same_groups(layout):
     run = ["model.layers=4", "model.moe.aux_loss_weight=0.01", *layout]
     trainer = mixtral_trainer(*run)
     groups = trainer.steps.report_groups
-    one = mixtral_trainer(*[o for o in run if not o.startswith(("mesh.", "pipeline.", "train.microbatches"))],
-                          "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", f"train.microbatches={groups}")
+    one = mixtral_trainer(*[o for o in run if not o.startswith(("mesh.", "pipeline.", "parallel.microbatches"))],
+                          "parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", f"parallel.microbatches={groups}")
     assert groups == 8 and one.steps.report_groups == 8
     tokens = np.asarray(trainer.train_stream().next(trainer.steps.batch_sharding))
     [got] = trainer.steps.layer_reports(trainer.init_params(), tokens)
@@ -263,7 +263,7 @@ def test_a_run_records_routing_on_logged_steps_and_a_dense_run_does_not(tmp_path
     for name, extra in (("moe", []), ("dense", ["model.moe.experts=0"])):
         path = tmp_path / f"{name}.jsonl"
         with open(path, "w") as f:
-            mixtral_trainer("mesh.data=2", "mesh.pipe=1", "mesh.tensor=1", "train.steps=2", "train.log_every=1",
+            mixtral_trainer("parallel.data=2", "parallel.pipe=1", "parallel.tensor=1", "train.steps=2", "train.log_every=1",
                             f"train.tensorboard={tmp_path / name}", *extra).run(metrics_file=f)
         records[name] = [json.loads(line) for line in path.read_text().splitlines()][1:]
     for record in records["moe"]:
@@ -281,7 +281,7 @@ def test_a_run_records_routing_on_logged_steps_and_a_dense_run_does_not(tmp_path
 def test_onebit_lamb_compresses_only_what_is_replicated_over_data():
     from meshtron.optim.compression import error_lengths
 
-    trainer = mixtral_trainer("mesh.data=4", "mesh.pipe=1", "mesh.tensor=1", "train.optimizer=onebit_lamb")
+    trainer = mixtral_trainer("parallel.data=4", "parallel.pipe=1", "parallel.tensor=1", "train.optimizer=onebit_lamb")
     params = trainer.init_params()
     state = trainer.steps.init_opt_state(params).optimizer
     onebit = next(s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "worker_error"))
@@ -295,8 +295,8 @@ def all_to_all_bytes(data: int, tensor: int, microbatches: int, remat: str, capa
     """(wire bytes over data per device and step, all-to-alls run) of a Mixtral step, from the compiled program."""
     from meshtron.hlo.collectives import collectives
 
-    trainer = mixtral_trainer(f"mesh.data={data}", "mesh.pipe=1", f"mesh.tensor={tensor}",
-                              f"train.microbatches={microbatches}", f"model.remat={remat}",
+    trainer = mixtral_trainer(f"parallel.data={data}", "parallel.pipe=1", f"parallel.tensor={tensor}",
+                              f"parallel.microbatches={microbatches}", f"model.remat={remat}",
                               f"model.moe.capacity_factor={capacity}")
     params = trainer.init_params()
     batch = trainer.train_stream().next(trainer.steps.batch_sharding)
@@ -337,7 +337,7 @@ def test_describe_prints_the_all_to_all_per_layer_and_microbatch_and_the_compile
     from meshtron.describe import describe
 
     out = io.StringIO()
-    describe(load_config("mixtral_cpu8", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=2",
+    describe(load_config("mixtral_cpu8", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.microbatches=2",
                                           "model.hidden=32", "model.heads=4", "model.kv_heads=2", "model.mlp_dim=64",
                                           "model.moe.mlp_dim=16", "model.seq_len=16", "train.batch_size=16"]), out)
     text = out.getvalue()

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the data-parallel reduction crosses the process boundary (no pipeline: quicker to compile).
 RUN = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=16", "train.batch_size=8",
        "train.steps=6", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1",
-       "mesh.data=4", "mesh.pipe=1", "mesh.tensor=2", "pipeline.chunks=1", "train.microbatches=1"]
+       "parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.chunks=1", "parallel.microbatches=1"]
 
 
 def cli_env() -> dict[str, str]:
@@ -66,7 +66,7 @@ def test_two_processes_train_and_resume_like_one(tmp_path):
 def test_a_context_group_across_two_processes_trains_like_one(tmp_path):
     # (data, context, pipe, tensor) = (1, 4, 1, 2): context ranks 0-1 in one process, 2-3 in the other, so
     # the key/value all-gathers and the gradient reduction over data x context cross the boundary
-    run = [*RUN, "mesh.data=1", "mesh.context=4", "train.steps=3"]
+    run = [*RUN, "parallel.data=1", "parallel.context=4", "train.steps=3"]
     result = launch("--metrics", str(tmp_path / "a.jsonl"), "--config", "mesh_configs/cpu8.yaml", *run)
     assert result.returncode == 0, result.stdout + result.stderr
     straight = Trainer.from_config(load_config("mesh_configs/cpu8.yaml", run)).run()

@@ -128,7 +128,7 @@ def test_import_and_export_write_new_directories_whole_and_never_replace_one(tmp
 
 def test_a_failed_run_leaves_no_directory_behind(tmp_path):
     (tmp_path / "empty").mkdir()
-    cfg = load_config("cpu8", ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1",
+    cfg = load_config("cpu8", ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "parallel.microbatches=1",
                                f"checkpoint.dir={tmp_path / 'runs' / 'new' / 'ckpt'}",
                                f"train.init_from={tmp_path / 'empty'}"])
     with pytest.raises(ConfigError, match=r"train.init_from: .*empty holds no checkpoint"):
@@ -137,16 +137,16 @@ def test_a_failed_run_leaves_no_directory_behind(tmp_path):
 
 
 def test_zero_on_one_data_rank_says_it_splits_nothing(capsys):
-    cfg = load_config("cpu8", ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=2", "train.zero=1", "train.microbatches=1"])
+    cfg = load_config("cpu8", ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=2", "parallel.zero=1", "parallel.microbatches=1"])
     Trainer.from_config(cfg, jax.devices()[:2], read_data=False)
-    assert ("train.zero=1: the mesh has one data rank (mesh.data=1), so nothing is split over it; this run is the "
-            "same as train.zero=0") in capsys.readouterr().err
+    assert ("parallel.zero=1: the mesh has one data rank (parallel.data=1), so nothing is split over it; this run is the "
+            "same as parallel.zero=0") in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_a_directory_with_another_runs_checkpoints_is_refused_naming_what_differs(tmp_path):
     """The fine-tuning guide's order: a full fine-tune, then LoRA from the same config into the same directory."""
-    common = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=2", "train.microbatches=1", "train.batch_size=4",
+    common = ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=2", "parallel.microbatches=1", "train.batch_size=4",
               "model.layers=2", f"checkpoint.dir={tmp_path / 'ft'}", "train.eval_batches=1"]
     Trainer.from_config(load_config("llama_cpu8", [*common, "train.steps=1"]), jax.devices()[:2]).run()
     before = hashes(tmp_path)
@@ -233,7 +233,7 @@ def test_the_command_line_refuses_what_cannot_work_in_one_line_and_changes_nothi
         made = meshtron("preprocess", *args, "--tokenizer", "bytes", cwd=tmp_path)
         assert made.returncode == 0, made.stderr
     before = hashes(tmp_path)
-    small = ["--config", "cpu8", "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "train.microbatches=1",
+    small = ["--config", "cpu8", "parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "parallel.microbatches=1",
              "train.batch_size=4", "train.steps=1"]
     mistakes = [
         (["preprocess", "--input", "empty.jsonl", "--tokenizer", "bytes", "--output", "data/web"],

@@ -40,7 +40,7 @@ def run_steps(trainer, steps):
 
 @pytest.fixture(scope="module")
 def data8():
-    trainer = onebit_trainer("mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.chunks=1", "train.microbatches=4")
+    trainer = onebit_trainer("parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.chunks=1", "parallel.microbatches=4")
     return trainer, run_steps(trainer, FREEZE + 2)
 
 
@@ -83,7 +83,7 @@ def replicas_agree(tree):
 
 @pytest.fixture(scope="module")
 def mesh222():
-    trainer = onebit_trainer("mesh.data=2", "mesh.pipe=2", "mesh.tensor=2")  # interleaved 1F1B, v=2, m=4
+    trainer = onebit_trainer("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2")  # interleaved 1F1B, v=2, m=4
     return trainer, run_steps(trainer, FREEZE + 2)
 
 
@@ -118,7 +118,7 @@ def test_sequence_parallelism_changes_neither_the_numbers_nor_what_crosses_data(
     # Sequence parallelism lays activations out differently over ``tensor``; the losses and 1-bit
     # LAMB's compressed exchange over ``data`` are the same, warmup and compression alike.
     _, (losses, _, _, colls) = mesh222
-    trainer = onebit_trainer("mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "model.sequence_parallel=true")
+    trainer = onebit_trainer("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.sequence_parallel=true")
     sp_losses, _, sp_opt_state, sp_colls = run_steps(trainer, FREEZE + 2)
     np.testing.assert_allclose(sp_losses, losses, rtol=2e-5)
     # Parameters are not compared elementwise: where the true gradient is zero (the key biases:

@@ -51,7 +51,7 @@ def test_oracle_catches_a_model_that_is_wrong_when_sharded():
 def test_trains_checkpoints_restores_on_another_mesh_and_generates(tmp_path):
     cfg = meshtron.load_config("cpu8", [
         "train.optimizer=onebit_lamb", "optim.freeze_step=3", "train.steps=6", "train.batch_size=16",
-        "train.microbatches=4", "model.seq_len=32", "train.eval_every=3", "train.eval_batches=1", "train.log_every=1",
+        "parallel.microbatches=4", "model.seq_len=32", "train.eval_every=3", "train.eval_batches=1", "train.log_every=1",
         f"checkpoint.dir={tmp_path}", "checkpoint.every=3",
     ])
     assert (cfg.mesh.data, cfg.mesh.pipe, cfg.mesh.tensor, cfg.pipeline.schedule) == (2, 2, 2, "interleaved")

@@ -39,7 +39,7 @@ def test_a_bundled_name_loads_the_shipped_file(name, file, tmp_path, monkeypatch
 
 def test_an_existing_path_takes_precedence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    Path("cpu8").write_text("mesh:\n  data: 8\n  pipe: 1\n  tensor: 1\n")
+    Path("cpu8").write_text("parallel:\n  data: 8\n  pipe: 1\n  tensor: 1\n")
     assert load_config("cpu8").mesh.data == 8
     assert load_config("cpu8.yaml").mesh.data == 2  # no such file here: the bundled one
 
@@ -68,9 +68,9 @@ def test_launch_children_resolve_the_name(capsys, tmp_path, monkeypatch):
     """``meshtron launch`` reads the name itself (devices per process) and passes ``--config=NAME`` on."""
     monkeypatch.chdir(tmp_path)
     assert devices_per_process("cpu8", [], 2) == 4
-    assert devices_per_process("paper/gpt_1_7b", ["mesh.data=4"], 2) == 2
+    assert devices_per_process("paper/gpt_1_7b", ["parallel.data=4"], 2) == 2
     assert main(["train", "--config=cpu8", "--print-config"]) == 0  # a child's argument form
-    assert yaml.safe_load(capsys.readouterr().out)["mesh"] == {"data": 2, "pipe": 2, "tensor": 2, "context": 1}
+    assert yaml.safe_load(capsys.readouterr().out)["parallel"]["tensor"] == 2
 
 
 def test_configs_lists_every_bundled_config(capsys):
@@ -89,17 +89,19 @@ def test_configs_lists_every_bundled_config(capsys):
 
 
 def test_print_config_is_the_merged_validated_config(capsys, tmp_path):
-    assert main(["train", "--print-config", "--config", "cpu8", "mesh.tensor=4", "train.steps=7"]) == 0
+    assert main(["train", "--print-config", "--config", "cpu8", "parallel.tensor=4", "train.steps=7"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    expected = load_config(CONFIGS / "cpu8.yaml", ["mesh.tensor=4", "train.steps=7"])
+    expected = load_config(CONFIGS / "cpu8.yaml", ["parallel.tensor=4", "train.steps=7"])
     assert printed == to_dict(expected)
-    assert printed["mesh"] == {"data": 2, "pipe": 2, "tensor": 4, "context": 1} and printed["train"]["steps"] == 7
+    assert "mesh" not in printed and "pipeline" not in printed
+    sizes = {axis: printed["parallel"][axis] for axis in ("data", "pipe", "tensor", "context")}
+    assert sizes == {"data": 2, "pipe": 2, "tensor": 4, "context": 1} and printed["train"]["steps"] == 7
     assert printed["model"]["hidden"] == 128 and printed["checkpoint"]["dir"] is None  # file, then defaults
     saved = tmp_path / "run.yaml"  # the output is a config file itself
     saved.write_text(yaml.safe_dump(printed))
     assert load_config(saved) == expected
 
-    assert main(["train", "--print-config", "mesh.tensor=3"]) == 2  # validated: 4 heads over 3 shards
+    assert main(["train", "--print-config", "parallel.tensor=3"]) == 2  # validated: 4 heads over 3 shards
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("meshtron: error: model.heads: 4 heads cannot be split")
 
@@ -170,7 +172,7 @@ def test_the_wheel_trains_from_a_directory_without_a_checkout(tmp_path):
 
     run = _run([
         venv / "bin" / "meshtron", "train", "--config", "cpu8", "train.steps=2", "train.batch_size=8",
-        "train.microbatches=2", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=32", "train.eval_every=2",
+        "parallel.microbatches=2", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=32", "train.eval_every=2",
         "train.eval_batches=1", "train.log_every=1",
     ], cwd=elsewhere, env=env)
     assert "mesh {'data': 2, 'pipe': 2, 'tensor': 2}" in run.stdout and "steps 2" in run.stdout

@@ -81,7 +81,7 @@ SCHEDULE_MESHES = [
 ]
 
 
-# pipeline.recompute=false (the forward keeps the layers' residuals): fused and interleaved backwards
+# parallel.recompute=false (the forward keeps the layers' residuals): fused and interleaved backwards
 # here; the split one, with an uneven layout, in tests/test_stage_layout.py.
 NO_RECOMPUTE = [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4))]  # zb-h1: test_stage_layout.py
 
@@ -115,7 +115,7 @@ def test_every_schedule_matches_the_unpipelined_model(reference, mesh_shape, sch
     [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4)), ("zb-h1", 1, (1, 2, 4))]))
 def test_full_recomputation_from_kept_layer_inputs_matches_the_unpipelined_model(reference, schedule, chunks,
                                                                                  mesh_shape):
-    # model.remat=full with pipeline.recompute=false: each layer's input kept, each layer recomputed once
+    # model.remat=full with parallel.recompute=false: each layer's input kept, each layer recomputed once
     # in its backward (zb-h1's W reads kept matmul inputs, so it keeps those instead).
     assert_matches_reference(reference, model_def(remat="full"), mesh_shape, schedule, chunks, 2 * mesh_shape[1],
                              recompute=False)
@@ -209,7 +209,7 @@ def temp_bytes(schedule, chunks, microbatches, recompute=True):
 @pytest.mark.parametrize("schedule, chunks, recompute", [("1f1b", 1, True), ("interleaved", 2, True),
                                                          ("1f1b", 1, False)])
 def test_1f1b_memory_does_not_grow_with_microbatches(schedule, chunks, recompute):
-    # Also when the forward keeps every layer's residuals (pipeline.recompute=false): the residual
+    # Also when the forward keeps every layer's residuals (parallel.recompute=false): the residual
     # buffers have as many slots as microbatches in flight, bounded by p whatever m.
     p = 2
     small = temp_bytes(schedule, chunks, 2 * p, recompute)
@@ -232,12 +232,12 @@ def test_gpipe_memory_grows_with_microbatches():
 @pytest.mark.parametrize(
     "overrides, field, fix",
     [
-        (["model.layers=6", "pipeline.chunks=2"], "model.layers", "multiple of 4"),
-        (["train.microbatches=3", "train.batch_size=48"], "train.microbatches", "multiple of mesh.pipe=2"),
-        (["train.microbatches=1", "pipeline.schedule=1f1b", "pipeline.chunks=1"], "train.microbatches", ">= 2"),
-        (["pipeline.schedule=1f1b"], "pipeline.chunks", "schedule=interleaved"),
-        (["mesh.pipe=8", "mesh.data=1", "mesh.tensor=1", "model.layers=4", "pipeline.chunks=1",
-          "pipeline.schedule=gpipe", "train.microbatches=8"], "mesh.pipe", "mesh.pipe <= 4"),
+        (["model.layers=6", "parallel.chunks=2"], "model.layers", "multiple of 4"),
+        (["parallel.microbatches=3", "train.batch_size=48"], "parallel.microbatches", "multiple of parallel.pipe=2"),
+        (["parallel.microbatches=1", "parallel.schedule=1f1b", "parallel.chunks=1"], "parallel.microbatches", ">= 2"),
+        (["parallel.schedule=1f1b"], "parallel.chunks", "schedule=interleaved"),
+        (["parallel.pipe=8", "parallel.data=1", "parallel.tensor=1", "model.layers=4", "parallel.chunks=1",
+          "parallel.schedule=gpipe", "parallel.microbatches=8"], "parallel.pipe", "parallel.pipe <= 4"),
     ],
 )
 def test_bad_pipeline_configs_are_clear_errors(overrides, field, fix):

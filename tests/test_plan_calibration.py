@@ -37,9 +37,9 @@ MODEL = ["model.hidden=128", "model.heads=8", "model.layers=8", "model.mlp_dim=5
 
 
 def config(d, p, t, schedule="1f1b", chunks=1, microbatches=1, batch=32, *extra):
-    return load_config(None, [*MODEL, f"mesh.data={d}", f"mesh.pipe={p}", f"mesh.tensor={t}",
-                              f"pipeline.schedule={schedule}", f"pipeline.chunks={chunks}",
-                              f"train.microbatches={microbatches}", f"train.batch_size={batch}", *extra])
+    return load_config(None, [*MODEL, f"parallel.data={d}", f"parallel.pipe={p}", f"parallel.tensor={t}",
+                              f"parallel.schedule={schedule}", f"parallel.chunks={chunks}",
+                              f"parallel.microbatches={microbatches}", f"train.batch_size={batch}", *extra])
 
 
 def measurements(**changes) -> Measurements:
@@ -238,10 +238,10 @@ def test_layout_of_reads_meshtrons_config():
     assert layout.microbatch == 32 // (2 * 4)
     assert layout.recompute == "full"  # the pipeline reruns each stage in its backward
     assert layout_of(config(8, 1, 1))[1].recompute == "none"
-    assert layout_of(config(1, 2, 4, "1f1b", 1, 2, 32, "pipeline.recompute=false"))[1].recompute == "none"
+    assert layout_of(config(1, 2, 4, "1f1b", 1, 2, 32, "parallel.recompute=false"))[1].recompute == "none"
     assert layout_of(config(8, 1, 1, "1f1b", 1, 1, 32, "model.remat=full"))[1].recompute == "full"
     with pytest.raises(ConfigError, match="sequence_parallel"):
-        layout_of(config(1, 1, 8, "1f1b", 1, 1, 32, "model.sequence_parallel=true"))
+        layout_of(config(1, 1, 8, "1f1b", 1, 1, 32, "parallel.sequence_parallel=true"))
     with pytest.raises(ConfigError, match="family"):
         layout_of(config(8, 1, 1, "1f1b", 1, 1, 32, "model.family=llama"))
 

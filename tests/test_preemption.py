@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 50  # enough that the CLI run cannot finish between its first logged step and the signal
 RUN = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.mlp_dim=64", "model.seq_len=16",
        "train.batch_size=8", f"train.steps={STEPS}", "train.warmup_steps=2", "train.log_every=1",
-       "train.eval_every=1000", "train.eval_batches=1", "mesh.data=8", "mesh.pipe=1", "mesh.tensor=1",
+       "train.eval_every=1000", "train.eval_batches=1", "parallel.data=8", "parallel.pipe=1", "parallel.tensor=1",
        "checkpoint.every=1000"]
 
 
@@ -168,7 +168,7 @@ def test_sigterm_to_meshtron_launch_stops_every_process_at_one_step(tmp_path):
     """SLURM signals the job step; `meshtron launch` passes it on and all processes stop together."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     env = subprocess_env()
-    run = [arg for arg in RUN if not arg.startswith("mesh.")] + ["mesh.data=4", "mesh.pipe=1", "mesh.tensor=1"]
+    run = [arg for arg in RUN if not arg.startswith("mesh.")] + ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshtron.cli", "launch", "--processes", "2", "--metrics", str(metrics), *run,
          f"checkpoint.dir={ckpt}"],

@@ -33,11 +33,11 @@ def counted(monkeypatch) -> Counter:
     return calls
 
 
-@pytest.mark.parametrize("mesh", [["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2"], ["mesh.data=-1", "mesh.pipe=2",
-                                                                                     "mesh.tensor=2"]],
+@pytest.mark.parametrize("mesh", [["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2"], ["parallel.data=-1", "parallel.pipe=2",
+                                                                                     "parallel.tensor=2"]],
                          ids=["2x2x2", "-1x2x2"])
 def test_a_trainer_resolves_its_run_once(counted, mesh):
-    trainer = Trainer.from_config(load_config("cpu8", [*SMALL, *mesh, "pipeline.layout=[1,1,1,1]"]),
+    trainer = Trainer.from_config(load_config("cpu8", [*SMALL, *mesh, "parallel.layout=[1,1,1,1]"]),
                                   read_data=False)
     assert counted == {"stage_layout": 1, "make_schedule": 1, "compile_program": 1}
     run = trainer.resolved
@@ -57,14 +57,14 @@ def test_the_clis_run_is_the_trainers(counted):
 
 
 def test_a_mesh_axis_left_to_the_devices_is_checked_once_it_has_a_size():
-    cfg = load_config("cpu8", [*SMALL, "mesh.data=-1", "mesh.pipe=1", "mesh.tensor=2", "train.batch_size=6",
-                               "train.microbatches=1"])
-    with pytest.raises(ConfigError, match=r"^train.batch_size: 6 sequences cannot be split over mesh.data=4"):
+    cfg = load_config("cpu8", [*SMALL, "parallel.data=-1", "parallel.pipe=1", "parallel.tensor=2", "train.batch_size=6",
+                               "parallel.microbatches=1"])
+    with pytest.raises(ConfigError, match=r"^train.batch_size: 6 sequences cannot be split over parallel.data=4"):
         resolve_run(cfg, 8)
     assert resolve_run(cfg, 6).sizes == MeshSizes(data=3, pipe=1, tensor=2)
 
 
 def test_the_run_names_every_mesh_size_context_included():
-    sizes = resolve_run(load_config("llama_cpu8", ["mesh.data=-1", "mesh.pipe=1", "mesh.context=2"]), 8).sizes
+    sizes = resolve_run(load_config("llama_cpu8", ["parallel.data=-1", "parallel.pipe=1", "parallel.context=2"]), 8).sizes
     assert (sizes.data, sizes.pipe, sizes.tensor, sizes.context) == (2, 1, 2, 2)
     assert sizes.devices == 8 and sizes.replicas == 4

@@ -22,7 +22,7 @@ from meshtron.pretrained import load_pretrained
 
 pytestmark = pytest.mark.slow
 
-QUICK = [*SMALL, "mesh.data=4", "mesh.pipe=1", "pipeline.chunks=1", "train.microbatches=2"]
+QUICK = [*SMALL, "parallel.data=4", "parallel.pipe=1", "parallel.chunks=1", "parallel.microbatches=2"]
 
 
 @pytest.fixture(scope="module")

@@ -357,7 +357,7 @@ def test_compiled_program_moves_the_right_values(case):
 
 @pytest.mark.parametrize("case", CASES + BOUNDED, ids=ids)
 def test_program_keeping_residuals_moves_the_right_values(case):
-    # pipeline.recompute=false: each stashed input lives until its forward only, the residuals from
+    # parallel.recompute=false: each stashed input lives until its forward only, the residuals from
     # the forward to the backward (split: to the weight gradient, which reads them too), in as many
     # slots as the table has microbatches in flight (split: forwarded and not yet through W).
     program = compile_program(make_schedule(*case), keep_residuals=True)

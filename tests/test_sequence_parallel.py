@@ -121,7 +121,7 @@ def test_loss_and_gradients_equal_one_device_on_every_layout(family, remat):
 def test_zero_bubble_splits_the_backward_of_a_sequence_parallel_model(family, remat, recompute):
     # B and W are cut from the layer's own pullback: the reduce-scatters and all-gathers of sequence
     # parallelism and selective recomputation's checkpoint must land on the right side of the cut,
-    # also when B starts from residuals the forward kept (pipeline.recompute=false).
+    # also when B starts from residuals the forward kept (parallel.recompute=false).
     md = model_def_from_config(config(family, layers=4, sequence_parallel=True, remat=remat), 4)
     [report] = check_parity(md, [Layout(1, 2, 4, "zb-h1", recompute=recompute)], seq_len=S)
     assert report.ok
@@ -134,7 +134,7 @@ def test_a_users_model_gets_sequence_parallelism_from_the_contract():
     sys.path.insert(0, str(Path(__file__).parent / "models"))
     import parallel_lm
 
-    rules = {**parallel_lm.RULES, "residual_seq": "tensor"}  # what model.sequence_parallel adds
+    rules = {**parallel_lm.RULES, "residual_seq": "tensor"}  # what parallel.sequence_parallel adds
     reports = check_parity(parallel_lm.factory, [Layout(1, 1, 8), Layout(1, 2, 4, "1f1b")], rules=rules, seq_len=16)
     assert all(r.ok for r in reports)
 
@@ -214,19 +214,19 @@ def test_pipeline_memory_counts_stashed_stage_inputs_and_one_chunk():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.sequence_parallel=true", "mesh.tensor=1", "mesh.data=4"], "needs mesh.tensor > 1"),
-        (["model.sequence_parallel=true", "model.seq_len=127"], "seq_len=127 must be divisible by mesh.tensor=2"),
-        (["model.sequence_parallel=yes please"], "not a valid bool"),
+        (["parallel.sequence_parallel=true", "parallel.tensor=1", "parallel.data=4"], "needs parallel.tensor > 1"),
+        (["parallel.sequence_parallel=true", "model.seq_len=127"], "seq_len=127 must be divisible by parallel.tensor=2"),
+        (["parallel.sequence_parallel=yes please"], "not a valid bool"),
     ],
 )
 def test_impossible_settings_are_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config("mesh_configs/cpu8.yaml", overrides)
-    assert str(err.value).startswith("model.sequence_parallel") and "\n" not in str(err.value)
+    assert str(err.value).startswith("parallel.sequence_parallel") and "\n" not in str(err.value)
 
 
 def test_a_sequence_parallel_model_definition_on_one_tensor_rank_is_refused():
-    with pytest.raises(ConfigError, match=r"^model.sequence_parallel: .*tensor=1"):
+    with pytest.raises(ConfigError, match=r"^parallel.sequence_parallel: .*tensor=1"):
         model_def_from_config(config("gpt", layers=2, sequence_parallel=True), 1)
 
 
@@ -246,7 +246,7 @@ def test_a_sequence_parallel_model_generates_what_it_would_without(use_cache):
 def test_describe_prints_the_activation_model_next_to_compiled_memory(capsys):
     from meshtron.cli import main
 
-    overrides = ["model.sequence_parallel=true", "model.remat=selective", "train.batch_size=16"]
+    overrides = ["parallel.sequence_parallel=true", "model.remat=selective", "train.batch_size=16"]
     assert main(["describe", "--config", "cpu8", *overrides]) == 0
     out = capsys.readouterr().out
     cfg = load_config("mesh_configs/cpu8.yaml", overrides)

@@ -113,7 +113,7 @@ def test_a_text_corpus_cannot_reset_per_document():
 
 MODEL = ["model.family=llama", "model.kv_heads=2", "model.layers=4", "model.hidden=32", "model.heads=4",
          "model.mlp_dim=64", "model.seq_len=64", "model.vocab_size=256", "train.batch_size=8", "train.warmup_steps=1",
-         "train.eval_every=1000", "train.eval_batches=1", "train.microbatches=2", "train.steps=3"]
+         "train.eval_every=1000", "train.eval_batches=1", "parallel.microbatches=2", "train.steps=3"]
 
 
 @pytest.mark.slow
@@ -123,12 +123,12 @@ def test_sft_data_blended_with_pretraining_documents_trains_alike_on_a_pipeline(
     write_dataset(tmp_path / "web", [rng.integers(0, 256, size=int(rng.integers(5, 80))) for _ in range(300)],
                   dtype=np.uint16)
     data = [f"data.blend=[0.7,{tmp_path / 'sft'},0.3,{tmp_path / 'web'}]"]
-    one = Trainer.from_config(load_config(None, [*MODEL, *data, "mesh.data=1", "mesh.pipe=1", "mesh.tensor=1"]))
+    one = Trainer.from_config(load_config(None, [*MODEL, *data, "parallel.data=1", "parallel.pipe=1", "parallel.tensor=1"]))
     assert isinstance(one.corpus.train, BlendedSamples)
     assert one.train_stream().channels == (3,)
     reference = one.run()
-    piped = Trainer.from_config(load_config(None, [*MODEL, *data, "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2",
-                                                   "pipeline.schedule=zb-h1"])).run()
+    piped = Trainer.from_config(load_config(None, [*MODEL, *data, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
+                                                   "parallel.schedule=zb-h1"])).run()
     np.testing.assert_allclose(piped.losses, reference.losses, rtol=2e-5)
     assert np.isfinite(reference.losses).all()
 

@@ -81,7 +81,7 @@ def test_w_needs_a_boundary_only_for_what_depends_on_weights():
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_weight_gradient_reading_the_residuals_keeps_only_cotangents_between_b_and_w(family):
-    # A pipeline that keeps residuals (pipeline.recompute=false) holds them until W, so W recomputes
+    # A pipeline that keeps residuals (parallel.recompute=false) holds them until W, so W recomputes
     # the activations it multiplies from them: B leaves only what depends on the output gradient.
     md, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)  # as the runtime keeps residuals

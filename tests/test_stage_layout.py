@@ -1,4 +1,4 @@
-"""pipeline.layout: which layers each virtual stage runs, in counts or Megatron's layout string; a
+"""parallel.layout: which layers each virtual stage runs, in counts or Megatron's layout string; a
 layout that does not add up is one clear error naming the field."""
 
 import numpy as np
@@ -58,7 +58,7 @@ def test_uneven_stage_order_pads_each_chunk_to_the_largest():
 
 @pytest.mark.parametrize("spec, message", [
     ([3, 4], "the layout has 7 layers (3 + 4), model.layers=8; make them add up to 8"),
-    ([2, 2, 4], "3 virtual stages given, mesh.pipe=2 x pipeline.chunks=1 needs 2"),
+    ([2, 2, 4], "3 virtual stages given, parallel.pipe=2 x parallel.chunks=1 needs 2"),
     ("tEttt|ttttL", "E (the embedding) in virtual stage 0; meshtron embeds on virtual stage 0"),
     ("Etttt|Ltttt", "L (the loss) in virtual stage 1; meshtron computes the loss after the last"),
     ("Ettt|ttttxL", "unknown symbol(s) 'x'"),
@@ -72,7 +72,7 @@ def test_layouts_that_do_not_fit_name_the_problem(spec, message):
     assert message in str(err.value)
 
 
-CPU8 = ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "pipeline.schedule=1f1b", "pipeline.chunks=1"]
+CPU8 = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=1f1b", "parallel.chunks=1"]
 
 
 def resolved(*overrides: str):
@@ -82,27 +82,27 @@ def resolved(*overrides: str):
 
 def test_config_errors_name_pipeline_layout(capsys):
     with pytest.raises(ConfigError) as err:
-        resolved(*CPU8, "model.layers=8", "pipeline.layout=[3,4]")
-    assert str(err.value).startswith("pipeline.layout: the layout has 7 layers")
-    # Layers that do not split evenly, no layout: the fix names pipeline.layout with an example.
+        resolved(*CPU8, "model.layers=8", "parallel.layout=[3,4]")
+    assert str(err.value).startswith("parallel.layout: the layout has 7 layers")
+    # Layers that do not split evenly, no layout: the fix names parallel.layout with an example.
     with pytest.raises(ConfigError) as err:
         resolved(*CPU8, "model.layers=7")
     assert str(err.value).startswith("model.layers: 7 layers cannot be split evenly")
-    assert "pipeline.layout (e.g. [4, 3])" in str(err.value)
+    assert "parallel.layout (e.g. [4, 3])" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        resolved("mesh.data=8", "mesh.pipe=1", "mesh.tensor=1", "pipeline.layout=[3,5]")
-    assert str(err.value).startswith("pipeline.layout: is set but mesh.pipe=1")
+        resolved("parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.layout=[3,5]")
+    assert str(err.value).startswith("parallel.layout: is set but parallel.pipe=1")
     # The CLI resolves the run before JAX starts: --print-config prints no config that cannot run.
     assert main(["train", "--config", "cpu8", *CPU8, "model.layers=7", "--print-config"]) == 2
     assert capsys.readouterr().err.startswith("meshtron: error: model.layers: 7 layers cannot be split evenly")
 
 
 def test_a_config_with_a_layout_string_loads():
-    run = resolved(*CPU8, "model.layers=7", "pipeline.layout=Et*3|t*4L")
+    run = resolved(*CPU8, "model.layers=7", "parallel.layout=Et*3|t*4L")
     assert run.cfg.pipeline.layout == "Et*3|t*4L" and run.stage_layout.counts == (3, 4)
 
 
-# pipeline.layout: uneven stages (padded chunks, the padding skipped) on the three meshes, through the
+# parallel.layout: uneven stages (padded chunks, the padding skipped) on the three meshes, through the
 # fused, interleaved and split backwards, recomputing or keeping residuals (evaluation: test_pipeline.py).
 UNEVEN = [
     Layout(1, 4, 2, "1f1b", layer_layout=(1, 3, 2, 2)),

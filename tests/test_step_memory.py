@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("config, overrides", [
     ("cpu8", []),
     ("llama_cpu8", []),
-    ("llama_cpu8", ["model.kv_heads=2", "mesh.data=2", "mesh.pipe=1", "mesh.tensor=4"]),  # kv heads split
-    ("llama_cpu8", ["model.kv_heads=1", "mesh.data=2", "mesh.pipe=1", "mesh.tensor=4"]),  # kv heads whole
+    ("llama_cpu8", ["model.kv_heads=2", "parallel.data=2", "parallel.pipe=1", "parallel.tensor=4"]),  # kv heads split
+    ("llama_cpu8", ["model.kv_heads=1", "parallel.data=2", "parallel.pipe=1", "parallel.tensor=4"]),  # kv heads whole
 ])
 def test_parameter_counts_equal_the_built_models(config, overrides):
     from meshtron.describe import parameter_rows
@@ -49,14 +49,14 @@ def _memory(config: str, overrides: list[str], backend: str = "cpu"):
 
 
 def test_zero_levels_split_what_they_say():
-    mesh = ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=8", "model.sequence_parallel=true"]
-    z0, z1, z3 = (_memory("llama2_7b", [*mesh, f"train.zero={z}"]) for z in (0, 1, 3))
+    mesh = ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8", "parallel.sequence_parallel=true"]
+    z0, z1, z3 = (_memory("llama2_7b", [*mesh, f"parallel.zero={z}"]) for z in (0, 1, 3))
     assert z1.optimizer == pytest.approx(z0.optimizer / 8) and z1.parameters == z0.parameters
     assert z3.parameters == pytest.approx(z0.parameters / 8) and z3.optimizer == z1.optimizer
     assert z1.gradients == z0.gradients == pytest.approx(2 * z0.parameters)  # accumulator + a microbatch's
     assert z3.gradients < z0.gradients / 4  # the device's share, one layer in flight
-    once = _memory("llama2_70b", ["train.gather_once=true"])
-    per_layer = _memory("llama2_70b", ["train.gather_once=false"])
+    once = _memory("llama2_70b", ["parallel.gather_once=true"])
+    per_layer = _memory("llama2_70b", ["parallel.gather_once=false"])
     assert once.gradients == pytest.approx(3 * once.parameters * 2)  # gathered stage + whole gradients, twice
     assert per_layer.gradients < once.gradients / 2
 
@@ -68,25 +68,25 @@ def test_backends_differ_only_where_xla_cpu_holds_fp32_copies():
     assert cpu.stash > gpu.stash  # the recomputed chunk's layer inputs, bf16 and fp32 on the CPU
     fused = _memory("llama2_7b", ["model.attention=cudnn"], "gpu")
     assert fused.working < gpu.working / 4  # no [s, s] scores: the layer's recomputed residuals remain
-    split = _memory("llama2_7b", ["pipeline.schedule=zb-h1"], "gpu")
+    split = _memory("llama2_7b", ["parallel.schedule=zb-h1"], "gpu")
     assert split.weight_buffers > 0 and split.layers_kept > 0 and gpu.weight_buffers == 0
 
 
 def test_sequence_parallelism_and_recomputation_shrink_what_they_should():
-    base = ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=8", "train.zero=1"]
-    full, sp = _memory("llama2_7b", base), _memory("llama2_7b", [*base, "model.sequence_parallel=true"])
+    base = ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8", "parallel.zero=1"]
+    full, sp = _memory("llama2_7b", base), _memory("llama2_7b", [*base, "parallel.sequence_parallel=true"])
     assert sp.stash == pytest.approx(full.stash / 8)
-    selective = _memory("llama2_7b", [*base, "model.sequence_parallel=true", "model.remat=selective"])
-    none = _memory("llama2_7b", [*base, "model.sequence_parallel=true", "model.remat=none"])
+    selective = _memory("llama2_7b", [*base, "parallel.sequence_parallel=true", "model.remat=selective"])
+    none = _memory("llama2_7b", [*base, "parallel.sequence_parallel=true", "model.remat=none"])
     assert sp.layers_kept == 0 < selective.layers_kept < none.layers_kept
 
 
 def test_kept_residuals_under_full_recomputation_are_the_layer_inputs():
     # llama2_7b: 8x4x2 1F1B, 8 layers per stage, microbatch 2 x 4096 tokens, hidden 4096, bf16.
     stage_input = _memory("llama2_7b", [], "gpu")
-    layer_inputs = _memory("llama2_7b", ["pipeline.recompute=false"], "gpu")
-    residuals = _memory("llama2_7b", ["pipeline.recompute=false", "model.remat=none"], "gpu")
-    slots = resolve_run(load_config("llama2_7b", ["pipeline.recompute=false"]), 64).program.residual_slots
+    layer_inputs = _memory("llama2_7b", ["parallel.recompute=false"], "gpu")
+    residuals = _memory("llama2_7b", ["parallel.recompute=false", "model.remat=none"], "gpu")
+    slots = resolve_run(load_config("llama2_7b", ["parallel.recompute=false"]), 64).program.residual_slots
     assert layer_inputs.layers_kept == slots * (8 + 1) * 2 * 4096 * 4096 * 2  # 8 layer inputs + the chunk output
     assert stage_input.layers_kept == 0 < layer_inputs.layers_kept < residuals.layers_kept / 10
     assert layer_inputs.working == stage_input.working  # one layer recomputed at a time, either way
@@ -125,14 +125,14 @@ REAL = [  # the bundled real-size configs on their own meshes, and the paper's G
     ("llama2_7b", []),  # 8x4x2 1F1B
     ("llama2_13b", []),  # 8x4x2 1F1B, zero=1
     ("llama3_8b", []),  # 8x1x1, 8192 tokens, 128K vocabulary, zero=3
-    ("paper/gpt_3_6b", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=8"]),
-    ("llama2_7b", ["pipeline.schedule=zb-h1"]),  # B's residuals and the B-to-W buffers
-    ("llama2_7b", ["mesh.data=2", "mesh.pipe=4", "mesh.tensor=8", "model.sequence_parallel=true", "train.zero=1",
-                   "train.microbatches=64"]),
-    ("llama2_7b", ["pipeline.recompute=false"]),  # full recomputation from each layer's kept input
+    ("paper/gpt_3_6b", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8"]),
+    ("llama2_7b", ["parallel.schedule=zb-h1"]),  # B's residuals and the B-to-W buffers
+    ("llama2_7b", ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=8", "parallel.sequence_parallel=true", "parallel.zero=1",
+                   "parallel.microbatches=64"]),
+    ("llama2_7b", ["parallel.recompute=false"]),  # full recomputation from each layer's kept input
     ("llama2_7b", ["train.lora.rank=16"]),  # LoRA: gradients and optimizer state of the adapters alone
-    ("llama2_7b", ["mesh.data=8", "mesh.pipe=1", "mesh.tensor=8", "model.sequence_parallel=true", "train.lora.rank=16",
-                   "train.zero=3"]),  # ... and the frozen base split over data
+    ("llama2_7b", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8", "parallel.sequence_parallel=true", "train.lora.rank=16",
+                   "parallel.zero=3"]),  # ... and the frozen base split over data
 ]
 
 

@@ -154,19 +154,19 @@ def test_missing_and_repeated_work_is_named(tmp_path):
 
 def test_config_takes_a_csv_whose_shape_is_the_runs(tmp_path):
     csv = fixture("interleavedzerobubble_p2_m4_v2")
-    common = [f"pipeline.schedule={csv}", "mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "model.layers=8",
+    common = [f"parallel.schedule={csv}", "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "model.layers=8",
               "train.batch_size=8"]
-    run = resolve_run(load_config("cpu8", [*common, "pipeline.chunks=2", "train.microbatches=4"]), 8)
+    run = resolve_run(load_config("cpu8", [*common, "parallel.chunks=2", "parallel.microbatches=4"]), 8)
     assert run.cfg.pipeline.schedule == csv and run.schedule.name == Path(csv).name
-    with pytest.raises(ConfigError, match=r"pipeline.schedule: microbatches: .* schedules 4 microbatches, the run "
-                                          r"has 2; set train.microbatches=4"):
-        resolve_run(load_config("cpu8", [*common, "pipeline.chunks=2", "train.microbatches=2"]), 8)
-    with pytest.raises(ConfigError, match=r"pipeline.schedule: chunks: .* set pipeline.chunks=2"):
-        resolve_run(load_config("cpu8", [*common, "pipeline.chunks=1", "train.microbatches=4"]), 8)
-    with pytest.raises(ConfigError, match="pipeline.schedule: .*zbv_p2_m4.csv: rank 0 runs stage 3"):
-        resolve_run(load_config("cpu8", [f"pipeline.schedule={fixture('zbv_p2_m4')}", "mesh.data=2", "mesh.pipe=2",
-                                         "mesh.tensor=2", "model.layers=8", "pipeline.chunks=2",
-                                         "train.microbatches=4", "train.batch_size=8"]), 8)
+    with pytest.raises(ConfigError, match=r"parallel.schedule: microbatches: .* schedules 4 microbatches, the run "
+                                          r"has 2; set parallel.microbatches=4"):
+        resolve_run(load_config("cpu8", [*common, "parallel.chunks=2", "parallel.microbatches=2"]), 8)
+    with pytest.raises(ConfigError, match=r"parallel.schedule: chunks: .* set parallel.chunks=2"):
+        resolve_run(load_config("cpu8", [*common, "parallel.chunks=1", "parallel.microbatches=4"]), 8)
+    with pytest.raises(ConfigError, match="parallel.schedule: .*zbv_p2_m4.csv: rank 0 runs stage 3"):
+        resolve_run(load_config("cpu8", [f"parallel.schedule={fixture('zbv_p2_m4')}", "parallel.data=2", "parallel.pipe=2",
+                                         "parallel.tensor=2", "model.layers=8", "parallel.chunks=2",
+                                         "parallel.microbatches=4", "train.batch_size=8"]), 8)
 
 
 # What torch's schedules add to meshtron's own: a looped-BFS order (every microbatch through a chunk

@@ -23,8 +23,8 @@ MODEL = ["model.layers=4", "model.hidden=32", "model.heads=8", "model.mlp_dim=64
 
 
 def mesh(data, pipe, tensor, schedule="1f1b", chunks=1, microbatches=2):
-    return [f"mesh.data={data}", f"mesh.pipe={pipe}", f"mesh.tensor={tensor}", f"pipeline.schedule={schedule}",
-            f"pipeline.chunks={chunks}", f"train.microbatches={microbatches}"]
+    return [f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.tensor={tensor}", f"parallel.schedule={schedule}",
+            f"parallel.chunks={chunks}", f"parallel.microbatches={microbatches}"]
 
 
 def trainer(*overrides, **kwargs) -> Trainer:
@@ -54,9 +54,9 @@ def test_a_leaf_is_split_along_its_largest_free_dimension_that_data_divides():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.zero=2", "train.zero: must be 0 (replicated), 1 (optimizer state split over data) or 3"),
-    ("train.gather_once=true", ("train.gather_once: gathers parameters split by train.zero=3, and this run has "
-                               "train.zero=0")),
+    ("parallel.zero=2", "parallel.zero: must be 0 (replicated), 1 (optimizer state split over data) or 3"),
+    ("parallel.gather_once=true", ("parallel.gather_once: gathers parameters split by parallel.zero=3, and this run has "
+                               "parallel.zero=0")),
 ])
 def test_bad_zero_settings_are_one_line(override, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
@@ -64,10 +64,10 @@ def test_bad_zero_settings_are_one_line(override, message):
 
 
 def test_onebit_lamb_says_why_its_state_cannot_be_split():
-    with pytest.raises(ConfigError, match=r"^train.zero: 1-bit LAMB's error feedback compresses each worker's whole "
+    with pytest.raises(ConfigError, match=r"^parallel.zero: 1-bit LAMB's error feedback compresses each worker's whole "
                                           r"local momentum .* an fp32 all-gather of the parameters every step "
-                                          r"\(zero=1, 16x its 1-bit exchange\) .*; use train.zero=0 with onebit_lamb"):
-        load_config(None, ["train.zero=1", "train.optimizer=onebit_lamb"])
+                                          r"\(zero=1, 16x its 1-bit exchange\) .*; use parallel.zero=0 with onebit_lamb"):
+        load_config(None, ["parallel.zero=1", "train.optimizer=onebit_lamb"])
 
 
 # ---- the same training ------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ LAYOUTS = {
     "4x1x2": mesh(4, 1, 2),
     "2x2x2-zbh1-llama": [*mesh(2, 2, 2, "zb-h1", 1, 4), "model.family=llama", "model.kv_heads=4"],
     "8x1x1-lamb": [*mesh(8, 1, 1), "train.optimizer=lamb"],
-    "2x1x4-sequence-parallel": [*mesh(2, 1, 4), "model.sequence_parallel=true", "model.remat=full"],
+    "2x1x4-sequence-parallel": [*mesh(2, 1, 4), "parallel.sequence_parallel=true", "model.remat=full"],
 }
 
 
@@ -87,9 +87,9 @@ LAYOUTS = {
 def test_zero_levels_train_like_replicated_state(layout):
     steps = ["train.steps=3"]
     reference = trainer(*layout, *steps).run()
-    variants = [["train.zero=1"], ["train.zero=3"]]
+    variants = [["parallel.zero=1"], ["parallel.zero=3"]]
     if "interleaved" in layout[3]:
-        variants.append(["train.zero=3", "train.gather_once=true"])
+        variants.append(["parallel.zero=3", "parallel.gather_once=true"])
     for zero in variants:
         result = trainer(*layout, *steps, *zero).run()
         np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5, err_msg=str(zero))
@@ -108,7 +108,7 @@ def test_a_users_model_trains_alike_at_every_zero_level(monkeypatch):
         return t.run()
 
     reference = run()
-    for zero in (["train.zero=1"], ["train.zero=3"]):
+    for zero in (["parallel.zero=1"], ["parallel.zero=3"]):
         np.testing.assert_allclose(run(*zero).losses, reference.losses, rtol=1e-5)
 
 
@@ -134,9 +134,9 @@ def compiled(*overrides):
                          ids=["8x1x1", "2x2x2-interleaved"])
 def test_compiled_state_and_traffic_bytes_per_device(layout):
     t0, params0, opt0, data0, _ = compiled(*layout)
-    _t1, params1, opt1, data1, kept = compiled(*layout, "train.zero=1")
-    _, params3, opt3, _, _ = compiled(*layout, "train.zero=3")
-    _, params3once, opt3once, data3once, _ = compiled(*layout, "train.zero=3", "train.gather_once=true")
+    _t1, params1, opt1, data1, kept = compiled(*layout, "parallel.zero=1")
+    _, params3, opt3, _, _ = compiled(*layout, "parallel.zero=3")
+    _, params3once, opt3once, data3once, _ = compiled(*layout, "parallel.zero=3", "parallel.gather_once=true")
     d = t0.mesh.shape["data"]
     # ``kept``: bytes per device of the leaves that stay whole on every data rank (biases split over tensor)
     assert params1 == params0 and opt1 < opt0
@@ -159,7 +159,7 @@ def test_zero3_traffic_is_its_formula(remat):
     reduce-scatter's, twice that of an all-reduce."""
     gathers = 2
     m = 2
-    t, _, _, data, kept = compiled(*mesh(8, 1, 1, microbatches=m), f"model.remat={remat}", "train.zero=3")
+    t, _, _, data, kept = compiled(*mesh(8, 1, 1, microbatches=m), f"model.remat={remat}", "parallel.zero=3")
     d = t.mesh.shape["data"]
     shapes = t.model_def.shapes()
     sizes = {n: math.prod(x.shape) * x.dtype.itemsize for n, x in zip(leaf_names(shapes), jax.tree.leaves(shapes))}
@@ -188,8 +188,8 @@ def assert_same_parameters(a, b):
 @pytest.mark.slow  # on the second stack: test_checkpoint.py's resumes and restores onto other meshes
 def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
     run = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=5"]
-    sharded = trainer(*mesh(8, 1, 1), "train.zero=3", *run, f"checkpoint.dir={tmp_path / 'z3'}")
-    straight = trainer(*mesh(8, 1, 1), "train.zero=3", "train.steps=4").run()
+    sharded = trainer(*mesh(8, 1, 1), "parallel.zero=3", *run, f"checkpoint.dir={tmp_path / 'z3'}")
+    straight = trainer(*mesh(8, 1, 1), "parallel.zero=3", "train.steps=4").run()
     first = sharded.run()
     assert first.losses == straight.losses  # saving changes nothing
 
@@ -202,7 +202,7 @@ def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
 
     # and back: a zero=0 checkpoint read by zero=1 and zero=3 runs on (2,2,2)
     replicated_run = trainer(*mesh(1, 1, 8), *run, f"checkpoint.dir={tmp_path / 'z0'}").run()
-    for zero in ("train.zero=1", "train.zero=3"):
+    for zero in ("parallel.zero=1", "parallel.zero=3"):
         other = trainer(*mesh(2, 1, 4), zero, *run, f"checkpoint.dir={tmp_path / 'z0'}")
         params, opt_state, _ = other.restore(CheckpointStore(tmp_path / "z0", keep=5))
         assert_same_parameters(params, replicated_run.params)
@@ -210,21 +210,21 @@ def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
 
     # pipelined: zero=3 on (2,2,2) interleaved (layers in stage order, split over data) onto other
     # schedules, meshes and levels
-    piped = trainer(*mesh(2, 2, 2, "interleaved", 2, 4), "train.zero=3", *run,
+    piped = trainer(*mesh(2, 2, 2, "interleaved", 2, 4), "parallel.zero=3", *run,
                     f"checkpoint.dir={tmp_path / 'z3p'}").run()
-    for layout, zero in ((mesh(2, 2, 2, "zb-h1", 1, 4), "train.zero=1"), (mesh(4, 2, 1, "1f1b", 1, 4), "train.zero=3")):
+    for layout, zero in ((mesh(2, 2, 2, "zb-h1", 1, 4), "parallel.zero=1"), (mesh(4, 2, 1, "1f1b", 1, 4), "parallel.zero=3")):
         other = trainer(*layout, zero, *run, f"checkpoint.dir={tmp_path / 'z3p'}")
         params, _, _ = other.restore(CheckpointStore(tmp_path / "z3p", keep=5))
         assert_same_parameters(other.canonical_params(params), piped.params)
 
     # a zero=1 run killed after its checkpoint resumes bit for bit
     directory = tmp_path / "z1"
-    resumable = trainer(*mesh(4, 1, 2), "train.zero=1", *run, f"checkpoint.dir={directory}")
-    straight = trainer(*mesh(4, 1, 2), "train.zero=1", "train.steps=4").run()
+    resumable = trainer(*mesh(4, 1, 2), "parallel.zero=1", *run, f"checkpoint.dir={directory}")
+    straight = trainer(*mesh(4, 1, 2), "parallel.zero=1", "train.steps=4").run()
     resumable.run()
     for step in (3, 4):
         shutil.rmtree(directory / str(step), ignore_errors=True)
-    resumed = trainer(*mesh(4, 1, 2), "train.zero=1", *run, f"checkpoint.dir={directory}").run()
+    resumed = trainer(*mesh(4, 1, 2), "parallel.zero=1", *run, f"checkpoint.dir={directory}").run()
     assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
 
 
@@ -233,7 +233,7 @@ def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [mesh(1, 4, 2, "1f1b", 1, 8), mesh(1, 4, 2, "zb-h1", 1, 8),
-                                    [*mesh(2, 2, 2, "interleaved", 2, 4), "train.zero=3"]],
+                                    [*mesh(2, 2, 2, "interleaved", 2, 4), "parallel.zero=3"]],
                          ids=["1x4x2-1f1b", "1x4x2-zbh1", "2x2x2-interleaved-zero3"])
 def test_the_pipelined_step_holds_no_gradient_buffer_beyond_one_stage(layout):
     """Taking gradients through a whole-program pipeline can build a ``[stages, ...]`` stack of every
@@ -256,7 +256,7 @@ def test_evaluation_and_generation_read_split_parameters():
 
     layout = mesh(4, 1, 2)  # no pipeline: the training layout is the model's (canonical) order
     whole = trainer(*layout, "train.steps=2")
-    split = trainer(*layout, "train.steps=2", "train.zero=3")
+    split = trainer(*layout, "train.steps=2", "parallel.zero=3")
     params = split.run().params
     assert any("data" in str(x.sharding.spec) for x in jax.tree.leaves(params))
     replicated = jax.device_put(jax.device_get(params), whole.steps.param_shardings)

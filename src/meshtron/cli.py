@@ -22,7 +22,16 @@ from pathlib import Path
 import yaml
 
 from meshtron.bundled_configs import bundled, natural_order
-from meshtron.config import Config, MeshConfig, check_output_path, config_from_dict, load_config, to_dict
+from meshtron.config import (
+    Config,
+    MeshConfig,
+    check_output_path,
+    config_from_dict,
+    load_config,
+    note_deprecated,
+    to_dict,
+    upgraded,
+)
 from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
 from meshtron.mesh import MAX_SIMULATED_DEVICES, devices_requested, ensure_cpu_devices, mesh_shape
@@ -37,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="FILE|NAME",
                         help="a YAML file, or a bundled config's name (e.g. cpu8, paper/gpt_1t: meshtron configs)")
-    common.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. mesh.tensor=4")
+    common.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. parallel.tensor=4")
     train = sub.add_parser("train", parents=[common], help="train a GPT on the mesh")
     train.add_argument("--metrics", metavar="FILE.jsonl", help="write one JSON line per logged step")
     train.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files there (train.tensorboard)")
@@ -66,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("overrides", nargs="*", metavar="mesh.key=value",
-                     help="the mesh to sample on, e.g. mesh.tensor=4 (default: the mesh that trained it)")
+                     help="the mesh to sample on, e.g. parallel.tensor=4 (default: the mesh that trained it)")
     sub.add_parser("configs", help="list the bundled configs: names for --config, mesh and model size")
     tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (Hugging Face tokenizers) on text files")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
@@ -135,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="split over data: 1 the optimizer state (Megatron's distributed optimizer), 3 the weights "
                            "and gradients too (fully sharded); 1-bit LAMB is priced at 0")
     plan.add_argument("--context", type=int, metavar="C",
-                      help="split every sequence over C context ranks in every layout (default: the config's mesh.context)")
+                      help="split every sequence over C context ranks in every layout (default: the config's "
+                           "parallel.context)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default 10)")
     plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.layers=64")
@@ -197,10 +207,10 @@ def _plan(args: argparse.Namespace) -> None:
 
     # The model and batch come from the config; its mesh is what the plan chooses, so it is reset
     # before validation (a preset's 3072-GPU mesh must not reject a model override).
-    layout_free = ["mesh.data=1", "mesh.pipe=1", "mesh.tensor=1", "mesh.context=1", "train.microbatches=1",
-                   "pipeline.chunks=1", "pipeline.layout=null"]
+    layout_free = ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "parallel.context=1",
+                   "parallel.microbatches=1", "parallel.chunks=1", "parallel.layout=null"]
     context = args.context if args.context is not None else load_config(args.config, args.overrides).mesh.context
-    cfg = load_config(args.config, [*args.overrides, *layout_free])
+    cfg = load_config(args.config, args.overrides, fixed=layout_free, notes=args.context is not None)
     modes = tuple(mode.strip() for mode in args.recompute.split(",") if mode.strip())
     unknown = [mode for mode in modes if mode not in RECOMPUTE]
     if unknown or not modes:
@@ -313,23 +323,29 @@ def _saved_mesh(directory: str) -> MeshConfig:
 
     for step in reversed(step_directories(directory)):
         try:
-            return MeshConfig(**read_step_meta(directory, step)["config"]["mesh"])
-        except (KeyError, TypeError):
+            saved = upgraded(read_step_meta(directory, step)["config"])["parallel"]
+            return MeshConfig(**{axis: saved[axis] for axis in ("data", "pipe", "tensor", "context") if axis in saved})
+        except (KeyError, TypeError, AttributeError, ConfigError):
             continue
     return MeshConfig()
 
 
 def _generation_mesh(args: argparse.Namespace) -> MeshConfig:
     mesh = _saved_mesh(args.checkpoint)
+    old = []
     for item in args.overrides:
         key, sep, value = item.partition("=")
         section, _, name = key.partition(".")
-        if not sep or section != "mesh" or name not in ("data", "pipe", "tensor"):
-            raise ConfigError(f"override {item!r}: generate takes mesh.data=, mesh.pipe= or mesh.tensor= only")
+        if section == "mesh" and key not in old:  # the old spelling
+            old.append(key)
+        if not sep or section not in ("parallel", "mesh") or name not in ("data", "pipe", "tensor"):
+            raise ConfigError(f"override {item!r}: generate takes parallel.data=, parallel.pipe= or parallel.tensor= "
+                              "only")
         try:
             setattr(mesh, name, int(value))
         except ValueError:
             raise ConfigError(f"{key}: expected an integer size, got {value!r}") from None
+    note_deprecated(old)
     mesh.context = 1  # decoding does not split sequences: a context-parallel run's checkpoint samples without it
     return mesh
 

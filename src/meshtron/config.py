@@ -4,6 +4,19 @@ The schema lives here as plain dataclasses; OmegaConf does the merging of defaul
 and command-line overrides and the type checking. Every failure is re-raised as one
 :class:`ConfigError` that names the dotted field and says how to fix it, so users never see an
 OmegaConf or JAX traceback for a typo.
+
+The parallel layout is one section, ``parallel`` (:class:`ParallelConfig`: the mesh's sizes, the
+pipeline schedule, microbatches, ZeRO, sequence and context parallelism), as torchtitan's
+``ParallelismConfig`` has it. Its fields used to live in ``mesh``, ``pipeline``, ``model`` and
+``train``; those keys are still read as aliases of the new ones (:data:`ALIASES`): a file or
+command line that uses one gets one ``meshtron: ... is deprecated`` line on stderr per run, and one
+that sets an old key and its new key to different values is refused. The invariant:
+``parallel`` is what users write and what ``--print-config`` (and every config meshtron saves,
+:func:`to_dict`) shows; the old sections' copies are what code reads (``cfg.mesh.data``,
+``cfg.train.zero``, ...). A :class:`Config` holds both, always equal: :func:`load_config` and
+:func:`config_from_dict` copy the resolved ``parallel`` into the old fields, and a Config made or
+changed in Python (``Config(mesh=...)``, ``dataclasses.replace(cfg, mesh=...)``) derives
+``parallel`` from the old fields (``Config.__post_init__``; ``parallel`` is not an argument).
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ import contextvars
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,16 +46,18 @@ DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT_EXCHANGES = ("gathered", "ring")
 RING_IN_PIPELINE = (
     "ring runs pipeline stages in lockstep (XLA's collective-permute waits for every device of the mesh), which an "
-    "uneven pipeline.layout's per-stage layer counts cannot; use an even layout or model.context_attention=gathered")
+    "uneven parallel.layout's per-stage layer counts cannot; use an even layout or parallel.context_attention=gathered")
 
 
 @dataclass
 class MeshConfig:
     """Degrees of data, pipeline, tensor and context parallelism; at most one may be -1 ("the rest").
+    Users write them as ``parallel.data`` ... ``parallel.context`` (:class:`ParallelConfig`); this is
+    the copy code reads.
 
     ``context`` splits every sequence over its ranks (context parallelism: each rank holds
     ``seq_len / context`` tokens, and attention exchanges keys and values over the axis as
-    ``model.context_attention`` says); gradients are then reduced over data x context."""
+    ``parallel.context_attention`` says); gradients are then reduced over data x context."""
 
     data: int = -1
     pipe: int = 1
@@ -76,7 +92,9 @@ class ModelConfig:
 
     ``kv_heads`` (llama): key/value heads for grouped-query attention, null = ``heads``. ``rules``:
     additions to or overrides of the logical -> mesh axis table, e.g. ``{ffn: tensor}`` for a model's
-    own axis name, ``{kv_heads: null}`` to replicate one.
+    own axis name, ``{kv_heads: null}`` to replicate one. ``sequence_parallel`` and
+    ``context_attention`` are the copies code reads of ``parallel.sequence_parallel`` and
+    ``parallel.context_attention``, which users write (:class:`ParallelConfig`).
     """
 
     family: str = "gpt"
@@ -98,8 +116,8 @@ class ModelConfig:
     # a GPT's position table, a Llama's advertised context; null = seq_len. seq_len is the training window.
     max_position_embeddings: int | None = None
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
-    # Attention over a sequence split on mesh.context: gathered (keys and values all-gathered) or ring
-    # (blocks passed around, two resident at a time). Ignored with mesh.context=1.
+    # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered) or ring
+    # (blocks passed around, two resident at a time). Ignored with parallel.context=1.
     context_attention: str = "gathered"
     rules: dict[str, str | None] = field(default_factory=dict)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -134,6 +152,9 @@ class TrainConfig:
     too, and with it its position (step, updates, data): the new run continues that run under a
     new directory (Megatron's ``--load A --save B``), because moments, step counts and the
     learning-rate schedule only make sense together.
+
+    ``microbatches``, ``zero`` and ``gather_once`` are the copies code reads of ``parallel.*``,
+    which users write (:class:`ParallelConfig`).
     """
 
     steps: int = 300
@@ -213,7 +234,9 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    """The pipeline schedule used when ``mesh.pipe > 1`` (``chunks`` = v for interleaved).
+    """The pipeline schedule used when ``parallel.pipe > 1`` (``chunks`` = v for interleaved). Users
+    write these as ``parallel.schedule``, ``parallel.chunks``, ``parallel.recompute`` and
+    ``parallel.layout`` (:class:`ParallelConfig`); this is the copy code reads.
 
     ``recompute``: true (default) keeps only each in-flight microbatch's stage input and reruns the
     stage's forward inside its backward (least memory, a third more compute; under
@@ -271,7 +294,50 @@ class DistributedConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """The parallel layout, one section (torchtitan's ``ParallelismConfig``): the mesh's degrees of
+    data, pipeline, tensor and context parallelism (at most one -1, "the rest of the devices"), the
+    pipeline schedule, the microbatches, ZeRO and sequence/context parallelism.
+
+    ``context`` splits every sequence over its ranks (each holds ``seq_len / context`` tokens, and
+    attention exchanges keys and values over the axis as ``context_attention`` says); gradients are
+    then reduced over data x context. ``schedule``, ``chunks`` (v for interleaved), ``recompute``
+    and ``layout`` are the pipeline's when ``pipe > 1``: see :class:`PipelineConfig`.
+
+    What users write; code reads the copies in ``mesh``, ``pipeline``, ``model`` and ``train``
+    (the module's docstring)."""
+
+    data: int = -1
+    pipe: int = 1
+    tensor: int = 1
+    context: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    layout: Any = None  # None: layers split evenly; else per-virtual-stage counts or a Megatron layout string
+    recompute: bool = True  # rerun each stage's forward in its backward (least memory): see PipelineConfig
+    microbatches: int = 1  # per data shard, each step
+    zero: int = 0  # split over data: 0 nothing, 1 optimizer state (distributed optimizer), 3 also parameters (FSDP)
+    gather_once: bool = False  # zero=3: gather parameters once per step, not each layer's before each use
+    sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
+    # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered) or ring
+    # (blocks passed around, two resident at a time). Ignored with parallel.context=1.
+    context_attention: str = "gathered"
+
+
+# The old spelling of each parallel.* key (where code still reads it) -> the new one.
+ALIASES: dict[str, str] = {
+    **{f"mesh.{name}": f"parallel.{name}" for name in ("data", "pipe", "tensor", "context")},
+    **{f"pipeline.{name}": f"parallel.{name}" for name in ("schedule", "chunks", "layout", "recompute")},
+    **{f"train.{name}": f"parallel.{name}" for name in ("microbatches", "zero", "gather_once")},
+    **{f"model.{name}": f"parallel.{name}" for name in ("sequence_parallel", "context_attention")},
+}
+
+
+@dataclass
 class Config:
+    # parallel is derived from the old sections here (not an argument: Config(mesh=...) and
+    # dataclasses.replace(cfg, mesh=...) keep the two equal); load_config fills it from a file.
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, init=False)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -280,6 +346,72 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        self.parallel = ParallelConfig(**{new.partition(".")[2]: _get(self, old) for old, new in ALIASES.items()})
+
+
+# The sections users write (mesh and pipeline are the old spellings of parallel's keys).
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name not in ("mesh", "pipeline"))
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, _, name = dotted.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _adopt_parallel(cfg: Config) -> Config:
+    """``cfg`` (as OmegaConf makes it: ``parallel`` as written, the old fields at their defaults)
+    with ``parallel``'s values copied into the old fields that code reads."""
+    for old, new in ALIASES.items():
+        section, _, name = old.partition(".")
+        setattr(getattr(cfg, section), name, _get(cfg, new))
+    return cfg
+
+
+def upgraded(values: dict[str, Any], origin: str = "saved config") -> dict[str, Any]:
+    """A config as a plain dict (a file, a checkpoint's record) with every old key moved to its
+    ``parallel.*`` spelling; silent (the reader is meshtron). An old key set beside its new one to a
+    different value is a :class:`ConfigError`."""
+    return _upgrade(values, origin)[0]
+
+
+def _upgrade(values: dict[str, Any], origin: str) -> tuple[dict[str, Any], list[str]]:
+    """``upgraded(values)`` and the old keys it used, in :data:`ALIASES`' order."""
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
+    used = []
+    for old, new in ALIASES.items():
+        section, _, name = old.partition(".")
+        holder = out.get(section)
+        if not isinstance(holder, dict) or name not in holder:
+            continue
+        target = out.setdefault("parallel", {})
+        if target is None:
+            target = out["parallel"] = {}
+        if not isinstance(target, dict):
+            continue  # parallel: <not a mapping>: the merge names it
+        value = holder.pop(name)
+        key = new.partition(".")[2]
+        if key in target and target[key] != value:
+            raise ConfigError(f"{old} and {new} ({origin}): both set, to {value!r} and {target[key]!r}; {old} is the "
+                              f"old name of {new}: write only {new}")
+        target[key] = value
+        used.append(old)
+    for section in {old.partition(".")[0] for old in used} & {"mesh", "pipeline"}:
+        if out[section] == {}:  # all moved: as to_dict writes it
+            del out[section]
+    return out, used
+
+
+def note_deprecated(used: list[str]) -> None:
+    """One line on stderr naming the old keys a run's input used (on the first process only:
+    ``MESHTRON_PROCESS_ID``, :mod:`meshtron.distributed`)."""
+    if not used or os.environ.get("MESHTRON_PROCESS_ID", "0") not in ("", "0"):
+        return
+    old = ", ".join(used)
+    new = ", ".join(ALIASES[key] for key in used)
+    verb = "is" if len(used) == 1 else "are"
+    print(f"meshtron: {old} {verb} deprecated; write {new}", file=sys.stderr)
 
 
 # ``${config_dir:}`` in a config file is the file's own directory, so that a file kept beside the
@@ -308,20 +440,37 @@ def _reading_from(directory: Path | None) -> Iterator[None]:
         _CONFIG_DIR.reset(token)
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                preset: list[str] | tuple[str, ...] = (), fixed: list[str] | tuple[str, ...] = (),
+                notes: bool = True) -> Config:
     """Defaults, then the YAML file (if any), then ``section.key=value`` overrides; validated.
 
-    In the file, ``${config_dir:}`` stands for the file's own directory (absolute)."""
+    In the file, ``${config_dir:}`` stands for the file's own directory (absolute). Old keys
+    (:data:`ALIASES`) in the file or the overrides are read as their ``parallel.*`` keys, with one
+    deprecation line on stderr (``notes=False``: none, for a second reading of the same input); an
+    old key and its new one set to different values in the same file, or on the same command line,
+    is an error (a later layer overrides an earlier one, in either spelling). ``preset`` and
+    ``fixed``: meshtron's own overrides, applied before the file and after the user's overrides."""
     merged = OmegaConf.structured(Config)
-    layers: list[tuple[str, Any]] = []
+    layers: list[tuple[str, Any, bool]] = []
     directory = None
+    if preset:
+        layers.append(("meshtron's settings", _parse_overrides(preset), False))
     if path is not None:
         file = resolve(path)  # a file, else a bundled config's name (cpu8)
         directory = file.absolute().parent
-        layers.append((f"config file {path}", _read_yaml(file)))
+        # An import's own config.yaml (meshtron import-hf writes it beside the imported model, in the
+        # spelling of its day) is meshtron's writing: read without a note, as a checkpoint's record is.
+        written = not (file.name == "config.yaml" and imported_step(directory) is not None)
+        layers.append((f"config file {path}", _read_yaml(file), written))
     if overrides:
-        layers.append(("command line", _parse_overrides(overrides)))
-    for origin, layer in layers:
+        layers.append(("command line", _parse_overrides(overrides), True))
+    if fixed:
+        layers.append(("meshtron's settings", _parse_overrides(fixed), False))
+    used: list[str] = []
+    for origin, layer, written in layers:
+        layer, old_keys = _upgrade(layer, origin)
+        used += [key for key in old_keys if written and key not in used]
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
@@ -332,19 +481,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         except OmegaConfBaseException as err:
             raise _explain(err, "config file" if path is None else f"config file {path}") from None
     assert isinstance(cfg, Config)
+    if notes:
+        note_deprecated(sorted(used, key=list(ALIASES).index))
+    _adopt_parallel(cfg)
     validate(cfg)
     return cfg
 
 
 def config_from_dict(values: dict, origin: str) -> Config:
-    """A :class:`Config` from a plain dict (as a checkpoint records it), type-checked, not validated
-    against devices or files (a recorded ``data.path`` need not exist where the model is used)."""
+    """A :class:`Config` from a plain dict (as a checkpoint records it, in either spelling: old
+    records have ``mesh``/``pipeline`` keys), type-checked, not validated against devices or files
+    (a recorded ``data.path`` need not exist where the model is used). Silent about old keys."""
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), values))
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), upgraded(values, origin)))
     except OmegaConfBaseException as err:
         raise _explain(err, origin) from None
     assert isinstance(cfg, Config)
-    return cfg
+    return _adopt_parallel(cfg)
 
 
 def _read_yaml(path: Path) -> dict:
@@ -355,17 +508,17 @@ def _read_yaml(path: Path) -> dict:
     except yaml.YAMLError as err:
         raise ConfigError(f"--config {path}: not valid YAML ({_one_line(err)})") from None
     if not isinstance(content, dict):
-        sections = ", ".join(f.name for f in dataclasses.fields(Config))
+        sections = ", ".join(SECTIONS)
         raise ConfigError(f"--config {path}: expected a mapping of sections ({sections})")
     return content
 
 
-def _parse_overrides(overrides: list[str] | tuple[str, ...]) -> Any:
+def _parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     for item in overrides:
         key, sep, _ = item.partition("=")
         if not sep or "." not in key or not key.strip():
             raise ConfigError(
-                f"override {item!r}: expected section.key=value, e.g. mesh.tensor=4 or train.steps=20"
+                f"override {item!r}: expected section.key=value, e.g. parallel.tensor=4 or train.steps=20"
             )
     # YAML 1.1 reads an unquoted 3:4 as the base-60 number 184: keep step ranges as written. A value
     # that starts with * or & (a glob such as *attn*) would be read as a YAML alias or anchor, which a
@@ -381,10 +534,12 @@ def _parse_overrides(overrides: list[str] | tuple[str, ...]) -> Any:
             value = f"[{value}]"
         quoted.append(f"{key}={value}")
     try:
-        return OmegaConf.from_dotlist(quoted)
+        values = OmegaConf.to_container(OmegaConf.from_dotlist(quoted), resolve=False)
     except yaml.YAMLError as err:
         raise ConfigError(f"override {_failing_override(quoted)!r}: its value is not valid YAML ({_one_line(err)}); "
                           "check its brackets and quotes (a list is [a, b]; quote text YAML would read otherwise)") from None
+    assert isinstance(values, dict)
+    return values
 
 
 _STRING_KEYS = ("train.profile_steps",)
@@ -423,10 +578,11 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
     if isinstance(err, ConfigKeyError):
         section, _, name = str(key).rpartition(".")
         if not section:
-            known = ", ".join(f.name for f in dataclasses.fields(Config))
+            known = ", ".join(SECTIONS)
             return ConfigError(f"{key} ({origin}): unknown section; the sections are {known}")
         sections = {
-            "mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+            "parallel": ParallelConfig, "mesh": MeshConfig, "model": ModelConfig, "train": TrainConfig,
+            "data": DataConfig,
             "pipeline": PipelineConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
             "distributed": DistributedConfig,
         }
@@ -454,10 +610,10 @@ def validate(cfg: Config) -> None:
     (:func:`validate_sizes`); not the devices present (:mod:`meshtron.mesh`) nor the pipeline's
     stage layout and schedule (:func:`meshtron.run.resolve_run`)."""
     mesh = cfg.mesh
-    sizes = {"mesh.data": mesh.data, "mesh.pipe": mesh.pipe, "mesh.tensor": mesh.tensor, "mesh.context": mesh.context}
+    sizes = {f"parallel.{axis}": getattr(mesh, axis) for axis in ("data", "pipe", "tensor", "context")}
     for name, size in sizes.items():
         _need(size == -1 or size >= 1, name, f"must be a positive size or -1 (the rest of the devices), got {size}")
-    _need(list(sizes.values()).count(-1) <= 1, "mesh", "at most one of data, pipe, tensor, context may be -1")
+    _need(list(sizes.values()).count(-1) <= 1, "parallel", "at most one of data, pipe, tensor, context may be -1")
 
     m = cfg.model
     for name in ("vocab_size", "hidden", "heads", "layers", "mlp_dim", "seq_len"):
@@ -466,7 +622,7 @@ def validate(cfg: Config) -> None:
     for name in ("dtype", "param_dtype"):
         _need(getattr(m, name) in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {getattr(m, name)!r}")
     _need(m.remat in REMAT_MODES, "model.remat", f"must be one of {', '.join(REMAT_MODES)}, got {m.remat!r}")
-    _need(isinstance(m.sequence_parallel, bool), "model.sequence_parallel",
+    _need(isinstance(m.sequence_parallel, bool), "parallel.sequence_parallel",
           f"must be true or false, got {m.sequence_parallel!r}")
     _need(m.factory is not None or m.family in FAMILIES, "model.family",
           f"must be one of {', '.join(FAMILIES)} (or set model.factory=package.module:function), got {m.family!r}")
@@ -482,35 +638,37 @@ def validate(cfg: Config) -> None:
               "the model's positions; raise it or lower model.seq_len")
     _need(m.attention in ("xla", "cudnn"), "model.attention",
           f"must be 'xla' or 'cudnn' (cuDNN flash attention, GPUs only), got {m.attention!r}")
-    _need(m.context_attention in CONTEXT_EXCHANGES, "model.context_attention",
+    _need(m.context_attention in CONTEXT_EXCHANGES, "parallel.context_attention",
           f"must be one of {', '.join(CONTEXT_EXCHANGES)} (how attention exchanges keys and values over "
-          f"mesh.context), got {m.context_attention!r}")
+          f"parallel.context), got {m.context_attention!r}")
     for name, axis in m.rules.items():
         _need(axis is None or axis in ("data", "pipe", "context", "tensor"), f"model.rules.{name}",
               f"{axis!r} is not a mesh axis; use data, pipe, context, tensor or null (replicated)")
 
     t = cfg.train
-    for name in ("steps", "batch_size", "microbatches", "eval_every", "log_every", "eval_batches"):
+    for name in ("steps", "batch_size", "eval_every", "log_every", "eval_batches"):
         _need(getattr(t, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(t, name)}")
+    _need(t.microbatches >= 1, "parallel.microbatches", f"must be >= 1, got {t.microbatches}")
     _need(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _need(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     _need(t.grad_clip is None or t.grad_clip >= 0, "train.grad_clip",
           "must be >= 0 (0 disables clipping) or null for the optimizer's default")
     _need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
     _need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
-    _need(t.zero in (0, 1, 3), "train.zero",
+    _need(t.zero in (0, 1, 3), "parallel.zero",
           f"must be 0 (replicated), 1 (optimizer state split over data) or 3 (parameters too), got {t.zero!r}")
-    _need(not t.gather_once or t.zero == 3, "train.gather_once",
-          f"gathers parameters split by train.zero=3, and this run has train.zero={t.zero}; set train.zero=3 or drop it")
-    _need(t.zero == 0 or t.optimizer != "onebit_lamb", "train.zero",
+    _need(not t.gather_once or t.zero == 3, "parallel.gather_once",
+          f"gathers parameters split by parallel.zero=3, and this run has parallel.zero={t.zero}; set "
+          "parallel.zero=3 or drop it")
+    _need(t.zero == 0 or t.optimizer != "onebit_lamb", "parallel.zero",
           "1-bit LAMB's error feedback compresses each worker's whole local momentum (its server error is "
           "already split over data), and splitting the rest would cost more than the compression saves: an fp32 "
           "all-gather of the parameters every step (zero=1, 16x its 1-bit exchange) or fp32 gathers and "
-          "reduce-scatters per layer (zero=3); use train.zero=0 with onebit_lamb, or adamw/lamb with train.zero")
+          "reduce-scatters per layer (zero=3); use parallel.zero=0 with onebit_lamb, or adamw/lamb with parallel.zero")
     _need(
         t.batch_size % t.microbatches == 0,
         "train.batch_size",
-        f"{t.batch_size} is not divisible by train.microbatches={t.microbatches}",
+        f"{t.batch_size} is not divisible by parallel.microbatches={t.microbatches}",
     )
 
     validate_lora(t.lora, cfg.model)
@@ -525,7 +683,7 @@ def validate(cfg: Config) -> None:
     if t.profile_steps:
         check_output_path("train.profile_dir", t.profile_dir, directory=True)
 
-    _need(cfg.pipeline.chunks >= 1, "pipeline.chunks", f"must be >= 1, got {cfg.pipeline.chunks}")
+    _need(cfg.pipeline.chunks >= 1, "parallel.chunks", f"must be >= 1, got {cfg.pipeline.chunks}")
     validate_sizes(cfg)
     validate_optim(cfg.optim)
     validate_checkpoint(cfg.checkpoint)
@@ -575,11 +733,12 @@ def validate_sizes(cfg: Config) -> None:
     (:mod:`meshtron.run`)."""
     m, mesh = cfg.model, cfg.mesh
     if m.sequence_parallel and mesh.tensor != -1:
-        _need(mesh.tensor > 1, "model.sequence_parallel",
-              "splits activations over the tensor ranks and needs mesh.tensor > 1; set mesh.tensor or turn it off")
+        _need(mesh.tensor > 1, "parallel.sequence_parallel",
+              "splits activations over the tensor ranks and needs parallel.tensor > 1; set parallel.tensor or turn "
+              "it off")
     if m.sequence_parallel and mesh.tensor > 1:
-        _need(m.seq_len % mesh.tensor == 0, "model.sequence_parallel",
-              f"model.seq_len={m.seq_len} must be divisible by mesh.tensor={mesh.tensor} (each tensor rank holds "
+        _need(m.seq_len % mesh.tensor == 0, "parallel.sequence_parallel",
+              f"model.seq_len={m.seq_len} must be divisible by parallel.tensor={mesh.tensor} (each tensor rank holds "
               "seq_len/tensor positions)")
     validate_tensor_split(m, mesh)
     if mesh.context > 1:
@@ -602,16 +761,16 @@ def validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
 
 
 def validate_context_split(m: ModelConfig, mesh: MeshConfig) -> None:
-    """A sequence split over ``mesh.context`` ranks, each holding a front chunk and its mirror."""
-    _need(m.seq_len % (2 * mesh.context) == 0, "mesh.context",
-          f"model.seq_len={m.seq_len} must be divisible by 2 x mesh.context = {2 * mesh.context} (each context rank "
-          "holds two equal chunks of every sequence); use a seq_len or context size that fits")
+    """A sequence split over ``parallel.context`` ranks, each holding a front chunk and its mirror."""
+    _need(m.seq_len % (2 * mesh.context) == 0, "parallel.context",
+          f"model.seq_len={m.seq_len} must be divisible by 2 x parallel.context = {2 * mesh.context} (each context "
+          "rank holds two equal chunks of every sequence); use a seq_len or context size that fits")
     if m.sequence_parallel and mesh.tensor > 1:
-        _need(m.seq_len % (2 * mesh.context * mesh.tensor) == 0, "model.sequence_parallel",
-              f"model.seq_len={m.seq_len} must be divisible by 2 x mesh.context x mesh.tensor = "
+        _need(m.seq_len % (2 * mesh.context * mesh.tensor) == 0, "parallel.sequence_parallel",
+              f"model.seq_len={m.seq_len} must be divisible by 2 x parallel.context x parallel.tensor = "
               f"{2 * mesh.context * mesh.tensor} (the residual stream is split over both)")
-    _need(not m.moe.experts, "mesh.context",
-          "a mixture of experts is split over data ranks only, not over a split sequence; use mesh.context=1 "
+    _need(not m.moe.experts, "parallel.context",
+          "a mixture of experts is split over data ranks only, not over a split sequence; use parallel.context=1 "
           "with model.moe.experts")
 
 
@@ -638,22 +797,22 @@ def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
         _need(
             m.heads % mesh.tensor == 0,
             "model.heads",
-            f"{m.heads} heads cannot be split over mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor} "
+            f"{m.heads} heads cannot be split over parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor} "
             "or a tensor size that divides the head count",
         )
         _need(
             m.mlp_dim % mesh.tensor == 0,
             "model.mlp_dim",
-            f"{m.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
+            f"{m.mlp_dim} is not divisible by parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
         )
         if m.moe.experts and m.moe.mlp_dim is not None:
             _need(m.moe.mlp_dim % mesh.tensor == 0, "model.moe.mlp_dim",
-                  f"{m.moe.mlp_dim} is not divisible by mesh.tensor={mesh.tensor}; use a multiple of {mesh.tensor}")
+                  f"{m.moe.mlp_dim} is not divisible by parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor}")
         kv = m.kv_heads or m.heads
         _need(
             kv % mesh.tensor == 0 or mesh.tensor % kv == 0,
             "model.kv_heads",
-            f"{kv} key/value heads can be neither split over nor replicated across mesh.tensor={mesh.tensor}; "
+            f"{kv} key/value heads can be neither split over nor replicated across parallel.tensor={mesh.tensor}; "
             f"use a divisor or a multiple of {mesh.tensor}",
         )
 
@@ -760,7 +919,7 @@ def check_batch_divisible(cfg: Config, data: int) -> None:
     _need(
         t.batch_size % (data * t.microbatches) == 0,
         "train.batch_size",
-        f"{t.batch_size} sequences cannot be split over mesh.data={data} x train.microbatches={t.microbatches}; "
+        f"{t.batch_size} sequences cannot be split over parallel.data={data} x parallel.microbatches={t.microbatches}; "
         f"use a multiple of {data * t.microbatches}",
     )
 
@@ -772,4 +931,10 @@ def padded_vocab_size(vocab_size: int, tensor: int, multiple: int = 128) -> int:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """``cfg`` as users write it: the ``parallel`` section, not the old sections' copies of it (no
+    ``mesh`` or ``pipeline`` section); what ``--print-config`` shows and checkpoints record."""
+    values = dataclasses.asdict(cfg)
+    for old in ALIASES:
+        section, _, name = old.partition(".")
+        del values[section][name]
+    return {key: value for key, value in values.items() if value != {} or key not in ("mesh", "pipeline")}

@@ -67,7 +67,7 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
     Without a pipeline one microbatch's activations live at a time (gradient accumulation runs them in
     turn): ``layers × per-layer``. With one, the runtime stashes stage inputs of the in-flight
     microbatches (the schedule table's ``stash_slots``) and recomputes one chunk at a time
-    (:func:`meshtron.megatron.pipeline_activation_bytes`); with ``pipeline.recompute=false`` it keeps
+    (:func:`meshtron.megatron.pipeline_activation_bytes`); with ``parallel.recompute=false`` it keeps
     the layers' activations of every in-flight microbatch (the program's ``residual_slots``), as
     Megatron does (:func:`meshtron.megatron.megatron_stage_activation_bytes`).
     """
@@ -92,13 +92,13 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
         lines.append(("per step", f"{format_bytes(total)} ({model_def.layers} layers, one microbatch at a time)"))
         return lines, total
     program = run.program
-    chunk_layers = run.stage_layout.per_chunk  # the largest chunk (an uneven pipeline.layout pads the others to it)
+    chunk_layers = run.stage_layout.per_chunk  # the largest chunk (an uneven parallel.layout pads the others to it)
     stage_input = m.seq_len * microbatch * m.hidden * itemsize / (tensor if sp else 1)
     if program.keeps_residuals:
         total = megatron.megatron_stage_activation_bytes(layer_bytes=layer, layers_per_stage=chunk_layers,
                                                          in_flight=program.residual_slots)
         kept = f"{program.residual_slots} in-flight chunks' activations of {chunk_layers} layers kept"
-        lines.append(("per step", f"{format_bytes(total)} ({kept}, pipeline.recompute=false)"))
+        lines.append(("per step", f"{format_bytes(total)} ({kept}, parallel.recompute=false)"))
         return lines, total
     total = megatron.pipeline_activation_bytes(layer_bytes=layer, input_bytes=stage_input,
                                                layers_per_chunk=chunk_layers, in_flight=program.stash_slots)
@@ -245,7 +245,7 @@ class ContextExchange:
     """What attention sends over ``context`` per device, attention layer and microbatch, when sequences
     are split there (:func:`meshtron.models.context_attention.exchange_bytes`)."""
 
-    exchange: str  # model.context_attention: gathered or ring
+    exchange: str  # parallel.context_attention: gathered or ring
     ranks: int
     tokens: int  # a rank's tokens per microbatch: rows x seq_len / ranks
     kv_heads: int  # key/value heads on one device (split over tensor when it divides them)
@@ -359,7 +359,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
 
     t = cfg.train
     busiest = None
-    if sizes.pipe > 1:  # an uneven pipeline.layout: the stage with the most layers sets the pace
+    if sizes.pipe > 1:  # an uneven parallel.layout: the stage with the most layers sets the pace
         stages = run.stage_layout
         busiest = max(sum(stages.counts[c * sizes.pipe + s] for c in range(stages.chunks)) for s in range(sizes.pipe))
     fig = megatron.megatron_figures(

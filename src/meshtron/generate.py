@@ -40,7 +40,7 @@ cache follows the tensor split of the keys and values: it is laid out by the log
 exactly when the model's key/value heads do (replicated when there are fewer key/value heads than
 tensor ranks). The cached path needs ``pipe=1``: by default a ``pipe > 1`` mesh decodes with the
 full window (same tokens, slower); asking for ``use_cache=True`` there is an error that says to
-sample on a mesh without pipeline stages (``meshtron generate ... mesh.pipe=1``). Padded
+sample on a mesh without pipeline stages (``meshtron generate ... parallel.pipe=1``). Padded
 vocabulary ids (``>= vocab_size``) are masked out before any choice, so they can never be
 produced.
 
@@ -272,7 +272,7 @@ class Sampler:
         elif use_cache and pipe > 1:
             raise ValueError(
                 f"use_cache: the KV cache needs a mesh with pipe=1, this one has pipe={pipe}; sample on a mesh "
-                "without pipeline stages (meshtron generate ... mesh.pipe=1, e.g. with mesh.tensor= for the "
+                "without pipeline stages (meshtron generate ... parallel.pipe=1, e.g. with parallel.tensor= for the "
                 "devices), or pass use_cache=None to fall back to re-running the full window"
             )
         self.context = context

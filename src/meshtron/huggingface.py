@@ -230,16 +230,16 @@ def _override_lines(m: ModelConfig, mesh: MeshConfig) -> list[str]:
         lines.append(f"model.kv_heads={m.kv_heads}")
     if m.moe.experts:
         lines += [f"model.moe.{name}={getattr(m.moe, name)!r}" for name in (*_MOE_FIELDS, "aux_loss_weight")]
-    lines += [f"mesh.{axis}={getattr(mesh, axis)}" for axis in ("data", "pipe", "tensor")]
+    lines += [f"parallel.{axis}={getattr(mesh, axis)}" for axis in ("data", "pipe", "tensor")]
     if mesh.pipe > 1:  # the fewest microbatches that fill the pipeline (an override may ask for more)
-        lines.append(f"train.microbatches={mesh.pipe}")
+        lines.append(f"parallel.microbatches={mesh.pipe}")
     return [line.replace("'", "") for line in lines]
 
 
 def _run_config(model: ModelConfig, mesh: MeshConfig, overrides: Sequence[str]) -> Config:
     """The run config of the imported checkpoint: defaults, the model from Hugging Face, the mesh, then
     the caller's ``overrides`` (which may not change the model's shape)."""
-    cfg = load_config(None, [*_override_lines(model, mesh), *overrides])
+    cfg = load_config(None, overrides, preset=_override_lines(model, mesh))
     fixed = [(name, getattr(model, name), getattr(cfg.model, name)) for name in _SHAPE_FIELDS]
     fixed += [(f"moe.{name}", getattr(model.moe, name), getattr(cfg.model.moe, name)) for name in _MOE_FIELDS]
     for name, wanted, got in fixed:

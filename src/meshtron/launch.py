@@ -48,7 +48,7 @@ def describe_status(status: int) -> str:
 
 def devices_per_process(config: str | None, overrides: list[str], processes: int) -> int:
     """The mesh's devices split evenly over the processes (CPU: each simulates its share)."""
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, notes=False)  # the first process notes old keys, once
     total = devices_requested(cfg.mesh)
     if cfg.distributed.local_devices is not None:
         return cfg.distributed.local_devices

@@ -121,7 +121,7 @@ def megatron_figures(
     """Figures from Narayanan et al. (SC21) for a GPT with the given shape and parallel layout.
 
     ``layers_per_stage``: the most layers one pipeline stage runs, for an uneven
-    ``pipeline.layout``; by default ``layers / pipe``, which must then be whole.
+    ``parallel.layout``; by default ``layers / pipe``, which must then be whole.
 
     * ``params`` -- eq. 2: 12*l*h^2*(1 + 13/(12h) + (V+s)/(12*l*h)), i.e. 12lh^2 + 13lh + (V+s)h.
     * ``flops_per_iteration`` -- eq. 3, which assumes full activation recomputation (four passes

@@ -33,16 +33,16 @@ def resolve_sizes(cfg: MeshConfig, n_devices: int) -> MeshConfig:
         if size == -1:
             if n_devices % known:
                 raise ConfigError(
-                    f"mesh.{name}=-1: {n_devices} devices cannot be split evenly by the other axes "
-                    f"(product {known}); set mesh.{name} explicitly"
+                    f"parallel.{name}=-1: {n_devices} devices cannot be split evenly by the other axes "
+                    f"(product {known}); set parallel.{name} explicitly"
                 )
             sizes[name] = n_devices // known
     total = math.prod(sizes.values())
     if total > n_devices:
         names = [a for a in AXES if a != "context" or sizes[a] > 1]
         raise ConfigError(
-            f"mesh: {' x '.join(names)} = {' x '.join(str(sizes[a]) for a in names)} = {total} "
-            f"devices, but this run has {n_devices}; shrink the mesh (e.g. mesh.data) or add devices (on a CPU, "
+            f"parallel: {' x '.join(names)} = {' x '.join(str(sizes[a]) for a in names)} = {total} "
+            f"devices, but this run has {n_devices}; shrink the mesh (e.g. parallel.data) or add devices (on a CPU, "
             f"simulate them: XLA_FLAGS=--xla_force_host_platform_device_count={total} before JAX starts)"
         )
     return MeshConfig(**sizes)

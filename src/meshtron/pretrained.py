@@ -113,8 +113,8 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         if mesh is None:  # decoding does not split sequences: the training mesh without its context axis
             mesh_cfg = replace(mesh_cfg, context=1)
         elif mesh_cfg.context != 1:
-            raise ConfigError(f"mesh.context: generation does not split sequences over context ranks (got "
-                              f"{mesh_cfg.context}); use mesh.context=1")
+            raise ConfigError(f"parallel.context: generation does not split sequences over context ranks (got "
+                              f"{mesh_cfg.context}); use parallel.context=1")
         if devices is None:  # on a CPU, as many simulated devices as the mesh needs (if JAX has not started)
             simulate_devices_for(mesh_cfg)
         devices = list(jax.devices() if devices is None else devices)
@@ -125,7 +125,7 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         if model is None:  # a model passed in is checked parameter by parameter (check_mesh below)
             validate_tensor_split(cfg.model, mesh_cfg)
         if cfg.model.layers % pipe:
-            raise ConfigError(f"mesh.pipe: {pipe} does not divide the model's {cfg.model.layers} layers; "
+            raise ConfigError(f"parallel.pipe: {pipe} does not divide the model's {cfg.model.layers} layers; "
                               "use a pipe size that does (or 1)")
         device_mesh = build_mesh(mesh_cfg, devices)
         # a LoRA run's checkpoint holds its adapters: the model carries them and merges them as it runs

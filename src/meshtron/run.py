@@ -46,7 +46,7 @@ class Run:
     """What a config means on a device count. ``cfg`` has the mesh's real sizes (no -1) and, for a
     model of the user's own, its real depth; ``stage_layout``, ``schedule`` and ``program`` (the
     training program: stage inputs kept and recomputed, or every layer's residuals kept, as
-    ``pipeline.recompute`` says) are None without a pipeline."""
+    ``parallel.recompute`` says) are None without a pipeline."""
 
     cfg: Config
     stage_layout: StageLayout | None = None
@@ -85,7 +85,7 @@ def resolve_run(cfg: Config, devices: int, *, layers: int | None = None, program
     try:
         schedule = make_schedule(pl.schedule, pipe, cfg.train.microbatches, pl.chunks)
     except ScheduleError as err:
-        raise ConfigError(f"pipeline.schedule: {err}") from None
+        raise ConfigError(f"parallel.schedule: {err}") from None
     compiled = compile_program(schedule, keep_residuals=not pl.recompute) if program else None
     return Run(cfg, layout, schedule, compiled)
 
@@ -106,58 +106,58 @@ def _need(ok: bool, field_name: str, message: str) -> None:
 
 def _check_pipeline(cfg: Config) -> StageLayout | None:
     """The schedule constraints (Megatron's), each named by the field that fixes it: a known schedule,
-    layers split over p·v (or a ``pipeline.layout`` that fits), enough microbatches to fill. Returns
+    layers split over p·v (or a ``parallel.layout`` that fits), enough microbatches to fill. Returns
     the parsed stage layout, None without a pipeline."""
     pipe, pl = cfg.mesh.pipe, cfg.pipeline
     layers, m = cfg.model.layers, cfg.train.microbatches
     _need(
         pl.schedule in SCHEDULES or is_schedule_file(pl.schedule),
-        "pipeline.schedule",
+        "parallel.schedule",
         f"must be one of {', '.join(repr(name) for name in SCHEDULES)} or a PyTorch action CSV file, "
         f"got {pl.schedule!r}",
     )
     _need(
         pl.chunks == 1 or pl.schedule == "interleaved" or is_schedule_file(pl.schedule),
-        "pipeline.chunks",
-        f"{pl.chunks} model chunks per stage need pipeline.schedule=interleaved (got {pl.schedule!r}); "
-        "set pipeline.chunks=1 or use the interleaved schedule",
+        "parallel.chunks",
+        f"{pl.chunks} model chunks per stage need parallel.schedule=interleaved (got {pl.schedule!r}); "
+        "set parallel.chunks=1 or use the interleaved schedule",
     )
     if pipe == 1:
-        _need(pl.layout is None, "pipeline.layout", "is set but mesh.pipe=1 (no pipeline); remove it or use "
-              "mesh.pipe > 1")
+        _need(pl.layout is None, "parallel.layout", "is set but parallel.pipe=1 (no pipeline); remove it or use "
+              "parallel.pipe > 1")
         return None
     if pl.layout is None:
-        _need(pipe <= layers, "mesh.pipe", f"{pipe} stages for {layers} layers: a stage would have no layer; "
-              f"use mesh.pipe <= {layers}")
+        _need(pipe <= layers, "parallel.pipe", f"{pipe} stages for {layers} layers: a stage would have no layer; "
+              f"use parallel.pipe <= {layers}")
         virtual = pipe * pl.chunks
         _need(
             layers % virtual == 0,
             "model.layers",
-            f"{layers} layers cannot be split evenly over mesh.pipe={pipe} x pipeline.chunks={pl.chunks}; "
-            f"use a multiple of {virtual}, or say which stage runs how many with pipeline.layout (e.g. "
+            f"{layers} layers cannot be split evenly over parallel.pipe={pipe} x parallel.chunks={pl.chunks}; "
+            f"use a multiple of {virtual}, or say which stage runs how many with parallel.layout (e.g. "
             f"{_example_layout(layers, virtual)})",
         )
     layout = stage_layout(pl.layout, layers, pipe, pl.chunks)
     _need(cfg.mesh.context == 1 or cfg.model.context_attention != "ring" or layout.is_even,
-          "model.context_attention", RING_IN_PIPELINE)
+          "parallel.context_attention", RING_IN_PIPELINE)
     if not is_schedule_file(pl.schedule):  # a CSV's own stages, microbatches and chunks: make_schedule checks
-        _need(m >= pipe, "train.microbatches",
-              f"{m} microbatches cannot fill {pipe} pipeline stages; use train.microbatches >= {pipe}")
+        _need(m >= pipe, "parallel.microbatches",
+              f"{m} microbatches cannot fill {pipe} pipeline stages; use parallel.microbatches >= {pipe}")
         if pl.schedule == "interleaved":
-            _need(m % pipe == 0, "train.microbatches",
-                  f"the interleaved schedule needs a multiple of mesh.pipe={pipe} microbatches, got {m}")
+            _need(m % pipe == 0, "parallel.microbatches",
+                  f"the interleaved schedule needs a multiple of parallel.pipe={pipe} microbatches, got {m}")
     return layout
 
 
 def stage_layout(spec: Any, layers: int, pipe: int, chunks: int) -> StageLayout:
-    """``pipeline.layout`` as a :class:`StageLayout` for this model and mesh (even when ``spec`` is
+    """``parallel.layout`` as a :class:`StageLayout` for this model and mesh (even when ``spec`` is
     None); a layout that does not fit is a :class:`ConfigError` naming the field."""
     if spec is not None and not isinstance(spec, str):
         spec = list(spec)
     try:
         return StageLayout.parse(spec, layers, pipe, chunks)
     except LayoutError as err:
-        raise ConfigError(f"pipeline.layout: {err}") from None
+        raise ConfigError(f"parallel.layout: {err}") from None
 
 
 def _example_layout(layers: int, virtual: int) -> str:

@@ -48,10 +48,10 @@ class ParityError(AssertionError):
 @dataclass(frozen=True)
 class Layout:
     """A mesh and, with ``pipe > 1``, the pipeline schedule (``chunks`` = v for interleaved;
-    ``recompute=False``: the forward keeps the layers' residuals, ``pipeline.recompute=false``;
-    ``layer_layout``: an uneven ``pipeline.layout``, counts per virtual stage or a Megatron string;
+    ``recompute=False``: the forward keeps the layers' residuals, ``parallel.recompute=false``;
+    ``layer_layout``: an uneven ``parallel.layout``, counts per virtual stage or a Megatron string;
     ``context``: ranks each sequence is split over, their attention exchanging keys and values as
-    ``context_attention`` says, ``model.context_attention``)."""
+    ``context_attention`` says, ``parallel.context_attention``)."""
 
     data: int
     pipe: int

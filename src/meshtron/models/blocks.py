@@ -34,7 +34,7 @@ LAYERS = "layers"
 RESIDUAL = ("batch", "residual_seq", "embed")
 """Logical axes of the residual stream -- embedding output, block inputs and outputs, the inputs of
 norms and of the head. ``residual_seq`` is replicated by default and split over ``tensor`` under
-sequence parallelism (``model.sequence_parallel``); the sequence axis *inside* the tensor-parallel
+sequence parallelism (``parallel.sequence_parallel``); the sequence axis *inside* the tensor-parallel
 regions (attention, MLP) is ``seq`` and is never split there."""
 WHOLE_SEQUENCE = ("batch", "seq", "embed")
 """Logical axes of a residual-width value that needs the whole sequence: the input of a

@@ -13,7 +13,7 @@ axis (``context``); the train step runs manual over it, each rank holding its tw
 sequence. :func:`sequence_split` sees that from inside, :meth:`meshtron.models.blocks.Context.for_sequence`
 then gives each rank its tokens' positions (:func:`local_positions`), and
 :func:`meshtron.models.attention.causal_attention` attends across the ranks with the exchange the run
-chose (:func:`context_exchange`, ``model.context_attention``).
+chose (:func:`context_exchange`, ``parallel.context_attention``).
 
 Two exchanges, both called inside ``shard_map`` manual over the sequence's mesh axis, with the mask
 built from the positions (which every rank knows from the layout: only keys and values travel):
@@ -55,7 +55,7 @@ def context_exchange(name: str) -> Iterator[None]:
 def checked_exchange(name: str) -> str:
     """``name`` if it is one of :data:`EXCHANGES`, else a ``ValueError`` that says which are."""
     if name not in EXCHANGES:
-        raise ValueError(f"model.context_attention: must be one of {', '.join(EXCHANGES)}, got {name!r}")
+        raise ValueError(f"parallel.context_attention: must be one of {', '.join(EXCHANGES)}, got {name!r}")
     return name
 
 

@@ -35,7 +35,7 @@ Activations are pinned the same way (:func:`meshtron.sharding.constrain`): the r
 what ``embed`` returns, what blocks take and return, and the running sum inside a block -- as
 :data:`~meshtron.models.blocks.RESIDUAL` ``(batch, residual_seq, embed)``, activations inside the
 tensor-parallel regions with ``seq`` (e.g. ``(batch, seq, heads, head_dim)``). That one name is what
-sequence parallelism (``model.sequence_parallel``) needs: it splits ``residual_seq`` over the tensor
+sequence parallelism (``parallel.sequence_parallel``) needs: it splits ``residual_seq`` over the tensor
 ranks. Where a value crosses between the two -- a norm's output into a region, a region's summed
 output (or the vocab-parallel embedding lookup) back into the stream --
 :func:`~meshtron.models.blocks.enter_parallel_region` and

@@ -82,7 +82,7 @@ class ZeroPlan:
         shardings) on a mesh whose ``axis`` has ``size`` devices; ``stacked`` marks leaves with a
         leading ``layers`` axis."""
         if level not in ZERO_LEVELS:
-            raise ValueError(f"train.zero: {level!r} is not one of {ZERO_LEVELS}")
+            raise ValueError(f"parallel.zero: {level!r} is not one of {ZERO_LEVELS}")
         treedef = jax.tree.structure(shapes)
         spec_leaves = [getattr(s, "spec", s) for s in treedef.flatten_up_to(specs)]
 

@@ -1,4 +1,4 @@
-"""Which layers each pipeline stage runs: even splits and uneven ones (``pipeline.layout``).
+"""Which layers each pipeline stage runs: even splits and uneven ones (``parallel.layout``).
 
 Real models rarely split evenly: the first stage also embeds, the last also runs the head and the
 loss, and a layer count need not be a multiple of ``p·v``. Megatron-LM takes first/last-stage layer
@@ -14,7 +14,7 @@ padded to the largest count: padded layer slots hold zeros and are skipped (the 
 chunk's first ``n_k`` layers; the rest pass the activation through). The cost of an uneven layout
 is that padding, in parameter and optimizer memory, on the stages with fewer layers.
 
-Accepted forms of ``pipeline.layout``:
+Accepted forms of ``parallel.layout``:
 
 * a list of ``p·v`` layer counts, e.g. ``[3, 5]`` or ``"3,5"``;
 * a Megatron-style string: virtual stages separated by ``|``, ``t`` a transformer layer, ``E`` the
@@ -35,7 +35,7 @@ import numpy as np
 
 
 class LayoutError(ValueError):
-    """A ``pipeline.layout`` that cannot be run; the message names the problem and the fix."""
+    """A ``parallel.layout`` that cannot be run; the message names the problem and the fix."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +56,15 @@ class StageLayout:
 
     @classmethod
     def parse(cls, spec: Any, layers: int, stages: int, chunks: int) -> StageLayout:
-        """``pipeline.layout`` (None: even) checked against the model and the mesh."""
+        """``parallel.layout`` (None: even) checked against the model and the mesh."""
         if spec is None:
             return cls.even(layers, stages, chunks)
         counts = _counts(spec)
         virtual = stages * chunks
         if len(counts) != virtual:
             raise LayoutError(
-                f"{len(counts)} virtual stages given, mesh.pipe={stages} x pipeline.chunks={chunks} needs {virtual}; "
+                f"{len(counts)} virtual stages given, parallel.pipe={stages} x parallel.chunks={chunks} needs "
+                f"{virtual}; "
                 f"give one entry per virtual stage (chunk-major: every stage's chunk 0, then chunk 1, ...)")
         if sum(counts) != layers:
             raise LayoutError(

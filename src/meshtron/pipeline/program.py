@@ -150,7 +150,7 @@ def compile_program(schedule: Schedule, keep_residuals: bool = False) -> Program
     program never reads a value before it arrives).
 
     ``keep_residuals``: the forward keeps every layer's backward residuals until the backward
-    (no recomputation; ``pipeline.recompute=false``) instead of the stage input alone."""
+    (no recomputation; ``parallel.recompute=false``) instead of the stage input alone."""
     check(schedule)
     if keep_residuals and schedule.forward_only:
         raise ScheduleError("keep_residuals: a forward-only table has no backward to keep residuals for")

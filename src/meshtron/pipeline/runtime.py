@@ -21,7 +21,7 @@ runtime is a ``lax.scan`` over ticks that, on each device, picks its own column:
   weight gradient, in a weight slot of the same or a later tick, from what B left in a buffer
   (and, when the forward keeps residuals, from them: their slot then lives until W, and B leaves
   only what depends on the output gradient, part of it written over residuals only B reads).
-* an uneven ``pipeline.layout`` pads every chunk to the largest; a chunk runs its own number of
+* an uneven ``parallel.layout`` pads every chunk to the largest; a chunk runs its own number of
   layers (``layer_counts``) and skips the padding.
 
 Idle slots are *skipped*: each device runs its forward/backward under a ``lax.cond`` on its own

@@ -305,9 +305,9 @@ def _from_csv(path: str, stages: int | None, microbatches: int | None, chunks: i
     if not Path(path).is_file():
         raise ScheduleError(f"schedule: {path!r} is not a file; give a PyTorch action CSV or a schedule name")
     table = to_schedule(read_csv(path), name=Path(path).name)
-    for label, want, got, key in (("stages", stages, table.stages, "mesh.pipe"),
-                                  ("microbatches", microbatches, table.microbatches, "train.microbatches"),
-                                  ("chunks", chunks, table.chunks, "pipeline.chunks")):
+    for label, want, got, key in (("stages", stages, table.stages, "parallel.pipe"),
+                                  ("microbatches", microbatches, table.microbatches, "parallel.microbatches"),
+                                  ("chunks", chunks, table.chunks, "parallel.chunks")):
         if want is not None and want != got:
             raise ScheduleError(f"{label}: {path} schedules {got} {label}, the run has {want}; set {key}={got} "
                                 "or give a schedule written for this run")

@@ -33,7 +33,7 @@ class StageFunctions:
     input gradient and the weight gradient (:mod:`meshtron.pipeline.split_backward`).
 
     ``remat`` is how the model recomputes a layer (``model.remat``: ``none``, ``selective`` or
-    ``full``). When the forward keeps each layer's residuals for the backward (``pipeline.recompute``
+    ``full``). When the forward keeps each layer's residuals for the backward (``parallel.recompute``
     false), ``full`` keeps only each layer's input and recomputes the layer once in its backward:
     Megatron's full recomputation, two forwards per layer instead of the three a stage recomputed
     from its stashed input, with each in-flight microbatch keeping one input per layer.

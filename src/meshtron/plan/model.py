@@ -159,7 +159,7 @@ class Layout:
     per pipeline stage (v; v > 1 is the interleaved schedule), microbatch size (b), global batch
     (B), the activation recomputation mode, and context ranks (c) each sequence is split over
     (every GPU then holds ``s/c`` of each of its microbatch's sequences, and attends over all ``s``
-    with keys and values all-gathered over the c ranks: ``model.context_attention=gathered``)."""
+    with keys and values all-gathered over the c ranks: ``parallel.context_attention=gathered``)."""
 
     tensor: int
     pipe: int

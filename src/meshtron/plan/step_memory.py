@@ -5,19 +5,19 @@ module models the program meshtron itself compiles -- for its GPT and Llama (gro
 attention, SwiGLU, untied head) or for the parameter bytes of any contract model -- on the fullest
 device, term by term:
 
-* **arguments**: the parameters and the optimizer state as ``train.zero`` splits them over ``data``
+* **arguments**: the parameters and the optimizer state as ``parallel.zero`` splits them over ``data``
   (parameters at rest ``/d`` with zero=3, optimizer state ``/d`` with zero >= 1);
 * **gradients**: the step accumulates a stage's gradients over the microbatches in the parameters'
   dtype, and while a microbatch's backward runs its own gradients are a second copy (they are added
   to the accumulator when it ends): ``2·G``. With zero=3 the accumulator is the device's ``1/d``
   share, plus one layer's gathered weights and whole gradient in flight (``2·layer``); gathering a
-  stage's weights once per step (``train.gather_once``) keeps the gathered stage and whole
+  stage's weights once per step (``parallel.gather_once``) keeps the gathered stage and whole
   gradients instead (``3·G``);
 * **stash**: what full recomputation keeps -- the pipeline's stashed stage inputs (the schedule
   program's ``stash_slots``) and, while one chunk is recomputed, each of its layers' inputs;
 * **layers kept**: with ``model.remat`` selective or none, every layer's backward residuals
   (:func:`meshtron.megatron.layer_activation_bytes`, the counts the tests hold to JAX's autodiff);
-  with ``pipeline.recompute=false``, those of every in-flight microbatch (the program's
+  with ``parallel.recompute=false``, those of every in-flight microbatch (the program's
   ``residual_slots``), or under ``model.remat=full`` each layer's input alone;
 * **working**: what one layer's backward holds beyond that -- the working set of
   ``model.attention=xla``'s backward, the ``[b, heads/t, s, s]`` scores, their mask, probabilities
@@ -29,9 +29,9 @@ device, term by term:
   layer's residuals, and leaves per layer what the deferred weight gradient ``W`` multiplies (the
   weight-bearing operations' inputs and output cotangents) in ``weight_slots`` B-to-W buffers.
 
-With context parallelism (``mesh.context`` = c) every activation term counts the device's ``s/c`` tokens
+With context parallelism (``parallel.context`` = c) every activation term counts the device's ``s/c`` tokens
 of each sequence; the gathered exchange's scores span every key (``[b, heads/t, s/c, s]``), the ring's one
-block; gradients are reduced, and ``train.zero`` splits, over data x context.
+block; gradients are reduced, and ``parallel.zero`` splits, over data x context.
 
 Two backends, because XLA's buffer assignment is the backend's: ``gpu`` (what a GPU pod's program
 holds) and ``cpu`` (XLA:CPU, the simulated mesh ``meshtron describe --compile`` compiles for). The
@@ -108,11 +108,11 @@ class StepRun:
     tensor: int
     microbatch: int
     chunks: int = 1
-    context: int = 1  # ranks each sequence is split over (mesh.context)
+    context: int = 1  # ranks each sequence is split over (parallel.context)
     context_attention: str = "gathered"  # how they exchange keys and values: gathered or ring
     stash_slots: int = 0  # pipeline: stashed stage inputs (0 without a pipeline)
     weight_slots: int = 0  # split backward (zb-h1): B-to-W buffers
-    residual_slots: int = 0  # pipeline.recompute=false: in-flight chunks whose residuals are kept
+    residual_slots: int = 0  # parallel.recompute=false: in-flight chunks whose residuals are kept
     remat: str = "full"
     sequence_parallel: bool = False
     zero: int = 0
@@ -213,7 +213,7 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     adapters); gradients and optimizer state are theirs alone (default: every parameter trains)."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    # d: the ranks gradients are reduced and train.zero splits over (data x context); s: a device's tokens
+    # d: the ranks gradients are reduced and parallel.zero splits over (data x context); s: a device's tokens
     # of each sequence, and s_keys the keys its queries attend to at once (all of them when gathered, one
     # ring block otherwise)
     d, p, t, b = run.data * run.context, run.pipe, run.tensor, run.microbatch

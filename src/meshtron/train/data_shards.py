@@ -41,9 +41,9 @@ class DataShards:
         context = mesh.shape.get(CONTEXT, 1)
         placed = logical_to_spec(("seq",), rules)
         if context > 1 and placed[:1] != P(CONTEXT)[:1]:
-            raise ConfigError(f"model.rules.seq: mesh.context={context} splits every sequence over {CONTEXT!r}, but the "
-                              f"rules place the logical axis seq on {placed[0]!r}; map seq to context (the default "
-                              "rule) or use mesh.context=1")
+            raise ConfigError(f"model.rules.seq: parallel.context={context} splits every sequence over {CONTEXT!r}, "
+                              f"but the rules place the logical axis seq on {placed[0]!r}; map seq to context (the default "
+                              "rule) or use parallel.context=1")
         return cls(mesh)
 
     @property

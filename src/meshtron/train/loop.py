@@ -114,8 +114,8 @@ class Trainer:
         specs = model_def.shardings(mesh)
         zero = ZeroPlan.for_mesh(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh, gather_once=t.gather_once)
         if t.zero and not zero.active:
-            note(f"train.zero={t.zero}: the mesh has one data rank (mesh.data=1), so nothing is split over it; this "
-                  "run is the same as train.zero=0")
+            note(f"parallel.zero={t.zero}: the mesh has one data rank (parallel.data=1), so nothing is split over "
+                 "it; this run is the same as parallel.zero=0")
         trainable = Trainable.of_model(model_def)
         optimizer = optimizer_setup(cfg, trainable.part(model_def.logical_axes()), param_specs=trainable.part(specs),
                                     zero=zero)
@@ -133,7 +133,7 @@ class Trainer:
 
     @property
     def stage_layout(self) -> StageLayout | None:
-        """Layers per virtual stage (``pipeline.layout``, else even); None without a pipeline."""
+        """Layers per virtual stage (``parallel.layout``, else even); None without a pipeline."""
         return self.resolved.stage_layout
 
     def abstract_step_arguments(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:

@@ -8,7 +8,7 @@ order, applied once when parameters enter training and undone when they leave (c
 comparisons) -- so that a plain ``P('pipe')`` sharding puts every layer on its stage with no
 data movement during training. For ``v = 1`` the permutation is the identity.
 
-With an uneven ``pipeline.layout`` (:class:`~meshtron.pipeline.layout.StageLayout`) every chunk is
+With an uneven ``parallel.layout`` (:class:`~meshtron.pipeline.layout.StageLayout`) every chunk is
 padded to the largest one: the stage-ordered axis is longer than the model's, its padding slots
 hold zeros, and the runtime runs each chunk's own number of layers.
 """

@@ -1,7 +1,7 @@
 """Where a run's weights come from and where they go: its own checkpoints (resumed), ``train.init_from``
 (initialised), or a new model; and the checkpoints it writes.
 
-Training holds the block layers in stage order (padded by an uneven ``pipeline.layout``), a checkpoint
+Training holds the block layers in stage order (padded by an uneven ``parallel.layout``), a checkpoint
 in model order: :class:`WeightsIO` moves them between the two, so a checkpoint reads back onto any
 mesh. 1-bit LAMB's per-device error buffers are the exception -- they never move, and come back only
 onto the layout that wrote them. A LoRA run that saves its adapters alone records where its frozen
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, RunPosition, abstract_like
 from meshtron.checkpoint_dirs import checkpoint_location, imported_step, is_import, read_step_meta
-from meshtron.config import Config, to_dict, writing_into_an_import
+from meshtron.config import Config, to_dict, upgraded, writing_into_an_import
 from meshtron.data.tokenizers import save_tokenizer
 from meshtron.errors import ConfigError
 from meshtron.models.lora import adapters_only
@@ -90,7 +90,7 @@ class WeightsIO:
 
     def _canonical_shardings(self, shardings):
         """Where the model-order (checkpoint) state lives: as in training, except that with an uneven
-        ``pipeline.layout`` the layer axis -- unpadded there, and maybe not divisible by ``pipe`` -- is
+        ``parallel.layout`` the layer axis -- unpadded there, and maybe not divisible by ``pipe`` -- is
         not split over ``pipe`` (only layer-stacked leaves name ``pipe``)."""
         layout = self.run.stage_layout
         if layout is None or layout.is_even:
@@ -206,7 +206,7 @@ class WeightsIO:
         with jax.set_mesh(self.mesh):
             abstract = jax.eval_shape(self.steps.init_state_fn, shapes)
             # The error buffers are per device, in the training layout: sized by the stage-ordered
-            # parameters, which an uneven pipeline.layout pads.
+            # parameters, which an uneven parallel.layout pads.
             trained = jax.eval_shape(self.steps.init_state_fn, self.training_shapes(shapes))
         opt_target, _ = split_error_buffers(abstract_like(abstract, self._canonical_shardings(self.steps.opt_shardings)))
         _, error_target = split_error_buffers(abstract_like(trained, self.steps.opt_shardings))
@@ -363,7 +363,9 @@ def finish_saving(store: CheckpointStore | None) -> list[int]:
 
 
 # What makes a checkpoint's tensors: a run that differs in these cannot resume another's checkpoints.
-_STATE_SETTINGS = ("model", "train.optimizer", "train.lora.rank", "train.lora.targets", "train.lora.save_base")
+# (parallel.sequence_parallel and parallel.context_attention were model.* keys, and are kept here with them.)
+_STATE_SETTINGS = ("model", "parallel.sequence_parallel", "parallel.context_attention", "train.optimizer",
+                   "train.lora.rank", "train.lora.targets", "train.lora.save_base")
 
 
 def another_run(meta: dict[str, Any] | None, cfg: Config, shown: int = 3) -> str | None:
@@ -371,6 +373,10 @@ def another_run(meta: dict[str, Any] | None, cfg: Config, shown: int = 3) -> str
     from ``cfg`` in what its tensors are made of; ``None`` when it does not (or records no config)."""
     saved = (meta or {}).get("config")
     if not isinstance(saved, dict):
+        return None
+    try:
+        saved = upgraded(saved, "checkpoint's config")
+    except ConfigError:
         return None
     theirs, ours = _flat(saved), _flat(to_dict(cfg))
     keys = [k for k in sorted(set(theirs) | set(ours)) if k.startswith(_STATE_SETTINGS)]

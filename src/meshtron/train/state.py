@@ -58,7 +58,7 @@ class ModelDef:
     remat: str = "none"
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's choice)
     window: int | None = None  # the run's model.seq_len, generation's default context (None: max_len)
-    context_attention: str = "gathered"  # the exchange over a split sequence (model.context_attention)
+    context_attention: str = "gathered"  # the exchange over a split sequence (parallel.context_attention)
     adaptation: Adaptation | None = None  # added parameters applied through the layer hook (LoRA's adapters)
 
     @classmethod
@@ -148,7 +148,7 @@ class ModelDef:
         the logical axis and the fix otherwise (instead of JAX's error from inside ``jit``).
 
         ``layers``: the stacked layer axis as training holds it, when that differs from the model's
-        depth (an uneven ``pipeline.layout`` pads every chunk to the largest)."""
+        depth (an uneven ``parallel.layout`` pads every chunk to the largest)."""
         for name, shape, axes in zip(leaf_names(self.shapes()), jax.tree.leaves(self.shapes()), self._axes_leaves(),
                                      strict=True):
             spec = logical_to_spec(axes, self.rules)
@@ -262,7 +262,7 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
                           factory: ModelFactory | None = None, adaptation: Adaptation | None = None) -> ModelDef:
     """The :class:`ModelDef` of a run: ``factory`` (a user's model), else ``model.factory`` or
     ``model.family`` from the config; Megatron's rules extended by the family's own, then by
-    ``model.rules`` and ``rules`` (later ones win). ``model.sequence_parallel`` maps the residual
+    ``model.rules`` and ``rules`` (later ones win). ``parallel.sequence_parallel`` maps the residual
     stream's ``residual_seq`` onto ``tensor`` (:data:`meshtron.models.contract.RESIDUAL`)."""
     from meshtron.models.registry import family_rules, model_factory
 
