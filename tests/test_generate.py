@@ -307,7 +307,7 @@ def test_cache_is_used_when_the_model_and_mesh_allow_it(setup):
     # pipe > 1: the full window by default (same tokens, see test_every_mesh_gives_the_same_tokens),
     # an error naming the fix when the cache is asked for.
     assert not Sampler(md, pipelined).use_cache
-    with pytest.raises(ValueError, match=r"^use_cache: .*pipe=1.*mesh\.pipe=1"):
+    with pytest.raises(ValueError, match=r"^use_cache: .*pipe=1.*parallel\.pipe=1"):
         Sampler(md, pipelined, use_cache=True)
     # A model without init_cache re-runs the full window; insisting on the cache is an error.
     uncached = dataclasses.replace(md, can_cache=False)
