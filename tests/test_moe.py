@@ -236,7 +236,7 @@ def test_routing_reports_equal_one_devices_over_the_same_groups(layout):
     run = ["model.layers=4", "model.moe.aux_loss_weight=0.01", *layout]
     trainer = mixtral_trainer(*run)
     groups = trainer.steps.report_groups
-    one = mixtral_trainer(*[o for o in run if not o.startswith(("mesh.", "pipeline.", "parallel.microbatches"))],
+    one = mixtral_trainer(*[o for o in run if not o.startswith("parallel.")],
                           "parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", f"parallel.microbatches={groups}")
     assert groups == 8 and one.steps.report_groups == 8
     tokens = np.asarray(trainer.train_stream().next(trainer.steps.batch_sharding))

@@ -732,19 +732,26 @@ def validate_sizes(cfg: Config) -> None:
     parallelism, the batch over the data shards. The pipeline's are the run's
     (:mod:`meshtron.run`)."""
     m, mesh = cfg.model, cfg.mesh
-    if m.sequence_parallel and mesh.tensor != -1:
-        _need(mesh.tensor > 1, "parallel.sequence_parallel",
-              "splits activations over the tensor ranks and needs parallel.tensor > 1; set parallel.tensor or turn "
-              "it off")
-    if m.sequence_parallel and mesh.tensor > 1:
-        _need(m.seq_len % mesh.tensor == 0, "parallel.sequence_parallel",
-              f"model.seq_len={m.seq_len} must be divisible by parallel.tensor={mesh.tensor} (each tensor rank holds "
-              "seq_len/tensor positions)")
+    if mesh.tensor != -1:
+        check_sequence_parallel(m, mesh.tensor)
     validate_tensor_split(m, mesh)
     if mesh.context > 1:
         validate_context_split(m, mesh)
     if mesh.data > 0:
         check_batch_divisible(cfg, mesh.data)
+
+
+def check_sequence_parallel(m: ModelConfig, tensor: int) -> None:
+    """``parallel.sequence_parallel`` on ``tensor`` tensor ranks: for a config's sizes and for a model
+    definition built for a tensor size directly (:func:`meshtron.train.state.model_def_from_config`)."""
+    if not m.sequence_parallel:
+        return
+    _need(tensor > 1, "parallel.sequence_parallel",
+          f"splits activations over the tensor ranks and needs parallel.tensor > 1 (this mesh has tensor={tensor}); "
+          "set parallel.tensor or turn it off")
+    _need(m.seq_len % tensor == 0, "parallel.sequence_parallel",
+          f"model.seq_len={m.seq_len} must be divisible by parallel.tensor={tensor} (each tensor rank holds "
+          "seq_len/tensor positions)")
 
 
 def validate_lora(lora: LoraConfig, m: ModelConfig) -> None:

@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, check_sequence_parallel
 from meshtron.errors import ConfigError
 from meshtron.models.adaptation import Adaptation
 from meshtron.models.blocks import LAYERS
@@ -268,7 +268,8 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
 
     table = extend_rules(MEGATRON_RULES, family_rules(cfg, tensor) if factory is None else {})
     table = extend_rules(extend_rules(table, cfg.rules), rules or {})
-    if cfg.sequence_parallel:  # (its mesh checks: config.validate_sizes, for the run's resolved sizes)
+    check_sequence_parallel(cfg, tensor)
+    if cfg.sequence_parallel:
         table = extend_rules(table, {"residual_seq": "tensor"})
     if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "
