@@ -25,6 +25,7 @@ the data group.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -58,7 +59,7 @@ class Reduced(NamedTuple):
 
 
 @dataclass(frozen=True)
-class GradientSync:
+class GradientSync(ABC):
     """The strategy's shared parts; subclasses say how gradients are reduced."""
 
     plan: ZeroPlan
@@ -69,9 +70,9 @@ class GradientSync:
         """Leaves local to each rank whatever the strategy (split over the group by the model itself)."""
         return self.plan.native_flags()
 
+    @abstractmethod
     def reduced(self, differentiate: Differentiate, params: Any, trainable: Any, reduction_state: Any) -> Reduced:
         """``params``: the whole tree as the step holds it; ``trainable``: its trainable part."""
-        raise NotImplementedError
 
     def updated(self, params: Any) -> Any:
         """The updated trainable parameters as the step returns them."""
