@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtron import families, megatron
 from meshtron.config import MeshConfig, ModelConfig
+from meshtron.execution import Execution
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import build_mesh
 from meshtron.train.state import model_def_from_config
@@ -48,8 +49,10 @@ def compile_gradient(model: ModelConfig, tensor: int):
     params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), md.shapes(),
                           md.shardings(mesh))
     tokens = jax.ShapeDtypeStruct((MICROBATCH, model.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P()))
+    execution = Execution.of_model_config(model)
+    loss = jax.value_and_grad(lambda p, t: md.loss(p, t, execution))
     with jax.set_mesh(mesh):
-        return jax.jit(md.traced(jax.value_and_grad(md.loss))).lower(params, tokens).compile()
+        return jax.jit(md.traced(loss, execution)).lower(params, tokens).compile()
 
 
 def measure(family: str, seq_len: int, tensor: int, remat: str, sequence_parallel: bool) -> dict:

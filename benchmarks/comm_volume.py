@@ -15,6 +15,7 @@ import numpy as np
 
 from meshtron import megatron
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.execution import Execution
 from meshtron.hlo.collectives import bytes_by_axes, collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
@@ -31,7 +32,8 @@ def measure(mesh_shape, remat: str) -> dict:
     mesh = build_mesh(MeshConfig(*mesh_shape))
     cfg = ModelConfig(**{**MODEL.__dict__, "remat": remat})
     md = model_def_from_config(cfg, mesh.shape["tensor"])
-    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=MICROBATCHES)
+    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=MICROBATCHES,
+                        execution=Execution.of_model_config(cfg))
     params = md.init(mesh, 0)
     opt_state = steps.init_opt_state(params)
     tokens = jax.device_put(np.zeros((BATCH, cfg.seq_len + 1), np.int32), steps.batch_sharding)

@@ -62,19 +62,19 @@ def seven_b(c: int, seq: int, exchange: str) -> float:
                                     "train.batch_size=1", "parallel.microbatches=1", "model.remat=full",
                                     f"parallel.context_attention={exchange}"])
     trainer = Trainer.from_config(cfg, jax.devices()[:c], read_data=False)
-    md, mesh = trainer.model_def, trainer.mesh
+    md, mesh, execution = trainer.model_def, trainer.mesh, trainer.execution
     params, _, tokens = trainer.abstract_step_arguments()
 
     def per_rank(params, tokens):
         params = jax.tree.map(lambda x: jax.lax.pcast(x, "context", to="varying"), params)
-        return jax.tree.map(lambda g: g[None], jax.grad(md.loss)(params, tokens))
+        return jax.tree.map(lambda g: g[None], jax.grad(lambda p: md.loss(p, tokens, execution))(params))
 
     def local_gradients(params, tokens):
         return jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(None, "context")), out_specs=P("context"),
                              axis_names={"context"})(params, context_layout(tokens, c))
 
     with jax.set_mesh(mesh):
-        program = jax.jit(md.traced(local_gradients)).lower(params, tokens).compile()
+        program = jax.jit(md.traced(local_gradients, execution)).lower(params, tokens).compile()
     return program.memory_analysis().temp_size_in_bytes
 
 

@@ -65,7 +65,7 @@ def accuracy(checkpoint: Path, examples: list[dict]) -> float:
     """Exact-match accuracy of greedy answers (one device, KV cache) on ``examples``."""
     pretrained = load_pretrained(checkpoint, MeshConfig(1, 1, 1), jax.devices()[:1])
     template = ChatTemplate(pretrained.tokenizer)
-    sampler = Sampler(pretrained.model_def, pretrained.mesh)
+    sampler = Sampler(pretrained.model_def, pretrained.mesh, execution=pretrained.execution)
     right = 0
     for example in examples:
         result = sampler.sample(pretrained.params, template.prompt(example["prompt"]), max_new_tokens=16)

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from meshtron.config import MeshConfig, ModelConfig
+from meshtron.execution import Execution
 from meshtron.generate import Sampler
 from meshtron.mesh import build_mesh
 from meshtron.train.state import model_def_from_config
@@ -71,7 +72,8 @@ def main() -> None:
         params = md.init(mesh, seed=0)
         runs, tokens = {}, {}
         for path, use_cache in PATHS.items():
-            sampler = Sampler(md, mesh, context=CONTEXT, use_cache=use_cache)
+            sampler = Sampler(md, mesh, execution=Execution.of_model_config(cfg), context=CONTEXT,
+                              use_cache=use_cache)
             runs[path], tokens[path] = timed_runs(sampler, params, args.new_tokens, args.repeats)
         identical = tokens["KV cache"] == tokens["full window"]
         full_median = statistics.median(runs["full window"])

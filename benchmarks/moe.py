@@ -44,7 +44,7 @@ def expert_load(trainer: Trainer, params) -> dict | None:
     stream = trainer.corpus.heldout_stream(batch_size=t.batch_size, seq_len=trainer.cfg.model.seq_len, seed=t.seed)
     tokens = np.asarray(stream.rows(0, slice(None)))[:, :-1]
     md = trainer.model_def
-    with md.scope():  # on one device: the canonical parameters, every expert whole
+    with md.scope(trainer.execution):  # on one device: the canonical parameters, every expert whole
         stats = jax.jit(lambda p, x: routing_statistics(md.bind(p), x))(jax.device_get(params), tokens)
     if stats is None:
         return None

@@ -68,7 +68,7 @@ def trainer_step_times(trainer: Trainer, steps: int) -> list[float]:
 def plain_step_times(cfg, steps: int) -> list[float]:
     """The baseline: one device, no mesh, the textbook Flax NNX + optax jit step."""
     trainer = Trainer.from_config(cfg)  # only for the model definition and the corpus
-    md = trainer.model_def
+    md, execution = trainer.model_def, trainer.execution
     device = jax.devices()[0]
     params = jax.device_put(jax.device_get(md.init(trainer.mesh, cfg.train.seed)), device)
     tx = build_optimizer(cfg.train, md.logical_axes())
@@ -76,7 +76,7 @@ def plain_step_times(cfg, steps: int) -> list[float]:
 
     @jax.jit
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(md.loss)(params, tokens)
+        loss, grads = jax.value_and_grad(lambda p, t: md.loss(p, t, execution))(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.execution import Execution
 from meshtron.hlo.collectives import collectives
 from meshtron.megatron import megatron_figures
 from meshtron.mesh import build_mesh
@@ -29,7 +30,8 @@ def compiled_step(mesh_shape, microbatches, remat, family="gpt"):
     cfg = ModelConfig(hidden=HIDDEN, layers=LAYERS, mlp_dim=128, seq_len=SEQ, remat=remat, **FAMILIES[family])
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
     md = model_def_from_config(cfg, mesh.shape["tensor"])
-    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=microbatches)
+    steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=microbatches,
+                        execution=Execution.of_model_config(cfg))
     params = md.init(mesh, 0)
     opt_state = steps.init_opt_state(params)
     tokens = jax.device_put(jnp.zeros((BATCH, SEQ + 1), jnp.int32), steps.batch_sharding)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.execution import Execution
 from meshtron.hlo.order import unordered_collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
@@ -100,7 +101,7 @@ def test_compiled_pipelined_step_orders_every_collective(mesh_shape, schedule, c
     program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks),
                               keep_residuals=not recompute)
     steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()), microbatches=microbatches,
-                        pipeline=PipelinePlan(program))
+                        pipeline=PipelinePlan(program), execution=Execution.of_model_config(MODEL))
     params = jax.device_put(to_stage_order(jax.device_get(md.init(mesh, 0)), MODEL.layers, mesh_shape[1], chunks),
                             steps.param_shardings)
     batch = jax.device_put(np.zeros((mesh_shape[0] * microbatches, MODEL.seq_len + 1), np.int32), steps.batch_sharding)

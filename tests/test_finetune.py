@@ -71,9 +71,13 @@ def test_the_readme_fine_tune_flow_starts_from_the_import_and_leaves_it_untouche
     trainer = Trainer.from_config(cfg)
     batch = trainer.train_stream(0).next(trainer.steps.batch_sharding)
     pretrained = load_pretrained(imported)
+
+    def loss_of(md, execution):
+        return jax.jit(md.traced(lambda p, t: md.loss(p, t, execution), execution))
+
     with jax.set_mesh(pretrained.mesh):
-        reference = float(jax.jit(pretrained.model_def.traced(pretrained.model_def.loss))(pretrained.params, batch))
-        fresh = float(jax.jit(trainer.model_def.traced(trainer.model_def.loss))(trainer.init_params(), batch))
+        reference = float(loss_of(pretrained.model_def, pretrained.execution)(pretrained.params, batch))
+        fresh = float(loss_of(trainer.model_def, trainer.execution)(trainer.init_params(), batch))
     np.testing.assert_allclose(steps[0]["loss"], reference, rtol=1e-5)
     assert abs(steps[0]["loss"] - fresh) > 0.5  # a random model is far off
     shutil.rmtree(finetune)

@@ -63,7 +63,7 @@ def hf_logits(torch, model) -> np.ndarray:
 
 def meshtron_logits(pretrained) -> np.ndarray:
     md = pretrained.model_def
-    with jax.set_mesh(pretrained.mesh), md.scope():
+    with jax.set_mesh(pretrained.mesh), md.scope(pretrained.execution):
         logits = jax.jit(lambda params, tokens: md.bind(params)(tokens))(pretrained.params, TOKENS)
     logits = np.asarray(logits)
     assert logits.shape[-1] == md.vocab_padded > md.vocab_size == VOCAB

@@ -40,7 +40,7 @@ def family(name: str, tensor: int = 1, lora: LoraSpec | None = SPEC):
     from meshtron.train.state import ModelDef
 
     md = small(name, SEQ, tensor)
-    return md if lora is None else ModelDef.create(md.factory, rules=md.rules, window=md.window, adaptation=lora)
+    return md if lora is None else ModelDef.create(md.factory, rules=md.rules, adaptation=lora)
 
 
 def params_of(md, seed=0):
@@ -338,9 +338,11 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
     md = pretrained.model_def
     assert md.adaptation == LoraSpec(4, 8.0)
     prompt = list(range(5, 15))
-    ids = Sampler(md, pretrained.mesh).sample(pretrained.params, prompt, max_new_tokens=12).new_tokens
-    assert Sampler(md, pretrained.mesh, use_cache=False).sample(pretrained.params, prompt,
-                                                                max_new_tokens=12).new_tokens == ids
+    execution = pretrained.execution
+    ids = Sampler(md, pretrained.mesh, execution=execution).sample(pretrained.params, prompt,
+                                                                   max_new_tokens=12).new_tokens
+    assert Sampler(md, pretrained.mesh, execution=execution, use_cache=False).sample(
+        pretrained.params, prompt, max_new_tokens=12).new_tokens == ids
     # greedy decoding (KV cache) picks what the adapted model's own forward pass ranks first, wherever
     # that is not a near tie
     with md.scope():
@@ -353,7 +355,7 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
             assert int(np.argmax(row)) == token
             checked += 1
     assert checked >= 6
-    base = type(md).create(md.factory.__wrapped__, rules=md.rules, window=md.window)
+    base = type(md).create(md.factory.__wrapped__, rules=md.rules)
     with base.scope():
         plain = np.asarray(base.bind(without_adapters(pretrained.params))(jnp.asarray([prompt + list(ids)])))
     assert np.max(np.abs(plain[0, :, :md.vocab_size] - logits)) > 1e-3  # the adapters matter

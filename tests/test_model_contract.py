@@ -11,6 +11,7 @@ from flax import nnx
 
 from meshtron.cli import main
 from meshtron.config import ConfigError, MeshConfig, ModelConfig
+from meshtron.execution import Execution
 from meshtron.families import FAMILIES
 from meshtron.mesh import build_mesh
 from meshtron.models import Context, ModelContractError, stack_blocks
@@ -193,9 +194,10 @@ def test_model_attention_reaches_dot_product_attention(monkeypatch):
     real = jax.nn.dot_product_attention
     monkeypatch.setattr(jax.nn, "dot_product_attention",
                         lambda *a, implementation=None, **k: seen.append(implementation) or real(*a, **k))
-    md = model_def_from_config(ModelConfig(layers=1, seq_len=8), 1)
+    cfg = ModelConfig(layers=1, seq_len=8)
+    md, execution = model_def_from_config(cfg, 1), Execution.of_model_config(cfg)
     params = md.init(build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1]), 0)
-    with md.scope():
+    with md.scope(execution):
         jax.jit(md.loss)(params, jnp.zeros((1, 9), jnp.int32))
     assert seen == ["xla"]
     with pytest.raises(ConfigError, match="^model.attention: cudnn .flash attention. needs GPUs, this run has cpu"):

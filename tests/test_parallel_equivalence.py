@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+from meshtron.execution import Execution
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.train.state import ModelDef, model_def_from_config
@@ -19,20 +20,24 @@ MODEL = ModelConfig(vocab_size=256, hidden=64, heads=8, layers=2, mlp_dim=128, s
 BATCH = 8
 
 
-def model_def(remat: bool = False) -> ModelDef:
+def model_def() -> ModelDef:
     # The vocabulary is padded for tensor=8 on every mesh so all runs share one parameter shape.
-    cfg = ModelConfig(**{**MODEL.__dict__, "remat": "full" if remat else "none"})
-    return model_def_from_config(cfg, tensor=8)
+    return model_def_from_config(MODEL, tensor=8)
 
 
 def tokens(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(BATCH, MODEL.seq_len + 1), dtype=np.int32)
 
 
-def steps_on(mesh_shape, md, microbatches=1, optimizer=None):
+def execution(remat: bool = False) -> Execution:
+    """How the model runs: MODEL's switches, every block recomputed with ``remat``."""
+    return Execution.of_model_config(ModelConfig(**{**MODEL.__dict__, "remat": "full" if remat else "none"}))
+
+
+def steps_on(mesh_shape, md, microbatches=1, optimizer=None, run=None):
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
     opt = optimizer or build_optimizer(TrainConfig(steps=10, warmup_steps=2, lr=1e-2), md.logical_axes())
-    return build_steps(md, mesh, data_parallel_mean(), opt, microbatches=microbatches)
+    return build_steps(md, mesh, data_parallel_mean(), opt, microbatches=microbatches, execution=run or execution())
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +98,8 @@ def test_training_gives_the_same_losses_on_every_mesh(reference):
 
 def test_recomputation_does_not_change_gradients(reference):
     _, ref_params, _, ref_loss, ref_grads = reference
-    md = model_def(remat=True)
-    steps = steps_on((2, 1, 4), md, optimizer=optax.sgd(0.1))
+    md = model_def()
+    steps = steps_on((2, 1, 4), md, optimizer=optax.sgd(0.1), run=execution(remat=True))
     params = jax.device_put(ref_params, md.shardings(steps.mesh))
     loss, grads = steps.gradients(params, jax.device_put(jnp.asarray(tokens()), steps.batch_sharding))
     assert float(loss) == pytest.approx(ref_loss, rel=1e-6)

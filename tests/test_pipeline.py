@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from meshtron.config import ConfigError, MeshConfig, ModelConfig, TrainConfig, load_config
+from meshtron.execution import Execution
 from meshtron.hlo.collectives import collectives
 from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
@@ -30,11 +31,16 @@ def model_def(**overrides) -> ModelDef:
     return model_def_from_config(ModelConfig(**{**MODEL.__dict__, **overrides}), tensor=4)
 
 
+def execution(**overrides) -> Execution:
+    """How MODEL (with ``overrides``) runs: its remat, attention and window."""
+    return Execution.of_model_config(ModelConfig(**{**MODEL.__dict__, **overrides}))
+
+
 def tokens(rows=BATCH, seed=0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(rows, SEQ + 1), dtype=np.int32)
 
 
-def build(md, mesh_shape, schedule=None, chunks=1, microbatches=1, lr=1e-2, recompute=True):
+def build(md, mesh_shape, schedule=None, chunks=1, microbatches=1, lr=1e-2, recompute=True, run=None):
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
     program = None
     if mesh_shape[1] > 1:
@@ -42,7 +48,7 @@ def build(md, mesh_shape, schedule=None, chunks=1, microbatches=1, lr=1e-2, reco
                                   keep_residuals=not recompute)
     opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1, lr=lr), md.logical_axes())
     return build_steps(md, mesh, data_parallel_mean(), opt, microbatches=microbatches,
-                       pipeline=None if program is None else PipelinePlan(program))
+                       pipeline=None if program is None else PipelinePlan(program), execution=run or execution())
 
 
 def place(params, steps, md, chunks):
@@ -86,10 +92,11 @@ SCHEDULE_MESHES = [
 NO_RECOMPUTE = [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4))]  # zb-h1: test_stage_layout.py
 
 
-def assert_matches_reference(reference, md, mesh_shape, schedule, chunks, microbatches, recompute):
-    """``md`` pipelined on ``mesh_shape`` gives the unpipelined reference's loss and gradients."""
+def assert_matches_reference(reference, md, mesh_shape, schedule, chunks, microbatches, recompute, run=None):
+    """``md`` pipelined on ``mesh_shape`` (executed as ``run`` says) gives the unpipelined reference's loss
+    and gradients."""
     _, params, ref_loss, ref_grads = reference
-    steps = build(md, mesh_shape, schedule, chunks, microbatches, recompute=recompute)
+    steps = build(md, mesh_shape, schedule, chunks, microbatches, recompute=recompute, run=run)
     loss, grads = steps.gradients(place(params, steps, md, chunks), jax.device_put(tokens(), steps.batch_sharding))
     assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     grads = to_canonical(jax.device_get(grads), LAYERS, mesh_shape[1], chunks)
@@ -117,8 +124,8 @@ def test_full_recomputation_from_kept_layer_inputs_matches_the_unpipelined_model
                                                                                  mesh_shape):
     # model.remat=full with parallel.recompute=false: each layer's input kept, each layer recomputed once
     # in its backward (zb-h1's W reads kept matmul inputs, so it keeps those instead).
-    assert_matches_reference(reference, model_def(remat="full"), mesh_shape, schedule, chunks, 2 * mesh_shape[1],
-                             recompute=False)
+    assert_matches_reference(reference, model_def(), mesh_shape, schedule, chunks, 2 * mesh_shape[1],
+                             recompute=False, run=execution(remat="full"))
 
 
 def test_uneven_evaluation_matches_the_unpipelined_model(reference):
@@ -130,7 +137,8 @@ def test_uneven_evaluation_matches_the_unpipelined_model(reference):
     mesh = build_mesh(MeshConfig(2, 2, 2), jax.devices())
     opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1), md.logical_axes())
     piped = build_steps(md, mesh, data_parallel_mean(), opt, microbatches=2,
-                        pipeline=PipelinePlan(compile_program(make_schedule("1f1b", 2, 2)), layout))
+                        pipeline=PipelinePlan(compile_program(make_schedule("1f1b", 2, 2)), layout),
+                        execution=execution())
     placed = jax.device_put(to_stage_order(params, LAYERS, 2, 1, layout), piped.param_shardings)
     assert jax.tree.leaves(placed["blocks"])[0].shape[0] == 10  # two chunks of 5 slots, 2 of them padding
     got = float(piped.eval(placed, jax.device_put(batch, piped.batch_sharding)))
@@ -309,7 +317,7 @@ def _keep_temp_bytes(md, table, rows):
     program = compile_program(table, keep_residuals=True)
     opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1), md.logical_axes())
     steps = build_steps(md, mesh, data_parallel_mean(), opt, microbatches=table.microbatches,
-                        pipeline=PipelinePlan(program))
+                        pipeline=PipelinePlan(program), execution=execution())
     params = place(jax.device_get(md.init(mesh, 0)), steps, md, 1)
     batch = jnp.zeros((table.microbatches * rows, md.max_len + 1), jnp.int32)
     exe = steps.lower(params, steps.init_opt_state(params), jax.device_put(batch, steps.batch_sharding)).compile()

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config
+from meshtron.execution import Execution
 from meshtron.families import FAMILIES
 from meshtron.hlo.collectives import collectives, ring_wire_bytes
 from meshtron.megatron import (
@@ -39,12 +40,14 @@ def config(family: str, **overrides) -> ModelConfig:
 def compiled_gradient(family: str, tensor: int, layers: int, **overrides):
     """The compiled value-and-gradient of the loss on a (1, 1, tensor) mesh (abstract inputs)."""
     mesh = build_mesh(MeshConfig(1, 1, tensor), jax.devices()[:tensor])
-    md = model_def_from_config(config(family, layers=layers, **overrides), tensor)
+    cfg = config(family, layers=layers, **overrides)
+    md, execution = model_def_from_config(cfg, tensor), Execution.of_model_config(cfg)
     params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), md.shapes(),
                           md.shardings(mesh))
     tokens = jax.ShapeDtypeStruct((B, S + 1), jnp.int32, sharding=NamedSharding(mesh, P()))
+    loss = jax.value_and_grad(lambda p, t: md.loss(p, t, execution))
     with jax.set_mesh(mesh):
-        return jax.jit(md.traced(jax.value_and_grad(md.loss))).lower(params, tokens).compile(), mesh
+        return jax.jit(md.traced(loss, execution)).lower(params, tokens).compile(), mesh
 
 
 def per_layer_collectives(family: str, tensor: int, sequence_parallel: bool) -> tuple[Counter, float]:
@@ -110,9 +113,10 @@ LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(1, 2, 4, "
 @pytest.mark.parametrize("remat", ["none", "selective", "full"])
 def test_loss_and_gradients_equal_one_device_on_every_layout(family, remat):
     # The oracle compares each layout with one device, where sequence parallelism has nothing to split.
-    md = model_def_from_config(config(family, layers=4, sequence_parallel=True, remat=remat), 8)
+    cfg = config(family, layers=4, sequence_parallel=True, remat=remat)
+    md = model_def_from_config(cfg, 8)
     layouts = LAYOUTS if remat == "none" else LAYOUTS[1:2]  # recomputation: the pipelined layout suffices
-    reports = check_parity(md, layouts, seq_len=S)
+    reports = check_parity(md, layouts, seq_len=S, execution=Execution.of_model_config(cfg))
     assert [str(r.layout) for r in reports] == [str(layout) for layout in layouts] and all(r.ok for r in reports)
 
 
@@ -122,8 +126,9 @@ def test_zero_bubble_splits_the_backward_of_a_sequence_parallel_model(family, re
     # B and W are cut from the layer's own pullback: the reduce-scatters and all-gathers of sequence
     # parallelism and selective recomputation's checkpoint must land on the right side of the cut,
     # also when B starts from residuals the forward kept (parallel.recompute=false).
-    md = model_def_from_config(config(family, layers=4, sequence_parallel=True, remat=remat), 4)
-    [report] = check_parity(md, [Layout(1, 2, 4, "zb-h1", recompute=recompute)], seq_len=S)
+    cfg = config(family, layers=4, sequence_parallel=True, remat=remat)
+    [report] = check_parity(model_def_from_config(cfg, 4), [Layout(1, 2, 4, "zb-h1", recompute=recompute)], seq_len=S,
+                            execution=Execution.of_model_config(cfg))
     assert report.ok
 
 
@@ -150,12 +155,13 @@ def saved_per_layer(family: str, remat: str) -> int:
 
     from jax.ad_checkpoint import print_saved_residuals
 
-    md = model_def_from_config(config(family, layers=1, remat=remat), 1)
+    cfg = config(family, layers=1, remat=remat)
+    md, execution = model_def_from_config(cfg, 1), Execution.of_model_config(cfg)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), md.shapes())
     tokens = jnp.zeros((B, S + 1), jnp.int32)
     listing = io.StringIO()
-    with md.scope(), contextlib.redirect_stdout(listing):
-        print_saved_residuals(lambda p: md.loss(p, tokens), params)
+    with md.scope(execution), contextlib.redirect_stdout(listing):
+        print_saved_residuals(lambda p: md.loss(p, tokens, execution), params)
     smallest = B * S * H * SHAPES[family].get("kv_heads", HEADS) // HEADS
     sizes = [math.prod(int(d) for d in m.group(1).split(",") if d)
              for m in re.finditer(r"^\w+\[([\d,]*)\] .*\(run_blocks\)$", listing.getvalue(), re.MULTILINE)]

@@ -2,6 +2,7 @@
 exactly, W does only weight-gradient work, and parameters are never stored as residuals."""
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from meshtron.config import MeshConfig, ModelConfig
+from meshtron.execution import Execution
 from meshtron.mesh import build_mesh
 from meshtron.pipeline.split_backward import SplitPullback, residuals
 from meshtron.train.pipelined import stage_functions
@@ -18,9 +20,11 @@ H, S, B = 32, 16, 4
 
 
 def one_layer(family, remat="none", mlp_dim=64):
-    """(model, mesh, layer, its parameters, x, dy) for one layer of a small model."""
-    md = model_def_from_config(ModelConfig(family=family, vocab_size=256, hidden=H, heads=4, layers=2, mlp_dim=mlp_dim,
-                                           seq_len=S, remat=remat), tensor=1)
+    """(scope, mesh, layer, its parameters, x, dy) for one layer of a small model: ``scope()`` traces it as
+    its run would (its rules, and ``remat``)."""
+    cfg = ModelConfig(family=family, vocab_size=256, hidden=H, heads=4, layers=2, mlp_dim=mlp_dim, seq_len=S,
+                      remat=remat)
+    md = model_def_from_config(cfg, tensor=1)
     mesh = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     params = jax.tree.map(lambda a: a[0], md.init(mesh, seed=0)["blocks"])
     x = jax.random.normal(jax.random.key(1), (B, S, H))
@@ -30,12 +34,12 @@ def one_layer(family, remat="none", mlp_dim=64):
     def one_sequence_per_row(p, h):  # the microbatch's tokens (a layer reads their positions)
         return layer(p, h, jnp.zeros((h.shape[0], h.shape[1] + 1), jnp.int32))
 
-    return md, mesh, one_sequence_per_row, params, x, dy
+    return partial(md.scope, Execution.of_model_config(cfg)), mesh, one_sequence_per_row, params, x, dy
 
 
 @pytest.mark.parametrize("family, remat", [("gpt", "none"), ("llama", "none"), ("gpt", "selective")])
 def test_input_then_weight_gradient_is_the_pullback_exactly(family, remat):
-    md, mesh, layer, params, x, dy = one_layer(family, remat)
+    scope, mesh, layer, params, x, dy = one_layer(family, remat)
     seen = {}
 
     def both(params, x, dy):
@@ -51,7 +55,7 @@ def test_input_then_weight_gradient_is_the_pullback_exactly(family, remat):
                     b_dots=sum(op.primitive.name == "dot_general" for op in split._b_ops))
         return dx, d_params, ref_x, jax.tree.leaves(ref_params)
 
-    with jax.set_mesh(mesh), md.scope():
+    with jax.set_mesh(mesh), scope():
         dx, d_params, ref_x, ref_params = jax.jit(both)(params, x, dy)
     np.testing.assert_array_equal(dx, ref_x)
     for got, want in zip(d_params, ref_params, strict=True):
@@ -83,7 +87,7 @@ def test_w_needs_a_boundary_only_for_what_depends_on_weights():
 def test_weight_gradient_reading_the_residuals_keeps_only_cotangents_between_b_and_w(family):
     # A pipeline that keeps residuals (parallel.recompute=false) holds them until W, so W recomputes
     # the activations it multiplies from them: B leaves only what depends on the output gradient.
-    md, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
+    scope, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)  # as the runtime keeps residuals
     sizes = {}
 
@@ -107,7 +111,7 @@ def test_weight_gradient_reading_the_residuals_keeps_only_cotangents_between_b_a
         ref_params, ref_x = jax.vjp(layer, params, x)[1](dy)
         return outs, ref_x, jax.tree.leaves(ref_params)
 
-    with jax.set_mesh(mesh), md.scope():
+    with jax.set_mesh(mesh), scope():
         outs, ref_x, ref_params = jax.jit(both)(params, x, dy)
     for dx, d_params in outs:
         np.testing.assert_array_equal(dx, ref_x)
@@ -130,7 +134,7 @@ def test_boundary_values_may_replace_residuals_only_b_reads(family):
     # With the residuals kept until W, B writes a boundary value over a residual of its shape that W
     # does not read (the QKV cotangent over the QKV output, which only the attention backward reads),
     # and W, reading both from the overwritten residuals, still gives the pullback bit for bit.
-    md, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
+    scope, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)
     homed = []
 
@@ -152,7 +156,7 @@ def test_boundary_values_may_replace_residuals_only_b_reads(family):
         ref_params, ref_x = jax.vjp(layer, params, x)[1](dy)
         return dx, split.weight_gradient(flat, from_slot, overwritten), ref_x, jax.tree.leaves(ref_params)
 
-    with jax.set_mesh(mesh), md.scope():
+    with jax.set_mesh(mesh), scope():
         dx, d_params, ref_x, ref_params = jax.jit(both)(params, x, dy)
     np.testing.assert_array_equal(dx, ref_x)
     for got, want in zip(d_params, ref_params, strict=True):
@@ -228,7 +232,7 @@ def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
     # back into the product. With contiguous_weight_matmuls (the runtime's choice on CPU) every
     # product W compiles to has that form, and B + W is still the pullback the runtime runs unsplit,
     # bit for bit; against jax.vjp's own pullback only rounding differs.
-    md, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
+    scope, mesh, layer, params, x, dy = one_layer(family, mlp_dim=4 * H)
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)  # as the runtime keeps residuals
     flat = jax.tree.leaves(params)
 
@@ -256,7 +260,7 @@ def test_contiguous_weight_matmuls_reach_the_compiled_program(family):
         boundary, stored = jax.eval_shape(b, params)  # W compiled alone: its inputs as B leaves them
         return jax.jit(w).lower(params, boundary, stored).compile().as_text()
 
-    with jax.set_mesh(mesh), md.scope():
+    with jax.set_mesh(mesh), scope():
         dx, d_params, unsplit_x, unsplit, ref_x, ref_params = jax.jit(both)(params)
         hlo_of_w = weight_gradient_hlo(True)
         few_tokens = weight_gradient_hlo(True, x[:1], dy[:1])

@@ -39,11 +39,12 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshtron.bundled_configs import resolve
 from meshtron.checkpoint_dirs import imported_step
 from meshtron.errors import ConfigError
+from meshtron.execution import EXCHANGES
 from meshtron.families import FAMILIES
 from meshtron.megatron import REMAT_MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
-CONTEXT_EXCHANGES = ("gathered", "ring")
+CONTEXT_EXCHANGES = EXCHANGES  # (the names live with the run's other switches: meshtron.execution)
 RING_IN_PIPELINE = (
     "ring runs pipeline stages in lockstep (XLA's collective-permute waits for every device of the mesh), which an "
     "uneven parallel.layout's per-stage layer counts cannot; use an even layout or parallel.context_attention=gathered")

@@ -365,7 +365,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     fig = megatron.megatron_figures(
         vocab_size=model_def.vocab_padded, hidden=m.hidden, layers=model_def.layers, seq_len=m.seq_len,
         heads=m.heads, global_batch=t.batch_size, data=sizes.data, pipe=sizes.pipe, tensor=sizes.tensor,
-        microbatches=t.microbatches, remat=model_def.remat == "full", bytes_per_element=np.dtype(m.dtype).itemsize,
+        microbatches=t.microbatches, remat=run.execution.remat == "full", bytes_per_element=np.dtype(m.dtype).itemsize,
         layers_per_stage=busiest,
     )
     print("\nMegatron analytical figures per step and device (Narayanan et al. 2021)", file=out)

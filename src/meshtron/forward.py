@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.contract import logits_of, token_losses
 from meshtron.sharding import axis_names, logical_to_spec
 from meshtron.train.state import ModelDef, Params
@@ -73,11 +74,14 @@ class Forward:
     """The compiled forward pass of one model on one mesh (see the module's docstring).
 
     ``max_positions``: the longest row :meth:`logits` takes (the model's positions; ``None``: no
-    limit); :meth:`losses` takes one token more, as its last token is only a target.
+    limit); :meth:`losses` takes one token more, as its last token is only a target. ``execution``: how
+    the model's code runs (its attention implementation: the run's, which trained it).
     """
 
-    def __init__(self, model_def: ModelDef, mesh: Mesh, max_positions: int | None):
+    def __init__(self, model_def: ModelDef, mesh: Mesh, max_positions: int | None,
+                 execution: Execution = DEFAULT_EXECUTION):
         self.model_def = model_def
+        self.execution = execution
         self.mesh = mesh
         self.max_positions = max_positions
         self.param_shardings = model_def.shardings(mesh)
@@ -114,7 +118,7 @@ class Forward:
         key = (kind, *rows[0].shape[:2])
         if key not in self._programs:
             fn = self._logits if kind == "logits" else self._losses
-            program = jax.jit(self.model_def.traced(fn), in_shardings=(self.param_shardings, *[self._rows] * len(rows)),
+            program = jax.jit(self.model_def.traced(fn, self.execution), in_shardings=(self.param_shardings, *[self._rows] * len(rows)),
                               out_shardings=self._rows)
             with jax.set_mesh(self.mesh):
                 self._programs[key] = program.lower(params, *rows).compile()

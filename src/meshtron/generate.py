@@ -62,6 +62,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtron.data.tokenizers import Tokenizer
+from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.attention import KVCache, attention_implementation
 from meshtron.models.blocks import Context, run_blocks
 from meshtron.sharding import axis_rules, constrain
@@ -235,8 +236,10 @@ class Sampler:
     """The compiled decoder of one model on one mesh; reuse it to sample many times without recompiling.
 
     ``chunk`` is how many tokens one call of the compiled program can produce (longer requests
-    call it again); it changes speed only, never the tokens. ``context`` is the number of tokens
-    the model sees (default: :attr:`ModelDef.context`, the run's training window within the model's
+    call it again); it changes speed only, never the tokens. ``execution``: how the run executes the
+    model (:class:`~meshtron.execution.Execution`: its attention implementation, its training window).
+    ``context`` is the number of tokens the model sees (default: :meth:`Execution.context
+    <meshtron.execution.Execution.context>`, the run's training window within the model's
     ``max_len``). ``use_cache``: decode with a KV cache (one
     prefill, then one token's forward pass per step) or re-run the whole window every step;
     ``None`` (default) uses the cache when the model has ``init_cache`` and the mesh has
@@ -249,13 +252,14 @@ class Sampler:
         model_def: ModelDef,
         mesh: Mesh,
         *,
+        execution: Execution = DEFAULT_EXECUTION,
         chunk: int = DEFAULT_CHUNK,
         context: int | None = None,
         use_cache: bool | None = None,
     ):
         if chunk < 1:
             raise ValueError(f"chunk: must be >= 1, got {chunk}")
-        context = context or model_def.context
+        context = context or execution.context(model_def.max_len)
         if context is None:
             raise ValueError("context: this model has no max_len and no training window is known; give the context "
                              "length (e.g. the training seq_len)")
@@ -277,6 +281,7 @@ class Sampler:
             )
         self.context = context
         self.model_def = model_def
+        self.execution = execution
         self.mesh = mesh
         self.chunk = chunk
         self.use_cache = bool(use_cache)
@@ -324,7 +329,7 @@ class Sampler:
         new: list[int] = []
         # Each chunk is one call of the compiled loop; a stop sequence is looked for between chunks (a
         # chunk's tokens after it are computed and dropped), so stopping changes no compiled program.
-        with jax.set_mesh(self.mesh), axis_rules(self._rules), attention_implementation(self.model_def.attention), \
+        with jax.set_mesh(self.mesh), axis_rules(self._rules), attention_implementation(self.execution.attention), \
                 self.model_def.adapted():
             cache = self._empty_cache(params) if self.use_cache else None
             for start in range(0, max_new_tokens, self.chunk):
@@ -431,6 +436,7 @@ def sample(
     use_cache: bool | None = None,
     tokenizer: Tokenizer | None = None,
     stop: Sequence[Sequence[int]] | None = None,
+    execution: Execution | None = None,
 ) -> SampleResult:
     """Continue a prompt with up to ``max_new_tokens`` tokens, called either way:
 
@@ -446,8 +452,10 @@ def sample(
     given. ``seed`` makes sampling reproducible. ``stop``: token-id sequences that end the text (left
     out of it); by default the tokenizer's end-of-text id and the chat template's end of an answer
     (:func:`default_stops`), ``[]`` to always produce ``max_new_tokens``. ``context`` and ``use_cache``: see :class:`Sampler`
-    (by default a KV cache whenever the model has one and the mesh has ``pipe=1``). ``tokenizer``
-    and ``context`` override what a ``Pretrained`` carries.
+    (by default a KV cache whenever the model has one and the mesh has ``pipe=1``). ``execution``: how
+    the run executes the model (its attention implementation and training window; default: the
+    ``Pretrained``'s, else :class:`~meshtron.execution.Execution`'s defaults). ``tokenizer``,
+    ``context`` and ``execution`` override what a ``Pretrained`` carries.
 
     Builds and compiles a :class:`Sampler`; to sample repeatedly from one model, keep a ``Sampler``
     instead.
@@ -462,7 +470,8 @@ def sample(
             raise TypeError(f"sample(pretrained, prompt, ...): expected 2 positional arguments, got {1 + len(args)}")
         model_def, params, mesh, prompt = model.model_def, model.params, model.mesh, args[0]
         tokenizer = tokenizer or model.tokenizer
-    return Sampler(model_def, mesh, context=context, use_cache=use_cache).sample(
+        execution = execution or model.execution
+    return Sampler(model_def, mesh, execution=execution or DEFAULT_EXECUTION, context=context, use_cache=use_cache).sample(
         params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
         tokenizer=tokenizer, stop=stop,
     )

@@ -20,6 +20,7 @@ from meshtron.checkpoint_dirs import checkpoint_location
 from meshtron.config import Config, MeshConfig, config_from_dict, validate_tensor_split
 from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from meshtron.errors import ConfigError
+from meshtron.execution import Execution
 from meshtron.forward import Forward
 from meshtron.mesh import build_mesh, resolve_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
@@ -31,7 +32,8 @@ from meshtron.train.state import ModelDef, Params, model_def_from_config
 @dataclass
 class Pretrained:
     """Canonical parameters (layers in model order) laid out on ``mesh``, and where they came from:
-    ``meshtron.sample(pretrained, prompt, ...)`` decodes with its tokenizer and its window."""
+    ``meshtron.sample(pretrained, prompt, ...)`` decodes with its tokenizer and its window (its
+    :attr:`execution`)."""
 
     model_def: ModelDef
     params: Params
@@ -61,6 +63,12 @@ class Pretrained:
         return self._forward_pass().losses(self.params, tokens, loss_mask)
 
     @property
+    def execution(self) -> Execution:
+        """How the run that trained it executed the model (its attention implementation, its window:
+        generation's default context), as its recorded config says."""
+        return Execution.of_model_config(self.config.model)
+
+    @property
     def max_positions(self) -> int:
         """The longest sequence the model runs over: its own ``max_len`` (a GPT's position table), else
         the config's ``model.max_position_embeddings``, else its training window ``model.seq_len``."""
@@ -69,8 +77,10 @@ class Pretrained:
     def _forward_pass(self) -> Forward:
         """The compiled forward pass for this model and mesh (rebuilt if either was replaced)."""
         held = self._forward
-        if held is None or held.model_def is not self.model_def or held.mesh is not self.mesh:
-            self._forward = Forward(self.model_def, self.mesh, self.max_positions)
+        execution = self.execution
+        if held is None or held.model_def is not self.model_def or held.mesh is not self.mesh \
+                or held.execution != execution:
+            self._forward = Forward(self.model_def, self.mesh, self.max_positions, execution)
         return self._forward
 
 

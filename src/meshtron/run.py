@@ -13,6 +13,7 @@ from typing import Any
 
 from meshtron.config import RING_IN_PIPELINE, Config, validate_sizes
 from meshtron.errors import ConfigError
+from meshtron.execution import Execution
 from meshtron.mesh import mesh_shape, resolve_sizes
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import LayoutError, StageLayout
@@ -62,6 +63,12 @@ class Run:
     def pipeline(self) -> PipelinePlan | None:
         """How the pipeline runtime executes the training program (None without a pipeline or a program)."""
         return None if self.program is None else PipelinePlan(self.program, self.stage_layout)
+
+    @property
+    def execution(self) -> Execution:
+        """How this run executes the model's code: ``model.remat``, ``model.attention``,
+        ``parallel.context_attention`` and ``model.seq_len`` as generation's window."""
+        return Execution.of_model_config(self.cfg.model)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ import optax
 
 from meshtron.config import Config, MeshConfig, ModelConfig, PipelineConfig, TrainConfig
 from meshtron.errors import ConfigError
+from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.mesh import build_mesh
 from meshtron.models.contract import ModelFactory
 from meshtron.optim import data_parallel_mean
@@ -113,14 +114,17 @@ def _resolved(md: ModelDef, layout: Layout, batch: int, seq_len: int) -> Run:
     return resolve_run(cfg, layout.devices)
 
 
-def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray, devices) -> tuple[float, Params]:
-    """Loss and canonical-order gradients of ``tokens`` on ``layout`` (parameters given canonical)."""
+def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray, devices,
+               execution: Execution) -> tuple[float, Params]:
+    """Loss and canonical-order gradients of ``tokens`` on ``layout`` (parameters given canonical), the
+    model executed as ``execution`` says with the layout's own exchange over a split sequence."""
     mesh = build_mesh(MeshConfig(layout.data, layout.pipe, layout.tensor, layout.context), devices[:layout.devices])
     run = _resolved(md, layout, tokens.shape[0], tokens.shape[1] - 1)
-    md = replace(md, context_attention=layout.context_attention)
+    execution = replace(execution, context_attention=layout.context_attention)
     program, stages = run.program, run.stage_layout
     md.check_mesh(mesh, stages.padded_layers if stages is not None else None)
-    steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, pipeline=run.pipeline)
+    steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, pipeline=run.pipeline,
+                        execution=execution)
     if program is not None:  # training keeps block layers in stage order (meshtron.train.pipelined)
         params = jax.device_get(to_stage_order(params, md.layers, layout.pipe, layout.chunks, stages))
     placed = jax.device_put(params, steps.param_shardings)
@@ -151,6 +155,7 @@ def check_parity(
     devices=None,
     grouped_loss: bool = False,
     documents: bool = False,
+    execution: Execution = DEFAULT_EXECUTION,
 ) -> list[ParityReport]:
     """Compare the loss and gradients of one random batch on each of ``layouts`` with one device.
 
@@ -165,7 +170,10 @@ def check_parity(
     positions or attention ignore the documents, or a layout that mixes them up, fails.
 
     ``model`` is a factory ``rngs -> model`` (with ``rules`` added to Megatron's table) or a
-    :class:`ModelDef`. ``batch`` must be divisible by every layout's data size times its microbatches.
+    :class:`ModelDef`. ``execution``: how the model runs, alike on one device and on every layout
+    (``model.remat``, ``model.attention``: :class:`~meshtron.execution.Execution`); each layout's
+    ``context_attention`` is its exchange. ``batch`` must be divisible by every layout's data size times
+    its microbatches.
     Gradients match when ``|g - g_ref| <= atol + rtol·|g_ref|`` everywhere. A layout that fails to
     build or run is a failed parity too: one line naming it (its exception is the
     :class:`ParityError`'s ``__context__``); a setting that cannot work on it (:class:`ConfigError`)
@@ -194,7 +202,8 @@ def check_parity(
         # mean of per-group losses. For a token-wise loss that is the whole batch's mean; a loss that
         # depends on its group (a mixture of experts' load balance) is then compared like for like.
         if groups not in references:
-            references[groups] = _gradients(md, Layout(1, 1, 1, microbatches=groups), params, tokens, devices)
+            references[groups] = _gradients(md, Layout(1, 1, 1, microbatches=groups), params, tokens, devices,
+                                            execution)
         return references[groups]
 
     names = leaf_names(reference(1)[1])
@@ -202,7 +211,7 @@ def check_parity(
     for layout in chosen:
         ref_loss, ref_grads = reference(layout.data * layout.m if grouped_loss else 1)
         try:
-            loss, grads = _gradients(md, layout, params, tokens, devices)
+            loss, grads = _gradients(md, layout, params, tokens, devices, execution)
         except ConfigError:
             raise
         except Exception as error:  # noqa: BLE001 -- a program that fails to build or run is a report, not a traceback

@@ -37,11 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshtron.execution import EXCHANGES, checked_exchange
 from meshtron.models.documents import same_document
 from meshtron.sharding import LogicalAxes, constrain, logical_to_spec, manual_part, pinned_axes, varying_like
 from meshtron.trace_context import current, using
-
-EXCHANGES = ("gathered", "ring")
 
 
 @contextlib.contextmanager
@@ -50,13 +49,6 @@ def context_exchange(name: str) -> Iterator[None]:
     ``"gathered"`` (:func:`gathered_kv_attention`) or ``"ring"`` (:func:`ring_attention`)."""
     with using(exchange=checked_exchange(name)):
         yield
-
-
-def checked_exchange(name: str) -> str:
-    """``name`` if it is one of :data:`EXCHANGES`, else a ``ValueError`` that says which are."""
-    if name not in EXCHANGES:
-        raise ValueError(f"parallel.context_attention: must be one of {', '.join(EXCHANGES)}, got {name!r}")
-    return name
 
 
 def sequence_split() -> tuple[str, int] | None:

@@ -8,12 +8,14 @@ inside the step's data-parallel ``shard_map``; gradients stay local to the rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.blocks import Context
 from meshtron.models.contract import layer_reports, next_token_pairs
 from meshtron.train.state import ModelDef, Params
@@ -35,12 +37,14 @@ def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
     return tokens.reshape(microbatches, tokens.shape[0] // microbatches, *tokens.shape[1:])
 
 
-def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, microbatches: int):
-    """Mean loss and gradient of this shard's ``tokens`` [rows, seq+1], accumulated over microbatches.
+def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, microbatches: int,
+                    execution: Execution = DEFAULT_EXECUTION):
+    """Mean loss and gradient of this shard's ``tokens`` [rows, seq+1], accumulated over microbatches,
+    blocks recomputed as ``execution.remat`` says.
 
     ``params`` must already be varying over ``data`` so the gradients stay local.
     """
-    grad_fn = jax.value_and_grad(model_def.loss)
+    grad_fn = jax.value_and_grad(functools.partial(model_def.loss, execution=execution))
     if microbatches == 1:
         return grad_fn(params, tokens)
     micro = as_microbatches(tokens, microbatches)
@@ -56,8 +60,10 @@ def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, micr
     return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
 
 
-def plain_forward_backward(model_def: ModelDef, microbatches: int) -> ForwardBackward:
-    """The whole model on every pipeline rank (``pipe`` = 1), microbatches accumulated in a scan."""
+def plain_forward_backward(model_def: ModelDef, microbatches: int,
+                           execution: Execution = DEFAULT_EXECUTION) -> ForwardBackward:
+    """The whole model on every pipeline rank (``pipe`` = 1), microbatches accumulated in a scan; blocks
+    recomputed as ``execution.remat`` says."""
 
     def reports(params: Params, tokens: jax.Array):
         found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), next_token_pairs(mb)[0],
@@ -65,7 +71,7 @@ def plain_forward_backward(model_def: ModelDef, microbatches: int) -> ForwardBac
         return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
 
     return ForwardBackward(
-        gradients=lambda params, tokens: local_gradients(model_def, params, tokens, microbatches),
-        loss=model_def.loss,
+        gradients=lambda params, tokens: local_gradients(model_def, params, tokens, microbatches, execution),
+        loss=functools.partial(model_def.loss, execution=execution),
         reports=reports,
     )

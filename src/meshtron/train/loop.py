@@ -25,6 +25,7 @@ from meshtron.config import Config, TrainConfig, load_config, parse_profile_step
 from meshtron.data.sources import TokenDatasets, load_training_data, packs_documents
 from meshtron.data.text import Corpus
 from meshtron.errors import ConfigError, RunStopped
+from meshtron.execution import Execution
 from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
@@ -122,7 +123,7 @@ class Trainer:
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
             microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages, trainable=trainable,
-            skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed,
+            skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 
@@ -130,6 +131,11 @@ class Trainer:
     def cfg(self) -> Config:
         """The run's config, with the mesh's real sizes."""
         return self.resolved.cfg
+
+    @property
+    def execution(self) -> Execution:
+        """How this run executes the model's code (recomputation, attention, generation's window)."""
+        return self.resolved.execution
 
     @property
     def stage_layout(self) -> StageLayout | None:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.blocks import RESIDUAL, Context, layer_view, run_blocks
@@ -94,14 +95,15 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
                         is_leaf=param_shaped)
 
 
-def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunctions:
+def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execution = DEFAULT_EXECUTION) -> StageFunctions:
     """A contract model cut into embedding (first virtual stage), a chunk of blocks, and head + loss
     (last virtual stage). Activations between stages are ``x`` [rows, seq, hidden]; every stage
     reads its positions (and packed documents' segments) from the microbatch's tokens, which every
     stage holds (:meth:`~meshtron.models.blocks.Context.for_tokens`).
 
     The runtime seeds each microbatch's loss gradient with ``1/microbatches``; the blocks'
-    auxiliary losses are seeded alike (:func:`~meshtron.models.auxiliary.auxiliary_loss_scale`)."""
+    auxiliary losses are seeded alike (:func:`~meshtron.models.auxiliary.auxiliary_loss_scale`). Layers
+    are recomputed as ``execution.remat`` says."""
     aux_scale = 1.0 / microbatches
 
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
@@ -110,7 +112,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
     def stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None) -> jax.Array:
         with auxiliary_loss_scale(aux_scale):
             return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),
-                              remat=model_def.remat, active=active)
+                              remat=execution.remat, active=active)
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         model = model_def.bind(shared)
@@ -133,17 +135,17 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1) -> StageFunction
                             is_leaf=lambda x: isinstance(x, tuple))
 
     return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
-                          remat=model_def.remat, activation_spec=lambda: logical_to_spec(RESIDUAL),
+                          remat=execution.remat, activation_spec=lambda: logical_to_spec(RESIDUAL),
                           chunk_specs=chunk_specs, reporting_stage=reporting_stage)
 
 
-def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan):
+def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan, execution: Execution = DEFAULT_EXECUTION):
     """``(params, tokens [m, rows, seq+1]) -> (loss, grads)`` running ``plan``'s program over ``pipe``.
 
     Called inside the trainer's data-parallel region; gradients are local to the data shard. With an
     uneven layout the parameters are padded as ``plan.layout`` says.
     """
-    fns = stage_functions(model_def, plan.program.schedule.microbatches)
+    fns = stage_functions(model_def, plan.program.schedule.microbatches, execution)
     chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
@@ -170,7 +172,8 @@ def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan):
     return gradients
 
 
-def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = False):
+def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = False,
+                   execution: Execution = DEFAULT_EXECUTION):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
     Same stages, layer placement and microbatches as training (``plan``'s), but a forward-only table:
@@ -181,7 +184,7 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     stacked over the stage-ordered layer axis (as the block parameters are).
     """
     forward = plan.forward_only()
-    fns = stage_functions(model_def)
+    fns = stage_functions(model_def, execution=execution)
     chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
@@ -202,14 +205,15 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     return loss
 
 
-def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbatches: int) -> ForwardBackward:
+def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbatches: int,
+                               execution: Execution = DEFAULT_EXECUTION) -> ForwardBackward:
     """The pipeline runtime as the step's gradient source: ``plan``'s schedule over the ``microbatches`` for
     gradients, its forward-only twin for the loss and the layers' reports (those brought back from stage
-    order to model order)."""
+    order to model order); layers recomputed as ``execution.remat`` says."""
     sched = plan.program.schedule
-    run_schedule = pipelined_gradients(model_def, plan)
-    run_forward = pipelined_loss(model_def, plan)
-    run_reporting = pipelined_loss(model_def, plan, reports=True)
+    run_schedule = pipelined_gradients(model_def, plan, execution)
+    run_forward = pipelined_loss(model_def, plan, execution=execution)
+    run_reporting = pipelined_loss(model_def, plan, reports=True, execution=execution)
     model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
                                                               plan.layout)))
 

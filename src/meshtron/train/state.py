@@ -6,6 +6,11 @@ Parameters are kept as a plain nested dict of arrays (the canonical tree a check
 axes every leaf carries, which rules table places them, and how to create the tree *already
 sharded*: initialisation runs under ``jax.jit`` with ``out_shardings`` from the rules table, so no
 parameter is ever materialised whole on one device.
+
+A :class:`ModelDef` is the model's structure only; how a run executes it (recomputation, the attention
+implementation, the exchange over a split sequence, generation's window) is a separate
+:class:`~meshtron.execution.Execution` that :meth:`ModelDef.scope`, :meth:`~ModelDef.traced` and
+:meth:`~ModelDef.loss` take, so one structure serves runs that execute it differently.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from meshtron.config import ModelConfig, check_sequence_parallel
 from meshtron.errors import ConfigError
+from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.adaptation import Adaptation
 from meshtron.models.blocks import LAYERS
-from meshtron.models.context_attention import checked_exchange
 from meshtron.models.contract import ModelFactory, check_model, checked_model, lm_loss
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trace_context import current, using
@@ -44,8 +49,9 @@ class ModelDef:
     """A model's structure without its values: rebuilds modules from parameter dicts.
 
     ``factory(rngs)`` makes the model (any :mod:`~meshtron.models.contract` model); ``rules`` is the
-    logical -> mesh axis table that lays it out; ``remat`` is ``model.remat``: ``none``, ``full``
-    (each block recomputed in the backward pass) or ``selective`` (attention cores recomputed).
+    logical -> mesh axis table that lays it out. What a run chooses about executing it (``model.remat``,
+    ``model.attention``, ...) is not here but in an :class:`~meshtron.execution.Execution`: the methods
+    that trace model code take one.
     """
 
     factory: ModelFactory
@@ -55,16 +61,11 @@ class ModelDef:
     vocab_size: int  # the real vocabulary (logits may be padded beyond it)
     max_len: int | None  # the model's own context limit (learned positions), if it has one
     can_cache: bool  # the model provides init_cache: generation decodes with a KV cache
-    remat: str = "none"
-    attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: JAX's choice)
-    window: int | None = None  # the run's model.seq_len, generation's default context (None: max_len)
-    context_attention: str = "gathered"  # the exchange over a split sequence (parallel.context_attention)
     adaptation: Adaptation | None = None  # added parameters applied through the layer hook (LoRA's adapters)
 
     @classmethod
-    def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES, remat: str = "none",
-               attention: str | None = None, window: int | None = None,
-               context_attention: str = "gathered", adaptation: Adaptation | None = None) -> ModelDef:
+    def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES,
+               adaptation: Adaptation | None = None) -> ModelDef:
         """Trace ``factory`` abstractly (no parameter is created) and check the model contract. With an
         ``adaptation`` (:mod:`meshtron.models.adaptation`: LoRA's adapters), the model carries its
         parameters and its factory makes them."""
@@ -77,28 +78,18 @@ class ModelDef:
         max_len = getattr(abstract, "max_len", None)
         can_cache = callable(getattr(abstract, "init_cache", None))
         graphdef, state = nnx.split(abstract, nnx.Param)
-        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, remat, attention, window,
-                   context_attention, adaptation)
-
-    @property
-    def context(self) -> int | None:
-        """How many tokens generation sees by default: the training window, within the model's
-        ``max_len`` (either alone when only one is known)."""
-        if self.window is None:
-            return self.max_len
-        return self.window if self.max_len is None else min(self.window, self.max_len)
+        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, adaptation)
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator[None]:
+    def scope(self, execution: Execution = DEFAULT_EXECUTION) -> Iterator[None]:
         """Trace model code inside this: its activation constraints follow this model's rules (flax's
-        partitioning metadata too), its attention uses this run's implementation (and, over a split
-        sequence, its exchange), cores recomputed under ``remat=selective``, and its blocks apply the
-        adaptation (:meth:`adapted`)."""
+        partitioning metadata too) and its blocks apply the adaptation (:meth:`adapted`) -- the
+        structure's part --, while ``execution`` says how it runs: its attention implementation (and,
+        over a split sequence, its exchange), cores recomputed under ``remat=selective``."""
         views = current().layer_views
         if self.adaptation is not None:
             views = (*views, self.adaptation.layer_view())
-        with using(rules=tuple(self.rules), attention=self.attention, recompute_core=self.remat == "selective",
-                   exchange=checked_exchange(self.context_attention), layer_views=views), \
+        with execution.scope(), using(rules=tuple(self.rules), layer_views=views), \
                 nnx.logical_axis_rules(list(self.rules)):
             yield
 
@@ -114,12 +105,13 @@ class ModelDef:
         dropout) is on, drawn from ``seed``."""
         return contextlib.nullcontext() if self.adaptation is None else self.adaptation.training(seed)
 
-    def traced(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` traced under this model's rules (wrap what ``jax.jit`` traces)."""
+    def traced(self, fn: Callable[..., Any], execution: Execution = DEFAULT_EXECUTION) -> Callable[..., Any]:
+        """``fn`` traced under this model's rules, executed as ``execution`` says (wrap what ``jax.jit``
+        traces; :meth:`scope`)."""
 
         @functools.wraps(fn)
         def within_rules(*args, **kwargs):
-            with self.scope():
+            with self.scope(execution):
                 return fn(*args, **kwargs)
 
         return within_rules
@@ -163,9 +155,10 @@ class ModelDef:
                         f"use a size divisible by {split}, a smaller mesh axis, or model.rules={{{logical}: null}} "
                         "to replicate it")
 
-    def loss(self, params: Params, tokens: jax.Array) -> jax.Array:
-        """Mean next-token loss of ``tokens`` [batch, seq + 1] through the contract."""
-        return lm_loss(self.bind(params), tokens, remat=self.remat)
+    def loss(self, params: Params, tokens: jax.Array, execution: Execution = DEFAULT_EXECUTION) -> jax.Array:
+        """Mean next-token loss of ``tokens`` [batch, seq + 1] through the contract, its blocks recomputed
+        as ``execution.remat`` says (trace it within :meth:`scope` of the same ``execution``)."""
+        return lm_loss(self.bind(params), tokens, remat=execution.remat)
 
     def stacked(self) -> Params:
         """``True`` for parameters with a leading ``layers`` axis (per-layer optimizer choices)."""
@@ -263,7 +256,9 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
     """The :class:`ModelDef` of a run: ``factory`` (a user's model), else ``model.factory`` or
     ``model.family`` from the config; Megatron's rules extended by the family's own, then by
     ``model.rules`` and ``rules`` (later ones win). ``parallel.sequence_parallel`` maps the residual
-    stream's ``residual_seq`` onto ``tensor`` (:data:`meshtron.models.contract.RESIDUAL`)."""
+    stream's ``residual_seq`` onto ``tensor`` (:data:`meshtron.models.contract.RESIDUAL`). The structure
+    only: the run's switches are ``Execution.of_model_config(cfg)`` (:class:`~meshtron.execution.Execution`),
+    checked here where they need the devices (``model.attention=cudnn``)."""
     from meshtron.models.registry import family_rules, model_factory
 
     table = extend_rules(MEGATRON_RULES, family_rules(cfg, tensor) if factory is None else {})
@@ -274,6 +269,4 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
     if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
         raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "
                           "devices; use model.attention=xla")
-    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, remat=cfg.remat,
-                           attention=cfg.attention, window=cfg.seq_len, context_attention=cfg.context_attention,
-                           adaptation=adaptation)
+    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, adaptation=adaptation)

@@ -39,6 +39,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.hlo.collectives import collectives
 from meshtron.models.blocks import layer_parameters
 from meshtron.optim.layout import manual_part, opt_state_specs
@@ -101,6 +102,7 @@ def build_steps(
     zero: ZeroPlan | None = None,
     trainable: Trainable | None = None,
     seed: int = 0,
+    execution: Execution = DEFAULT_EXECUTION,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -112,14 +114,14 @@ def build_steps(
     over the shares). ``trainable``: which parameters train (default: the model's own mask). ``seed``:
     of what is random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not
     applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
-    """
+    ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`)."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
     trainable = trainable or Trainable.of_model(model_def)
     sync = gradient_sync(zero, reduction, trains_part=trainable.is_partial)
-    source = plain_forward_backward(model_def, microbatches) if pipeline is None else pipelined_forward_backward(
-        model_def, _for_region(pipeline, shards, model_def), microbatches)
+    source = plain_forward_backward(model_def, microbatches, execution) if pipeline is None else \
+        pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution)
     part = trainable.part
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer)
 
@@ -158,7 +160,7 @@ def build_steps(
             params, shards.laid_out(tokens))
 
     evaluate = whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())
-    scoped = model_def.traced
+    scoped = partial(model_def.traced, execution=execution)
     return TrainSteps(
         mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages), train=scoped(train),
         evaluate=scoped(evaluate), gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
@@ -204,10 +206,10 @@ def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
 
-def _for_region(pipeline: PipelinePlan, shards: DataShards, model_def: ModelDef) -> PipelinePlan:
+def _for_region(pipeline: PipelinePlan, shards: DataShards, execution: Execution) -> PipelinePlan:
     """``pipeline`` as the region runs it: a ring attention's collective-permutes are entered by every device
     of the mesh at once, so stages then run every tick's work in lockstep instead of skipping idle ticks."""
-    lockstep = shards.context > 1 and model_def.context_attention == "ring"
+    lockstep = shards.context > 1 and execution.context_attention == "ring"
     return replace(pipeline, lockstep=lockstep, check_vma=shards.check_vma)
 
 

@@ -1,0 +1,95 @@
+"""How a run executes a model's code, as opposed to what the model is: one frozen value built once from
+the run.
+
+A :class:`meshtron.train.state.ModelDef` is a model's structure -- its modules, parameter shapes, the
+rules table that lays them out, an adaptation's added parameters -- and the same structure runs under
+many runs. What differs between those runs without changing a single parameter is here: whether
+blocks or attention cores are recomputed in the backward pass (``model.remat``), which
+``jax.nn.dot_product_attention`` implementation attention uses (``model.attention``), how attention
+over a sequence split across devices exchanges keys and values (``parallel.context_attention``), and
+the training window that generation sees by default (``model.seq_len``). Keeping them off the model's
+structure lets one model definition serve a training run, a sampler and a parity check that each
+execute it their own way, and gives every consumer the switches from one place
+(:attr:`meshtron.run.Run.execution`, or :meth:`Execution.of_model_config`).
+
+Pure Python and no JAX: it imports only the package's ground floor (:mod:`meshtron.trace_context`, and
+:mod:`meshtron.megatron` for the recompute modes' names), so the CLI may build it before JAX starts and
+every floor above may read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshtron.megatron import REMAT_MODES
+from meshtron.trace_context import TraceContext, using
+
+__all__ = ["DEFAULT_EXECUTION", "EXCHANGES", "REMAT_MODES", "Execution", "checked_exchange"]
+
+EXCHANGES = ("gathered", "ring")  # parallel.context_attention: keys and values all-gathered, or passed round a ring
+
+
+class _RunModelSettings(Protocol):
+    """What :meth:`Execution.of_model_config` reads of a run's ``model`` section
+    (:class:`meshtron.config.ModelConfig`, which this module does not import: the config imports it)."""
+
+    remat: str
+    attention: str | None
+    context_attention: str
+    seq_len: int | None
+
+
+@dataclass(frozen=True)
+class Execution:
+    """The run's switches for executing a model's code (defaults: a model traced on its own).
+
+    ``remat``: ``none``, ``full`` (each block recomputed in the backward pass) or ``selective`` (only
+    attention cores recomputed). ``attention``: ``jax.nn.dot_product_attention``'s implementation
+    (``None``: JAX's choice). ``context_attention``: the exchange over a split sequence (``gathered`` or
+    ``ring``). ``window``: the run's ``model.seq_len``, the context generation sees by default
+    (:meth:`context`; ``None``: the model's own limit)."""
+
+    remat: str = "none"
+    attention: str | None = None
+    context_attention: str = "gathered"
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"model.remat: must be one of {', '.join(REMAT_MODES)}, got {self.remat!r}")
+        checked_exchange(self.context_attention)
+
+    @classmethod
+    def of_model_config(cls, model: _RunModelSettings) -> Execution:
+        """The switches a run's ``model`` section (``cfg.model``) sets."""
+        return cls(remat=model.remat, attention=model.attention, context_attention=model.context_attention,
+                   window=model.seq_len)
+
+    def scope(self) -> contextlib.AbstractContextManager[TraceContext]:
+        """Inside this, traced model code runs as these switches say: attention through this
+        implementation and, over a split sequence, this exchange; attention cores keep only their inputs
+        for the backward under ``remat=selective`` (``full`` is applied where blocks run:
+        :func:`meshtron.models.blocks.run_blocks`)."""
+        return using(attention=self.attention, recompute_core=self.remat == "selective",
+                     exchange=self.context_attention)
+
+    def context(self, max_len: int | None) -> int | None:
+        """How many tokens generation sees by default: the training window, within the model's
+        ``max_len`` (either alone when only one is known)."""
+        if self.window is None:
+            return max_len
+        return self.window if max_len is None else min(self.window, max_len)
+
+
+def checked_exchange(name: str) -> str:
+    """``name`` if it is one of :data:`EXCHANGES`, else a ``ValueError`` that says which are."""
+    if name not in EXCHANGES:
+        raise ValueError(f"parallel.context_attention: must be one of {', '.join(EXCHANGES)}, got {name!r}")
+    return name
+
+
+DEFAULT_EXECUTION = Execution()
+"""A model traced on its own (the default of every function that takes an execution): nothing
+recomputed, JAX's attention implementation, keys and values gathered, no training window."""
