@@ -35,10 +35,14 @@ class _RunModelSettings(Protocol):
     """What :meth:`Execution.of_model_config` reads of a run's ``model`` section
     (:class:`meshtron.config.ModelConfig`, which this module does not import: the config imports it)."""
 
-    remat: str
-    attention: str | None
-    context_attention: str
-    seq_len: int | None
+    @property
+    def remat(self) -> str: ...
+    @property
+    def attention(self) -> str | None: ...
+    @property
+    def context_attention(self) -> str: ...
+    @property
+    def seq_len(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
