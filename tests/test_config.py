@@ -21,6 +21,7 @@ from meshtron.config import (
     to_dict,
     upgraded,
 )
+from meshtron.run import check_features
 
 CONFIGS = Path(__file__).resolve().parents[1] / "mesh_configs"
 
@@ -63,8 +64,8 @@ def test_every_shipped_config_loads(name):
     ],
 )
 def test_bad_input_is_one_clear_error(overrides, field, fix):
-    with pytest.raises(ConfigError) as err:
-        load_config(CONFIGS / "cpu8.yaml", overrides)
+    with pytest.raises(ConfigError) as err:  # a field's own checks, then the run's (as the CLI makes them)
+        check_features(load_config(CONFIGS / "cpu8.yaml", overrides))
     message = str(err.value)
     assert message.startswith(field) or field in message.split(":")[0]
     assert fix in message

@@ -4,8 +4,9 @@ and with more key/value heads than tensor ranks, and the key/value layout rule."
 import jax
 import pytest
 
-from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config, validate
+from meshtron.config import ConfigError, MeshConfig, ModelConfig, load_config
 from meshtron.mesh import build_mesh
+from meshtron.run import check_features
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 
@@ -60,5 +61,5 @@ def test_kv_heads_that_fit_neither_way_is_one_config_error():
 
 def _validated(overrides):
     cfg = load_config("llama_cpu8", ["parallel.data=1", "parallel.pipe=1", "model.hidden=192", *overrides])
-    validate(cfg)
+    check_features(cfg)
     return cfg

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshtron.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_config, validate
+from meshtron.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_config
 from meshtron.mesh import build_mesh
 from meshtron.models.auxiliary import collecting_reports
 from meshtron.models.contract import lm_loss
 from meshtron.models.moe import MoE, MoEDims, route, routing_statistics
 from meshtron.models.moe import all_to_all_bytes as moe_all_to_all_bytes
+from meshtron.run import check_features
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 
@@ -126,7 +127,7 @@ def test_auxiliary_losses_have_the_gradients_of_the_losses_added_to_the_objectiv
 ])
 def test_bad_moe_settings_are_one_line_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        validate(load_config("llama_cpu8", overrides))
+        check_features(load_config("llama_cpu8", overrides))
 
 
 _FIRST = pytest.mark.first_stack_only

@@ -9,7 +9,7 @@ import meshtron.run
 from meshtron.config import load_config
 from meshtron.errors import ConfigError
 from meshtron.pipeline.layout import StageLayout
-from meshtron.run import MeshSizes, resolve_run
+from meshtron.run import MeshSizes, ZeroChoice, resolve_run
 from meshtron.train.loop import Trainer
 
 SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len=16", "train.batch_size=8"]
@@ -68,3 +68,12 @@ def test_the_run_names_every_mesh_size_context_included():
     sizes = resolve_run(load_config("llama_cpu8", ["parallel.data=-1", "parallel.pipe=1", "parallel.context=2"]), 8).sizes
     assert (sizes.data, sizes.pipe, sizes.tensor, sizes.context) == (2, 1, 2, 2)
     assert sizes.devices == 8 and sizes.replicas == 4
+
+
+def test_the_run_carries_the_zero_choice_and_checks_what_combines_features():
+    run = resolve_run(load_config("cpu8", [*SMALL, "parallel.zero=3", "parallel.gather_once=true"]), 8)
+    assert run.zero == ZeroChoice(level=3, gather_once=True)
+    # a field's own checks are the config's, at load; one that combines two features is the run's
+    cfg = load_config("cpu8", [*SMALL, "parallel.zero=1", "parallel.gather_once=true"])
+    with pytest.raises(ConfigError, match=r"^parallel.gather_once: gathers parameters split by parallel.zero=3"):
+        resolve_run(cfg, 8)

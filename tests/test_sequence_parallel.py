@@ -22,6 +22,7 @@ from meshtron.megatron import (
     pipeline_activation_bytes,
 )
 from meshtron.mesh import build_mesh
+from meshtron.run import check_features
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 from meshtron.units import format_bytes
@@ -227,7 +228,7 @@ def test_pipeline_memory_counts_stashed_stage_inputs_and_one_chunk():
 )
 def test_impossible_settings_are_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
-        load_config("mesh_configs/cpu8.yaml", overrides)
+        check_features(load_config("mesh_configs/cpu8.yaml", overrides))
     assert str(err.value).startswith("parallel.sequence_parallel") and "\n" not in str(err.value)
 
 

@@ -15,6 +15,7 @@ from meshtron.config import ConfigError, load_config
 from meshtron.describe import bytes_per_device
 from meshtron.hlo.collectives import collectives
 from meshtron.optim.zero import ZeroPlan
+from meshtron.run import check_features
 from meshtron.train.loop import Trainer
 from meshtron.trees import leaf_names
 
@@ -60,14 +61,14 @@ def test_a_leaf_is_split_along_its_largest_free_dimension_that_data_divides():
 ])
 def test_bad_zero_settings_are_one_line(override, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(None, [override])
+        check_features(load_config(None, [override]))
 
 
 def test_onebit_lamb_says_why_its_state_cannot_be_split():
     with pytest.raises(ConfigError, match=r"^parallel.zero: 1-bit LAMB's error feedback compresses each worker's whole "
                                           r"local momentum .* an fp32 all-gather of the parameters every step "
                                           r"\(zero=1, 16x its 1-bit exchange\) .*; use parallel.zero=0 with onebit_lamb"):
-        load_config(None, ["parallel.zero=1", "train.optimizer=onebit_lamb"])
+        check_features(load_config(None, ["parallel.zero=1", "train.optimizer=onebit_lamb"]))
 
 
 # ---- the same training ------------------------------------------------------------------------------

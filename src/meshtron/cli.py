@@ -36,7 +36,7 @@ from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
 from meshtron.mesh import MAX_SIMULATED_DEVICES, devices_requested, ensure_cpu_devices, mesh_shape
 from meshtron.models.registry import hf_mapping
-from meshtron.run import Run, resolve_run
+from meshtron.run import Run, check_features, resolve_run
 from meshtron.units import format_count
 
 
@@ -211,6 +211,7 @@ def _plan(args: argparse.Namespace) -> None:
                    "parallel.microbatches=1", "parallel.chunks=1", "parallel.layout=null"]
     context = args.context if args.context is not None else load_config(args.config, args.overrides).mesh.context
     cfg = load_config(args.config, args.overrides, fixed=layout_free, notes=args.context is not None)
+    check_features(cfg)
     modes = tuple(mode.strip() for mode in args.recompute.split(",") if mode.strip())
     unknown = [mode for mode in modes if mode not in RECOMPUTE]
     if unknown or not modes:
@@ -389,9 +390,13 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _resolved(cfg: Config, program: bool = True) -> Run | None:
     """The run ``cfg`` describes, resolved before JAX starts (its stage layout and schedule checked and
-    built once) when its mesh says its size; with a -1 axis, the trainer resolves it on the devices."""
+    built once) when its mesh says its size; with a -1 axis, the trainer resolves it on the devices (its
+    checks for the sizes given are made now)."""
     sizes = mesh_shape(cfg.mesh)
-    return None if -1 in sizes else resolve_run(cfg, math.prod(sizes), program=program)
+    if -1 in sizes:
+        check_features(cfg)
+        return None
+    return resolve_run(cfg, math.prod(sizes), program=program)
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, ProcessGroup | None, Run | None]:

@@ -45,9 +45,6 @@ from meshtron.megatron import REMAT_MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT_EXCHANGES = EXCHANGES  # (the names live with the run's other switches: meshtron.execution)
-RING_IN_PIPELINE = (
-    "ring runs pipeline stages in lockstep (XLA's collective-permute waits for every device of the mesh), which an "
-    "uneven parallel.layout's per-stage layer counts cannot; use an even layout or parallel.context_attention=gathered")
 
 
 @dataclass
@@ -607,9 +604,9 @@ def _need(ok: bool, field_name: str, message: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Every field's own checks, and those that depend on the mesh sizes as given
-    (:func:`validate_sizes`); not the devices present (:mod:`meshtron.mesh`) nor the pipeline's
-    stage layout and schedule (:func:`meshtron.run.resolve_run`)."""
+    """Every field's own checks: its range, its choices, its type, the path it names. Not those that
+    combine two features or depend on the mesh's sizes, nor the devices present: they are the run's
+    (:func:`meshtron.run.check_features`, run by :func:`meshtron.run.resolve_run`)."""
     mesh = cfg.mesh
     sizes = {f"parallel.{axis}": getattr(mesh, axis) for axis in ("data", "pipe", "tensor", "context")}
     for name, size in sizes.items():
@@ -658,21 +655,13 @@ def validate(cfg: Config) -> None:
     _need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
     _need(t.zero in (0, 1, 3), "parallel.zero",
           f"must be 0 (replicated), 1 (optimizer state split over data) or 3 (parameters too), got {t.zero!r}")
-    _need(not t.gather_once or t.zero == 3, "parallel.gather_once",
-          f"gathers parameters split by parallel.zero=3, and this run has parallel.zero={t.zero}; set "
-          "parallel.zero=3 or drop it")
-    _need(t.zero == 0 or t.optimizer != "onebit_lamb", "parallel.zero",
-          "1-bit LAMB's error feedback compresses each worker's whole local momentum (its server error is "
-          "already split over data), and splitting the rest would cost more than the compression saves: an fp32 "
-          "all-gather of the parameters every step (zero=1, 16x its 1-bit exchange) or fp32 gathers and "
-          "reduce-scatters per layer (zero=3); use parallel.zero=0 with onebit_lamb, or adamw/lamb with parallel.zero")
     _need(
         t.batch_size % t.microbatches == 0,
         "train.batch_size",
         f"{t.batch_size} is not divisible by parallel.microbatches={t.microbatches}",
     )
 
-    validate_lora(t.lora, cfg.model)
+    validate_lora(t.lora)
     _need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     _need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     _need(t.max_minutes is None or t.max_minutes > 0, "train.max_minutes",
@@ -685,7 +674,6 @@ def validate(cfg: Config) -> None:
         check_output_path("train.profile_dir", t.profile_dir, directory=True)
 
     _need(cfg.pipeline.chunks >= 1, "parallel.chunks", f"must be >= 1, got {cfg.pipeline.chunks}")
-    validate_sizes(cfg)
     validate_optim(cfg.optim)
     validate_checkpoint(cfg.checkpoint)
     validate_init(cfg)
@@ -727,35 +715,7 @@ def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
     return first, last
 
 
-def validate_sizes(cfg: Config) -> None:
-    """The checks that depend on the mesh's sizes, for the sizes it has (a -1 axis is checked once it
-    is resolved: :func:`meshtron.run.resolve_run`): the tensor split of the model, sequence
-    parallelism, the batch over the data shards. The pipeline's are the run's
-    (:mod:`meshtron.run`)."""
-    m, mesh = cfg.model, cfg.mesh
-    if mesh.tensor != -1:
-        check_sequence_parallel(m, mesh.tensor)
-    validate_tensor_split(m, mesh)
-    if mesh.context > 1:
-        validate_context_split(m, mesh)
-    if mesh.data > 0:
-        check_batch_divisible(cfg, mesh.data)
-
-
-def check_sequence_parallel(m: ModelConfig, tensor: int) -> None:
-    """``parallel.sequence_parallel`` on ``tensor`` tensor ranks: for a config's sizes and for a model
-    definition built for a tensor size directly (:func:`meshtron.train.state.model_def_from_config`)."""
-    if not m.sequence_parallel:
-        return
-    _need(tensor > 1, "parallel.sequence_parallel",
-          f"splits activations over the tensor ranks and needs parallel.tensor > 1 (this mesh has tensor={tensor}); "
-          "set parallel.tensor or turn it off")
-    _need(m.seq_len % tensor == 0, "parallel.sequence_parallel",
-          f"model.seq_len={m.seq_len} must be divisible by parallel.tensor={tensor} (each tensor rank holds "
-          "seq_len/tensor positions)")
-
-
-def validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
+def validate_lora(lora: LoraConfig) -> None:
     """``train.lora``'s settings, one line each (the rest is checked when the adapters are made)."""
     _need(isinstance(lora.rank, int) and lora.rank >= 0, "train.lora.rank", f"must be an integer >= 0, got {lora.rank!r}")
     if lora.rank == 0:
@@ -764,22 +724,6 @@ def validate_lora(lora: LoraConfig, m: ModelConfig) -> None:
     _need(0 <= lora.dropout < 1, "train.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
     _need(bool(lora.targets) and all(isinstance(x, str) and x for x in lora.targets), "train.lora.targets",
           "must be a non-empty list of path patterns or axis:NAME")
-    _need(m.moe.experts == 0, "train.lora",
-          "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
-
-
-def validate_context_split(m: ModelConfig, mesh: MeshConfig) -> None:
-    """A sequence split over ``parallel.context`` ranks, each holding a front chunk and its mirror."""
-    _need(m.seq_len % (2 * mesh.context) == 0, "parallel.context",
-          f"model.seq_len={m.seq_len} must be divisible by 2 x parallel.context = {2 * mesh.context} (each context "
-          "rank holds two equal chunks of every sequence); use a seq_len or context size that fits")
-    if m.sequence_parallel and mesh.tensor > 1:
-        _need(m.seq_len % (2 * mesh.context * mesh.tensor) == 0, "parallel.sequence_parallel",
-              f"model.seq_len={m.seq_len} must be divisible by 2 x parallel.context x parallel.tensor = "
-              f"{2 * mesh.context * mesh.tensor} (the residual stream is split over both)")
-    _need(not m.moe.experts, "parallel.context",
-          "a mixture of experts is split over data ranks only, not over a split sequence; use parallel.context=1 "
-          "with model.moe.experts")
 
 
 def validate_moe(m: ModelConfig) -> None:
@@ -796,33 +740,6 @@ def validate_moe(m: ModelConfig) -> None:
     for name in ("aux_loss_weight", "z_loss_weight"):
         _need(getattr(e, name) >= 0, f"model.moe.{name}", f"must be >= 0, got {getattr(e, name)}")
     _need(e.shared_experts >= 0, "model.moe.shared_experts", f"must be >= 0, got {e.shared_experts}")
-
-
-def validate_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
-    """Megatron's tensor-parallel split needs whole heads and equal MLP slices on every shard (for the
-    built-in families; a user's model is checked parameter by parameter when it is laid out)."""
-    if mesh.tensor > 1 and m.factory is None:
-        _need(
-            m.heads % mesh.tensor == 0,
-            "model.heads",
-            f"{m.heads} heads cannot be split over parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor} "
-            "or a tensor size that divides the head count",
-        )
-        _need(
-            m.mlp_dim % mesh.tensor == 0,
-            "model.mlp_dim",
-            f"{m.mlp_dim} is not divisible by parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
-        )
-        if m.moe.experts and m.moe.mlp_dim is not None:
-            _need(m.moe.mlp_dim % mesh.tensor == 0, "model.moe.mlp_dim",
-                  f"{m.moe.mlp_dim} is not divisible by parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor}")
-        kv = m.kv_heads or m.heads
-        _need(
-            kv % mesh.tensor == 0 or mesh.tensor % kv == 0,
-            "model.kv_heads",
-            f"{kv} key/value heads can be neither split over nor replicated across parallel.tensor={mesh.tensor}; "
-            f"use a divisor or a multiple of {mesh.tensor}",
-        )
 
 
 def validate_optim(o: OptimConfig) -> None:
@@ -919,17 +836,6 @@ def freeze_step(cfg: Config) -> int:
     if cfg.optim.freeze_step is not None:
         return cfg.optim.freeze_step
     return max(1, round(0.16 * cfg.train.steps))
-
-
-def check_batch_divisible(cfg: Config, data: int) -> None:
-    """The global batch splits into ``data`` shards of ``microbatches`` equal microbatches."""
-    t = cfg.train
-    _need(
-        t.batch_size % (data * t.microbatches) == 0,
-        "train.batch_size",
-        f"{t.batch_size} sequences cannot be split over parallel.data={data} x parallel.microbatches={t.microbatches}; "
-        f"use a multiple of {data * t.microbatches}",
-    )
 
 
 def padded_vocab_size(vocab_size: int, tensor: int, multiple: int = 128) -> int:

@@ -145,14 +145,14 @@ def available_host_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def planned_step(cfg: Config, sizes: MeshSizes, cluster: str = "a100-80gb") -> list[str]:
+def planned_step(run: Run, cluster: str = "a100-80gb") -> list[str]:
     """This run's layout priced by :mod:`meshtron.plan` on a bundled cluster (the same memory and
     time formulas ``meshtron plan`` ranks layouts with), or nothing when the planner's model does not
     cover the run (not the paper's GPT, or a layout Megatron's schedules cannot run)."""
     from meshtron.plan import Layout, ModelShape, estimate, load_cluster
     from meshtron.plan.model import MEMORY_MODEL
 
-    t = cfg.train
+    cfg, sizes, t = run.cfg, run.sizes, run.cfg.train
     try:
         model = ModelShape.from_config(cfg.model)
         layout = Layout(sizes.tensor, sizes.pipe, sizes.data, t.batch_size // (sizes.data * t.microbatches),
@@ -163,7 +163,7 @@ def planned_step(cfg: Config, sizes: MeshSizes, cluster: str = "a100-80gb") -> l
     from meshtron.plan.model import FP32_GRADIENTS
 
     machine = load_cluster(cluster)
-    step = estimate(model, layout, machine, t.optimizer, dataclasses.replace(FP32_GRADIENTS, zero=t.zero))
+    step = estimate(model, layout, machine, t.optimizer, dataclasses.replace(FP32_GRADIENTS, zero=run.zero.level))
     mem = step.memory
     gb = 1e9
     fits = "fits" if mem.total <= machine.usable_memory_bytes else "does NOT fit"
@@ -195,7 +195,7 @@ def print_compiled_memory(program, params, opt_state, seconds: float, trainer, o
     zero = trainer.steps.zero
     fmt = format_bytes
     print(f"\ncompiled train step: memory per device (compiled in {seconds:.1f} s from abstract arrays; "
-          f"zero={trainer.cfg.train.zero})", file=out)
+          f"zero={trainer.resolved.zero.level})", file=out)
     print(f"  {'parameters':24s} {fmt(bytes_per_device(params, param_in))}", file=out)
     print(f"  {'optimizer state':24s} {fmt(bytes_per_device(opt_state, opt_in))}", file=out)
     if memory is not None:
@@ -348,7 +348,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
               + (f", {e.shared_experts} shared" if e.shared_experts else "")
               + "; the analytical figures below count a dense MLP of width mlp", file=out)
         print(f"          {exchange.line()}", file=out)
-    split = context_exchange(cfg, model_def) if cfg.mesh.context > 1 and m.factory is None else None
+    split = context_exchange(cfg, model_def) if sizes.context > 1 and m.factory is None else None
     if split is not None:
         print(f"context   {split.line()}; the analytical figures below count a whole sequence per device, the "
               "compiled step what a context rank holds", file=out)
@@ -401,7 +401,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
         raise ConfigError(f"--compile: the mesh needs {sizes.devices} devices and this process has {len(devices)}; "
                           "the CLI simulates up to 64 CPU devices, so use a mesh of at most 64")
     if not force_compile and (not on_devices or held > budget):
-        plan_lines = planned_step(cfg, sizes)
+        plan_lines = planned_step(run)
         print(f"\n{plan_lines[0]}", file=out)
         for line in plan_lines[1:]:
             print(f"  {line}", file=out)

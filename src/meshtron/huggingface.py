@@ -57,6 +57,7 @@ from meshtron.models.hf_mapping import context, refuse, to_hf, to_meshtron
 from meshtron.models.llama_hf import DEFAULT_SEQ_LEN as DEFAULT_LLAMA_SEQ_LEN
 from meshtron.models.registry import hf_families, hf_mapping
 from meshtron.outputs import check_new_directory, new_directory, readable_by_all
+from meshtron.run import check_features
 from meshtron.trees import leaf_names
 
 __all__ = ["CONFIG_FILE", "DEFAULT_LLAMA_SEQ_LEN", "FINETUNE_SUFFIX", "export_hf", "finetune_config", "import_hf"]
@@ -240,6 +241,7 @@ def _run_config(model: ModelConfig, mesh: MeshConfig, overrides: Sequence[str]) 
     """The run config of the imported checkpoint: defaults, the model from Hugging Face, the mesh, then
     the caller's ``overrides`` (which may not change the model's shape)."""
     cfg = load_config(None, overrides, preset=_override_lines(model, mesh))
+    check_features(cfg)
     fixed = [(name, getattr(model, name), getattr(cfg.model, name)) for name in _SHAPE_FIELDS]
     fixed += [(f"moe.{name}", getattr(model.moe, name), getattr(cfg.model.moe, name)) for name in _MOE_FIELDS]
     for name, wanted, got in fixed:

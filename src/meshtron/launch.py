@@ -27,6 +27,7 @@ from meshtron.config import load_config
 from meshtron.distributed import ENV_ADDRESS, ENV_PROCESS_ID, ENV_PROCESSES
 from meshtron.errors import EXIT_STOPPED, ConfigError
 from meshtron.mesh import devices_requested
+from meshtron.run import check_features
 
 GRACE_S = 5.0
 
@@ -49,6 +50,7 @@ def describe_status(status: int) -> str:
 def devices_per_process(config: str | None, overrides: list[str], processes: int) -> int:
     """The mesh's devices split evenly over the processes (CPU: each simulates its share)."""
     cfg = load_config(config, overrides, notes=False)  # the first process notes old keys, once
+    check_features(cfg)
     total = devices_requested(cfg.mesh)
     if cfg.distributed.local_devices is not None:
         return cfg.distributed.local_devices

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore
 from meshtron.checkpoint_dirs import checkpoint_location
-from meshtron.config import Config, MeshConfig, config_from_dict, validate_tensor_split
+from meshtron.config import Config, MeshConfig, config_from_dict
 from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokenizer
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
@@ -25,6 +25,7 @@ from meshtron.forward import Forward
 from meshtron.mesh import build_mesh, resolve_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
 from meshtron.models.lora import lora_spec
+from meshtron.run import check_tensor_split
 from meshtron.train.frozen_base import read_params
 from meshtron.train.state import ModelDef, Params, model_def_from_config
 
@@ -133,7 +134,7 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
         if cfg.model.sequence_parallel and tensor == 1:  # nothing to split the sequence over: the same model
             cfg = replace(cfg, model=replace(cfg.model, sequence_parallel=False))
         if model is None:  # a model passed in is checked parameter by parameter (check_mesh below)
-            validate_tensor_split(cfg.model, mesh_cfg)
+            check_tensor_split(cfg.model, mesh_cfg)
         if cfg.model.layers % pipe:
             raise ConfigError(f"parallel.pipe: {pipe} does not divide the model's {cfg.model.layers} layers; "
                               "use a pipe size that does (or 1)")

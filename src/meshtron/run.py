@@ -1,5 +1,7 @@
 """A config on a number of devices, resolved once: the mesh's sizes (a -1 axis given its size), the
-checks that depend on them, and the pipeline's stage layout, schedule and compiled program.
+ZeRO choice, the pipeline's stage layout, schedule and compiled program, and every check that
+combines two features or depends on the mesh's sizes (:func:`check_features`; a field's own checks
+are the config's, :func:`meshtron.config.validate`).
 
 The trainer, ``describe``, the parity oracle and the CLI take a :class:`Run` instead of re-deriving
 any of it. Pure Python (no JAX): the CLI resolves a run before JAX starts, so a layout or schedule
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from meshtron.config import RING_IN_PIPELINE, Config, validate_sizes
+from meshtron.config import Config, MeshConfig, ModelConfig
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
 from meshtron.mesh import mesh_shape, resolve_sizes
@@ -20,7 +22,11 @@ from meshtron.pipeline.layout import LayoutError, StageLayout
 from meshtron.pipeline.program import Program, compile_program
 from meshtron.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, is_schedule_file, make_schedule
 
-__all__ = ["MeshSizes", "Run", "resolve_run", "run_for_model", "stage_layout"]
+__all__ = ["MeshSizes", "Run", "ZeroChoice", "check_features", "resolve_run", "run_for_model", "stage_layout"]
+
+RING_IN_PIPELINE = (
+    "ring runs pipeline stages in lockstep (XLA's collective-permute waits for every device of the mesh), which an "
+    "uneven parallel.layout's per-stage layer counts cannot; use an even layout or parallel.context_attention=gathered")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,17 @@ class MeshSizes:
 
 
 @dataclass(frozen=True)
+class ZeroChoice:
+    """What ``parallel.zero`` splits over the gradient group: ``level`` 0 nothing, 1 the optimizer state
+    (the distributed optimizer), 3 the parameters too (FSDP); ``gather_once`` (level 3): each
+    parameter gathered once per step, not before each use. The JAX side lays it out on a mesh
+    (:meth:`meshtron.optim.zero.ZeroPlan.for_mesh`)."""
+
+    level: int = 0
+    gather_once: bool = False
+
+
+@dataclass(frozen=True)
 class Run:
     """What a config means on a device count. ``cfg`` has the mesh's real sizes (no -1) and, for a
     model of the user's own, its real depth; ``stage_layout``, ``schedule`` and ``program`` (the
@@ -58,6 +75,10 @@ class Run:
     def sizes(self) -> MeshSizes:
         mesh = self.cfg.mesh
         return MeshSizes(mesh.data, mesh.pipe, mesh.tensor, mesh.context)
+
+    @property
+    def zero(self) -> ZeroChoice:
+        return ZeroChoice(self.cfg.train.zero, self.cfg.train.gather_once)
 
     @property
     def pipeline(self) -> PipelinePlan | None:
@@ -84,7 +105,7 @@ def resolve_run(cfg: Config, devices: int, *, layers: int | None = None, program
     pipe = cfg.mesh.pipe
     if layers is not None and layers != cfg.model.layers:
         cfg = replace(cfg, model=replace(cfg.model, layers=layers))
-    validate_sizes(cfg)
+    check_features(cfg)
     layout = _check_pipeline(cfg)
     if layout is None:
         return Run(cfg)
@@ -109,6 +130,103 @@ def run_for_model(cfg: Config, devices: int, layers: int, run: Run | None = None
 def _need(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}: {message}")
+
+
+def check_features(cfg: Config) -> None:
+    """The checks that combine two features, or a feature and the mesh's sizes, for the sizes ``cfg``
+    gives (a -1 axis is checked once :func:`resolve_run` gives it its size; the pipeline's are
+    :func:`resolve_run`'s). A caller that cannot resolve the run yet (a -1 axis before JAX starts,
+    the planner, the launcher) runs them itself."""
+    t = cfg.train
+    _need(not t.gather_once or t.zero == 3, "parallel.gather_once",
+          f"gathers parameters split by parallel.zero=3, and this run has parallel.zero={t.zero}; set "
+          "parallel.zero=3 or drop it")
+    _need(t.zero == 0 or t.optimizer != "onebit_lamb", "parallel.zero",
+          "1-bit LAMB's error feedback compresses each worker's whole local momentum (its server error is "
+          "already split over data), and splitting the rest would cost more than the compression saves: an fp32 "
+          "all-gather of the parameters every step (zero=1, 16x its 1-bit exchange) or fp32 gathers and "
+          "reduce-scatters per layer (zero=3); use parallel.zero=0 with onebit_lamb, or adamw/lamb with parallel.zero")
+    _need(not t.lora.rank or cfg.model.moe.experts == 0, "train.lora",
+          "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
+    _check_sizes(cfg)
+
+
+def _check_sizes(cfg: Config) -> None:
+    """The checks that depend on the mesh's sizes, for those it has: the tensor split of the model,
+    sequence parallelism, the sequence over the context ranks, the batch over the data shards."""
+    m, mesh = cfg.model, cfg.mesh
+    if mesh.tensor != -1:
+        check_sequence_parallel(m, mesh.tensor)
+    check_tensor_split(m, mesh)
+    if mesh.context > 1:
+        _check_context_split(m, mesh)
+    if mesh.data > 0:
+        _check_batch_divisible(cfg, mesh.data)
+
+
+def check_sequence_parallel(m: ModelConfig, tensor: int) -> None:
+    """``parallel.sequence_parallel`` on ``tensor`` tensor ranks: for a config's sizes and for a model
+    definition built for a tensor size directly (:func:`meshtron.train.state.model_def_from_config`)."""
+    if not m.sequence_parallel:
+        return
+    _need(tensor > 1, "parallel.sequence_parallel",
+          f"splits activations over the tensor ranks and needs parallel.tensor > 1 (this mesh has tensor={tensor}); "
+          "set parallel.tensor or turn it off")
+    _need(m.seq_len % tensor == 0, "parallel.sequence_parallel",
+          f"model.seq_len={m.seq_len} must be divisible by parallel.tensor={tensor} (each tensor rank holds "
+          "seq_len/tensor positions)")
+
+
+def _check_context_split(m: ModelConfig, mesh: MeshConfig) -> None:
+    """A sequence split over ``parallel.context`` ranks, each holding a front chunk and its mirror."""
+    _need(m.seq_len % (2 * mesh.context) == 0, "parallel.context",
+          f"model.seq_len={m.seq_len} must be divisible by 2 x parallel.context = {2 * mesh.context} (each context "
+          "rank holds two equal chunks of every sequence); use a seq_len or context size that fits")
+    if m.sequence_parallel and mesh.tensor > 1:
+        _need(m.seq_len % (2 * mesh.context * mesh.tensor) == 0, "parallel.sequence_parallel",
+              f"model.seq_len={m.seq_len} must be divisible by 2 x parallel.context x parallel.tensor = "
+              f"{2 * mesh.context * mesh.tensor} (the residual stream is split over both)")
+    _need(not m.moe.experts, "parallel.context",
+          "a mixture of experts is split over data ranks only, not over a split sequence; use parallel.context=1 "
+          "with model.moe.experts")
+
+
+def check_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
+    """Megatron's tensor-parallel split needs whole heads and equal MLP slices on every shard (for the
+    built-in families; a user's model is checked parameter by parameter when it is laid out)."""
+    if mesh.tensor > 1 and m.factory is None:
+        _need(
+            m.heads % mesh.tensor == 0,
+            "model.heads",
+            f"{m.heads} heads cannot be split over parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor} "
+            "or a tensor size that divides the head count",
+        )
+        _need(
+            m.mlp_dim % mesh.tensor == 0,
+            "model.mlp_dim",
+            f"{m.mlp_dim} is not divisible by parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor}",
+        )
+        if m.moe.experts and m.moe.mlp_dim is not None:
+            _need(m.moe.mlp_dim % mesh.tensor == 0, "model.moe.mlp_dim",
+                  f"{m.moe.mlp_dim} is not divisible by parallel.tensor={mesh.tensor}; use a multiple of {mesh.tensor}")
+        kv = m.kv_heads or m.heads
+        _need(
+            kv % mesh.tensor == 0 or mesh.tensor % kv == 0,
+            "model.kv_heads",
+            f"{kv} key/value heads can be neither split over nor replicated across parallel.tensor={mesh.tensor}; "
+            f"use a divisor or a multiple of {mesh.tensor}",
+        )
+
+
+def _check_batch_divisible(cfg: Config, data: int) -> None:
+    """The global batch splits into ``data`` shards of ``microbatches`` equal microbatches."""
+    t = cfg.train
+    _need(
+        t.batch_size % (data * t.microbatches) == 0,
+        "train.batch_size",
+        f"{t.batch_size} sequences cannot be split over parallel.data={data} x parallel.microbatches={t.microbatches}; "
+        f"use a multiple of {data * t.microbatches}",
+    )
 
 
 def _check_pipeline(cfg: Config) -> StageLayout | None:

@@ -103,7 +103,8 @@ class ZeroPlan:
     @classmethod
     def for_mesh(cls, level: int, shapes: Any, specs: Any, stacked: Any, mesh, *, gather_once: bool = False) -> ZeroPlan:
         """:meth:`build` over ``mesh``'s gradient group (:func:`meshtron.sharding.gradient_axes`: data,
-        and context when sequences are split -- Megatron's distributed optimizer over data x context)."""
+        and context when sequences are split -- Megatron's distributed optimizer over data x context).
+        ``level`` and ``gather_once``: a run's choice (:class:`meshtron.run.ZeroChoice`, ``Run.zero``)."""
         axis = gradient_axes(mesh.shape)
         return cls.build(level, shapes, specs, stacked, math.prod(mesh.shape[a] for a in axis_names(axis)), axis,
                          gather_once=gather_once)

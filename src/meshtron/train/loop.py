@@ -33,7 +33,7 @@ from meshtron.models.lora import lora_spec
 from meshtron.optim import OptimizerSetup, ZeroPlan, learning_rate_schedule, optimizer_setup
 from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.pipeline.layout import StageLayout
-from meshtron.run import Run, run_for_model
+from meshtron.run import Run, check_features, run_for_model
 from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, StageTiming
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
@@ -93,6 +93,8 @@ class Trainer:
         elif not isinstance(cfg, Config):
             raise ConfigError(f"cfg: Trainer.from_config takes a Config, or a config file or bundled name such as "
                               f"'cpu8', got a {type(cfg).__name__}")
+        if run is None:  # the checks for the sizes it gives, before any device is touched
+            check_features(cfg)
         if devices is None:  # on a CPU, as many simulated devices as the mesh needs (if JAX has not started)
             simulate_devices_for(cfg.mesh)
         devices = list(jax.devices() if devices is None else devices)
@@ -113,9 +115,10 @@ class Trainer:
             init_from=t.init_from, config_vocab_size=cfg.model.vocab_size,
         )
         specs = model_def.shardings(mesh)
-        zero = ZeroPlan.for_mesh(t.zero, model_def.shapes(), specs, model_def.stacked(), mesh, gather_once=t.gather_once)
-        if t.zero and not zero.active:
-            note(f"parallel.zero={t.zero}: the mesh has one data rank (parallel.data=1), so nothing is split over "
+        zero = ZeroPlan.for_mesh(run.zero.level, model_def.shapes(), specs, model_def.stacked(), mesh,
+                                 gather_once=run.zero.gather_once)
+        if run.zero.level and not zero.active:
+            note(f"parallel.zero={run.zero.level}: the mesh has one data rank (parallel.data=1), so nothing is split over "
                  "it; this run is the same as parallel.zero=0")
         trainable = Trainable.of_model(model_def)
         optimizer = optimizer_setup(cfg, trainable.part(model_def.logical_axes()), param_specs=trainable.part(specs),

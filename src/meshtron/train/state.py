@@ -26,12 +26,13 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshtron.config import ModelConfig, check_sequence_parallel
+from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.adaptation import Adaptation
 from meshtron.models.blocks import LAYERS
 from meshtron.models.contract import ModelFactory, check_model, checked_model, lm_loss
+from meshtron.run import check_sequence_parallel
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trace_context import current, using
 from meshtron.trees import leaf_names
