@@ -140,11 +140,12 @@ def _case(layout, experts, top_k, capacity, *marks):
 
 
 # Dropless 8 experts top-2 on every kind of layout (the second stack: 8-way expert parallelism, and
-# expert parallelism inside the zero-bubble pipeline), 64 experts top-8 on the four layouts that matter
-# most for expert parallelism, a capacity with and without a pipeline.
+# expert parallelism inside the zero-bubble pipeline), 64 experts top-8 on the three layouts that split
+# the experts over data (on 1x1x8, data=1: no expert parallelism, the experts' columns split over tensor
+# as for 8 experts there), a capacity with and without a pipeline.
 CASES = ([_case(layout, 8, 2, 0.0, *(() if layout in (REQUIRED[1], REQUIRED[3]) else (_FIRST,)))
           for layout in [*REQUIRED, KEPT]]
-         + [_case(layout, 64, 8, 0.0, _FIRST) for layout in REQUIRED]
+         + [_case(layout, 64, 8, 0.0, _FIRST) for layout in REQUIRED[1:]]
          + [_case(layout, 8, 2, 1.0, _FIRST) for layout in REQUIRED[1:3]])
 
 
