@@ -15,9 +15,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 # On the second stack: replicated kv heads (1,1,8), split ones under a pipeline (2,2,2), kept residuals.
 # Every schedule runs there on GPT (tests/test_pipeline.py); the rest run on the first stack.
 _FIRST = pytest.mark.first_stack_only
+# zb-h1 at m = p = 2 (m = 2p compiled twice the ticks): B and W still split, stage 1's W deferred past
+# its next B; zb-h1's steady state at m = 2p: tests/test_pipeline.py's every-schedule grid.
 LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2),
            pytest.param(Layout(2, 4, 1, "1f1b"), marks=_FIRST), pytest.param(Layout(1, 2, 4, "gpipe"), marks=_FIRST),
-           pytest.param(Layout(2, 2, 2, "zb-h1"), marks=_FIRST), Layout(1, 2, 4, "1f1b", recompute=False)]
+           pytest.param(Layout(2, 2, 2, "zb-h1", microbatches=2), marks=_FIRST), Layout(1, 2, 4, "1f1b", recompute=False)]
 
 
 def llama(kv_heads: int) -> ModelConfig:

@@ -90,9 +90,11 @@ def test_targets_choose_by_path_or_logical_axis(monkeypatch):
         family("llama", lora=LoraSpec(2, targets=("nothing",)))
 
 
+# zb-h1 at m = p = 2 (m = 2p compiled twice the ticks): B and W still split, stage 1's W deferred past
+# its next B; zb-h1's steady state at m = 2p: tests/test_pipeline.py's every-schedule grid.
 LAYOUTS = {
     "2x1x2": Layout(2, 1, 2),
-    "1x2x4-zbh1": Layout(1, 2, 4, "zb-h1"),
+    "1x2x4-zbh1": Layout(1, 2, 4, "zb-h1", microbatches=2),
     "2x2x2-interleaved": Layout(2, 2, 2, "interleaved", 2),
     "1x2x1-1f1b-kept": Layout(1, 2, 1, "1f1b", recompute=False),
     "2x1x1-context2": Layout(2, 1, 1, context=2),
@@ -126,15 +128,27 @@ def trainer(*overrides: str) -> Trainer:
     return Trainer.from_config(load_config(None, [*MODEL, *overrides]))
 
 
-def test_the_base_is_frozen_and_only_the_adapters_have_optimizer_state():
-    t = trainer(*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.steps=3")
+ON_2X2X2 = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.steps=3", "train.lr=5e-2"]
+
+
+@pytest.fixture(scope="module")
+def run_2x2x2(tmp_path_factory):
+    """One LoRA run on 2x2x2, 3 steps (zero=0) at a learning rate at which the adapters matter, with a
+    checkpoint: its trainer, starting parameters, result and checkpoint directory, shared by the
+    frozen-base, zero-level and generation tests (each ran this training on its own before)."""
+    directory = tmp_path_factory.mktemp("lora-2x2x2")
+    t = trainer(*ON_2X2X2, f"checkpoint.dir={directory}")
     start = jax.device_get(t.init_params())
+    return t, start, t.run(), directory
+
+
+def test_the_base_is_frozen_and_only_the_adapters_have_optimizer_state(run_2x2x2):
+    t, start, result, _ = run_2x2x2
     params, opt_state, _tokens = t.abstract_step_arguments()
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state))
     adapter_bytes = sum(x.size * x.dtype.itemsize for n, x in zip(leaf_names(params), jax.tree.leaves(params))
                         if is_adapter(n))
     assert state_bytes <= 2 * adapter_bytes + 1024  # AdamW's two moments of the adapters, and counters
-    result = t.run()
     end = jax.device_get(result.params)
     for name, a, b in zip(leaf_names(start), jax.tree.leaves(start), jax.tree.leaves(end), strict=True):
         if is_adapter(name) and name.endswith("_lora_b"):
@@ -251,13 +265,10 @@ def test_reading_an_adapted_kernel_gives_the_merged_matrix_and_is_refused_with_d
 
 
 @pytest.mark.slow
-def test_lora_trains_alike_at_every_zero_level_with_the_base_frozen():
-    layout = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.steps=3"]
-    reference = trainer(*layout)
-    start = jax.device_get(reference.init_params())
-    expected = reference.run()
+def test_lora_trains_alike_at_every_zero_level_with_the_base_frozen(run_2x2x2):
+    _, start, expected, _ = run_2x2x2  # the zero=0 reference: the frozen-base test's run
     for zero in (["parallel.zero=1"], ["parallel.zero=3"]):  # (gather_once: tests/test_zero.py)
-        result = trainer(*layout, *zero).run()
+        result = trainer(*ON_2X2X2, *zero).run()
         np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-5, err_msg=str(zero))
         for name, a, b, s in zip(leaf_names(start), jax.tree.leaves(jax.device_get(result.params)),
                                  jax.tree.leaves(jax.device_get(expected.params)), jax.tree.leaves(start), strict=True):
@@ -328,13 +339,11 @@ def test_one_bit_lamb_compresses_the_adapters_alone():
 
 
 @pytest.mark.slow  # generation on the second stack: test_generate.py; LoRA there: the adapter gradients
-def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
+def test_generation_runs_the_adapters_as_the_merged_model_does(run_2x2x2):
     from meshtron.generate import Sampler
     from meshtron.pretrained import load_pretrained
 
-    trainer(*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "train.steps=3", "train.lr=5e-2",
-            f"checkpoint.dir={tmp_path}").run()
-    pretrained = load_pretrained(tmp_path, MeshConfig(1, 1, 1), jax.devices()[:1])
+    pretrained = load_pretrained(run_2x2x2[3], MeshConfig(1, 1, 1), jax.devices()[:1])
     md = pretrained.model_def
     assert md.adaptation == LoraSpec(4, 8.0)
     prompt = list(range(5, 15))
@@ -362,24 +371,19 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(tmp_path):
 
 
 @pytest.mark.slow
-def test_dropout_trains_differently_from_none():
-    layout = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=zb-h1", "train.steps=3"]
-    # (that a run with dropout is reproduced bit for bit: test_a_lora_run_resumes_bit_for_bit, which uses it)
-    first = trainer(*layout, "train.lora.dropout=0.2").run()
-    none = trainer(*layout).run()
+def test_a_lora_run_with_dropout_resumes_bit_for_bit_and_trains_differently_from_none(tmp_path):
+    # One zb-h1 run with dropout serves both properties (they were two tests, with 1F1B for the resume):
+    # under zb-h1 a layer's mask must be redrawn alike in its forward, its B and its W recomputations.
+    layout = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=zb-h1",
+              "checkpoint.every=2", "checkpoint.async_save=false"]
+    straight = trainer(*layout, "train.lora.dropout=0.2", "train.steps=4", f"checkpoint.dir={tmp_path / 'a'}").run()
+    none = trainer(*layout, "train.steps=4").run()
     # B is zero until the first update with a learning rate above 0 (after the warmup's first step): the
     # third step is the first whose adapters add anything to drop
-    assert first.losses[:2] == none.losses[:2] and abs(first.losses[2] - none.losses[2]) > 1e-5
-    assert first.heldout_loss != none.heldout_loss and np.isfinite(first.heldout_loss)
-
-
-@pytest.mark.slow
-def test_a_lora_run_resumes_bit_for_bit(tmp_path):
-    layout = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "checkpoint.every=2", "checkpoint.async_save=false",
-              "train.lora.dropout=0.1"]
-    straight = trainer(*layout, "train.steps=4", f"checkpoint.dir={tmp_path / 'a'}").run()
-    trainer(*layout, "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
-    resumed = trainer(*layout, "train.steps=4", f"checkpoint.dir={tmp_path / 'b'}").run()
+    assert straight.losses[:2] == none.losses[:2] and abs(straight.losses[2] - none.losses[2]) > 1e-5
+    assert straight.heldout_loss != none.heldout_loss and np.isfinite(straight.heldout_loss)
+    trainer(*layout, "train.lora.dropout=0.2", "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
+    resumed = trainer(*layout, "train.lora.dropout=0.2", "train.steps=4", f"checkpoint.dir={tmp_path / 'b'}").run()
     assert resumed.losses == straight.losses[2:]
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed.params)), jax.tree.leaves(jax.device_get(straight.params))):
         np.testing.assert_array_equal(a, b)
@@ -405,7 +409,8 @@ def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
     base = tmp_path / "base"
     trainer(*layout, "train.steps=2", f"checkpoint.dir={base}").run()
     lora = [*LORA, *layout, f"train.init_from={base}", "checkpoint.every=2"]
-    straight = trainer(*lora, "train.steps=4", f"checkpoint.dir={tmp_path / 'a'}").run()
+    # the straight run also writes the self-contained checkpoints (save_base changes what is saved, not the training)
+    straight = trainer(*lora, "train.steps=4", "train.lora.save_base=true", f"checkpoint.dir={tmp_path / 'a'}").run()
     trainer(*lora, "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
     meta = read_step_meta(tmp_path / "b", 2)
     assert meta["lora_base"] == {"dir": str(base.resolve()), "dir_relative": "../base", "step": 2, "seed": 0,
@@ -431,13 +436,12 @@ def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
             f"checkpoint.dir={tmp_path / 'c'}").run()
     assert read_step_meta(tmp_path / "c", 1)["lora_base"] == meta["lora_base"]
 
-    trainer(*lora, "train.steps=2", "train.lora.save_base=true", f"checkpoint.dir={tmp_path / 'd'}").run()
-    assert "lora_base" not in read_step_meta(tmp_path / "d", 2)
+    assert "lora_base" not in read_step_meta(tmp_path / "a", 2)
     shutil.move(base, tmp_path / "moved")
     with pytest.raises(CheckpointError, match=r"--checkpoint: an adapter-only LoRA checkpoint whose frozen base, "
                                               r".*base/2, is gone; put the base back there"):
         load_pretrained(tmp_path / "b", argument="--checkpoint")
-    assert jax.tree.leaves(load_pretrained(tmp_path / "d").params)  # self-contained
+    assert jax.tree.leaves(load_pretrained(tmp_path / "a").params)  # self-contained
 
 
 def test_a_rank_above_the_matrices_rank_is_one_line():

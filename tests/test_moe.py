@@ -131,7 +131,9 @@ def test_bad_moe_settings_are_one_line_naming_the_field(overrides, message):
 
 
 _FIRST = pytest.mark.first_stack_only
-REQUIRED = [Layout(1, 1, 8), Layout(8, 1, 1), Layout(2, 2, 2, "interleaved", 2), Layout(4, 2, 1, "zb-h1")]
+# zb-h1 at m = p = 2 (m = 2p compiled twice the ticks): B and W still split, stage 1's W deferred past
+# its next B; zb-h1's steady state at m = 2p: tests/test_pipeline.py's every-schedule grid.
+REQUIRED = [Layout(1, 1, 8), Layout(8, 1, 1), Layout(2, 2, 2, "interleaved", 2), Layout(4, 2, 1, "zb-h1", microbatches=2)]
 KEPT = Layout(1, 2, 4, "1f1b", recompute=False)
 
 
@@ -141,11 +143,12 @@ def _case(layout, experts, top_k, capacity, *marks):
 
 
 # Dropless 8 experts top-2 on every kind of layout (the second stack: 8-way expert parallelism, and
-# expert parallelism inside the zero-bubble pipeline), 64 experts top-8 on the four layouts that matter
-# most for expert parallelism, a capacity with and without a pipeline.
+# expert parallelism inside the zero-bubble pipeline), 64 experts top-8 on the three layouts that split
+# the experts over data (on 1x1x8, data=1: no expert parallelism, the experts' columns split over tensor
+# as for 8 experts there), a capacity with and without a pipeline.
 CASES = ([_case(layout, 8, 2, 0.0, *(() if layout in (REQUIRED[1], REQUIRED[3]) else (_FIRST,)))
           for layout in [*REQUIRED, KEPT]]
-         + [_case(layout, 64, 8, 0.0, _FIRST) for layout in REQUIRED]
+         + [_case(layout, 64, 8, 0.0, _FIRST) for layout in REQUIRED[1:]]
          + [_case(layout, 8, 2, 1.0, _FIRST) for layout in REQUIRED[1:3]])
 
 

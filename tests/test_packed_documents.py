@@ -93,14 +93,16 @@ def test_the_loss_is_the_mean_over_counted_targets_of_each_document_run_alone(mo
     assert packed == pytest.approx(total / count, rel=1e-5)
 
 
+# zb-h1 at m = p = 2 (m = 2p compiled twice the ticks): B and W still split, stage 1's W deferred past
+# its next B; zb-h1's steady state at m = 2p: tests/test_pipeline.py's every-schedule grid.
 LAYOUTS = {
     "1x1x8": Layout(1, 1, 8),
     "2x2x2-interleaved": Layout(2, 2, 2, "interleaved", 2),
-    "1x2x4-zbh1": Layout(1, 2, 4, "zb-h1"),
-    "1x2x4-zbh1-kept": Layout(1, 2, 4, "zb-h1", recompute=False),
+    "1x2x4-zbh1": Layout(1, 2, 4, "zb-h1", microbatches=2),
+    "1x2x4-zbh1-kept": Layout(1, 2, 4, "zb-h1", microbatches=2, recompute=False),
     "2x1x2-context2": Layout(2, 1, 2, context=2),
     "1x1x1-context8-ring": Layout(1, 1, 1, context=8, context_attention="ring"),
-    "1x2x1-context4-zbh1-ring": Layout(1, 2, 1, "zb-h1", context=4, context_attention="ring"),
+    "1x2x1-context4-zbh1-ring": Layout(1, 2, 1, "zb-h1", microbatches=2, context=4, context_attention="ring"),
 }
 FAST = {("llama", "2x2x2-interleaved"), ("gpt", "1x2x4-zbh1"), ("user", "1x1x8"), ("llama", "1x1x1-context8-ring")}
 
