@@ -342,6 +342,32 @@ def test_async_pairs_count_the_start_once_with_its_data_shape():
     assert all(c.count == 1 for c in colls.values())
 
 
+# XLA:GPU's own form (jax 0.12 with its CUDA plugin, a zero=1 step compiled for H100s): the gradients'
+# reduce-scatter as one tuple pair, ``((operands), (results))``.
+GPU_REDUCE_SCATTER_HLO = """HloModule gpu_async, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: f32[128,16], q: f32[16]) -> (f32[64,16], f32[8]) {
+  %p = f32[128,16]{1,0} parameter(0)
+  %q = f32[16]{0} parameter(1)
+  %reduce-scatter-start = ((f32[128,16]{1,0}, f32[16]{0}), (f32[64,16]{1,0}, f32[8]{0})) reduce-scatter-start(%p, %q), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, dimensions={0}, to_apply=%add, backend_config={"operation_queue_id":"0","collective_backend_config":{"is_sync":false}}
+  ROOT %reduce-scatter-done = (f32[64,16]{1,0}, f32[8]{0}) reduce-scatter-done(%reduce-scatter-start)
+}
+"""
+
+
+def test_a_gpu_reduce_scatter_pair_counts_its_start_with_the_scattered_shards():
+    (reduce_scatter,) = collectives(GPU_REDUCE_SCATTER_HLO, MESH_2_1_4)
+
+    assert (reduce_scatter.kind, reduce_scatter.axes, reduce_scatter.count) == ("reduce-scatter", ("data",), 1)
+    assert reduce_scatter.bytes == (64 * 16 + 8) * 4
+
+
 CALL_GRAPH_HLO = """HloModule loops, num_partitions=8
 
 %add (a: f32[], b: f32[]) -> f32[] {

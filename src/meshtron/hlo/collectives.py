@@ -57,10 +57,12 @@ COLLECTIVE_KINDS = (
 )
 
 # Async collectives are a start/done pair; the start carries the groups and the data, the done only
-# waits, so only the start is counted.
+# waits, so only the start is counted. XLA:GPU writes a reduce-scatter's pair under its own name too
+# (``reduce-scatter-start``) where older programs wrap the op in a generic ``async-start``.
 ASYNC_START_KIND = {
     "all-reduce-start": "all-reduce",
     "all-gather-start": "all-gather",
+    "reduce-scatter-start": "reduce-scatter",
     "collective-permute-start": "collective-permute",
 }
 
@@ -391,11 +393,11 @@ def _collective(
 def _payload_shape(opcode: str, shape: Shape) -> Shape:
     """The data part of a collective's result.
 
-    ``all-gather-start`` returns ``(operands, results)`` and ``collective-permute-start``
-    ``(operand, result[, u32[], u32[]])``: the result is element 1. ``all-reduce-start`` returns
-    the data itself, like the synchronous ops.
+    ``all-gather-start`` and ``reduce-scatter-start`` return ``(operands, results)`` and
+    ``collective-permute-start`` ``(operand, result[, u32[], u32[]])``: the result is element 1.
+    ``all-reduce-start`` returns the data itself, like the synchronous ops.
     """
-    if opcode in ("all-gather-start", "collective-permute-start") and isinstance(shape, tuple):
+    if opcode in ("all-gather-start", "reduce-scatter-start", "collective-permute-start") and isinstance(shape, tuple):
         return shape[1]
     return shape
 
