@@ -53,7 +53,7 @@ test-fast: $(TEST_STAMP)
 $(STAMP312): pyproject.toml constraints-py312.txt
 	@test -n "$(PY312)" || { echo "make test-py312: no Python 3.12 found (pyenv's versions, or python3.12 on PATH)" >&2; exit 1; }
 	test -x $(VENV312)/bin/python || $(PY312) -m venv $(VENV312)
-	$(VENV312)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-py312.txt -e ".[dev]"
+	$(VENV312)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints-py312.txt -e ".[dev,gpu-compile]"
 	touch $(STAMP312)
 
 test-py312: $(STAMP312)

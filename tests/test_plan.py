@@ -237,7 +237,7 @@ def test_gemm_efficiency_interpolates_log_linearly_and_is_flat_outside():
 
 
 def test_bundled_clusters_load_and_a_users_file_round_trips(tmp_path):
-    assert set(bundled_clusters()) == {"a100-80gb", "h100-80gb", "a100-ethernet"}
+    assert set(bundled_clusters()) == {"a100-80gb", "h100-80gb", "h200-141gb", "a100-ethernet"}
     for name in bundled_clusters():
         assert load_cluster(name).name == name
     own = tmp_path / "mine.yaml"

@@ -26,6 +26,7 @@ from meshtron.data.sources import TokenDatasets, load_training_data, packs_docum
 from meshtron.data.text import Corpus
 from meshtron.errors import ConfigError, RunStopped
 from meshtron.execution import Execution
+from meshtron.gpu.targets import devices_for_mesh
 from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
@@ -80,7 +81,7 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: Config | str | os.PathLike, devices=None, *, verbose: bool = False,
                     model: ModelFactory | None = None, rules: dict[str, str | None] | None = None,
-                    read_data: bool = True, run: Run | None = None) -> Trainer:
+                    read_data: bool = True, run: Run | None = None, target: str | None = None) -> Trainer:
         """The run ``cfg`` describes: a :class:`Config` (:func:`meshtron.load_config` makes one with
         overrides), or a config's file or bundled name as ``--config`` takes it (``"cpu8"``). ``model``: a
         factory ``rngs -> nnx.Module`` of your own model (any :mod:`meshtron.models.contract` model)
@@ -95,11 +96,14 @@ class Trainer:
                               f"'cpu8', got a {type(cfg).__name__}")
         if run is None:  # the checks for the sizes it gives, before any device is touched
             check_features(cfg)
+        if target is not None:
+            devices = devices_for_mesh(cfg.mesh, target, devices)
         if devices is None:  # on a CPU, as many simulated devices as the mesh needs (if JAX has not started)
             simulate_devices_for(cfg.mesh)
         devices = list(jax.devices() if devices is None else devices)
         tensor = resolve_sizes(cfg.mesh, len(devices)).tensor
-        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, adaptation=lora_spec(cfg.train.lora))
+        model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, adaptation=lora_spec(cfg.train.lora),
+                                          platform=devices[0].platform)
         run = run_for_model(cfg, len(devices), model_def.layers, run)
         cfg = run.cfg
         mesh = build_mesh(cfg.mesh, devices, verbose=verbose)

@@ -253,13 +253,15 @@ def check_layout(params: Params, shardings: Params) -> None:
 
 
 def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[str, str | None] | None = None,
-                          factory: ModelFactory | None = None, adaptation: Adaptation | None = None) -> ModelDef:
+                          factory: ModelFactory | None = None, adaptation: Adaptation | None = None,
+                          platform: str | None = None) -> ModelDef:
     """The :class:`ModelDef` of a run: ``factory`` (a user's model), else ``model.factory`` or
     ``model.family`` from the config; Megatron's rules extended by the family's own, then by
     ``model.rules`` and ``rules`` (later ones win). ``parallel.sequence_parallel`` maps the residual
     stream's ``residual_seq`` onto ``tensor`` (:data:`meshtron.models.contract.RESIDUAL`). The structure
     only: the run's switches are ``Execution.of_model_config(cfg)`` (:class:`~meshtron.execution.Execution`),
-    checked here where they need the devices (``model.attention=cudnn``)."""
+    checked here where they need the devices (``model.attention=cudnn``): ``platform`` is the run's
+    devices' (``"gpu"`` for compile-only GPU targets on a CPU machine), by default JAX's default backend."""
     from meshtron.models.registry import family_rules, model_factory
 
     table = extend_rules(MEGATRON_RULES, family_rules(cfg, tensor) if factory is None else {})
@@ -267,7 +269,8 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
     check_sequence_parallel(cfg, tensor)
     if cfg.sequence_parallel:
         table = extend_rules(table, {"residual_seq": "tensor"})
-    if cfg.attention == "cudnn" and jax.default_backend() != "gpu":
-        raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {jax.default_backend()} "
-                          "devices; use model.attention=xla")
+    platform = platform or jax.default_backend()
+    if cfg.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {platform} devices; use "
+                          "model.attention=xla (or compile for a GPU target: describe --compile --target h100)")
     return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, adaptation=adaptation)

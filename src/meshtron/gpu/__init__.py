@@ -1,0 +1,1 @@
+"""Compiling for GPUs this machine does not have: targets, and what their programs tell."""
