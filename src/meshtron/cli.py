@@ -34,6 +34,8 @@ from meshtron.config import (
 )
 from meshtron.distributed import ProcessGroup, resolve_group
 from meshtron.errors import EXIT_STOPPED, CheckpointError, ConfigError, NonFiniteLossError, RunStopped
+from meshtron.gpu.targets import TARGETS as GPU_TARGETS
+from meshtron.gpu.targets import prepare_environment
 from meshtron.mesh import MAX_SIMULATED_DEVICES, devices_requested, ensure_cpu_devices, mesh_shape
 from meshtron.models.registry import hf_mapping
 from meshtron.run import Run, check_features, resolve_run
@@ -56,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     describe.add_argument("--compile", action="store_true",
                           help="compile the train step for the mesh from abstract arrays even when the run would not "
                                "fit this machine (nothing is allocated): compiled memory per device and collectives")
+    describe.add_argument("--target", choices=sorted(GPU_TARGETS), metavar="GPU",
+                          help="compile for GPUs of this kind (h100, h200, a100; as many as the mesh names) without "
+                               "having them: the GPU program's memory, collectives, overlap and estimated step time "
+                               "(needs the gpu-compile extra)")
     launch = sub.add_parser("launch", parents=[common], help="train in N local processes (one distributed run)")
     launch.add_argument("--processes", type=int, required=True, metavar="N")
     launch.add_argument("--metrics", metavar="FILE.jsonl", help="written by process 0")
@@ -402,6 +408,9 @@ def _resolved(cfg: Config, program: bool = True) -> Run | None:
 def _load(args: argparse.Namespace) -> tuple[Config, ProcessGroup | None, Run | None]:
     cfg = load_config(args.config, args.overrides)
     run = _resolved(cfg)
+    if getattr(args, "target", None):  # compile-only GPUs: the process itself stays on the CPU
+        prepare_environment()
+        return cfg, None, run
     group = resolve_group(cfg.distributed) if args.command == "train" else None
     needed = devices_requested(cfg.mesh)
     if group is not None:  # this process simulates its share of the mesh (on CPU)
@@ -530,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from meshtron.describe import describe
 
-            describe(cfg, run=run, force_compile=args.compile)
+            describe(cfg, run=run, force_compile=args.compile, target=args.target)
     except ConfigError as err:
         _traceback_if_asked()
         print(f"meshtron: error: {err}", file=sys.stderr)

@@ -24,6 +24,7 @@ from meshtron import megatron
 from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.families import FACTORY_STAND_IN, FAMILIES
+from meshtron.gpu.targets import TARGETS, devices_for_mesh
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
 from meshtron.models.lora import is_adapter, lora_spec
@@ -185,11 +186,16 @@ def bytes_per_device(shapes, shardings) -> float:
                      for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
 
 
+def compiler_name(device) -> str:
+    """The compiler a program for ``device`` comes from, as the memory lines name it."""
+    return "XLA:GPU" if device.platform == "gpu" else f"XLA:{device.platform.upper()}"
+
+
 def print_compiled_memory(program, params, opt_state, seconds: float, trainer, out,
-                          model: StepMemory | None = None) -> None:
+                          model: StepMemory | None = None, compiler: str = "XLA:CPU") -> None:
     """Memory per device of the compiled train step: what its arguments hold (read from the shardings
     the program takes), its temporaries, and the peak of the two -- next to ``model``'s (the step
-    memory model on XLA:CPU), when given."""
+    memory model for the same compiler), when given."""
     param_in, opt_in = program.input_shardings[0][:2]
     memory = program.memory_analysis()
     zero = trainer.steps.zero
@@ -201,10 +207,10 @@ def print_compiled_memory(program, params, opt_state, seconds: float, trainer, o
     if memory is not None:
         peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
         print(f"  {'temporaries':24s} {fmt(memory.temp_size_in_bytes)} (activations, gradients, communication "
-              "buffers; XLA:CPU's buffer assignment)", file=out)
+              f"buffers; {compiler}'s buffer assignment)", file=out)
         print(f"  {'peak':24s} {fmt(peak)} (arguments + temporaries; outputs reuse the donated arguments)", file=out)
         if model is not None:
-            print(f"  {'modelled (XLA:CPU)':24s} temporaries {fmt(model.temporaries)}, peak {fmt(model.peak)} "
+            print(f"  {'modelled (' + compiler + ')':24s} temporaries {fmt(model.temporaries)}, peak {fmt(model.peak)} "
                   f"({model.peak / peak - 1:+.1%} against the compiled peak)", file=out)
     if zero is not None and zero.replicated():
         kept = sum(b for _, b in zero.replicated())
@@ -317,24 +323,30 @@ def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> Exper
 
 
 def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: Run | None = None,
-             force_compile: bool = False) -> None:
+             force_compile: bool = False, target: str | None = None) -> None:
     """Print the run ``cfg`` describes (``run``: already resolved). ``memory_budget``: the bytes this
     machine may give the compiled analysis (default: half of its available memory); above it,
     planning mode -- unless ``force_compile``: the step is then compiled for the mesh from abstract
-    arrays whatever the model's size (nothing is allocated), and its memory per device printed."""
+    arrays whatever the model's size (nothing is allocated), and its memory per device printed.
+    ``target``: compile for GPUs of that kind instead (``"h100"``, ``"h200"``, ``"a100"``:
+    :mod:`meshtron.gpu.targets`; as many as the mesh names, none needed here): the memory, the
+    collectives and their overlap, and the estimated step time are the GPU program's."""
     out = out or sys.stdout
-    devices = jax.devices()
+    devices = jax.devices() if target is None else devices_for_mesh(cfg.mesh, target)
     requested = list(mesh_shape(cfg.mesh))
     on_devices = -1 in requested or math.prod(requested) <= len(devices)
     count = len(devices) if on_devices else math.prod(requested)  # planning: the mesh as written
-    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count).tensor, adaptation=lora_spec(cfg.train.lora))
+    model_def = model_def_from_config(cfg.model, resolve_sizes(cfg.mesh, count).tensor, adaptation=lora_spec(cfg.train.lora),
+                                      platform=devices[0].platform)
     run = run_for_model(cfg, count, model_def.layers, run)
     cfg, sizes = run.cfg, run.sizes
     mesh_sizes = dict(zip(AXES, run.mesh_shape))
     m = cfg.model
 
-    print(f"mesh      {shown_sizes(mesh_sizes)}  ({math.prod(run.mesh_shape)} devices; this machine has {len(devices)} "
-          f"{devices[0].platform.upper()} devices)", file=out)
+    machine = (f"compiled for {len(devices)} {devices[0].device_kind} (compile-only: {TARGETS[target].chip} "
+               "described to XLA's GPU compiler, no GPU needed)" if target is not None else
+               f"this machine has {len(devices)} {devices[0].platform.upper()} devices")
+    print(f"mesh      {shown_sizes(mesh_sizes)}  ({math.prod(run.mesh_shape)} devices; {machine})", file=out)
     family = f"{m.family}" if m.factory is None else f"factory {m.factory}"
     kv = f" ({m.kv_heads} kv)" if m.kv_heads and m.factory is None else ""
     print(f"model     {family}: {model_def.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, mlp {m.mlp_dim}, "
@@ -397,6 +409,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
 
     budget = available_host_memory() / 2 if memory_budget is None else memory_budget
     held = modelled["cpu"].peak * sizes.devices
+    force_compile = force_compile or target is not None  # a target's devices hold nothing here
     if force_compile and not on_devices:
         raise ConfigError(f"--compile: the mesh needs {sizes.devices} devices and this process has {len(devices)}; "
                           "the CLI simulates up to 64 CPU devices, so use a mesh of at most 64")
@@ -414,14 +427,14 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     from meshtron.train.loop import Trainer
 
     started = time.perf_counter()
-    trainer = Trainer.from_config(cfg, devices, read_data=False, run=run)
+    trainer = Trainer.from_config(cfg, devices, read_data=False, run=run)  # a target's devices, when given
     params, opt_state, tokens = trainer.abstract_step_arguments()
     staged = len(trainer.steps.stages) > 1
     for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently
         program = trainer.steps.compile(params, opt_state, tokens, stage)
         if stage == trainer.steps.stages[0]:
             print_compiled_memory(program, params, opt_state, time.perf_counter() - started, trainer, out,
-                                  modelled["cpu"])
+                                  modelled["cpu" if target is None else "gpu"], compiler=compiler_name(devices[0]))
         step = analyze(program, trainer.mesh)
         label = f" ({stage} stage)" if staged else ""
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)
