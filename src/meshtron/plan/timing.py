@@ -21,8 +21,17 @@ communication time"), so this one is assembled from its counts and the cluster's
   implementation hides it, and in how many bits it travels), or 1-bit LAMB's compressed exchange;
   then the optimizer's memory-bound update.
 
+Beyond the paper's GPT with full recomputation: the Llama family's GEMMs and kernels (grouped-query
+attention's narrower key/value projections, SwiGLU's three matrices, an untied head), selective
+recomputation (only the attention core runs again; Korthikanti et al. 2022) and sequence parallelism
+(the norm, residual and dropout kernels on ``s/t`` of the tokens, each all-reduce a reduce-scatter
+plus an all-gather of the same bytes, the pipeline's message kept split), and the zero levels (the
+exchange of :func:`meshtron.plan.model.data_wire_bytes`, the update of a ``1/d`` share).
+
 Throughput is reported the paper's way: eq. 3's FLOPs (with recomputation, whatever the layout
-recomputes) per second per GPU.
+recomputes) per second per GPU. Every :class:`Estimate` names the model that priced it
+(``priced_by``: ``analytical``, this module's terms), so that other pricings of the same layout can
+stand beside it in one ranking.
 """
 
 from __future__ import annotations
