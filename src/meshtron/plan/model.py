@@ -549,7 +549,9 @@ def data_wire_bytes(parameters: float, data: int, optimizer: str, grad_bytes: in
     (:func:`meshtron.optim.compression.compressed_bytes_per_device`). With ``zero=1`` a reduce-scatter
     of the gradients and an all-gather of the 16-bit weights, ``(d−1)/d · parameters · (grad_bytes + 2)``;
     with ``zero=3``, per microbatch, two all-gathers of the 16-bit weights (forward, backward) and a
-    reduce-scatter of the gradients."""
+    reduce-scatter of the gradients. Recomputation adds no third gather: a layer's backward gathers
+    its weights once and both its recomputed forward and its gradients use them (meshtron's
+    :meth:`meshtron.optim.zero.ZeroPlan.layer_view`; FSDP and DeepSpeed's ZeRO-3 likewise)."""
     if data <= 1:
         return 0.0
     ring = (data - 1) / data
