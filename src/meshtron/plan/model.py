@@ -509,9 +509,9 @@ def context_wire_bytes(model: ModelShape, layout: Layout) -> float:
     c = layout.context
     if c == 1:
         return 0.0
-    kv_split = layout.tensor if model.kv_heads % layout.tensor == 0 else 1  # replicated heads: whole
-    width = model.kv_heads * model.head_dim / kv_split  # h/t for the GPT; k·d/t with grouped-query attention
-    block = layout.microbatch * model.seq_len / c * width * ACTIVATION_BYTES
+    replicated = model.kv_heads % layout.tensor != 0  # heads t does not divide are whole on every rank
+    width = model.kv_heads * model.head_dim * (layout.tensor if replicated else 1)  # t x a rank's: h for the GPT
+    block = layout.microbatch * model.seq_len / c * width / layout.tensor * ACTIVATION_BYTES
     forwards = 1 + (layout.recompute != "none")
     return (c - 1) * 2 * block * (forwards + 1)
 
