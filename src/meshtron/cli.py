@@ -146,9 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gradients", default="fp32", choices=("fp32", "16bit", "sc21"),
                       help="how gradients are kept and all-reduced: fp32 (default), 16bit, or sc21 (the PTD-P "
                            "paper's Megatron-LM runs: fp16, the optimizer's fp32 copy, torch DDP without pipelining)")
-    plan.add_argument("--zero", type=int, default=0, choices=(0, 1, 3),
+    plan.add_argument("--zero", type=int, choices=(0, 1, 3),
                       help="split over data: 1 the optimizer state (Megatron's distributed optimizer), 3 the weights "
-                           "and gradients too (fully sharded); 1-bit LAMB is priced at 0")
+                           "and gradients too (fully sharded); 1-bit LAMB is priced at 0 (default: parallel.zero)")
     plan.add_argument("--context", type=int, metavar="C",
                       help="split every sequence over C context ranks in every layout (default: the config's "
                            "parallel.context)")
@@ -213,9 +213,12 @@ def _plan(args: argparse.Namespace) -> None:
 
     # The model and batch come from the config; its mesh is what the plan chooses, so it is reset
     # before validation (a preset's 3072-GPU mesh must not reject a model override).
+    # (sequence parallelism and the zero level are the config's, read before they are reset with it)
     layout_free = ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "parallel.context=1",
-                   "parallel.microbatches=1", "parallel.chunks=1", "parallel.layout=null"]
-    context = args.context if args.context is not None else load_config(args.config, args.overrides).mesh.context
+                   "parallel.microbatches=1", "parallel.chunks=1", "parallel.layout=null",
+                   "parallel.sequence_parallel=false", "parallel.zero=0", "parallel.gather_once=false"]
+    configured = load_config(args.config, args.overrides)
+    context = args.context if args.context is not None else configured.mesh.context
     cfg = load_config(args.config, args.overrides, fixed=layout_free, notes=args.context is not None)
     check_features(cfg)
     modes = tuple(mode.strip() for mode in args.recompute.split(",") if mode.strip())
@@ -230,12 +233,13 @@ def _plan(args: argparse.Namespace) -> None:
     gradients = GRADIENTS[args.gradients]
     if args.overlap_data:
         gradients = dataclasses.replace(gradients, overlap="always")
-    if args.zero:
-        gradients = dataclasses.replace(gradients, zero=args.zero)
+    zero = args.zero if args.zero is not None else configured.train.zero
+    if zero:
+        gradients = dataclasses.replace(gradients, zero=zero)
     plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, batch,
                      load_cluster(args.cluster), optimizer, modes,
                      freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), gradients=gradients,
-                     context=context)
+                     context=context, sequence_parallel=configured.model.sequence_parallel)
     print(render(plan, args.top))
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_dict(args.top), indent=2) + "\n")

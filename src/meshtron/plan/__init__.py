@@ -3,7 +3,10 @@
 Narayanan et al. (SC21) give the counts -- parameters (eq. 2), FLOPs (eq. 3), bubble (§2.2),
 communication per mesh axis (§3.2-3.3, §4.1) -- and heuristics for choosing a layout (§3's
 takeaways), but no model of time. This package adds one, from a cluster's datasheet and a short
-efficiency table (:mod:`.cluster`), so that a layout can be priced before any GPU is rented:
+efficiency table (:mod:`.cluster`), so that a layout can be priced before any GPU is rented.
+Beyond the paper's GPT with full recomputation it prices the Llama family (grouped-query attention,
+SwiGLU, an untied head), selective recomputation with sequence parallelism (Korthikanti et al. 2022)
+and the zero levels:
 
 * :mod:`.model` -- what a layout costs independent of hardware: parameters, FLOPs, memory per GPU,
   bytes per mesh axis (calling :mod:`meshtron.megatron`, where the formulas are held against

@@ -16,6 +16,7 @@ tables of :mod:`meshtron.pipeline.schedules`. No JAX here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = [
     "FP32_GRADIENTS",
     "GRADIENTS",
     "GRADIENT_BYTES",
+    "PLANNED_FAMILIES",
     "RECOMPUTE",
     "Gradients",
     "Layout",
@@ -42,6 +44,8 @@ __all__ = [
     "figures",
     "flops_per_iteration",
     "in_flight_chunks",
+    "layer_activation_bytes",
+    "layer_matrix_parameters",
     "layer_parameters_per_gpu",
     "memory_per_gpu",
     "onebit_padded_length",
@@ -50,6 +54,7 @@ __all__ = [
     "pipe_wire_bytes",
     "stage_parameters_per_gpu",
     "tensor_wire_bytes",
+    "transformer_flops",
 ]
 
 RECOMPUTE = ("full", "selective", "none")  # the planner's order of preference when times tie
@@ -117,16 +122,27 @@ optimizer's fp32 gradient copy at the step, ``torch`` DDP on the rows without pi
 ``local`` on the rest)."""
 
 
+PLANNED_FAMILIES = ("gpt", "llama")
+"""The built-in families the planner prices: the paper's GPT and the Llama family."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The paper's GPT (§5.1): ``layers`` (l), ``hidden`` (h), ``heads`` (a), ``seq_len`` (s),
-    ``vocab_size`` (V); the MLP is 4h wide, as eq. 2 and 3 assume."""
+    """A dense decoder the planner prices: ``layers`` (l), ``hidden`` (h), ``heads`` (a), ``seq_len``
+    (s), ``vocab_size`` (V) -- the paper's GPT (§5.1) by default, whose MLP is 4h wide as eq. 2 and 3
+    assume -- and, for ``family="llama"``, the Llama block as Megatron-LM runs it: ``kv_heads`` (k)
+    key/value heads (grouped-query attention, k dividing a; default a), a SwiGLU MLP of three
+    ``mlp_dim`` (f) wide matrices, RMSNorm, no biases, rotary positions and an untied LM head.
+    ``kv_heads`` and ``mlp_dim`` are filled in (a and 4h) when not given."""
 
     layers: int
     hidden: int
     heads: int
     seq_len: int
     vocab_size: int
+    family: str = "gpt"
+    kv_heads: int | None = None
+    mlp_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "vocab_size"):
@@ -134,23 +150,48 @@ class ModelShape:
                 raise ConfigError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
         if self.hidden % self.heads:
             raise ConfigError(f"model.hidden: {self.hidden} is not divisible by model.heads={self.heads}")
+        if self.family not in PLANNED_FAMILIES:
+            raise ConfigError(f"model.family: the planner prices {' and '.join(PLANNED_FAMILIES)}, got "
+                              f"{self.family!r}")
+        object.__setattr__(self, "kv_heads", self.kv_heads or self.heads)
+        object.__setattr__(self, "mlp_dim", self.mlp_dim or 4 * self.hidden)
+        if self.family == "gpt" and (self.kv_heads != self.heads or self.mlp_dim != 4 * self.hidden):
+            raise ConfigError(f"model.mlp_dim: the paper's GPT (eq. 2, 3) has one key/value head per head and a "
+                              f"4 x hidden = {4 * self.hidden} MLP, got kv_heads={self.kv_heads}, "
+                              f"mlp_dim={self.mlp_dim}; price other shapes as model.family=llama")
+        if self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ConfigError(f"model.kv_heads: {self.kv_heads} does not divide model.heads={self.heads}")
+        if self.mlp_dim < 1:
+            raise ConfigError(f"model.mlp_dim: must be >= 1, got {self.mlp_dim}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def tied_head(self) -> bool:
+        """The paper's GPT multiplies by its word embedding to make the logits; Llama has its own head."""
+        return self.family == "gpt"
+
     @classmethod
     def from_config(cls, model: ModelConfig) -> ModelShape:
-        """The shape of a config's model; the paper's formulas cover the built-in GPT with a 4h MLP."""
+        """The shape of a config's model: the paper's GPT with a 4h MLP, or a dense Llama
+        (``model.kv_heads``, ``model.mlp_dim``)."""
         family = FAMILIES.get(model.family) if model.factory is None else None
-        if family is None or not family.load_counts().PAPER_GPT:
+        if family is None or model.family not in PLANNED_FAMILIES:
             what = f"factory {model.factory}" if model.factory else f"family {model.family}"
-            raise ConfigError(f"model.family: the planner implements the paper's GPT (eq. 2, 3), got {what}; "
-                              "use model.family=gpt")
-        if model.mlp_dim != 4 * model.hidden:
-            raise ConfigError(f"model.mlp_dim: the paper's formulas assume 4 x hidden = {4 * model.hidden}, "
-                              f"got {model.mlp_dim}; set model.mlp_dim={4 * model.hidden}")
-        return cls(model.layers, model.hidden, model.heads, model.seq_len, model.vocab_size)
+            raise ConfigError(f"model.family: the planner prices the paper's GPT (eq. 2, 3) and the Llama family, "
+                              f"got {what}; use model.family=gpt or llama")
+        if model.moe.experts:
+            raise ConfigError(f"model.moe.experts: the planner prices dense models, got {model.moe.experts} "
+                              "experts; set model.moe.experts=0")
+        if family.load_counts().PAPER_GPT:
+            if model.mlp_dim != 4 * model.hidden:
+                raise ConfigError(f"model.mlp_dim: the paper's formulas assume 4 x hidden = {4 * model.hidden}, "
+                                  f"got {model.mlp_dim}; set model.mlp_dim={4 * model.hidden}")
+            return cls(model.layers, model.hidden, model.heads, model.seq_len, model.vocab_size)
+        return cls(model.layers, model.hidden, model.heads, model.seq_len, model.vocab_size, model.family,
+                   family.load_counts().kv_heads(model), model.mlp_dim)
 
 
 @dataclass(frozen=True)
@@ -159,7 +200,10 @@ class Layout:
     per pipeline stage (v; v > 1 is the interleaved schedule), microbatch size (b), global batch
     (B), the activation recomputation mode, and context ranks (c) each sequence is split over
     (every GPU then holds ``s/c`` of each of its microbatch's sequences, and attends over all ``s``
-    with keys and values all-gathered over the c ranks: ``parallel.context_attention=gathered``)."""
+    with keys and values all-gathered over the c ranks: ``parallel.context_attention=gathered``).
+    ``sequence_parallel`` (Korthikanti et al. 2022, §4.2.2; t > 1): outside the tensor-parallel regions
+    (norms, residual adds, dropouts) every tensor rank holds and computes ``s/t`` of the sequence, and
+    each all-reduce becomes a reduce-scatter and an all-gather of the same bytes."""
 
     tensor: int
     pipe: int
@@ -169,6 +213,7 @@ class Layout:
     chunks: int = 1
     recompute: str = "full"
     context: int = 1
+    sequence_parallel: bool = False
 
     @property
     def gpus(self) -> int:
@@ -205,6 +250,10 @@ class Layout:
             return f"the interleaved schedule needs pipe > 1 and microbatches ({self.microbatches}) a multiple of {p}"
         if self.context < 1 or model.seq_len % (2 * self.context):
             return f"context={self.context} needs seq_len ({model.seq_len}) divisible by 2 x context"
+        if self.sequence_parallel and t == 1:
+            return "sequence_parallel splits over the tensor ranks and needs tensor > 1"
+        if self.sequence_parallel and (model.seq_len // self.context) % t:
+            return f"sequence_parallel needs tensor={t} to divide the {model.seq_len // self.context} tokens per sequence"
         return None
 
     def check(self, model: ModelShape) -> None:
@@ -217,37 +266,85 @@ class Layout:
 # Model size and work
 
 
+def layer_matrix_parameters(model: ModelShape) -> int:
+    """The weights of one layer's matrices, whole: the GPT's QKV, projection and two 4h MLP matrices
+    (``12h²``); Llama's query and output projections (``2·h·a·d``), its key and value projections
+    (``2·h·k·d``: grouped-query attention's smaller ones) and SwiGLU's gate, up and down (``3·h·f``).
+    Each weight is one multiply-add per token in the forward: the layer's GEMM FLOPs are twice this
+    per token."""
+    h, a, k, d, f = model.hidden, model.heads, model.kv_heads, model.head_dim, model.mlp_dim
+    if model.family == "gpt":
+        return 4 * h * h + 2 * h * f
+    return 2 * h * a * d + 2 * h * k * d + 3 * h * f
+
+
 def parameter_count(model: ModelShape) -> int:
-    """Eq. 2 (§5.1): ``12lh² + 13lh + (V+s)h`` (:func:`meshtron.megatron.megatron_params`)."""
-    return megatron.megatron_params(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
-                                    seq_len=model.seq_len)
+    """Eq. 2 (§5.1) for the GPT: ``12lh² + 13lh + (V+s)h`` (:func:`meshtron.megatron.megatron_params`).
+    Llama: per layer its matrices (:func:`layer_matrix_parameters`) and two RMSNorm scales (``2h``),
+    plus the embedding and the untied head (``2Vh``) and the final norm (``h``)."""
+    if model.family == "gpt":
+        return megatron.megatron_params(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
+                                        seq_len=model.seq_len)
+    h = model.hidden
+    return model.layers * (layer_matrix_parameters(model) + 2 * h) + 2 * model.vocab_size * h + h
+
+
+def transformer_flops(model: ModelShape, global_batch: int, recompute: str = "full") -> int:
+    """GEMM FLOPs of one iteration counted from the shape: per layer and token ``2·`` its matrix
+    weights (:func:`layer_matrix_parameters`) plus the attention core's ``4·s·h`` (scores and their
+    product with the values, whatever the key/value heads), per forward; the backward twice the
+    forward; the recomputed forward again with ``full``, the attention core again with ``selective``;
+    the LM head ``6·B·s·h·V``. For the GPT this is eq. 3 (the tests hold it to
+    :func:`meshtron.megatron.megatron_flops`)."""
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    B, s, h, l = global_batch, model.seq_len, model.hidden, model.layers
+    passes = 4 if recompute == "full" else 3
+    attention = 4 * B * s * s * l * h * (passes + (recompute == "selective"))
+    return passes * 2 * B * s * l * layer_matrix_parameters(model) + attention + 6 * B * s * h * model.vocab_size
 
 
 def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full") -> int:
     """Eq. 3 (§5.1, appendix) for ``recompute="full"``, the FLOPs the paper divides by time to report
     TF/s; ``selective``/``none`` count only what those modes execute
-    (:func:`meshtron.megatron.megatron_flops`)."""
+    (:func:`meshtron.megatron.megatron_flops`). Other families: :func:`transformer_flops`."""
+    if model.family != "gpt":
+        return transformer_flops(model, global_batch, recompute)
     return megatron.megatron_flops(vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers,
                                    seq_len=model.seq_len, global_batch=global_batch, recompute=recompute)
 
 
 def figures(model: ModelShape, layout: Layout) -> megatron.MegatronFigures:
     """:func:`meshtron.megatron.megatron_figures` for this layout, in 16-bit elements: the per-axis
-    bytes the tests hold meshtron's compiled programs to."""
-    return megatron.megatron_figures(
+    bytes the tests hold meshtron's compiled programs to. The tensor and pipeline figures hold for the
+    Llama family too (every all-reduce and exchange is one microbatch's ``b·s·h``; with sequence
+    parallelism a reduce-scatter and an all-gather of the same bytes); its parameters, FLOPs and
+    gradient shard are its own (:func:`parameter_count`, :func:`transformer_flops`)."""
+    fig = megatron.megatron_figures(
         vocab_size=model.vocab_size, hidden=model.hidden, layers=model.layers, seq_len=model.seq_len,
         heads=model.heads, global_batch=layout.global_batch, data=layout.data, pipe=layout.pipe,
         tensor=layout.tensor, microbatches=layout.microbatches, remat=layout.recompute == "full",
         bytes_per_element=ACTIVATION_BYTES,
     )
+    if model.family == "gpt":
+        return fig
+    params = parameter_count(model)
+    return dataclasses.replace(
+        fig, params=params, flops_per_iteration=transformer_flops(model, layout.global_batch, "full"),
+        flops_per_iteration_no_remat=transformer_flops(model, layout.global_batch, "none"),
+        data_bytes=round(params * ACTIVATION_BYTES / (layout.tensor * layout.pipe)) if layout.data > 1 else 0)
 
 
 def layer_parameters_per_gpu(model: ModelShape, tensor: int) -> float:
     """One transformer layer's parameters on one tensor rank (Megatron's split, §2.3): the QKV and
     first MLP matrices and biases split by columns, the projection and second MLP matrices by rows
     with their biases whole, the two layer norms whole -- ``12h²/t + 7h/t + 6h`` (``12h² + 13h`` at
-    ``t = 1``, eq. 2's per-layer term)."""
+    ``t = 1``, eq. 2's per-layer term). Llama: the family's own count
+    (:func:`meshtron.models.llama_counts.block_parameters`: key/value projections split when ``t``
+    divides their heads, else whole; the RMSNorm scales whole)."""
     h, t = model.hidden, tensor
+    if model.family != "gpt":
+        return FAMILIES[model.family].load_counts().block_parameters(model, tensor)
     return 12 * h * h / t + 7 * h / t + 6 * h
 
 
@@ -255,9 +352,13 @@ def stage_parameters_per_gpu(model: ModelShape, layout: Layout) -> float:
     """Parameters on one GPU of the fullest pipeline stage: ``l/p`` layers plus the vocab-parallel
     word embedding (``V·h/t``) and position embedding (``s·h``) on the first stage and the LM head
     (the tied word embedding's copy, ``V·h/t``) and final layer norm on the last; with ``p = 1``
-    one stage holds all of it once."""
+    one stage holds all of it once. Llama: the embedding (``V·h/t``) on the first stage, its own head
+    (``V·h/t``) and final RMSNorm on the last, both on a single stage."""
     h, t = model.hidden, layout.tensor
     layers = model.layers // layout.pipe * layer_parameters_per_gpu(model, t)
+    if not model.tied_head:
+        first, last = model.vocab_size * h / t, model.vocab_size * h / t + h
+        return layers + (first + last if layout.pipe == 1 else max(first, last))
     first = model.vocab_size * h / t + model.seq_len * h
     last = model.vocab_size * h / t + 2 * h
     if layout.pipe == 1:
@@ -308,20 +409,44 @@ def activation_bytes(model: ModelShape, layout: Layout) -> float:
     recomputation Table 2's per-layer figures (:func:`meshtron.megatron.paper_layer_activation_bytes`).
     The last stage's logits, ``b·s·V/t`` in 16 bits and again in fp32 for the loss, are added: a
     bound for stages that hold both."""
-    s, b, h, a, t = model.seq_len, layout.microbatch, model.hidden, model.heads, layout.tensor
-    per_layer = megatron.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t,
-                                                      remat=layout.recompute)
+    s, b, t = model.seq_len, layout.microbatch, layout.tensor
+    per_layer = layer_activation_bytes(model, layout, layout.recompute)
     chunk_layers = model.layers // (layout.pipe * layout.chunks)
     kept = megatron.megatron_stage_activation_bytes(
         layer_bytes=per_layer, layers_per_stage=chunk_layers,
         in_flight=in_flight_chunks(layout.pipe, layout.microbatches, layout.chunks))
     working = 0.0
     if layout.recompute == "full":
-        working = megatron.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t)
+        working = layer_activation_bytes(model, layout, "none")
     logits = b * s * model.vocab_size / t * (ACTIVATION_BYTES + 4)
     # A context rank holds s/c of every sequence: each term is linear in its own tokens (the scores too,
     # s/c queries against s keys), so all of it divides by c.
     return (kept + working + logits) / layout.context
+
+
+def layer_activation_bytes(model: ModelShape, layout: Layout, remat: str) -> float:
+    """Bytes one layer keeps for its backward under Megatron-LM, whole sequences (``s``, not ``s/c``).
+
+    The GPT: Korthikanti et al.'s Table 2 (:func:`meshtron.megatron.paper_layer_activation_bytes`),
+    with sequence parallelism when the layout has it. The Llama block, counted the same way in 16-bit
+    values with no dropout: outside the tensor-parallel regions the two norms' inputs and the two norm
+    outputs entering attention and the MLP (``8·s·b·h`` bytes, ``/t`` with sequence parallelism, which
+    keeps the norm outputs split as Megatron-LM does); inside, the rotated queries and the attention
+    output (``4·s·b·h/t``), keys and values (``4·s·b·k·d``, ``/t`` when ``t`` divides the ``k`` heads),
+    SwiGLU's gate and up outputs and their product (``6·s·b·f/t``), and the softmax output
+    (``2·a·s²·b/t``, which ``selective`` recomputes). ``full`` keeps the layer input (``2·s·b·h``,
+    ``/t`` with sequence parallelism)."""
+    s, b, h, a, t = model.seq_len, layout.microbatch, model.hidden, model.heads, layout.tensor
+    sp = layout.sequence_parallel
+    if model.family == "gpt":
+        return megatron.paper_layer_activation_bytes(seq_len=s, microbatch=b, hidden=h, heads=a, tensor=t,
+                                                     sequence_parallel=sp, remat=remat)
+    if remat == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    k, d, f = model.kv_heads, model.head_dim, model.mlp_dim
+    kv_split = t if k % t == 0 else 1
+    inside = (4 * h + 6 * f) / t + 4 * k * d / kv_split + (2 * a * s / t if remat == "none" else 0.0)
+    return s * b * (8 * h / (t if sp else 1) + inside)
 
 
 @dataclass(frozen=True)
@@ -380,11 +505,13 @@ def context_wire_bytes(model: ModelShape, layout: Layout) -> float:
     (:func:`meshtron.models.context_attention.exchange_bytes`, ``gathered``, which the compiled step
     matches): ``(c−1)`` blocks of keys and of values in every forward (twice with recomputation, which
     reruns the attention), their gradients reduce-scattered backward; a block is the rank's
-    ``b·s/c`` tokens of the ``h/t`` key/value width, in 16 bits."""
+    ``b·s/c`` tokens of the ``k·d/t`` key/value width (``h/t`` for the GPT), in 16 bits."""
     c = layout.context
     if c == 1:
         return 0.0
-    block = layout.microbatch * model.seq_len / c * model.hidden / layout.tensor * ACTIVATION_BYTES
+    replicated = model.kv_heads % layout.tensor != 0  # heads t does not divide are whole on every rank
+    width = model.kv_heads * model.head_dim * (layout.tensor if replicated else 1)  # t x a rank's: h for the GPT
+    block = layout.microbatch * model.seq_len / c * width / layout.tensor * ACTIVATION_BYTES
     forwards = 1 + (layout.recompute != "none")
     return (c - 1) * 2 * block * (forwards + 1)
 
@@ -422,7 +549,9 @@ def data_wire_bytes(parameters: float, data: int, optimizer: str, grad_bytes: in
     (:func:`meshtron.optim.compression.compressed_bytes_per_device`). With ``zero=1`` a reduce-scatter
     of the gradients and an all-gather of the 16-bit weights, ``(d−1)/d · parameters · (grad_bytes + 2)``;
     with ``zero=3``, per microbatch, two all-gathers of the 16-bit weights (forward, backward) and a
-    reduce-scatter of the gradients."""
+    reduce-scatter of the gradients. Recomputation adds no third gather: a layer's backward gathers
+    its weights once and both its recomputed forward and its gradients use them (meshtron's
+    :meth:`meshtron.optim.zero.ZeroPlan.layer_view`; FSDP and DeepSpeed's ZeRO-3 likewise)."""
     if data <= 1:
         return 0.0
     ring = (data - 1) / data

@@ -66,9 +66,12 @@ class Plan:
 
     def meshtron_gb(self, e: Estimate) -> float | None:
         """GB per GPU of meshtron's own step on this layout (:func:`~meshtron.plan.step_memory.layout_step_memory`),
-        None where its schedule tables cannot run it."""
+        None where its schedule tables cannot run it, or where that function does not model the layout
+        (it counts the paper's GPT without sequence parallelism)."""
         zero = 0 if self.optimizer == "onebit_lamb" else self.gradients.zero
         if e.layout.context > 1:  # meshtron's step memory model counts whole sequences
+            return None
+        if self.model.family != "gpt" or e.layout.sequence_parallel:
             return None
         memory = layout_step_memory(self.model, e.layout, self.optimizer, zero)
         return None if memory is None else memory.peak / 1e9
@@ -77,17 +80,18 @@ class Plan:
         def layout(e: Estimate) -> dict:
             lay = e.layout
             return {"tensor": lay.tensor, "pipe": lay.pipe, "data": lay.data, "context": lay.context,
-                    "chunks": lay.chunks,
+                    "chunks": lay.chunks, "sequence_parallel": lay.sequence_parallel,
                     "microbatch": lay.microbatch, "microbatches": lay.microbatches, "recompute": lay.recompute,
                     "memory_gb": e.memory.total / 1e9, "meshtron_memory_gb": self.meshtron_gb(e),
                     "tflops_per_gpu": e.tflops_per_gpu,
                     "step_seconds": e.step_seconds, "bubble": e.bubble,
                     "communication_share": e.communication_share, "data_bytes": e.data_bytes,
-                    "seconds": dict(e.seconds)}
+                    "recompute_seconds": e.recompute_seconds, "seconds": dict(e.seconds), "priced_by": e.priced_by}
 
         return {
-            "model": {"parameters": parameter_count(self.model), "layers": self.model.layers,
-                      "hidden": self.model.hidden, "heads": self.model.heads, "seq_len": self.model.seq_len,
+            "model": {"parameters": parameter_count(self.model), "family": self.model.family,
+                      "layers": self.model.layers, "hidden": self.model.hidden, "heads": self.model.heads,
+                      "kv_heads": self.model.kv_heads, "mlp_dim": self.model.mlp_dim, "seq_len": self.model.seq_len,
                       "vocab_size": self.model.vocab_size},
             "gpus": self.gpus, "global_batch": self.global_batch, "cluster": self.cluster.name,
             "optimizer": self.optimizer, "layouts_tried": self.result.tried, "too_big": self.result.too_big,
@@ -103,13 +107,16 @@ class Plan:
 
 def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
               recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
-              gradients: Gradients = FP32_GRADIENTS, context: int = 1) -> Plan:
+              gradients: Gradients = FP32_GRADIENTS, context: int = 1, sequence_parallel: bool = False) -> Plan:
     """Search, explain the winner, and price every optimizer on its own best layout (``context``:
-    every layout splits each sequence over that many ranks)."""
+    every layout splits each sequence over that many ranks; ``sequence_parallel``: every layout with
+    ``t > 1`` runs it)."""
     result = search(model, gpus, global_batch, cluster, optimizer, recompute,
-                    freeze_fraction=freeze_fraction, gradients=gradients, context=context)
+                    freeze_fraction=freeze_fraction, gradients=gradients, context=context,
+                    sequence_parallel=sequence_parallel)
     rows = optimizer_rows(model, gpus, global_batch, cluster, recompute, freeze_fraction,
-                          known={optimizer: result.best}, gradients=gradients, context=context)
+                          known={optimizer: result.best}, gradients=gradients, context=context,
+                          sequence_parallel=sequence_parallel)
     return Plan(model, gpus, global_batch, cluster, optimizer, result, rows,
                 reasons(model, result, cluster, freeze_fraction), freeze_fraction, gradients)
 
@@ -117,7 +124,8 @@ def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster,
 def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster,
                    recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
                    known: dict[str, Estimate] | None = None,
-                   gradients: Gradients = FP32_GRADIENTS, context: int = 1) -> list[OptimizerRow]:
+                   gradients: Gradients = FP32_GRADIENTS, context: int = 1,
+                   sequence_parallel: bool = False) -> list[OptimizerRow]:
     """AdamW, LAMB and 1-bit LAMB, each on the layout the search ranks first for it: 1-bit LAMB's
     extra state may force another layout, and its compressed exchange may favour more data
     parallelism, so comparing both on one layout would misstate the choice. 1-bit LAMB is ranked by
@@ -131,7 +139,8 @@ def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Clu
             own = dataclasses.replace(gradients, zero=0) if name == "onebit_lamb" else gradients
             try:
                 best = search(model, gpus, global_batch, cluster, name, recompute,
-                              freeze_fraction=freeze_fraction, gradients=own, context=context).best
+                              freeze_fraction=freeze_fraction, gradients=own, context=context,
+                              sequence_parallel=sequence_parallel).best
             except ConfigError:  # nothing fits this optimizer's state
                 rows.append(OptimizerRow(name, None, math.inf, math.inf))
                 continue
@@ -251,6 +260,9 @@ def reasons(model: ModelShape, result: SearchResult, cluster: Cluster, freeze_fr
     text = f"Recomputation: {lay.recompute}"
     if lay.recompute == "full":
         text += " (each layer's forward runs again in the backward, 4/3 of its GEMM FLOPs, §3.5)"
+    elif lay.recompute == "selective":
+        text += " (only the attention core runs again in the backward, Korthikanti et al. 2022)"
+    text += f", {best.recompute_seconds / best.step_seconds:.1%} of the step" if lay.recompute != "none" else ""
     if priced:
         text += "; " + ", ".join(f"{mode}: best {_describe(modes[mode], f)}" for mode in priced)
         text += "; full recomputation frees memory for larger microbatches" if lay.recompute == "full" else ""
@@ -292,16 +304,24 @@ def _table(header: list[str], rows: list[list]) -> str:
 def render(plan: Plan, top: int = 10) -> str:
     """The text ``meshtron plan`` prints."""
     model, cluster, result = plan.model, plan.cluster, plan.result
+    if model.family == "gpt":
+        what, counts = "parameters (eq. 2)", "(eq. 3)"
+        heads = f"{model.heads} heads"
+    else:
+        what, counts = f"parameters ({model.family}: SwiGLU MLP {model.mlp_dim}, untied head)", "(recomputing every layer)"
+        heads = f"{model.heads} heads ({model.kv_heads} kv)"
     out = [
-        (f"model     {_count(parameter_count(model))} parameters (eq. 2): {model.layers} layers, hidden {model.hidden}, "
-        f"{model.heads} heads, seq {model.seq_len}, vocab {model.vocab_size}; "
-        f"{flops_per_iteration(model, plan.global_batch):.3g} FLOPs per batch of {plan.global_batch} (eq. 3)"),
+        (f"model     {_count(parameter_count(model))} {what}: {model.layers} layers, hidden {model.hidden}, "
+        f"{heads}, seq {model.seq_len}, vocab {model.vocab_size}; "
+        f"{flops_per_iteration(model, plan.global_batch):.3g} FLOPs per batch of {plan.global_batch} {counts}"),
         (f"cluster   {cluster.name}: {plan.gpus} GPUs, {cluster.gpus_per_node} per node, {cluster.peak_tflops:g} TF/s "
         f"peak, {cluster.memory_gb:g} GB ({cluster.memory_gb - cluster.reserved_gb:g} usable), NVLink "
         f"{cluster.nvlink_gbps:g} GB/s, network {cluster.network_gbps:g} GB/s per node"),
         (f"searched  {result.tried} layouts, {result.too_big} do not fit; optimizer {plan.optimizer}; "
          + (f"every sequence split over {result.best.layout.context} context ranks (keys and values all-gathered); "
             if result.best.layout.context > 1 else "")
+         + ("sequence parallelism on every layout with t > 1; "
+            if any(e.layout.sequence_parallel for e in result.ranked) else "")
          + f"gradients all-reduced in {8 * plan.gradients.element_bytes} bits"
          + (f"; zero={plan.gradients.zero} (split over data: "
             f"{'optimizer state' if plan.gradients.zero == 1 else 'weights, gradients and optimizer state'})"
@@ -309,8 +329,8 @@ def render(plan: Plan, top: int = 10) -> str:
         f"memory    {MEMORY_MODEL} (meshtron describe counts a run as configured)",
         "",
     ]
-    header = ["#", "t", "p", "d", "v", "b", "m", "recompute", "GB/GPU", "meshtron GB", "TF/s/GPU*", "step s", "bubble", "comm",
-              "GB over data (lamb)", "GB over data (1-bit)"]
+    header = ["#", "t", "p", "d", "v", "b", "m", "recompute", "GB/GPU", "meshtron GB", "TF/s/GPU*", "step s",
+              "recompute s", "bubble", "comm", "GB over data (lamb)", "GB over data (1-bit)", "priced by"]
     rows = []
     for i, e in enumerate(result.ranked[:top], 1):
         lay = e.layout
@@ -319,12 +339,14 @@ def render(plan: Plan, top: int = 10) -> str:
                           gradients=dataclasses.replace(plan.gradients, zero=0)).data_bytes
         rows.append([i, lay.tensor, lay.pipe, lay.data, lay.chunks, lay.microbatch, lay.microbatches, lay.recompute,
                      f"{e.memory.total / 1e9:.1f}", _gb(plan.meshtron_gb(e)), f"{_speed(e, plan.freeze_fraction):.1f}",
-                     f"{e.run_seconds(plan.freeze_fraction):.3g}", f"{e.bubble:.1%}", f"{e.communication_share:.1%}",
-                     f"{fp32 / 1e9:.3g}", f"{onebit / 1e9:.3g}"])
+                     f"{e.run_seconds(plan.freeze_fraction):.3g}", f"{e.recompute_seconds:.3g}", f"{e.bubble:.1%}",
+                     f"{e.communication_share:.1%}", f"{fp32 / 1e9:.3g}", f"{onebit / 1e9:.3g}", e.priced_by])
     out.append(_table(header, rows))
     out.append("* eq. 3's FLOPs (with full recomputation, the paper's count) per second per GPU; GB = 10^9 bytes; "
                "meshtron GB: meshtron's own step on the layout (fp32 parameters, two gradient buffers, cuDNN "
-               "attention; docs/memory.md), which the ranking does not use; "
+               "attention; docs/memory.md; the paper's GPT without sequence parallelism), which the ranking does "
+               "not use; recompute s: what the step spends recomputing; priced by: the time model behind the row "
+               "(analytical: meshtron.plan.timing's terms); "
                + ("step and TF/s are the mean over a run, 1-bit LAMB's warmup included" if plan.optimizer == "onebit_lamb"
                   else "ranked by step time"))
     out += ["", "why #1 (Narayanan et al. 2021, §3):"] + [f"  - {line}" for line in plan.reasons]

@@ -8,7 +8,7 @@ dividing the layers (even stages, as the paper's); ``d = N/(t·p)``; microbatch 
 ``d·b`` dividing the batch (1F1B runs with fewer microbatches than stages too, as Megatron does:
 all warmup, then all cooldown); chunks ``v`` dividing the layers per stage (``v > 1``: interleaved,
 ``p > 2`` and ``m`` a multiple of ``p``, Megatron's conditions); full, selective or no
-recomputation.
+recomputation; sequence parallelism on every layout with ``t > 1`` when the model runs it.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ def divisors(n: int) -> list[int]:
 
 def candidate_layouts(model: ModelShape, gpus: int, global_batch: int, max_tensor: int | None,
                       recompute: tuple[str, ...] = RECOMPUTE, tensor: int | None = None,
-                      pipe: int | None = None, node: int | None = None, context: int = 1) -> Iterator[Layout]:
+                      pipe: int | None = None, node: int | None = None, context: int = 1,
+                      sequence_parallel: bool = False) -> Iterator[Layout]:
     """Every valid :class:`~meshtron.plan.model.Layout` with ``t ≤ max_tensor`` (None: no cap), and
     the given ``tensor`` and ``pipe`` sizes if they are given. With ``node`` (GPUs per node), tensor
     groups tile nodes: ``t`` divides ``node``, or is a multiple of it (Megatron places a tensor
     group on consecutive ranks, so any other size puts some group across two nodes). ``context``: the
-    context ranks every layout splits each sequence over (its GPUs are ``t·p·d·context``)."""
+    context ranks every layout splits each sequence over (its GPUs are ``t·p·d·context``).
+    ``sequence_parallel``: every layout with ``t > 1`` runs it (those with ``t = 1`` have nothing to split)."""
     if gpus % context:
         return
     gpus //= context
@@ -60,7 +62,7 @@ def candidate_layouts(model: ModelShape, gpus: int, global_batch: int, max_tenso
                     if v > 1 and p <= 2:
                         continue  # Megatron's batched sends cannot tell a 2-stage ring's neighbours apart
                     for mode in recompute:
-                        layout = Layout(t, p, d, b, global_batch, v, mode, context)
+                        layout = Layout(t, p, d, b, global_batch, v, mode, context, sequence_parallel and t > 1)
                         if layout.problem(model) is None:
                             yield layout
 
@@ -84,12 +86,13 @@ class SearchResult:
 def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
            recompute: tuple[str, ...] = RECOMPUTE, tensor: int | None = None,
            pipe: int | None = None, freeze_fraction: float = 0.16, gradients: Gradients = FP32_GRADIENTS,
-           context: int = 1) -> SearchResult:
+           context: int = 1, sequence_parallel: bool = False) -> SearchResult:
     """Rank every layout that fits ``cluster``'s usable memory by predicted time per step (for 1-bit
     LAMB the mean over a run, ``freeze_fraction`` of it in the uncompressed warmup); ``tensor`` and
     ``pipe`` pin those sizes (to price one (t, p) with its best chunks, microbatch and mode);
     ``gradients`` says how the training program keeps and exchanges gradients (memory and data time);
-    ``context`` splits every sequence over that many ranks in every layout.
+    ``context`` splits every sequence over that many ranks in every layout; ``sequence_parallel``
+    runs sequence parallelism on every layout with ``t > 1`` (``model.sequence_parallel``).
 
     Tensor parallelism stays within a node (Takeaway #1) unless nothing fits that way. Ties go to
     the smaller model-parallel size (Takeaway #2), then fewer chunks, then the recomputation mode
@@ -102,7 +105,8 @@ def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, op
     for cap, beyond in ((cluster.gpus_per_node, False), (None, True)):
         tried, too_big, dropped, fitting = 0, 0, Counter(), []
         node = cluster.gpus_per_node if gpus > cluster.gpus_per_node else None  # one node: any t is inside it
-        for layout in candidate_layouts(model, gpus, global_batch, cap, recompute, tensor, pipe, node, context):
+        for layout in candidate_layouts(model, gpus, global_batch, cap, recompute, tensor, pipe, node, context,
+                                        sequence_parallel):
             tried += 1
             memory = memory_per_gpu(model, layout, optimizer, gradients)
             if memory.total > cluster.usable_memory_bytes:

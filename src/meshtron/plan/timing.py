@@ -21,12 +21,22 @@ communication time"), so this one is assembled from its counts and the cluster's
   implementation hides it, and in how many bits it travels), or 1-bit LAMB's compressed exchange;
   then the optimizer's memory-bound update.
 
+Beyond the paper's GPT with full recomputation: the Llama family's GEMMs and kernels (grouped-query
+attention's narrower key/value projections, SwiGLU's three matrices, an untied head), selective
+recomputation (only the attention core runs again; Korthikanti et al. 2022) and sequence parallelism
+(the norm, residual and dropout kernels on ``s/t`` of the tokens, each all-reduce a reduce-scatter
+plus an all-gather of the same bytes, the pipeline's message kept split), and the zero levels (the
+exchange of :func:`meshtron.plan.model.data_wire_bytes`, the update of a ``1/d`` share).
+
 Throughput is reported the paper's way: eq. 3's FLOPs (with recomputation, whatever the layout
-recomputes) per second per GPU.
+recomputes) per second per GPU. Every :class:`Estimate` names the model that priced it
+(``priced_by``: ``analytical``, this module's terms), so that other pricings of the same layout can
+stand beside it in one ranking.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -49,6 +59,7 @@ from meshtron.plan.model import (
 
 __all__ = [
     "ELEMENTWISE_PASSES",
+    "LLAMA_ELEMENTWISE_PASSES",
     "OPTIMIZER_PASSES",
     "Estimate",
     "allreduce_seconds",
@@ -63,6 +74,7 @@ __all__ = [
     "logits_seconds",
     "optimizer_seconds",
     "p2p_seconds",
+    "recompute_seconds",
     "tensor_seconds",
 ]
 
@@ -76,6 +88,15 @@ residual-gradient sums (read two, write one: 3 each). ``mlp`` (×4h/t): fused bi
 (read, write) and backward (read input and gradient, write). ``scores`` (×a·s/t): fused
 scale-mask-softmax (read, write; backward read output and gradient, write) and attention dropout
 (read, write, mask; backward read gradient and mask, write). Counts, not fitted."""
+
+LLAMA_ELEMENTWISE_PASSES = {"residual": (10.0, 12.0), "rope": (2.0, 2.0), "mlp": (3.0, 5.0), "scores": (2.0, 3.0)}
+"""The same counts for the Llama block as Megatron-LM fuses it, without dropout: ``residual`` (×h)
+forward two RMSNorms (read, write: 2 each) and two residual adds (read two, write one: 3 each),
+backward the norms (read input and gradient, write: 3 each) and the residual-gradient sums (3 each);
+``rope`` (×(h + k·d)/t, the queries and keys) rotary embedding forward (read, write) and backward
+(read gradient, write); ``mlp`` (×f/t) fused SwiGLU forward (read gate and up, write) and backward
+(read gate, up and gradient, write both gradients); ``scores`` (×a·s/t) the fused scale-mask-softmax
+(read, write; backward read output and gradient, write)."""
 
 OPTIMIZER_PASSES = {"adamw": 30.0, "lamb": 38.0, "onebit_lamb": 50.0}
 """Bytes an optimizer step reads and writes per parameter: AdamW reads the fp32 gradient, rewrites
@@ -94,16 +115,24 @@ def layer_gemms(model: ModelShape, layout: Layout) -> list[tuple[float, float]]:
     -- QKV ``[bs, h]·[h, 3h/t]``, projection ``[bs, h/t]·[h/t, h]``, MLP ``[bs, h]·[h, 4h/t]`` and
     ``[bs, 4h/t]·[4h/t, h]``, and per head ``[s, d]·[d, s]`` scores and ``[s, s]·[s, d]`` context --
     with the backward's two GEMMs each (same dimensions, twice the FLOPs) and the recomputed
-    forward: all of it with ``full`` recomputation, the attention core with ``selective``."""
+    forward: all of it with ``full`` recomputation, the attention core with ``selective``
+    (Korthikanti et al. 2022: its two GEMMs once more, nothing else).
+
+    The Llama block: the fused QKV GEMM is ``[h, (a + 2k)·d/t]`` (grouped-query attention's
+    ``k`` key/value heads; a rank computes all ``k`` when ``t`` does not divide them, as their
+    weights are then whole), SwiGLU's gate and up fused ``[h, 2f/t]`` and its down ``[f/t, h]``."""
     b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
     tokens, heads, d = b * s // layout.context, model.heads / t, model.head_dim  # (a context rank's s/c queries)
     dense_passes = 3 + (layout.recompute == "full")
     attention_passes = 3 + (layout.recompute in ("full", "selective"))
+    k, f = model.kv_heads, model.mlp_dim
+    qkv = model.heads * d + 2 * k * d * (1 if k % t == 0 else t)  # t x the columns a rank computes
+    up = f * (2 if model.family != "gpt" else 1)  # SwiGLU's gate and up, fused
     dense = [
-        (2 * tokens * h * 3 * h / t, min(tokens, h, 3 * h / t)),
+        (2 * tokens * h * qkv / t, min(tokens, h, qkv / t)),
         (2 * tokens * h / t * h, min(tokens, h / t, h)),
-        (2 * tokens * h * 4 * h / t, min(tokens, h, 4 * h / t)),
-        (2 * tokens * 4 * h / t * h, min(tokens, 4 * h / t, h)),
+        (2 * tokens * h * up / t, min(tokens, h, up / t)),
+        (2 * tokens * f / t * h, min(tokens, f / t, h)),
     ]
     attention = [(2 * tokens * heads * s * d, min(s // layout.context, d))] * 2
     return ([(flops * dense_passes, dim) for flops, dim in dense]
@@ -117,16 +146,23 @@ def layer_gemm_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> f
 
 
 def layer_memory_seconds(model: ModelShape, layout: Layout, cluster: Cluster,
-                         passes: dict[str, tuple[float, float]] = ELEMENTWISE_PASSES,
+                         passes: dict[str, tuple[float, float]] | None = None,
                          element_bytes: int = ACTIVATION_BYTES) -> float:
     """Element-wise kernels of one layer and microbatch on one GPU: :data:`ELEMENTWISE_PASSES` of
-    16-bit elements, the forward twice where it is recomputed (all of it with ``full``, the
-    ``scores`` terms with ``selective``), at the achieved HBM bandwidth. ``passes`` and
-    ``element_bytes`` price another runtime's kernels (``benchmarks/calibration.py``: meshtron's,
-    fp32 and without dropout)."""
+    16-bit elements (:data:`LLAMA_ELEMENTWISE_PASSES` for the Llama family), the forward twice where
+    it is recomputed (all of it with ``full``, the ``scores`` terms with ``selective``), at the
+    achieved HBM bandwidth; with sequence parallelism each tensor rank runs the ``residual`` kernels
+    on ``s/t`` of the tokens (Korthikanti et al. 2022, §4.2.2). ``passes`` and ``element_bytes``
+    price another runtime's kernels (``benchmarks/calibration.py``: meshtron's, fp32 and without
+    dropout)."""
+    if passes is None:
+        passes = ELEMENTWISE_PASSES if model.family == "gpt" else LLAMA_ELEMENTWISE_PASSES
     b, s, h, t = layout.microbatch, model.seq_len, model.hidden, layout.tensor
     tokens = b * s / layout.context
-    widths = {"residual": tokens * h, "mlp": tokens * 4 * h / t, "scores": tokens * model.heads / t * s}
+    residual = tokens * h / (t if layout.sequence_parallel else 1)
+    widths = {"residual": residual, "mlp": tokens * model.mlp_dim / t, "scores": tokens * model.heads / t * s}
+    if "rope" in passes:
+        widths["rope"] = tokens * (h + model.kv_heads * model.head_dim) / t
     recomputed = {"full": set(widths), "selective": {"scores"}, "none": set()}[layout.recompute]
     elements = sum(width * (forward * (1 + (name in recomputed)) + backward)
                    for name, width in widths.items() for forward, backward in [passes[name]])
@@ -167,7 +203,9 @@ def tensor_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> tuple
     """(per layer, LM head and loss) seconds of tensor-parallel all-reduces for one microbatch: the
     layer's four (six with full recomputation) of ``b·s·h`` (§2.3, §3.2), and on the last stage the
     LM head's input-gradient all-reduce (plus the embedding's with ``p = 1``) and the loss's three
-    of ``b·s`` fp32 values (:func:`meshtron.megatron.megatron_figures`)."""
+    of ``b·s`` fp32 values (:func:`meshtron.megatron.megatron_figures`). Sequence parallelism turns
+    each all-reduce into a reduce-scatter and an all-gather of the same bytes (Korthikanti et al.
+    2022, §4.2.2): a ring all-reduce is exactly those two, so the time is the same."""
     t = layout.tensor
     if t == 1:
         return 0.0, 0.0
@@ -185,7 +223,8 @@ def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
     and backward; the send and the receive of a fused pair go opposite ways at once). Each sends
     ``b·s·h/t`` 16-bit values per GPU -- over its NIC when the pipeline spans nodes (Megatron puts
     consecutive stages ``t·d`` ranks apart), else over NVLink -- and all-gathers ``b·s·h`` over the
-    ``t`` ranks on NVLink (the scatter/gather optimisation, §4.1)."""
+    ``t`` ranks on NVLink (the scatter/gather optimisation, §4.1). With sequence parallelism the
+    stage boundary is already split over the sequence: the ``1/t`` is sent and kept, no all-gather."""
     if layout.pipe == 1:
         return 0.0
     t = layout.tensor
@@ -195,7 +234,7 @@ def p2p_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
     else:
         send = message / t / (cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency) + cluster.nvlink_latency_us * 1e-6
     gather = 0.0
-    if t > 1:
+    if t > 1 and not layout.sequence_parallel:
         gather = ((t - 1) / t * message / (cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency)
                   + (t - 1) * cluster.nvlink_latency_us * 1e-6)
     return 2 * layout.chunks * (send + gather)
@@ -260,11 +299,29 @@ def data_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer:
     return alltoall_seconds(signs, d, per_node, cluster) + gather
 
 
-def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str) -> float:
+def optimizer_seconds(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str,
+                      zero: int = 0) -> float:
     """The optimizer's element-wise update of one GPU's parameters: :data:`OPTIMIZER_PASSES` bytes
-    per parameter at the achieved HBM bandwidth."""
-    params = stage_parameters_per_gpu(model, layout)
+    per parameter at the achieved HBM bandwidth; with ``zero`` >= 1 each data rank updates its
+    ``1/d`` share (the optimizer state it holds)."""
+    params = stage_parameters_per_gpu(model, layout) / (layout.replicas if zero else 1)
     return params * OPTIMIZER_PASSES[optimizer] / (cluster.hbm_gbps * 1e9 * cluster.memory_efficiency)
+
+
+def recompute_seconds(model: ModelShape, layout: Layout, cluster: Cluster) -> float:
+    """One layer's recomputation for one microbatch on one GPU: what its GEMMs, element-wise kernels,
+    tensor all-reduces and key/value exchanges cost beyond the same layout without recomputation --
+    the whole forward with ``full``, the attention core (its two GEMMs and the softmax) with
+    ``selective``."""
+    if layout.recompute == "none":
+        return 0.0
+    bare = dataclasses.replace(layout, recompute="none")
+
+    def layer(lay: Layout) -> float:
+        return (layer_gemm_seconds(model, lay, cluster) + layer_memory_seconds(model, lay, cluster)
+                + tensor_seconds(model, lay, cluster)[0] + context_seconds(model, lay, cluster))
+
+    return layer(layout) - layer(bare)
 
 
 def host_seconds(layout: Layout, cluster: Cluster) -> float:
@@ -298,6 +355,8 @@ class Estimate:
     seconds: dict[str, float] = field(default_factory=dict)
     data_bytes: float = 0.0  # bytes one GPU sends over `data` per step with this optimizer
     warmup_seconds: float | None = None  # 1-bit LAMB: a warmup step (uncompressed exchange); else the step
+    recompute_seconds: float = 0.0  # of the step, what recomputation costs (in gemm, elementwise, tensor, bubble)
+    priced_by: str = "analytical"  # the time model that priced it: this module's, term by term
 
     def run_seconds(self, freeze_fraction: float = 0.16) -> float:
         """Mean step over a run: 1-bit LAMB spends ``freeze_fraction`` of its steps in the
@@ -346,7 +405,7 @@ def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str
     seconds["bubble"] = (sum(per_microbatch.values()) - head - tensor_head) * (p - 1) / v
     hidden = gradients.overlapped(layout)
     seconds["data"] = 0.0 if hidden else data_seconds(model, layout, cluster, optimizer, gradients)
-    seconds["optimizer"] = optimizer_seconds(model, layout, cluster, optimizer)
+    seconds["optimizer"] = optimizer_seconds(model, layout, cluster, optimizer, gradients.zero)
     step = sum(seconds.values())
     warmup = None
     if optimizer == "onebit_lamb":  # its warmup exchanges the gradients uncompressed, as LAMB does
@@ -359,4 +418,5 @@ def estimate(model: ModelShape, layout: Layout, cluster: Cluster, optimizer: str
         data_bytes=data_wire_bytes(parameters, layout.replicas, optimizer, gradients.element_bytes, gradients.zero,
                                    layout.microbatches),
         warmup_seconds=warmup,
+        recompute_seconds=stage_layers * recompute_seconds(model, layout, cluster) * (m + (p - 1) / v),
     )
