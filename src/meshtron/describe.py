@@ -149,7 +149,7 @@ def available_host_memory() -> int:
 def planned_step(run: Run, cluster: str = "a100-80gb") -> list[str]:
     """This run's layout priced by :mod:`meshtron.plan` on a bundled cluster (the same memory and
     time formulas ``meshtron plan`` ranks layouts with), or nothing when the planner's model does not
-    cover the run (not the paper's GPT, or a layout Megatron's schedules cannot run)."""
+    cover the run (a mixture of experts, or a layout Megatron's schedules cannot run)."""
     from meshtron.plan import Layout, ModelShape, estimate, load_cluster
     from meshtron.plan.model import MEMORY_MODEL
 
@@ -157,7 +157,8 @@ def planned_step(run: Run, cluster: str = "a100-80gb") -> list[str]:
     try:
         model = ModelShape.from_config(cfg.model)
         layout = Layout(sizes.tensor, sizes.pipe, sizes.data, t.batch_size // (sizes.data * t.microbatches),
-                        t.batch_size, cfg.pipeline.chunks, cfg.model.remat, sizes.context)
+                        t.batch_size, cfg.pipeline.chunks, cfg.model.remat, sizes.context,
+                        sequence_parallel=cfg.model.sequence_parallel and sizes.tensor > 1)
         layout.check(model)
     except ConfigError as err:
         return [f"plan: not priced ({err})"]
