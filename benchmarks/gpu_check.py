@@ -221,8 +221,12 @@ def _estimate(compiled, mesh, tokens_per_step: int, flops_per_step: float, phase
         print(f"[{phase}] estimator not available", flush=True)
         return {"available": False, "error": "estimator not available"}
     try:
-        est = estimate_step(compiled, mesh, TARGET, tokens_per_step=tokens_per_step,
-                            model_flops_per_step=flops_per_step)
+        try:
+            est = estimate_step(compiled, mesh, TARGET, tokens_per_step=tokens_per_step,
+                                model_flops_per_step=flops_per_step)
+        except (TypeError, AttributeError):  # an estimator that reads the program's HLO text only
+            est = estimate_step(compiled.as_text(), mesh, TARGET, tokens_per_step=tokens_per_step,
+                                model_flops_per_step=flops_per_step)
     except Exception as err:  # noqa: BLE001 -- recorded beside the measurement, never fatal
         message = f"{type(err).__name__}: {_first_line(err)}"
         print(f"[{phase}] estimator failed: {message}", flush=True)
@@ -334,7 +338,7 @@ def print_table(phases: dict) -> None:
         peak = (r.get("device_memory") or {}).get("peak_bytes_in_use")
         has_est = "seconds" in est
         rows.append([
-            name, r["attention"], f"{r['params'] / 1e6:,.1f}M", f"{r['tokens_per_step']:,}",
+            name, r["attention"], _count(r["params"]), f"{r['tokens_per_step']:,}",
             _fmt(r.get("median_step_s"), 1e3, ".1f"), _fmt(r.get("tokens_per_s"), 1, ",.0f"),
             _fmt(r.get("mfu"), 100, ".1f", "%"),
             _fmt(est.get("seconds") if has_est else None, 1e3, ".1f"),
@@ -355,6 +359,13 @@ def print_table(phases: dict) -> None:
             print(f"{name}: {note}")
         if "error" in (r.get("estimate") or {}):
             print(f"{name}: estimate: {r['estimate']['error']}")
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
 
 
 def _fmt(value, scale: float, spec: str, suffix: str = "") -> str:
