@@ -308,11 +308,13 @@ def run_phases(args) -> dict:
                    "--budget-s", f"{budget:.0f}", *(["--cpu"] if args.cpu else [])]
         print(f"== phase {name}: budget {budget:.0f} s", flush=True)
         try:
-            subprocess.run(command, env=phase_env(args.cpu), cwd=ROOT, timeout=budget, check=False)
+            done = subprocess.run(command, env=phase_env(args.cpu), cwd=ROOT, timeout=budget, check=False)
+            ended = f"exited with status {done.returncode}"
         except subprocess.TimeoutExpired:
-            print(f"== phase {name}: stopped after its budget of {budget:.0f} s", flush=True)
+            ended = f"stopped after its budget of {budget:.0f} s"
+            print(f"== phase {name}: {ended}", flush=True)
         phases[name] = (json.loads(out.read_text()) if out.exists()
-                        else {"phase": name, "error": f"timed out after {budget:.0f} s (no result)"})
+                        else {"phase": name, "error": f"{ended}, no result"})
     payload = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
                "scale": args.scale, "cpu_mode": args.cpu, "steps": args.steps, "warmup": args.warmup,
                "peak_flops": PEAK_FLOPS, "estimator_target": TARGET,
