@@ -15,9 +15,9 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from meshtron.config import load_config  # noqa: E402
-from meshtron.pipeline.schedules import check, compile_program, make_schedule  # noqa: E402
-from meshtron.train.loop import Trainer  # noqa: E402
+from meshtron.config import load_config
+from meshtron.pipeline.schedules import check, compile_program, make_schedule
+from meshtron.train.loop import Trainer
 
 P, M, SEQ, ROWS, HIDDEN = 4, 8, 128, 32, 256
 
