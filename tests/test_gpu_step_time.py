@@ -214,3 +214,24 @@ def test_collective_bytes_of_a_compiled_program_match_hlo_collectives(compiled_g
     windows = collective_windows(text, sizes)
     assert all(w.between == () for w in windows if w.synchronous)
     assert any(not w.synchronous for w in windows)
+
+
+_FMHA = """HloModule attention, is_scheduled=true
+
+ENTRY %main (q: bf16[2,1024,8,64], k: bf16[2,1024,8,64], v: bf16[2,1024,8,64], do: bf16[2,8,1024,64]) -> bf16[2,8,1024,64] {
+  %q = bf16[2,1024,8,64]{3,2,1,0} parameter(0)
+  %k = bf16[2,1024,8,64]{3,2,1,0} parameter(1)
+  %v = bf16[2,1024,8,64]{3,2,1,0} parameter(2)
+  %do = bf16[2,8,1024,64]{3,2,1,0} parameter(3)
+  %fwd = (bf16[2,8,1024,64]{3,1,2,0}, f32[2,8,1024]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"fmha_scale":0.125,"mask_type":"MASK","bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]}}}
+  %o = bf16[2,8,1024,64]{3,1,2,0} get-tuple-element(%fwd), index=0
+  %bwd = (bf16[2,1024,8,64]{3,2,1,0}, bf16[2,1024,8,64]{3,2,1,0}, bf16[2,1024,8,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v, %o, %do), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"mask_type":"MASK","intermediate_tensor_shape":{"element_type":"BF16","dimensions":["2","8","1024","1024"]}}}
+  ROOT %dq = bf16[2,1024,8,64]{3,2,1,0} get-tuple-element(%bwd), index=0
+}
+"""
+
+
+@pytest.mark.parametrize("mask, factor", [("NO_MASK", 1.0), ("CAUSAL", 0.5)])
+def test_cudnn_fused_attention_flops_from_operand_shapes(mask, factor):
+    forward = 4 * 2 * 8 * 1024 * 1024 * 64  # scores and their product with the values
+    assert gemm_flops(_FMHA.replace("MASK", mask)) == pytest.approx(factor * 3.5 * forward)  # backward 2.5x

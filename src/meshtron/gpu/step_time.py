@@ -122,20 +122,35 @@ def _dot_flops(dot: HloInstruction, shapes: Mapping[str, ArrayShape], contractin
 
 
 def _fmha_flops(call: HloInstruction, shapes: Mapping[str, ArrayShape], backward: bool) -> float:
-    """cuDNN fused attention from its q and k operands: forward ``4*B*H*Sq*Skv*D``, backward 2.5x;
-    halved for a causal mask. Batch and head dims are ``bmm1``'s batch dims (default: q as
-    ``[B, S, H, D]``)."""
-    q, k = shapes.get(call.operands[0]), shapes.get(call.operands[1])
-    if q is None or k is None:
+    """cuDNN fused attention: forward ``4*B*H*Sq*Skv*D``, backward 2.5x; halved for a causal mask.
+
+    ``B*H*Sq*Skv`` is the scores' shape, which the backend config names
+    (``intermediate_tensor_shape``, forward and backward); without it, from ``bmm1``'s dimension
+    numbers on the q and k operands, or q and k laid out ``[B, S, H, D]``. ``D`` is q's last (head)
+    dimension."""
+    q = shapes.get(call.operands[0]) if call.operands else None
+    k = shapes.get(call.operands[1]) if len(call.operands) > 1 else None
+    if q is None:
         return 0.0
     config = call.attributes
-    batch = re.search(r'"bmm1(?:_grad_gemm1)?_dot_dimension_numbers"\s*:\s*\{[^}]*"lhs_batch_dimensions"\s*:\s*'
-                      r'\[([^\]]*)\]', config)
-    batch_dims = _dims(batch.group(1)) if batch else [0, 2]
     head_dim = q.dims[-1]
-    q_rest = [size for i, size in enumerate(q.dims) if i not in batch_dims][:-1]
-    k_rest = [size for i, size in enumerate(k.dims) if i not in batch_dims][:-1]
-    flops = 4.0 * math.prod(q.dims[i] for i in batch_dims) * math.prod(q_rest) * math.prod(k_rest) * head_dim
+    scores = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]', config)
+    if scores:
+        flops = 4.0 * math.prod(_dims(scores.group(1))) * head_dim
+    elif k is not None:
+        numbers = re.search(r'"bmm1_dot_dimension_numbers"\s*:\s*\{([^}]*)\}', config)
+
+        def field(name: str, default: list[int]) -> list[int]:
+            found = re.search(rf'"{name}"\s*:\s*\[([^\]]*)\]', numbers.group(1)) if numbers else None
+            return _dims(found.group(1)) if found else default
+
+        q_batch, q_contracting = field("lhs_batch_dimensions", [0, 2]), field("lhs_contracting_dimensions", [3])
+        k_batch, k_contracting = field("rhs_batch_dimensions", [0, 2]), field("rhs_contracting_dimensions", [3])
+        q_seq = math.prod(d for i, d in enumerate(q.dims) if i not in q_batch + q_contracting)
+        k_seq = math.prod(d for i, d in enumerate(k.dims) if i not in k_batch + k_contracting)
+        flops = 4.0 * math.prod(q.dims[i] for i in q_batch) * q_seq * k_seq * head_dim
+    else:
+        return 0.0
     if backward:
         flops *= 2.5
     if re.search(r'"mask_type"\s*:\s*"CAUSAL"', config):
