@@ -135,6 +135,8 @@ def test_estimate_of_the_handwritten_program_hides_each_collective_under_its_win
     assert estimate.communication_seconds == pytest.approx(gather + reduce + 3 * permute)
     assert estimate.exposed_communication_seconds == pytest.approx(exposed)
     assert estimate.seconds == pytest.approx(gemm1 + gemm2 + 3 * square + loop_control + exposed)
+    assert estimate.seconds == pytest.approx(
+        estimate.compute_seconds + estimate.memory_seconds + estimate.exposed_communication_seconds)
     assert estimate.hidden_fraction_by_axes[("tensor",)] == pytest.approx(min(1.0, gemm1 / gather))
     assert estimate.bytes_by_axes == {("tensor",): 512 * 512 * 2, ("data",): 4 * BF16_128x512}
     assert estimate.bytes_by_axes == bytes_by_axes(collectives(SCHEDULED, SIZES))

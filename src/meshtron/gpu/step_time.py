@@ -351,7 +351,7 @@ class _Walk:
         sizes = {i.name: _nbytes(i.shape) for i in computation.instructions}
         clock = 0.0  # compute stream
         collective_free = 0.0  # collective stream
-        in_flight: dict[str, tuple[float, float, tuple[str, ...]]] = {}  # done name -> (end, duration, axes)
+        in_flight: dict[str, tuple[float, tuple[str, ...]]] = {}  # done name -> (end, axes)
         for instruction in computation.instructions:
             window = self.windows.get((computation.name, instruction.name))
             if window is not None:
@@ -359,18 +359,19 @@ class _Walk:
                 axes = window.collective.axes
                 totals.communication[axes] += duration
                 totals.bytes[axes] += window.collective.bytes
-                if window.synchronous:
-                    clock = max(clock, collective_free) + duration
-                    totals.exposed[axes] += duration
+                if window.synchronous:  # waits for the collective stream, then runs on the compute stream
+                    finish = max(clock, collective_free) + duration
+                    totals.exposed[axes] += finish - clock
+                    clock = finish
                 else:
                     begin = max(clock, collective_free)
                     collective_free = begin + duration
-                    in_flight[window.done] = (collective_free, duration, axes)
+                    in_flight[window.done] = (collective_free, axes)
                 continue
             if instruction.name in in_flight:
-                end, duration, axes = in_flight.pop(instruction.name)
-                wait = max(0.0, end - clock)
-                totals.exposed[axes] += min(wait, duration)
+                end, axes = in_flight.pop(instruction.name)
+                wait = max(0.0, end - clock)  # includes any queueing behind earlier collectives
+                totals.exposed[axes] += wait
                 clock += wait
                 continue
             clock += self._instruction(instruction, shapes, sizes, totals)
@@ -428,10 +429,13 @@ class StepEstimate:
     """One step of a compiled program on a target, estimated (see the module docstring).
 
     ``seconds`` = ``compute_seconds + memory_seconds + exposed_communication_seconds`` (the compute
-    stream's time); ``communication_seconds`` is all collective time, hidden or not. Per mesh axes
-    (the tuple of axes a collective spans): ``hidden_fraction_by_axes`` the share of its collective
-    time hidden under compute, ``bytes_by_axes`` per-device result bytes per step (the convention of
-    :func:`meshtron.hlo.collectives.bytes_by_axes`), ``communication_seconds_by_axes``.
+    stream's time; exposed time is the compute stream's waits on collectives, queueing behind an
+    earlier collective included); ``communication_seconds`` is all collective time, hidden or not.
+    Per mesh axes (the tuple of axes a collective spans): ``hidden_fraction_by_axes`` the share of
+    its collective time hidden under compute (0 when queueing exposes more than its own time),
+    ``bytes_by_axes`` per-device result bytes per step (the convention of
+    :func:`meshtron.hlo.collectives.bytes_by_axes`; of a ``conditional`` only the branch priced),
+    ``communication_seconds_by_axes``.
     ``gemm_flops`` is per device per step; ``gpus`` the mesh's device count.
     """
 
@@ -458,7 +462,7 @@ class StepEstimate:
         """Share of all collective time hidden under compute (1 when there is none)."""
         if self.communication_seconds <= 0:
             return 1.0
-        return 1.0 - self.exposed_communication_seconds / self.communication_seconds
+        return max(0.0, 1.0 - self.exposed_communication_seconds / self.communication_seconds)
 
     def lines(self) -> list[str]:
         """The estimate as lines of text, for a report."""
@@ -516,7 +520,7 @@ def _estimate(priced: _Priced, *, tokens_per_step: int, model_flops_per_step: fl
     communication = sum(totals.communication.values())
     exposed = sum(totals.exposed.values())
     peak = priced.cluster.peak_tflops * 1e12 * priced.gpus
-    hidden = {axes: (1.0 - totals.exposed[axes] / value if value > 0 else 1.0)
+    hidden = {axes: (max(0.0, 1.0 - totals.exposed[axes] / value) if value > 0 else 1.0)
               for axes, value in totals.communication.items()}
     halved = model_flops_per_step - causal_attention_flops_per_step / 2
     return StepEstimate(
