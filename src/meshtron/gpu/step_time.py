@@ -15,7 +15,9 @@ with the target's planner cluster (:func:`meshtron.gpu.targets.target` -> ``clus
   (:func:`fit_gemm_efficiency` solves for it from one measured step time).
 - **Memory-bound ops** -- every other fusion, copies, unfused element-wise ops: the bytes read and
   written (a fusion parameter read only through a (dynamic-)slice counts the slice; an in-place
-  ``dynamic-update-slice`` writes only the update) at ``hbm_gbps * efficiency.memory``.
+  ``dynamic-update-slice`` writes only the update) at ``hbm_gbps * efficiency.memory``. An async
+  fusion (``fusion-start``/``fusion-done``, XLA's asynchronous dynamic-slice fusions) is priced at
+  its start, on the compute stream.
 - **Collectives** -- ring wire bytes (:func:`meshtron.hlo.collectives.ring_wire_bytes`) at NVLink
   (``nvlink_gbps * efficiency.nvlink``) when every group stays inside one node (device id //
   ``gpus_per_node``), else at one GPU's share of the node's network (``network_gbps /
@@ -78,7 +80,7 @@ _FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
     "opt-barrier", "add-dependency", "domain", "iota",
     "all-reduce-done", "all-gather-done", "reduce-scatter-done", "collective-permute-done", "async-done",
-    "async-update", "copy-done", "send-done", "recv-done",
+    "async-update", "copy-done", "send-done", "recv-done", "fusion-done",
 }  # fmt: skip
 _GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 _CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
@@ -186,7 +188,7 @@ class _Gemms:
         if opcode == "dot":
             found = _DOT_CONTRACTING.search(instruction.attributes)
             return _dot_flops(instruction, shapes, _dims(found.group(1)) if found else [])
-        if opcode == "fusion":
+        if opcode in ("fusion", "fusion-start"):
             called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
             return self.fused_flops(called.group(1)) if called else 0.0
         if opcode == "custom-call":
@@ -247,9 +249,40 @@ def _nbytes(shape) -> int:
     return sum(leaf.nbytes for leaf in leaves(shape))
 
 
+_VIEWS = ("bitcast", "reshape")  # change no bytes: a slice behind them still reads only the slice
+
+
+def _sliced_bytes(name: str, users: Mapping[str, list[HloInstruction]]) -> int | None:
+    """Bytes read of value ``name`` when every use is a (dynamic-)slice of it, directly or behind
+    bitcasts/reshapes; ``None`` when some use reads it whole."""
+    uses = users.get(name, [])
+    if not uses:
+        return None
+    total = 0
+    for use in uses:
+        if use.opcode in ("dynamic-slice", "slice") and use.operands[0] == name:
+            total += _nbytes(use.shape)
+        elif use.opcode in _VIEWS:
+            inner = _sliced_bytes(use.name, users)
+            if inner is None:
+                return None
+            total += inner
+        else:
+            return None
+    return total
+
+
+def _behind_views(name: str, by_name: Mapping[str, HloInstruction]) -> HloInstruction | None:
+    instruction = by_name.get(name)
+    while instruction is not None and instruction.opcode in _VIEWS and instruction.operands:
+        instruction = by_name.get(instruction.operands[0])
+    return instruction
+
+
 def _fusion_bytes(instruction: HloInstruction, operand_bytes: list[int], module: HloModule) -> int:
     """Bytes a fusion reads and writes: a parameter read only through slices counts the slices,
-    an in-place dynamic-update-slice root writes (and does not read) only the update."""
+    an in-place dynamic-update-slice root writes (and does not read) only the update; bitcasts and
+    reshapes in between change nothing."""
     called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
     fused = module.computations.get(called.group(1)) if called else None
     if fused is None:
@@ -260,17 +293,21 @@ def _fusion_bytes(instruction: HloInstruction, operand_bytes: list[int], module:
         for operand in dict.fromkeys(i.operands):
             users[operand].append(i)
     root = fused.instructions[-1]
-    roots = [by_name[o] for o in root.operands if o in by_name] if root.opcode == "tuple" else [root]
-    in_place = {r.operands[0] for r in roots if r.opcode == "dynamic-update-slice" and r.operands}
+    outputs = [by_name[o] for o in root.operands if o in by_name] if root.opcode == "tuple" else [root]
+    roots = [_behind_views(o.name, by_name) or o for o in outputs]
+    in_place = set()
+    for r in roots:
+        if r.opcode == "dynamic-update-slice" and r.operands:
+            buffer = _behind_views(r.operands[0], by_name)
+            if buffer is not None and buffer.opcode == "parameter":
+                in_place.add(buffer.name)
     total = 0
     for i in fused.instructions:
-        if i.opcode != "parameter" or i.parameter_number is None:
+        if i.opcode != "parameter" or i.parameter_number is None or i.name in in_place:
             continue
-        if i.name in in_place:
-            continue
-        uses = users.get(i.name, [])
-        if uses and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == i.name for u in uses):
-            total += sum(_nbytes(u.shape) for u in uses)
+        sliced = _sliced_bytes(i.name, users)
+        if sliced is not None:
+            total += sliced
         elif i.parameter_number < len(operand_bytes):
             total += operand_bytes[i.parameter_number]
         else:
@@ -406,7 +443,7 @@ class _Walk:
             totals.compute += seconds
             return seconds
         operand_bytes = [sizes.get(o, 0) for o in instruction.operands]
-        if opcode == "fusion":
+        if opcode in ("fusion", "fusion-start"):
             nbytes = _fusion_bytes(instruction, operand_bytes, self.module)
         elif opcode in ("dynamic-slice", "slice"):
             nbytes = 2 * _nbytes(instruction.shape)
