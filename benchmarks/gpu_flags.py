@@ -14,9 +14,9 @@ The flags (names checked against the CUDA plugin of jaxlib 0.12; ``strings xla_c
 - ``--xla_gpu_enable_pipelined_all_gather`` / ``_reduce_scatter`` / ``_all_reduce`` (off by
   default): the collective pipeliner moves a loop's collectives into the previous/next iteration,
   so a layer loop's all-gather can hide under the previous layer's compute.
-- ``--xla_gpu_pipeline_all_gather`` / ``_reduce_scatter`` / ``_all_reduce``: the same pipeliner
-  under the names newer XLA reads (both spellings exist in jaxlib 0.12's plugin; the table shows
-  which one changes the program).
+- ``--xla_gpu_pipeline_all_gather`` / ``_reduce_scatter`` / ``_all_reduce``: strings of that name
+  are in jaxlib 0.12's plugin, but its ``XLA_FLAGS`` parser rejects them (unknown flags): use the
+  ``enable_pipelined_*`` spellings above.
 - ``--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER`` (the older
   ``--xla_gpu_enable_while_loop_double_buffering``): unrolls loops by two so the scheduler can
   overlap across iterations.
@@ -50,8 +50,6 @@ SETTINGS = [
     ("synchronous collectives", f"--xla_gpu_disable_async_collectives={ALL_KINDS}"),
     ("pipelined AG+RS+AR", ("--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true "
                            "--xla_gpu_enable_pipelined_all_reduce=true")),
-    ("pipelined (pipeline_* names)", ("--xla_gpu_pipeline_all_gather=true --xla_gpu_pipeline_reduce_scatter=true "
-                                      "--xla_gpu_pipeline_all_reduce=true")),
     ("loops unrolled by 2", "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"),
     ("combine up to 256 MiB", ("--xla_gpu_all_reduce_combine_threshold_bytes=268435456 "
                               "--xla_gpu_all_gather_combine_threshold_bytes=268435456 "
