@@ -41,8 +41,10 @@ __all__ = [
     "Collective",
     "MeshOrSizes",
     "bytes_by_axes",
+    "collective_of",
     "collectives",
     "count_by",
+    "device_groups",
     "iota_device_groups",
     "ring_wire_bytes",
 ]
@@ -360,6 +362,22 @@ def _as_reduce_scatter(collective: Collective, instruction: HloInstruction,
     return out
 
 
+def collective_of(instruction: HloInstruction, count: int, unknown_trip_count: bool,
+                  mesh: MeshOrSizes) -> Collective | None:
+    """One collective instruction (synchronous or an async ``*-start``) as a :class:`Collective`
+    run ``count`` times per step; ``None`` for any other instruction."""
+    return _collective(instruction, count, unknown_trip_count, _axis_sizes(mesh))
+
+
+def device_groups(instruction: HloInstruction, num_devices: int) -> list[tuple[int, ...]]:
+    """The device ids that talk to each other in one collective instruction: its replica groups,
+    or a collective-permute's (source, target) pairs that move data."""
+    attributes = STRING_LITERAL.sub('""', instruction.attributes)
+    if ASYNC_START_KIND.get(instruction.opcode, instruction.opcode) == "collective-permute":
+        return [pair for pair in _source_target_pairs(attributes) if pair[0] != pair[-1]]
+    return _device_groups(attributes, num_devices)
+
+
 def _collective(
     instruction: HloInstruction, count: int, unknown_trip_count: bool, axis_sizes: Mapping[str, int]
 ) -> Collective | None:
@@ -395,9 +413,12 @@ def _payload_shape(opcode: str, shape: Shape) -> Shape:
 
     ``all-gather-start`` and ``reduce-scatter-start`` return ``(operands, results)`` and
     ``collective-permute-start`` ``(operand, result[, u32[], u32[]])``: the result is element 1.
-    ``all-reduce-start`` returns the data itself, like the synchronous ops.
+    ``all-reduce-start`` returns the data itself, like the synchronous ops -- or, in XLA of jaxlib
+    0.12, ``((operands), results)`` like the others (told apart by the nested operand tuple).
     """
     if opcode in ("all-gather-start", "reduce-scatter-start", "collective-permute-start") and isinstance(shape, tuple):
+        return shape[1]
+    if opcode == "all-reduce-start" and isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[0], tuple):
         return shape[1]
     return shape
 

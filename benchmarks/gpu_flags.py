@@ -1,0 +1,126 @@
+"""What XLA:GPU's scheduling flags do to a compiled step: hidden fraction and estimated step time.
+
+Compiles one small training step for 8 H100s (compile-only, no GPU needed) once per flag setting --
+each in a fresh process, since XLA reads ``XLA_FLAGS`` once, when JAX starts -- and prices the
+scheduled program with :func:`meshtron.gpu.step_time.estimate_step`. Prints a table and writes
+``benchmarks/results/gpu_flags.json``.
+
+The flags (names checked against the CUDA plugin of jaxlib 0.12; ``strings xla_cuda_plugin.so``):
+
+- ``--xla_gpu_enable_latency_hiding_scheduler`` (on by default): the scheduler that moves
+  collective starts early and dones late around independent compute. Off, starts and dones sit
+  next to each other and nothing is hidden.
+- ``--xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,...``: named kinds stay synchronous.
+- ``--xla_gpu_enable_pipelined_all_gather`` / ``_reduce_scatter`` / ``_all_reduce`` (off by
+  default): the collective pipeliner moves a loop's collectives into the previous/next iteration,
+  so a layer loop's all-gather can hide under the previous layer's compute.
+- ``--xla_gpu_pipeline_all_gather`` / ``_reduce_scatter`` / ``_all_reduce``: strings of that name
+  are in jaxlib 0.12's plugin, but its ``XLA_FLAGS`` parser rejects them (unknown flags): use the
+  ``enable_pipelined_*`` spellings above.
+- ``--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER`` (the older
+  ``--xla_gpu_enable_while_loop_double_buffering``): unrolls loops by two so the scheduler can
+  overlap across iterations.
+- ``--xla_gpu_all_reduce_combine_threshold_bytes`` (and ``all_gather``/``reduce_scatter``): how
+  large combined collectives may grow; fewer, larger collectives pay less latency but have less
+  compute to hide under.
+- ``--xla_gpu_experimental_parallel_collective_overlap_limit``: collectives in flight at once
+  (the estimate runs them one at a time either way).
+
+Usage: ``python benchmarks/gpu_flags.py`` (about a minute per setting on an idle machine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+CONFIG = "cpu8"
+OVERRIDES = ["model.hidden=1024", "model.heads=8", "model.mlp_dim=4096", "model.layers=4", "model.seq_len=512",
+             "model.dtype=bfloat16", "parallel.data=4", "parallel.pipe=1", "parallel.tensor=2",
+             "parallel.microbatches=1", "train.batch_size=16"]
+TARGET = "h100"
+ALL_KINDS = "ALLREDUCE,ALLGATHER,REDUCESCATTER,COLLECTIVEPERMUTE,ALLTOALL"
+SETTINGS = [
+    ("defaults", ""),
+    ("no latency-hiding scheduler", "--xla_gpu_enable_latency_hiding_scheduler=false"),
+    ("synchronous collectives", f"--xla_gpu_disable_async_collectives={ALL_KINDS}"),
+    ("pipelined AG+RS+AR", ("--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true "
+                           "--xla_gpu_enable_pipelined_all_reduce=true")),
+    ("loops unrolled by 2", "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"),
+    ("combine up to 256 MiB", ("--xla_gpu_all_reduce_combine_threshold_bytes=268435456 "
+                              "--xla_gpu_all_gather_combine_threshold_bytes=268435456 "
+                              "--xla_gpu_reduce_scatter_combine_threshold_bytes=268435456")),
+    ("2 collectives in flight", "--xla_gpu_experimental_parallel_collective_overlap_limit=2"),
+]
+
+
+def _one() -> dict:
+    """Child process: compile with this process's XLA_FLAGS and estimate the step."""
+    from meshtron.gpu.targets import prepare_environment
+
+    prepare_environment()
+    import jax
+
+    from meshtron.config import load_config
+    from meshtron.gpu.step_time import estimate_json, estimate_step, model_flops
+    from meshtron.hlo.schedule import collective_windows
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config(CONFIG, OVERRIDES)
+    start = time.perf_counter()
+    trainer = Trainer.from_config(cfg, target=TARGET, read_data=False)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    text = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()
+    compile_s = time.perf_counter() - start
+    sizes = dict(trainer.mesh.shape)
+    m = cfg.model
+    step_tokens = cfg.train.batch_size * m.seq_len
+    n_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    total, attention = model_flops(params=n_params, layers=m.layers, hidden=m.hidden,
+                                   seq_len=m.seq_len, tokens=step_tokens)
+    estimate = estimate_step(text, sizes, TARGET, tokens_per_step=step_tokens, model_flops_per_step=total,
+                             causal_attention_flops_per_step=attention)
+    windows = collective_windows(text, sizes)
+    return {"compile_s": round(compile_s, 1), "async": sum(not w.synchronous for w in windows),
+            "sync": sum(w.synchronous for w in windows), "estimate": estimate_json(estimate)}
+
+
+def main() -> None:
+    if "--one" in sys.argv:
+        print("RESULT " + json.dumps(_one()))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import print_table, write_results
+
+    runs = []
+    for label, flags in SETTINGS:
+        env = {**os.environ, "XLA_FLAGS": " ".join(f for f in ("--xla_force_host_platform_device_count=8", flags) if f)}
+        done = subprocess.run([sys.executable, __file__, "--one"], check=False, env=env, capture_output=True, text=True)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            runs.append({"setting": label, "flags": flags, "error": (done.stderr.strip().splitlines() or ["?"])[-1]})
+        else:
+            runs.append({"setting": label, "flags": flags, **json.loads(line[len("RESULT "):])})
+        print(f"{label}: done", file=sys.stderr, flush=True)
+    rows = []
+    for run in runs:
+        if "error" in run:
+            rows.append([run["setting"], "error: " + run["error"][:60], "", "", "", "", ""])
+            continue
+        e = run["estimate"]
+        rows.append([run["setting"], f"{e['seconds'] * 1e3:.3f}", f"{e['communication_seconds'] * 1e3:.3f}",
+                     f"{e['exposed_communication_seconds'] * 1e3:.3f}",
+                     f"{1 - e['exposed_communication_seconds'] / max(e['communication_seconds'], 1e-30):.1%}",
+                     f"{run['async']}/{run['sync']}", f"{e['mfu']:.1%}"])
+    print(f"{CONFIG} {' '.join(OVERRIDES)} on 8 x {TARGET}, gemm_efficiency {runs[0].get('estimate', {}).get('gemm_efficiency')}")
+    print_table(["setting", "step ms", "collectives ms", "exposed ms", "hidden", "async/sync", "MFU"], rows)
+    path = write_results("gpu_flags", {"config": CONFIG, "overrides": OVERRIDES, "target": TARGET, "runs": runs})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,627 @@
+"""A step-time estimate read off the scheduled XLA:GPU program, with one fitted number.
+
+The compiled program is the best description of a step there is: XLA:GPU has already chosen the
+GEMM kernels, the fusions, which collectives run asynchronously and what compute the scheduler
+placed under each. This module walks that program in schedule order and prices each instruction
+with the target's planner cluster (:func:`meshtron.gpu.targets.target` -> ``cluster`` ->
+:func:`meshtron.plan.cluster.load_cluster`):
+
+- **GEMMs** -- cuBLAS custom-calls (``__cublas$gemm``, ``__cublas$lt$matmul``), Triton GEMM fusions
+  and any ``dot`` inside a fusion: ``2*M*N*K`` FLOPs (batch dimensions multiply ``M*N``) at the
+  dense peak ``peak_tflops`` times ``gemm_efficiency``. cuDNN fused attention (``__cudnn$fmha*``) is
+  a GEMM too: forward ``4*B*H*Sq*Skv*D`` (scores and their product with the values), backward 2.5x
+  that (five products: the recomputed scores, dV, dP, dQ, dK), halved under a causal mask, which
+  cuDNN skips block by block. ``gemm_efficiency`` is the estimator's only fitted number
+  (:func:`fit_gemm_efficiency` solves for it from one measured step time).
+- **Memory-bound ops** -- every other fusion, copies, unfused element-wise ops: the bytes read and
+  written (a fusion parameter read only through a (dynamic-)slice counts the slice; an in-place
+  ``dynamic-update-slice`` writes only the update) at ``hbm_gbps * efficiency.memory``. An async
+  fusion (``fusion-start``/``fusion-done``, XLA's asynchronous dynamic-slice fusions) is priced at
+  its start, on the compute stream.
+- **Collectives** -- ring wire bytes (:func:`meshtron.hlo.collectives.ring_wire_bytes`) at NVLink
+  (``nvlink_gbps * efficiency.nvlink``) when every group stays inside one node (device id //
+  ``gpus_per_node``), else at one GPU's share of the node's network (``network_gbps /
+  gpus_per_node * efficiency.network``), plus the ring's steps times the link latency (``2(n-1)``
+  for an all-reduce, ``n-1`` for all-gather/reduce-scatter/all-to-all, one for a permute).
+
+The walk keeps one clock for the compute stream and one for the collective stream (collectives
+run one at a time, in issue order). A ``*-start`` issues its collective when the collective stream
+is free; the compute stream goes on with the instructions scheduled after it; the ``*-done`` waits
+until the collective has finished. So a collective is hidden up to the compute the schedule placed
+between its start and done, and the exposed remainder adds to the step. A synchronous collective
+(``is_sync``, or not async at all) is fully exposed. ``while`` loops cost their body times the
+trip count (``known_trip_count``), ``call``/async-wrapped computations their callee in line, a
+``conditional`` its most expensive branch. Host-side time, kernel launch gaps and the
+compute-communication contention on the SMs are not modelled: ``gemm_efficiency`` absorbs what a
+measured step shows of them.
+
+**MFU** is ``model_flops_per_step / (seconds * gpus * peak_tflops)``. Model FLOPs are the caller's
+(they are a property of the model, not the program): per token ``6*N + 12*L*H*s`` -- a multiply-add
+per parameter forward and two backward, plus attention's scores and values ``12*L*H*s`` (layers,
+hidden, sequence length; :func:`meshtron.megatron.model_flops_per_token`, and :func:`model_flops`
+here splits the attention part out). ``mfu`` counts the attention FLOPs whole (PaLM's convention);
+``mfu_causal_halved`` counts half of ``causal_attention_flops_per_step``, the work a causal mask
+leaves (the convention of MaxText and of FlashAttention's reports).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from meshtron.errors import ConfigError
+from meshtron.gpu.targets import target as gpu_target
+from meshtron.hlo.collectives import MeshOrSizes, _axis_sizes, ring_wire_bytes
+from meshtron.hlo.schedule import CollectiveWindow, async_wrapped_computations, collective_windows, module_of
+from meshtron.hlo.text import (
+    STRING_LITERAL,
+    ArrayShape,
+    HloComputation,
+    HloInstruction,
+    HloModule,
+    call_edges,
+    execution_counts,
+    leaves,
+)
+from meshtron.megatron import model_flops_per_token
+from meshtron.plan.cluster import Cluster, load_cluster
+
+__all__ = ["DEFAULT_GEMM_EFFICIENCY", "StepEstimate", "estimate_json", "estimate_step", "fit_gemm_efficiency",
+           "gemm_flops", "model_flops"]
+
+# Fraction of the dense peak GEMMs achieve, before a fit: the h100 cluster file's large-GEMM figure.
+DEFAULT_GEMM_EFFICIENCY = 0.7
+
+_FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
+    "opt-barrier", "add-dependency", "domain", "iota",
+    "all-reduce-done", "all-gather-done", "reduce-scatter-done", "collective-permute-done", "async-done",
+    "async-update", "copy-done", "send-done", "recv-done", "fusion-done",
+}  # fmt: skip
+_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_CALLS = re.compile(r"\bcalls=%?([A-Za-z_][\w.\-]*)")
+_DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_JSON_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+
+
+# --------------------------------------------------------------------------------------------------
+# Model FLOPs
+# --------------------------------------------------------------------------------------------------
+
+
+def model_flops(*, params: int, layers: int, hidden: int, seq_len: int, tokens: int) -> tuple[float, float]:
+    """(model FLOPs of ``tokens`` training tokens, the attention part of them): ``6*N + 12*L*H*s``
+    per token and its ``12*L*H*s`` (:func:`meshtron.megatron.model_flops_per_token`)."""
+    total = model_flops_per_token(params, layers, hidden, seq_len) * tokens
+    attention = model_flops_per_token(0, layers, hidden, seq_len) * tokens
+    return total, attention
+
+
+# --------------------------------------------------------------------------------------------------
+# GEMM FLOPs
+# --------------------------------------------------------------------------------------------------
+
+
+def _first_array(shape) -> ArrayShape:
+    return leaves(shape)[0]
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d.strip().strip('"')) for d in text.split(",") if d.strip().strip('"')]
+
+
+def _dot_flops(dot: HloInstruction, shapes: Mapping[str, ArrayShape], contracting: list[int]) -> float:
+    lhs = shapes.get(dot.operands[0]) if dot.operands else None
+    if lhs is None:
+        return 0.0
+    k = math.prod(lhs.dims[d] for d in contracting)
+    return 2.0 * _first_array(dot.shape).elements * k
+
+
+def _fmha_flops(call: HloInstruction, shapes: Mapping[str, ArrayShape], backward: bool) -> float:
+    """cuDNN fused attention: forward ``4*B*H*Sq*Skv*D``, backward 2.5x; halved for a causal mask.
+
+    ``B*H*Sq*Skv`` is the scores' shape, which the backend config names
+    (``intermediate_tensor_shape``, forward and backward); without it, from ``bmm1``'s dimension
+    numbers on the q and k operands, or q and k laid out ``[B, S, H, D]``. ``D`` is q's last (head)
+    dimension."""
+    q = shapes.get(call.operands[0]) if call.operands else None
+    k = shapes.get(call.operands[1]) if len(call.operands) > 1 else None
+    if q is None:
+        return 0.0
+    config = call.attributes
+    head_dim = q.dims[-1]
+    scores = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]', config)
+    if scores:
+        flops = 4.0 * math.prod(_dims(scores.group(1))) * head_dim
+    elif k is not None:
+        numbers = re.search(r'"bmm1_dot_dimension_numbers"\s*:\s*\{([^}]*)\}', config)
+
+        def field(name: str, default: list[int]) -> list[int]:
+            found = re.search(rf'"{name}"\s*:\s*\[([^\]]*)\]', numbers.group(1)) if numbers else None
+            return _dims(found.group(1)) if found else default
+
+        q_batch, q_contracting = field("lhs_batch_dimensions", [0, 2]), field("lhs_contracting_dimensions", [3])
+        k_batch, k_contracting = field("rhs_batch_dimensions", [0, 2]), field("rhs_contracting_dimensions", [3])
+        q_seq = math.prod(d for i, d in enumerate(q.dims) if i not in q_batch + q_contracting)
+        k_seq = math.prod(d for i, d in enumerate(k.dims) if i not in k_batch + k_contracting)
+        flops = 4.0 * math.prod(q.dims[i] for i in q_batch) * q_seq * k_seq * head_dim
+    else:
+        return 0.0
+    if backward:
+        flops *= 2.5
+    if re.search(r'"mask_type"\s*:\s*"CAUSAL"', config):
+        flops /= 2
+    return flops
+
+
+def _shapes(computation: HloComputation) -> dict[str, ArrayShape]:
+    return {i.name: _first_array(i.shape) for i in computation.instructions if leaves(i.shape)}
+
+
+class _Gemms:
+    """GEMM FLOPs of instructions, with fused computations' dots looked up once."""
+
+    def __init__(self, module: HloModule):
+        self.module = module
+        self._fused: dict[str, float] = {}
+
+    def fused_flops(self, name: str) -> float:
+        if name not in self._fused:
+            computation = self.module.computations.get(name)
+            total = 0.0
+            if computation is not None:
+                shapes = _shapes(computation)
+                for instruction in computation.instructions:
+                    total += self.instruction_flops(instruction, shapes)
+            self._fused[name] = total
+        return self._fused[name]
+
+    def instruction_flops(self, instruction: HloInstruction, shapes: Mapping[str, ArrayShape]) -> float:
+        """GEMM FLOPs of one instruction (0 for anything that is not a GEMM)."""
+        opcode = instruction.opcode
+        if opcode == "dot":
+            found = _DOT_CONTRACTING.search(instruction.attributes)
+            return _dot_flops(instruction, shapes, _dims(found.group(1)) if found else [])
+        if opcode in ("fusion", "fusion-start"):
+            called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
+            return self.fused_flops(called.group(1)) if called else 0.0
+        if opcode == "custom-call":
+            custom = _CUSTOM_TARGET.search(instruction.attributes)
+            name = custom.group(1) if custom else ""
+            if name.startswith(_GEMM_TARGETS):
+                found = _JSON_CONTRACTING.search(instruction.attributes)
+                return _dot_flops(instruction, shapes, _dims(found.group(1)) if found else [])
+            if name.startswith("__cudnn$fmha"):
+                return _fmha_flops(instruction, shapes, backward="Backward" in name)
+        return 0.0
+
+
+def gemm_flops(program: object) -> float:
+    """GEMM FLOPs one device runs per step: every cuBLAS/Triton/fused ``dot`` and cuDNN attention,
+    loops times their trip counts."""
+    module = module_of(program)
+    gemms = _Gemms(module)
+    counts = execution_counts(module)
+    fused = _fused_computations(module)
+    total = 0.0
+    for name, (count, _) in counts.items():
+        if name in fused:
+            continue
+        computation = module.computations[name]
+        shapes = _shapes(computation)
+        total += count * sum(gemms.instruction_flops(i, shapes) for i in computation.instructions)
+    return total
+
+
+def _fused_computations(module: HloModule) -> set[str]:
+    fused = set()
+    for computation in module.computations.values():
+        for instruction in computation.instructions:
+            if instruction.opcode == "fusion":
+                called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
+                if called:
+                    fused.add(called.group(1))
+    # fusions nested in fusions
+    changed = True
+    while changed:
+        changed = False
+        for name in list(fused):
+            for instruction in module.computations.get(name, HloComputation(name, ())).instructions:
+                called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
+                if called and called.group(1) not in fused:
+                    fused.add(called.group(1))
+                    changed = True
+    return fused
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory-bound bytes
+# --------------------------------------------------------------------------------------------------
+
+
+def _nbytes(shape) -> int:
+    return sum(leaf.nbytes for leaf in leaves(shape))
+
+
+_VIEWS = ("bitcast", "reshape")  # change no bytes: a slice behind them still reads only the slice
+
+
+def _sliced_bytes(name: str, users: Mapping[str, list[HloInstruction]]) -> int | None:
+    """Bytes read of value ``name`` when every use is a (dynamic-)slice of it, directly or behind
+    bitcasts/reshapes; ``None`` when some use reads it whole."""
+    uses = users.get(name, [])
+    if not uses:
+        return None
+    total = 0
+    for use in uses:
+        if use.opcode in ("dynamic-slice", "slice") and use.operands[0] == name:
+            total += _nbytes(use.shape)
+        elif use.opcode in _VIEWS:
+            inner = _sliced_bytes(use.name, users)
+            if inner is None:
+                return None
+            total += inner
+        else:
+            return None
+    return total
+
+
+def _behind_views(name: str, by_name: Mapping[str, HloInstruction]) -> HloInstruction | None:
+    instruction = by_name.get(name)
+    while instruction is not None and instruction.opcode in _VIEWS and instruction.operands:
+        instruction = by_name.get(instruction.operands[0])
+    return instruction
+
+
+def _fusion_bytes(instruction: HloInstruction, operand_bytes: list[int], module: HloModule) -> int:
+    """Bytes a fusion reads and writes: a parameter read only through slices counts the slices,
+    an in-place dynamic-update-slice root writes (and does not read) only the update; bitcasts and
+    reshapes in between change nothing."""
+    called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
+    fused = module.computations.get(called.group(1)) if called else None
+    if fused is None:
+        return sum(operand_bytes) + _nbytes(instruction.shape)
+    by_name = {i.name: i for i in fused.instructions}
+    users: dict[str, list[HloInstruction]] = defaultdict(list)
+    for i in fused.instructions:
+        for operand in dict.fromkeys(i.operands):
+            users[operand].append(i)
+    root = fused.instructions[-1]
+    outputs = [by_name[o] for o in root.operands if o in by_name] if root.opcode == "tuple" else [root]
+    roots = [_behind_views(o.name, by_name) or o for o in outputs]
+    in_place = set()
+    for r in roots:
+        if r.opcode == "dynamic-update-slice" and r.operands:
+            buffer = _behind_views(r.operands[0], by_name)
+            if buffer is not None and buffer.opcode == "parameter":
+                in_place.add(buffer.name)
+    total = 0
+    for i in fused.instructions:
+        if i.opcode != "parameter" or i.parameter_number is None or i.name in in_place:
+            continue
+        sliced = _sliced_bytes(i.name, users)
+        if sliced is not None:
+            total += sliced
+        elif i.parameter_number < len(operand_bytes):
+            total += operand_bytes[i.parameter_number]
+        else:
+            total += _nbytes(i.shape)
+    for r in roots:
+        if r.opcode == "dynamic-update-slice" and len(r.operands) > 1 and r.operands[1] in by_name:
+            total += _nbytes(by_name[r.operands[1]].shape)
+        else:
+            total += _nbytes(r.shape)
+    return total
+
+
+# --------------------------------------------------------------------------------------------------
+# The walk
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Totals:
+    """Seconds and bytes of one execution of a computation (or of the step)."""
+
+    seconds: float = 0.0
+    compute: float = 0.0
+    memory: float = 0.0
+    gemm_flops: float = 0.0
+    communication: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
+    exposed: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
+    bytes: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, other: _Totals, times: float) -> None:
+        self.compute += other.compute * times
+        self.memory += other.memory * times
+        self.gemm_flops += other.gemm_flops * times
+        for mine, theirs in ((self.communication, other.communication), (self.exposed, other.exposed),
+                             (self.bytes, other.bytes)):
+            for axes, value in theirs.items():
+                mine[axes] += value * times
+
+
+class _Walk:
+    """Prices a parsed program's computations; see the module docstring for the model."""
+
+    def __init__(self, module: HloModule, mesh: MeshOrSizes, cluster: Cluster, gemm_efficiency: float,
+                 windows: list[CollectiveWindow] | None = None):
+        self.module = module
+        self.cluster = cluster
+        self.gemm_rate = cluster.peak_tflops * 1e12 * gemm_efficiency
+        self.hbm_rate = cluster.hbm_gbps * 1e9 * cluster.memory_efficiency
+        self.gemms = _Gemms(module)
+        self.windows = {(w.computation, w.start): w for w in (windows if windows is not None else collective_windows(module, mesh))}
+        self.wrapped = async_wrapped_computations(module)
+        self.memo: dict[str, _Totals] = {}
+
+    def collective_seconds(self, window: CollectiveWindow) -> float:
+        c, cluster = window.collective, self.cluster
+        n = c.group_size
+        if n <= 1:
+            return 0.0
+        per_node = cluster.gpus_per_node
+        crosses = any(len({d // per_node for d in group}) > 1 for group in window.device_groups)
+        if crosses:
+            rate = cluster.nic_gbps * 1e9 * cluster.network_efficiency
+            latency = cluster.network_latency_us * 1e-6
+        else:
+            rate = cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency
+            latency = cluster.nvlink_latency_us * 1e-6
+        steps = {"all-reduce": 2 * (n - 1), "collective-permute": 1, "collective-broadcast": 1}.get(c.kind, n - 1)
+        return ring_wire_bytes(c.kind, c.bytes, n) / rate + steps * latency
+
+    def computation(self, name: str) -> _Totals:
+        if name not in self.memo:
+            self.memo[name] = self._walk(self.module.computations[name])
+        return self.memo[name]
+
+    def _walk(self, computation: HloComputation) -> _Totals:
+        totals = _Totals()
+        shapes = _shapes(computation)
+        sizes = {i.name: _nbytes(i.shape) for i in computation.instructions}
+        clock = 0.0  # compute stream
+        collective_free = 0.0  # collective stream
+        in_flight: dict[str, tuple[float, tuple[str, ...]]] = {}  # done name -> (end, axes)
+        for instruction in computation.instructions:
+            window = self.windows.get((computation.name, instruction.name))
+            if window is not None:
+                duration = self.collective_seconds(window)
+                axes = window.collective.axes
+                totals.communication[axes] += duration
+                totals.bytes[axes] += window.collective.bytes
+                if window.synchronous:  # waits for the collective stream, then runs on the compute stream
+                    finish = max(clock, collective_free) + duration
+                    totals.exposed[axes] += finish - clock
+                    clock = finish
+                else:
+                    begin = max(clock, collective_free)
+                    collective_free = begin + duration
+                    in_flight[window.done] = (collective_free, axes)
+                continue
+            if instruction.name in in_flight:
+                end, axes = in_flight.pop(instruction.name)
+                wait = max(0.0, end - clock)  # includes any queueing behind earlier collectives
+                totals.exposed[axes] += wait
+                clock += wait
+                continue
+            clock += self._instruction(instruction, shapes, sizes, totals)
+        totals.seconds = clock
+        return totals
+
+    def _instruction(self, instruction: HloInstruction, shapes: Mapping[str, ArrayShape],
+                     sizes: Mapping[str, int], totals: _Totals) -> float:
+        """Seconds one instruction holds the compute stream; adds its parts to ``totals``."""
+        opcode = instruction.opcode
+        if opcode in _FREE:
+            return 0.0
+        if opcode in ("while", "call", "conditional", "async-start"):
+            edges = [e for e in call_edges(instruction) if e.callee in self.module.computations]
+            if opcode == "conditional":
+                branches = [self.computation(e.callee) for e in edges]
+                if not branches:
+                    return 0.0
+                slowest = max(branches, key=lambda t: t.seconds)
+                totals.add(slowest, 1)
+                return slowest.seconds
+            seconds = 0.0
+            for edge in edges:
+                callee = self.computation(edge.callee)
+                totals.add(callee, edge.multiplier)
+                seconds += callee.seconds * edge.multiplier
+            return seconds
+        flops = self.gemms.instruction_flops(instruction, shapes)
+        if flops > 0:
+            totals.gemm_flops += flops
+            seconds = flops / self.gemm_rate
+            totals.compute += seconds
+            return seconds
+        operand_bytes = [sizes.get(o, 0) for o in instruction.operands]
+        if opcode in ("fusion", "fusion-start"):
+            nbytes = _fusion_bytes(instruction, operand_bytes, self.module)
+        elif opcode in ("dynamic-slice", "slice"):
+            nbytes = 2 * _nbytes(instruction.shape)
+        elif opcode == "dynamic-update-slice":
+            nbytes = 2 * (operand_bytes[1] if len(operand_bytes) > 1 else 0)
+        else:
+            nbytes = sum(operand_bytes) + _nbytes(instruction.shape)
+        seconds = nbytes / self.hbm_rate
+        totals.memory += seconds
+        return seconds
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One step of a compiled program on a target, estimated (see the module docstring).
+
+    ``seconds`` = ``compute_seconds + memory_seconds + exposed_communication_seconds`` (the compute
+    stream's time; exposed time is the compute stream's waits on collectives, queueing behind an
+    earlier collective included); ``communication_seconds`` is all collective time, hidden or not.
+    Per mesh axes (the tuple of axes a collective spans): ``hidden_fraction_by_axes`` the share of
+    its collective time hidden under compute (0 when queueing exposes more than its own time),
+    ``bytes_by_axes`` per-device result bytes per step (the convention of
+    :func:`meshtron.hlo.collectives.bytes_by_axes`; of a ``conditional`` only the branch priced),
+    ``communication_seconds_by_axes``.
+    ``gemm_flops`` is per device per step; ``gpus`` the mesh's device count.
+    """
+
+    target: str
+    gpus: int
+    gemm_efficiency: float
+    seconds: float
+    compute_seconds: float
+    memory_seconds: float
+    communication_seconds: float
+    exposed_communication_seconds: float
+    hidden_fraction_by_axes: dict[tuple[str, ...], float]
+    bytes_by_axes: dict[tuple[str, ...], int]
+    communication_seconds_by_axes: dict[tuple[str, ...], float]
+    gemm_flops: float
+    tokens_per_step: int
+    model_flops_per_step: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    mfu_causal_halved: float
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of all collective time hidden under compute (1 when there is none)."""
+        if self.communication_seconds <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.exposed_communication_seconds / self.communication_seconds)
+
+    def lines(self) -> list[str]:
+        """The estimate as lines of text, for a report."""
+        ms = 1e3
+        out = [
+            (f"step time on {self.gpus} x {self.target} (gemm_efficiency {self.gemm_efficiency:.3f}): "
+            f"{self.seconds * ms:.3f} ms"),
+            (f"  GEMMs {self.compute_seconds * ms:.3f} ms ({self.gemm_flops / 1e12:.3f} TFLOP per GPU), "
+            f"memory-bound {self.memory_seconds * ms:.3f} ms, "
+            f"collectives {self.communication_seconds * ms:.3f} ms of which exposed "
+            f"{self.exposed_communication_seconds * ms:.3f} ms (hidden {self.hidden_fraction:.0%})"),
+        ]
+        for axes in sorted(self.bytes_by_axes, key=lambda a: (len(a), a)):
+            out.append(f"  over {'+'.join(axes) or '(none)'}: {self.bytes_by_axes[axes] / 1e6:.2f} MB, "
+                       f"{self.communication_seconds_by_axes.get(axes, 0.0) * ms:.3f} ms, "
+                       f"hidden {self.hidden_fraction_by_axes.get(axes, 1.0):.0%}")
+        out.append(f"  {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {self.mfu:.1%} "
+                   f"(causal attention halved: {self.mfu_causal_halved:.1%})")
+        return out
+
+
+def _cluster(target_name: str) -> Cluster:
+    return load_cluster(gpu_target(target_name).cluster)
+
+
+def _check_efficiency(gemm_efficiency: float) -> None:
+    if not (isinstance(gemm_efficiency, (int, float)) and 0 < gemm_efficiency <= 1):
+        raise ConfigError(f"gemm_efficiency: a fraction of the dense peak in (0, 1], got {gemm_efficiency!r}")
+
+
+class _Priced:
+    """A parsed program and its collective windows, priced at any ``gemm_efficiency``."""
+
+    def __init__(self, program: object, mesh_or_sizes: MeshOrSizes, target: str):
+        self.module = module_of(program)
+        self.mesh = mesh_or_sizes
+        self.target = target
+        self.cluster = _cluster(target)
+        self.gpus = math.prod(_axis_sizes(mesh_or_sizes).values())
+        self.windows = collective_windows(self.module, mesh_or_sizes)
+        self._totals: dict[float, _Totals] = {}
+
+    def totals(self, gemm_efficiency: float) -> _Totals:
+        if gemm_efficiency not in self._totals:
+            walk = _Walk(self.module, self.mesh, self.cluster, gemm_efficiency, self.windows)
+            self._totals[gemm_efficiency] = walk.computation(self.module.entry)
+        return self._totals[gemm_efficiency]
+
+
+def _estimate(priced: _Priced, *, tokens_per_step: int, model_flops_per_step: float,
+              causal_attention_flops_per_step: float, gemm_efficiency: float) -> StepEstimate:
+    _check_efficiency(gemm_efficiency)
+    totals = priced.totals(float(gemm_efficiency))
+    seconds = totals.seconds
+    communication = sum(totals.communication.values())
+    exposed = sum(totals.exposed.values())
+    peak = priced.cluster.peak_tflops * 1e12 * priced.gpus
+    hidden = {axes: (max(0.0, 1.0 - totals.exposed[axes] / value) if value > 0 else 1.0)
+              for axes, value in totals.communication.items()}
+    halved = model_flops_per_step - causal_attention_flops_per_step / 2
+    return StepEstimate(
+        target=priced.target, gpus=priced.gpus, gemm_efficiency=float(gemm_efficiency), seconds=seconds,
+        compute_seconds=totals.compute, memory_seconds=totals.memory, communication_seconds=communication,
+        exposed_communication_seconds=exposed, hidden_fraction_by_axes=hidden,
+        bytes_by_axes={axes: round(value) for axes, value in totals.bytes.items()},
+        communication_seconds_by_axes=dict(totals.communication), gemm_flops=totals.gemm_flops,
+        tokens_per_step=tokens_per_step, model_flops_per_step=model_flops_per_step,
+        tokens_per_s_per_gpu=tokens_per_step / seconds / priced.gpus if seconds > 0 else 0.0,
+        mfu=model_flops_per_step / (seconds * peak) if seconds > 0 else 0.0,
+        mfu_causal_halved=halved / (seconds * peak) if seconds > 0 else 0.0,
+    )
+
+
+def estimate_step(program: object, mesh_or_sizes: MeshOrSizes, target: str, *, tokens_per_step: int,
+                  model_flops_per_step: float, causal_attention_flops_per_step: float = 0.0,
+                  gemm_efficiency: float = DEFAULT_GEMM_EFFICIENCY) -> StepEstimate:
+    """Estimate one step of ``program`` (a jax ``Compiled`` or its scheduled HLO text) compiled
+    for ``mesh_or_sizes`` (a ``Mesh`` or axis sizes in mesh order) on GPU target ``target``
+    (``h100``, ``h200``, ``a100``). ``tokens_per_step`` and ``model_flops_per_step`` (all devices
+    together) give throughput and MFU; ``causal_attention_flops_per_step`` is the attention part
+    of the model FLOPs, halved in ``mfu_causal_halved``. See the module docstring for the model."""
+    priced = _Priced(program, mesh_or_sizes, target)
+    return _estimate(priced, tokens_per_step=tokens_per_step, model_flops_per_step=model_flops_per_step,
+                     causal_attention_flops_per_step=causal_attention_flops_per_step,
+                     gemm_efficiency=gemm_efficiency)
+
+
+def fit_gemm_efficiency(program: object, mesh_or_sizes: MeshOrSizes, target: str, *, measured_seconds: float,
+                        tolerance: float = 1e-9) -> float:
+    """The ``gemm_efficiency`` at which :func:`estimate_step` gives ``measured_seconds``.
+
+    The estimate falls monotonically as the efficiency rises, so bisection (in log space) finds
+    it. A measured time below the estimate at efficiency 1 (faster than the dense peak allows with
+    the program's memory and communication) or one GEMMs alone cannot reach is one ConfigError line.
+    """
+    if not (measured_seconds > 0):
+        raise ConfigError(f"measured_seconds: a positive step time in seconds, got {measured_seconds!r}")
+    priced = _Priced(program, mesh_or_sizes, target)
+
+    def seconds(efficiency: float) -> float:
+        return priced.totals(efficiency).seconds
+
+    low, high = 1e-4, 1.0
+    if seconds(high) > measured_seconds:
+        raise ConfigError(f"measured_seconds: {measured_seconds:.6g} s is faster than the estimate at the dense peak "
+                          f"({seconds(high):.6g} s): the program's memory-bound and exposed collective time alone "
+                          "exceed it; check the target and the program measured")
+    if seconds(low) < measured_seconds:
+        raise ConfigError(f"measured_seconds: {measured_seconds:.6g} s is slower than the estimate at gemm_efficiency "
+                          f"{low:g} ({seconds(low):.6g} s); the program has too few GEMMs to explain it")
+    while high / low > 1 + tolerance:
+        middle = math.sqrt(low * high)
+        if seconds(middle) > measured_seconds:
+            low = middle
+        else:
+            high = middle
+    return math.sqrt(low * high)
+
+
+def estimate_json(estimate: StepEstimate) -> dict:
+    """The estimate as JSON-ready values (axes tuples joined with ``+``)."""
+    values = dict(estimate.__dict__)
+    for key in ("hidden_fraction_by_axes", "bytes_by_axes", "communication_seconds_by_axes"):
+        values[key] = {"+".join(axes): value for axes, value in values[key].items()}
+    return json.loads(json.dumps(values))

@@ -1,0 +1,274 @@
+"""The scheduled-HLO overlap finder and the GPU step-time estimate: windows of a handwritten
+scheduled program, the estimate's arithmetic on it, and GEMM FLOPs and collective bytes of a
+program XLA:GPU compiled."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from meshtron.errors import ConfigError
+from meshtron.gpu.step_time import estimate_step, fit_gemm_efficiency, gemm_flops, model_flops
+from meshtron.hlo.collectives import bytes_by_axes, collectives, ring_wire_bytes
+from meshtron.hlo.schedule import collective_windows
+from meshtron.plan.cluster import load_cluster
+
+# 16 devices, two nodes of 8: tensor groups stay in a node, data groups ({0,8}, {1,9}, ...) cross.
+SIZES = {"data": 2, "tensor": 8}
+_CONFIG = ('backend_config={"operation_queue_id":"0","collective_backend_config":{"is_sync":%s,'
+           '"is_pipelined":false}}')
+_ASYNC, _SYNC = _CONFIG % "false", _CONFIG % "true"
+_GEMM = ('custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":'
+         '{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],'
+         '"rhs_batch_dimensions":[]}}}')
+
+SCHEDULED = f"""HloModule jit_step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}}
+
+%triton_gemm (p0: bf16[128,512], p1: bf16[512,512]) -> bf16[128,512] {{
+  %p0 = bf16[128,512]{{1,0}} parameter(0)
+  %p1 = bf16[512,512]{{1,0}} parameter(1)
+  ROOT %dot.1 = bf16[128,512]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%scale (q0: bf16[128,512]) -> bf16[128,512] {{
+  %q0 = bf16[128,512]{{1,0}} parameter(0)
+  ROOT %m = bf16[128,512]{{1,0}} multiply(%q0, %q0)
+}}
+
+%body (state: (s32[], bf16[128,512])) -> (s32[], bf16[128,512]) {{
+  %state = (s32[], bf16[128,512]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = bf16[128,512]{{1,0}} get-tuple-element(%state), index=1
+  %cp-start = ((bf16[128,512]{{1,0}}), bf16[128,512]{{1,0}}) collective-permute-start(%x), channel_id=3, source_target_pairs={{{{0,8}},{{8,0}}}}, {_ASYNC}
+  %square = bf16[128,512]{{1,0}} fusion(%x), kind=kLoop, calls=%scale
+  %cp-done = bf16[128,512]{{1,0}} collective-permute-done(%cp-start)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], bf16[128,512]{{1,0}}) tuple(%next, %cp-done)
+}}
+
+%cond (cstate: (s32[], bf16[128,512])) -> pred[] {{
+  %cstate = (s32[], bf16[128,512]{{1,0}}) parameter(0)
+  %ci = s32[] get-tuple-element(%cstate), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%ci, %three), direction=LT
+}}
+
+ENTRY %main (x: bf16[128,256], w: bf16[256,512], v: bf16[64,512]) -> bf16[128,512] {{
+  %x = bf16[128,256]{{1,0}} parameter(0)
+  %w = bf16[256,512]{{1,0}} parameter(1)
+  %v = bf16[64,512]{{1,0}} parameter(2)
+  %ag-start = ((bf16[64,512]{{1,0}}), bf16[512,512]{{1,0}}) all-gather-start(%v), channel_id=1, replica_groups=[2,8]<=[16], dimensions={{0}}, use_global_device_ids=true, {_ASYNC}
+  %gemm = (bf16[128,512]{{1,0}}, s8[4194304]{{0}}) custom-call(%x, %w), {_GEMM}
+  %h = bf16[128,512]{{1,0}} get-tuple-element(%gemm), index=0
+  %ag-done = bf16[512,512]{{1,0}} all-gather-done(%ag-start)
+  %y = bf16[128,512]{{1,0}} fusion(%h, %ag-done), kind=kCustom, calls=%triton_gemm
+  %ar-start = ((bf16[128,512]{{1,0}}), bf16[128,512]{{1,0}}) all-reduce-start(%y), channel_id=2, replica_groups=[8,2]<=[2,8]T(1,0), use_global_device_ids=true, to_apply=%add, {_SYNC}
+  %ar-done = bf16[128,512]{{1,0}} all-reduce-done(%ar-start)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[128,512]{{1,0}}) tuple(%zero, %ar-done)
+  %loop = (s32[], bf16[128,512]{{1,0}}) while(%init), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  ROOT %result = bf16[128,512]{{1,0}} get-tuple-element(%loop), index=1
+}}
+"""
+
+H100 = load_cluster("h100-80gb")
+BF16_128x512 = 128 * 512 * 2
+
+
+def _windows():
+    return {w.start: w for w in collective_windows(SCHEDULED, SIZES)}
+
+
+def test_windows_of_a_scheduled_program_hold_the_compute_between_start_and_done():
+    windows = _windows()
+    assert set(windows) == {"ag-start", "ar-start", "cp-start"}
+    gather = windows["ag-start"]
+    assert (gather.kind, gather.collective.axes, gather.done, gather.synchronous) == (
+        "all-gather", ("tensor",), "ag-done", False)
+    assert [i.name for i in gather.between] == ["gemm", "h"]
+    assert gather.collective.bytes == 512 * 512 * 2 and gather.collective.count == 1
+    reduce = windows["ar-start"]  # is_sync: hides nothing
+    assert (reduce.kind, reduce.collective.axes, reduce.synchronous, reduce.between) == (
+        "all-reduce", ("data",), True, ())
+    assert reduce.collective.bytes == BF16_128x512  # the result, not the (operands, results) tuple
+    permute = windows["cp-start"]
+    assert (permute.computation, permute.collective.count, permute.collective.axes) == ("body", 3, ("data",))
+    assert [i.name for i in permute.between] == ["square"]
+
+
+def test_plain_collectives_are_synchronous_windows():
+    text = SCHEDULED.replace(
+        "%ar-start = ((bf16[128,512]{1,0}), bf16[128,512]{1,0}) all-reduce-start(%y)",
+        "%ar-start = bf16[128,512]{1,0} all-reduce(%y)").replace("%ar-done = bf16[128,512]{1,0} all-reduce-done(%ar-start)",
+                                                                "%ar-done = bf16[128,512]{1,0} copy(%ar-start)")
+    reduce = {w.start: w for w in collective_windows(text, SIZES)}["ar-start"]
+    assert reduce.synchronous and reduce.between == () and reduce.done == "ar-start"
+
+
+def test_estimate_of_the_handwritten_program_hides_each_collective_under_its_window():
+    efficiency = 0.5
+    estimate = estimate_step(SCHEDULED, SIZES, "h100", tokens_per_step=128, model_flops_per_step=1e9,
+                             gemm_efficiency=efficiency)
+    gemm_rate = H100.peak_tflops * 1e12 * efficiency
+    hbm = H100.hbm_gbps * 1e9 * H100.memory_efficiency
+    nvlink = H100.nvlink_gbps * 1e9 * H100.nvlink_efficiency
+    network = H100.network_gbps / H100.gpus_per_node * 1e9 * H100.network_efficiency
+    gemm1 = 2 * 128 * 512 * 256 / gemm_rate
+    gemm2 = 2 * 128 * 512 * 512 / gemm_rate
+    gather = ring_wire_bytes("all-gather", 512 * 512 * 2, 8) / nvlink + 7 * H100.nvlink_latency_us * 1e-6
+    reduce = ring_wire_bytes("all-reduce", BF16_128x512, 2) / network + 2 * H100.network_latency_us * 1e-6
+    square = 2 * BF16_128x512 / hbm
+    loop_control = (3 * (4 + 4 + 4) + 4 * (4 + 4 + 1)) / hbm  # the body's s32 add, the condition's compare
+    permute = BF16_128x512 / network + H100.network_latency_us * 1e-6
+    exposed = max(0.0, gather - gemm1) + reduce + 3 * max(0.0, permute - square)
+    assert estimate.compute_seconds == pytest.approx(gemm1 + gemm2)
+    assert estimate.gemm_flops == pytest.approx(2 * 128 * 512 * (256 + 512))
+    assert estimate.memory_seconds == pytest.approx(3 * square + loop_control)
+    assert estimate.communication_seconds == pytest.approx(gather + reduce + 3 * permute)
+    assert estimate.exposed_communication_seconds == pytest.approx(exposed)
+    assert estimate.seconds == pytest.approx(gemm1 + gemm2 + 3 * square + loop_control + exposed)
+    assert estimate.seconds == pytest.approx(
+        estimate.compute_seconds + estimate.memory_seconds + estimate.exposed_communication_seconds)
+    assert estimate.hidden_fraction_by_axes[("tensor",)] == pytest.approx(min(1.0, gemm1 / gather))
+    assert estimate.bytes_by_axes == {("tensor",): 512 * 512 * 2, ("data",): 4 * BF16_128x512}
+    assert estimate.bytes_by_axes == bytes_by_axes(collectives(SCHEDULED, SIZES))
+    assert estimate.mfu == pytest.approx(1e9 / (estimate.seconds * 16 * H100.peak_tflops * 1e12))
+    assert estimate.tokens_per_s_per_gpu == pytest.approx(128 / estimate.seconds / 16)
+    assert any("hidden" in line for line in estimate.lines())
+
+
+def test_causal_halved_mfu_counts_half_the_attention_flops():
+    total, attention = model_flops(params=1000, layers=2, hidden=64, seq_len=128, tokens=256)
+    assert attention == 12 * 2 * 64 * 128 * 256 and total == 6 * 1000 * 256 + attention
+    estimate = estimate_step(SCHEDULED, SIZES, "h100", tokens_per_step=256, model_flops_per_step=total,
+                             causal_attention_flops_per_step=attention)
+    assert estimate.mfu_causal_halved == pytest.approx(estimate.mfu * (total - attention / 2) / total)
+
+
+def test_fit_gemm_efficiency_inverts_the_estimate():
+    measured = estimate_step(SCHEDULED, SIZES, "h100", tokens_per_step=1, model_flops_per_step=1.0,
+                             gemm_efficiency=0.37).seconds
+    fitted = fit_gemm_efficiency(SCHEDULED, SIZES, "h100", measured_seconds=measured)
+    assert fitted == pytest.approx(0.37, rel=1e-6)
+
+
+def test_fit_gemm_efficiency_refuses_a_time_faster_than_the_peak():
+    with pytest.raises(ConfigError, match="measured_seconds: .* faster than the estimate at the dense peak"):
+        fit_gemm_efficiency(SCHEDULED, SIZES, "h100", measured_seconds=1e-9)
+
+
+def test_bad_gemm_efficiency_is_one_config_error():
+    with pytest.raises(ConfigError, match=r"gemm_efficiency: a fraction of the dense peak in \(0, 1\]"):
+        estimate_step(SCHEDULED, SIZES, "h100", tokens_per_step=1, model_flops_per_step=1.0, gemm_efficiency=1.5)
+
+
+# --------------------------------------------------------------------------------------------------
+# A program XLA:GPU compiled
+# --------------------------------------------------------------------------------------------------
+
+_OVERRIDES = ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.microbatches=1",
+              "model.layers=2", "train.batch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def compiled_gpu_program():
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="compiling for a GPU target needs the gpu-compile extra")
+    from meshtron.config import load_config
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config("cpu8", _OVERRIDES)
+    trainer = Trainer.from_config(cfg, target="h100", read_data=False)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    compiled = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0])
+    return cfg, dict(trainer.mesh.shape), compiled.as_text()
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_gemm_flops_of_a_compiled_program_are_the_models(compiled_gpu_program):
+    cfg, sizes, text = compiled_gpu_program
+    m = cfg.model
+    h, layers, s = m.hidden, m.layers, m.seq_len
+    matmul_params = layers * (4 * h * h + 2 * h * m.mlp_dim) + m.vocab_size * h  # the embedding lookup is no GEMM
+    tokens = cfg.train.batch_size * s
+    total, _ = model_flops(params=matmul_params, layers=layers, hidden=h, seq_len=s, tokens=tokens)
+    gpus = math.prod(sizes.values())
+    assert gemm_flops(text) * gpus == pytest.approx(total, rel=1e-9)
+    estimate = estimate_step(text, sizes, "h100", tokens_per_step=tokens, model_flops_per_step=total)
+    assert estimate.gemm_flops * gpus == pytest.approx(total, rel=1e-9)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_collective_bytes_of_a_compiled_program_match_hlo_collectives(compiled_gpu_program):
+    _, sizes, text = compiled_gpu_program
+    estimate = estimate_step(text, sizes, "h100", tokens_per_step=1, model_flops_per_step=1.0)
+    assert estimate.bytes_by_axes == bytes_by_axes(collectives(text, sizes))
+    assert estimate.bytes_by_axes[("data",)] > 0  # the gradient reduction
+    windows = collective_windows(text, sizes)
+    assert all(w.between == () for w in windows if w.synchronous)
+    assert any(not w.synchronous for w in windows)
+
+
+_FMHA = """HloModule attention, is_scheduled=true
+
+ENTRY %main (q: bf16[2,1024,8,64], k: bf16[2,1024,8,64], v: bf16[2,1024,8,64], do: bf16[2,8,1024,64]) -> bf16[2,8,1024,64] {
+  %q = bf16[2,1024,8,64]{3,2,1,0} parameter(0)
+  %k = bf16[2,1024,8,64]{3,2,1,0} parameter(1)
+  %v = bf16[2,1024,8,64]{3,2,1,0} parameter(2)
+  %do = bf16[2,8,1024,64]{3,2,1,0} parameter(3)
+  %fwd = (bf16[2,8,1024,64]{3,1,2,0}, f32[2,8,1024]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"fmha_scale":0.125,"mask_type":"MASK","bmm1_dot_dimension_numbers":{"lhs_contracting_dimensions":["3"],"rhs_contracting_dimensions":["3"],"lhs_batch_dimensions":["0","2"],"rhs_batch_dimensions":["0","2"]}}}
+  %o = bf16[2,8,1024,64]{3,1,2,0} get-tuple-element(%fwd), index=0
+  %bwd = (bf16[2,1024,8,64]{3,2,1,0}, bf16[2,1024,8,64]{3,2,1,0}, bf16[2,1024,8,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v, %o, %do), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"mask_type":"MASK","intermediate_tensor_shape":{"element_type":"BF16","dimensions":["2","8","1024","1024"]}}}
+  ROOT %dq = bf16[2,1024,8,64]{3,2,1,0} get-tuple-element(%bwd), index=0
+}
+"""
+
+
+@pytest.mark.parametrize("mask, factor", [("NO_MASK", 1.0), ("CAUSAL", 0.5)])
+def test_cudnn_fused_attention_flops_from_operand_shapes(mask, factor):
+    forward = 4 * 2 * 8 * 1024 * 1024 * 64  # scores and their product with the values
+    assert gemm_flops(_FMHA.replace("MASK", mask)) == pytest.approx(factor * 3.5 * forward)  # backward 2.5x
+
+
+_STACKED = """HloModule stacked, is_scheduled=true
+
+%read_layer (s0: bf16[32,64,128], i0: s32[]) -> bf16[1,64,128] {
+  %s0 = bf16[32,64,128]{2,1,0} parameter(0)
+  %view = bf16[32,8192]{1,0} bitcast(%s0)
+  %i0 = s32[] parameter(1)
+  %z0 = s32[] constant(0)
+  %row = bf16[1,8192]{1,0} dynamic-slice(%view, %i0, %z0), dynamic_slice_sizes={1,8192}
+  ROOT %layer = bf16[1,64,128]{2,1,0} bitcast(%row)
+}
+
+%write_layer (u1: bf16[1,64,128], i1: s32[], s1: bf16[32,64,128]) -> bf16[32,64,128] {
+  %u1 = bf16[1,64,128]{2,1,0} parameter(0)
+  %i1 = s32[] parameter(1)
+  %s1 = bf16[32,64,128]{2,1,0} parameter(2)
+  %z1 = s32[] constant(0)
+  ROOT %put = bf16[32,64,128]{2,1,0} dynamic-update-slice(%s1, %u1, %i1, %z1, %z1)
+}
+
+ENTRY %main (stack: bf16[32,64,128], i: s32[]) -> bf16[32,64,128] {
+  %stack = bf16[32,64,128]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %got = bf16[1,64,128]{2,1,0} fusion(%stack, %i), kind=kLoop, calls=%read_layer
+  ROOT %new = bf16[32,64,128]{2,1,0} fusion(%got, %i, %stack), kind=kLoop, calls=%write_layer
+}
+"""
+
+
+def test_slices_of_a_stacked_buffer_move_only_the_slice():
+    estimate = estimate_step(_STACKED, {"data": 1}, "h100", tokens_per_step=1, model_flops_per_step=1.0)
+    layer = 64 * 128 * 2
+    moved = (layer + 4 + layer) + (layer + 4 + layer)  # read a slice (and the index), write a layer; in place
+    assert estimate.memory_seconds == pytest.approx(moved / (H100.hbm_gbps * 1e9 * H100.memory_efficiency))
