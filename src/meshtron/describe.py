@@ -187,6 +187,26 @@ def bytes_per_device(shapes, shardings) -> float:
                      for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
 
 
+def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef, params: int, out) -> None:
+    """The GPU program's overlap and estimated step time (:mod:`meshtron.gpu.step_time`): the
+    collectives each mesh axis hides under compute, tokens/s per GPU and MFU."""
+    from meshtron.gpu.step_time import estimate_step, model_flops
+
+    m = cfg.model
+    tokens = cfg.train.batch_size * m.seq_len
+    if m.moe.experts:  # the parameters a token passes through: top-k of the experts' MLPs
+        per_expert = 3 * m.hidden * (m.moe.mlp_dim or m.mlp_dim) * model_def.layers
+        params -= per_expert * (m.moe.experts - m.moe.top_k)
+    flops, attention = model_flops(params=params, layers=model_def.layers, hidden=m.hidden, seq_len=m.seq_len,
+                                   tokens=tokens)
+    estimate = estimate_step(program, mesh, target, tokens_per_step=tokens, model_flops_per_step=flops,
+                             causal_attention_flops_per_step=attention)
+    print("\nestimated step on the GPU program (meshtron.gpu.step_time: the schedule priced at the target's rates; "
+          "MFU counts 6N + 12 L h s FLOPs per token)", file=out)
+    for line in estimate.lines():
+        print(f"  {line}", file=out)
+
+
 def compiler_name(device) -> str:
     """The compiler a program for ``device`` comes from, as the memory lines name it."""
     return "XLA:GPU" if device.platform == "gpu" else f"XLA:{device.platform.upper()}"
@@ -444,3 +464,5 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
             print(exchange.measured(step.collectives), file=out)
         if split is not None and sizes.pipe == 1 and not trainer.steps.zero.active:
             print(split.measured(step.collectives), file=out)
+        if target is not None:
+            print_estimate(program, trainer.mesh, target, cfg, model_def, total, out)
