@@ -268,7 +268,8 @@ H100_MODELS = {
         64, 128, (80, 8192, 8, 64, 28672, 32000),
         ["model_name=llama2-70b", "per_device_batch_size=2", "remat_policy=full", "ici_fsdp_parallelism=64"],
         {"fsdp (data 64, zero=3)": ["parallel.data=64", "parallel.pipe=1", "parallel.tensor=1", "parallel.zero=3",
-                                    "parallel.microbatches=1", "parallel.sequence_parallel=false"],
+                                    "parallel.microbatches=1", "parallel.sequence_parallel=false",
+                                    "parallel.gather_once=false"],
          "data 2 x pipe 4 x tensor 8, 1f1b, zero=1, sp": ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=8",
                                                           "parallel.zero=1", "parallel.microbatches=32",
                                                           "parallel.gather_once=false"]},
@@ -340,13 +341,17 @@ def analyze_h100(records: list[dict], target: str) -> list[dict]:
                    "collective_wire_bytes_per_axis": wire, "estimated_step_seconds": None,
                    "estimated_tokens_per_s_per_gpu": None, "estimated_mfu": None}
         if step_time is not None:
-            kwargs = {"tokens_per_step": r["tokens_per_step"], "model_flops_per_step": r["model_flops_per_step"]}
+            kwargs = {"tokens_per_step": r["tokens_per_step"], "model_flops_per_step": r["model_flops_per_step"],
+                      "causal_attention_flops_per_step": r.get("attention_flops_per_step", 0.0)}
             if fitted is not None:
                 kwargs["gemm_efficiency"] = getattr(fitted, "gemm_efficiency", fitted)
             estimate = step_time.estimate_step(texts[r["hlo"]], r["mesh_sizes"], target, **kwargs)
             figures.update(estimated_step_seconds=estimate.seconds,
                            estimated_tokens_per_s_per_gpu=estimate.tokens_per_s_per_gpu, estimated_mfu=estimate.mfu)
-            figures["gemm_efficiency"] = kwargs.get("gemm_efficiency")
+            figures.update(gemm_efficiency=estimate.gemm_efficiency, estimated_compute_seconds=estimate.compute_seconds,
+                           estimated_memory_seconds=estimate.memory_seconds,
+                           estimated_exposed_communication_seconds=estimate.exposed_communication_seconds,
+                           estimated_communication_seconds=estimate.communication_seconds)
         out.append({**r, **figures})
     return out
 
@@ -402,7 +407,8 @@ def run_h100(args) -> None:
     for model, (devices, batch, shape, mt_args, layouts, published) in H100_MODELS.items():
         flops_per_step = model_flops_per_token_llama(shape, 4096) * batch * 4096
         common = {"model": model, "devices": devices, "global_batch": batch, "tokens_per_step": batch * 4096,
-                  "model_flops_per_step": flops_per_step}
+                  "model_flops_per_step": flops_per_step,
+                  "attention_flops_per_step": 12.0 * shape[0] * shape[1] * 4096 * batch * 4096}
         hlo = hlo_dir / f"maxtext_{model}.hlo.txt"
         print(f"MaxText {model} on {devices} {target}...", flush=True)
         mt = _cached(hlo_dir / f"maxtext_{model}.json",
@@ -416,9 +422,9 @@ def run_h100(args) -> None:
                     "overrides": [*(o.format(batch=batch) for o in MESHTRON_H100_COMMON), *overrides]}
             print(f"meshtron {model} {label}...", flush=True)
             mx = _cached(hlo_dir / f"meshtron_{key}.json",
-                         functools.partial(_child, args.meshtron_python, "compile-meshtron", spec, _gpu_env(ROOT / "src")))
+                         functools.partial(_child, args.meshtron_python, "compile-meshtron", spec, _gpu_env(args.meshtron_src)))
             records.append({**common, "library": "meshtron", "layout": label, "overrides": spec["overrides"], **mx})
-    analyzed = _child(args.meshtron_python, "analyze", {"records": records, "target": target}, _gpu_env(ROOT / "src"))
+    analyzed = _child(args.meshtron_python, "analyze", {"records": records, "target": target}, _gpu_env(args.meshtron_src))
     results = []
     for model in H100_MODELS:
         rows = [r for r in analyzed if r["model"] == model]
@@ -432,6 +438,10 @@ def run_h100(args) -> None:
                 "meshtron_estimated_step_seconds": mx["estimated_step_seconds"],
                 "maxtext_estimated_tokens_per_s_per_gpu": mt["estimated_tokens_per_s_per_gpu"],
                 "meshtron_estimated_tokens_per_s_per_gpu": mx["estimated_tokens_per_s_per_gpu"],
+                "estimate_parts": {lib: {k: r.get(k) for k in ("gemm_efficiency", "estimated_compute_seconds",
+                                                                "estimated_memory_seconds", "estimated_communication_seconds",
+                                                                "estimated_exposed_communication_seconds", "estimated_mfu")}
+                                   for lib, r in (("maxtext", mt), ("meshtron", mx))},
                 "compile_seconds": {"maxtext": mt["compile_seconds"], "meshtron": mx["compile_seconds"]},
                 "memory_bytes": {"maxtext": mt["memory"], "meshtron": mx["memory"]},
                 "collective_bytes_per_axis": {"maxtext": mt["collective_bytes_per_axis"],
@@ -489,6 +499,8 @@ def main() -> None:
                         "needed) and compare their estimated step times, instead of training on the CPU")
     parser.add_argument("--meshtron-python", type=Path, default=ROOT / ".venv-py312" / "bin" / "python",
                         help="--target: a Python with meshtron's gpu-compile extra (JAX's CUDA plugin)")
+    parser.add_argument("--meshtron-src", type=Path, default=ROOT / "src",
+                        help="--target: the meshtron source the compiles and the estimate import")
     parser.add_argument("--hlo-dir", type=Path, default=HLO_DIR, help="--target: where the compiled HLO goes")
     parser.add_argument("--fit-on", default="llama2_7b_h100x8", choices=tuple(H100_MODELS),
                         help="--target: the published MaxText figure the estimator's GEMM efficiency is fitted on")
