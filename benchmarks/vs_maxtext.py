@@ -236,7 +236,7 @@ def model_flops_per_token(model: str = "llama") -> float:
 HLO_DIR = Path("/tmp/mt51")
 H100_MAXTEXT_COMMON = ["hardware=gpu", "dataset_type=synthetic", "enable_checkpointing=false", "async_checkpointing=false",
                        "use_iota_embed=true", "logits_dot_in_fp32=false", "scan_layers=true", "max_target_length=4096",
-                       "skip_jax_distributed_system=true", "jax_cache_dir=", "steps=10", "attention=dot_product",
+                       "skip_jax_distributed_system=true", "jax_cache_dir=", "steps=10",
                        "base_output_directory=/tmp/mt51/maxtext_output", "run_name=gpu_compile"]
 
 
@@ -386,13 +386,24 @@ def _gpu_env(pythonpath: Path | None = None) -> dict:
     return env
 
 
-def _cached(path: Path, make) -> dict:
-    """A compile's figures, kept in ``path`` so a rerun skips the programs already compiled."""
+def _cached(path: Path, cached_only: bool, make) -> dict | None:
+    """A compile's figures, kept in ``path`` so a rerun skips the programs already compiled; with
+    ``cached_only`` a program not compiled yet is left out (None)."""
     if path.exists():
         return json.loads(path.read_text())
+    if cached_only:
+        return None
     figures = make()
     path.write_text(json.dumps(figures, indent=2))
     return figures
+
+
+def _h100_common(model: str) -> dict:
+    """The figures of ``model``'s step both libraries share: tokens and model FLOPs per step."""
+    devices, batch, shape = H100_MODELS[model][:3]
+    return {"model": model, "devices": devices, "global_batch": batch, "tokens_per_step": batch * 4096,
+            "model_flops_per_step": model_flops_per_token_llama(shape, 4096) * batch * 4096,
+            "attention_flops_per_step": 12.0 * shape[0] * shape[1] * 4096 * batch * 4096}
 
 
 def run_h100(args) -> None:
@@ -404,31 +415,37 @@ def run_h100(args) -> None:
         sys.exit(f"MaxText is not set up in {args.maxtext_dir}: run benchmarks/vs_maxtext.py --setup first")
     description = ROOT / "src" / "meshtron" / "gpu" / "descriptions" / f"{target}.txtpb"
     records = []
-    for model, (devices, batch, shape, mt_args, layouts, published) in H100_MODELS.items():
-        flops_per_step = model_flops_per_token_llama(shape, 4096) * batch * 4096
-        common = {"model": model, "devices": devices, "global_batch": batch, "tokens_per_step": batch * 4096,
-                  "model_flops_per_step": flops_per_step,
-                  "attention_flops_per_step": 12.0 * shape[0] * shape[1] * 4096 * batch * 4096}
-        hlo = hlo_dir / f"maxtext_{model}.hlo.txt"
-        print(f"MaxText {model} on {devices} {target}...", flush=True)
-        mt = _cached(hlo_dir / f"maxtext_{model}.json",
-                     functools.partial(compile_maxtext_h100, mt_python, description, target, devices, hlo, mt_args))
-        records.append({**common, "library": "maxtext", "layout": mt["layout"], **mt,
-                        "fit_seconds": published["step_seconds"] if model == args.fit_on else None,
-                        "published": published})
+    flash = args.maxtext_attention != "dot_product"
+    suffix = "" if flash else f"_{args.maxtext_attention}"
+    for model, (devices, batch, shape, mt_args, _, published) in H100_MODELS.items():  # MaxText's programs first
+        arguments = [f"attention={args.maxtext_attention}",
+                     *(a.replace("remat_policy=minimal", "remat_policy=minimal_flash") if flash else a for a in mt_args)]
+        hlo = hlo_dir / f"maxtext_{model}{suffix}.hlo.txt"
+        print(f"MaxText {model} on {devices} {target}, attention={args.maxtext_attention}...", flush=True)
+        mt = _cached(hlo_dir / f"maxtext_{model}{suffix}.json", args.cached_only,
+                     functools.partial(compile_maxtext_h100, mt_python, description, target, devices, hlo, arguments))
+        if mt is not None:
+            records.append({**_h100_common(model), "library": "maxtext", "layout": mt["layout"], **mt,
+                            "fit_seconds": published["step_seconds"] if model == args.fit_on else None,
+                            "published": published})
+    for model, (_, batch, _, _, layouts, _) in H100_MODELS.items():
         for label, overrides in layouts.items():
             key = _layout_key(model, label)
             spec = {"config": model.split("_h100")[0], "target": target, "hlo": str(hlo_dir / f"meshtron_{key}.hlo.txt"),
                     "overrides": [*(o.format(batch=batch) for o in MESHTRON_H100_COMMON), *overrides]}
             print(f"meshtron {model} {label}...", flush=True)
-            mx = _cached(hlo_dir / f"meshtron_{key}.json",
+            mx = _cached(hlo_dir / f"meshtron_{key}.json", args.cached_only,
                          functools.partial(_child, args.meshtron_python, "compile-meshtron", spec, _gpu_env(args.meshtron_src)))
-            records.append({**common, "library": "meshtron", "layout": label, "overrides": spec["overrides"], **mx})
+            if mx is not None:
+                records.append({**_h100_common(model), "library": "meshtron", "layout": label,
+                                "overrides": spec["overrides"], **mx})
     analyzed = _child(args.meshtron_python, "analyze", {"records": records, "target": target}, _gpu_env(args.meshtron_src))
     results = []
     for model in H100_MODELS:
         rows = [r for r in analyzed if r["model"] == model]
-        mt = next(r for r in rows if r["library"] == "maxtext")
+        mt = next((r for r in rows if r["library"] == "maxtext"), None)
+        if mt is None:
+            continue
         published = mt["published"]
         for mx in (r for r in rows if r["library"] == "meshtron"):
             results.append({
@@ -469,8 +486,10 @@ def run_h100(args) -> None:
     path = _common.write_results(f"vs_maxtext_{target}", {
         "target": target, "estimator": estimator,
         "estimator_note": None if estimator else "meshtron.gpu.step_time is not in this checkout: estimated fields are null",
-        "maxtext_attention": "dot_product (MaxText's GPU default, tokamax, refuses the cpu platform; cudnn_flash_te "
-                             "needs Transformer Engine, not installed in MaxText's venv)",
+        "maxtext_attention": args.maxtext_attention,
+        "maxtext_attention_note": "MaxText's GPU default (tokamax) refuses the cpu platform and cudnn_flash_te needs "
+                                  "Transformer Engine (not in MaxText's venv); cudnn_flash_jax is cuDNN flash attention "
+                                  "through JAX, the nearest to the published runs' TE flash attention",
         "meshtron_common_overrides": MESHTRON_H100_COMMON, "maxtext_common_arguments": H100_MAXTEXT_COMMON,
         "fit_on": args.fit_on, "results": results, "published": published})
     print(f"wrote {path}")
@@ -504,6 +523,11 @@ def main() -> None:
     parser.add_argument("--hlo-dir", type=Path, default=HLO_DIR, help="--target: where the compiled HLO goes")
     parser.add_argument("--fit-on", default="llama2_7b_h100x8", choices=tuple(H100_MODELS),
                         help="--target: the published MaxText figure the estimator's GEMM efficiency is fitted on")
+    parser.add_argument("--maxtext-attention", default="cudnn_flash_jax", choices=("cudnn_flash_jax", "dot_product"),
+                        help="--target: MaxText's attention (cudnn_flash_jax: cuDNN flash attention through JAX, with "
+                             "remat_policy=minimal_flash where the published run used minimal_flash)")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="--target: compile nothing; report the programs already compiled in --hlo-dir")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
