@@ -484,7 +484,7 @@ def run_h100(args) -> None:
         print(f"{p['model']}: published {p['published_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, estimated "
               f"{_fmt(p['estimated_tokens_per_s_per_gpu'], '{:,.0f}')}{' (fitted on this one)' if p['fitted_on'] else ''}")
     path = _common.write_results(f"vs_maxtext_{target}", {
-        "target": target, "estimator": estimator,
+        "target": target, "estimator": estimator, "meshtron_src": str(args.meshtron_src),
         "estimator_note": None if estimator else "meshtron.gpu.step_time is not in this checkout: estimated fields are null",
         "maxtext_attention": args.maxtext_attention,
         "maxtext_attention_note": "MaxText's GPU default (tokamax) refuses the cpu platform and cudnn_flash_te needs "
