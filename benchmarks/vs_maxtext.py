@@ -29,6 +29,18 @@ It prints step times, tokens/s and model FLOP/s (6N + 12·l·h·s per token) wit
 meshtron's step time, and each program's compile time and compiled temporaries (meshtron's from
 ``meshtron describe --compile`` of the same run, MaxText's from its own compiled train step); writes
 ``results/vs_maxtext.json`` and ``.png`` (``vs_maxtext_remat_none.*`` with ``--remat none``).
+
+``--target h100`` trains nothing: it compiles both libraries' train steps for H100s this machine does
+not have (JAX's CUDA plugin; MaxText's through ``maxtext_gpu_compile.py`` in its venv, with the plugin
+and cuDNN added) -- Llama-2 7B on 8 GPUs and 70B on 64, seq 4096, MaxText FSDP as NVIDIA published it,
+meshtron in an FSDP-like layout and its own -- and prices each program with
+``meshtron.gpu.step_time`` (GEMM efficiency fitted on MaxText's published 7B step, ``--fit-on``),
+writing ``results/vs_maxtext_h100.json``: memory, collective bytes per mesh axis, estimated step times
+and the published figures (with their sources) beside the estimates. Compiles are kept in
+``--hlo-dir`` (``/tmp/mt51``) and reused; ``--cached-only`` reports what is compiled there.
+
+    .venv/bin/pip ... (once): MaxText's venv also needs jax_cuda12_plugin/pjrt 0.12.0.1 and nvidia-cudnn-cu12
+    .venv/bin/python benchmarks/vs_maxtext.py --target h100 --meshtron-python .venv-py312/bin/python
 """
 
 from __future__ import annotations
