@@ -39,7 +39,7 @@ writing ``results/vs_maxtext_h100.json``: memory, collective bytes per mesh axis
 and the published figures (with their sources) beside the estimates. Compiles are kept in
 ``--hlo-dir`` (``/tmp/mt51``) and reused; ``--cached-only`` reports what is compiled there.
 
-    .venv/bin/pip ... (once): MaxText's venv also needs jax_cuda12_plugin/pjrt 0.12.0.1 and nvidia-cudnn-cu12
+    .venv/bin/python benchmarks/vs_maxtext.py --setup --target h100    # once: MaxText, its CUDA plugin and cuDNN
     .venv/bin/python benchmarks/vs_maxtext.py --target h100 --meshtron-python .venv-py312/bin/python
 """
 
@@ -150,7 +150,14 @@ def python312() -> str:
     return found
 
 
-def setup(directory: Path) -> None:
+# What --target adds to MaxText's venv: JAX's CUDA plugin for its jax 0.12.0.1 (compile-only GPU devices)
+# and the CUDA libraries JAX's cuDNN attention asks for while tracing (the versions meshtron's gpu-compile
+# stack pins); no GPU needed.
+MAXTEXT_GPU_COMPILE = ["jax-cuda12-plugin==0.12.0.1", "jax-cuda12-pjrt==0.12.0.1", "nvidia-cudnn-cu12==9.28.0.42",
+                       "nvidia-cublas-cu12==12.9.3.13", "nvidia-cuda-nvrtc-cu12==12.9.86"]
+
+
+def setup(directory: Path, gpu_compile: bool = False) -> None:
     venv = directory / "venv"
     directory.mkdir(parents=True, exist_ok=True)
     if not (venv / "bin" / "python").exists():
@@ -159,6 +166,8 @@ def setup(directory: Path) -> None:
     subprocess.run([*pip, "-U", "pip"], check=True)
     subprocess.run([*pip, "-r", str(REQUIREMENTS)], check=True)
     subprocess.run([*pip, "--no-deps", "maxtext==0.2.5"], check=True)
+    if gpu_compile:
+        subprocess.run([*pip, "--no-deps", *MAXTEXT_GPU_COMPILE], check=True)
     (directory / "maxtext_train.py").write_text(MAXTEXT_WRAPPER)
     print(f"MaxText 0.2.5 ready in {directory}")
 
@@ -553,7 +562,7 @@ def main() -> None:
         run_h100(args)
         return
     if args.setup:
-        setup(args.maxtext_dir)
+        setup(args.maxtext_dir, gpu_compile=args.target is not None)
         return
     names = [n.strip() for n in args.meshes.split(",")]
     unknown = [n for n in names if n not in MESHES]
