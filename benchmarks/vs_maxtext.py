@@ -276,6 +276,8 @@ H100_MODELS = {
         ["model_name=llama2-7b", "per_device_batch_size=2", "remat_policy=minimal", "ici_fsdp_parallelism=8"],
         {"fsdp (data 8, zero=3)": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.zero=3",
                                    "parallel.microbatches=1"],
+         "fsdp (data 8, zero=3), remat full": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1",
+                                               "parallel.zero=3", "parallel.microbatches=1", "model.remat=full"],
          "data 2 x tensor 4, zero=1, sp": ["parallel.data=2", "parallel.pipe=1", "parallel.tensor=4", "parallel.zero=1",
                                             "parallel.sequence_parallel=true", "parallel.microbatches=1"]},
         {"tokens_per_s_per_gpu": 22.19 * 4096 / 8, "step_seconds": 0.721,
