@@ -29,11 +29,24 @@ It prints step times, tokens/s and model FLOP/s (6N + 12·l·h·s per token) wit
 meshtron's step time, and each program's compile time and compiled temporaries (meshtron's from
 ``meshtron describe --compile`` of the same run, MaxText's from its own compiled train step); writes
 ``results/vs_maxtext.json`` and ``.png`` (``vs_maxtext_remat_none.*`` with ``--remat none``).
+
+``--target h100`` trains nothing: it compiles both libraries' train steps for H100s this machine does
+not have (JAX's CUDA plugin; MaxText's through ``maxtext_gpu_compile.py`` in its venv, with the plugin
+and cuDNN added) -- Llama-2 7B on 8 GPUs and 70B on 64, seq 4096, MaxText FSDP as NVIDIA published it,
+meshtron in an FSDP-like layout and its own -- and prices each program with
+``meshtron.gpu.step_time`` (GEMM efficiency fitted on MaxText's published 7B step, ``--fit-on``),
+writing ``results/vs_maxtext_h100.json``: memory, collective bytes per mesh axis, estimated step times
+and the published figures (with their sources) beside the estimates. Compiles are kept in
+``--hlo-dir`` (``/tmp/mt51``) and reused; ``--cached-only`` reports what is compiled there.
+
+    .venv/bin/python benchmarks/vs_maxtext.py --setup --target h100    # once: MaxText, its CUDA plugin and cuDNN
+    .venv/bin/python benchmarks/vs_maxtext.py --target h100 --meshtron-python .venv-py312/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -137,7 +150,14 @@ def python312() -> str:
     return found
 
 
-def setup(directory: Path) -> None:
+# What --target adds to MaxText's venv: JAX's CUDA plugin for its jax 0.12.0.1 (compile-only GPU devices)
+# and the CUDA libraries JAX's cuDNN attention asks for while tracing (the versions meshtron's gpu-compile
+# stack pins); no GPU needed.
+MAXTEXT_GPU_COMPILE = ["jax-cuda12-plugin==0.12.0.1", "jax-cuda12-pjrt==0.12.0.1", "nvidia-cudnn-cu12==9.28.0.42",
+                       "nvidia-cublas-cu12==12.9.3.13", "nvidia-cuda-nvrtc-cu12==12.9.86"]
+
+
+def setup(directory: Path, gpu_compile: bool = False) -> None:
     venv = directory / "venv"
     directory.mkdir(parents=True, exist_ok=True)
     if not (venv / "bin" / "python").exists():
@@ -146,6 +166,8 @@ def setup(directory: Path) -> None:
     subprocess.run([*pip, "-U", "pip"], check=True)
     subprocess.run([*pip, "-r", str(REQUIREMENTS)], check=True)
     subprocess.run([*pip, "--no-deps", "maxtext==0.2.5"], check=True)
+    if gpu_compile:
+        subprocess.run([*pip, "--no-deps", *MAXTEXT_GPU_COMPILE], check=True)
     (directory / "maxtext_train.py").write_text(MAXTEXT_WRAPPER)
     print(f"MaxText 0.2.5 ready in {directory}")
 
@@ -224,6 +246,286 @@ def model_flops_per_token(model: str = "llama") -> float:
     return flops(params, layers, h, s)
 
 
+# ---- --target h100: both libraries' GPU programs, compiled for H100s this machine does not have -------------
+#
+# Each side compiles in its own environment: meshtron under Python 3.12 with JAX's CUDA plugin
+# (``--meshtron-python``, the ``gpu-compile`` extra), MaxText under its own venv with the plugin added
+# (``maxtext_gpu_compile.py``). Both write their scheduled GPU HLO to ``--hlo-dir``; one meshtron
+# process then reads every program's collectives per mesh axis and prices it with
+# ``meshtron.gpu.step_time`` (fitted on MaxText's published 7B figure, predicting the rest).
+
+HLO_DIR = Path("/tmp/mt51")
+H100_MAXTEXT_COMMON = ["hardware=gpu", "dataset_type=synthetic", "enable_checkpointing=false", "async_checkpointing=false",
+                       "use_iota_embed=true", "logits_dot_in_fp32=false", "scan_layers=true", "max_target_length=4096",
+                       "skip_jax_distributed_system=true", "jax_cache_dir=", "steps=10",
+                       "base_output_directory=/tmp/mt51/maxtext_output", "run_name=gpu_compile"]
+
+
+def llama_params(layers: int, hidden: int, kv_heads: int, heads: int, mlp: int, vocab: int) -> int:
+    """Llama's parameters: q and o (h x h), k and v (h x kv·head), SwiGLU's three h x f, two RMSNorms per
+    layer, untied embedding and head, the final norm."""
+    kv = hidden // heads * kv_heads
+    return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp + 2 * hidden) + 2 * vocab * hidden + hidden
+
+
+# name: (devices, global batch, Llama shape (layers, hidden, kv_heads, heads, mlp, vocab), MaxText arguments,
+#        meshtron layouts {label: overrides of the bundled config}, the published MaxText figure)
+H100_MODELS = {
+    "llama2_7b_h100x8": (
+        8, 16, (32, 4096, 32, 32, 11008, 32000),
+        ["model_name=llama2-7b", "per_device_batch_size=2", "remat_policy=minimal", "ici_fsdp_parallelism=8"],
+        {"fsdp (data 8, zero=3)": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.zero=3",
+                                   "parallel.microbatches=1"],
+         "fsdp (data 8, zero=3), remat full": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1",
+                                               "parallel.zero=3", "parallel.microbatches=1", "model.remat=full"],
+         "data 2 x tensor 4, zero=1, sp": ["parallel.data=2", "parallel.pipe=1", "parallel.tensor=4", "parallel.zero=1",
+                                            "parallel.sequence_parallel=true", "parallel.microbatches=1"]},
+        {"tokens_per_s_per_gpu": 22.19 * 4096 / 8, "step_seconds": 0.721,
+         "config": "BF16, seq 4096, 8 GPUs, batch 2 per GPU (GBS 16), FSDP 8, flash attention (TE), "
+                   "remat_policy=minimal_flash, scan off (compiled here: scan on, cuDNN flash through JAX)",
+         "source": "https://github.com/NVIDIA/JAX-Toolbox/blob/main/docs/frameworks/maxtext/README.md (Configs, LLaMA; "
+                   "commit bcbbfa5)",
+         "quote": "| 7B | H100 80G SXM | BF16 | 4096 | 8 | 2 | 1 | 8 | 1 | 16 | Flash | minimal_flash| Off | 0.721 | 22.19 |"
+                  " (Sequences/Sec 22.19 x 4096 / 8 GPUs = 11,361 tokens/s/GPU)"}),
+    "llama2_70b_h100x64": (
+        64, 128, (80, 8192, 8, 64, 28672, 32000),
+        ["model_name=llama2-70b", "per_device_batch_size=2", "remat_policy=full", "ici_fsdp_parallelism=64"],
+        {"fsdp (data 64, zero=3)": ["parallel.data=64", "parallel.pipe=1", "parallel.tensor=1", "parallel.zero=3",
+                                    "parallel.microbatches=1", "parallel.sequence_parallel=false",
+                                    "parallel.gather_once=false"],
+         "data 2 x pipe 4 x tensor 8, 1f1b, zero=1, sp": ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=8",
+                                                          "parallel.zero=1", "parallel.microbatches=32",
+                                                          "parallel.gather_once=false"]},
+        {"tokens_per_s_per_gpu": 1035.970, "step_seconds": 7.908,
+         "config": "BF16, seq 4096, 64 GPUs, FSDP 64 (FSDP+DP MBS=2), GBS 128, MFU 46.54% at 989 TFLOP/s; remat "
+                   "and attention not in the quoted text (compiled here: remat_policy=full as MaxText's "
+                   "configs/gpu/models/llama2_70b.yml, cuDNN flash through JAX, scan on)",
+         "source": "https://catalog.ngc.nvidia.com/orgs/nvidia/teams/dgxc-benchmarking/resources/"
+                   "maxtext-llama2-70b-dgxc-benchmarking-c (Maxtext Llama2 70B 25.01.1, DGXC Benchmarking)",
+         "quote": "completed step: 49, seconds: 7.908, TFLOP/s/device: 460.480, Tokens/s/device: 1035.970, "
+                  "total_weights: 524288 ... MFU = 128 * 1.82E+15 / 7.908 / 64 / 989E+12 = 46.54%",
+         "issue_figure": {"tokens_per_s_per_gpu": 1170,
+                          "note": "issue 51's figure; no public source found for it (the NGC recipe above shows 1,036)"}}),
+}
+MESHTRON_H100_COMMON = ["train.batch_size={batch}", "model.attention=xla", "model.remat=selective",
+                        "parallel.schedule=1f1b"]
+
+
+def _layout_key(model: str, label: str) -> str:
+    return model + "__" + re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+
+
+def compile_meshtron_h100(spec: dict) -> dict:
+    """(Run under the gpu-compile stack.) meshtron's train step for ``spec``'s config on H100s: compile
+    seconds, memory, mesh sizes; the HLO text goes to ``spec["hlo"]``."""
+    import time
+
+    from meshtron.config import load_config
+    from meshtron.gpu.targets import prepare_environment
+
+    prepare_environment()
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config(spec["config"], spec["overrides"])
+    trainer = Trainer.from_config(cfg, target=spec["target"], read_data=False)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    start = time.perf_counter()
+    compiled = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0])
+    seconds = time.perf_counter() - start
+    Path(spec["hlo"]).write_text(compiled.as_text())
+    memory = compiled.memory_analysis()
+    return {"compile_seconds": round(seconds, 1), "hlo": spec["hlo"],
+            "mesh_sizes": {str(a): int(n) for a, n in zip(trainer.mesh.axis_names, trainer.mesh.devices.shape)},
+            "memory": {f: int(getattr(memory, f"{f}_size_in_bytes")) for f in ("argument", "output", "temp", "alias")}}
+
+
+def analyze_h100(records: list[dict], target: str) -> list[dict]:
+    """(Run under the gpu-compile stack.) Collective bytes per mesh axis of each compiled program, and
+    its estimated step time when ``meshtron.gpu.step_time`` is there: GEMM efficiency fitted on the
+    first record with a published step time (MaxText's 7B), then used for every program."""
+    from meshtron.hlo.collectives import bytes_by_axes, collectives
+
+    try:
+        from meshtron.gpu import step_time
+    except ImportError:
+        step_time = None
+    texts = {r["hlo"]: Path(r["hlo"]).read_text() for r in records}
+    fitted = None
+    if step_time is not None:
+        anchor = next(r for r in records if r.get("fit_seconds"))
+        fitted = step_time.fit_gemm_efficiency(texts[anchor["hlo"]], anchor["mesh_sizes"], target,
+                                               measured_seconds=anchor["fit_seconds"])
+    out = []
+    for r in records:
+        colls = collectives(texts[r["hlo"]], r["mesh_sizes"])
+        wire: dict[str, float] = {}
+        for c in colls:
+            key = "+".join(c.axes) or "none"
+            wire[key] = wire.get(key, 0.0) + c.total_wire_bytes
+        figures = {"collective_bytes_per_axis": {"+".join(k) or "none": v for k, v in bytes_by_axes(colls).items()},
+                   "collective_wire_bytes_per_axis": wire, "estimated_step_seconds": None,
+                   "estimated_tokens_per_s_per_gpu": None, "estimated_mfu": None}
+        if step_time is not None:
+            kwargs = {"tokens_per_step": r["tokens_per_step"], "model_flops_per_step": r["model_flops_per_step"],
+                      "causal_attention_flops_per_step": r.get("attention_flops_per_step", 0.0)}
+            if fitted is not None:
+                kwargs["gemm_efficiency"] = getattr(fitted, "gemm_efficiency", fitted)
+            estimate = step_time.estimate_step(texts[r["hlo"]], r["mesh_sizes"], target, **kwargs)
+            figures.update(estimated_step_seconds=estimate.seconds,
+                           estimated_tokens_per_s_per_gpu=estimate.tokens_per_s_per_gpu, estimated_mfu=estimate.mfu)
+            figures.update(gemm_efficiency=estimate.gemm_efficiency, estimated_compute_seconds=estimate.compute_seconds,
+                           estimated_memory_seconds=estimate.memory_seconds,
+                           estimated_exposed_communication_seconds=estimate.exposed_communication_seconds,
+                           estimated_communication_seconds=estimate.communication_seconds)
+        out.append({**r, **figures})
+    return out
+
+
+def _child(python: Path, mode: str, payload, env: dict, timeout: int = 3600) -> object:
+    """Run this script as ``mode`` under ``python`` (the gpu-compile stack), payload in and out as JSON."""
+    proc = subprocess.run(["nice", "-n", "10", str(python), str(Path(__file__).resolve()), "--child", mode,
+                           json.dumps(payload)],
+                          env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"{mode} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compile_maxtext_h100(python: Path, description: Path, target: str, devices: int, hlo: Path,
+                         arguments: list[str]) -> dict:
+    """MaxText's own train step for ``devices`` GPUs of ``target`` (``maxtext_gpu_compile.py`` in its venv)."""
+    proc = subprocess.run(["nice", "-n", "10", str(python), str(Path(__file__).with_name("maxtext_gpu_compile.py")),
+                           "--description", str(description), "--target", target, "--devices", str(devices),
+                           "--hlo", str(hlo), "--", *H100_MAXTEXT_COMMON, *arguments],
+                          env=_gpu_env(), capture_output=True, text=True, timeout=3600, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"MaxText's compile failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _gpu_env(pythonpath: Path | None = None) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "NO_GCE_CHECK": "True"}
+    env.pop("XLA_FLAGS", None)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return env
+
+
+def _cached(path: Path, cached_only: bool, make) -> dict | None:
+    """A compile's figures, kept in ``path`` so a rerun skips the programs already compiled; with
+    ``cached_only`` a program not compiled yet is left out (None)."""
+    if path.exists():
+        return json.loads(path.read_text())
+    if cached_only:
+        return None
+    figures = make()
+    path.write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+def _h100_common(model: str) -> dict:
+    """The figures of ``model``'s step both libraries share: tokens and model FLOPs per step."""
+    devices, batch, shape = H100_MODELS[model][:3]
+    return {"model": model, "devices": devices, "global_batch": batch, "tokens_per_step": batch * 4096,
+            "model_flops_per_step": model_flops_per_token_llama(shape, 4096) * batch * 4096,
+            "attention_flops_per_step": 12.0 * shape[0] * shape[1] * 4096 * batch * 4096}
+
+
+def run_h100(args) -> None:
+    target = args.target
+    hlo_dir: Path = args.hlo_dir
+    hlo_dir.mkdir(parents=True, exist_ok=True)
+    mt_python = args.maxtext_dir / "venv" / "bin" / "python"
+    if not mt_python.exists():
+        sys.exit(f"MaxText is not set up in {args.maxtext_dir}: run benchmarks/vs_maxtext.py --setup first")
+    description = ROOT / "src" / "meshtron" / "gpu" / "descriptions" / f"{target}.txtpb"
+    records = []
+    flash = args.maxtext_attention != "dot_product"
+    suffix = "" if flash else f"_{args.maxtext_attention}"
+    for model, (devices, batch, shape, mt_args, _, published) in H100_MODELS.items():  # MaxText's programs first
+        arguments = [f"attention={args.maxtext_attention}",
+                     *(a.replace("remat_policy=minimal", "remat_policy=minimal_flash") if flash else a for a in mt_args)]
+        hlo = hlo_dir / f"maxtext_{model}{suffix}.hlo.txt"
+        print(f"MaxText {model} on {devices} {target}, attention={args.maxtext_attention}...", flush=True)
+        mt = _cached(hlo_dir / f"maxtext_{model}{suffix}.json", args.cached_only,
+                     functools.partial(compile_maxtext_h100, mt_python, description, target, devices, hlo, arguments))
+        if mt is not None:
+            records.append({**_h100_common(model), "library": "maxtext", "layout": mt["layout"], **mt,
+                            "fit_seconds": published["step_seconds"] if model == args.fit_on else None,
+                            "published": published})
+    for model, (_, batch, _, _, layouts, _) in H100_MODELS.items():
+        for label, overrides in layouts.items():
+            key = _layout_key(model, label)
+            spec = {"config": model.split("_h100")[0], "target": target, "hlo": str(hlo_dir / f"meshtron_{key}.hlo.txt"),
+                    "overrides": [*(o.format(batch=batch) for o in MESHTRON_H100_COMMON), *overrides]}
+            print(f"meshtron {model} {label}...", flush=True)
+            mx = _cached(hlo_dir / f"meshtron_{key}.json", args.cached_only,
+                         functools.partial(_child, args.meshtron_python, "compile-meshtron", spec, _gpu_env(args.meshtron_src)))
+            if mx is not None:
+                records.append({**_h100_common(model), "library": "meshtron", "layout": label,
+                                "overrides": spec["overrides"], **mx})
+    analyzed = _child(args.meshtron_python, "analyze", {"records": records, "target": target}, _gpu_env(args.meshtron_src))
+    results = []
+    for model in H100_MODELS:
+        rows = [r for r in analyzed if r["model"] == model]
+        mt = next((r for r in rows if r["library"] == "maxtext"), None)
+        if mt is None:
+            continue
+        published = mt["published"]
+        for mx in (r for r in rows if r["library"] == "meshtron"):
+            results.append({
+                "model": model, "devices": mt["devices"], "global_batch": mt["global_batch"], "seq_len": 4096,
+                "maxtext_layout": mt["layout"], "meshtron_layout": mx["layout"], "meshtron_overrides": mx["overrides"],
+                "maxtext_estimated_step_seconds": mt["estimated_step_seconds"],
+                "meshtron_estimated_step_seconds": mx["estimated_step_seconds"],
+                "maxtext_estimated_tokens_per_s_per_gpu": mt["estimated_tokens_per_s_per_gpu"],
+                "meshtron_estimated_tokens_per_s_per_gpu": mx["estimated_tokens_per_s_per_gpu"],
+                "estimate_parts": {lib: {k: r.get(k) for k in ("gemm_efficiency", "estimated_compute_seconds",
+                                                                "estimated_memory_seconds", "estimated_communication_seconds",
+                                                                "estimated_exposed_communication_seconds", "estimated_mfu")}
+                                   for lib, r in (("maxtext", mt), ("meshtron", mx))},
+                "compile_seconds": {"maxtext": mt["compile_seconds"], "meshtron": mx["compile_seconds"]},
+                "memory_bytes": {"maxtext": mt["memory"], "meshtron": mx["memory"]},
+                "collective_bytes_per_axis": {"maxtext": mt["collective_bytes_per_axis"],
+                                              "meshtron": mx["collective_bytes_per_axis"]},
+                "collective_wire_bytes_per_axis": {"maxtext": mt["collective_wire_bytes_per_axis"],
+                                                   "meshtron": mx["collective_wire_bytes_per_axis"]},
+                "hlo": {"maxtext": mt["hlo"], "meshtron": mx["hlo"]},
+            })
+    published = [{"model": m, "published_tokens_per_s_per_gpu": r["published"]["tokens_per_s_per_gpu"],
+                  "estimated_tokens_per_s_per_gpu": r["estimated_tokens_per_s_per_gpu"],
+                  "estimated_step_seconds": r["estimated_step_seconds"], "published_step_seconds": r["published"]["step_seconds"],
+                  "fitted_on": r["fit_seconds"] is not None, **{k: v for k, v in r["published"].items()
+                                                               if k not in ("tokens_per_s_per_gpu", "step_seconds")}}
+                 for m, r in ((r["model"], r) for r in analyzed if r["library"] == "maxtext")]
+    estimator = "meshtron.gpu.step_time" if any(r["estimated_step_seconds"] is not None for r in analyzed) else None
+    rows = [[r["model"], r["meshtron_layout"], _fmt(r["maxtext_estimated_step_seconds"], "{:.3f}"),
+             _fmt(r["meshtron_estimated_step_seconds"], "{:.3f}"),
+             " / ".join(_fmt(r["memory_bytes"][lib]["temp"], "{:.1f}", 2**-30) for lib in ("maxtext", "meshtron")),
+             " / ".join(_fmt(r["compile_seconds"][lib], "{:.0f}") for lib in ("maxtext", "meshtron"))] for r in results]
+    _common.print_table(["model", "meshtron layout", "MaxText est. s", "meshtron est. s", "temp GiB (MT / mx)",
+                         "compile s (MT / mx)"], rows)
+    for p in published:
+        print(f"{p['model']}: published {p['published_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, estimated "
+              f"{_fmt(p['estimated_tokens_per_s_per_gpu'], '{:,.0f}')}{' (fitted on this one)' if p['fitted_on'] else ''}")
+    path = _common.write_results(f"vs_maxtext_{target}", {
+        "target": target, "estimator": estimator, "meshtron_src": str(args.meshtron_src),
+        "estimator_note": None if estimator else "meshtron.gpu.step_time is not in this checkout: estimated fields are null",
+        "maxtext_attention": args.maxtext_attention,
+        "maxtext_attention_note": "MaxText's GPU default (tokamax) refuses the cpu platform and cudnn_flash_te needs "
+                                  "Transformer Engine (not in MaxText's venv); cudnn_flash_jax is cuDNN flash attention "
+                                  "through JAX, the nearest to the published runs' TE flash attention",
+        "meshtron_common_overrides": MESHTRON_H100_COMMON, "maxtext_common_arguments": H100_MAXTEXT_COMMON,
+        "fit_on": args.fit_on, "results": results, "published": published})
+    print(f"wrote {path}")
+
+
+def model_flops_per_token_llama(shape: tuple[int, ...], seq_len: int) -> float:
+    """6N + 12·l·h·s for a Llama of ``shape`` (layers, hidden, kv_heads, heads, mlp, vocab)."""
+    layers, hidden, kv_heads, heads, mlp, vocab = shape
+    return 6.0 * llama_params(layers, hidden, kv_heads, heads, mlp, vocab) + 12.0 * layers * hidden * seq_len
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setup", action="store_true", help="build MaxText 0.2.5's environment and exit")
@@ -237,9 +539,34 @@ def main() -> None:
     parser.add_argument("--model", default="llama", choices=tuple(MODELS),
                         help="llama: meshtron's Llama against MaxText's llama2; gpt: meshtron's GPT against its gpt3")
     parser.add_argument("--meshes", default=",".join(MESHES), help="comma-separated names of the meshes to run")
+    parser.add_argument("--target", choices=("h100",), help="compile both libraries' steps for these GPUs (no GPU "
+                        "needed) and compare their estimated step times, instead of training on the CPU")
+    parser.add_argument("--meshtron-python", type=Path, default=ROOT / ".venv-py312" / "bin" / "python",
+                        help="--target: a Python with meshtron's gpu-compile extra (JAX's CUDA plugin)")
+    parser.add_argument("--meshtron-src", type=Path, default=ROOT / "src",
+                        help="--target: the meshtron source the compiles and the estimate import")
+    parser.add_argument("--hlo-dir", type=Path, default=HLO_DIR, help="--target: where the compiled HLO goes")
+    parser.add_argument("--fit-on", default="llama2_7b_h100x8", choices=tuple(H100_MODELS),
+                        help="--target: the published MaxText figure the estimator's GEMM efficiency is fitted on")
+    parser.add_argument("--maxtext-attention", default="cudnn_flash_jax", choices=("cudnn_flash_jax", "dot_product"),
+                        help="--target: MaxText's attention (cudnn_flash_jax: cuDNN flash attention through JAX, with "
+                             "remat_policy=minimal_flash where the published run used minimal_flash)")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="--target: compile nothing; report the programs already compiled in --hlo-dir")
+    parser.add_argument("--child", nargs=2, metavar=("MODE", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        mode, payload = args.child[0], json.loads(args.child[1])
+        if mode == "compile-meshtron":
+            print(json.dumps(compile_meshtron_h100(payload)))
+        else:
+            print(json.dumps(analyze_h100(payload["records"], payload["target"])))
+        return
+    if args.target:
+        run_h100(args)
+        return
     if args.setup:
-        setup(args.maxtext_dir)
+        setup(args.maxtext_dir, gpu_compile=args.target is not None)
         return
     names = [n.strip() for n in args.meshes.split(",")]
     unknown = [n for n in names if n not in MESHES]
