@@ -20,8 +20,12 @@ with the target's planner cluster (:func:`meshtron.gpu.targets.target` -> ``clus
   its start, on the compute stream.
 - **Collectives** -- ring wire bytes (:func:`meshtron.hlo.collectives.ring_wire_bytes`) at NVLink
   (``nvlink_gbps * efficiency.nvlink``) when every group stays inside one node (device id //
-  ``gpus_per_node``), else at one GPU's share of the node's network (``network_gbps /
-  gpus_per_node * efficiency.network``), plus the ring's steps times the link latency (``2(n-1)``
+  ``gpus_per_node``), else over the network: a group with ``g`` members in each node runs as ``g``
+  rings (NCCL's channels) that leave the node on ``g`` NICs at once, so it moves at ``g`` GPUs'
+  shares of the node's network (``g * network_gbps / gpus_per_node * efficiency.network``, at most
+  NVLink's rate: the rings' other hops are NVLink) -- a whole node's group (FSDP over 64 GPUs) at the
+  node's full 400 GB/s, one member per node (data parallelism across nodes of tensor-parallel
+  groups) at one NIC's 50 GB/s -- plus the ring's steps times the link latency (``2(n-1)``
   for an all-reduce, ``n-1`` for all-gather/reduce-scatter/all-to-all, one for a permute).
 
 The walk keeps one clock for the compute stream and one for the collective stream (collectives
@@ -49,7 +53,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -368,8 +372,10 @@ class _Walk:
             return 0.0
         per_node = cluster.gpus_per_node
         crosses = any(len({d // per_node for d in group}) > 1 for group in window.device_groups)
-        if crosses:
-            rate = cluster.nic_gbps * 1e9 * cluster.network_efficiency
+        if crosses:  # g members per node: g rings leave each node at once, each on its own NIC
+            together = min(max(Counter(d // per_node for d in group).values()) for group in window.device_groups)
+            rate = min(cluster.nic_gbps * together * cluster.network_efficiency,
+                       cluster.nvlink_gbps * cluster.nvlink_efficiency) * 1e9
             latency = cluster.network_latency_us * 1e-6
         else:
             rate = cluster.nvlink_gbps * 1e9 * cluster.nvlink_efficiency
