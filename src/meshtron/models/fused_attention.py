@@ -20,6 +20,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from meshtron.sharding import LogicalAxes, logical_to_spec, manual_part
@@ -36,15 +37,27 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: fl
     automatic here. ``key_axes``, ``value_axes``: the logical layout of ``k`` and ``v`` (default
     :data:`KEYS`); ``q`` and the output are laid out as :data:`QUERIES`; ``mask`` ``[b or 1, h or 1,
     s_q, s_k]`` is split like the queries' batch where it has one, else whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if implementation != "cudnn" or mesh.empty or set(mesh.axis_names) <= set(mesh.manual_axes):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+                                            implementation=implementation)
+    return manual_attention(q, k, v, scale=scale, implementation=implementation, mask=mask, is_causal=is_causal,
+                            key_axes=key_axes, value_axes=value_axes)
+
+
+def manual_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, implementation: str | None,
+                     mask: jax.Array | None = None, is_causal: bool = False,
+                     key_axes: LogicalAxes | None = None, value_axes: LogicalAxes | None = None) -> jax.Array:
+    """:func:`dot_product_attention` in a ``shard_map`` manual over the mesh axes still automatic here
+    (call inside a mesh with some): what it does for cuDNN, for any ``implementation`` (the tests check
+    its layouts and gradients on CPU with XLA's)."""
 
     def attend(q, k, v, mask):
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
                                             implementation=implementation)
 
     mesh = jax.sharding.get_abstract_mesh()
-    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes) if not mesh.empty else frozenset()
-    if implementation != "cudnn" or not auto:
-        return attend(q, k, v, mask)
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     sizes = dict(mesh.shape)
     q_spec = _local_spec(QUERIES, q.shape, auto, sizes)
     k_spec = _local_spec(KEYS if key_axes is None else tuple(key_axes), k.shape, auto, sizes)
@@ -68,7 +81,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: fl
 
     shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=set(auto))
     in_specs = (q_spec, k_spec, v_spec, None if mask is None else mask_spec)
-    summed = tuple(sorted(_names(q_spec) - _names(k_spec)))  # axes the queries split and the keys do not
     residual_tree, residual_axes = [], []
 
     def forward(q, k, v, mask):
@@ -79,10 +91,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: fl
         return out, [x[None] for x in leaves]
 
     def backward(residuals, d_out):
-        dq, dk, dv = jax.tree.unflatten(residual_tree[0], [x[0] for x in residuals])(d_out)
-        if summed:  # every device holding a query share added to the same keys' and values' gradients
-            dk, dv = jax.lax.psum((dk, dv), summed)
-        return dq, dk, dv
+        # keys and values whole on ranks that split the queries: their gradients come out summed over those
+        # ranks (the transpose of using an invariant value in varying work is a psum)
+        return jax.tree.unflatten(residual_tree[0], [x[0] for x in residuals])(d_out)
 
     def residual_specs():
         # A residual comes back to the backward varying over the axes it varied over in the forward (the
@@ -109,15 +120,17 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: fl
 
 def _own_key_heads(x: jax.Array, local_heads: int, heads: int, entry, sizes: dict[str, int]) -> jax.Array:
     """The key/value heads ``x`` [b, s, kv_heads, d] (all of them) that this device's ``local_heads``
-    query heads read, out of ``heads``, the query heads split over the mesh axes of ``entry``."""
+    query heads read, out of ``heads``, the query heads split over the mesh axes of ``entry``: a
+    contiguous slice when the device's query heads read whole groups or lie in one group, else one
+    key/value head per query head (the device's heads then straddle two groups)."""
     kv_heads = x.shape[2]
     group = heads // kv_heads
     rank = 0
     for name in (entry,) if isinstance(entry, str) else entry:
         rank = rank * sizes[name] + jax.lax.axis_index(name)
-    first = rank * local_heads // group
-    count = max(1, local_heads // group)
-    return jax.lax.dynamic_slice_in_dim(x, first, count, axis=2)
+    if local_heads % group == 0 or group % local_heads == 0:
+        return jax.lax.dynamic_slice_in_dim(x, rank * local_heads // group, max(1, local_heads // group), axis=2)
+    return jnp.take(x, (rank * local_heads + jnp.arange(local_heads)) // group, axis=2)
 
 
 def _local_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], auto: frozenset[str],
@@ -150,10 +163,6 @@ def _varying(x: jax.Array) -> frozenset[str]:
     """The manual mesh axes ``x`` varies over (``aval.vma`` up to jax 0.10, ``aval.mat.varying`` after)."""
     aval = jax.typeof(x)
     return frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)
-
-
-def _names(spec: PartitionSpec) -> set[str]:
-    return {n for entry in spec if entry is not None for n in ((entry,) if isinstance(entry, str) else entry)}
 
 
 def _ranks(entry, sizes: dict[str, int]) -> int:
