@@ -44,16 +44,18 @@ def compiled_step(layout: str, attention: str, *overrides: str):
     ("2x2x2", ("model.layers=4",)),  # llama_cpu8's interleaved schedule, 2 chunks per stage
     ("2x2x2", ("model.layers=4", "parallel.schedule=zb-h1", "parallel.chunks=1")),
     ("2x1x4", ("parallel.sequence_parallel=true",)),
-    ("2x1x2", ("parallel.context=2",)),  # gathered keys and values, then cuDNN over the whole sequence
-], ids=["data8", "tensor8", "tensor8-gqa", "interleaved", "zb-h1", "sequence-parallel", "context-gathered"])
+], ids=["data8", "tensor8", "tensor8-gqa", "interleaved", "zb-h1", "sequence-parallel"])
 def test_cudnn_attention_compiles_into_the_fused_kernel(layout, overrides):
     text = compiled_step(layout, "cudnn", *overrides).as_text()
     assert FUSED in text  # forward and backward kernels, per layer
 
 
-def test_ring_context_attention_with_cudnn_is_one_config_error():
-    with pytest.raises(ConfigError, match="parallel.context_attention=gathered"):
-        compiled_step("2x1x2", "cudnn", "parallel.context=2", "parallel.context_attention=ring")
+@pytest.mark.parametrize(("exchange", "fix"), [("ring", "parallel.context_attention=gathered"),
+                                             ("gathered", "parallel.context=1")])
+def test_cudnn_over_a_split_sequence_is_one_config_error(exchange, fix):
+    """Raised while the step is traced, before any compile."""
+    with pytest.raises(ConfigError, match=fix):
+        compiled_step("2x1x2", "cudnn", "parallel.context=2", f"parallel.context_attention={exchange}")
 
 
 def test_fused_attention_keeps_no_scores():

@@ -39,7 +39,6 @@ import numpy as np
 
 from meshtron.execution import EXCHANGES, checked_exchange
 from meshtron.models.documents import same_document
-from meshtron.models.fused_attention import dot_product_attention
 from meshtron.sharding import LogicalAxes, constrain, logical_to_spec, manual_part, pinned_axes, varying_like
 from meshtron.trace_context import current, using
 
@@ -167,8 +166,7 @@ def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.nd
     if segments is not None:
         mask = mask & same_document(segments, _gathered_heads(segments, axis, TOKENS))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation,
-                                 key_axes=key_axes, value_axes=value_axes)
+    return jax.nn.dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation)
 
 
 def _gathered_heads(x: jax.Array, axis: str, logical: tuple[str | None, ...]) -> jax.Array:
