@@ -68,3 +68,8 @@ def test_fused_attention_keeps_no_scores():
     plain_bytes = plain.memory_analysis().temp_size_in_bytes
     scores = 1 * 8 * 2048 * 2048 * 4  # one row's [h, s, s] fp32 scores, per device
     assert plain_bytes - fused_bytes >= scores, (fused_bytes, plain_bytes)
+
+
+def test_cudnn_with_a_document_mask_is_one_config_error():
+    with pytest.raises(ConfigError, match="data.reset_per_document=false"):
+        compiled_step("8x1x1", "cudnn", "data.reset_per_document=true")

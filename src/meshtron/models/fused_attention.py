@@ -33,12 +33,13 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: fl
                           mask: jax.Array | None = None, is_causal: bool = False,
                           key_axes: LogicalAxes | None = None, value_axes: LogicalAxes | None = None) -> jax.Array:
     """``jax.nn.dot_product_attention(q, k, v, mask=, is_causal=, scale=, implementation=)``; for
-    ``implementation="cudnn"`` inside a mesh, called in a ``shard_map`` manual over the mesh axes still
-    automatic here. ``key_axes``, ``value_axes``: the logical layout of ``k`` and ``v`` (default
+    ``implementation="cudnn"`` inside a ``shard_map`` manual over some mesh axes only, called in a nested
+    ``shard_map`` manual over the others. ``key_axes``, ``value_axes``: the logical layout of ``k`` and ``v`` (default
     :data:`KEYS`); ``q`` and the output are laid out as :data:`QUERIES`; ``mask`` ``[b or 1, h or 1,
     s_q, s_k]`` is split like the queries' batch where it has one, else whole."""
     mesh = jax.sharding.get_abstract_mesh()
-    if implementation != "cudnn" or mesh.empty or set(mesh.axis_names) <= set(mesh.manual_axes):
+    partly_manual = not mesh.empty and bool(mesh.manual_axes) and not set(mesh.axis_names) <= set(mesh.manual_axes)
+    if implementation != "cudnn" or not partly_manual:  # JAX's own partitioner splits it on a fully automatic mesh
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
                                             implementation=implementation)
     return manual_attention(q, k, v, scale=scale, implementation=implementation, mask=mask, is_causal=is_causal,
