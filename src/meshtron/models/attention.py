@@ -21,7 +21,9 @@ fast paths:
   set from ``model.attention`` by the trainer), and else JAX's: today (jax 0.10 / 0.12) always XLA.
   On GPUs choose ``"cudnn"`` for cuDNN flash attention (fp16/bf16 only, a subset of
   head sizes; it raises, at trace time, for what it does not support). The cached path's
-  explicit mask is turned into an additive bias by the cuDNN path.
+  explicit mask is turned into an additive bias by the cuDNN path. cuDNN is called where every mesh
+  axis is manual (:mod:`meshtron.models.fused_attention`: JAX's partitioner for it fails inside the
+  train step's partly manual ``shard_map``); a sequence split over context ranks has none (a ConfigError).
 * **Tensor parallelism.** Nothing here names a mesh axis: with ``q`` split over heads (and ``k``/
   ``v`` split over ``kv_heads`` when ``tensor`` divides it, else replicated) every head's attention
   is local to its device and the compiler inserts no collective.
@@ -41,8 +43,10 @@ from typing import Literal, overload
 import jax
 import jax.numpy as jnp
 
+from meshtron.errors import ConfigError
 from meshtron.models.context_attention import kv_axes, sequence_split, split_attention
 from meshtron.models.documents import active_segments, same_document
+from meshtron.models.fused_attention import dot_product_attention
 from meshtron.trace_context import current, using
 
 Implementation = Literal["xla", "cudnn"] | None
@@ -110,17 +114,20 @@ def attention_core(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
 
 
 @attention_core
-def _causal_core(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, implementation: Implementation) -> jax.Array:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=implementation)
+def _causal_core(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, implementation: Implementation,
+                 key_axes: tuple[str | None, ...], value_axes: tuple[str | None, ...]) -> jax.Array:
+    return dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation=implementation,
+                                 key_axes=key_axes, value_axes=value_axes)
 
 
 @attention_core
 def _documents_core(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, *, scale: float,
-                    implementation: Implementation) -> jax.Array:
+                    implementation: Implementation, key_axes: tuple[str | None, ...],
+                    value_axes: tuple[str | None, ...]) -> jax.Array:
     # A boolean mask beside the causal one: XLA applies both to the scores; cuDNN turns the mask into
     # a bias and keeps its own causal mask.
-    return jax.nn.dot_product_attention(q, k, v, mask=same_document(segments, segments), is_causal=True, scale=scale,
-                                        implementation=implementation)
+    return dot_product_attention(q, k, v, mask=same_document(segments, segments), is_causal=True, scale=scale,
+                                 implementation=implementation, key_axes=key_axes, value_axes=value_axes)
 
 
 _split_core = attention_core(split_attention)
@@ -149,6 +156,34 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         )
     if n % kn:
         raise ValueError(f"causal_attention: heads ({n}) must be a multiple of kv_heads ({kn})")
+
+
+def _check_split(implementation: Implementation) -> None:
+    """cuDNN attention over a sequence split on context-parallel ranks: the ring exchange folds each
+    key/value block into a running softmax with its own fp32 math and a backward that needs every
+    block's log-sum-exp, which ``jax.nn.dot_product_attention`` does not return, so it has no cuDNN
+    path; the gathered exchange's cuDNN call (a position mask over the gathered keys) does not lower
+    in jax 0.12: JAX's partial evaluation hoists the mask's bias out of the layers' loop into a nested
+    ``shard_map`` whose residuals it names over the step's manual axes ("operates on axis ... already
+    bound by a parent sdy.manual_computation")."""
+    if implementation != "cudnn":
+        return
+    if current().exchange == "ring":
+        raise ConfigError("model.attention: cudnn cannot attend by the ring (parallel.context_attention=ring folds "
+                          "blocks with its own softmax); use parallel.context_attention=gathered, or model.attention=xla")
+    raise ConfigError("model.attention: cudnn over a sequence split on parallel.context does not compile (JAX "
+                      "hoists the gathered keys' mask out of the nested shard_map); use model.attention=xla, or "
+                      "parallel.context=1")
+
+
+def _check_documents(implementation: Implementation) -> None:
+    """cuDNN attention with a document mask inside the train step does not lower in jax 0.12: the
+    mask's bias, a residual of the nested ``shard_map``'s backward, changes shape across the layers'
+    loop ("expect operands to be compatible with condition block arguments")."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if implementation == "cudnn" and not mesh.empty and mesh.manual_axes:
+        raise ConfigError("model.attention: cudnn with data.reset_per_document (a document mask) does not compile "
+                          "in the train step; use model.attention=xla, or data.reset_per_document=false")
 
 
 @overload
@@ -206,11 +241,14 @@ def causal_attention(
     if cache is None:
         segments = active_segments() if segments is None else segments
         if sequence_split() is not None:  # k's and v's layouts read here: the core may retrace them
+            _check_split(implementation)
             return _split_core(q, k, v, implementation=implementation, segments=segments, key_axes=kv_axes(k),
                                value_axes=kv_axes(v))
+        layouts = {"key_axes": kv_axes(k), "value_axes": kv_axes(v)}  # read before the core retraces k and v
         if segments is not None:
-            return _documents_core(q, k, v, segments, scale=scale, implementation=implementation)
-        return _causal_core(q, k, v, scale=scale, implementation=implementation)
+            _check_documents(implementation)
+            return _documents_core(q, k, v, segments, scale=scale, implementation=implementation, **layouts)
+        return _causal_core(q, k, v, scale=scale, implementation=implementation, **layouts)
 
     if positions is None:
         raise ValueError("causal_attention: decoding with a cache needs the queries' positions [batch, seq]")
@@ -239,8 +277,6 @@ def causal_attention(
     # over heads (dot_product_attention accepts a size-1 head axis), so it costs batch*seq*max_len bools.
     key_positions = jnp.arange(max_len, dtype=jnp.int32)
     mask = (key_positions[None, None, :] <= positions[:, :, None])[:, None, :, :]
-    out = jax.nn.dot_product_attention(
-        q.astype(new_cache.k.dtype), new_cache.k, new_cache.v, mask=mask, scale=scale,
-        implementation=implementation,
-    )
+    out = dot_product_attention(q.astype(new_cache.k.dtype), new_cache.k, new_cache.v, mask=mask, scale=scale,
+                                implementation=implementation)
     return out.astype(v.dtype), new_cache

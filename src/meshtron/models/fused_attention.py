@@ -1,0 +1,171 @@
+"""``jax.nn.dot_product_attention`` that also compiles with cuDNN inside the train step's ``shard_map``.
+
+JAX lowers ``implementation="cudnn"`` through ``custom_partitioning``: XLA's SPMD partitioner calls back
+into Python to split the fused-attention call over the mesh axes that are still automatic. Inside a
+``shard_map`` manual over some axes only (the train step: manual over data, context and pipe, automatic
+over tensor) that callback fails (jax-ml/jax#21584: an ``AssertionError`` in ``get_num_ways_dim_sharded``,
+or ``'GSPMDSharding' object has no attribute 'spec'``). :func:`dot_product_attention` therefore calls
+the cuDNN kernel in a nested ``shard_map`` manual over every axis the surrounding code left automatic,
+so that no partitioner ever sees it: each device attends for the query heads (and batch rows) it holds,
+as the projections laid them out, which needs no collective. The XLA implementation is called as it
+is: the partitioner splits its plain dots well.
+
+Layouts are read from the active rules by logical names (:data:`QUERIES`, the keys' own axes), never by
+mesh-axis names, so models stay free of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from meshtron.sharding import LogicalAxes, logical_to_spec, manual_part
+
+QUERIES = ("batch", "seq", "heads", "head_dim")
+KEYS = ("batch", "seq", "kv_heads", "head_dim")
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, implementation: str | None,
+                          mask: jax.Array | None = None, is_causal: bool = False,
+                          key_axes: LogicalAxes | None = None, value_axes: LogicalAxes | None = None) -> jax.Array:
+    """``jax.nn.dot_product_attention(q, k, v, mask=, is_causal=, scale=, implementation=)``; for
+    ``implementation="cudnn"`` inside a ``shard_map`` manual over some mesh axes only, called in a nested
+    ``shard_map`` manual over the others. ``key_axes``, ``value_axes``: the logical layout of ``k`` and ``v`` (default
+    :data:`KEYS`); ``q`` and the output are laid out as :data:`QUERIES`; ``mask`` ``[b or 1, h or 1,
+    s_q, s_k]`` is split like the queries' batch where it has one, else whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    partly_manual = not mesh.empty and bool(mesh.manual_axes) and not set(mesh.axis_names) <= set(mesh.manual_axes)
+    if implementation != "cudnn" or not partly_manual:  # JAX's own partitioner splits it on a fully automatic mesh
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+                                            implementation=implementation)
+    return manual_attention(q, k, v, scale=scale, implementation=implementation, mask=mask, is_causal=is_causal,
+                            key_axes=key_axes, value_axes=value_axes)
+
+
+def manual_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, implementation: str | None,
+                     mask: jax.Array | None = None, is_causal: bool = False,
+                     key_axes: LogicalAxes | None = None, value_axes: LogicalAxes | None = None) -> jax.Array:
+    """:func:`dot_product_attention` in a ``shard_map`` manual over the mesh axes still automatic here
+    (call inside a mesh with some): what it does for cuDNN, for any ``implementation`` (the tests check
+    its layouts and gradients on CPU with XLA's)."""
+
+    def attend(q, k, v, mask):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale,
+                                            implementation=implementation)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    sizes = dict(mesh.shape)
+    q_spec = _local_spec(QUERIES, q.shape, auto, sizes)
+    k_spec = _local_spec(KEYS if key_axes is None else tuple(key_axes), k.shape, auto, sizes)
+    v_spec = _local_spec(KEYS if value_axes is None else tuple(value_axes), v.shape, auto, sizes)
+    if k_spec != v_spec:  # one layout for both, so that a device's key and value heads are the same ones
+        k_spec = v_spec = _common(k_spec, v_spec)
+    mask_spec = None
+    if mask is not None:
+        batch = _entry(q_spec, 0) if mask.shape[0] == q.shape[0] else None
+        mask_spec = PartitionSpec(batch)
+    heads_entry, kv_entry = _entry(q_spec, 2), _entry(k_spec, 2)
+
+    def local(q, k, v, mask):
+        # A device holding a share of the query heads but every key/value head (fewer key/value heads
+        # than ranks) keeps the key/value heads its query heads read: grouped-query attention pairs
+        # query head i with key head i // (heads / kv_heads).
+        if heads_entry is not None and kv_entry is None:
+            k, v = (_own_key_heads(x, q.shape[2], q.shape[2] * _ranks(heads_entry, sizes), heads_entry, sizes)
+                    for x in (k, v))
+        return attend(q, k, v, mask)
+
+    shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=set(auto))
+    in_specs = (q_spec, k_spec, v_spec, None if mask is None else mask_spec)
+    residual_tree, residual_axes = [], []
+
+    def forward(q, k, v, mask):
+        out, grads = jax.vjp(lambda q, k, v: local(q, k, v, mask), q, k, v)
+        leaves, tree = jax.tree.flatten(grads)
+        residual_tree[:] = [tree]
+        residual_axes[:] = [tuple(sorted(_varying(x) & auto)) for x in leaves]
+        return out, [x[None] for x in leaves]
+
+    def backward(residuals, d_out):
+        # keys and values whole on ranks that split the queries: their gradients come out summed over those
+        # ranks (the transpose of using an invariant value in varying work is a psum)
+        return jax.tree.unflatten(residual_tree[0], [x[0] for x in residuals])(d_out)
+
+    def residual_specs():
+        # A residual comes back to the backward varying over the axes it varied over in the forward (the
+        # cuDNN backward checks that its gradients vary as its inputs did): one row per device of those.
+        return [PartitionSpec(axes if axes else None) for axes in residual_axes]
+
+    def fused_forward(q, k, v, mask):
+        everywhere = PartitionSpec(tuple(sorted(auto)))
+        jax.eval_shape(shard(forward, in_specs=in_specs, out_specs=(q_spec, everywhere)), q, k, v, mask)
+        return shard(forward, in_specs=in_specs, out_specs=(q_spec, residual_specs()))(q, k, v, mask)
+
+    @jax.custom_vjp
+    def fused(q, k, v, mask):
+        return fused_forward(q, k, v, mask)[0]
+
+    def fused_backward(residuals, d_out):
+        dq, dk, dv = shard(backward, in_specs=(residual_specs(), q_spec),
+                           out_specs=(q_spec, k_spec, v_spec))(residuals, d_out)
+        return dq, dk, dv, None
+
+    fused.defvjp(fused_forward, fused_backward)
+    return fused(q, k, v, mask)
+
+
+def _own_key_heads(x: jax.Array, local_heads: int, heads: int, entry, sizes: dict[str, int]) -> jax.Array:
+    """The key/value heads ``x`` [b, s, kv_heads, d] (all of them) that this device's ``local_heads``
+    query heads read, out of ``heads``, the query heads split over the mesh axes of ``entry``: a
+    contiguous slice when the device's query heads read whole groups or lie in one group, else one
+    key/value head per query head (the device's heads then straddle two groups)."""
+    kv_heads = x.shape[2]
+    group = heads // kv_heads
+    rank = 0
+    for name in (entry,) if isinstance(entry, str) else entry:
+        rank = rank * sizes[name] + jax.lax.axis_index(name)
+    if local_heads % group == 0 or group % local_heads == 0:
+        return jax.lax.dynamic_slice_in_dim(x, rank * local_heads // group, max(1, local_heads // group), axis=2)
+    return jnp.take(x, (rank * local_heads + jnp.arange(local_heads)) // group, axis=2)
+
+
+def _local_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], auto: frozenset[str],
+                sizes: dict[str, int]) -> PartitionSpec:
+    """The layout of an array of ``logical`` axes over the ``auto`` mesh axes only, each dimension the
+    rules would split unevenly kept whole (``shard_map`` takes even splits only), and the sequence kept
+    whole: causal attention of a sequence's part over that part alone would be wrong (a split sequence
+    is manual here already, its exchange done by :mod:`meshtron.models.context_attention`)."""
+    spec = manual_part(logical_to_spec(tuple(None if name == "seq" else name for name in logical)), auto)
+    entries = [_entry(spec, i) for i in range(len(shape))]
+    entries = [e if e is None or size % _ranks(e, sizes) == 0 else None for e, size in zip(entries, shape, strict=True)]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def _common(a: PartitionSpec, b: PartitionSpec) -> PartitionSpec:
+    """The entries ``a`` and ``b`` agree on; the others whole."""
+    entries = [_entry(a, i) if _entry(a, i) == _entry(b, i) else None for i in range(max(len(a), len(b)))]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def _entry(spec: PartitionSpec, i: int):
+    return spec[i] if i < len(spec) else None
+
+
+def _varying(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes ``x`` varies over (``aval.vma`` up to jax 0.10, ``aval.mat.varying`` after)."""
+    aval = jax.typeof(x)
+    return frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)
+
+
+def _ranks(entry, sizes: dict[str, int]) -> int:
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return math.prod(sizes[n] for n in names)

@@ -1,0 +1,60 @@
+"""The cuDNN call's wrapper, checked on CPU: :func:`meshtron.models.fused_attention.manual_attention` (a
+``shard_map`` manual over the mesh axes still automatic, with its own backward) run with XLA's attention
+inside a ``shard_map`` manual over ``data`` only, as the train step is. Its outputs and gradients must
+equal plain attention's, for every split of the key/value heads over the ``tensor`` ranks: split like
+the query heads, whole with each rank reading one group, and whole with a rank's heads straddling two
+groups. cuDNN itself cannot run here; tests/test_gpu_attention.py compiles it for H100s."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+from meshtron.models.fused_attention import manual_attention
+
+
+def mesh_2x4():
+    return jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=jax.devices()[:8])
+
+
+def loss_and_grads(attention, q, k, v, mesh, mask):
+    def loss(q, k, v):
+        def per_data(q, k, v, mask):
+            out = attention(q, k, v, mask)
+            return jnp.sum(out.astype(jnp.float32) * jnp.cos(out.astype(jnp.float32)), keepdims=True)[None, 0]
+
+        batch = PartitionSpec("data")
+        parts = jax.shard_map(per_data, mesh=mesh, in_specs=(batch, batch, batch, batch), out_specs=batch,
+                              axis_names={"data"})(q, k, v, mask)
+        return jnp.sum(parts)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 4), (8, 2), (12, 3)],
+                         ids=["mha", "kv-split", "kv-whole-one-group", "kv-whole-straddling"])
+def test_manual_attention_equals_plain_attention(heads, kv_heads):
+    mesh = mesh_2x4()
+    b, s, d = 4, 16, 8
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, s, heads, d))
+    k = jax.random.normal(keys[1], (b, s, kv_heads, d))
+    v = jax.random.normal(keys[2], (b, s, kv_heads, d))
+    segments = jnp.repeat(jnp.arange(2), s // 2)[None].repeat(b, 0)
+    mask = (segments[:, :, None] == segments[:, None, :])[:, None]
+    scale = 1.0 / np.sqrt(d)
+
+    def wrapped(q, k, v, mask):
+        return manual_attention(q, k, v, scale=scale, implementation="xla", mask=mask, is_causal=True)
+
+    def plain(q, k, v, mask):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale)
+
+    with jax.set_mesh(mesh):
+        got_loss, got_grads = loss_and_grads(wrapped, q, k, v, mesh, mask)
+        want_loss, want_grads = loss_and_grads(plain, q, k, v, mesh, mask)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,75 @@
+"""``model.attention=cudnn`` compiles for H100 targets on every layout, and the compiled step uses it.
+
+JAX lowers cuDNN attention through ``custom_partitioning``, which fails inside the train step's partly
+manual ``shard_map`` (jax-ml/jax#21584); :mod:`meshtron.models.fused_attention` calls it where every mesh
+axis is manual. These tests compile small Llama train steps for 8 compile-only H100s (no GPU needed,
+JAX's CUDA plugin is) and read the compiled programs: the fused-attention custom call is there, and the
+program's temporaries are smaller than the XLA attention's at a sequence where the ``[s, s]`` scores
+matter. Numerics cannot be checked without a GPU; the XLA path, unchanged, is tested on CPU elsewhere.
+"""
+
+import pytest
+
+from meshtron.gpu.targets import prepare_environment
+
+prepare_environment()  # before JAX's backends start: lets the CUDA plugin load without CUDA
+pytest.importorskip("jax_plugins.xla_cuda12", reason="compiling for GPU targets needs JAX's CUDA plugin "
+                    "(the gpu-compile extra)")
+
+from meshtron.config import load_config
+from meshtron.errors import ConfigError
+from meshtron.train.loop import Trainer
+
+pytestmark = [pytest.mark.gpu_compile, pytest.mark.slow]
+
+FUSED = "__cudnn$fmha"
+
+SMALL = ["model.dtype=bfloat16", "model.hidden=64", "model.heads=8", "model.kv_heads=8", "model.mlp_dim=128",
+         "model.layers=2", "model.seq_len=128", "train.batch_size=16", "parallel.microbatches=2"]
+
+
+def compiled_step(layout: str, attention: str, *overrides: str):
+    """The compiled train step of a small bf16 Llama on 8 H100s laid out ``data x pipe x tensor``."""
+    data, pipe, tensor = layout.split("x")
+    cfg = load_config("llama_cpu8", [f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.tensor={tensor}",
+                                     *SMALL, f"model.attention={attention}", *overrides])
+    trainer = Trainer.from_config(cfg, target="h100", read_data=False)
+    return trainer.steps.compile(*trainer.abstract_step_arguments(), trainer.steps.stages[0])
+
+
+@pytest.mark.parametrize(("layout", "overrides"), [
+    ("8x1x1", ()),
+    ("1x1x8", ()),
+    ("1x1x8", ("model.kv_heads=2",)),  # fewer key/value heads than tensor ranks: each keeps the one it reads
+    ("2x2x2", ("model.layers=4",)),  # llama_cpu8's interleaved schedule, 2 chunks per stage
+    ("2x2x2", ("model.layers=4", "parallel.schedule=zb-h1", "parallel.chunks=1")),
+    ("2x1x4", ("parallel.sequence_parallel=true",)),
+], ids=["data8", "tensor8", "tensor8-gqa", "interleaved", "zb-h1", "sequence-parallel"])
+def test_cudnn_attention_compiles_into_the_fused_kernel(layout, overrides):
+    text = compiled_step(layout, "cudnn", *overrides).as_text()
+    assert FUSED in text  # forward and backward kernels, per layer
+
+
+@pytest.mark.parametrize(("exchange", "fix"), [("ring", "parallel.context_attention=gathered"),
+                                             ("gathered", "parallel.context=1")])
+def test_cudnn_over_a_split_sequence_is_one_config_error(exchange, fix):
+    """Raised while the step is traced, before any compile."""
+    with pytest.raises(ConfigError, match=fix):
+        compiled_step("2x1x2", "cudnn", "parallel.context=2", f"parallel.context_attention={exchange}")
+
+
+def test_fused_attention_keeps_no_scores():
+    """At seq 2048, one [b, h, s, s] fp32 score tensor per microbatch row is megabytes; cuDNN keeps none."""
+    longer = ("model.seq_len=2048", "train.batch_size=8", "parallel.microbatches=1")
+    fused = compiled_step("8x1x1", "cudnn", *longer)
+    plain = compiled_step("8x1x1", "xla", *longer)
+    assert FUSED in fused.as_text() and FUSED not in plain.as_text()
+    fused_bytes = fused.memory_analysis().temp_size_in_bytes
+    plain_bytes = plain.memory_analysis().temp_size_in_bytes
+    scores = 1 * 8 * 2048 * 2048 * 4  # one row's [h, s, s] fp32 scores, per device
+    assert plain_bytes - fused_bytes >= scores, (fused_bytes, plain_bytes)
+
+
+def test_cudnn_with_a_document_mask_is_one_config_error():
+    with pytest.raises(ConfigError, match="data.reset_per_document=false"):
+        compiled_step("8x1x1", "cudnn", "data.reset_per_document=true")
