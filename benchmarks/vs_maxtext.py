@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import re
@@ -279,7 +280,10 @@ H100_MODELS = {
          "fsdp (data 8, zero=3), remat full": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1",
                                                "parallel.zero=3", "parallel.microbatches=1", "model.remat=full"],
          "data 2 x tensor 4, zero=1, sp": ["parallel.data=2", "parallel.pipe=1", "parallel.tensor=4", "parallel.zero=1",
-                                            "parallel.sequence_parallel=true", "parallel.microbatches=1"]},
+                                            "parallel.sequence_parallel=true", "parallel.microbatches=1"],
+         "data 2 x pipe 2 x tensor 2, zb-h1, zero=1, sp": [
+             "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.zero=1", "parallel.schedule=zb-h1",
+             "parallel.sequence_parallel=true", "parallel.microbatches=8"]},
         {"tokens_per_s_per_gpu": 22.19 * 4096 / 8, "step_seconds": 0.721,
          "config": "BF16, seq 4096, 8 GPUs, batch 2 per GPU (GBS 16), FSDP 8, flash attention (TE), "
                    "remat_policy=minimal_flash, scan off (compiled here: scan on, cuDNN flash through JAX)",
@@ -307,12 +311,15 @@ H100_MODELS = {
          "issue_figure": {"tokens_per_s_per_gpu": 1170,
                           "note": "issue 51's figure; no public source found for it (the NGC recipe above shows 1,036)"}}),
 }
-MESHTRON_H100_COMMON = ["train.batch_size={batch}", "model.attention=xla", "model.remat=selective",
+MESHTRON_H100_COMMON = ["train.batch_size={batch}", "model.attention=cudnn", "model.remat=selective",
                         "parallel.schedule=1f1b"]
 
 
-def _layout_key(model: str, label: str) -> str:
-    return model + "__" + re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+def _layout_key(model: str, label: str, overrides: list[str]) -> str:
+    """A cached compile's name: the model, the layout's label and a digest of every override (a
+    changed setting compiles anew)."""
+    digest = hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:10]
+    return model + "__" + re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_") + "__" + digest
 
 
 def compile_meshtron_h100(spec: dict) -> dict:
@@ -455,9 +462,10 @@ def run_h100(args) -> None:
                             "published": published})
     for model, (_, batch, _, _, layouts, _) in H100_MODELS.items():
         for label, overrides in layouts.items():
-            key = _layout_key(model, label)
+            every = [*(o.format(batch=batch) for o in MESHTRON_H100_COMMON), *overrides]
+            key = _layout_key(model, label, every)
             spec = {"config": model.split("_h100")[0], "target": target, "hlo": str(hlo_dir / f"meshtron_{key}.hlo.txt"),
-                    "overrides": [*(o.format(batch=batch) for o in MESHTRON_H100_COMMON), *overrides]}
+                    "overrides": every}
             print(f"meshtron {model} {label}...", flush=True)
             mx = _cached(hlo_dir / f"meshtron_{key}.json", args.cached_only,
                          functools.partial(_child, args.meshtron_python, "compile-meshtron", spec, _gpu_env(args.meshtron_src)))

@@ -51,6 +51,9 @@ NOT_RUN = {
     "#SBATCH": "a SLURM directive",
     "[ $? -eq 75 ]": "SLURM requeueing",
     "#!/bin/bash": "a batch script's first line",
+    "pip install": "installs packages (the gpu-compile extra: make test-py312 installs it)",
+    "meshtron describe --target": "compiles for GPU targets with the gpu-compile extra, which the second stack has: "
+                                  "tests/test_gpu_targets.py runs describe --target there",
 }
 
 
