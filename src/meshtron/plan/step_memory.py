@@ -37,9 +37,13 @@ Two backends, because XLA's buffer assignment is the backend's: ``gpu`` (what a 
 holds) and ``cpu`` (XLA:CPU, the simulated mesh ``meshtron describe --compile`` compiles for). The
 CPU cannot compute in bf16: it converts bf16 values to fp32, so a layer input it recomputes from is
 held twice (2 + 4 bytes) and the residuals it keeps are the fp32 values (4 bytes); the bf16
-attention probabilities are kept both ways (6 bytes). On a GPU the same values are 2 bytes. These
-are the only terms that differ; ``tests/test_step_memory.py`` and ``benchmarks/memory_at_scale.py``
-hold the ``cpu`` figures to compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B.
+attention probabilities are kept both ways (6 bytes). On a GPU the same values are 2 bytes. XLA:GPU
+holds the attention backward's ``[s, s]`` working set as two fp32 and two bf16 arrays (XLA:CPU: four
+fp32), keeps the causal mask beside each layer's kept probabilities, and its zb-h1 B-to-W buffers keep
+two fp32 residual-stream arrays per layer beyond the projections' boundary. These are the only terms
+that differ; ``tests/test_step_memory.py`` and ``benchmarks/memory_at_scale.py`` hold the ``cpu``
+figures to XLA:CPU's compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B, and the ``gpu`` figures
+to XLA:GPU's for compile-only H100s (``benchmarks/2026-11-29-memory-at-scale-gpu.md``).
 
 Pure Python: no JAX.
 """
