@@ -11,7 +11,14 @@ this -- and on a GPU, and to the bytes-per-parameter arithmetic (16 bytes per pa
 AdamW training -- weights, gradients, two moments -- divided as the mesh and the zero level split
 them).
 
-    .venv/bin/python benchmarks/memory_at_scale.py          # about 5 minutes on 2 cores
+    .venv/bin/python benchmarks/memory_at_scale.py --compilers cpu        # about 5 minutes on 2 cores
+    .venv-py312/bin/python benchmarks/memory_at_scale.py --compilers h100  # XLA:GPU: 2-6 minutes a case
+
+``--compilers h100`` also compiles each case for as many compile-only H100s as its mesh needs (JAX's
+CUDA plugin, the ``gpu-compile`` extra; no GPU) and holds the ``gpu`` model to XLA:GPU's peak; a run
+without one compiler keeps that compiler's numbers from the results file it rewrites. ``--attention
+xla,cudnn`` runs each case per attention (cuDNN on GPUs only), ``--cases`` a subset, ``--dump=DIR``
+writes XLA's buffer assignment of every program.
 
 It first prints the state a step keeps per parameter per device for AdamW, LAMB and 1-bit LAMB at
 each zero level (the default model on 8 data ranks, from the compiled program).
