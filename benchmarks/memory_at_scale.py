@@ -11,7 +11,14 @@ this -- and on a GPU, and to the bytes-per-parameter arithmetic (16 bytes per pa
 AdamW training -- weights, gradients, two moments -- divided as the mesh and the zero level split
 them).
 
-    .venv/bin/python benchmarks/memory_at_scale.py          # about 5 minutes on 2 cores
+    .venv/bin/python benchmarks/memory_at_scale.py --compilers cpu        # about 5 minutes on 2 cores
+    .venv-py312/bin/python benchmarks/memory_at_scale.py --compilers h100  # XLA:GPU: 2-6 minutes a case
+
+``--compilers h100`` also compiles each case for as many compile-only H100s as its mesh needs (JAX's
+CUDA plugin, the ``gpu-compile`` extra; no GPU) and holds the ``gpu`` model to XLA:GPU's peak; a run
+without one compiler keeps that compiler's numbers from the results file it rewrites. ``--attention
+xla,cudnn`` runs each case per attention (cuDNN on GPUs only), ``--cases`` a subset, ``--dump=DIR``
+writes XLA's buffer assignment of every program.
 
 It first prints the state a step keeps per parameter per device for AdamW, LAMB and 1-bit LAMB at
 each zero level (the default model on 8 data ranks, from the compiled program).
@@ -23,10 +30,20 @@ and bf16 buffers the CPU cannot compute on are also held converted to f32.
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+DUMP = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--dump=")), None)
+if DUMP:  # XLA's buffer assignment of every compiled program (*buffer-assignment.txt), read before JAX starts
+    os.environ["XLA_FLAGS"] += f" --xla_dump_to={DUMP}"
 
+from meshtron.gpu.targets import prepare_environment
+
+prepare_environment()  # the CUDA plugin loads without CUDA (compile-only H100s)
+
+import json
 import time
 
 import _common
@@ -40,6 +57,8 @@ from meshtron.train.loop import Trainer
 
 GB = 1e9
 GPU_GB = 80
+COMPILERS = ("cpu", "h100")  # XLA:CPU on simulated devices; XLA:GPU for compile-only H100s
+ATTENTIONS = ("xla", "cudnn")  # cudnn: GPU compiles only (the CPU has no fused attention)
 
 # (name, config, mesh (data, pipe, tensor), extra overrides)
 CASES = [
@@ -69,41 +88,94 @@ def arithmetic(params: int, sizes: tuple[int, int, int], zero: int) -> float:
     return params * (weights + grads + moments) / (p * t)
 
 
-def compiled_step(config: str, sizes: tuple[int, int, int], extra: list[str]):
-    """``(trainer, compiled train step, abstract params, abstract optimizer state, seconds to build and
-    compile)`` of ``config`` on the mesh ``sizes`` (data, pipe, tensor) of simulated devices."""
+def case_config(config: str, sizes: tuple[int, int, int], extra: list[str], attention: str):
     d, p, t = sizes
-    cfg = load_config(config, [f"parallel.data={d}", f"parallel.pipe={p}", f"parallel.tensor={t}", *extra])
+    return load_config(config, [f"parallel.data={d}", f"parallel.pipe={p}", f"parallel.tensor={t}", *extra,
+                                f"model.attention={attention}"])
+
+
+def compiled_step(config: str, sizes: tuple[int, int, int], extra: list[str], compiler: str, attention: str):
+    """``(trainer, compiled train step, abstract params, abstract optimizer state, seconds to build and
+    compile)`` of ``config`` on the mesh ``sizes`` (data, pipe, tensor): simulated CPU devices
+    (``compiler="cpu"``) or compile-only GPUs of that target (``"h100"``)."""
+    d, p, t = sizes
+    cfg = case_config(config, sizes, extra, attention)
     started = time.perf_counter()
-    trainer = Trainer.from_config(cfg, jax.devices()[: d * p * t], read_data=False)
+    if compiler == "cpu":
+        trainer = Trainer.from_config(cfg, jax.devices("cpu")[: d * p * t], read_data=False)
+    else:
+        trainer = Trainer.from_config(cfg, target=compiler, read_data=False)
     params, opt_state, tokens = trainer.abstract_step_arguments()
-    program = trainer.steps.compile(params, opt_state, tokens)
+    program = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0])
     return trainer, program, params, opt_state, time.perf_counter() - started
 
 
-def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str]) -> dict:
-    p = sizes[1]
-    trainer, program, params, opt_state, seconds = compiled_step(config, sizes, extra)
+def compiled_memory(program, params, opt_state, seconds: float) -> dict:
+    """A compiled step's bytes per device: its arguments (parameters, optimizer state, from the shardings
+    it takes), XLA's argument/output/alias/temporary sizes, and the peak (arguments + temporaries: the
+    outputs are the donated arguments)."""
     param_in, opt_in = program.input_shardings[0][:2]
     memory = program.memory_analysis()
-    data_bytes = sum(c.total_wire_bytes for c in collectives(program, trainer.mesh) if "data" in c.axes)
+    return {"parameters": bytes_per_device(params, param_in), "optimizer": bytes_per_device(opt_state, opt_in),
+            "arguments": float(memory.argument_size_in_bytes), "outputs": float(memory.output_size_in_bytes),
+            "aliased": float(memory.alias_size_in_bytes), "temporaries": float(memory.temp_size_in_bytes),
+            "peak": float(memory.argument_size_in_bytes + memory.temp_size_in_bytes),
+            "compile_seconds": round(seconds, 1)}
+
+
+def measure(name: str, config: str, sizes: tuple[int, int, int], extra: list[str], compilers: list[str],
+            attention: str) -> dict:
+    """One case compiled by each of ``compilers`` (``cpu`` only with ``attention="xla"``), next to the step
+    memory model on both backends."""
+    p = sizes[1]
+    compiled, trainer, data_bytes = {}, None, None
+    for compiler in compilers:
+        if compiler == "cpu" and attention != "xla":
+            continue
+        trainer, program, params, opt_state, seconds = compiled_step(config, sizes, extra, compiler, attention)
+        compiled[compiler] = compiled_memory(program, params, opt_state, seconds)
+        if data_bytes is None:
+            data_bytes = sum(c.total_wire_bytes for c in collectives(program, trainer.mesh) if "data" in c.axes)
+        print(f"    {compiler}: peak {compiled[compiler]['peak'] / GB:.1f} GB in {seconds:.0f} s", flush=True)
+    if trainer is None:
+        raise ValueError(f"nothing to compile for {config} with attention={attention} on {compilers}")
     rows = parameter_rows(trainer.model_def, dict(trainer.mesh.shape))
     model = {backend: modelled_step_memory(trainer.resolved, rows, backend) for backend in ("cpu", "gpu")}
     count = trainer.model_def.parameter_count()
     c = trainer.cfg
     return {
-        "model": name, "config": config, "mesh": list(sizes), "zero": c.train.zero,
-        "gather_once": c.train.gather_once, "remat": c.model.remat,
-        "schedule": (c.pipeline.schedule + (f" v={c.pipeline.chunks}" if c.pipeline.chunks > 1 else "")) if p > 1 else "-", "sequence_parallel": c.model.sequence_parallel,
-        "microbatches": c.train.microbatches, "parameters": count, "compile_seconds": round(seconds, 1),
-        "compiled": {"parameters": bytes_per_device(params, param_in), "optimizer": bytes_per_device(opt_state, opt_in),
-                     "temporaries": float(memory.temp_size_in_bytes),
-                     "peak": float(memory.argument_size_in_bytes + memory.temp_size_in_bytes)},
-        "data_wire_bytes": data_bytes,
+        "model": name, "config": config, "mesh": list(sizes), "extra": extra, "attention": attention,
+        "zero": c.train.zero, "gather_once": c.train.gather_once, "remat": c.model.remat,
+        "schedule": (c.pipeline.schedule + (f" v={c.pipeline.chunks}" if c.pipeline.chunks > 1 else "")) if p > 1 else "-",
+        "sequence_parallel": c.model.sequence_parallel,
+        "microbatches": c.train.microbatches, "parameters": count,
+        "compiled": compiled, "data_wire_bytes": data_bytes,
         "step_model": {backend: {**mem.terms(), "temporaries": mem.temporaries, "peak": mem.peak}
-                  for backend, mem in model.items()},
+                       for backend, mem in model.items()},
         "arithmetic_16_bytes": arithmetic(count, sizes, c.train.zero),
     }
+
+
+def case_key(r: dict) -> tuple:
+    return (r["config"], tuple(r["mesh"]), r["zero"], r["gather_once"], r["remat"], r["schedule"],
+            r["sequence_parallel"], r["microbatches"], r.get("attention", "xla"))
+
+
+def merge_previous(results: list[dict], path) -> None:
+    """Fill each result's compilers not run this time from an earlier run's results file (same case), so a
+    GPU-only run keeps the CPU column it was measured beside; earlier records in the one-compiler
+    format (``compiled`` = XLA:CPU's) are read as ``cpu``."""
+    if not path.exists():
+        return
+    previous = {}
+    for r in json.loads(path.read_text()).get("results", []):
+        compiled = r["compiled"]
+        if "peak" in compiled:  # the format before the H100 column
+            compiled = {"cpu": {**compiled, "compile_seconds": r.get("compile_seconds")}}
+        previous[case_key(r)] = compiled
+    for r in results:
+        for compiler, numbers in previous.get(case_key(r), {}).items():
+            r["compiled"].setdefault(compiler, numbers)
 
 
 def bytes_per_parameter() -> list[dict]:
@@ -118,7 +190,7 @@ def bytes_per_parameter() -> list[dict]:
                 continue
             cfg = load_config("cpu8", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.chunks=1",
                                        "parallel.schedule=1f1b", f"train.optimizer={optimizer}", f"parallel.zero={zero}"])
-            trainer = Trainer.from_config(cfg, jax.devices()[:8], read_data=False)
+            trainer = Trainer.from_config(cfg, jax.devices("cpu")[:8], read_data=False)
             params, opt_state, tokens = trainer.abstract_step_arguments()
             stage = trainer.steps.stages[-1]  # 1-bit LAMB: the compression stage's state
             program = trainer.steps.compile(params, opt_state, tokens, stage)
@@ -131,34 +203,75 @@ def bytes_per_parameter() -> list[dict]:
     return table
 
 
-def main() -> None:
-    per_param = bytes_per_parameter()
-    print("state a step keeps, bytes per parameter per device (data=8, fp32; compiled input shardings)")
-    _common.print_table(["optimizer", "zero", "weights", "optimizer state", "total"], [
-        [r["optimizer"], r["zero"], *(["cannot be split"] * 3 if r["bytes_per_parameter"] is None else
-                                      [f"{r['weights']:.2f}", f"{r['optimizer_state']:.2f}",
-                                       f"{r['bytes_per_parameter']:.2f}"])] for r in per_param])
-    results = []
-    for case in CASES:
-        results.append(measure(*case))
-        r = results[-1]
-        print(f"  compiled {r['model']} {r['mesh']} zero={r['zero']} in {r['compile_seconds']} s", flush=True)
+def error(model: float, compiled: dict, compiler: str) -> str:
+    return f"{100 * (model / compiled[compiler]['peak'] - 1):+.1f}%" if compiler in compiled else "-"
+
+
+def peak(compiled: dict, compiler: str) -> str:
+    return f"{compiled[compiler]['peak'] / GB:.1f}" if compiler in compiled else "-"
+
+
+def print_results(results: list[dict]) -> None:
     rows = []
     for r in results:
-        c = r["compiled"]
+        c, m = r["compiled"], r["step_model"]
         label = f"zero={r['zero']}" + (" once" if r["gather_once"] else "")
-        rows.append([r["model"], "x".join(map(str, r["mesh"])), r["schedule"], label, r["remat"], "sp" if r["sequence_parallel"] else "-",
-                     r["microbatches"], f"{c['parameters'] / GB:.2f}", f"{c['optimizer'] / GB:.2f}",
-                     f"{c['temporaries'] / GB:.1f}", f"{c['peak'] / GB:.1f}", f"{r['step_model']['cpu']['peak'] / GB:.1f}",
-                     f"{100 * (r['step_model']['cpu']['peak'] / c['peak'] - 1):+.1f}%", f"{r['step_model']['gpu']['peak'] / GB:.1f}",
-                     f"{r['arithmetic_16_bytes'] / GB:.1f}", f"{r['data_wire_bytes'] / GB:.1f}",
-                     "yes" if c["peak"] <= GPU_GB * GB else "no", r["compile_seconds"]])
-    print("bf16 compute, fp32 parameters, AdamW; GB per device (1e9 bytes); error: model (CPU) against the compiled peak")
-    _common.print_table(["model", "mesh d x p x t", "schedule", "zero", "remat", "SP", "m", "params", "opt state", "temp",
-                         "peak", "model (CPU)", "error", "model (GPU)", "16 B/param", "data GB/step",
-                         f"peak <= {GPU_GB} GB", "compile s"], rows)
-    path = _common.write_results("memory_at_scale", {"bytes_per_parameter": per_param, "results": results})
-    plot(results)
+        first = c.get("cpu") or next(iter(c.values()))
+        rows.append([r["model"], "x".join(map(str, r["mesh"])), r["schedule"], label, r["remat"],
+                     "sp" if r["sequence_parallel"] else "-", r["microbatches"], r.get("attention", "xla"),
+                     f"{first['parameters'] / GB:.2f}", f"{first['optimizer'] / GB:.2f}",
+                     peak(c, "cpu"), f"{m['cpu']['peak'] / GB:.1f}", error(m["cpu"]["peak"], c, "cpu"),
+                     f"{c['h100']['temporaries'] / GB:.1f}" if "h100" in c else "-",
+                     peak(c, "h100"), f"{m['gpu']['peak'] / GB:.1f}", error(m["gpu"]["peak"], c, "h100"),
+                     f"{r['arithmetic_16_bytes'] / GB:.1f}",
+                     "yes" if c.get("h100", first)["peak"] <= GPU_GB * GB else "no"])
+    print("bf16 compute, fp32 parameters, AdamW; GB per device (1e9 bytes); error: each model against its compiler's peak")
+    _common.print_table(["model", "mesh d x p x t", "schedule", "zero", "remat", "SP", "m", "attn", "params",
+                         "opt state", "XLA:CPU peak", "model (CPU)", "error", "H100 temp", "H100 peak",
+                         "model (GPU)", "error", "16 B/param", f"H100 <= {GPU_GB} GB"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compilers", default="cpu,h100", help="comma-separated: cpu (simulated devices), h100")
+    parser.add_argument("--attention", default="xla", help="comma-separated model.attention values: xla, cudnn "
+                        "(cudnn is compiled for GPUs only)")
+    parser.add_argument("--cases", default=None, help="comma-separated indices into CASES (default: all)")
+    parser.add_argument("--out", default="memory_at_scale", help="results name under benchmarks/results/")
+    parser.add_argument("--skip-bytes-per-parameter", action="store_true")
+    parser.add_argument("--dump", default=None, help="=DIR: XLA's dumps (buffer assignment) of every program")
+    args = parser.parse_args()
+    compilers = args.compilers.split(",")
+    attentions = args.attention.split(",")
+    for value, known, flag in ((compilers, COMPILERS, "--compilers"), (attentions, ATTENTIONS, "--attention")):
+        if not set(value) <= set(known):
+            parser.error(f"{flag}: use {', '.join(known)}, got {','.join(value)}")
+    chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    payload = {}
+    if not args.skip_bytes_per_parameter and "cpu" in compilers:
+        per_param = bytes_per_parameter()
+        payload["bytes_per_parameter"] = per_param
+        print("state a step keeps, bytes per parameter per device (data=8, fp32; compiled input shardings)")
+        _common.print_table(["optimizer", "zero", "weights", "optimizer state", "total"], [
+            [r["optimizer"], r["zero"], *(["cannot be split"] * 3 if r["bytes_per_parameter"] is None else
+                                          [f"{r['weights']:.2f}", f"{r['optimizer_state']:.2f}",
+                                           f"{r['bytes_per_parameter']:.2f}"])] for r in per_param])
+    results = []
+    for case in chosen:
+        for attention in attentions:
+            print(f"  {case[0]} {'x'.join(map(str, case[2]))} {' '.join(case[3])} attention={attention}", flush=True)
+            try:
+                results.append(measure(*case, compilers, attention))
+            except Exception as err:  # noqa: BLE001 - one case that does not compile (cudnn) leaves the others
+                print(f"    did not compile: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}",
+                      flush=True)
+                continue
+            merge_previous(results[-1:], _common.RESULTS / f"{args.out}.json")
+            _common.write_results(f"{args.out}.partial", {**payload, "results": results})
+    print_results(results)
+    path = _common.write_results(args.out, {**payload, "results": results})
+    (_common.RESULTS / f"{args.out}.partial.json").unlink(missing_ok=True)
+    plot(results, args.out)
     print(f"wrote {path}")
 
 
@@ -168,14 +281,14 @@ def memory_bars(ax, results: list[dict]) -> np.ndarray:
     x = np.arange(len(results))
     bottom = np.zeros(len(results))
     for key, label in (("parameters", "parameters"), ("optimizer", "optimizer state"),
-                       ("temporaries", "temporaries (XLA:CPU)")):
-        heights = np.array([r["compiled"][key] for r in results]) / GB
+                       ("temporaries", "temporaries (H100)")):
+        heights = np.array([r["compiled"].get("h100", {}).get(key, np.nan) for r in results]) / GB
         ax.bar(x, heights, bottom=bottom, label=label)
         bottom = bottom + heights
     return x
 
 
-def plot(results: list[dict]) -> None:
+def plot(results: list[dict], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,20 +296,22 @@ def plot(results: list[dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(15, 5.5))
     x = memory_bars(ax, results)
-    ax.scatter(x, [r["step_model"]["cpu"]["peak"] / GB for r in results], color="k", marker="_", s=300,
-               label="step memory model, XLA:CPU", zorder=3)
+    ax.scatter(x, [r["compiled"].get("cpu", {}).get("peak", np.nan) / GB for r in results], color="k", marker="o",
+               s=20, label="XLA:CPU compiled peak", zorder=3)
     ax.scatter(x, [r["step_model"]["gpu"]["peak"] / GB for r in results], color="C3", marker="x", s=30,
                label="step memory model, GPU", zorder=3)
+    ax.scatter(x, [r["step_model"]["cpu"]["peak"] / GB for r in results], color="k", marker="_", s=300,
+               label="step memory model, XLA:CPU", zorder=3)
     ax.axhline(GPU_GB, color="r", linestyle="--", label=f"{GPU_GB} GB GPU")
     labels = [f"{r['model']} {'x'.join(map(str, r['mesh']))} {r['schedule'] if r['schedule'] != '-' else ''}\n"
               f"z{r['zero']}{' once' if r['gather_once'] else ''} {r['remat'][:3]}{' sp' if r['sequence_parallel'] else ''}"
               for r in results]
     ax.set_xticks(x, labels, fontsize=7, rotation=40, ha="right")
     ax.set_ylabel("GB per device")
-    ax.set_title("compiled train step, memory per device (64 simulated devices, nothing allocated)")
+    ax.set_title("compiled train step, memory per device (compile-only H100s and simulated CPUs, nothing allocated)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(_common.RESULTS / "memory_at_scale.png", dpi=120)
+    fig.savefig(_common.RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":

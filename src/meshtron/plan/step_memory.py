@@ -37,9 +37,13 @@ Two backends, because XLA's buffer assignment is the backend's: ``gpu`` (what a 
 holds) and ``cpu`` (XLA:CPU, the simulated mesh ``meshtron describe --compile`` compiles for). The
 CPU cannot compute in bf16: it converts bf16 values to fp32, so a layer input it recomputes from is
 held twice (2 + 4 bytes) and the residuals it keeps are the fp32 values (4 bytes); the bf16
-attention probabilities are kept both ways (6 bytes). On a GPU the same values are 2 bytes. These
-are the only terms that differ; ``tests/test_step_memory.py`` and ``benchmarks/memory_at_scale.py``
-hold the ``cpu`` figures to compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B.
+attention probabilities are kept both ways (6 bytes). On a GPU the same values are 2 bytes. XLA:GPU
+holds the attention backward's ``[s, s]`` working set as two fp32 and two bf16 arrays (XLA:CPU: four
+fp32), keeps the causal mask beside each layer's kept probabilities, and its zb-h1 B-to-W buffers keep
+two fp32 residual-stream arrays per layer beyond the projections' boundary. These are the only terms
+that differ; ``tests/test_step_memory.py`` and ``benchmarks/memory_at_scale.py`` hold the ``cpu``
+figures to XLA:CPU's compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B, and the ``gpu`` figures
+to XLA:GPU's for compile-only H100s (``benchmarks/2026-11-29-memory-at-scale-gpu.md``).
 
 Pure Python: no JAX.
 """
@@ -63,9 +67,21 @@ __all__ = ["BACKENDS", "StepMemory", "StepRun", "StepShape", "block_parameters",
 
 BACKENDS = ("gpu", "cpu")
 SCORE_BUFFERS = 4
-"""``[b, heads/t, s, s]`` fp32 arrays ``jax.nn.dot_product_attention``'s XLA implementation holds while
-a layer's backward runs: the scores, the causal mask broadcast to them, the probabilities and their
-cotangent (read from XLA:CPU's buffer assignment of the 7B step)."""
+"""``[b, heads/t, s, s]`` fp32 arrays ``jax.nn.dot_product_attention``'s XLA implementation holds on
+XLA:CPU while a layer's backward runs: the scores, the causal mask broadcast to them, the probabilities
+and their cotangent (read from XLA:CPU's buffer assignment of the 7B step)."""
+GPU_SCORE_BUFFERS = (2, 2)
+"""The same on XLA:GPU: ``(fp32, compute-dtype)`` arrays -- the fp32 scores and the probabilities'
+cotangent, the probabilities in bf16 and their bf16 cotangent; the mask fuses into the softmax (read
+from XLA:GPU's buffer assignment of the 7B steps compiled for H100s)."""
+GPU_KEPT_MASK_BYTES = 1
+"""Bytes per score a layer whose attention residuals autodiff keeps holds on XLA:GPU beyond the fp32
+probabilities and their bf16 copy: the causal mask broadcast to ``[b, heads/t, s, s]`` (``pred``), kept
+per layer (read from the H100 program of the 7B zb-h1 step, whose ``B`` keeps a chunk's residuals)."""
+GPU_NORM_BOUNDARY = 2
+"""``h``-wide fp32 arrays per token per layer XLA:GPU's zb-h1 program keeps in each B-to-W buffer beyond
+the weight-bearing projections' bf16 inputs and cotangents (two fp32 ``[.., b, s, h]`` slot buffers in
+the H100 program of the 7B step: the residual-stream values the norms' weight gradients read)."""
 LOGIT_BUFFERS = 2  # fp32 logits and their cotangent
 
 
@@ -251,7 +267,8 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     if stage_recomputed or split:
         stash += chunk_layers * tokens * h * recompute_input
     scores_one = b * (a / t) * s * s_keys  # one [b, heads/t, s, s_keys] array's elements
-    kept_scores = 0.0 if fused else scores_one * (4 + cb if cb < 4 else 8)  # fp32 probabilities (+ bf16 copy)
+    # fp32 probabilities (+ a bf16 copy); XLA:GPU also keeps the causal mask broadcast to them (a byte each)
+    kept_scores = 0.0 if fused else scores_one * ((4 + cb if cb < 4 else 8) + (0 if cpu else GPU_KEPT_MASK_BYTES))
     kept_layer = megatron.layer_activation_bytes(
         seq_len=s, microbatch=b, hidden=h, heads=a, kv_heads=shape.kv_heads, mlp_dim=shape.mlp_dim, tensor=t,
         sequence_parallel=run.sequence_parallel, remat="selective", bytes_per_element=residual,
@@ -265,8 +282,10 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
         layers_kept = run.residual_slots * chunk_layers * slot_layer
     elif run.remat != "full":
         layers_kept = chunk_layers * (kept_layer + (kept_scores if run.remat == "none" else 0.0))
-    weight_buffers = run.weight_slots * chunk_layers * b * s * _weight_boundary(shape, t) * residual
-    working = 0.0 if fused else SCORE_BUFFERS * scores_one * 4  # the attention core's backward
+    boundary = _weight_boundary(shape, t) * residual + (0 if cpu else GPU_NORM_BOUNDARY * h * 4)
+    weight_buffers = run.weight_slots * chunk_layers * b * s * boundary
+    score_bytes = SCORE_BUFFERS * 4 if cpu else GPU_SCORE_BUFFERS[0] * 4 + GPU_SCORE_BUFFERS[1] * cb
+    working = 0.0 if fused else score_bytes * scores_one  # the attention core's backward
     if stage_recomputed or inputs_kept:  # full recomputation: one layer's residuals, recomputed, while its backward runs
         working = max(working, kept_layer + kept_scores)
     logits = LOGIT_BUFFERS * b * s * padded_vocab_size(shape.vocab_size, t) / t * 4
