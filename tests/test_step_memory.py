@@ -173,7 +173,7 @@ GPU_REAL = [  # Llama-2 7B compiled for compile-only H100s with XLA attention: n
 
 
 @pytest.mark.slow
-@pytest.mark.both_stacks
+@pytest.mark.gpu_compile
 def test_the_gpu_model_agrees_with_xla_gpu_compiled_steps_within_ten_percent():
     """XLA:GPU's buffer assignment for 64 compile-only H100s (JAX's CUDA plugin, no GPU): the ``gpu``
     backend's peak within 10% of it (``benchmarks/memory_at_scale.py --compilers h100`` checks 21)."""
