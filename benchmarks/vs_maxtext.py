@@ -526,6 +526,39 @@ def run_h100(args) -> None:
         "meshtron_common_overrides": MESHTRON_H100_COMMON, "maxtext_common_arguments": H100_MAXTEXT_COMMON,
         "fit_on": args.fit_on, "results": results, "published": published})
     print(f"wrote {path}")
+    if estimator:
+        plot_h100(results, published, target)
+
+
+def plot_h100(results: list[dict], published: list[dict], target: str) -> None:
+    """Estimated step time per pair (MaxText's layout beside each meshtron layout), and the published
+    figures beside the estimator's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (pairs, figures) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    labels = [f"{r['model'].split('_h100')[0]}\n{r['meshtron_layout']}" for r in results]
+    x = range(len(results))
+    pairs.barh([i + 0.2 for i in x], [r["maxtext_estimated_step_seconds"] for r in results], 0.4, label="MaxText")
+    pairs.barh([i - 0.2 for i in x], [r["meshtron_estimated_step_seconds"] for r in results], 0.4, label="meshtron")
+    pairs.set_yticks(list(x), labels, fontsize=7)
+    pairs.set_xscale("log")
+    pairs.set_xlabel(f"estimated step seconds on {target} (log)")
+    pairs.legend()
+    names = [p["model"].split("_h100")[0] for p in published]
+    y = range(len(published))
+    figures.bar([i - 0.2 for i in y], [p["published_tokens_per_s_per_gpu"] for p in published], 0.4, label="published")
+    figures.bar([i + 0.2 for i in y], [p["estimated_tokens_per_s_per_gpu"] for p in published], 0.4,
+                label="estimated (7B fitted)")
+    figures.set_xticks(list(y), names)
+    figures.set_yscale("log")
+    figures.set_ylabel("MaxText tokens/s per GPU (log)")
+    figures.legend(fontsize=7)
+    fig.suptitle(f"meshtron and MaxText: both steps compiled for {target} without the hardware, priced by one estimator")
+    fig.tight_layout()
+    fig.savefig(_common.RESULTS / f"vs_maxtext_{target}.png", dpi=120)
 
 
 def model_flops_per_token_llama(shape: tuple[int, ...], seq_len: int) -> float:
