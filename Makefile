@@ -5,7 +5,8 @@
 # schedule, the deadlock proof and stress test, 1-bit LAMB, checkpoints and fine-tuning from them,
 # multi-process, generation, attention, Linen models, the upstream XLA reproduction -- and of a matrix
 # of meshes (every schedule on every mesh), the representative cases (the rest are marked
-# `first_stack_only`), so that both legs of .ci/run fit CI's time; `make test-py312 PY312_TESTS=tests`
+# `first_stack_only`), and the tests marked `gpu_compile` (every feature compiled for 8 compile-only
+# H100s; the stack's gpu-compile extra), so that both legs of .ci/run fit CI's time; `make test-py312 PY312_TESTS=tests`
 # runs all of it. `make test-fast` runs the suite without the tests marked `slow` (the end-to-end
 # runs), in a few minutes.
 PYTHON ?= python3
@@ -16,7 +17,7 @@ TEST_STAMP := $(VENV)/.meshtron-test-extras
 PY312 ?= $(shell .ci/python312)
 VENV312 := .venv-py312
 STAMP312 := $(VENV312)/.meshtron-installed
-PY312_TESTS ?= -m "both_stacks and not first_stack_only" tests
+PY312_TESTS ?= -m "(both_stacks and not first_stack_only) or gpu_compile" tests
 
 .PHONY: train test test-fast test-py312 bench lint clean
 

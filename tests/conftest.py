@@ -10,6 +10,9 @@
   before that stage -- the HLO program, its collectives and their order, buffer assignment and so the
   compiled memory -- and numbers are compared to references within tolerances or between runs of the
   same program. Users' runs keep XLA's default.
+* JAX's CUDA plugin allowed to load without CUDA (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``): the
+  ``gpu_compile`` tests compile for compile-only GPU targets (:mod:`meshtron.gpu.targets`); the
+  ``gpu_target`` fixture skips them where the plugin (the ``gpu-compile`` extra) is not installed.
 """
 
 import atexit
@@ -17,15 +20,27 @@ import os
 import shutil
 import tempfile
 
+import pytest
 from subprocess_env import OPTIMISATION
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {OPTIMISATION}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 _CACHE = tempfile.mkdtemp(prefix="meshtron-test-xla-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+@pytest.fixture
+def gpu_target() -> str:
+    """The GPU target the ``gpu_compile`` tests compile for; skips them (with the reason) where JAX's
+    CUDA plugin is not installed: the first stack has no ``gpu-compile`` extra, ``make test-py312``
+    installs it."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="JAX's CUDA plugin is not installed (the gpu-compile "
+                        "extra; make test-py312 installs it): nothing to compile GPU programs with")
+    return "h100"

@@ -368,6 +368,24 @@ def test_a_gpu_reduce_scatter_pair_counts_its_start_with_the_scattered_shards():
     assert reduce_scatter.bytes == (64 * 16 + 8) * 4
 
 
+# XLA:GPU's asynchronous all-to-all (a mixture of experts' dispatch, compiled for H100s): ``((operands), result)``.
+GPU_ALL_TO_ALL_HLO = """HloModule gpu_all_to_all, num_partitions=8
+
+ENTRY %main (p: f32[512,64]) -> f32[512,64] {
+  %p = f32[512,64]{1,0} parameter(0)
+  %all-to-all-start = ((f32[512,64]{1,0}), f32[512,64]{1,0}) all-to-all-start(%p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+  ROOT %all-to-all-done = f32[512,64]{1,0} all-to-all-done(%all-to-all-start)
+}
+"""
+
+
+def test_a_gpu_all_to_all_pair_counts_its_start_once():
+    (all_to_all,) = collectives(GPU_ALL_TO_ALL_HLO, MESH_2_1_4)
+
+    assert (all_to_all.kind, all_to_all.axes, all_to_all.count) == ("all-to-all", ("data",), 1)
+    assert all_to_all.bytes == 512 * 64 * 4
+
+
 CALL_GRAPH_HLO = """HloModule loops, num_partitions=8
 
 %add (a: f32[], b: f32[]) -> f32[] {

@@ -66,6 +66,7 @@ ASYNC_START_KIND = {
     "all-gather-start": "all-gather",
     "reduce-scatter-start": "reduce-scatter",
     "collective-permute-start": "collective-permute",
+    "all-to-all-start": "all-to-all",  # XLA:GPU's asynchronous all-to-all (a mixture of experts' dispatch)
 }
 
 
@@ -411,12 +412,13 @@ def _collective(
 def _payload_shape(opcode: str, shape: Shape) -> Shape:
     """The data part of a collective's result.
 
-    ``all-gather-start`` and ``reduce-scatter-start`` return ``(operands, results)`` and
+    ``all-gather-start``, ``reduce-scatter-start`` and ``all-to-all-start`` return ``(operands, results)`` and
     ``collective-permute-start`` ``(operand, result[, u32[], u32[]])``: the result is element 1.
     ``all-reduce-start`` returns the data itself, like the synchronous ops -- or, in XLA of jaxlib
     0.12, ``((operands), results)`` like the others (told apart by the nested operand tuple).
     """
-    if opcode in ("all-gather-start", "reduce-scatter-start", "collective-permute-start") and isinstance(shape, tuple):
+    if opcode in ("all-gather-start", "reduce-scatter-start", "all-to-all-start", "collective-permute-start") \
+            and isinstance(shape, tuple):
         return shape[1]
     if opcode == "all-reduce-start" and isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[0], tuple):
         return shape[1]
