@@ -34,6 +34,10 @@ H100_BYTES = 80 * 10**9
 # Small models: a compile is about the program's size, and these keep every feature's structure.
 SMALL = ["model.hidden=64", "model.heads=4", "model.mlp_dim=128", "model.seq_len=64", "model.vocab_size=256",
          "train.steps=10", "train.warmup_steps=1"]
+# cuDNN's fused attention (bf16 compute): its custom call in the program (tests/test_gpu_attention.py has the
+# plain data and tensor layouts and the memory it saves).
+CUDNN = ["model.attention=cudnn", "model.dtype=bfloat16"]
+FUSED = "__cudnn$fmha"
 _ASYNC_STARTS = re.compile(r"\s(all-reduce-start|all-gather-start|collective-permute-start|reduce-scatter-start"
                            r"|all-to-all-start|async-start)\(")
 
@@ -88,11 +92,12 @@ def over(colls: list[Collective], kind: str, axis: str) -> list[Collective]:
 # ---- pipeline schedules -------------------------------------------------------------------------------
 
 
-def test_interleaved_with_tensor_sequence_parallel_and_zero1(gpu_target):
+def test_interleaved_with_tensor_sequence_parallel_zero1_and_cudnn_attention(gpu_target):
     # cpu8's mesh: 2 data x 2 stages (interleaved, 2 chunks each) x 2 tensor, Megatron's sequence parallelism.
     tr = trainer(gpu_target, "cpu8", *mesh(2, 2, 2, microbatches=4), "model.layers=4", "parallel.schedule=interleaved",
-                 "parallel.chunks=2", "parallel.sequence_parallel=true", "parallel.zero=1")
+                 "parallel.chunks=2", "parallel.sequence_parallel=true", "parallel.zero=1", *CUDNN)
     compiled = compile_step(tr)
+    assert FUSED in compiled.as_text()  # cuDNN's fused attention, forward and backward
     colls = gpu_program(compiled, tr.mesh)
     found = kinds(colls)
     assert ("collective-permute", ("pipe",)) in found  # activations between stages
@@ -123,10 +128,11 @@ def test_1f1b_p_on_packed_documents(gpu_target):
     assert ("collective-permute", ("pipe",)) in found and ("all-reduce", ("tensor",)) in found
 
 
-def test_zero_bubble_with_zero1_and_lora(gpu_target):
+def test_zero_bubble_with_zero1_lora_and_cudnn_attention(gpu_target):
     tr = trainer(gpu_target, "cpu8", *mesh(4, 2, 1, microbatches=2), "model.layers=2", "parallel.schedule=zb-h1",
-                 "parallel.chunks=1", "parallel.zero=1", "train.lora.rank=4", "train.lora.alpha=8")
+                 "parallel.chunks=1", "parallel.zero=1", "train.lora.rank=4", "train.lora.alpha=8", *CUDNN)
     compiled = compile_step(tr)
+    assert FUSED in compiled.as_text()
     colls = gpu_program(compiled, tr.mesh)
     assert ("collective-permute", ("pipe",)) in kinds(colls)
     # Only the adapters train: what ZeRO-1 reduce-scatters over data is a small part of the model.
