@@ -43,7 +43,8 @@ fp32), keeps the causal mask beside each layer's kept probabilities, and its zb-
 two fp32 residual-stream arrays per layer beyond the projections' boundary. These are the only terms
 that differ; ``tests/test_step_memory.py`` and ``benchmarks/memory_at_scale.py`` hold the ``cpu``
 figures to XLA:CPU's compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B, and the ``gpu`` figures
-to XLA:GPU's for compile-only H100s (``benchmarks/2026-11-29-memory-at-scale-gpu.md``).
+to XLA:GPU's for compile-only H100s, with XLA's attention and cuDNN's fused one
+(``benchmarks/2026-11-29-memory-at-scale-gpu.md``).
 
 Pure Python: no JAX.
 """
