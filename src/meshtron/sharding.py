@@ -108,6 +108,19 @@ def same_layout(a: str, b: str) -> bool:
     return logical_to_spec((a,)) == logical_to_spec((b,))
 
 
+def divides(axis: str) -> bool:
+    """Whether the active rules split logical ``axis`` over more than one device of the current mesh
+    (any placement, outside a mesh). A model may choose a computation by it -- join kernels into one
+    matmul only where that saves a collective -- without naming a mesh axis."""
+    placed = logical_to_spec((axis,))[0]
+    if placed is None:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return True
+    return any(mesh.shape[a] > 1 for a in axis_names(placed) if a in mesh.axis_names)
+
+
 def logical_sharding(mesh: Mesh, axes: LogicalAxes, rules: Rules | None = None) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, rules))
 

@@ -45,7 +45,7 @@ from meshtron.models.layers import (
     with_added_output,
 )
 from meshtron.models.moe import MoE, MoEDims
-from meshtron.sharding import constrain, same_layout
+from meshtron.sharding import constrain, divides, same_layout
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Attention(nnx.Module):
         as one einsum, so the backward pass all-reduces one input gradient, as Megatron's fused QKV
         does; with replicated key/value heads they are separate einsums. What a layer hook adds to a
         projection's output (LoRA's rank-r terms) is added beside the joined matmul."""
-        if not same_layout("heads", "kv_heads"):
+        if not same_layout("heads", "kv_heads") or not divides("heads"):
             return self.wq(x), self.wk(x), self.wv(x)
         wq, wk, wv = projection_kernel(self.wq), projection_kernel(self.wk), projection_kernel(self.wv)
         e, n, d = wq.shape
@@ -140,6 +140,9 @@ class MLP(nnx.Module):
         self.down = _projection("bsf,fe->bse", (f, h), ("mlp", "embed"), dims, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if not divides("mlp"):  # nothing to all-reduce: joining the kernels would only copy them
+            hidden = constrain(jax.nn.silu(self.gate(x)) * self.up(x), ("batch", "seq", "mlp"))
+            return self.down(hidden)
         # gate and up applied as one einsum over their stacked kernels (both split on ``mlp``: a local
         # stack), so the backward pass all-reduces one input gradient, as Megatron's fused projection;
         # what a layer hook adds to either output (LoRA's rank-r terms) is added beside it.
