@@ -56,3 +56,20 @@ def test_describe_compiles_for_the_target_and_prints_the_gpu_programs_figures(ca
     assert "XLA:GPU's buffer assignment" in out and "modelled (XLA:GPU)" in out
     collectives = out[out.index("collectives per mesh axis"):]
     assert "reduce-scatter      data" in collectives  # a real reduce-scatter, where XLA:CPU has all-reduce + slice
+
+
+@pytest.mark.slow
+def test_plan_prices_its_best_layout_from_the_compiled_gpu_program(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--config", "cpu8", "--gpus", "8", "--top", "2", "--target", "h100", "--compile-top", "1",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "cluster   h100-80gb: 8 GPUs" in printed  # the target's cluster prices the ranking
+    assert "the top 1 compiled for h100" in printed
+    compiled = json.loads(out.read_text())["compiled"]
+    assert compiled["target"] == "h100"
+    [row] = compiled["layouts"]
+    assert row["priced_by"] == "gpu program" and row["program_step_seconds"] > 0 and 0 < row["mfu"] < 1
+    assert row["analytical_step_seconds"] == json.loads(out.read_text())["ranked"][0]["step_seconds"]

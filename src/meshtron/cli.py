@@ -134,8 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, metavar="FILE|NAME",
                       help="the model: a YAML file or a bundled config (e.g. paper/gpt_1t); its mesh is ignored")
     plan.add_argument("--gpus", type=int, required=True, metavar="N")
-    plan.add_argument("--cluster", default="a100-80gb", metavar="NAME|FILE",
-                      help="a100-80gb (default), h100-80gb, a100-ethernet, or a cluster YAML of your own")
+    plan.add_argument("--cluster", default=None, metavar="NAME|FILE",
+                      help="a100-80gb (default; with --target, the target's), h100-80gb, h200-141gb, a100-ethernet, "
+                           "or a cluster YAML of your own")
     plan.add_argument("--batch", type=int, metavar="B", help="global batch in sequences (default: train.batch_size)")
     plan.add_argument("--optimizer", choices=("adamw", "lamb", "onebit_lamb"),
                       help="the optimizer whose memory and exchange the ranking prices (default: train.optimizer)")
@@ -153,6 +154,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="split every sequence over C context ranks in every layout (default: the config's "
                            "parallel.context)")
     plan.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default 10)")
+    plan.add_argument("--target", choices=sorted(GPU_TARGETS), metavar="GPU",
+                      help="also compile the best --compile-top layouts for GPUs of this kind (h100, h200, a100; the "
+                           "gpu-compile extra) and price them from their programs; the cluster defaults to the target's")
+    plan.add_argument("--compile-top", type=int, default=3, metavar="K",
+                      help="with --target: how many of the best layouts to compile (default 3)")
     plan.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. model.layers=64")
     return parser
@@ -236,13 +242,26 @@ def _plan(args: argparse.Namespace) -> None:
     zero = args.zero if args.zero is not None else configured.train.zero
     if zero:
         gradients = dataclasses.replace(gradients, zero=zero)
+    if args.compile_top < 1:
+        raise ConfigError(f"--compile-top: must be >= 1, got {args.compile_top}")
+    cluster = args.cluster or (GPU_TARGETS[args.target].cluster if args.target else "a100-80gb")
     plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, batch,
-                     load_cluster(args.cluster), optimizer, modes,
+                     load_cluster(cluster), optimizer, modes,
                      freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), gradients=gradients,
                      context=context, sequence_parallel=configured.model.sequence_parallel)
     print(render(plan, args.top))
+    if args.target:
+        from meshtron.plan_on_target import price_on_target, priced_json, render_priced
+
+        prepare_environment()
+        priced = price_on_target(args.config, args.overrides, plan.result.ranked[:args.compile_top], args.target,
+                                 zero or 0)
+        print(render_priced(priced, args.target))
     if args.json:
-        Path(args.json).write_text(json.dumps(plan.to_dict(args.top), indent=2) + "\n")
+        written = plan.to_dict(args.top)
+        if args.target:
+            written["compiled"] = {"target": args.target, "layouts": priced_json(priced)}
+        Path(args.json).write_text(json.dumps(written, indent=2) + "\n")
         print(f"\njson      {args.json}")
 
 
