@@ -205,6 +205,9 @@ def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef,
           "MFU counts 6N + 12 L h s FLOPs per token)", file=out)
     for line in estimate.lines():
         print(f"  {line}", file=out)
+    if dict(mesh.shape).get("pipe", 1) > 1:
+        print("  a pipelined step: every pipeline slot is priced at its costliest branch, an upper bound (docs/gpu.md)",
+              file=out)
 
 
 def compiler_name(device) -> str:
