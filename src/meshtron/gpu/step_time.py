@@ -60,7 +60,13 @@ from dataclasses import dataclass, field
 from meshtron.errors import ConfigError
 from meshtron.gpu.targets import target as gpu_target
 from meshtron.hlo.collectives import MeshOrSizes, _axis_sizes, ring_wire_bytes
-from meshtron.hlo.schedule import CollectiveWindow, async_wrapped_computations, collective_windows, module_of
+from meshtron.hlo.schedule import (
+    CollectiveWindow,
+    async_wrapped_computations,
+    collective_windows,
+    computations_called_by,
+    module_of,
+)
 from meshtron.hlo.text import (
     STRING_LITERAL,
     ArrayShape,
@@ -226,13 +232,7 @@ def gemm_flops(program: object) -> float:
 
 
 def _fused_computations(module: HloModule) -> set[str]:
-    fused = set()
-    for computation in module.computations.values():
-        for instruction in computation.instructions:
-            if instruction.opcode == "fusion":
-                called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
-                if called:
-                    fused.add(called.group(1))
+    fused = computations_called_by(module, "fusion")
     # fusions nested in fusions
     changed = True
     while changed:

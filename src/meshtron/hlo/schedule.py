@@ -73,16 +73,21 @@ def is_sync(instruction: HloInstruction) -> bool:
     return bool(_IS_SYNC.search(instruction.attributes))
 
 
-def async_wrapped_computations(module: HloModule) -> set[str]:
-    """Computations an ``async-start`` wraps (run on another stream, not called in line)."""
-    wrapped = set()
+def computations_called_by(module: HloModule, opcode: str) -> set[str]:
+    """The computations the ``calls=`` of every ``opcode`` instruction of ``module`` names."""
+    called = set()
     for computation in module.computations.values():
         for instruction in computation.instructions:
-            if instruction.opcode == "async-start":
-                called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
-                if called:
-                    wrapped.add(called.group(1))
-    return wrapped
+            if instruction.opcode == opcode:
+                found = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
+                if found:
+                    called.add(found.group(1))
+    return called
+
+
+def async_wrapped_computations(module: HloModule) -> set[str]:
+    """Computations an ``async-start`` wraps (run on another stream, not called in line)."""
+    return computations_called_by(module, "async-start")
 
 
 def _wrapped_collective(instruction: HloInstruction, module: HloModule) -> HloInstruction | None:
