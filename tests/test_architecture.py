@@ -113,6 +113,7 @@ CROSS_FEATURE_CHECKS = {
     "context x the seq rule": ("splits every sequence over {CONTEXT!r}", "meshtron/train/data_shards.py"),
     "ring attention x uneven pipeline layout": ("RING_IN_PIPELINE)", RUN),
     "gather_once x zero level": ("gathers parameters split by parallel.zero=3", RUN),
+    "gather/reduce dtype x zero level": ("sets the dtypes of parameters gathered by parallel.zero=3", RUN),
     "1-bit LAMB x zero level": ("1-bit LAMB's error feedback compresses", RUN),
     "context x sequence parallelism": ("(the residual stream is split over both)", RUN),
 }

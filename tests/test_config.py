@@ -185,7 +185,7 @@ def test_what_meshtron_writes_is_the_parallel_section_and_reads_back_silently(tm
     cfg = load_config(CONFIGS / "cpu8.yaml", ["parallel.zero=1", "parallel.sequence_parallel=true"])
     written = to_dict(cfg)
     assert "mesh" not in written and "pipeline" not in written
-    assert not set(written["train"]) & {"microbatches", "zero", "gather_once"}
+    assert not set(written["train"]) & {"microbatches", "zero", "gather_once", "gather_dtype", "reduce_dtype"}
     assert not set(written["model"]) & {"sequence_parallel", "context_attention"}
     assert written["parallel"] == dataclasses.asdict(cfg.parallel)
     file = tmp_path / "run.yaml"

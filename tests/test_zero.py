@@ -58,6 +58,9 @@ def test_a_leaf_is_split_along_its_largest_free_dimension_that_data_divides():
     ("parallel.zero=2", "parallel.zero: must be 0 (replicated), 1 (optimizer state split over data) or 3"),
     ("parallel.gather_once=true", ("parallel.gather_once: gathers parameters split by parallel.zero=3, and this run has "
                                "parallel.zero=0")),
+    ("parallel.reduce_dtype=bfloat16", ("parallel.reduce_dtype: sets the dtypes of parameters gathered by "
+                                        "parallel.zero=3, and this run has parallel.zero=0")),
+    ("parallel.gather_dtype=int8", "parallel.gather_dtype: must be one of"),
 ])
 def test_bad_zero_settings_are_one_line(override, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
@@ -113,6 +116,22 @@ def test_a_users_model_trains_alike_at_every_zero_level(monkeypatch):
     reference = run()
     for zero in (["parallel.zero=1"], ["parallel.zero=3"]):
         np.testing.assert_allclose(run(*zero).losses, reference.losses, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_zero3_of_a_bf16_model_gathers_in_bf16_and_trains_like_replicated_state():
+    """A bf16 model held in fp32 computes with bf16 weights at every zero level, so gathering them in
+    bf16 (the default at zero=3) changes no matrix product: the losses agree to bf16's precision;
+    ``parallel.gather_dtype=float32`` gathers the parameters as held, like zero=0 to fp32 rounding."""
+    layout = [*mesh(4, 1, 2), "model.family=llama", "model.kv_heads=4", "model.dtype=bfloat16", "train.steps=3"]
+    reference = trainer(*layout).run()
+    as_held = trainer(*layout, "parallel.zero=3", "parallel.gather_dtype=float32").run()
+    np.testing.assert_allclose(as_held.losses, reference.losses, rtol=1e-5)
+    for zero in (["parallel.zero=3"], ["parallel.zero=3", "parallel.gather_once=true"],
+                 ["parallel.zero=3", "parallel.reduce_dtype=bfloat16"]):
+        result = trainer(*layout, *zero).run()
+        np.testing.assert_allclose(result.losses, reference.losses, rtol=2e-2, err_msg=str(zero))
+        assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype, result.params, reference.params)))
 
 
 # ---- memory and traffic of the compiled step ----------------------------------------------------------

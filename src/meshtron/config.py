@@ -178,6 +178,8 @@ class TrainConfig:
     init_optimizer: bool = False  # with init_from: also its optimizer state and position (continue that run)
     zero: int = 0  # split over data: 0 nothing, 1 optimizer state (distributed optimizer), 3 also parameters (FSDP)
     gather_once: bool = False  # zero=3: gather parameters once per step, not each layer's before each use
+    gather_dtype: str | None = None  # zero=3: the dtype parameters are gathered in (null: model.dtype)
+    reduce_dtype: str | None = None  # zero=3: the dtype their gradients are reduced in (null: model.param_dtype)
     lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters on a frozen model (rank 0: off)
 
 
@@ -316,6 +318,11 @@ class ParallelConfig:
     microbatches: int = 1  # per data shard, each step
     zero: int = 0  # split over data: 0 nothing, 1 optimizer state (distributed optimizer), 3 also parameters (FSDP)
     gather_once: bool = False  # zero=3: gather parameters once per step, not each layer's before each use
+    # zero=3's mixed precision (torchtitan's FSDP MixedPrecisionPolicy): parameters are gathered in
+    # gather_dtype (null: model.dtype, the compute dtype, so a bf16 model gathers half the bytes) and the
+    # gradients of what was gathered are reduce-scattered in reduce_dtype (null: model.param_dtype).
+    gather_dtype: str | None = None
+    reduce_dtype: str | None = None
     sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
     # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered) or ring
     # (blocks passed around, two resident at a time). Ignored with parallel.context=1.
@@ -326,7 +333,8 @@ class ParallelConfig:
 ALIASES: dict[str, str] = {
     **{f"mesh.{name}": f"parallel.{name}" for name in ("data", "pipe", "tensor", "context")},
     **{f"pipeline.{name}": f"parallel.{name}" for name in ("schedule", "chunks", "layout", "recompute")},
-    **{f"train.{name}": f"parallel.{name}" for name in ("microbatches", "zero", "gather_once")},
+    **{f"train.{name}": f"parallel.{name}"
+       for name in ("microbatches", "zero", "gather_once", "gather_dtype", "reduce_dtype")},
     **{f"model.{name}": f"parallel.{name}" for name in ("sequence_parallel", "context_attention")},
 }
 
@@ -653,6 +661,9 @@ def validate(cfg: Config) -> None:
           "must be >= 0 (0 disables clipping) or null for the optimizer's default")
     _need(t.weight_decay >= 0, "train.weight_decay", "must be >= 0")
     _need(t.optimizer in OPTIMIZERS, "train.optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}")
+    for name in ("gather_dtype", "reduce_dtype"):
+        _need(getattr(t, name) is None or getattr(t, name) in DTYPES, f"parallel.{name}",
+              f"must be one of {DTYPES} or null, got {getattr(t, name)!r}")
     _need(t.zero in (0, 1, 3), "parallel.zero",
           f"must be 0 (replicated), 1 (optimizer state split over data) or 3 (parameters too), got {t.zero!r}")
     _need(

@@ -52,11 +52,15 @@ class MeshSizes:
 class ZeroChoice:
     """What ``parallel.zero`` splits over the gradient group: ``level`` 0 nothing, 1 the optimizer state
     (the distributed optimizer), 3 the parameters too (FSDP); ``gather_once`` (level 3): each
-    parameter gathered once per step, not before each use. The JAX side lays it out on a mesh
-    (:meth:`meshtron.optim.zero.ZeroPlan.for_mesh`)."""
+    parameter gathered once per step, not before each use; ``gather_dtype`` and ``reduce_dtype``
+    (level 3): what the gathered parameters and their gradients' reduce-scatter are cast to, resolved
+    (``parallel.gather_dtype`` or ``model.dtype``, ``parallel.reduce_dtype`` or ``model.param_dtype``).
+    The JAX side lays it out on a mesh (:meth:`meshtron.optim.zero.ZeroPlan.for_mesh`)."""
 
     level: int = 0
     gather_once: bool = False
+    gather_dtype: str = "float32"
+    reduce_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ class Run:
 
     @property
     def zero(self) -> ZeroChoice:
-        return ZeroChoice(self.cfg.train.zero, self.cfg.train.gather_once)
+        t, m = self.cfg.train, self.cfg.model
+        return ZeroChoice(t.zero, t.gather_once, t.gather_dtype or m.dtype, t.reduce_dtype or m.param_dtype)
 
     @property
     def pipeline(self) -> PipelinePlan | None:
@@ -141,6 +146,10 @@ def check_features(cfg: Config) -> None:
     _need(not t.gather_once or t.zero == 3, "parallel.gather_once",
           f"gathers parameters split by parallel.zero=3, and this run has parallel.zero={t.zero}; set "
           "parallel.zero=3 or drop it")
+    for name in ("gather_dtype", "reduce_dtype"):
+        _need(getattr(t, name) is None or t.zero == 3, f"parallel.{name}",
+              f"sets the dtypes of parameters gathered by parallel.zero=3, and this run has parallel.zero={t.zero}; "
+              "set parallel.zero=3 or drop it")
     _need(t.zero == 0 or t.optimizer != "onebit_lamb", "parallel.zero",
           "1-bit LAMB's error feedback compresses each worker's whole local momentum (its server error is "
           "already split over data), and splitting the rest would cost more than the compression saves: an fp32 "

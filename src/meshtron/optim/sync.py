@@ -140,8 +140,8 @@ class GatheredOnce(_Sharded):
     parameter memory while the step runs), the gradient reduce-scattered."""
 
     def reduced(self, differentiate, params, trainable, reduction_state):
-        loss, grads = differentiate(self.plan.gather(params), self.local_leaves)
-        grads = self.plan.scatter_mean(grads)
+        loss, grads = differentiate(self.plan.gather(params, for_compute=True), self.local_leaves)
+        grads = self.plan.scatter_mean(grads, like=trainable)
         return Reduced(loss, grads, trainable, reduction_state, self.norm(grads))
 
 
@@ -152,10 +152,10 @@ class PerLayer(_Sharded):
 
     def reduced(self, differentiate, params, trainable, reduction_state):
         plan = self.plan
-        whole = plan.gather(params, keep=STACKED_LAYERS)
+        whole = plan.gather(params, keep=STACKED_LAYERS, for_compute=True)
         local = jax.tree.map(lambda split, own: split or own, plan.arrives_split(STACKED_LAYERS), self.local_leaves)
         loss, grads = differentiate(whole, local, plan.layer_view())
-        grads = plan.scatter_mean(grads, summed=STACKED_LAYERS)
+        grads = plan.scatter_mean(grads, summed=STACKED_LAYERS, like=trainable)
         return Reduced(loss, grads, trainable, reduction_state, self.norm(grads))
 
 

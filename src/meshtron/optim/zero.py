@@ -74,10 +74,18 @@ class ZeroPlan:
     axis: str | tuple[str, ...] = "data"  # one mesh axis, or the group data x context
     native: Any = None  # a tree of bools: leaves the parameters' own layout splits over ``axis``
     gather_once: bool = False  # level 3: gather the parameters once when a step starts, not each layer as it runs
+    gather_dtype: str | None = None  # level 3: floating leaves are gathered cast to this (None: as held)
+    reduce_dtype: str | None = None  # level 3: their gradients are reduce-scattered in this (None: as held)
+    # Whether the backend's collectives reduce in a dtype narrower than fp32. XLA:CPU does not: it promotes
+    # them to fp32 (its AllReducePromotion), and that pass aborts on the reducers JAX emits under a mesh, so
+    # on CPU the same arithmetic is written out (:func:`_reduced_as`).
+    narrow_reductions: bool = True
 
     @classmethod
     def build(cls, level: int, shapes: Any, specs: Any, stacked: Any, size: int,
-              axis: str | tuple[str, ...] = "data", *, gather_once: bool = False) -> ZeroPlan:
+              axis: str | tuple[str, ...] = "data", *, gather_once: bool = False,
+              gather_dtype: str | None = None, reduce_dtype: str | None = None,
+              narrow_reductions: bool = True) -> ZeroPlan:
         """The plan for parameters of ``shapes`` laid out by ``specs`` (``PartitionSpec`` s or
         shardings) on a mesh whose ``axis`` has ``size`` devices; ``stacked`` marks leaves with a
         leading ``layers`` axis."""
@@ -98,16 +106,18 @@ class ZeroPlan:
         nbytes = tuple(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in leaves)
         native = treedef.unflatten([size > 1 and splits_over(spec, axis) for spec in spec_leaves])
         return cls(level, size, treedef.unflatten(dims), treedef.unflatten(spec_leaves), tuple(leaf_names(shapes)),
-                   nbytes, axis, native, gather_once)
+                   nbytes, axis, native, gather_once, gather_dtype, reduce_dtype, narrow_reductions)
 
     @classmethod
-    def for_mesh(cls, level: int, shapes: Any, specs: Any, stacked: Any, mesh, *, gather_once: bool = False) -> ZeroPlan:
+    def for_mesh(cls, level: int, shapes: Any, specs: Any, stacked: Any, mesh, *, gather_once: bool = False,
+                 gather_dtype: str | None = None, reduce_dtype: str | None = None) -> ZeroPlan:
         """:meth:`build` over ``mesh``'s gradient group (:func:`meshtron.sharding.gradient_axes`: data,
         and context when sequences are split -- Megatron's distributed optimizer over data x context).
-        ``level`` and ``gather_once``: a run's choice (:class:`meshtron.run.ZeroChoice`, ``Run.zero``)."""
+        ``level``, ``gather_once`` and the dtypes: a run's choice (:class:`meshtron.run.ZeroChoice`, ``Run.zero``)."""
         axis = gradient_axes(mesh.shape)
         return cls.build(level, shapes, specs, stacked, math.prod(mesh.shape[a] for a in axis_names(axis)), axis,
-                         gather_once=gather_once)
+                         gather_once=gather_once, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype,
+                         narrow_reductions=_platform(mesh) != "cpu")
 
     @property
     def active(self) -> bool:
@@ -200,36 +210,57 @@ class ZeroPlan:
 
         return self._map(take, tree)
 
-    def scatter_mean(self, grads: Any, summed: frozenset[str] = frozenset()) -> Any:
+    def scatter_mean(self, grads: Any, summed: frozenset[str] = frozenset(), *, like: Any = None) -> Any:
         """Local gradients averaged over ``axis``, each rank receiving its share of the split leaves
         (one reduce-scatter each) and the whole of the others (an all-reduce).
 
         ``summed``: top-level keys whose split leaves arrive already reduce-scattered -- the gradient
         of a layer gathered by :meth:`layer_view` is its all-gather's transpose -- and are only
-        divided by the number of ranks."""
+        divided by the number of ranks. ``like``: the parameters (a tree of arrays or shapes) when the
+        gradients are those of parameters gathered for compute (:meth:`gather` with ``for_compute``,
+        :meth:`layer_view`): each reduction then runs in ``reduce_dtype`` and its result has the
+        parameter's dtype."""
+        dtypes = (jax.tree.map(lambda d: None, self.dims, is_leaf=lambda x: x is None) if like is None else
+                  jax.tree.map(lambda p: None if p is None else jnp.dtype(p.dtype), like, is_leaf=lambda x: x is None))
 
         def reduce(g, how):
-            dim, arrived_summed, own = how
-            if own:
+            dim, arrived_summed, own, dtype = how
+            if own or (arrived_summed and dim is not None):
                 return g / self.size
+            if dtype is None:
+                wire = None
+            else:
+                wire = _wire_dtype(g, self.reduce_dtype)
+                g = g.astype(wire)
             if dim is None:
-                return jax.lax.pmean(g, self.axis)
-            if arrived_summed:
-                return g / self.size
-            return jax.lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True) / self.size
+                out = _reduced_as(lambda v: jax.lax.pmean(v, self.axis), g, self.narrow_reductions)
+            else:
+                out = _reduced_as(lambda v: jax.lax.psum_scatter(v, self.axis, scatter_dimension=dim, tiled=True), g,
+                                  self.narrow_reductions) / self.size
+            return out if dtype is None else out.astype(dtype)
 
         native = self.native_flags()
-        how = {k: jax.tree.map(lambda d, own, _k=k: (d, _k in summed, own), v, native[k], is_leaf=lambda x: x is None)
+        how = {k: jax.tree.map(lambda d, own, dt, _k=k: (d, _k in summed, own, dt), v, native[k], dtypes[k],
+                               is_leaf=lambda x: x is None)
                for k, v in self.dims.items()}
         return self._map(reduce, grads, dims=how)
 
-    def gather(self, tree: Any, keep: frozenset[str] = frozenset()) -> Any:
+    def gather(self, tree: Any, keep: frozenset[str] = frozenset(), *, for_compute: bool = False) -> Any:
         """Whole leaves from every rank's share (an all-gather each); the result is the same on every
-        rank. Leaves under the top-level keys ``keep`` stay as they are (split)."""
+        rank. Leaves under the top-level keys ``keep`` stay as they are (split). ``for_compute``: the
+        leaves are gathered to be computed with, so they cross the wire in ``gather_dtype`` (and are
+        held again in their own dtype, in which their gradients then accumulate over microbatches);
+        otherwise they are the parameters themselves, sent as held."""
         dims = {k: jax.tree.map(lambda d: None, v, is_leaf=lambda x: x is None) if k in keep else v
                 for k, v in self.dims.items()}
-        return self._map(lambda x, dim: x if dim is None else
-                         jax.lax.all_gather(x, self.axis, axis=dim, tiled=True, to="invarying"), tree, dims=dims)
+
+        def gather(x, dim):
+            if dim is None:
+                return x
+            wire = _cast(x, self.gather_dtype) if for_compute else x
+            return jax.lax.all_gather(wire, self.axis, axis=dim, tiled=True, to="invarying").astype(x.dtype)
+
+        return self._map(gather, tree, dims=dims)
 
     def arrives_split(self, keep: frozenset[str]) -> Any:
         """``True`` for the leaves :meth:`gather` with ``keep`` leaves split (a tree like the parameters)."""
@@ -243,13 +274,16 @@ class ZeroPlan:
         Its transpose reduce-scatters the layer's gradient as the backward pass makes it. The backward
         gathers the layer again -- the layer is recomputed whole (``model.remat=full``) or keeps only
         its matrix products (:func:`meshtron.models.blocks.regathered`) -- so a layer's whole
-        parameters live only while it runs, forward and backward."""
+        parameters live only while it runs, forward and backward. Floating leaves cross the wire
+        in ``gather_dtype`` and their gradients in ``reduce_dtype`` (:func:`_all_gather_cast`)."""
         dims = jax.tree.map(lambda d: None if d is None else d - 1, self.dims[key], is_leaf=lambda x: x is None)
         specs = jax.tree.map(lambda p: P(*tuple(p)[1:]), self.param_specs[key], is_leaf=lambda x: isinstance(x, P))
 
         def gather(layer):
             return self._map(lambda x, dim: x if dim is None else
-                             jax.lax.all_gather(x, self.axis, axis=dim, tiled=True), layer, dims=dims, specs=specs)
+                             _all_gather_cast(x, self.axis, dim, _wire_dtype(x, self.gather_dtype),
+                                              _wire_dtype(x, self.reduce_dtype), self.narrow_reductions),
+                             layer, dims=dims, specs=specs)
 
         return gather
 
@@ -261,3 +295,57 @@ class ZeroPlan:
         flags = self.split_flags() if split is None else split
         return jax.tree.map(lambda s, f: jax.lax.psum(s, self.axis) if f and s is not None else s, squares, flags,
                             is_leaf=lambda x: x is None)
+
+
+def _platform(mesh) -> str | None:
+    """The platform of ``mesh``'s devices (None for an abstract mesh)."""
+    devices = getattr(mesh, "devices", None)
+    return None if devices is None else devices.flat[0].platform
+
+
+def _wire_dtype(x: jax.Array, dtype: str | None) -> Any:
+    """The dtype a leaf crosses the wire in: ``dtype`` for a floating leaf, else its own."""
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x.dtype
+    return jnp.dtype(dtype)
+
+
+def _cast(x: jax.Array, dtype: str | None) -> jax.Array:
+    return x.astype(_wire_dtype(x, dtype))
+
+
+def _reduced_as(reduce: Any, x: jax.Array, narrow: bool) -> jax.Array:
+    """``reduce(x)``, a sum over ranks, with ``x``'s dtype. Where the backend has no ``narrow`` reductions
+    and ``x`` is narrower than fp32: summed in fp32 and rounded back, the arithmetic XLA:CPU's own
+    promotion would do."""
+    if narrow or jnp.dtype(x.dtype).itemsize >= 4:
+        return reduce(x)
+    return reduce(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def _all_gather_cast(x: jax.Array, axis: str | tuple[str, ...], dim: int, gather_dtype: Any, reduce_dtype: Any,
+                     narrow_reductions: bool = True) -> jax.Array:
+    """``x`` gathered whole over ``axis`` along ``dim`` in ``gather_dtype``; the transpose reduce-scatters
+    the cotangent in ``reduce_dtype`` and returns it in ``x``'s dtype.
+
+    Autodiff of a cast then a gather would reduce-scatter in the gathered dtype: a bf16 gather would
+    force a bf16 gradient reduction. Gathering in the compute dtype halves the forward's (and the
+    recomputing backward's) bytes for an fp32-held model, while summing a layer's gradient over many
+    ranks in fp32 keeps its low bits (torchtitan's FSDP ``param_dtype`` / ``reduce_dtype``)."""
+    if gather_dtype == x.dtype and reduce_dtype == x.dtype:
+        return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+    @jax.custom_vjp
+    def gathered(share):
+        return jax.lax.all_gather(share.astype(gather_dtype), axis, axis=dim, tiled=True)
+
+    def forward(share):
+        return gathered(share), None
+
+    def backward(_, cotangent):
+        reduced = _reduced_as(lambda v: jax.lax.psum_scatter(v, axis, scatter_dimension=dim, tiled=True),
+                              cotangent.astype(reduce_dtype), narrow_reductions)
+        return (reduced.astype(x.dtype),)
+
+    gathered.defvjp(forward, backward)
+    return gathered(x)

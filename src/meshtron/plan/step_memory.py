@@ -137,6 +137,8 @@ class StepRun:
     optimizer: str = "adamw"
     param_bytes: int = 4
     compute_bytes: int = 2
+    gather_bytes: int = 4  # zero=3: a gathered parameter's bytes (parallel.gather_dtype)
+    reduce_bytes: int = 4  # zero=3: a gathered parameter's gradient's bytes as it is reduced (parallel.reduce_dtype)
     attention: str = "xla"
 
     @classmethod
@@ -153,7 +155,8 @@ class StepRun:
             residual_slots=program.residual_slots if program is not None else 0,
             remat=m.remat, sequence_parallel=m.sequence_parallel and mesh.tensor > 1, zero=t.zero,
             gather_once=t.gather_once, optimizer=t.optimizer, param_bytes=_itemsize(m.param_dtype),
-            compute_bytes=_itemsize(m.dtype), attention=m.attention)
+            compute_bytes=_itemsize(m.dtype), gather_bytes=_itemsize(t.gather_dtype or m.dtype),
+            reduce_bytes=_itemsize(t.reduce_dtype or m.param_dtype), attention=m.attention)
 
 
 def _itemsize(dtype: str) -> int:
@@ -251,10 +254,11 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     parameters = stage / d if run.zero == 3 else stage
     optimizer = _optimizer_bytes(run, trained)
     # (at zero=3 the gathered weights are counted here too: one layer's, or the whole stage's gathered once)
+    gathered = run.gather_bytes / run.param_bytes  # a gathered weight's bytes per held byte
     if run.zero == 3 and not run.gather_once:
-        gradients = 2 * trained / d + layer_bytes + trained_layer
+        gradients = 2 * trained / d + layer_bytes * gathered + trained_layer * run.reduce_bytes / run.param_bytes
     elif run.zero == 3:
-        gradients = stage + 2 * trained
+        gradients = stage + 2 * trained  # (gathered in gather_dtype, held in the parameters' own)
     else:
         gradients = 2 * trained
 
