@@ -350,10 +350,28 @@ def compile_meshtron_h100(spec: dict) -> dict:
             "memory": {f: int(getattr(memory, f"{f}_size_in_bytes")) for f in ("argument", "output", "temp", "alias")}}
 
 
+def meshtron_ticks(record: dict):
+    """The tick table of a pipelined meshtron record (its config and overrides resolved on its devices;
+    nothing compiled), so its estimate prices each tick at the slots its stages run; None for MaxText's
+    programs, an unpipelined layout, or a meshtron source without per-tick pricing."""
+    if record["library"] != "meshtron":
+        return None
+    try:
+        from meshtron.gpu.pipeline_ticks import tick_table
+    except ImportError:
+        return None
+    from meshtron.config import load_config
+    from meshtron.run import resolve_run
+
+    run = resolve_run(load_config(record["model"].split("_h100")[0], record["overrides"]), record["devices"])
+    return None if run.program is None else tick_table(run.program)
+
+
 def analyze_h100(records: list[dict], target: str) -> list[dict]:
     """(Run under the gpu-compile stack.) Collective bytes per mesh axis of each compiled program, and
     its estimated step time when ``meshtron.gpu.step_time`` is there: GEMM efficiency fitted on the
-    first record with a published step time (MaxText's 7B), then used for every program."""
+    first record with a published step time (MaxText's 7B), then used for every program; a pipelined
+    meshtron program priced tick by tick (:func:`meshtron_ticks`)."""
     from meshtron.hlo.collectives import bytes_by_axes, collectives
 
     try:
@@ -381,8 +399,11 @@ def analyze_h100(records: list[dict], target: str) -> list[dict]:
                       "causal_attention_flops_per_step": r.get("attention_flops_per_step", 0.0)}
             if fitted is not None:
                 kwargs["gemm_efficiency"] = getattr(fitted, "gemm_efficiency", fitted)
+            ticks = meshtron_ticks(r)
+            if ticks is not None:
+                kwargs["ticks"] = ticks
             estimate = step_time.estimate_step(texts[r["hlo"]], r["mesh_sizes"], target, **kwargs)
-            figures.update(estimated_step_seconds=estimate.seconds,
+            figures.update(estimated_step_seconds=estimate.seconds, estimated_per_tick=getattr(estimate, "per_tick", False),
                            estimated_tokens_per_s_per_gpu=estimate.tokens_per_s_per_gpu, estimated_mfu=estimate.mfu)
             figures.update(gemm_efficiency=estimate.gemm_efficiency, estimated_compute_seconds=estimate.compute_seconds,
                            estimated_memory_seconds=estimate.memory_seconds,

@@ -171,6 +171,110 @@ def test_bad_gemm_efficiency_is_one_config_error():
 
 
 # --------------------------------------------------------------------------------------------------
+# A pipelined program priced per tick
+# --------------------------------------------------------------------------------------------------
+
+_SLOT = 'metadata={op_name="jit(train)/shard_map/while/body/eval_jaxpr/pipeline_%s/cond"}'
+# Two ticks in a loop (forward, backward each), a third unrolled (forward). A forward's run branch
+# squares a 512x512 f32 array (3 MiB moved); a backward's squares it and holds a nested cond (not a slot)
+# that squares it again; skipping is free.
+PIPELINED = f"""HloModule jit_train, is_scheduled=true
+
+%run_f (a: f32[512,512]) -> f32[512,512] {{
+  %a = f32[512,512]{{1,0}} parameter(0)
+  ROOT %fa = f32[512,512]{{1,0}} multiply(%a, %a)
+}}
+
+%skip (k: f32[512,512]) -> f32[512,512] {{
+  ROOT %k = f32[512,512]{{1,0}} parameter(0)
+}}
+
+%run_b (c: f32[512,512]) -> f32[512,512] {{
+  %c = f32[512,512]{{1,0}} parameter(0)
+  %bc = f32[512,512]{{1,0}} multiply(%c, %c)
+  %always = pred[] constant(true)
+  ROOT %inner = f32[512,512]{{1,0}} conditional(%always, %bc, %bc), true_computation=%run_f, false_computation=%skip, metadata={{op_name="jit(train)/shard_map/while/body/eval_jaxpr/pipeline_backward/cond/branch_1_fun/cond"}}
+}}
+
+%tick (state: (s32[], f32[512,512])) -> (s32[], f32[512,512]) {{
+  %state = (s32[], f32[512,512]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = f32[512,512]{{1,0}} get-tuple-element(%state), index=1
+  %turn = pred[] constant(true)
+  %fwd = f32[512,512]{{1,0}} conditional(%turn, %x, %x), true_computation=%run_f, false_computation=%skip, {_SLOT % "forward"}
+  %bwd = f32[512,512]{{1,0}} conditional(%turn, %fwd, %fwd), true_computation=%run_b, false_computation=%skip, {_SLOT % "backward"}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[512,512]{{1,0}}) tuple(%next, %bwd)
+}}
+
+%more (cstate: (s32[], f32[512,512])) -> pred[] {{
+  %cstate = (s32[], f32[512,512]{{1,0}}) parameter(0)
+  %ci = s32[] get-tuple-element(%cstate), index=0
+  %two = s32[] constant(2)
+  ROOT %lt = pred[] compare(%ci, %two), direction=LT
+}}
+
+ENTRY %main (x: f32[512,512]) -> f32[512,512] {{
+  %x = f32[512,512]{{1,0}} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[512,512]{{1,0}}) tuple(%zero, %x)
+  %ticks = (s32[], f32[512,512]{{1,0}}) while(%init), condition=%more, body=%tick, backend_config={{"known_trip_count":{{"n":"2"}}}}
+  %y = f32[512,512]{{1,0}} get-tuple-element(%ticks), index=1
+  %index = s32[] constant(1)
+  ROOT %last = f32[512,512]{{1,0}} conditional(%index, %y, %y), branch_computations={{%skip, %run_f}}, {_SLOT % "forward"}
+}}
+"""
+PIPE = {"pipe": 2}
+
+
+def _table(*slots):
+    from meshtron.gpu.slots import Slot, TickTable
+
+    return TickTable(tuple(Slot(tick, kind, runs) for tick, kind, runs in slots))
+
+
+# tick 0: stage 0 forwards; tick 1: stage 1 forwards while stage 0 runs a backward; tick 2: nobody forwards
+TICKS = _table((0, "forward", (True, False)), (0, "backward", (False, False)),
+               (1, "forward", (False, True)), (1, "backward", (True, False)), (2, "forward", (False, False)))
+
+
+def test_a_pipelined_program_is_priced_per_tick_at_its_slowest_stage():
+    from meshtron.gpu.step_time import slot_seconds
+
+    square = 3 * 512 * 512 * 4 / (H100.hbm_gbps * 1e9 * H100.memory_efficiency)
+    forward, backward = square, 2 * square  # the backward's nested cond priced at its costliest branch
+    branches = slot_seconds(PIPELINED, PIPE, "h100", TICKS)
+    assert [run for run, _ in branches] == pytest.approx([forward, backward, forward, backward, forward])
+    assert [skip for _, skip in branches] == [0.0] * 5
+    plain = estimate_step(PIPELINED, PIPE, "h100", tokens_per_step=1, model_flops_per_step=1.0)
+    ticked = estimate_step(PIPELINED, PIPE, "h100", tokens_per_step=1, model_flops_per_step=1.0, ticks=TICKS)
+    assert not plain.per_tick and ticked.per_tick
+    # costliest branches: 3 forwards + 2 backwards; per tick: tick 0 a forward, tick 1 stage 0's backward
+    # (its slots cost more than stage 1's forward), tick 2 nothing
+    assert plain.seconds - ticked.seconds == pytest.approx(2 * forward + backward)
+    assert plain.memory_seconds - ticked.memory_seconds == pytest.approx(2 * forward + backward)
+    assert ticked.seconds == pytest.approx(ticked.compute_seconds + ticked.memory_seconds
+                                           + ticked.exposed_communication_seconds)
+
+
+def test_a_tick_table_that_is_not_the_programs_is_one_config_error():
+    with pytest.raises(ConfigError, match="ticks: the program runs 5 pipeline slot conditionals and the tick table "
+                                          "has 4 slots"):
+        estimate_step(PIPELINED, PIPE, "h100", tokens_per_step=1, model_flops_per_step=1.0,
+                      ticks=_table(*((s.tick, s.kind, s.runs) for s in TICKS.slots[:4])))
+    swapped = _table(*((s.tick, {"forward": "backward", "backward": "forward"}[s.kind], s.runs) for s in TICKS.slots))
+    with pytest.raises(ConfigError, match="ticks: the program's slot 0 .* is a forward and the table's a backward"):
+        estimate_step(PIPELINED, PIPE, "h100", tokens_per_step=1, model_flops_per_step=1.0, ticks=swapped)
+
+
+def test_a_tick_table_changes_nothing_in_a_program_without_slots():
+    plain = estimate_step(SCHEDULED, SIZES, "h100", tokens_per_step=1, model_flops_per_step=1.0)
+    ticked = estimate_step(SCHEDULED, SIZES, "h100", tokens_per_step=1, model_flops_per_step=1.0, ticks=TICKS)
+    assert ticked == plain and not ticked.per_tick
+
+
+# --------------------------------------------------------------------------------------------------
 # A program XLA:GPU compiled
 # --------------------------------------------------------------------------------------------------
 
@@ -272,3 +376,47 @@ def test_slices_of_a_stacked_buffer_move_only_the_slice():
     layer = 64 * 128 * 2
     moved = (layer + 4 + layer) + (layer + 4 + layer)  # read a slice (and the index), write a layer; in place
     assert estimate.memory_seconds == pytest.approx(moved / (H100.hbm_gbps * 1e9 * H100.memory_efficiency))
+
+
+_PIPELINED_OVERRIDES = ["parallel.data=4", "parallel.pipe=2", "parallel.tensor=1", "parallel.chunks=1",
+                        "parallel.microbatches=2", "model.layers=2", "train.batch_size=8", "model.seq_len=64"]
+
+
+@pytest.fixture(scope="module", params=["1f1b", "zb-h1"])
+def compiled_pipelined_program(request):
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="compiling for a GPU target needs the gpu-compile extra")
+    from meshtron.config import load_config
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config("llama_cpu8", [*_PIPELINED_OVERRIDES, f"parallel.schedule={request.param}"])
+    trainer = Trainer.from_config(cfg, target="h100", read_data=False)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    compiled = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0])
+    return trainer.resolved, dict(trainer.mesh.shape), compiled.as_text()
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_a_compiled_pipeline_is_priced_per_tick_from_its_branches(compiled_pipelined_program):
+    from meshtron.gpu.pipeline_ticks import tick_table
+    from meshtron.gpu.slots import slot_conditionals
+    from meshtron.gpu.step_time import slot_seconds
+    from meshtron.hlo.schedule import module_of
+
+    run, sizes, text = compiled_pipelined_program
+    ticks = tick_table(run.program)
+    # every slot the runtime traced is one named conditional, executed in the table's order
+    assert [c.kind for c in slot_conditionals(module_of(text))] == [slot.kind for slot in ticks.slots]
+    branches = slot_seconds(text, sizes, "h100", ticks)
+    assert all(work > skip for work, skip in branches)  # the true branch runs the stage
+    plain = estimate_step(text, sizes, "h100", tokens_per_step=1, model_flops_per_step=1.0)
+    ticked = estimate_step(text, sizes, "h100", tokens_per_step=1, model_flops_per_step=1.0, ticks=ticks)
+    by_tick: dict[int, list[int]] = {}
+    for index, slot in enumerate(ticks.slots):
+        by_tick.setdefault(slot.tick, []).append(index)
+    slowest_stages = sum(max(sum(branches[k][0] if ticks.slots[k].runs[stage] else branches[k][1] for k in indices)
+                             for stage in range(ticks.stages)) for indices in by_tick.values())
+    costliest = sum(max(work, skip) for work, skip in branches)
+    assert ticked.per_tick and not plain.per_tick
+    assert ticked.seconds == pytest.approx(plain.seconds - costliest + slowest_stages, rel=1e-9)
+    assert ticked.seconds < plain.seconds

@@ -187,9 +187,12 @@ def bytes_per_device(shapes, shardings) -> float:
                      for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)))
 
 
-def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef, params: int, out) -> None:
+def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef, params: int, out,
+                   run: Run | None = None) -> None:
     """The GPU program's overlap and estimated step time (:mod:`meshtron.gpu.step_time`): the
-    collectives each mesh axis hides under compute, tokens/s per GPU and MFU."""
+    collectives each mesh axis hides under compute, tokens/s per GPU and MFU. ``run``: the run the
+    program was compiled for; a pipelined one's tick table prices each tick at the slots its stages run."""
+    from meshtron.gpu.pipeline_ticks import tick_table
     from meshtron.gpu.step_time import estimate_step, model_flops
 
     m = cfg.model
@@ -199,13 +202,16 @@ def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef,
         params -= per_expert * (m.moe.experts - m.moe.top_k)
     flops, attention = model_flops(params=params, layers=model_def.layers, hidden=m.hidden, seq_len=m.seq_len,
                                    tokens=tokens)
+    ticks = tick_table(run.program) if run is not None and run.program is not None else None
     estimate = estimate_step(program, mesh, target, tokens_per_step=tokens, model_flops_per_step=flops,
-                             causal_attention_flops_per_step=attention)
+                             causal_attention_flops_per_step=attention, ticks=ticks)
     print("\nestimated step on the GPU program (meshtron.gpu.step_time: the schedule priced at the target's rates; "
           "MFU counts 6N + 12 L h s FLOPs per token)", file=out)
     for line in estimate.lines():
         print(f"  {line}", file=out)
-    if dict(mesh.shape).get("pipe", 1) > 1:
+    if estimate.per_tick:
+        print("  a pipelined step: each tick priced at the slots its slowest stage runs (docs/gpu.md)", file=out)
+    elif dict(mesh.shape).get("pipe", 1) > 1:
         print("  a pipelined step: every pipeline slot is priced at its costliest branch, an upper bound (docs/gpu.md)",
               file=out)
 
@@ -468,4 +474,4 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
         if split is not None and sizes.pipe == 1 and not trainer.steps.zero.active:
             print(split.measured(step.collectives), file=out)
         if target is not None:
-            print_estimate(program, trainer.mesh, target, cfg, model_def, total, out)
+            print_estimate(program, trainer.mesh, target, cfg, model_def, total, out, trainer.resolved)

@@ -52,6 +52,7 @@ def price_on_target(config: str, overrides: list[str], ranked: list, target: str
     for ``target`` and price its program; a layout that cannot be built or compiled keeps its analytical
     figure and says why, in one line."""
     from meshtron.errors import ConfigError
+    from meshtron.gpu.pipeline_ticks import tick_table
     from meshtron.gpu.step_time import estimate_step, model_flops
     from meshtron.train.loop import Trainer
 
@@ -77,8 +78,10 @@ def price_on_target(config: str, overrides: list[str], ranked: list, target: str
         params = sum(leaf.size for leaf in _leaves(trainer.model_def.shapes()))
         flops, attention = model_flops(params=params, layers=trainer.model_def.layers, hidden=m.hidden,
                                        seq_len=m.seq_len, tokens=tokens)
+        pipelined = trainer.resolved.program
         step = estimate_step(program, trainer.mesh, target, tokens_per_step=tokens, model_flops_per_step=flops,
-                             causal_attention_flops_per_step=attention)
+                             causal_attention_flops_per_step=attention,
+                             ticks=tick_table(pipelined) if pipelined is not None else None)
         row.update(program_seconds=step.seconds, tokens_per_s_per_gpu=step.tokens_per_s_per_gpu, mfu=step.mfu,
                    hidden_fraction=step.hidden_fraction)
         priced.append(PricedLayout(**row))
@@ -119,5 +122,5 @@ def render_priced(priced: list[PricedLayout], target: str) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     lines.append("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
     lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)) for r in rows]
-    lines.append("pipelined rows price every pipeline slot at its costliest branch: an upper bound (docs/gpu.md)")
+    lines.append("pipelined rows price each tick at the pipeline slots its slowest stage runs (docs/gpu.md)")
     return "\n".join(lines)

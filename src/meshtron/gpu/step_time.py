@@ -35,7 +35,9 @@ until the collective has finished. So a collective is hidden up to the compute t
 between its start and done, and the exposed remainder adds to the step. A synchronous collective
 (``is_sync``, or not async at all) is fully exposed. ``while`` loops cost their body times the
 trip count (``known_trip_count``), ``call``/async-wrapped computations their callee in line, a
-``conditional`` its most expensive branch. Host-side time, kernel launch gaps and the
+``conditional`` its most expensive branch -- except a pipelined step's slots given its tick table
+(``estimate_step(..., ticks=)``, :mod:`meshtron.gpu.slots`): each tick is then priced at the branches its
+slowest stage takes, the loops over ticks iteration by iteration. Host-side time, kernel launch gaps and the
 compute-communication contention on the SMs are not modelled: ``gemm_efficiency`` absorbs what a
 measured step shows of them.
 
@@ -58,6 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshtron.errors import ConfigError
+from meshtron.gpu.slots import SlotConditional, TickTable, slot_conditionals, taken_branches
 from meshtron.gpu.targets import target as gpu_target
 from meshtron.hlo.collectives import MeshOrSizes, _axis_sizes, ring_wire_bytes
 from meshtron.hlo.schedule import (
@@ -81,7 +84,7 @@ from meshtron.megatron import model_flops_per_token
 from meshtron.plan.cluster import Cluster, load_cluster
 
 __all__ = ["DEFAULT_GEMM_EFFICIENCY", "StepEstimate", "estimate_json", "estimate_step", "fit_gemm_efficiency",
-           "gemm_flops", "model_flops"]
+           "gemm_flops", "model_flops", "slot_seconds"]
 
 # Fraction of the dense peak GEMMs achieve: fitted on MaxText's own Llama-2 7B step compiled for 8 H100s
 # against its published 0.721 s (NVIDIA JAX-Toolbox), with which the estimate predicts MaxText's published
@@ -353,11 +356,43 @@ class _Totals:
                 mine[axes] += value * times
 
 
+@dataclass(frozen=True)
+class _Slots:
+    """A pipelined program's slot conditionals (in execution order) matched with its tick table;
+    ``names`` the conditionals, ``holders`` the computations that run one (directly or through a loop
+    or call), whose cost changes from one execution to the next."""
+
+    conditionals: list[SlotConditional]
+    ticks: TickTable
+    names: frozenset[str]
+    holders: frozenset[str]
+
+    @classmethod
+    def of(cls, module: HloModule, ticks: TickTable | None) -> _Slots | None:
+        """None without a table, or when the program branches on no slot (not pipelined, or a lockstep
+        pipeline: every stage runs every slot, which the plain walk prices exactly)."""
+        conditionals = slot_conditionals(module) if ticks is not None else []
+        if not conditionals:
+            return None
+        names = frozenset(c.instruction for c in conditionals)
+        holders = {c.name for c in module.computations.values() if any(i.name in names for i in c.instructions)}
+        grew = True
+        while grew:
+            grew = False
+            for c in module.computations.values():
+                if c.name not in holders and any(i.opcode in ("while", "call", "async-start")
+                                                 and any(e.callee in holders for e in call_edges(i))
+                                                 for i in c.instructions):
+                    holders.add(c.name)
+                    grew = True
+        return cls(conditionals, ticks, names, frozenset(holders))
+
+
 class _Walk:
     """Prices a parsed program's computations; see the module docstring for the model."""
 
     def __init__(self, module: HloModule, mesh: MeshOrSizes, cluster: Cluster, gemm_efficiency: float,
-                 windows: list[CollectiveWindow] | None = None):
+                 windows: list[CollectiveWindow] | None = None, slots: _Slots | None = None):
         self.module = module
         self.cluster = cluster
         self.gemm_rate = cluster.peak_tflops * 1e12 * gemm_efficiency
@@ -366,6 +401,12 @@ class _Walk:
         self.windows = {(w.computation, w.start): w for w in (windows if windows is not None else collective_windows(module, mesh))}
         self.wrapped = async_wrapped_computations(module)
         self.memo: dict[str, _Totals] = {}
+        # Per-tick pricing: the branch each executed slot is priced at, in execution order (``cursor`` the
+        # next one), and the computations holding slots, which cost differently on each execution.
+        self.slots = slots
+        self.taken = (taken_branches(slots.conditionals, slots.ticks, lambda name: self.computation(name).seconds)
+                      if slots is not None else [])
+        self.cursor = 0
 
     def collective_seconds(self, window: CollectiveWindow) -> float:
         c, cluster = window.collective, self.cluster
@@ -386,6 +427,8 @@ class _Walk:
         return ring_wire_bytes(c.kind, c.bytes, n) / rate + steps * latency
 
     def computation(self, name: str) -> _Totals:
+        if self.slots is not None and name in self.slots.holders:  # its slots' branches change per execution
+            return self._walk(self.module.computations[name])
         if name not in self.memo:
             self.memo[name] = self._walk(self.module.computations[name])
         return self.memo[name]
@@ -431,6 +474,11 @@ class _Walk:
             return 0.0
         if opcode in ("while", "call", "conditional", "async-start"):
             edges = [e for e in call_edges(instruction) if e.callee in self.module.computations]
+            if opcode == "conditional" and self.slots is not None and instruction.name in self.slots.names:
+                taken = self.computation(self.taken[self.cursor])
+                self.cursor += 1
+                totals.add(taken, 1)
+                return taken.seconds
             if opcode == "conditional":
                 branches = [self.computation(e.callee) for e in edges]
                 if not branches:
@@ -440,9 +488,12 @@ class _Walk:
                 return slowest.seconds
             seconds = 0.0
             for edge in edges:
-                callee = self.computation(edge.callee)
-                totals.add(callee, edge.multiplier)
-                seconds += callee.seconds * edge.multiplier
+                # a loop over ticks: each iteration priced on its own
+                for times in ([1] * edge.multiplier if self.slots is not None and edge.callee in self.slots.holders
+                              else [edge.multiplier]):
+                    callee = self.computation(edge.callee)
+                    totals.add(callee, times)
+                    seconds += callee.seconds * times
             return seconds
         flops = self.gemms.instruction_flops(instruction, shapes)
         if flops > 0:
@@ -481,7 +532,9 @@ class StepEstimate:
     ``bytes_by_axes`` per-device result bytes per step (the convention of
     :func:`meshtron.hlo.collectives.bytes_by_axes`; of a ``conditional`` only the branch priced),
     ``communication_seconds_by_axes``.
-    ``gemm_flops`` is per device per step; ``gpus`` the mesh's device count.
+    ``gemm_flops`` is per device per step; ``gpus`` the mesh's device count. ``per_tick``: a pipelined
+    program's slots were priced tick by tick (a :class:`~meshtron.gpu.slots.TickTable` was given and the
+    program branches on its slots), not each at its costliest branch.
     """
 
     target: str
@@ -501,6 +554,7 @@ class StepEstimate:
     tokens_per_s_per_gpu: float
     mfu: float
     mfu_causal_halved: float
+    per_tick: bool = False
 
     @property
     def hidden_fraction(self) -> float:
@@ -541,18 +595,19 @@ def _check_efficiency(gemm_efficiency: float) -> None:
 class _Priced:
     """A parsed program and its collective windows, priced at any ``gemm_efficiency``."""
 
-    def __init__(self, program: object, mesh_or_sizes: MeshOrSizes, target: str):
+    def __init__(self, program: object, mesh_or_sizes: MeshOrSizes, target: str, ticks: TickTable | None = None):
         self.module = module_of(program)
         self.mesh = mesh_or_sizes
         self.target = target
         self.cluster = _cluster(target)
         self.gpus = math.prod(_axis_sizes(mesh_or_sizes).values())
         self.windows = collective_windows(self.module, mesh_or_sizes)
+        self.slots = _Slots.of(self.module, ticks)
         self._totals: dict[float, _Totals] = {}
 
     def totals(self, gemm_efficiency: float) -> _Totals:
         if gemm_efficiency not in self._totals:
-            walk = _Walk(self.module, self.mesh, self.cluster, gemm_efficiency, self.windows)
+            walk = _Walk(self.module, self.mesh, self.cluster, gemm_efficiency, self.windows, self.slots)
             self._totals[gemm_efficiency] = walk.computation(self.module.entry)
         return self._totals[gemm_efficiency]
 
@@ -577,27 +632,43 @@ def _estimate(priced: _Priced, *, tokens_per_step: int, model_flops_per_step: fl
         tokens_per_step=tokens_per_step, model_flops_per_step=model_flops_per_step,
         tokens_per_s_per_gpu=tokens_per_step / seconds / priced.gpus if seconds > 0 else 0.0,
         mfu=model_flops_per_step / (seconds * peak) if seconds > 0 else 0.0,
-        mfu_causal_halved=halved / (seconds * peak) if seconds > 0 else 0.0,
+        mfu_causal_halved=halved / (seconds * peak) if seconds > 0 else 0.0, per_tick=priced.slots is not None,
     )
 
 
 def estimate_step(program: object, mesh_or_sizes: MeshOrSizes, target: str, *, tokens_per_step: int,
                   model_flops_per_step: float, causal_attention_flops_per_step: float = 0.0,
-                  gemm_efficiency: float = DEFAULT_GEMM_EFFICIENCY) -> StepEstimate:
+                  gemm_efficiency: float = DEFAULT_GEMM_EFFICIENCY, ticks: TickTable | None = None) -> StepEstimate:
     """Estimate one step of ``program`` (a jax ``Compiled`` or its scheduled HLO text) compiled
     for ``mesh_or_sizes`` (a ``Mesh`` or axis sizes in mesh order) on GPU target ``target``
     (``h100``, ``h200``, ``a100``). ``tokens_per_step`` and ``model_flops_per_step`` (all devices
     together) give throughput and MFU; ``causal_attention_flops_per_step`` is the attention part
-    of the model FLOPs, halved in ``mfu_causal_halved``. See the module docstring for the model."""
-    priced = _Priced(program, mesh_or_sizes, target)
+    of the model FLOPs, halved in ``mfu_causal_halved``. ``ticks``: a pipelined program's tick table
+    (:func:`meshtron.gpu.pipeline_ticks.tick_table` of the run's program) prices each tick at the
+    branches its stages take (:mod:`meshtron.gpu.slots`); a table that does not match the program's
+    slots is one ConfigError line. See the module docstring for the model."""
+    priced = _Priced(program, mesh_or_sizes, target, ticks)
     return _estimate(priced, tokens_per_step=tokens_per_step, model_flops_per_step=model_flops_per_step,
                      causal_attention_flops_per_step=causal_attention_flops_per_step,
                      gemm_efficiency=gemm_efficiency)
 
 
+def slot_seconds(program: object, mesh_or_sizes: MeshOrSizes, target: str, ticks: TickTable, *,
+                 gemm_efficiency: float = DEFAULT_GEMM_EFFICIENCY) -> list[tuple[float, float]]:
+    """``(run, skip)``: seconds of each pipeline slot's two branches, in ``ticks``' order (the program's
+    execution order), as :func:`estimate_step` prices them; empty for a program that branches on no
+    slot. A table that does not match the program's slots is one ConfigError line."""
+    _check_efficiency(gemm_efficiency)
+    priced = _Priced(program, mesh_or_sizes, target, ticks)
+    if priced.slots is None:
+        return []
+    walk = _Walk(priced.module, priced.mesh, priced.cluster, float(gemm_efficiency), priced.windows, priced.slots)
+    return [(walk.computation(c.run).seconds, walk.computation(c.skip).seconds) for c in priced.slots.conditionals]
+
+
 def fit_gemm_efficiency(program: object, mesh_or_sizes: MeshOrSizes, target: str, *, measured_seconds: float,
-                        tolerance: float = 1e-9) -> float:
-    """The ``gemm_efficiency`` at which :func:`estimate_step` gives ``measured_seconds``.
+                        tolerance: float = 1e-9, ticks: TickTable | None = None) -> float:
+    """The ``gemm_efficiency`` at which :func:`estimate_step` (with ``ticks``) gives ``measured_seconds``.
 
     The estimate falls monotonically as the efficiency rises, so bisection (in log space) finds
     it. A measured time below the estimate at efficiency 1 (faster than the dense peak allows with
@@ -605,7 +676,7 @@ def fit_gemm_efficiency(program: object, mesh_or_sizes: MeshOrSizes, target: str
     """
     if not (measured_seconds > 0):
         raise ConfigError(f"measured_seconds: a positive step time in seconds, got {measured_seconds!r}")
-    priced = _Priced(program, mesh_or_sizes, target)
+    priced = _Priced(program, mesh_or_sizes, target, ticks)
 
     def seconds(efficiency: float) -> float:
         return priced.totals(efficiency).seconds

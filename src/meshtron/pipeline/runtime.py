@@ -514,12 +514,15 @@ class _TickLoop:
 
     # ---- one tick, and the loop ------------------------------------------------------------------
 
-    def branch(self, busy_if: jax.Array, busy, idle):
+    def branch(self, slot: str, busy_if: jax.Array, busy, idle):
         """``busy()`` where this stage has work this tick, else ``idle()``: a ``cond`` (idle ticks skip),
-        or, in lockstep, both computed and the result selected (every device runs the same collectives)."""
-        if not self.lockstep:
-            return jax.lax.cond(busy_if, busy, idle)
-        return jax.tree.map(lambda b, i: jnp.where(busy_if, b, i), busy(), idle())
+        or, in lockstep, both computed and the result selected (every device runs the same collectives).
+        The ``cond`` is traced under the named scope ``pipeline_<slot>`` (forward, backward, weight), so the
+        compiled program's ``op_name`` says which slot a conditional is (the GPU step-time estimate reads it)."""
+        with jax.named_scope(f"pipeline_{slot}"):
+            if not self.lockstep:
+                return jax.lax.cond(busy_if, busy, idle)
+            return jax.tree.map(lambda b, i: jnp.where(busy_if, b, i), busy(), idle())
 
     def tick_of(self, seg: _Segment):
         """The body of the ``scan`` over one segment's ticks: receive, forward, backward (B), W, send."""
@@ -544,34 +547,34 @@ class _TickLoop:
             # size and every tick copy them into the buffer.
             if seg.forward and self.keep:
                 y_out, loss, rbuf, seq = self.branch(
-                    row["fwd_mb"] >= 0,
+                    "forward", row["fwd_mb"] >= 0,
                     lambda: self.forward_keeping(row, stash, rbuf, seq),
                     lambda: (zeros_act, zero_loss, rbuf, seq),
                 )
                 loss_sum = loss_sum + loss
             elif seg.forward:
                 y_out, loss, reports, seq = self.branch(
-                    row["fwd_mb"] >= 0,
+                    "forward", row["fwd_mb"] >= 0,
                     lambda: self.forward(row, stash, seq, reports),
                     lambda: (zeros_act, zero_loss, reports, seq),
                 )
                 loss_sum = loss_sum + loss
             if seg.backward and not self.schedule.split_backward:
                 dx_out, g_stage, g_shared, seq = self.branch(
-                    row["bwd_mb"] >= 0,
+                    "backward", row["bwd_mb"] >= 0,
                     (lambda: self.backward_kept(row, gbuf, rbuf, g_stage, g_shared, seq)) if self.keep
                     else (lambda: self.backward(row, stash, gbuf, g_stage, g_shared, seq)),
                     lambda: (zeros_act, g_stage, g_shared, seq),
                 )
             elif seg.backward:
                 dx_out, wbuf, rbuf, g_stage, g_shared, seq = self.branch(
-                    row["bwd_mb"] >= 0,
+                    "backward", row["bwd_mb"] >= 0,
                     lambda: self.backward_input(row, stash, gbuf, rbuf, wbuf, g_stage, g_shared, seq),
                     lambda: (zeros_act, wbuf, rbuf, g_stage, g_shared, seq),
                 )
             if seg.weight:
                 g_stage, seq = self.branch(
-                    row["wgt_mb"] >= 0,
+                    "weight", row["wgt_mb"] >= 0,
                     lambda: self.weight_gradient(row, wbuf, rbuf, g_stage, seq),
                     lambda: (g_stage, seq),
                 )
