@@ -6,8 +6,9 @@ program with :func:`meshtron.gpu.step_time.estimate_step`. The step is Llama-2 7
 4,096, SwiGLU 11,008, 32 heads; two layers, 2,048 tokens) on data 2 x tensor 4 with ZeRO-1 and
 sequence parallelism, so the tensor axis carries the all-gathers before the column-parallel
 projections and the reduce-scatters after the row-parallel ones that collective matmuls would hide.
-Prints a table and writes ``benchmarks/results/gpu_flags.json``; a setting XLA crashes on is a row
-with the crash.
+Two last rows compile the same step on the tensor axis alone (data 1, 4 GPUs, half the batch), where
+XLA compiles windowed einsum. Prints a table and writes ``benchmarks/results/gpu_flags.json``; a
+setting XLA crashes on is a row with the crash.
 
 The flags (names checked against the CUDA plugin of jaxlib 0.12; ``strings xla_cuda_plugin.so``):
 
@@ -33,11 +34,12 @@ The flags (names checked against the CUDA plugin of jaxlib 0.12; ``strings xla_c
   turns a dot whose sharded operand is at least this many MiB into a *windowed einsum* loop -- an
   all-gather+dot becomes a loop of collective-permutes each feeding one slice's dot, a
   dot+reduce-scatter a loop passing partial sums around the ring -- and XLA:GPU's windowed-einsum
-  handler unrolls those loops and tags their GEMMs. It acts only where the partitioner itself inserts
+  handler unrolls those loops. It acts only where the partitioner itself inserts
   the collective for a dot: an all-gather a sharding constraint asks for before the dot (meshtron's
   ``enter_parallel_region``) stays an all-gather.
-- ``--xla_gpu_multi_streamed_windowed_einsum=true``: the handler puts the loops' GEMMs on their own
-  compute streams (``fusion-start``/``fusion-done`` with an ``operation_queue_id``).
+- ``--xla_gpu_multi_streamed_windowed_einsum=true``: asks the handler to put the loops' GEMMs on
+  their own compute streams (``fusion-start``/``fusion-done`` with an ``operation_queue_id``); in
+  jaxlib 0.12 its unrolled loops get them without the flag too.
 - ``--xla_disable_hlo_passes=windowed-einsum-handler``: the partitioner's loops without the GPU
   handler (not unrolled, GEMMs on the compute stream).
 
@@ -63,6 +65,8 @@ OVERRIDES = ["model.layers=2", "model.seq_len=2048", "model.attention=cudnn", "m
 TARGET = "h100"
 ALL_KINDS = "ALLREDUCE,ALLGATHER,REDUCESCATTER,COLLECTIVEPERMUTE,ALLTOALL"
 WINDOWED = "--xla_gpu_threshold_for_windowed_einsum_mib=0"
+# The same step on the tensor axis alone (4 GPUs, half the batch): XLA compiles windowed einsum there.
+TENSOR_ALONE = ["parallel.data=1", "train.batch_size=2"]
 SETTINGS = [
     ("defaults", ""),
     ("no latency-hiding scheduler", "--xla_gpu_enable_latency_hiding_scheduler=false"),
@@ -77,11 +81,14 @@ SETTINGS = [
     ("windowed einsum", WINDOWED),
     ("windowed einsum, multi-streamed GEMMs", f"{WINDOWED} --xla_gpu_multi_streamed_windowed_einsum=true"),
     ("windowed loops, no GPU handler", f"{WINDOWED} --xla_disable_hlo_passes=windowed-einsum-handler"),
+    ("tensor 4 alone: defaults", "", TENSOR_ALONE),
+    ("tensor 4 alone: windowed einsum, multi-streamed", f"{WINDOWED} --xla_gpu_multi_streamed_windowed_einsum=true",
+     TENSOR_ALONE),
 ]
 
 
-def _one() -> dict:
-    """Child process: compile with this process's XLA_FLAGS and estimate the step."""
+def _one(extra: list[str]) -> dict:
+    """Child process: compile with this process's XLA_FLAGS (and ``extra`` overrides) and estimate the step."""
     from meshtron.gpu.targets import prepare_environment
 
     prepare_environment()
@@ -92,7 +99,7 @@ def _one() -> dict:
     from meshtron.hlo.schedule import collective_windows
     from meshtron.train.loop import Trainer
 
-    cfg = load_config(CONFIG, OVERRIDES)
+    cfg = load_config(CONFIG, [*OVERRIDES, *extra])
     start = time.perf_counter()
     trainer = Trainer.from_config(cfg, target=TARGET, read_data=False)
     params, opt_state, tokens = trainer.abstract_step_arguments()
@@ -127,20 +134,22 @@ def _failure(done: subprocess.CompletedProcess) -> str:
 
 def main() -> None:
     if "--one" in sys.argv:
-        print("RESULT " + json.dumps(_one()))
+        print("RESULT " + json.dumps(_one(sys.argv[sys.argv.index("--one") + 1 :])))
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _common import print_table, write_results
 
     runs = []
-    for label, flags in SETTINGS:
+    for label, flags, *extra in SETTINGS:
+        extra = extra[0] if extra else []
         env = {**os.environ, "XLA_FLAGS": " ".join(f for f in ("--xla_force_host_platform_device_count=8", flags) if f)}
-        done = subprocess.run([sys.executable, __file__, "--one"], check=False, env=env, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, __file__, "--one", *extra], check=False, env=env, capture_output=True,
+                              text=True)
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
-            runs.append({"setting": label, "flags": flags, "error": _failure(done)})
+            runs.append({"setting": label, "flags": flags, "overrides": extra, "error": _failure(done)})
         else:
-            runs.append({"setting": label, "flags": flags, **json.loads(line[len("RESULT "):])})
+            runs.append({"setting": label, "flags": flags, "overrides": extra, **json.loads(line[len("RESULT "):])})
         print(f"{label}: done", file=sys.stderr, flush=True)
     rows = []
     for run in runs:
