@@ -17,7 +17,10 @@ with the target's planner cluster (:func:`meshtron.gpu.targets.target` -> ``clus
   written (a fusion parameter read only through a (dynamic-)slice counts the slice; an in-place
   ``dynamic-update-slice`` writes only the update) at ``hbm_gbps * efficiency.memory``. An async
   fusion (``fusion-start``/``fusion-done``, XLA's asynchronous dynamic-slice fusions) is priced at
-  its start, on the compute stream.
+  its start, on the compute stream -- unless XLA put it on a stream of its own (a nonzero
+  ``operation_queue_id``: the GEMMs of a multi-streamed windowed einsum loop): then it runs from its
+  start to its ``fusion-done`` beside the compute stream, sharing the SMs with its compute but not
+  with its collectives, which it hides (``_SideStreams``).
 - **Collectives** -- ring wire bytes (:func:`meshtron.hlo.collectives.ring_wire_bytes`) at NVLink
   (``nvlink_gbps * efficiency.nvlink``) when every group stays inside one node (device id //
   ``gpus_per_node``), else over the network: a group with ``g`` members in each node runs as ``g``
@@ -235,7 +238,7 @@ def gemm_flops(program: object) -> float:
 
 
 def _fused_computations(module: HloModule) -> set[str]:
-    fused = computations_called_by(module, "fusion")
+    fused = computations_called_by(module, "fusion") | computations_called_by(module, "fusion-start")
     # fusions nested in fusions
     changed = True
     while changed:
@@ -388,6 +391,51 @@ class _Slots:
         return cls(conditionals, ticks, names, frozenset(holders))
 
 
+_QUEUE_ID = re.compile(r'"operation_queue_id"\s*:\s*"?(\d+)')
+
+
+class _SideStreams:
+    """GEMMs XLA launched on other compute streams (``fusion-start`` with a nonzero
+    ``operation_queue_id``: the multi-streamed GEMMs of a windowed einsum loop) and what they overlap.
+
+    Such a GEMM starts when the SMs are free and runs until its ``fusion-done`` waits for it; the
+    compute stream goes on meanwhile. The SMs are one resource, so compute-stream work starts only
+    when the side GEMMs before it are done (:meth:`after_compute`), but a collective on the compute
+    stream -- even a synchronous one -- runs beside them: only the part of its wait after the side
+    GEMMs finish is exposed (:meth:`idle`). Without side GEMMs every method is the identity.
+    """
+
+    def __init__(self) -> None:
+        self.busy_until = 0.0  # when the side GEMMs launched so far are done
+        self.pending: dict[str, float] = {}  # fusion-start name -> its end
+
+    def handles(self, instruction: HloInstruction) -> bool:
+        if instruction.opcode == "fusion-done":
+            return bool(instruction.operands) and instruction.operands[0] in self.pending
+        if instruction.opcode != "fusion-start":
+            return False
+        queue = _QUEUE_ID.search(instruction.attributes)
+        return queue is not None and int(queue.group(1)) != 0
+
+    def step(self, instruction: HloInstruction, clock: float, seconds: float) -> float:
+        """The compute stream's clock after a side ``fusion-start`` of ``seconds`` (unchanged) or its
+        ``fusion-done`` (the GEMM's end, if later)."""
+        if instruction.opcode == "fusion-done":
+            return max(clock, self.pending.pop(instruction.operands[0]))
+        self.busy_until = max(clock, self.busy_until) + seconds
+        self.pending[instruction.name] = self.busy_until
+        return clock
+
+    def after_compute(self, clock: float, seconds: float) -> float:
+        """The compute stream's clock after ``seconds`` of its own work issued at ``clock``: work
+        (not free ops) waits for the SMs."""
+        return max(clock, self.busy_until) + seconds if seconds > 0 else clock
+
+    def idle(self, begin: float, end: float) -> float:
+        """The part of the compute stream's wait ``[begin, end]`` on a collective with no side GEMM running."""
+        return end - min(max(self.busy_until, begin), end)
+
+
 class _Walk:
     """Prices a parsed program's computations; see the module docstring for the model."""
 
@@ -440,7 +488,11 @@ class _Walk:
         clock = 0.0  # compute stream
         collective_free = 0.0  # collective stream
         in_flight: dict[str, tuple[float, tuple[str, ...]]] = {}  # done name -> (end, axes)
+        side = _SideStreams()
         for instruction in computation.instructions:
+            if side.handles(instruction):  # a GEMM on another stream, or the wait for one
+                clock = side.step(instruction, clock, self._instruction(instruction, shapes, sizes, totals))
+                continue
             window = self.windows.get((computation.name, instruction.name))
             if window is not None:
                 duration = self.collective_seconds(window)
@@ -449,7 +501,7 @@ class _Walk:
                 totals.bytes[axes] += window.collective.bytes
                 if window.synchronous:  # waits for the collective stream, then runs on the compute stream
                     finish = max(clock, collective_free) + duration
-                    totals.exposed[axes] += finish - clock
+                    totals.exposed[axes] += side.idle(clock, finish)
                     clock = finish
                 else:
                     begin = max(clock, collective_free)
@@ -459,11 +511,12 @@ class _Walk:
             if instruction.name in in_flight:
                 end, axes = in_flight.pop(instruction.name)
                 wait = max(0.0, end - clock)  # includes any queueing behind earlier collectives
-                totals.exposed[axes] += wait
+                totals.exposed[axes] += side.idle(clock, clock + wait)
                 clock += wait
                 continue
-            clock += self._instruction(instruction, shapes, sizes, totals)
-        totals.seconds = clock
+            seconds = self._instruction(instruction, shapes, sizes, totals)
+            clock = side.after_compute(clock, seconds)
+        totals.seconds = max(clock, side.busy_until)
         return totals
 
     def _instruction(self, instruction: HloInstruction, shapes: Mapping[str, ArrayShape],

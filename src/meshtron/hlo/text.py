@@ -176,6 +176,7 @@ class HloModule:
 
 
 _COMPUTATION_HEADER = re.compile(r"^(ENTRY\s+)?%?([A-Za-z_][\w.\-]*)\s*\(")
+_COMPUTATION_CLOSE = re.compile(r"^\}\s*(?:,\s*execution_thread=\"[^\"]*\"\s*)?$")
 _INSTRUCTION_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([A-Za-z_][\w.\-]*)\s*=\s*")
 _OPCODE = re.compile(r"\s*([a-z][a-z0-9\-]*)\s*\(")
 _OPERAND_NAME = re.compile(r"%([A-Za-z_][\w.\-]*)")
@@ -185,8 +186,10 @@ def parse_hlo_module(text: str) -> HloModule:
     """Split HLO text into computations of parsed instructions.
 
     A computation starts at an unindented line ending in ``{`` (``%name (p: f32[2]) -> f32[2] {``
-    or ``ENTRY %main ... {``) and ends at an unindented ``}``. Only the name is read from the
-    header, so ``/*index=5*/`` comments and nested tuple signatures cannot confuse it.
+    or ``ENTRY %main ... {``) and ends at an unindented ``}`` -- or ``}, execution_thread="..."``,
+    the close of a computation XLA runs on another thread (the GEMMs of a windowed einsum loop,
+    asynchronous ``fusion-start``s). Only the name is read from the header, so ``/*index=5*/``
+    comments and nested tuple signatures cannot confuse it.
     """
     computations: dict[str, HloComputation] = {}
     entry: str | None = None
@@ -200,7 +203,7 @@ def parse_hlo_module(text: str) -> HloModule:
                 if header.group(1):
                     entry = current
             continue
-        if line.strip() == "}" and not line[:1].isspace():
+        if _COMPUTATION_CLOSE.match(line):
             computations[current] = HloComputation(current, tuple(body))
             current = None
             continue
