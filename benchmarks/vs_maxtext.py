@@ -279,6 +279,9 @@ H100_MODELS = {
                                    "parallel.microbatches=1"],
          "fsdp (data 8, zero=3), remat full": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1",
                                                "parallel.zero=3", "parallel.microbatches=1", "model.remat=full"],
+         "fsdp (data 8, zero=3), bf16 reduce": ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1",
+                                                "parallel.zero=3", "parallel.microbatches=1",
+                                                "parallel.reduce_dtype=bfloat16"],
          "data 2 x tensor 4, zero=1, sp": ["parallel.data=2", "parallel.pipe=1", "parallel.tensor=4", "parallel.zero=1",
                                             "parallel.sequence_parallel=true", "parallel.microbatches=1"],
          "data 2 x pipe 2 x tensor 2, zb-h1, zero=1, sp": [
@@ -301,6 +304,10 @@ H100_MODELS = {
                                                 "parallel.zero=3", "parallel.microbatches=1",
                                                 "parallel.sequence_parallel=false", "parallel.gather_once=false",
                                                 "model.remat=full"],
+         "fsdp (data 64, zero=3), remat full, bf16 reduce": [
+             "parallel.data=64", "parallel.pipe=1", "parallel.tensor=1", "parallel.zero=3", "parallel.microbatches=1",
+             "parallel.sequence_parallel=false", "parallel.gather_once=false", "model.remat=full",
+             "parallel.reduce_dtype=bfloat16"],
          "data 2 x pipe 4 x tensor 8, 1f1b, zero=1, sp": ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=8",
                                                           "parallel.zero=1", "parallel.microbatches=32",
                                                           "parallel.gather_once=false"]},
@@ -511,6 +518,7 @@ def run_h100(args) -> None:
                 "maxtext_layout": mt["layout"], "meshtron_layout": mx["layout"], "meshtron_overrides": mx["overrides"],
                 "maxtext_estimated_step_seconds": mt["estimated_step_seconds"],
                 "meshtron_estimated_step_seconds": mx["estimated_step_seconds"],
+                "meshtron_estimated_per_tick": mx.get("estimated_per_tick", False),
                 "maxtext_estimated_tokens_per_s_per_gpu": mt["estimated_tokens_per_s_per_gpu"],
                 "meshtron_estimated_tokens_per_s_per_gpu": mx["estimated_tokens_per_s_per_gpu"],
                 "estimate_parts": {lib: {k: r.get(k) for k in ("gemm_efficiency", "estimated_compute_seconds",
