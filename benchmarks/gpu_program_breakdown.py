@@ -4,7 +4,8 @@
 ops, exposed collectives). Comparing two programs needs the parts: this script walks the same
 program with the same prices and lists each instruction's seconds per step (its cost per run
 times how often its computation runs: loop trip counts multiply; every branch of a conditional is
-counted, an upper bound), grouped by the instruction's ``op_name`` (the JAX operation it came
+counted, an upper bound -- the estimate itself prices a pipelined step's slots per tick from the
+run's table, which a lone HLO file does not carry), grouped by the instruction's ``op_name`` (the JAX operation it came
 from), by XLA's fusion name (``loop_convert_fusion``, ``input_reduce_fusion``...: the kind and the
 root operation) and listed one by one with shape and bytes.
 

@@ -211,8 +211,11 @@ def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef,
         print(f"  {line}", file=out)
     if estimate.per_tick:
         print("  a pipelined step: each tick priced at the slots its slowest stage runs (docs/gpu.md)", file=out)
-    elif dict(mesh.shape).get("pipe", 1) > 1:
+    elif dict(mesh.shape).get("pipe", 1) > 1 and ticks is None:
         print("  a pipelined step: every pipeline slot is priced at its costliest branch, an upper bound (docs/gpu.md)",
+              file=out)
+    elif dict(mesh.shape).get("pipe", 1) > 1:  # a table, but no slot branches: the lockstep runtime
+        print("  a lockstep pipelined step: every stage runs every slot of every tick, as priced (docs/gpu.md)",
               file=out)
 
 
