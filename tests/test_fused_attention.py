@@ -58,3 +58,43 @@ def test_manual_attention_equals_plain_attention(heads, kv_heads):
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for got, want in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_manual_attention_with_a_loop_invariant_mask_in_a_scan():
+    """Layers in a ``scan`` read one document mask: JAX's scan hoists what depends on it alone out of the
+    loop, partially evaluating the nested ``shard_map``. A checked one names the split-off residuals over
+    the surrounding ``data`` too, and the step failed to lower ("operates on axis data which is already
+    bound by a parent"); the unchecked wrapper lowers, and equals plain attention."""
+    mesh = mesh_2x4()
+    b, s, heads, d = 4, 16, 8, 8
+    keys = jax.random.split(jax.random.key(1), 2)
+    x = jax.random.normal(keys[0], (b, s, heads, d))
+    weights = jax.random.normal(keys[1], (3, d, d)) / np.sqrt(d)
+    segments = jnp.repeat(jnp.arange(2), s // 2)[None].repeat(b, 0)
+    scale = 1.0 / np.sqrt(d)
+
+    def loss_and_grad(attention):
+        def loss(weights, x):
+            def per_data(weights, x, segments):
+                mask = (segments[:, :, None] == segments[:, None, :])[:, None]
+
+                def layer(x, w):
+                    return x + attention(x @ w, x, x, mask), None
+
+                y, _ = jax.lax.scan(layer, x, weights)
+                return jnp.sum(y * jnp.cos(y), keepdims=True)
+
+            batch = PartitionSpec("data")
+            parts = jax.shard_map(per_data, mesh=mesh, in_specs=(PartitionSpec(), batch, batch), out_specs=batch,
+                                  axis_names={"data"})(weights, x, segments)
+            return jnp.sum(parts)
+
+        with jax.set_mesh(mesh):
+            return jax.jit(jax.value_and_grad(loss))(weights, x)
+
+    got_loss, got_grad = loss_and_grad(lambda q, k, v, mask: manual_attention(
+        q, k, v, scale=scale, implementation="xla", mask=mask, is_causal=True))
+    want_loss, want_grad = loss_and_grad(lambda q, k, v, mask: jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, scale=scale))
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(got_grad, want_grad, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(want_grad))))

@@ -69,6 +69,11 @@ def test_fused_attention_keeps_no_scores():
     assert plain_bytes - fused_bytes >= scores, (fused_bytes, plain_bytes)
 
 
-def test_cudnn_with_a_document_mask_is_one_config_error():
-    with pytest.raises(ConfigError, match="data.reset_per_document=false"):
-        compiled_step("8x1x1", "cudnn", "data.reset_per_document=true")
+@pytest.mark.parametrize(("layout", "overrides"), [
+    ("8x1x1", ()),
+    ("2x1x4", ("parallel.sequence_parallel=true",)),
+], ids=["data8", "sequence-parallel"])
+def test_cudnn_attention_with_packed_documents_compiles_into_the_fused_kernel(layout, overrides):
+    """The document mask (a query sees its own document's earlier keys) goes to cuDNN as a bias."""
+    text = compiled_step(layout, "cudnn", "data.reset_per_document=true", *overrides).as_text()
+    assert FUSED in text

@@ -176,16 +176,6 @@ def _check_split(implementation: Implementation) -> None:
                       "parallel.context=1")
 
 
-def _check_documents(implementation: Implementation) -> None:
-    """cuDNN attention with a document mask inside the train step does not lower in jax 0.12: the
-    mask's bias, a residual of the nested ``shard_map``'s backward, changes shape across the layers'
-    loop ("expect operands to be compatible with condition block arguments")."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if implementation == "cudnn" and not mesh.empty and mesh.manual_axes:
-        raise ConfigError("model.attention: cudnn with data.reset_per_document (a document mask) does not compile "
-                          "in the train step; use model.attention=xla, or data.reset_per_document=false")
-
-
 @overload
 def causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
@@ -246,7 +236,6 @@ def causal_attention(
                                value_axes=kv_axes(v))
         layouts = {"key_axes": kv_axes(k), "value_axes": kv_axes(v)}  # read before the core retraces k and v
         if segments is not None:
-            _check_documents(implementation)
             return _documents_core(q, k, v, segments, scale=scale, implementation=implementation, **layouts)
         return _causal_core(q, k, v, scale=scale, implementation=implementation, **layouts)
 

@@ -80,40 +80,49 @@ def manual_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, 
                     for x in (k, v))
         return attend(q, k, v, mask)
 
-    shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=set(auto))
+    # check_vma=False: JAX's partial evaluation of a shard_map checked for varying values (the layers' scan
+    # hoisting what its loop does not change, remat) names the residuals it splits off over every axis
+    # they vary over, the surrounding step's manual ones included (``ShapedArray.nospec`` in jax 0.12), so
+    # a residual varying over the step's ``data`` comes out stacked over it where the loop carries one
+    # device's: a document mask's bias (the cuDNN call's ``where(mask, 0, -big)``, whose constants vary
+    # over ``data`` like the mask) fails to lower. Unchecked, it names the axes this map makes manual only.
+    shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=set(auto), check_vma=False)
     in_specs = (q_spec, k_spec, v_spec, None if mask is None else mask_spec)
-    residual_tree, residual_axes = [], []
+    # Unchecked, nothing says which of these axes a residual varies over: each device keeps its own row.
+    everywhere = PartitionSpec(tuple(sorted(auto)))
+    summed = tuple(sorted(_axes(q_spec) - _axes(k_spec)))  # the axes that split the queries, not the keys
+    residual_tree = []
 
     def forward(q, k, v, mask):
-        out, grads = jax.vjp(lambda q, k, v: local(q, k, v, mask), q, k, v)
+        out, grads = jax.vjp(lambda q, k, v: local(q, k, v, mask), *map(_own, (q, k, v)))
         leaves, tree = jax.tree.flatten(grads)
-        residual_tree[:] = [tree]
-        residual_axes[:] = [tuple(sorted(_varying(x) & auto)) for x in leaves]
+        residual_tree[:] = [(tree, len(leaves))]
         return out, [x[None] for x in leaves]
 
     def backward(residuals, d_out):
-        # keys and values whole on ranks that split the queries: their gradients come out summed over those
-        # ranks (the transpose of using an invariant value in varying work is a psum)
-        return jax.tree.unflatten(residual_tree[0], [x[0] for x in residuals])(d_out)
+        dq, dk, dv = jax.tree.unflatten(residual_tree[0][0], [x[0] for x in residuals])(_own(d_out))
+        # Keys and values whole on ranks that split the queries (over batch or heads) got a share of their
+        # gradient on each of those ranks: the sum is theirs.
+        if summed:
+            dk, dv = jax.lax.psum((dk, dv), summed)
+        return dq, dk, dv
 
     def residual_specs():
-        # A residual comes back to the backward varying over the axes it varied over in the forward (the
-        # cuDNN backward checks that its gradients vary as its inputs did): one row per device of those.
-        return [PartitionSpec(axes if axes else None) for axes in residual_axes]
+        return [everywhere] * residual_tree[0][1]
 
     def fused_forward(q, k, v, mask):
-        everywhere = PartitionSpec(tuple(sorted(auto)))
         jax.eval_shape(shard(forward, in_specs=in_specs, out_specs=(q_spec, everywhere)), q, k, v, mask)
-        return shard(forward, in_specs=in_specs, out_specs=(q_spec, residual_specs()))(q, k, v, mask)
+        out, residuals = shard(forward, in_specs=in_specs, out_specs=(q_spec, residual_specs()))(q, k, v, mask)
+        return _vary_like(out, q), residuals
 
     @jax.custom_vjp
     def fused(q, k, v, mask):
         return fused_forward(q, k, v, mask)[0]
 
-    def fused_backward(residuals, d_out):
+    def fused_backward(residuals, d_out):  # gradients vary over the step's manual axes as q, k, v do
         dq, dk, dv = shard(backward, in_specs=(residual_specs(), q_spec),
                            out_specs=(q_spec, k_spec, v_spec))(residuals, d_out)
-        return dq, dk, dv, None
+        return _vary_like(dq, q), _vary_like(dk, k), _vary_like(dv, v), None
 
     fused.defvjp(fused_forward, fused_backward)
     return fused(q, k, v, mask)
@@ -160,10 +169,29 @@ def _entry(spec: PartitionSpec, i: int):
     return spec[i] if i < len(spec) else None
 
 
+def _axes(spec: PartitionSpec) -> frozenset[str]:
+    """The mesh axes ``spec`` splits some dimension over."""
+    return frozenset(name for entry in spec if entry is not None
+                     for name in ((entry,) if isinstance(entry, str) else entry))
+
+
 def _varying(x: jax.Array) -> frozenset[str]:
     """The manual mesh axes ``x`` varies over (``aval.vma`` up to jax 0.10, ``aval.mat.varying`` after)."""
     aval = jax.typeof(x)
     return frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)
+
+
+def _own(x: jax.Array) -> jax.Array:
+    """``x`` as a value of the unchecked ``shard_map`` it is in: that map's inputs keep the surrounding step's
+    varying axes, its own operations have none, and an inner vjp takes and returns values of the second
+    kind only (``* 1``, which XLA drops, makes one)."""
+    return x * jnp.ones((), x.dtype)
+
+
+def _vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` marked varying over the manual axes ``like`` varies over (an unchecked ``shard_map``'s results
+    vary over none)."""
+    return jax.lax.pcast(x, tuple(sorted(_varying(like) - _varying(x))), to="varying")
 
 
 def _ranks(entry, sizes: dict[str, int]) -> int:
