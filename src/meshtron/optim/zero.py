@@ -227,11 +227,8 @@ class ZeroPlan:
             dim, arrived_summed, own, dtype = how
             if own or (arrived_summed and dim is not None):
                 return g / self.size
-            if dtype is None:
-                wire = None
-            else:
-                wire = _wire_dtype(g, self.reduce_dtype)
-                g = g.astype(wire)
+            if dtype is not None:
+                g = _cast(g, self.reduce_dtype)
             if dim is None:
                 out = _reduced_as(lambda v: jax.lax.pmean(v, self.axis), g, self.narrow_reductions)
             else:
