@@ -98,3 +98,53 @@ def test_manual_attention_with_a_loop_invariant_mask_in_a_scan():
         q, k, v, mask=mask, is_causal=True, scale=scale))
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(got_grad, want_grad, rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(want_grad))))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "documents"), [(8, 8, False), (8, 2, True), (4, 1, False)],
+                         ids=["kv-split", "kv-whole-documents", "one-kv-head"])
+def test_gathered_keys_through_the_manual_wrapper_equal_unsplit_attention(heads, kv_heads, documents, monkeypatch):
+    """The gathered context exchange calls cuDNN through the wrapper: this rank's queries against the
+    whole sequence's keys (two sequence lengths), under a position mask ``[1, 1, s, S]`` (and a document
+    one ``[b, 1, s, S]``). Here the wrapper runs XLA's attention on a context 2 x tensor 4 mesh, manual
+    over context as the train step is; outputs and gradients equal unsplit attention's."""
+    from meshtron.models import context_attention
+    from meshtron.models.attention import causal_attention
+    from meshtron.models.context_attention import balanced_order, gathered_kv_attention
+    from meshtron.sharding import MEGATRON_RULES, axis_rules, constrain
+
+    shapes = []
+
+    def wrapper(q, k, v, **kwargs):  # what dot_product_attention calls for cuDNN, with XLA's attention
+        shapes.append((q.shape[1], k.shape[1], kwargs["mask"].shape))
+        return manual_attention(q, k, v, **{**kwargs, "implementation": "xla"})
+
+    monkeypatch.setattr(context_attention, "dot_product_attention", wrapper)
+    b, s, d, ranks = 2, 32, 8, 2
+    q, k, v, w = (jax.random.normal(key, shape) for key, shape in zip(
+        jax.random.split(jax.random.key(2), 4), [(b, s, heads, d), (b, s, kv_heads, d), (b, s, kv_heads, d),
+                                                  (b, s, heads, d)]))
+    segments = jnp.asarray(np.arange(s) >= (s // 3 if documents else s), jnp.int32)[None].repeat(b, 0)
+    order = balanced_order(s, ranks)
+    mesh = jax.make_mesh((ranks, 4), ("context", "tensor"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:8])
+
+    def attend(q, k, v, segments):
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        return gathered_kv_attention(q, k, v, order, "context", segments=segments if documents else None)
+
+    def loss(q, k, v):  # of the tokens as the ranks hold them (balanced order)
+        out = jax.shard_map(attend, mesh=mesh, in_specs=(PartitionSpec(None, "context"),) * 4,
+                            out_specs=PartitionSpec(None, "context"), axis_names={"context"})(
+            q, k, v, jnp.take(segments, order, axis=1))
+        return jnp.sum(out * jnp.take(w, order, axis=1))
+
+    stored = [jnp.take(x, order, axis=1) for x in (q, k, v)]
+    with jax.set_mesh(mesh), axis_rules(MEGATRON_RULES):
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*stored)
+    want, want_grads = jax.value_and_grad(
+        lambda q, k, v: jnp.sum(causal_attention(q, k, v, segments=segments if documents else None) * w),
+        argnums=(0, 1, 2))(q, k, v)
+    assert shapes[0] == (s // ranks, s, ((b if documents else 1), 1, s // ranks, s))  # local queries, all keys
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for g, r in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(jnp.take(g, np.argsort(order), axis=1), r, rtol=1e-5, atol=1e-5)

@@ -49,12 +49,21 @@ def test_cudnn_attention_compiles_into_the_fused_kernel(layout, overrides):
     assert FUSED in text  # forward and backward kernels, per layer
 
 
-@pytest.mark.parametrize(("exchange", "fix"), [("ring", "parallel.context_attention=gathered"),
-                                             ("gathered", "parallel.context=1")])
-def test_cudnn_over_a_split_sequence_is_one_config_error(exchange, fix):
-    """Raised while the step is traced, before any compile."""
-    with pytest.raises(ConfigError, match=fix):
-        compiled_step("2x1x2", "cudnn", "parallel.context=2", f"parallel.context_attention={exchange}")
+@pytest.mark.parametrize(("layout", "overrides"), [
+    ("2x1x2", ("parallel.context=2",)),
+    ("2x1x1", ("parallel.context=4", "data.reset_per_document=true")),
+    ("2x1x2", ("parallel.context=2", "model.kv_heads=2")),  # key/value heads whole on both tensor ranks
+], ids=["context2-tensor2", "context4-documents", "context2-gqa"])
+def test_cudnn_over_a_split_sequence_with_gathered_keys_compiles_into_the_fused_kernel(layout, overrides):
+    """Each rank's queries against the whole sequence's gathered keys, under a position mask (a bias)."""
+    text = compiled_step(layout, "cudnn", "parallel.context_attention=gathered", *overrides).as_text()
+    assert FUSED in text
+
+
+def test_cudnn_by_the_ring_is_one_config_error():
+    """The ring folds key/value blocks into its own fp32 softmax; raised while the step is traced."""
+    with pytest.raises(ConfigError, match="parallel.context_attention=gathered, or model.attention=xla"):
+        compiled_step("2x1x2", "cudnn", "parallel.context=2", "parallel.context_attention=ring")
 
 
 def test_fused_attention_keeps_no_scores():

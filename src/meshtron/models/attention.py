@@ -23,7 +23,8 @@ fast paths:
   head sizes; it raises, at trace time, for what it does not support). The cached path's
   explicit mask is turned into an additive bias by the cuDNN path. cuDNN is called where every mesh
   axis is manual (:mod:`meshtron.models.fused_attention`: JAX's partitioner for it fails inside the
-  train step's partly manual ``shard_map``); a sequence split over context ranks has none (a ConfigError).
+  train step's partly manual ``shard_map``); over a sequence split on context ranks, by the gathered
+  exchange only (the ring folds blocks with its own softmax: a ConfigError).
 * **Tensor parallelism.** Nothing here names a mesh axis: with ``q`` split over heads (and ``k``/
   ``v`` split over ``kv_heads`` when ``tensor`` divides it, else replicated) every head's attention
   is local to its device and the compiler inserts no collective.
@@ -159,21 +160,16 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
 
 
 def _check_split(implementation: Implementation) -> None:
-    """cuDNN attention over a sequence split on context-parallel ranks: the ring exchange folds each
-    key/value block into a running softmax with its own fp32 math and a backward that needs every
+    """cuDNN attention over a sequence split on context-parallel ranks goes by the gathered exchange (one
+    fused call per rank, its queries against the gathered keys under a position mask): the ring folds
+    each key/value block into a running softmax with its own fp32 math and a backward that needs every
     block's log-sum-exp, which ``jax.nn.dot_product_attention`` does not return, so it has no cuDNN
-    path; the gathered exchange's cuDNN call (a position mask over the gathered keys) does not lower
-    in jax 0.12: JAX's partial evaluation hoists the mask's bias out of the layers' loop into a nested
-    ``shard_map`` whose residuals it names over the step's manual axes ("operates on axis ... already
-    bound by a parent sdy.manual_computation")."""
+    path."""
     if implementation != "cudnn":
         return
     if current().exchange == "ring":
         raise ConfigError("model.attention: cudnn cannot attend by the ring (parallel.context_attention=ring folds "
                           "blocks with its own softmax); use parallel.context_attention=gathered, or model.attention=xla")
-    raise ConfigError("model.attention: cudnn over a sequence split on parallel.context does not compile (JAX "
-                      "hoists the gathered keys' mask out of the nested shard_map); use model.attention=xla, or "
-                      "parallel.context=1")
 
 
 @overload

@@ -39,6 +39,7 @@ import numpy as np
 
 from meshtron.execution import EXCHANGES, checked_exchange
 from meshtron.models.documents import same_document
+from meshtron.models.fused_attention import dot_product_attention
 from meshtron.sharding import LogicalAxes, constrain, logical_to_spec, manual_part, pinned_axes, varying_like
 from meshtron.trace_context import current, using
 
@@ -156,17 +157,21 @@ def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.nd
     the keys' and values' gradients. ``segments`` [b, s] (packed documents): the tokens' documents,
     all-gathered too; a query then sees keys of its own document only. ``key_axes``, ``value_axes``:
     the logical axes ``k`` and ``v`` are laid out by (default :func:`kv_axes`); each device gathers
-    the heads it holds, split over tensor ranks or whole.
+    the heads it holds, split over tensor ranks or whole. ``implementation``: the attention's, called
+    through :func:`meshtron.models.fused_attention.dot_product_attention` (cuDNN's in a nested
+    ``shard_map`` over the mesh axes still automatic, the mask going to it as a bias).
     """
-    keys = _gathered_heads(k, axis, kv_axes(k) if key_axes is None else tuple(key_axes))
-    values = _gathered_heads(v, axis, kv_axes(v) if value_axes is None else tuple(value_axes))
+    key_axes = kv_axes(k) if key_axes is None else tuple(key_axes)
+    value_axes = kv_axes(v) if value_axes is None else tuple(value_axes)
+    keys, values = _gathered_heads(k, axis, key_axes), _gathered_heads(v, axis, value_axes)
     positions = _rank_positions(order, axis)
     key_positions = jnp.asarray(np.asarray(order, np.int32))
     mask = (key_positions[None, :] <= positions[:, None])[None, None]  # [1, 1, s, S]
     if segments is not None:
         mask = mask & same_document(segments, _gathered_heads(segments, axis, TOKENS))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return jax.nn.dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation)
+    return dot_product_attention(q, keys, values, mask=mask, scale=scale, implementation=implementation,
+                                 key_axes=key_axes, value_axes=value_axes)
 
 
 def _gathered_heads(x: jax.Array, axis: str, logical: tuple[str | None, ...]) -> jax.Array:

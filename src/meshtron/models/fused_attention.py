@@ -36,7 +36,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: fl
     ``implementation="cudnn"`` inside a ``shard_map`` manual over some mesh axes only, called in a nested
     ``shard_map`` manual over the others. ``key_axes``, ``value_axes``: the logical layout of ``k`` and ``v`` (default
     :data:`KEYS`); ``q`` and the output are laid out as :data:`QUERIES`; ``mask`` ``[b or 1, h or 1,
-    s_q, s_k]`` is split like the queries' batch where it has one, else whole."""
+    s_q, s_k]`` is split like the queries' batch where it has one, else whole. ``k`` and ``v`` may hold
+    more tokens than ``q`` (``s_k > s_q``: a context rank's queries against the gathered keys of
+    :func:`meshtron.models.context_attention.gathered_kv_attention`); the sequence is never split here."""
     mesh = jax.sharding.get_abstract_mesh()
     partly_manual = not mesh.empty and bool(mesh.manual_axes) and not set(mesh.axis_names) <= set(mesh.manual_axes)
     if implementation != "cudnn" or not partly_manual:  # JAX's own partitioner splits it on a fully automatic mesh
