@@ -42,8 +42,6 @@ _SCOPED = re.compile(r"pipeline_(forward|backward|weight)/cond$")
 _TRUE = re.compile(r"\btrue_computation=%?([\w.\-]+)")
 _FALSE = re.compile(r"\bfalse_computation=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 
 
 @dataclass(frozen=True)
@@ -139,16 +137,13 @@ def slot_conditionals(module: HloModule) -> list[SlotConditional]:
                     raise ConfigError(f"ticks: the pipeline slot {instruction.name} is not a two-way conditional")
                 found = _SCOPED.search(_op_name(instruction))
                 out.append(SlotConditional(instruction.name, *branches, found.group(1) if found else None))
-            elif instruction.opcode == "while":
-                body = _BODY.search(instruction.attributes)
-                trips = _TRIP_COUNT.search(instruction.attributes)
-                if body and body.group(1) in module.computations:
-                    for _ in range(int(trips.group(1)) if trips else 1):
-                        walk(body.group(1))
-            elif instruction.opcode in ("call", "async-start"):
+            elif instruction.opcode in ("while", "call", "async-start"):
+                # a while's body as many times as its known trip count (once if unknown); its condition,
+                # walked too, holds no slot
                 for edge in call_edges(instruction):
                     if edge.callee in module.computations:
-                        walk(edge.callee)
+                        for _ in range(edge.multiplier):
+                            walk(edge.callee)
 
     walk(module.entry)
     return out
