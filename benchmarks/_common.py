@@ -18,7 +18,9 @@ def write_results(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, **payload}
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    partial = path.with_name(path.name + ".partial")  # a run that dies mid-write leaves the last results whole
+    partial.write_text(json.dumps(payload, indent=2) + "\n")
+    partial.replace(path)
     return path
 
 

@@ -310,7 +310,10 @@ H100_MODELS = {
              "parallel.reduce_dtype=bfloat16"],
          "data 2 x pipe 4 x tensor 8, 1f1b, zero=1, sp": ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=8",
                                                           "parallel.zero=1", "parallel.microbatches=32",
-                                                          "parallel.gather_once=false"]},
+                                                          "parallel.gather_once=false"],
+         "data 2 x pipe 4 x tensor 8, 1f1b, zero=1, sp, kept residuals": [
+             "parallel.data=2", "parallel.pipe=4", "parallel.tensor=8", "parallel.zero=1", "parallel.microbatches=32",
+             "parallel.gather_once=false", "parallel.recompute=false"]},
         {"tokens_per_s_per_gpu": 1035.970, "step_seconds": 7.908,
          "config": "BF16, seq 4096, 64 GPUs, FSDP 64 (FSDP+DP MBS=2), GBS 128, MFU 46.54% at 989 TFLOP/s; remat "
                    "and attention not in the quoted text (compiled here: remat_policy=full as MaxText's "
@@ -532,6 +535,7 @@ def run_h100(args) -> None:
                 "collective_wire_bytes_per_axis": {"maxtext": mt["collective_wire_bytes_per_axis"],
                                                    "meshtron": mx["collective_wire_bytes_per_axis"]},
                 "hlo": {"maxtext": mt["hlo"], "meshtron": mx["hlo"]},
+                **floor_of(mt, target),
             })
     published = [{"model": m, "published_tokens_per_s_per_gpu": r["published"]["tokens_per_s_per_gpu"],
                   "estimated_tokens_per_s_per_gpu": r["estimated_tokens_per_s_per_gpu"],
@@ -561,6 +565,22 @@ def run_h100(args) -> None:
     print(f"wrote {path}")
     if estimator:
         plot_h100(results, published, target)
+
+
+def floor_of(maxtext: dict, target: str) -> dict:
+    """The model's FLOP floor (:func:`meshtron.gpu.step_time.flop_floor_seconds` at the fitted GEMM
+    efficiency) beside MaxText's estimate: how far ahead of MaxText any layout could possibly be."""
+    try:
+        from meshtron.gpu.step_time import flop_floor_seconds
+    except ImportError:
+        return {}
+    if maxtext.get("estimated_step_seconds") is None or maxtext.get("gemm_efficiency") is None:
+        return {}
+    floor = flop_floor_seconds(target, maxtext["devices"], model_flops_per_step=maxtext["model_flops_per_step"],
+                               causal_attention_flops_per_step=maxtext["attention_flops_per_step"],
+                               gemm_efficiency=maxtext["gemm_efficiency"])
+    return {"flop_floor_step_seconds": floor,
+            "maxtext_over_floor": maxtext["estimated_step_seconds"] / floor}
 
 
 def plot_h100(results: list[dict], published: list[dict], target: str) -> None:

@@ -9,7 +9,13 @@ import math
 import pytest
 
 from meshtron.errors import ConfigError
-from meshtron.gpu.step_time import estimate_step, fit_gemm_efficiency, gemm_flops, model_flops
+from meshtron.gpu.step_time import (
+    estimate_step,
+    fit_gemm_efficiency,
+    flop_floor_seconds,
+    gemm_flops,
+    model_flops,
+)
 from meshtron.hlo.collectives import bytes_by_axes, collectives, ring_wire_bytes
 from meshtron.hlo.schedule import collective_windows
 from meshtron.plan.cluster import load_cluster
@@ -151,6 +157,21 @@ def test_causal_halved_mfu_counts_half_the_attention_flops():
     estimate = estimate_step(SCHEDULED, SIZES, "h100", tokens_per_step=256, model_flops_per_step=total,
                              causal_attention_flops_per_step=attention)
     assert estimate.mfu_causal_halved == pytest.approx(estimate.mfu * (total - attention / 2) / total)
+
+
+def test_flop_floor_is_the_gemm_time_of_exactly_the_models_flops_and_bounds_the_estimate():
+    # The handwritten program's GEMMs are its only work that counts as model FLOPs: on 16 devices the
+    # floor is its GEMM time, and its estimate (memory-bound work, exposed collectives) lies above.
+    estimate = estimate_step(SCHEDULED, SIZES, "h100", tokens_per_step=1, model_flops_per_step=1.0,
+                             gemm_efficiency=0.5)
+    floor = flop_floor_seconds("h100", 16, model_flops_per_step=16 * estimate.gemm_flops, gemm_efficiency=0.5)
+    assert floor == pytest.approx(estimate.compute_seconds)
+    assert floor < estimate.seconds
+    attention = 2e9  # the causal half of the attention FLOPs is skipped
+    assert flop_floor_seconds("h100", 16, model_flops_per_step=1e12 + attention, causal_attention_flops_per_step=attention,
+                              gemm_efficiency=0.5) == pytest.approx((1e12 + attention / 2) / (16 * H100.peak_tflops * 0.5e12))
+    with pytest.raises(ConfigError, match="gpus: a positive number of GPUs"):
+        flop_floor_seconds("h100", 0, model_flops_per_step=1.0)
 
 
 def test_fit_gemm_efficiency_inverts_the_estimate():

@@ -87,7 +87,7 @@ from meshtron.megatron import model_flops_per_token
 from meshtron.plan.cluster import Cluster, load_cluster
 
 __all__ = ["DEFAULT_GEMM_EFFICIENCY", "StepEstimate", "estimate_json", "estimate_step", "fit_gemm_efficiency",
-           "gemm_flops", "model_flops", "slot_seconds"]
+           "flop_floor_seconds", "gemm_flops", "model_flops", "slot_seconds"]
 
 # Fraction of the dense peak GEMMs achieve: fitted on MaxText's own Llama-2 7B step compiled for 8 H100s
 # against its published 0.721 s (NVIDIA JAX-Toolbox), with which the estimate predicts MaxText's published
@@ -704,6 +704,21 @@ def estimate_step(program: object, mesh_or_sizes: MeshOrSizes, target: str, *, t
     return _estimate(priced, tokens_per_step=tokens_per_step, model_flops_per_step=model_flops_per_step,
                      causal_attention_flops_per_step=causal_attention_flops_per_step,
                      gemm_efficiency=gemm_efficiency)
+
+
+def flop_floor_seconds(target: str, gpus: int, *, model_flops_per_step: float,
+                       causal_attention_flops_per_step: float = 0.0,
+                       gemm_efficiency: float = DEFAULT_GEMM_EFFICIENCY) -> float:
+    """The fastest step any layout of the model could take under this estimator: the model's FLOPs
+    (``model_flops_per_step`` with the causal half of ``causal_attention_flops_per_step`` skipped,
+    nothing recomputed) spread evenly over ``gpus`` GPUs at the GEMM rate, with no memory-bound work,
+    no bubble and no exposed communication. A layout's estimate can approach it, never beat it, so a
+    speed-up goal past ``reference_seconds / floor`` is out of reach for every layout."""
+    _check_efficiency(gemm_efficiency)
+    if not (isinstance(gpus, int) and gpus > 0):
+        raise ConfigError(f"gpus: a positive number of GPUs, got {gpus!r}")
+    work = model_flops_per_step - causal_attention_flops_per_step / 2
+    return work / (gpus * _cluster(target).peak_tflops * 1e12 * gemm_efficiency)
 
 
 def slot_seconds(program: object, mesh_or_sizes: MeshOrSizes, target: str, ticks: TickTable, *,
