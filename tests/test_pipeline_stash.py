@@ -69,3 +69,16 @@ def test_megatron_bound_tables_hold_p_minus_s_in_flight(name, p):
     stats = check(make_schedule(name, p, 4 * p))
     assert stats.peak_in_flight == tuple(p - s for s in range(p))
     assert compile_program(make_schedule(name, p, 4 * p)).stash_slots == (p - 1 if name == "1f1b-p" else p)
+
+
+def test_a_run_hoists_1f1b_ps_reruns_unless_a_ring_attention_runs_the_stages_in_lockstep():
+    # In lockstep every stage computes every slot of every tick: a hoisted rerun would balance nothing.
+    from meshtron.config import load_config
+    from meshtron.run import resolve_run
+
+    base = ["parallel.schedule=1f1b-p", "parallel.chunks=1", "parallel.data=1", "parallel.context=2"]
+    gathered = resolve_run(load_config("llama_cpu8", base), 8).program
+    ring = resolve_run(load_config("llama_cpu8", [*base, "parallel.context_attention=ring"]), 8).program
+    kept = resolve_run(load_config("llama_cpu8", [*base, "parallel.recompute=false"]), 8).program
+    assert gathered.hoists_recompute and gathered.recompute_slots == 1
+    assert not ring.hoists_recompute and not kept.hoists_recompute and kept.keeps_residuals

@@ -174,18 +174,18 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool,
     return col, stash.size, grads.size, weights.size, kept.size, rerun.size
 
 
-def compile_program(schedule: Schedule, keep_residuals: bool = False) -> Program:
+def compile_program(schedule: Schedule, keep_residuals: bool = False, hoist: bool = True) -> Program:
     """Turn a table into buffer-slot instructions (the table is checked first, so a compiled
     program never reads a value before it arrives).
 
     ``keep_residuals``: the forward keeps every layer's backward residuals until the backward
     (no recomputation; ``parallel.recompute=false``) instead of the stage input alone. Otherwise the
     backwards the table hoists (:func:`~meshtron.pipeline.table.hoisted_recomputes`) get their
-    recomputation in the tick before."""
+    recomputation in the tick before (``hoist=False``: none does)."""
     check(schedule)
     if keep_residuals and schedule.forward_only:
         raise ScheduleError("keep_residuals: a forward-only table has no backward to keep residuals for")
-    hoisted = frozenset() if keep_residuals else hoisted_recomputes(schedule)
+    hoisted = frozenset() if keep_residuals or not hoist else hoisted_recomputes(schedule)
     per_stage = [_compile_stage(schedule, s, keep_residuals, hoisted) for s in range(schedule.stages)]
     arrays = {}
     for name in _COLUMNS:
