@@ -50,8 +50,8 @@ The rule this runtime follows instead:
     every operation that runs collectives is ordered after the previous one by a *data*
     dependency, so the order is one chain that every device must follow: per tick, the
     messages received -> the forward ``cond`` -> the hoisted recomputation's ``cond`` -> the
-    backward ``cond`` -> the forward send -> the
-    backward send -> the next tick; after the loop, the one reduction over ``axis``.
+    backward ``cond`` -> the forward send -> the backward send -> the next tick; after the loop,
+    the one reduction over ``axis``.
 
 The chain is a scalar ``seq``, always exactly zero, that each step reads (``x + seq``) and extends with a
 token of its own output (one element times zero, which XLA cannot fold for floating point). An

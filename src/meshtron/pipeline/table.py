@@ -9,6 +9,9 @@ at most one backward, forward first. A value produced in tick ``t`` is sent at t
 tick and can be used from tick ``t + 1`` on (the receiver buffers it). Hence a forward of
 ``(mb, k)`` needs the forward of ``(mb, k-1)`` in an earlier tick, and a backward of ``(mb, k)``
 needs its own forward (same tick or earlier) and the backward of ``(mb, k+1)`` in an earlier tick.
+Under full recomputation a backward also reruns its stage forward; where its stage runs no backward
+in the tick before, the program runs that rerun there (:func:`hoisted_recomputes`), and the pricing
+(:class:`Costs`' ``recompute``) follows it.
 The built-in tables are made in :mod:`meshtron.pipeline.schedules`; PyTorch's are read by
 :mod:`meshtron.pipeline.torch_actions`.
 """
