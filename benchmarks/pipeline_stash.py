@@ -17,19 +17,22 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from meshtron.config import load_config
 from meshtron.pipeline.schedules import check, compile_program, make_schedule
+from meshtron.pipeline.table import RECOMPUTE_COSTS
 from meshtron.train.loop import Trainer
 
 P, M, SEQ, ROWS, HIDDEN = 4, 8, 128, 32, 256
 
 
 def table_counts(name: str, p: int = P, m: int = M) -> dict[str, object]:
-    """The table's stage inputs in flight per stage, the program's stash slots and Megatron's count."""
+    """The table's stage inputs in flight per stage, the program's stash slots (and recompute slots: hoisted
+    reruns' residuals) and Megatron's count, the bubble with unit costs and recomputing (t_R = t_F)."""
     program = compile_program(make_schedule(name, p, m))
     stats = check(program.schedule)
     return {"in_flight": stats.peak_in_flight, "stash_slots": program.stash_slots,
             "megatron_stage0": stats.megatron_peak_in_flight_stage0, "megatron_stage1": p - 1,
-            "weight_slots": program.weight_slots, "ticks": program.schedule.ticks,
-            "bubble": round(stats.bubble_fraction, 3)}
+            "weight_slots": program.weight_slots, "recompute_slots": program.recompute_slots,
+            "ticks": program.schedule.ticks, "bubble": round(stats.bubble_fraction, 3),
+            "bubble_recompute": round(check(program.schedule, RECOMPUTE_COSTS).bubble_fraction, 3)}
 
 
 def compiled_temp_bytes(name: str) -> int:

@@ -197,6 +197,16 @@ def test_schedule_prints_the_table_its_report_and_draws_it(tmp_path):
     assert "--costs" in bad[1].stderr
 
 
+def test_schedule_prices_a_recomputation_hoisted_into_the_forward_tick(tmp_path):
+    # t_R, the fourth cost: 1f1b-p reruns each backward's stage forward in the forward tick before it.
+    png = tmp_path / "p.png"
+    run = meshtron("schedule", "1f1b-p", "--pipe", "4", "--microbatches", "8", "--costs", "1,1,1,1", "--png", str(png))
+    assert run.returncode == 0, run.stderr
+    assert "bubble               0.2812 of the ideal time (t_F=1, t_B=1, t_W=1, t_R=1)" in run.stdout  # 3(p-1)/(4m)
+    assert "in flight per stage  4, 3, 2, 1" in run.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_schedule_reads_and_writes_pytorch_action_csvs(tmp_path):
     torch_csv = ROOT / "tests" / "fixtures" / "torch_schedules" / "interleavedzerobubble_p2_m4_v2.csv"
     out = tmp_path / "out.csv"

@@ -131,6 +131,11 @@ MOE_LAYOUTS = [
     ("cpu8", ["parallel.data=1", "parallel.context=2", "parallel.sequence_parallel=true"]),
     ("llama_cpu8", ["parallel.pipe=1", "parallel.context=2", "parallel.context_attention=ring", "model.remat=selective"]),
     ("llama_cpu8", ["parallel.data=1", "parallel.context=2", "parallel.context_attention=ring"]),  # stages in lockstep
+    # 1f1b-p reruns a backward's stage forward in the tick before, in a conditional of its own
+    ("mixtral_cpu8", ["parallel.schedule=1f1b-p", "parallel.chunks=1", "model.remat=full"]),
+    ("llama_cpu8", ["parallel.sequence_parallel=true", "parallel.schedule=1f1b-p", "parallel.chunks=1"]),
+    ("llama_cpu8", ["parallel.data=1", "parallel.context=2", "parallel.context_attention=ring",
+                    "parallel.schedule=1f1b-p", "parallel.chunks=1"]),
 ]
 # The second stack checks two; the rest run on the first.
 _MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (3, 7, 10) else pytest.mark.first_stack_only)
@@ -173,6 +178,9 @@ STRESS = {
     "interleaved-2x4x1-m4": ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=1", "model.layers=8", "model.hidden=64",
                              "model.mlp_dim=128", "model.seq_len=32", "model.vocab_size=384", "train.batch_size=8",
                              "parallel.microbatches=4", "parallel.schedule=interleaved", "parallel.chunks=2"],
+    "1f1b-p-1x4x2-m8": ["parallel.data=1", "parallel.pipe=4", "parallel.tensor=2", "model.hidden=64",
+                        "model.mlp_dim=128", "model.seq_len=32", "train.batch_size=16", "parallel.microbatches=8",
+                        "parallel.schedule=1f1b-p", "parallel.chunks=1"],
     "1f1b-2x2x2-onebit": ["model.hidden=64", "model.mlp_dim=128", "model.seq_len=32", "train.batch_size=8",
                           "parallel.microbatches=2", "parallel.schedule=1f1b", "parallel.chunks=1",
                           "train.optimizer=onebit_lamb", "optim.freeze_step=1"],

@@ -15,7 +15,8 @@ from meshtron.mesh import build_mesh
 from meshtron.optim import build_optimizer, data_parallel_mean
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
-from meshtron.pipeline.schedules import compile_program, make_schedule
+from meshtron.pipeline.runtime import segments
+from meshtron.pipeline.schedules import Schedule, Work, compile_program, make_schedule
 from meshtron.train.pipelined import stage_order, to_canonical, to_stage_order
 from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.train.step import build_steps
@@ -126,6 +127,42 @@ def test_full_recomputation_from_kept_layer_inputs_matches_the_unpipelined_model
     # in its backward (zb-h1's W reads kept matmul inputs, so it keeps those instead).
     assert_matches_reference(reference, model_def(), mesh_shape, schedule, chunks, 2 * mesh_shape[1],
                              recompute=False, run=execution(remat="full"))
+
+
+def hoisting_some_backwards() -> Schedule:
+    """p=2, m=4: stage 1 alternates forward and backward ticks as 1f1b-p does (every rerun hoisted), while
+    stage 0 runs its last three backwards back to back, so only the first of them is hoisted: tick 8 has a
+    backward from a hoisted rerun (stage 1) beside one that recomputes (stage 0)."""
+    forward, backward = [[None] * 2 for _ in range(10)], [[None] * 2 for _ in range(10)]
+    for j, (f0, b0) in enumerate(zip((0, 2, 4, 6), (3, 7, 8, 9))):
+        forward[f0][0], backward[b0][0] = Work(j, 0), Work(j, 0)
+        forward[1 + 2 * j][1], backward[2 + 2 * j][1] = Work(j, 0), Work(j, 0)
+    return Schedule("hoisting-some", 2, 4, 1, tuple(map(tuple, forward)), tuple(map(tuple, backward)))
+
+
+def test_hoisted_recomputation_matches_the_unpipelined_model(reference):
+    # parallel.recompute=true: each backward of 1f1b-p reads the residuals its stage's rerun kept in the
+    # forward tick before (model.remat=full: the layers' inputs, each layer rerun in the backward).
+    md = reference[0]
+    program = compile_program(make_schedule("1f1b-p", 4, 8))
+    assert program.hoists_recompute and (program.bwd_pre_slot[program.bwd_mb >= 0] >= 0).all()
+    assert_matches_reference(reference, md, (1, 4, 1), "1f1b-p", 1, 8, recompute=True, run=execution(remat="full"))
+
+
+def test_backwards_from_hoisted_reruns_and_recomputing_ones_in_one_tick_match_the_unpipelined_model(reference):
+    md, params, ref_loss, ref_grads = reference
+    program = compile_program(hoisting_some_backwards())
+    tick = 8
+    assert program.bwd_pre_slot[tick].tolist() == [-1, 0] and program.bwd_stash_slot[tick, 0] == -1  # stage 0: tokens
+    assert any(seg.backward_kept and seg.backward_recomputes for seg in segments(program))
+    mesh = build_mesh(MeshConfig(1, 2, 4), jax.devices())
+    opt = build_optimizer(TrainConfig(steps=10, warmup_steps=1), md.logical_axes())
+    steps = build_steps(md, mesh, data_parallel_mean(), opt, microbatches=4, pipeline=PipelinePlan(program),
+                        execution=execution())
+    loss, grads = steps.gradients(place(params, steps, md, 1), jax.device_put(tokens(), steps.batch_sharding))
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
+    grads = to_canonical(jax.device_get(grads), LAYERS, 2, 1)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
 
 
 def test_uneven_evaluation_matches_the_unpipelined_model(reference):
@@ -281,7 +318,7 @@ def test_trainer_puts_layers_in_stage_order_and_back():
     (s, p, m, v) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)) for p in (2, 4) for m in (p, 2 * p, 4 * p)
 ])
 def test_merged_segments_cover_the_table_within_the_bubbles_transfers(schedule, p, m, v):
-    from meshtron.pipeline.runtime import exact_segments, segments
+    from meshtron.pipeline.runtime import exact_segments
 
     program = compile_program(make_schedule(schedule, p, m, v))
     exact, merged = exact_segments(program), segments(program)

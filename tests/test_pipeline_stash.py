@@ -2,8 +2,9 @@
 compares with Megatron's 1F1B.
 
 A stage input is *needed* on its stage from the tick it arrives (it is written into a stash slot at the
-tick's start) through its last read: the backward that recomputes from it, or, when nothing is
-recomputed (a forward-only table, kept residuals), its forward. A slot freed in a tick is reused by a
+tick's start) through its last read: the backward that recomputes from it (a tick earlier where the
+program hoists that recomputation), or, when nothing is recomputed (a forward-only table, kept
+residuals), its forward. A slot freed in a tick is reused by a
 later tick's arrival. Every stage gets the same buffer (one SPMD program), so the program's
 ``stash_slots`` is the most any stage needs.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from meshtron.pipeline.schedules import check, compile_program, make_schedule
+from meshtron.pipeline.table import hoisted_recomputes
 
 
 def stash_needed(name: str, p: int, m: int, chunks: int = 1, keep: bool = False) -> int:
@@ -21,6 +23,7 @@ def stash_needed(name: str, p: int, m: int, chunks: int = 1, keep: bool = False)
     last = p * sched.chunks - 1
     arrival, last_read = {}, {}
     reader = sched.forward if sched.forward_only or keep else sched.backward
+    early = frozenset() if keep else hoisted_recomputes(sched)
     for tick in range(sched.ticks):
         for stage in range(p):
             sent = sched.forward[tick][stage]
@@ -28,7 +31,7 @@ def stash_needed(name: str, p: int, m: int, chunks: int = 1, keep: bool = False)
                 arrival[(sent.microbatch, sent.chunk * p + stage + 1)] = tick + 1
             work = reader[tick][stage]
             if work is not None:
-                last_read[(work.microbatch, work.chunk * p + stage)] = tick
+                last_read[(work.microbatch, work.chunk * p + stage)] = tick - ((tick, stage) in early)
     return max(sum(1 for key, t in arrival.items() if key[1] % p == stage and t <= tick <= last_read[key])
                for stage in range(p) for tick in range(sched.ticks))
 
@@ -59,8 +62,23 @@ def test_lockstep_1f1b_stashes_2p_minus_3_stage_inputs_where_megatron_holds_p(p)
 @pytest.mark.parametrize("name", ["1f1b-p", "zb-h1"])
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_megatron_bound_tables_hold_p_minus_s_in_flight(name, p):
-    # Megatron's bound, p - s on stage s. Their stash also holds an arrival that waits for its forward
+    # Megatron's bound, p - s on stage s. ZB-H1's stash also holds an arrival that waits for its forward
     # while the stage is at its bound: p slots (p - 1 in flight on stage 1 and one waiting), 2 at p = 2.
+    # 1F1B-p's arrivals come just in time and its reruns, hoisted a tick early, free their slot there:
+    # p - 1 (stage 1's in flight).
     stats = check(make_schedule(name, p, 4 * p))
     assert stats.peak_in_flight == tuple(p - s for s in range(p))
-    assert compile_program(make_schedule(name, p, 4 * p)).stash_slots <= p
+    assert compile_program(make_schedule(name, p, 4 * p)).stash_slots == (p - 1 if name == "1f1b-p" else p)
+
+
+def test_a_run_hoists_1f1b_ps_reruns_unless_a_ring_attention_runs_the_stages_in_lockstep():
+    # In lockstep every stage computes every slot of every tick: a hoisted rerun would balance nothing.
+    from meshtron.config import load_config
+    from meshtron.run import resolve_run
+
+    base = ["parallel.schedule=1f1b-p", "parallel.chunks=1", "parallel.data=1", "parallel.context=2"]
+    gathered = resolve_run(load_config("llama_cpu8", base), 8).program
+    ring = resolve_run(load_config("llama_cpu8", [*base, "parallel.context_attention=ring"]), 8).program
+    kept = resolve_run(load_config("llama_cpu8", [*base, "parallel.recompute=false"]), 8).program
+    assert gathered.hoists_recompute and gathered.recompute_slots == 1
+    assert not ring.hoists_recompute and not kept.hoists_recompute and kept.keeps_residuals

@@ -24,6 +24,7 @@ from meshtron.pipeline.schedules import (
     one_f_one_b,
     render,
 )
+from meshtron.pipeline.table import hoisted_recomputes, run_time
 from meshtron.pipeline.torch_actions import read_csv, to_schedule
 
 # (schedule, p, m, v) from the brief: gpipe/1f1b with one chunk, interleaved with two.
@@ -251,6 +252,7 @@ def simulate(program: Program) -> tuple[int, int]:
     grads = [[None] * program.grad_slots for _ in range(p)]
     weights = [[None] * program.weight_slots for _ in range(p)]  # split backward: what B leaves for W
     kept = [[None] * program.residual_slots for _ in range(p)]  # no recomputation: forward -> backward
+    rerun = [[None] * program.recompute_slots for _ in range(p)]  # hoisted recomputation -> next tick's backward
     to_next: list = [None] * p  # to_next[s]: activation stage s sent to stage s + 1 last tick
     to_prev: list = [None] * p  # to_prev[s]: gradient stage s sent to stage s - 1 last tick
     forwarded, backwarded, weighted = set(), set(), set()
@@ -299,6 +301,19 @@ def simulate(program: Program) -> tuple[int, int]:
                     to_next[s] = ("x", mb, k + 1)
             else:
                 assert program.fwd_chunk[t, s] == program.fwd_slot[t, s] == -1 and program.fwd_send[t, s] == 0
+            mb, chunk = int(program.pre_mb[t, s]), int(program.pre_chunk[t, s])
+            if mb >= 0:  # a hoisted recomputation: next tick's backward, from the stash, after this forward
+                k = chunk * p + s
+                assert (mb, k) in forwarded, f"{where}: rerun of {(mb, k)} before its forward"
+                assert sched.backward[t + 1][s] == Work(mb, chunk), f"{where}: rerun"
+                assert not program.keeps_residuals and sched.backward[t][s] is None, f"{where}: rerun beside a B"
+                if k == 0:
+                    assert program.pre_stash_slot[t, s] == -1, f"{where}: virtual stage 0 reruns from tokens"
+                else:
+                    take(stash[s], int(program.pre_stash_slot[t, s]), ("x", mb, k), f"{where}: rerun input")
+                store(rerun[s], int(program.pre_res_slot[t, s]), ("h", mb, k), f"{where}: rerun residuals")
+            else:
+                assert program.pre_chunk[t, s] == program.pre_stash_slot[t, s] == program.pre_res_slot[t, s] == -1
             mb, chunk = int(program.bwd_mb[t, s]), int(program.bwd_chunk[t, s])
             if mb >= 0:
                 k = chunk * p + s
@@ -311,6 +326,9 @@ def simulate(program: Program) -> tuple[int, int]:
                         assert 0 <= slot < len(kept[s]) and kept[s][slot] == ("r", mb, k), f"{where}: B's residuals"
                     else:
                         take(kept[s], int(program.bwd_res_slot[t, s]), ("r", mb, k), f"{where}: backward residuals")
+                elif program.bwd_pre_slot[t, s] >= 0:
+                    assert program.bwd_stash_slot[t, s] == -1, f"{where}: rerun last tick"
+                    take(rerun[s], int(program.bwd_pre_slot[t, s]), ("h", mb, k), f"{where}: rerun residuals")
                 elif k == 0:
                     assert program.bwd_stash_slot[t, s] == -1, f"{where}: virtual stage 0 recomputes from tokens"
                 else:
@@ -343,7 +361,7 @@ def simulate(program: Program) -> tuple[int, int]:
     assert forwarded == everything and backwarded == everything
     assert weighted == (everything if sched.split_backward else set())
     assert to_next == [None] * p and to_prev == [None] * p, "a value is sent in the last tick and lost"
-    assert all(x is None for buf in stash + grads + weights + kept for x in buf), "a buffer slot is never freed"
+    assert all(x is None for buf in stash + grads + weights + kept + rerun for x in buf), "a buffer slot is never freed"
     return peak_stash, peak_grads
 
 
@@ -452,6 +470,53 @@ def test_p_in_flight_1f1b_holds_at_most_p_microbatches_on_stage_0(case):
     stats = check(make_schedule("1f1b-p", p, m))
     assert stats.peak_in_flight == tuple(min(p - s, m) for s in range(p))
     assert stats.peak_in_flight[0] <= p == stats.megatron_peak_in_flight_stage0 or m < p
+
+
+@pytest.mark.parametrize("case", [c for c in BOUNDED if c[0] == "1f1b-p" and c[1] > 1] + [("1f1b-p", 4, 32, 1)],
+                         ids=ids)
+def test_phased_1f1b_p_runs_as_fast_as_1f1b_when_recomputing(case):
+    # Stage s alternates forward and backward ticks (forwards where tick - s is even), so a gradient's
+    # round trip spans p - s forwards: Megatron's bound. With unit costs its backward ticks set the
+    # pace; under full recomputation (t_R = t_F) every backward's rerun is hoisted into the forward
+    # tick before it, and both kinds of tick cost 2 t_F: 4m + 3(p - 1), where the lockstep 1F1B,
+    # whose every steady tick holds a forward, a rerun and a backward, takes 4m + 4(p - 1).
+    _, p, m, _ = case
+    phased, lockstep = make_schedule("1f1b-p", p, m), make_schedule("1f1b", p, m)
+    assert check(phased).peak_in_flight == tuple(p - s for s in range(p))
+    assert phased.ticks == 2 * (m + p - 1)
+    assert check(phased).bubble_fraction == pytest.approx((m + 3 * p - 4) / (3 * m))
+    backwards = {(t, s) for t, row in enumerate(phased.backward) for s, work in enumerate(row) if work is not None}
+    assert hoisted_recomputes(phased) == backwards
+    recompute = Costs(recompute=1.0)
+    assert run_time(phased, recompute) == 4 * m + 3 * (p - 1)
+    assert run_time(lockstep, recompute) == 4 * m + 4 * (p - 1)
+    assert check(phased, recompute).bubble_fraction == pytest.approx(3 * (p - 1) / (4 * m))
+    assert check(phased, recompute).bubble_fraction <= check(lockstep, recompute).bubble_fraction
+    # Without the hoist a backward tick would cost t_R + t_B + t_W = 3: slower than 1F1B.
+    assert run_time(phased, recompute, hoist=False) > run_time(lockstep, recompute)
+
+
+@pytest.mark.parametrize("case", CASES + EXTRA + [c for c in BOUNDED if c[0] != "1f1b-p"], ids=ids)
+def test_other_schedules_hoist_no_recomputation(case):
+    # The lockstep 1F1B, GPipe and interleaved tables run a backward in every tick of their steady state
+    # (hoisting their first backwards' reruns would save no time and cost a residual slot); a split
+    # backward is never hoisted.
+    program = compile_program(make_schedule(*case))
+    assert not hoisted_recomputes(program.schedule) and program.recompute_slots == 0
+    assert (program.pre_mb == -1).all() and (program.bwd_pre_slot == -1).all()
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 16)])
+def test_phased_1f1b_p_program_reruns_every_backward_a_tick_early_in_one_slot(p, m):
+    program = compile_program(make_schedule("1f1b-p", p, m))
+    backward = program.bwd_mb >= 0
+    assert program.recompute_slots == 1 and (program.bwd_pre_slot[backward] == 0).all()
+    assert (program.bwd_stash_slot == -1).all()  # the rerun read (and freed) the stash a tick earlier
+    assert (program.pre_mb[:-1] == program.bwd_mb[1:]).all() and (program.pre_mb[-1] == -1).all()
+    # The stash: stage 1 holds p - 1 stage inputs; stage 0 reruns from tokens.
+    assert program.stash_slots == p - 1
+    kept = compile_program(make_schedule("1f1b-p", p, m), keep_residuals=True)  # nothing recomputed
+    assert kept.recompute_slots == 0 and kept.residual_slots == p
 
 
 def test_weight_gradient_before_its_input_gradient_is_named():

@@ -103,13 +103,15 @@ def test_a_config_with_a_layout_string_loads():
 
 
 # parallel.layout: uneven stages (padded chunks, the padding skipped) on the three meshes, through the
-# fused, interleaved and split backwards, recomputing or keeping residuals (evaluation: test_pipeline.py).
+# fused, interleaved and split backwards, recomputing (1f1b-p: in the forward tick before) or keeping
+# residuals (evaluation: test_pipeline.py).
 # zb-h1 at m = p = 2 (m = 2p compiled twice the ticks): B and W still split, stage 1's W deferred past
 # its next B; zb-h1's steady state at m = 2p: tests/test_pipeline.py's every-schedule grid.
 UNEVEN = [
     Layout(1, 4, 2, "1f1b", layer_layout=(1, 3, 2, 2)),
     Layout(2, 2, 2, "interleaved", 2, layer_layout="Et|t*2|t*3|t*2L"),
     Layout(1, 2, 4, "zb-h1", microbatches=2, layer_layout=(2, 6), recompute=False),
+    Layout(1, 4, 2, "1f1b-p", layer_layout=(3, 1, 2, 2)),  # every backward from a rerun hoisted a tick early
 ]
 
 

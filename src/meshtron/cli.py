@@ -126,8 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     sched.add_argument("--chunks", type=int, default=None, metavar="V",
                        help="model chunks per stage (interleaved; default 1; a CSV has its own)")
     sched.add_argument("--csv", metavar="FILE", help="also write the table as a PyTorch action CSV (_load_csv reads it)")
-    sched.add_argument("--costs", default="1,1,1", metavar="F,B,W",
-                       help="unit costs t_F,t_B,t_W (an unsplit backward costs t_B + t_W; default 1,1,1)")
+    sched.add_argument("--costs", default="1,1,1", metavar="F,B,W[,R]",
+                       help="unit costs t_F,t_B,t_W (an unsplit backward costs t_B + t_W; default 1,1,1) and "
+                            "optionally t_R, a backward's recomputation of its stage forward (default 0)")
     sched.add_argument("--png", metavar="FILE", help="where to draw the timeline (default: NAME-pP-mM-vV.png)")
     plan = sub.add_parser("plan", help="rank 3D layouts of a model on a GPU cluster by predicted throughput "
                           "(the PTD-P paper's model; no devices)")
@@ -273,8 +274,9 @@ def _schedule(args: argparse.Namespace) -> None:
     try:
         costs = Costs(*(float(c) for c in args.costs.split(",")))
     except (TypeError, ValueError):
-        raise ConfigError(f"--costs: expected three numbers t_F,t_B,t_W such as 1,1,1, got {args.costs!r}") from None
-    if min(costs.forward, costs.backward, costs.weight) < 0:
+        raise ConfigError(f"--costs: expected three or four numbers t_F,t_B,t_W[,t_R] such as 1,1,1, "
+                          f"got {args.costs!r}") from None
+    if min(costs.forward, costs.backward, costs.weight, costs.recompute) < 0:
         raise ConfigError(f"--costs: costs cannot be negative, got {args.costs!r}")
     if not is_schedule_file(args.name):
         for flag, value in (("--pipe", args.pipe), ("--microbatches", args.microbatches)):

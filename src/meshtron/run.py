@@ -119,7 +119,10 @@ def resolve_run(cfg: Config, devices: int, *, layers: int | None = None, program
         schedule = make_schedule(pl.schedule, pipe, cfg.train.microbatches, pl.chunks)
     except ScheduleError as err:
         raise ConfigError(f"parallel.schedule: {err}") from None
-    compiled = compile_program(schedule, keep_residuals=not pl.recompute) if program else None
+    # A ring attention runs the stages in lockstep: every stage computes every slot of every tick, so a
+    # rerun hoisted into the tick before balances nothing there.
+    ring = cfg.mesh.context > 1 and cfg.model.context_attention == "ring"
+    compiled = compile_program(schedule, keep_residuals=not pl.recompute, hoist=not ring) if program else None
     return Run(cfg, layout, schedule, compiled)
 
 

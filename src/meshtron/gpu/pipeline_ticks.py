@@ -2,7 +2,8 @@
 
 The runtime traces one ``scan`` per segment of ticks (:func:`meshtron.pipeline.runtime.segments`) and,
 in every tick of a segment, a slot per kind of work the segment has (forward if any of its ticks runs
-one, then backward, then weight): a merged segment has slots in ticks where no stage runs their kind.
+one, then a hoisted recomputation, then backward, then weight): a merged segment has slots in ticks where
+no stage runs their kind.
 This lists those slots in that order, with which stages run each, so the estimate can price every
 tick at the branches its stages take (:mod:`meshtron.gpu.slots`) instead of every slot at its
 costliest branch. Built from the program alone: nothing is compiled.
@@ -19,7 +20,8 @@ __all__ = ["tick_table"]
 
 def tick_table(program: Program) -> TickTable:
     """The slots ``program``'s step traces, tick by tick (``meshtron.run.resolve_run(cfg, devices).program``)."""
-    kinds = (("forward", program.fwd_mb), ("backward", program.bwd_mb), ("weight", program.wgt_mb))
+    kinds = (("forward", program.fwd_mb), ("recompute", program.pre_mb), ("backward", program.bwd_mb),
+             ("weight", program.wgt_mb))
     slots = []
     for segment in segments(program):
         for tick in range(segment.start, segment.stop):

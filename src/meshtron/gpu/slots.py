@@ -36,9 +36,9 @@ from meshtron.hlo.text import HloInstruction, HloModule, call_edges
 
 __all__ = ["KINDS", "Slot", "SlotConditional", "TickTable", "slot_conditionals", "taken_branches"]
 
-KINDS = ("forward", "backward", "weight")
+KINDS = ("forward", "recompute", "backward", "weight")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_SCOPED = re.compile(r"pipeline_(forward|backward|weight)/cond$")
+_SCOPED = re.compile(r"pipeline_(forward|recompute|backward|weight)/cond$")
 _TRUE = re.compile(r"\btrue_computation=%?([\w.\-]+)")
 _FALSE = re.compile(r"\bfalse_computation=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
@@ -46,7 +46,7 @@ _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 
 @dataclass(frozen=True)
 class Slot:
-    """One slot the runtime traced: its tick, its kind (forward, backward, weight) and, per stage,
+    """One slot the runtime traced: its tick, its kind (forward, recompute, backward, weight) and, per stage,
     whether the stage runs it (True) or skips it."""
 
     tick: int
@@ -57,7 +57,8 @@ class Slot:
 @dataclass(frozen=True)
 class TickTable:
     """A pipelined program's slots, in the order the runtime traced them (tick by tick; within a
-    tick forward, backward, weight, those the tick's loop has)."""
+    tick forward, recompute (a backward's rerun hoisted into the tick before), backward, weight, those
+    the tick's loop has)."""
 
     slots: tuple[Slot, ...]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshtron.pipeline.table import Schedule, ScheduleError, check
+from meshtron.pipeline.table import Schedule, ScheduleError, check, hoisted_recomputes
 
 # --------------------------------------------------------------------------------------------
 # Compiling tables into per-tick buffer instructions
@@ -30,7 +30,11 @@ class Program:
     gradient (``wgt_res_slot``), which reads them too -- and the backward recomputes nothing; the
     stash then holds a received activation only until its forward (``bwd_stash_slot`` is -1).
     Otherwise (the default: Megatron's full recomputation) the stash keeps the stage input until
-    the backward, which recomputes the stage from it."""
+    the backward, which recomputes the stage from it -- or, for a backward the table hoists
+    (:func:`~meshtron.pipeline.table.hoisted_recomputes`), the tick before: there the stage's forward
+    is rerun from the stash (``pre_stash_slot``) keeping the layers' residuals in one of
+    ``recompute_slots`` per-stage slots (``pre_res_slot``), and the backward reads them from that slot
+    (``bwd_pre_slot``) instead of recomputing. A recompute slot lives one tick."""
 
     schedule: Schedule
     fwd_mb: np.ndarray
@@ -55,16 +59,33 @@ class Program:
     bwd_res_slot: np.ndarray | None = None  # keep_residuals: residual slot the backward reads (and frees, unsplit)
     residual_slots: int = 0  # keep_residuals: forward-to-backward (split: to-W) residual buffers per stage
     wgt_res_slot: np.ndarray | None = None  # keep_residuals, split backward: residual slot W reads and frees
+    pre_mb: np.ndarray | None = None  # hoisted recompute: the microbatch whose backward runs next tick; else -1
+    pre_chunk: np.ndarray | None = None
+    pre_stash_slot: np.ndarray | None = None  # stash slot it reruns from (and frees); -1 on virtual stage 0
+    pre_res_slot: np.ndarray | None = None  # recompute slot it fills with the layers' residuals
+    bwd_pre_slot: np.ndarray | None = None  # recompute slot the backward reads (and frees); -1: it recomputes
+    recompute_slots: int = 0  # hoisted recomputes: residual buffers per stage (one: each lives one tick)
 
     @property
     def keeps_residuals(self) -> bool:
         return self.residual_slots > 0
+
+    @property
+    def hoists_recompute(self) -> bool:
+        """Some backward reads residuals its stage's rerun kept the tick before (``recompute_slots``)."""
+        return self.recompute_slots > 0
+
+    @property
+    def keeps_layer_residuals(self) -> bool:
+        """Some backward runs from per-layer residuals kept by a forward or by a hoisted rerun."""
+        return self.keeps_residuals or self.hoists_recompute
 
 
 _COLUMNS = (
     "fwd_mb", "fwd_chunk", "fwd_slot", "fwd_send", "recv_fwd_slot",
     "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "bwd_send", "recv_bwd_slot",
     "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot", "wgt_res_slot",
+    "pre_mb", "pre_chunk", "pre_stash_slot", "pre_res_slot", "bwd_pre_slot",
 )
 
 
@@ -90,8 +111,9 @@ class _Slots:
         return slot
 
 
-def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str, list[int]], int, int, int, int]:
-    """One stage's instruction columns plus its stash, grad, weight and residual buffer sizes.
+def _compile_stage(schedule: Schedule, stage: int, keep: bool,
+                   hoisted: frozenset[tuple[int, int]]) -> tuple[dict[str, list[int]], int, int, int, int, int]:
+    """One stage's instruction columns plus its stash, grad, weight, residual and recompute buffer sizes.
 
     A slot is taken when a value arrives (start of tick ``t``) and released by the backward that
     consumes it -- by the forward in a forward-only table or when the forward ``keep``-s the
@@ -105,7 +127,7 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str
     col = {name: [-1] * ticks for name in _COLUMNS}
     col["fwd_send"] = [0] * ticks
     col["bwd_send"] = [0] * ticks
-    stash, grads, weights, kept = _Slots(), _Slots(), _Slots(), _Slots()
+    stash, grads, weights, kept, rerun = _Slots(), _Slots(), _Slots(), _Slots(), _Slots()
     for tick in range(ticks):
         if tick > 0:
             sent = schedule.forward[tick - 1][prev]
@@ -123,11 +145,18 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str
             if keep:
                 col["fwd_res_slot"][tick] = kept.take(key)
             col["fwd_send"][tick] = int(key[1] < last)
+        if (tick + 1, stage) in hoisted:  # next tick's backward recomputes here, after the forward
+            work = schedule.backward[tick + 1][stage]
+            key = (work.microbatch, work.chunk * p + stage)
+            col["pre_mb"][tick], col["pre_chunk"][tick] = work.microbatch, work.chunk
+            col["pre_stash_slot"][tick] = stash.release(key)
+            col["pre_res_slot"][tick] = rerun.take(key)
         work = schedule.backward[tick][stage]
         if work is not None:
             key = (work.microbatch, work.chunk * p + stage)
             col["bwd_mb"][tick], col["bwd_chunk"][tick] = work.microbatch, work.chunk
-            col["bwd_stash_slot"][tick] = stash.release(key)  # -1 when the forward consumed it
+            col["bwd_stash_slot"][tick] = stash.release(key)  # -1 when the forward or a hoisted rerun consumed it
+            col["bwd_pre_slot"][tick] = rerun.release(key)
             if keep:  # a split backward's W reads the residuals too and frees them
                 col["bwd_res_slot"][tick] = kept.owner[key] if schedule.split_backward else kept.release(key)
             col["bwd_grad_slot"][tick] = grads.release(key)
@@ -142,19 +171,22 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str
             col["wgt_slot"][tick] = weights.release(key)
             if keep:
                 col["wgt_res_slot"][tick] = kept.release(key)
-    return col, stash.size, grads.size, weights.size, kept.size
+    return col, stash.size, grads.size, weights.size, kept.size, rerun.size
 
 
-def compile_program(schedule: Schedule, keep_residuals: bool = False) -> Program:
+def compile_program(schedule: Schedule, keep_residuals: bool = False, hoist: bool = True) -> Program:
     """Turn a table into buffer-slot instructions (the table is checked first, so a compiled
     program never reads a value before it arrives).
 
     ``keep_residuals``: the forward keeps every layer's backward residuals until the backward
-    (no recomputation; ``parallel.recompute=false``) instead of the stage input alone."""
+    (no recomputation; ``parallel.recompute=false``) instead of the stage input alone. Otherwise the
+    backwards the table hoists (:func:`~meshtron.pipeline.table.hoisted_recomputes`) get their
+    recomputation in the tick before (``hoist=False``: none does)."""
     check(schedule)
     if keep_residuals and schedule.forward_only:
         raise ScheduleError("keep_residuals: a forward-only table has no backward to keep residuals for")
-    per_stage = [_compile_stage(schedule, s, keep_residuals) for s in range(schedule.stages)]
+    hoisted = frozenset() if keep_residuals or not hoist else hoisted_recomputes(schedule)
+    per_stage = [_compile_stage(schedule, s, keep_residuals, hoisted) for s in range(schedule.stages)]
     arrays = {}
     for name in _COLUMNS:
         array = np.array([col[name] for col, *_ in per_stage], np.int32).T.copy()  # [ticks, stages]
@@ -167,4 +199,5 @@ def compile_program(schedule: Schedule, keep_residuals: bool = False) -> Program
         grad_slots=max(sizes[2] for sizes in per_stage),
         weight_slots=max(sizes[3] for sizes in per_stage),
         residual_slots=max(sizes[4] for sizes in per_stage),
+        recompute_slots=max(sizes[5] for sizes in per_stage),
     )

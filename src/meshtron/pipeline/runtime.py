@@ -16,7 +16,10 @@ runtime is a ``lax.scan`` over ticks that, on each device, picks its own column:
   input gradient is sent to the previous stage with the reverse ``ppermute``; parameter
   gradients are accumulated over microbatches. A program compiled with ``keep_residuals`` (no
   recomputation) instead has the forward keep each layer's matmul outputs in residual slots and
-  the backward run the layers' pullbacks from them.
+  the backward run the layers' pullbacks from them. Where the program hoists a backward's
+  recomputation (``bwd_pre_slot``), the stage reruns its forward in the tick before, after that
+  tick's forward, keeping the layers' residuals in a recompute slot, and the backward runs the
+  pullbacks from them: a forward-only tick then costs the rerun, a backward-only tick no longer does.
 * a split backward (zero bubble) runs B, the input gradient, in the backward slot, and W, the
   weight gradient, in a weight slot of the same or a later tick, from what B left in a buffer
   (and, when the forward keeps residuals, from them: their slot then lives until W, and B leaves
@@ -46,8 +49,9 @@ The rule this runtime follows instead:
 
     every operation that runs collectives is ordered after the previous one by a *data*
     dependency, so the order is one chain that every device must follow: per tick, the
-    messages received -> the forward ``cond`` -> the backward ``cond`` -> the forward send -> the
-    backward send -> the next tick; after the loop, the one reduction over ``axis``.
+    messages received -> the forward ``cond`` -> the hoisted recomputation's ``cond`` -> the
+    backward ``cond`` -> the forward send -> the backward send -> the next tick; after the loop,
+    the one reduction over ``axis``.
 
 The chain is a scalar ``seq``, always exactly zero, that each step reads (``x + seq``) and extends with a
 token of its own output (one element times zero, which XLA cannot fold for floating point). An
@@ -109,7 +113,7 @@ __all__ = ["StageFunctions", "TickState", "exact_segments", "run_pipeline", "run
 _FORWARD_FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot")
 _ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
                "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot",
-               "wgt_res_slot")
+               "wgt_res_slot", "pre_mb", "pre_chunk", "pre_stash_slot", "pre_res_slot", "bwd_pre_slot")
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,9 @@ class _Segment:
     send_forward: bool
     send_backward: bool
     weight: bool = False
+    recompute: bool = False  # a stage reruns a forward for next tick's backward (hoisted recomputation)
+    backward_kept: bool = False  # a backward reads a hoisted rerun's residuals
+    backward_recomputes: bool = True  # a backward recomputes its stage itself
 
 
 def exact_segments(program: Program) -> list[_Segment]:
@@ -130,7 +137,10 @@ def exact_segments(program: Program) -> list[_Segment]:
     send_f = (program.fwd_send > 0).any(axis=1)
     send_b = (program.bwd_send > 0).any(axis=1)
     wgt = (program.wgt_mb >= 0).any(axis=1)
-    keys = list(zip(fwd, bwd, send_f, send_b, wgt))
+    pre = (program.pre_mb >= 0).any(axis=1)
+    kept = (program.bwd_pre_slot >= 0).any(axis=1)
+    recomputes = ((program.bwd_mb >= 0) & (program.bwd_pre_slot < 0)).any(axis=1)
+    keys = list(zip(fwd, bwd, send_f, send_b, wgt, pre, kept, recomputes))
     out, tick = [], 0
     for key, group in itertools.groupby(keys):
         length = len(list(group))
@@ -145,7 +155,9 @@ def _sends(seg: _Segment) -> int:
 
 def _merged(a: _Segment, b: _Segment) -> _Segment:
     return _Segment(a.start, b.stop, a.forward or b.forward, a.backward or b.backward,
-                    a.send_forward or b.send_forward, a.send_backward or b.send_backward, a.weight or b.weight)
+                    a.send_forward or b.send_forward, a.send_backward or b.send_backward, a.weight or b.weight,
+                    a.recompute or b.recompute, a.backward_kept or b.backward_kept,
+                    a.backward_recomputes or b.backward_recomputes)
 
 
 def segments(program: Program) -> list[_Segment]:
@@ -268,6 +280,7 @@ class TickState(NamedTuple):
     loss_sum: jax.Array
     seq: jax.Array  # the ordering token: exactly zero, threaded through every collective-bearing operation
     reports: PyTree | None = None  # forward-only with reports: what each chunk's layers reported, summed
+    recomputed: list[jax.Array] | None = None  # hoisted recomputation: a rerun's residuals, by recompute slot
 
 
 class _TickLoop:
@@ -313,10 +326,11 @@ class _TickLoop:
         self.zeros_act = self.pin(self.zeros(self.act))
         self.zero_loss = self.zeros(jax.ShapeDtypeStruct((), jnp.float32))
         self.keep = program.keeps_residuals
+        self.hoist = program.hoists_recompute
         # The example microbatch's tokens vary like those a tick reads (picked by the stage's own row).
         example_tokens = tokens[0] if self.varies is None else varying_like(tokens[0], self.varies)
         self.layers = (LayerBackward(program, fns, stage_params, self.zeros_act, example_tokens, self.pin, self.zeros)
-                       if self.keep or schedule.split_backward else None)
+                       if self.keep or self.hoist or schedule.split_backward else None)
 
     def gradients_token(self, grads: PyTree, stacked: bool = False) -> jax.Array:
         """A token of every leaf of a chunk's parameter gradients (``stacked``: the stage's gradient
@@ -394,6 +408,28 @@ class _TickLoop:
                             lambda: fns.loss(self.shared_params, y, tok).astype(jnp.float32), lambda: self.zero_loss)
         return y, loss, [*stored, put(rbuf[-1], (slot,), y)], seq + token(loss) + self.token(y)
 
+    def recompute_keeping(self, row, stash, hbuf, seq):
+        """A hoisted recomputation: the stage forward of the microbatch whose backward runs next tick,
+        rerun from its stashed input (or its tokens' embedding), its layers' residuals and output written
+        into its slot of the recompute buffers ``hbuf``, which the branch returns updated."""
+        fns, pin = self.fns, self.pin
+        chunk = row["pre_chunk"]
+        tok = self.tokens[row["pre_mb"]]
+        virtual = chunk * self.p + self.stage_index
+        x_stash = pin(after(read_slot(stash, row["pre_stash_slot"]), seq))
+        x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(self.shared_params, tok), lambda: x_stash))
+        slot = row["pre_res_slot"]
+        y, stored = self.layers.forward_into(chunk_of(self.stage_params, chunk), x, tok, self.active(chunk), hbuf[:-1],
+                                             slot)
+        return [*stored, put(hbuf[-1], (slot,), y)], seq + self.token(y)
+
+    def backward_recomputed(self, row, gbuf, hbuf, g_stage, g_shared, seq):
+        """The whole backward from the residuals a hoisted recomputation kept in ``hbuf`` last tick."""
+        chunk = row["bwd_chunk"]
+        return self.backward_by_layer(
+            {**row, "bwd_res_slot": row["bwd_pre_slot"]}, None, gbuf, hbuf, g_shared, seq,
+            lambda cp, res, dy, act: self.layers.backward_into(cp, res, dy, act, g_stage, chunk), keep=True)
+
     def embedding_vjp(self, virtual, tok, x):
         """The first virtual stage's input and its pullback: the embedding of ``tok`` there, ``x`` elsewhere."""
         fns, pin = self.fns, self.pin
@@ -436,14 +472,18 @@ class _TickLoop:
         g_shared = jax.tree.map(lambda g, a, b: g + a + b, g_shared, d_shared_out, d_shared_in)
         return d_x, g_stage, g_shared, seq + self.token(d_x)
 
-    def backward_by_layer(self, row, stash, gbuf, rbuf, g_shared, seq, walk, gradients_of=lambda buffer: buffer):
+    def backward_by_layer(self, row, stash, gbuf, rbuf, g_shared, seq, walk, gradients_of=lambda buffer: buffer,
+                          keep: bool | None = None):
         """A virtual stage's backward, one layer at a time from stored residuals: the kept ones (this
         microbatch's slot of the residual buffers ``rbuf``, read layer by layer where they are used)
         or, recomputing, those of the chunk's forward rerun from its stashed input. The embedding and
         head + loss gradients are added to ``g_shared`` here; ``walk(chunk_params, residual_of, dy,
         active) -> (dx, buffer)`` walks the layers back, writing what it produces into the buffer it
-        carries (the split backward's B: what W will need; the whole pullback: the layers' gradients)."""
-        pin, keep = self.pin, self.keep
+        carries (the split backward's B: what W will need; the whole pullback: the layers' gradients).
+        ``keep``: read the residuals from ``rbuf`` at ``row["bwd_res_slot"]`` (default: when the program
+        keeps residuals)."""
+        pin = self.pin
+        keep = self.keep if keep is None else keep
         chunk = row["bwd_chunk"]
         tok = self.tokens[row["bwd_mb"]]
         virtual = chunk * self.p + self.stage_index
@@ -530,7 +570,7 @@ class _TickLoop:
         zeros_act, zero_loss = self.zeros_act, self.zero_loss
 
         def tick(state: TickState, row_all):
-            stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports = state
+            stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports, hbuf = state
             row = {k: jax.lax.dynamic_index_in_dim(row_all[k], self.stage_index, keepdims=False) for k in row_all}
             stash = write_slot(stash, row["recv_fwd_slot"], f_msg)
             # `seq` threads one data dependency through every collective-bearing operation of the
@@ -559,11 +599,17 @@ class _TickLoop:
                     lambda: (zeros_act, zero_loss, reports, seq),
                 )
                 loss_sum = loss_sum + loss
+            if seg.recompute:
+                hbuf, seq = self.branch(
+                    "recompute", row["pre_mb"] >= 0,
+                    lambda: self.recompute_keeping(row, stash, hbuf, seq),
+                    lambda: (hbuf, seq),
+                )
             if seg.backward and not self.schedule.split_backward:
                 dx_out, g_stage, g_shared, seq = self.branch(
                     "backward", row["bwd_mb"] >= 0,
                     (lambda: self.backward_kept(row, gbuf, rbuf, g_stage, g_shared, seq)) if self.keep
-                    else (lambda: self.backward(row, stash, gbuf, g_stage, g_shared, seq)),
+                    else self.recomputing_backward(seg, row, stash, gbuf, hbuf, g_stage, g_shared, seq),
                     lambda: (zeros_act, g_stage, g_shared, seq),
                 )
             elif seg.backward:
@@ -583,9 +629,26 @@ class _TickLoop:
                 seq = seq + self.token(f_msg)
             if seg.send_backward:
                 b_msg = pin(jax.lax.ppermute(pin(after(dx_out, seq)), axis, [(i, (i - 1) % p) for i in range(p)]))
-            return TickState(stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports), None
+            return TickState(stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports,
+                             hbuf), None
 
         return tick
+
+    def recomputing_backward(self, seg: _Segment, row, stash, gbuf, hbuf, g_stage, g_shared, seq):
+        """The unsplit backward under recomputation, as a thunk: from a hoisted rerun's residuals where the
+        row says so (``bwd_pre_slot``), else rerunning the stage itself; a segment holding only one kind
+        compiles only that one."""
+        def hoisted():
+            return self.backward_recomputed(row, gbuf, hbuf, g_stage, g_shared, seq)
+
+        def itself():
+            return self.backward(row, stash, gbuf, g_stage, g_shared, seq)
+
+        if not seg.backward_kept:
+            return itself
+        if not seg.backward_recomputes:
+            return hoisted
+        return lambda: self.branch("backward", row["bwd_pre_slot"] >= 0, hoisted, itself)
 
     def buffer(self, slots: int) -> jax.Array:
         return self.zeros(jax.ShapeDtypeStruct((max(slots, 1), *self.act.shape), self.act.dtype))
@@ -613,6 +676,7 @@ class _TickLoop:
             loss_sum=self.zero_loss,
             seq=self.zero_loss,
             reports=self.zero_reports() if self.collect else None,
+            recomputed=self.filled(self.layers.residual_buffers(program.recompute_slots)) if self.hoist else None,
         )
 
     def zero_reports(self) -> PyTree:

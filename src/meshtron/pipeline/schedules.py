@@ -10,14 +10,28 @@ price it (bubble, memory) and compile it (``compile_program``) without tracing a
 
 The execution model (ticks, stages, virtual stages, dependencies) is :mod:`meshtron.pipeline.table`'s.
 
-All three schedules give every stage the same op *order*, shifted in time: forward op ``j`` of
-stage ``s`` runs in tick ``j + s`` and backward op ``j`` in tick ``T0 + j + (p - 1 - s)``. The
+GPipe, 1F1B and the interleaved schedule give every stage the same op *order*, shifted in time:
+forward op ``j`` of stage ``s`` runs in tick ``j + s`` and backward op ``j`` in tick
+``T0 + j + (p - 1 - s)``. The
 order is Megatron-LM's (microbatches in groups of ``p`` per chunk for the interleaved schedule,
 backwards through the chunks in reverse); ``T0`` decides how early backwards start: after all
 forwards (GPipe) or as soon as the last virtual stage has the first microbatch's output (1F1B,
 interleaved). The lockstep shift costs memory, not time: the bubble is exactly the textbook one,
 but stage 0 holds ``2p - 1`` microbatches in flight instead of Megatron's ``p`` (it cannot start
 a backward before the gradient has travelled back through the whole ring).
+
+``1f1b-p`` (:func:`one_f_one_b_p_in_flight`) gets Megatron's ``p - s`` in lockstep by halving the
+tick: each tick holds a forward *or* a backward per stage, stage ``s`` alternating them with a phase
+of its own (forward ``j`` in tick ``s + 2j``, backward ``j`` in tick ``2p - 1 - s + 2j``), so a
+gradient's round trip spans every other tick's forward only. Under full recomputation (the default)
+the program reruns each of its backwards' stage forward in the forward tick before
+(:func:`meshtron.pipeline.table.hoisted_recomputes`), which balances the two kinds of tick:
+with ``t_R = t_F`` and an unsplit backward of ``2·t_F`` it runs in ``4m + 3(p - 1)`` forward-times
+against 1F1B's ``4m + 4(p - 1)``. Without recomputation its backward ticks set the pace and it is
+slower than 1F1B.
+
+ZB-H1 (:func:`zb_h1`) is laid out from per-stage work orders, each op as soon as what it needs is
+there.
 
 Held-out evaluation uses a fourth, forward-only table (:func:`forward_only`): the same lockstep
 forward order with no backward work. Evaluating with the unpipelined model instead would make the
@@ -139,58 +153,41 @@ def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
     return _shifted("interleaved", stages, microbatches, chunks, first_backward=chunks * stages - 1)
 
 
-def _greedy(name: str, stages: int, microbatches: int, *, in_flight: list[int]) -> Schedule:
-    """Lay one chunk per stage out tick by tick, each stage doing the most urgent ready work.
-
-    Per stage and tick: the forward of the next microbatch whose input has arrived, if fewer than
-    ``in_flight[s]`` are forwarded but not backwarded (the stage's stash bound), and the backward
-    of the oldest microbatch whose output gradient has arrived -- both in one tick when both are
-    ready, as the lockstep 1F1B does. Values produced in a tick are usable from the next, exactly
-    as :func:`check` requires.
-    """
-    p, m = stages, microbatches
-    f_tick = [[-1] * m for _ in range(p)]
-    b_tick = [[-1] * m for _ in range(p)]
-    nf, nb = [0] * p, [0] * p
-    forward: list[list[Work | None]] = []
-    backward: list[list[Work | None]] = []
-    tick = 0
-    while min(nb) < m:
-        if tick > 4 * m * p + 4 * p:  # cannot happen for the bounds used here; guards a bad bound
-            raise ScheduleError(f"{name}: no progress with stage bounds {in_flight} (p={p}, m={m})")
-        frow: list[Work | None] = [None] * p
-        brow: list[Work | None] = [None] * p
-        for s in range(p):
-            ready_f = nf[s] < m and (s == 0 or 0 <= f_tick[s - 1][nf[s]] < tick)
-            if ready_f and nf[s] - nb[s] < in_flight[s]:
-                frow[s] = Work(nf[s], 0)
-            mb = nb[s]  # the next backward: its output gradient must have arrived (or be the loss)
-            grad_here = mb < m and (s == p - 1 or 0 <= b_tick[s + 1][mb] < tick)
-            if grad_here and mb < nf[s] + (frow[s] is not None):
-                brow[s] = Work(mb, 0)
-        for s in range(p):  # commit the tick: every decision above saw only earlier ticks
-            if frow[s] is not None:
-                f_tick[s][nf[s]] = tick
-                nf[s] += 1
-            if brow[s] is not None:
-                b_tick[s][nb[s]] = tick
-                nb[s] += 1
-        forward.append(frow)
-        backward.append(brow)
-        tick += 1
-    return Schedule(name, p, m, 1, _as_table(forward), _as_table(backward))
-
-
 def _as_table(rows: list[list[Work | None]]) -> Table:
     return tuple(map(tuple, rows))
 
 
 def one_f_one_b_p_in_flight(stages: int, microbatches: int) -> Schedule:
     """1F1B as Megatron-LM runs it: stage ``s`` holds at most ``p - s`` microbatches (stage 0: ``p``,
-    where the lockstep :func:`one_f_one_b` holds ``2p - 1``). A stage whose stash is full waits for
-    a gradient before its next forward, which costs ticks where the lockstep table overlaps."""
+    where the lockstep :func:`one_f_one_b` holds ``2p - 1``).
+
+    The in-flight count is a gradient's round trip from stage ``s`` to the last stage and back,
+    counted in forwards of stage ``s``. In :func:`one_f_one_b` a tick holds a forward *and* a
+    backward and the round trip is ``2(p - 1 - s) + 1`` ticks, each with a forward. Here a tick is
+    half of that: stage ``s`` runs forward ``j`` in tick ``s + 2j`` and backward ``j`` in tick
+    ``2p - 1 - s + 2j``, so it alternates forward and backward ticks with a phase of its own
+    (forwards where ``tick - s`` is even). A forward's output reaches the next stage, and an input
+    gradient the previous one, just in time for that stage's next tick of the same kind, so the round
+    trip still takes ``2(p - 1 - s) + 1`` ticks, but only every other one is a forward: ``p - s`` in
+    flight, with two messages per forward-and-backward instead of one (the same bytes).
+
+    It takes ``2(m + p - 1)`` ticks of one op each. With unit costs (a backward twice a forward) its
+    backward ticks set the pace: ``4m + 3p - 4`` forward-times, bubble ``(m + 3p - 4)/(3m)``. Under
+    full recomputation the program reruns each backward's stage forward in the forward tick before it
+    (:func:`meshtron.pipeline.table.hoisted_recomputes`), so both kinds of tick cost
+    ``t_F + t_R = t_B + t_W`` (``2·t_F`` with ``t_R = t_F``): ``4m + 3(p - 1)``, bubble
+    ``3(p - 1)/(4m)``, where :func:`one_f_one_b` recomputing takes ``4m + 4(p - 1)``.
+    """
     _validate("1f1b-p", stages, microbatches, 1)
-    return _greedy("1f1b-p", stages, microbatches, in_flight=[stages - s for s in range(stages)])
+    p, m = stages, microbatches
+    ticks = 2 * (m + p - 1)
+    forward: list[list[Work | None]] = [[None] * p for _ in range(ticks)]
+    backward: list[list[Work | None]] = [[None] * p for _ in range(ticks)]
+    for stage in range(p):
+        for j in range(m):
+            forward[stage + 2 * j][stage] = Work(j, 0)
+            backward[2 * p - 1 - stage + 2 * j][stage] = Work(j, 0)
+    return Schedule("1f1b-p", p, m, 1, _as_table(forward), _as_table(backward))
 
 
 def zb_h1_order(stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:

@@ -9,6 +9,9 @@ at most one backward, forward first. A value produced in tick ``t`` is sent at t
 tick and can be used from tick ``t + 1`` on (the receiver buffers it). Hence a forward of
 ``(mb, k)`` needs the forward of ``(mb, k-1)`` in an earlier tick, and a backward of ``(mb, k)``
 needs its own forward (same tick or earlier) and the backward of ``(mb, k+1)`` in an earlier tick.
+Under full recomputation a backward also reruns its stage forward; where its stage runs no backward
+in the tick before, the program runs that rerun there (:func:`hoisted_recomputes`), and the pricing
+(:class:`Costs`' ``recompute``) follows it.
 The built-in tables are made in :mod:`meshtron.pipeline.schedules`; PyTorch's are read by
 :mod:`meshtron.pipeline.torch_actions`.
 """
@@ -51,6 +54,10 @@ class Costs:
     forward: float = 1.0
     backward: float = 1.0
     weight: float = 1.0
+    # Rerunning a stage's forward for its backward (``parallel.recompute=true``); 0: priced as if the
+    # residuals were kept. Priced in the backward's tick, or in the tick before where the program
+    # hoists it there (:func:`hoisted_recomputes`).
+    recompute: float = 0.0
 
     def of_chunk_work(self, split: bool, chunks: int) -> tuple[float, float, float]:
         """(forward, backward, weight) cost of one table cell with ``chunks`` chunks per stage: a
@@ -60,6 +67,7 @@ class Costs:
 
 
 UNIT_COSTS = Costs()
+RECOMPUTE_COSTS = Costs(recompute=1.0)  # unit costs with Megatron's full recomputation (R = F)
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,7 @@ class ScheduleStats:
     """What a valid table costs: ticks, bubble (under :class:`Costs`) and activation memory."""
 
     ticks: int
-    bubble_fraction: float  # (lockstep run time - m·(t_F + t_B + t_W)) / m·(t_F + t_B + t_W); forward-only: m·t_F
+    bubble_fraction: float  # (lockstep run time - m·Σt) / m·Σt, Σt = t_F + t_B + t_W + t_R; forward-only: m·t_F
     ideal_bubble: float  # textbook: (p-1)/m, (p-1)/(v·m) interleaved, (p-1)(t_F+t_B-t_W)/(m·Σt) ZB-H1; NaN: none
     peak_in_flight: tuple[int, ...]  # per stage, in chunk-microbatches (stage inputs stashed)
     megatron_peak_in_flight_stage0: int  # Megatron's asynchronous schedule on rank 0, for comparison
@@ -219,16 +227,64 @@ def _check_dependencies(schedule: Schedule, fwd: Placement, bwd: Placement, wgt:
             )
 
 
-def run_time(schedule: Schedule, costs: Costs) -> float:
+def run_time(schedule: Schedule, costs: Costs, hoist: bool = True) -> float:
     """Lockstep time: each tick lasts as long as its busiest stage (per chunk, costs divided by ``v``;
-    an unsplit backward costs ``t_B + t_W``)."""
+    an unsplit backward costs ``t_B + t_W``, plus ``costs.recompute`` in its own tick or, hoisted
+    (:func:`hoisted_recomputes`; ``hoist=False``: never), in the tick before)."""
+    hoisted = hoisted_recomputes(schedule) if costs.recompute and hoist else frozenset()
+    return _priced_time(schedule, costs, hoisted)
+
+
+def _priced_time(schedule: Schedule, costs: Costs, hoisted: frozenset[tuple[int, int]]) -> float:
     cost_f, cost_b, cost_w = costs.of_chunk_work(schedule.split_backward, schedule.chunks)
+    cost_r = costs.recompute / schedule.chunks
     weight = schedule.weight_table
-    return sum(
-        max(cost_f * (f is not None) + cost_b * (b is not None) + cost_w * (w is not None)
-            for f, b, w in zip(frow, brow, wrow))
-        for frow, brow, wrow in zip(schedule.forward, schedule.backward, weight)
+    total = 0.0
+    for tick, (frow, brow, wrow) in enumerate(zip(schedule.forward, schedule.backward, weight)):
+        busiest = 0.0
+        for stage, (f, b, w) in enumerate(zip(frow, brow, wrow)):
+            here = cost_f * (f is not None) + cost_b * (b is not None) + cost_w * (w is not None)
+            here += cost_r * (b is not None and (tick, stage) not in hoisted)
+            here += cost_r * ((tick + 1, stage) in hoisted)
+            busiest = max(busiest, here)
+        total += busiest
+    return total
+
+
+def _hoistable(schedule: Schedule) -> frozenset[tuple[int, int]]:
+    """(tick, stage) of the backwards whose recomputation *can* run a tick early: an unsplit backward
+    at ``tick`` whose stage runs no backward at ``tick - 1`` and whose forward ran by then (its stashed
+    input, or its tokens, are there)."""
+    if schedule.split_backward or schedule.forward_only:
+        return frozenset()
+    p = schedule.stages
+    forwarded = {}
+    for tick, row in enumerate(schedule.forward):
+        for stage, work in enumerate(row):
+            if work is not None:
+                forwarded[(work.microbatch, work.chunk * p + stage)] = tick
+    return frozenset(
+        (tick, stage)
+        for tick in range(1, schedule.ticks)
+        for stage, work in enumerate(schedule.backward[tick])
+        if work is not None and schedule.backward[tick - 1][stage] is None
+        and forwarded.get((work.microbatch, work.chunk * p + stage), tick) < tick
     )
+
+
+def hoisted_recomputes(schedule: Schedule) -> frozenset[tuple[int, int]]:
+    """(tick, stage) of the backwards whose stage forward is rerun in the tick before, with the layers'
+    residuals kept for one tick (``parallel.recompute=true``): a stage that ran a forward-only tick and
+    then a backward-only one would otherwise cost ``t_F`` and ``t_R + t_B + t_W``; hoisted, ``t_F + t_R``
+    and ``t_B + t_W``, balanced when ``t_R = t_F`` and ``t_B + t_W = 2·t_F``. Every backward that can be
+    hoisted (:func:`_hoistable`) is, when that makes the table faster under :data:`RECOMPUTE_COSTS`;
+    otherwise none is (the lockstep 1F1B runs a backward in every tick of its steady state, so hoisting its
+    first backwards saves no time and would cost a residual slot)."""
+    hoistable = _hoistable(schedule)
+    if not hoistable or _priced_time(schedule, RECOMPUTE_COSTS, hoistable) >= _priced_time(
+            schedule, RECOMPUTE_COSTS, frozenset()):
+        return frozenset()
+    return hoistable
 
 
 def _peak_weight_pending(schedule: Schedule, stage: int) -> int:
@@ -319,7 +375,7 @@ def check(schedule: Schedule, costs: Costs = UNIT_COSTS) -> ScheduleStats:
             wgt = _placement(schedule, "weight")
     _check_dependencies(schedule, fwd, bwd, wgt)
     p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
-    per_microbatch = costs.forward + (0.0 if schedule.forward_only else costs.backward + costs.weight)
+    per_microbatch = costs.forward + (0.0 if schedule.forward_only else costs.backward + costs.weight + costs.recompute)
     ideal = m * per_microbatch
     return ScheduleStats(
         ticks=schedule.ticks,
