@@ -88,6 +88,16 @@ def test_cudnn_by_the_ring_compiles_each_block_into_the_fused_kernels(layout, ov
     assert block_scores(compiled_step(layout, "xla", *ring).as_text(), tokens) != []
 
 
+def test_cudnn_by_the_ring_keeps_no_block_scores():
+    """At 2,048 tokens over two context ranks, one row's [h, s/2, s/2] fp32 block scores are megabytes."""
+    longer = ("model.seq_len=2048", "train.batch_size=8", "parallel.microbatches=1", "parallel.context=2",
+              "parallel.context_attention=ring")
+    fused_bytes = compiled_step("2x1x2", "cudnn", *longer).memory_analysis().temp_size_in_bytes
+    plain_bytes = compiled_step("2x1x2", "xla", *longer).memory_analysis().temp_size_in_bytes
+    scores = 4 * 1024 * 1024 * 4  # one row's [h, s/2, s/2] fp32 scores, per device (4 heads per tensor rank)
+    assert plain_bytes - fused_bytes >= scores, (fused_bytes, plain_bytes)
+
+
 def test_fused_attention_keeps_no_scores():
     """At seq 2048, one [b, h, s, s] fp32 score tensor per microbatch row is megabytes; cuDNN keeps none."""
     longer = ("model.seq_len=2048", "train.batch_size=8", "parallel.microbatches=1")
