@@ -8,6 +8,8 @@ program's temporaries are smaller than the XLA attention's at a sequence where t
 matter. Numerics cannot be checked without a GPU; the XLA path, unchanged, is tested on CPU elsewhere.
 """
 
+import re
+
 import pytest
 
 from meshtron.gpu.targets import prepare_environment
@@ -17,7 +19,6 @@ pytest.importorskip("jax_plugins.xla_cuda12", reason="compiling for GPU targets 
                     "(the gpu-compile extra)")
 
 from meshtron.config import load_config
-from meshtron.errors import ConfigError
 from meshtron.train.loop import Trainer
 
 pytestmark = [pytest.mark.gpu_compile, pytest.mark.slow]
@@ -60,10 +61,41 @@ def test_cudnn_over_a_split_sequence_with_gathered_keys_compiles_into_the_fused_
     assert FUSED in text
 
 
-def test_cudnn_by_the_ring_is_one_config_error():
-    """The ring folds key/value blocks into its own fp32 softmax; raised while the step is traced."""
-    with pytest.raises(ConfigError, match="parallel.context_attention=gathered, or model.attention=xla"):
-        compiled_step("2x1x2", "cudnn", "parallel.context=2", "parallel.context_attention=ring")
+def block_scores(text: str, tokens: int) -> list[str]:
+    """The fp32 arrays of rank 4 or more whose last two dimensions are a ring's blocks of queries and keys
+    (``tokens`` per rank, a block or its half): the ``[.., s_q, s_k]`` scores XLA's attention keeps."""
+    sizes = {str(tokens), str(tokens // 2)}
+    return sorted({shape for shape in re.findall(r"f32\[([\d,]+)\]", text)
+                   if len(dims := shape.split(",")) >= 4 and set(dims[-2:]) <= sizes})
+
+
+@pytest.mark.parametrize(("layout", "overrides"), [
+    ("2x1x2", ("parallel.context=2",)),
+    ("2x1x1", ("parallel.context=4",)),
+    ("2x1x1", ("parallel.context=4", "data.reset_per_document=true")),
+    ("2x1x2", ("parallel.context=2", "model.kv_heads=2")),  # key/value heads whole on both tensor ranks
+], ids=["context2-tensor2", "context4", "context4-documents", "context2-gqa"])
+def test_cudnn_by_the_ring_compiles_each_block_into_the_fused_kernels(layout, overrides):
+    """The ring's blocks go to cuDNN's forward and backward kernels (the backward from the whole
+    attention's output and log-sum-exp), and no block's fp32 scores are left; XLA's ring keeps them."""
+    # 192 tokens: no block (96 or 48 tokens per rank, and halves) is as long as the hidden size (64)
+    ring = ("parallel.context_attention=ring", "model.seq_len=192", *overrides)
+    text = compiled_step(layout, "cudnn", *ring).as_text()
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
+    assert any("Backward" in c for c in calls) and any("Backward" not in c for c in calls), sorted(set(calls))
+    tokens = 192 // (4 if "parallel.context=4" in overrides else 2)
+    assert block_scores(text, tokens) == []
+    assert block_scores(compiled_step(layout, "xla", *ring).as_text(), tokens) != []
+
+
+def test_cudnn_by_the_ring_keeps_no_block_scores():
+    """At 2,048 tokens over two context ranks, one row's [h, s/2, s/2] fp32 block scores are megabytes."""
+    longer = ("model.seq_len=2048", "train.batch_size=8", "parallel.microbatches=1", "parallel.context=2",
+              "parallel.context_attention=ring")
+    fused_bytes = compiled_step("2x1x2", "cudnn", *longer).memory_analysis().temp_size_in_bytes
+    plain_bytes = compiled_step("2x1x2", "xla", *longer).memory_analysis().temp_size_in_bytes
+    scores = 4 * 1024 * 1024 * 4  # one row's [h, s/2, s/2] fp32 scores, per device (4 heads per tensor rank)
+    assert plain_bytes - fused_bytes >= scores, (fused_bytes, plain_bytes)
 
 
 def test_fused_attention_keeps_no_scores():

@@ -23,8 +23,9 @@ fast paths:
   head sizes; it raises, at trace time, for what it does not support). The cached path's
   explicit mask is turned into an additive bias by the cuDNN path. cuDNN is called where every mesh
   axis is manual (:mod:`meshtron.models.fused_attention`: JAX's partitioner for it fails inside the
-  train step's partly manual ``shard_map``); over a sequence split on context ranks, by the gathered
-  exchange only (the ring folds blocks with its own softmax: a ConfigError).
+  train step's partly manual ``shard_map``); over a sequence split on context ranks, by either
+  exchange (the gathered one as one call, the ring one call per block:
+  :mod:`meshtron.models.cudnn_blocks`).
 * **Tensor parallelism.** Nothing here names a mesh axis: with ``q`` split over heads (and ``k``/
   ``v`` split over ``kv_heads`` when ``tensor`` divides it, else replicated) every head's attention
   is local to its device and the compiler inserts no collective.
@@ -44,7 +45,6 @@ from typing import Literal, overload
 import jax
 import jax.numpy as jnp
 
-from meshtron.errors import ConfigError
 from meshtron.models.context_attention import kv_axes, sequence_split, split_attention
 from meshtron.models.documents import active_segments, same_document
 from meshtron.models.fused_attention import dot_product_attention
@@ -159,19 +159,6 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         raise ValueError(f"causal_attention: heads ({n}) must be a multiple of kv_heads ({kn})")
 
 
-def _check_split(implementation: Implementation) -> None:
-    """cuDNN attention over a sequence split on context-parallel ranks goes by the gathered exchange (one
-    fused call per rank, its queries against the gathered keys under a position mask): the ring folds
-    each key/value block into a running softmax with its own fp32 math and a backward that needs every
-    block's log-sum-exp, which ``jax.nn.dot_product_attention`` does not return, so it has no cuDNN
-    path."""
-    if implementation != "cudnn":
-        return
-    if current().exchange == "ring":
-        raise ConfigError("model.attention: cudnn cannot attend by the ring (parallel.context_attention=ring folds "
-                          "blocks with its own softmax); use parallel.context_attention=gathered, or model.attention=xla")
-
-
 @overload
 def causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
@@ -227,7 +214,6 @@ def causal_attention(
     if cache is None:
         segments = active_segments() if segments is None else segments
         if sequence_split() is not None:  # k's and v's layouts read here: the core may retrace them
-            _check_split(implementation)
             return _split_core(q, k, v, implementation=implementation, segments=segments, key_axes=kv_axes(k),
                                value_axes=kv_axes(v))
         layouts = {"key_axes": kv_axes(k), "value_axes": kv_axes(v)}  # read before the core retraces k and v

@@ -21,9 +21,11 @@ built from the positions (which every rank knows from the layout: only keys and 
 * :func:`gathered_kv_attention`: each rank all-gathers the keys and values (only the key/value heads
   under grouped-query attention) and attends for its own queries; it holds the whole sequence's
   keys, values and scores.
-* :func:`ring_attention`: the key/value blocks travel around the ring, each folded into a running
-  softmax; forward and backward hold two blocks at a time, so its memory does not grow with the
-  number of ranks (``tests/test_context_attention.py`` reads it from compiled programs).
+* :func:`ring_attention`: the key/value blocks travel around the ring, each block's output folded
+  into a running one by their log-sum-exps; forward and backward hold two blocks at a time, so its
+  memory does not grow with the number of ranks (``tests/test_context_attention.py`` reads it from
+  compiled programs). A pair of kernels attends each block (:mod:`meshtron.models.attention_blocks`):
+  XLA's, or cuDNN's flash kernels with ``implementation="cudnn"``.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshtron.execution import EXCHANGES, checked_exchange
+from meshtron.models.attention_blocks import XLA_KERNELS, BlockKernels
+from meshtron.models.cudnn_blocks import cudnn_kernels
 from meshtron.models.documents import same_document
-from meshtron.models.fused_attention import dot_product_attention
-from meshtron.sharding import LogicalAxes, constrain, logical_to_spec, manual_part, pinned_axes, varying_like
+from meshtron.models.fused_attention import dot_product_attention, manual_blocks
+from meshtron.sharding import LogicalAxes, constrain, logical_to_spec, manual_part, pinned_axes
 from meshtron.trace_context import current, using
 
 
@@ -97,11 +101,16 @@ def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
     active :func:`context_exchange`. Call only where :func:`sequence_split` is not ``None``.
     ``segments`` [b, s]: this rank's tokens' documents, for packed windows (a query then sees keys of
     its own document only). ``key_axes``, ``value_axes``: the logical layout of ``k`` and ``v``
-    (default :func:`kv_axes`), which the gathered exchange keeps."""
+    (default :func:`kv_axes`), which the gathered exchange keeps and cuDNN's ring kernels are called
+    in. ``implementation="cudnn"``: the gathered exchange's one call, or each of the ring's blocks,
+    goes to cuDNN's flash attention."""
     axis, ranks = sequence_split()
     order = balanced_order(q.shape[1] * ranks, ranks)
     if current().exchange == "ring":
-        return ring_attention(q, k, v, order, axis, segments=segments)
+        kernels = XLA_KERNELS
+        if implementation == "cudnn":
+            kernels = manual_blocks(cudnn_kernels(), key_axes=key_axes, value_axes=value_axes)
+        return ring_attention(q, k, v, order, axis, segments=segments, kernels=kernels)
     return gathered_kv_attention(q, k, v, order, axis, implementation=implementation, segments=segments,
                                  key_axes=key_axes, value_axes=value_axes)
 
@@ -212,26 +221,30 @@ def _ranks(entry: str | tuple[str, ...] | None, mesh, auto: set[str]) -> int:
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str, *,
-                   segments: jax.Array | None = None) -> jax.Array:
+                   segments: jax.Array | None = None, kernels: BlockKernels = XLA_KERNELS) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, the keys and values passed
     around the ring of the manual mesh ``axis`` one block at a time (``ppermute``), each block's
-    scores folded into a running softmax (the online-softmax rescaling of flash attention).
+    output folded into a running one by the log-sum-exps (the online softmax of flash attention).
 
     Arguments and result as :func:`gathered_kv_attention`. A rank holds two key/value blocks at a
     time (its own and the one in flight), never the whole sequence's. The backward pass is a second
-    ring: it recomputes each block's probabilities from the forward's log-sum-exp, and the keys' and
+    ring: each block's gradients come from the forward's output and log-sum-exp, and the keys' and
     values' gradients travel with their block until they are back on the rank that owns it, so the
-    backward also holds two blocks, not every step's scores. The math is fp32; the result has
+    backward also holds two blocks, not every step's scores. Blocks combine in fp32; the result has
     ``v``'s dtype. ``segments`` (packed documents) travel round with their block of keys.
+    ``kernels``: what attends one block of queries to one block of keys, forward and backward
+    (:mod:`meshtron.models.attention_blocks`): XLA's fp32 ops by default, cuDNN's flash kernels
+    (:func:`meshtron.models.cudnn_blocks.cudnn_kernels`, called where every mesh axis is manual:
+    :func:`meshtron.models.fused_attention.manual_blocks`).
     """
-    return _ring(q, k, v, segments, tuple(int(p) for p in order), axis)
+    return _ring(q, k, v, segments, tuple(int(p) for p in order), axis, kernels)
 
 
 def _documents(query_segments, key_segments):
-    """``[b, 1, 1, s_q, s_k]`` (scores' ``bhgqk``): same document; ``None`` without segments."""
+    """``[b, 1, s_q, s_k]``: same document; ``None`` without segments."""
     if query_segments is None:
         return None
-    return same_document(query_segments, key_segments)[:, :, None]
+    return same_document(query_segments, key_segments)
 
 
 def _both(mask, other):
@@ -239,12 +252,6 @@ def _both(mask, other):
     if mask is None or other is None:
         return other if mask is None else mask
     return mask & other
-
-
-def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
-    """``[b, s, heads, d]`` -> ``[b, s, kv_heads, group, d]``: each key/value head's query heads."""
-    b, s, h, d = q.shape
-    return q.reshape(b, s, kv_heads, h // kv_heads, d)
 
 
 def _shift(tree, axis: str):
@@ -258,45 +265,54 @@ def _is_balanced(order, ranks: int) -> bool:
     return len(order) % (2 * ranks) == 0 and np.array_equal(np.asarray(order), balanced_order(len(order), ranks))
 
 
-def _fold(stats, qg, kb, vb, scale, mask=None):
-    """The running max, sum and weighted values of queries ``qg`` with one more key/value block folded
-    in (the online-softmax rescaling); ``mask`` [s_q, s_k] hides keys, ``None`` shows them all."""
-    m, l, o = stats
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb.astype(jnp.float32), preferred_element_type=jnp.float32) * scale
-    if mask is not None:
-        scores = jnp.where(mask, scores, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))  # finite: the own block, first, holds each query's key
-    p = jnp.exp(scores - m_new[..., None])
-    if mask is not None:
-        p = jnp.where(mask, p, 0.0)
-    rescale = jnp.exp(m - m_new)
-    o = o * jnp.moveaxis(rescale, -1, 1)[..., None] + jnp.einsum("bhgqk,bkhd->bqhgd", p, vb.astype(jnp.float32))
-    return m_new, l * rescale + jnp.sum(p, axis=-1), o
+def _ascending(order, ranks: int) -> bool:
+    """Whether every rank's tokens in ``order`` are in sequence order: its own block is then causal
+    by index, the kernels' ``causal`` mask."""
+    return bool(np.all(np.diff(np.asarray(order).reshape(ranks, -1), axis=1) > 0))
+
+
+def _fold(stats, block):
+    """The running ``(out [b, t, h, d], lse [b, h, t])`` (fp32) with one more block's folded in."""
+    out, lse = stats
+    block_out, block_lse = block
+    new = jnp.logaddexp(lse, block_lse)
+
+    def weight(x):  # [b, h, t] -> [b, t, h, 1]
+        return jnp.moveaxis(jnp.exp(x - new), -1, 1)[..., None]
+
+    return out * weight(lse) + block_out.astype(jnp.float32) * weight(block_lse), new
 
 
 def _rows(stats, start: int):
     """The running statistics of the queries from row ``start`` on."""
-    m, l, o = stats
-    return m[..., start:], l[..., start:], o[:, start:]
+    out, lse = stats
+    return out[:, start:], lse[..., start:]
 
 
 def _with_rows(stats, part, start: int):
     """``stats`` with the rows from ``start`` on replaced by ``part``."""
-    return tuple(jnp.concatenate([whole[..., :start] if i < 2 else whole[:, :start], new], axis=-1 if i < 2 else 1)
-                 for i, (whole, new) in enumerate(zip(stats, part, strict=True)))
+    (out, lse), (part_out, part_lse) = stats, part
+    return (jnp.concatenate([out[:, :start], part_out], axis=1),
+            jnp.concatenate([lse[..., :start], part_lse], axis=-1))
 
 
-def _ring_forward(q, k, v, seg, order, axis):
-    """The ring's forward. Under the balanced layout (:func:`balanced_order`) every block after the
-    rank's own is half hidden by the causal mask, in one of two ways: from an earlier rank, every query
-    sees its front chunk and none of its back; from a later rank, only the back chunk's queries see it,
-    wholly. Each such step computes just that half, unmasked but for packed documents (``cond`` on the
-    rank pair): the ring then does ``(n + 1) / 2`` blocks of attention per rank instead of ``n``, the
-    same on every rank. ``seg``: the rank's tokens' documents, or ``None``."""
-    kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
-    qg = _grouped(q, kv_heads).astype(jnp.float32)
-    b, s, _, g, _ = qg.shape
-    n = jax.lax.axis_size(axis)
+def _own_mask(seg, positions, ascending):
+    """The rank's own block's ``(causal, mask)``."""
+    if ascending:
+        return True, _documents(seg, seg)
+    return False, _both((positions[None, :] <= positions[:, None])[None, None], _documents(seg, seg))
+
+
+def _ring_forward(q, k, v, seg, order, axis, kernels):
+    """The ring's forward: ``(out, lse)``. Under the balanced layout (:func:`balanced_order`) every
+    block after the rank's own is half hidden by the causal mask, in one of two ways: from an earlier
+    rank, every query sees its front chunk and none of its back; from a later rank, only the back
+    chunk's queries see it, wholly. Each such step computes just that half, unmasked but for packed
+    documents (``cond`` on the rank pair): the ring then does ``(n + 1) / 2`` blocks of attention per
+    rank instead of ``n``, the same on every rank. ``seg``: the rank's tokens' documents, or ``None``."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    attend = functools.partial(kernels.forward, scale=scale)
+    s, n = q.shape[1], jax.lax.axis_size(axis)
     positions = _rank_positions(order, axis)
     half, balanced = s // 2, _is_balanced(order, n)
     back = None if seg is None else seg[:, half:]
@@ -306,69 +322,55 @@ def _ring_forward(q, k, v, seg, order, axis):
         kb, vb, ks = _shift((kb, vb, ks), axis)  # the previous rank's block: rank (this - behind) mod n's
         if not balanced:
             kpos = _rank_positions(order, axis, behind)
-            mask = _both(kpos[None, :] <= positions[:, None], _documents(seg, ks))
-            return (kb, vb, ks, _fold(stats, qg, kb, vb, scale, mask)), None
+            mask = _both((kpos[None, :] <= positions[:, None])[None, None], _documents(seg, ks))
+            return (kb, vb, ks, _fold(stats, attend(q, kb, vb, causal=False, mask=mask))), None
         earlier = behind <= jax.lax.axis_index(axis)  # the block comes from a rank before this one
         front = None if ks is None else ks[:, :half]
         stats = jax.lax.cond(
             earlier,  # every query, against the block's front chunk; or the back queries against all of it
-            lambda: _fold(stats, qg, kb[:, :half], vb[:, :half], scale, _documents(seg, front)),
-            lambda: _with_rows(stats, _fold(_rows(stats, half), qg[:, half:], kb, vb, scale, _documents(back, ks)),
-                               half))
+            lambda: _fold(stats, attend(q, kb[:, :half], vb[:, :half], causal=False, mask=_documents(seg, front))),
+            lambda: _with_rows(stats, _fold(_rows(stats, half), attend(q[:, half:], kb, vb, causal=False,
+                                                                        mask=_documents(back, ks))), half))
         return (kb, vb, ks, stats), None
 
-    m0 = varying_like(jnp.full((b, kv_heads, g, s), -jnp.inf, jnp.float32), q)
-    own = _fold((m0, jnp.zeros_like(m0), varying_like(jnp.zeros_like(qg), q)), qg, k, v, scale,
-                _both(positions[None, :] <= positions[:, None], _documents(seg, seg)))
-    (_, _, _, (m, l, o)), _ = jax.lax.scan(step, (k, v, seg, own), jnp.arange(1, n))
-    out = (o / jnp.moveaxis(l, -1, 1)[..., None]).reshape(q.shape).astype(v.dtype)
-    return out, m + jnp.log(l)
+    causal, mask = _own_mask(seg, positions, _ascending(order, n))
+    out, lse = attend(q, k, v, causal=causal, mask=mask)
+    own = (out.astype(jnp.float32), lse)
+    (_, _, _, (out, lse)), _ = jax.lax.scan(step, (k, v, seg, own), jnp.arange(1, n))
+    return out.astype(v.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(q, k, v, seg, order, axis):
-    return _ring_forward(q, k, v, seg, order, axis)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, seg, order, axis, kernels):
+    return _ring_forward(q, k, v, seg, order, axis, kernels)[0]
 
 
-def _ring_fwd(q, k, v, seg, order, axis):
-    out, lse = _ring_forward(q, k, v, seg, order, axis)
+def _ring_fwd(q, k, v, seg, order, axis, kernels):
+    out, lse = _ring_forward(q, k, v, seg, order, axis, kernels)
     return out, (q, k, v, seg, out, lse)
 
 
-def _block_gradients(qg, dog, lse, correction, kb, vb, scale, mask=None):
-    """One key/value block's share of the attention backward, for the queries ``qg`` (with their
-    output gradients ``dog``, log-sum-exp and softmax correction): ``(dq, dk, dv)``, fp32."""
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, kb.astype(jnp.float32), preferred_element_type=jnp.float32) * scale
-    p = jnp.exp(scores - lse[..., None])
-    if mask is not None:
-        p = jnp.where(mask, p, 0.0)
-    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb.astype(jnp.float32))
-    ds = p * (dp - correction[..., None])
-    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb.astype(jnp.float32)) * scale
-    return dq, jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg) * scale, jnp.einsum("bhgqk,bqhgd->bkhd", p, dog)
-
-
-def _ring_bwd(order, axis, residuals, d_out):
+def _ring_bwd(order, axis, kernels, residuals, d_out):
     q, k, v, seg, out, lse = residuals
-    kv_heads, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
-    qg = _grouped(q, kv_heads).astype(jnp.float32)
-    dog = _grouped(d_out, kv_heads).astype(jnp.float32)
-    # D = rowsum(dO ∘ O): the softmax backward's correction, per query and head
-    correction = jnp.einsum("bqhgd,bqhgd->bhgq", dog, _grouped(out, kv_heads).astype(jnp.float32))
+    d_out = d_out.astype(out.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     n = jax.lax.axis_size(axis)
     positions = _rank_positions(order, axis)
     half, balanced = q.shape[1] // 2, _is_balanced(order, n)
     back = None if seg is None else seg[:, half:]
 
+    def gradients(q, kb, vb, out, lse, d_out, causal=False, mask=None):  # one block's share, fp32
+        grads = kernels.backward(q, kb, vb, out, lse, d_out, scale=scale, causal=causal, mask=mask)
+        return tuple(g.astype(jnp.float32) for g in grads)
+
     def earlier_block(kb, vb, ks, dk, dv, dq):  # every query against the block's front chunk
         front = None if ks is None else ks[:, :half]
-        gq, gk, gv = _block_gradients(qg, dog, lse, correction, kb[:, :half], vb[:, :half], scale,
-                                      _documents(seg, front))
+        gq, gk, gv = gradients(q, kb[:, :half], vb[:, :half], out, lse, d_out, mask=_documents(seg, front))
         return dk.at[:, :half].add(gk), dv.at[:, :half].add(gv), dq + gq
 
     def later_block(kb, vb, ks, dk, dv, dq):  # the back chunk's queries against the whole block
-        gq, gk, gv = _block_gradients(qg[:, half:], dog[:, half:], lse[..., half:], correction[..., half:], kb, vb,
-                                      scale, _documents(back, ks))
+        gq, gk, gv = gradients(q[:, half:], kb, vb, out[:, half:], lse[..., half:], d_out[:, half:],
+                               mask=_documents(back, ks))
         return dk + gk, dv + gv, dq.at[:, half:].add(gq)
 
     def step(carry, behind):
@@ -380,18 +382,18 @@ def _ring_bwd(order, axis, residuals, d_out):
                                       kb, vb, ks, dk, dv, dq)
         else:
             kpos = _rank_positions(order, axis, behind)
-            mask = _both(kpos[None, :] <= positions[:, None], _documents(seg, ks))
-            gq, gk, gv = _block_gradients(qg, dog, lse, correction, kb, vb, scale, mask)
+            mask = _both((kpos[None, :] <= positions[:, None])[None, None], _documents(seg, ks))
+            gq, gk, gv = gradients(q, kb, vb, out, lse, d_out, mask=mask)
             dk, dv, dq = dk + gk, dv + gv, dq + gq
         return (kb, vb, ks, dk, dv, dq), None
 
-    # the rank's own block (causal within it), then the n - 1 others as they come round; a block's
-    # gradients travel with it, and one last move brings them home (the block itself is not needed)
-    dq, dk, dv = _block_gradients(qg, dog, lse, correction, k, v, scale,
-                                  _both(positions[None, :] <= positions[:, None], _documents(seg, seg)))
+    # the rank's own block, then the n - 1 others as they come round; a block's gradients travel with
+    # it, and one last move brings them home (the block itself is not needed)
+    causal, mask = _own_mask(seg, positions, _ascending(order, n))
+    dq, dk, dv = gradients(q, k, v, out, lse, d_out, causal=causal, mask=mask)
     (_, _, _, dk, dv, dq), _ = jax.lax.scan(step, (k, v, seg, dk, dv, dq), jnp.arange(1, n))
     dk, dv = _shift((dk, dv), axis)
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from meshtron.models.attention_blocks import BlockKernels
 from meshtron.sharding import LogicalAxes, logical_to_spec, manual_part
 
 QUERIES = ("batch", "seq", "heads", "head_dim")
@@ -128,6 +129,75 @@ def manual_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, 
 
     fused.defvjp(fused_forward, fused_backward)
     return fused(q, k, v, mask)
+
+
+def manual_blocks(kernels: BlockKernels, *, key_axes: LogicalAxes | None = None,
+                  value_axes: LogicalAxes | None = None) -> BlockKernels:
+    """``kernels`` (:mod:`meshtron.models.attention_blocks`), written for one device's arrays, as a pair
+    called where the surrounding code leaves mesh axes automatic: each call runs in a ``shard_map``
+    manual over those axes, each device attending for the query heads and batch rows it holds (laid
+    out as :func:`manual_attention` lays them out), its key/value heads those its query heads read; the
+    keys' and values' gradients are summed over the axes that split the queries but not the keys.
+    Called as they are where no axis is automatic. The maps are unchecked (``check_vma=False``) for
+    :func:`manual_attention`'s reason: the layers' scan and remat partially evaluate them too."""
+
+    def layouts(q, k, v):
+        mesh = jax.sharding.get_abstract_mesh()
+        auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+        if mesh.empty or not auto:
+            return None
+        sizes = dict(mesh.shape)
+        q_spec = _local_spec(QUERIES, q.shape, auto, sizes)
+        k_spec = _local_spec(KEYS if key_axes is None else tuple(key_axes), k.shape, auto, sizes)
+        v_spec = _local_spec(KEYS if value_axes is None else tuple(value_axes), v.shape, auto, sizes)
+        kv_spec = k_spec if k_spec == v_spec else _common(k_spec, v_spec)
+        heads_entry, kv_entry = _entry(q_spec, 2), _entry(kv_spec, 2)
+
+        def own(x, local_heads):  # the key/value heads a device's query heads read (manual_attention's)
+            if heads_entry is None or kv_entry is not None:
+                return x
+            return _own_key_heads(x, local_heads, local_heads * _ranks(heads_entry, sizes), heads_entry, sizes)
+
+        def mask_spec(mask):
+            return None if mask is None else PartitionSpec(_entry(q_spec, 0) if mask.shape[0] == q.shape[0] else None)
+
+        shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=set(auto), check_vma=False)
+        lse_spec = PartitionSpec(_entry(q_spec, 0), heads_entry)
+        summed = tuple(sorted(_axes(q_spec) - _axes(kv_spec)))  # the axes that split the queries, not the keys
+        return shard, q_spec, kv_spec, lse_spec, mask_spec, own, summed
+
+    def forward(q, k, v, *, scale, causal, mask):
+        laid = layouts(q, k, v)
+        if laid is None:
+            return kernels.forward(q, k, v, scale=scale, causal=causal, mask=mask)
+        shard, q_spec, kv_spec, lse_spec, mask_spec, own, _ = laid
+
+        def local(q, k, v, mask):
+            return kernels.forward(q, own(k, q.shape[2]), own(v, q.shape[2]), scale=scale, causal=causal, mask=mask)
+
+        out, lse = shard(local, in_specs=(q_spec, kv_spec, kv_spec, mask_spec(mask)),
+                         out_specs=(q_spec, lse_spec))(q, k, v, mask)
+        return _vary_like(out, q), _vary_like(lse, q)
+
+    def backward(q, k, v, out, lse, d_out, *, scale, causal, mask):
+        laid = layouts(q, k, v)
+        if laid is None:
+            return kernels.backward(q, k, v, out, lse, d_out, scale=scale, causal=causal, mask=mask)
+        shard, q_spec, kv_spec, lse_spec, mask_spec, own, summed = laid
+
+        def local(q, k, v, out, lse, d_out, mask):
+            (k_own, v_own), to_all = jax.vjp(lambda k, v: (own(k, q.shape[2]), own(v, q.shape[2])), _own(k), _own(v))
+            dq, dk, dv = kernels.backward(q, k_own, v_own, out, lse, d_out, scale=scale, causal=causal, mask=mask)
+            dk, dv = to_all((_own(dk.astype(k.dtype)), _own(dv.astype(v.dtype))))  # back to every key/value head
+            if summed:  # keys whole on ranks that split the queries: each got a share of their gradients
+                dk, dv = jax.lax.psum((dk, dv), summed)
+            return dq, dk, dv
+
+        dq, dk, dv = shard(local, in_specs=(q_spec, kv_spec, kv_spec, q_spec, lse_spec, q_spec, mask_spec(mask)),
+                           out_specs=(q_spec, kv_spec, kv_spec))(q, k, v, out, lse, d_out, mask)
+        return _vary_like(dq, q), _vary_like(dk, k), _vary_like(dv, v)
+
+    return BlockKernels(forward, backward)
 
 
 def _own_key_heads(x: jax.Array, local_heads: int, heads: int, entry, sizes: dict[str, int]) -> jax.Array:
