@@ -311,6 +311,9 @@ H100_MODELS = {
          "data 2 x pipe 4 x tensor 8, 1f1b, zero=1, sp": ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=8",
                                                           "parallel.zero=1", "parallel.microbatches=32",
                                                           "parallel.gather_once=false"],
+         "data 2 x pipe 4 x tensor 8, 1f1b-p, zero=1, sp": ["parallel.data=2", "parallel.pipe=4", "parallel.tensor=8",
+                                                            "parallel.zero=1", "parallel.microbatches=32",
+                                                            "parallel.gather_once=false", "parallel.schedule=1f1b-p"],
          "data 2 x pipe 4 x tensor 8, 1f1b, zero=1, sp, kept residuals": [
              "parallel.data=2", "parallel.pipe=4", "parallel.tensor=8", "parallel.zero=1", "parallel.microbatches=32",
              "parallel.gather_once=false", "parallel.recompute=false"]},
