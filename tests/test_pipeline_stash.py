@@ -2,8 +2,9 @@
 compares with Megatron's 1F1B.
 
 A stage input is *needed* on its stage from the tick it arrives (it is written into a stash slot at the
-tick's start) through its last read: the backward that recomputes from it, or, when nothing is
-recomputed (a forward-only table, kept residuals), its forward. A slot freed in a tick is reused by a
+tick's start) through its last read: the backward that recomputes from it (with a split backward, the
+weight gradient, which recomputes the layers' residuals from it), or, when nothing is recomputed (a
+forward-only table, kept residuals), its forward. A slot freed in a tick is reused by a
 later tick's arrival. Every stage gets the same buffer (one SPMD program), so the program's
 ``stash_slots`` is the most any stage needs.
 """
@@ -20,7 +21,8 @@ def stash_needed(name: str, p: int, m: int, chunks: int = 1, keep: bool = False)
     sched = make_schedule(name, p, m, chunks)
     last = p * sched.chunks - 1
     arrival, last_read = {}, {}
-    reader = sched.forward if sched.forward_only or keep else sched.backward
+    reader = (sched.forward if sched.forward_only or keep
+              else sched.weight if sched.split_backward else sched.backward)
     for tick in range(sched.ticks):
         for stage in range(p):
             sent = sched.forward[tick][stage]

@@ -30,7 +30,9 @@ class Program:
     gradient (``wgt_res_slot``), which reads them too -- and the backward recomputes nothing; the
     stash then holds a received activation only until its forward (``bwd_stash_slot`` is -1).
     Otherwise (the default: Megatron's full recomputation) the stash keeps the stage input until
-    the backward, which recomputes the stage from it."""
+    the backward, which recomputes the stage from it -- with a split backward until the weight
+    gradient (``wgt_stash_slot``), which recomputes the stage's residuals from it too, so that B
+    leaves W only what depends on the output gradient."""
 
     schedule: Schedule
     fwd_mb: np.ndarray
@@ -55,6 +57,7 @@ class Program:
     bwd_res_slot: np.ndarray | None = None  # keep_residuals: residual slot the backward reads (and frees, unsplit)
     residual_slots: int = 0  # keep_residuals: forward-to-backward (split: to-W) residual buffers per stage
     wgt_res_slot: np.ndarray | None = None  # keep_residuals, split backward: residual slot W reads and frees
+    wgt_stash_slot: np.ndarray | None = None  # recomputing, split backward: stash slot W recomputes from and frees
 
     @property
     def keeps_residuals(self) -> bool:
@@ -65,6 +68,7 @@ _COLUMNS = (
     "fwd_mb", "fwd_chunk", "fwd_slot", "fwd_send", "recv_fwd_slot",
     "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "bwd_send", "recv_bwd_slot",
     "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot", "wgt_res_slot",
+    "wgt_stash_slot",
 )
 
 
@@ -94,8 +98,9 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str
     """One stage's instruction columns plus its stash, grad, weight and residual buffer sizes.
 
     A slot is taken when a value arrives (start of tick ``t``) and released by the backward that
-    consumes it -- by the forward in a forward-only table or when the forward ``keep``-s the
-    residuals, where nothing is recomputed; since
+    consumes it -- by the weight gradient of a split backward, which recomputes from it too; by the
+    forward in a forward-only table or when the forward ``keep``-s the residuals, where nothing is
+    recomputed; since
     arrivals are handled before that tick's work, a released slot is first reused by a value
     arriving in a later tick, so nothing is overwritten while live.
     """
@@ -127,7 +132,9 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str
         if work is not None:
             key = (work.microbatch, work.chunk * p + stage)
             col["bwd_mb"][tick], col["bwd_chunk"][tick] = work.microbatch, work.chunk
-            col["bwd_stash_slot"][tick] = stash.release(key)  # -1 when the forward consumed it
+            # -1 when the forward consumed it; a split backward's W recomputes from it too and frees it
+            until_weight = schedule.split_backward and not keep
+            col["bwd_stash_slot"][tick] = stash.owner.get(key, -1) if until_weight else stash.release(key)
             if keep:  # a split backward's W reads the residuals too and frees them
                 col["bwd_res_slot"][tick] = kept.owner[key] if schedule.split_backward else kept.release(key)
             col["bwd_grad_slot"][tick] = grads.release(key)
@@ -142,6 +149,8 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool) -> tuple[dict[str
             col["wgt_slot"][tick] = weights.release(key)
             if keep:
                 col["wgt_res_slot"][tick] = kept.release(key)
+            else:
+                col["wgt_stash_slot"][tick] = stash.release(key)  # -1 on virtual stage 0 (tokens)
     return col, stash.size, grads.size, weights.size, kept.size
 
 
