@@ -7,7 +7,8 @@ The weight gradient W always reads the layers' residuals, so B leaves it only wh
 output gradient: kept residuals (``parallel.recompute=false``) live in the microbatch's residual slot
 until W; recomputing, W reruns the chunk's forward from the stashed stage input (which the program
 keeps until W) to get them -- one more chunk forward per W, the price of recomputation, for a
-B-to-W buffer without the activations W multiplies (Llama: 8 of the 13 ``h`` per token per layer)."""
+B-to-W buffer without the activations W multiplies (Llama: 2h + (a+2k)d/t + 2f/t elements per token
+per layer, the projections' output cotangents, instead of 4h + (a+2k)d/t + h/t + 3f/t with their inputs)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class LayerBackward:
         # W reads the residuals -- kept ones, which live until W (the program frees their slot there),
         # or, recomputing, those of the chunk's forward W reruns from the stashed input (which lives
         # until W) -- rather than B storing the activations W multiplies: B leaves W only what depends
-        # on the cotangent (GPT: 9 of the 26 s·b·h per layer; Llama 8 of 13 h per token recomputing).
+        # on the cotangent (GPT: 9 of the 26 s·b·h per layer).
         # On CPU, W's matmuls (and the same matmuls in an unsplit backward from kept residuals) get
         # operands XLA's fast GEMM accepts (W 15% faster at width 256) and produce the gradient in
         # the weight's own layout where that copies less (16% more at width 256, 43% at 1024); GPU
