@@ -11,8 +11,8 @@ medians, the compiled step's temp memory, and the time each table *predicts* fro
 with this runtime's costs. Every schedule runs in both of the runtime's modes:
 
 * ``recompute`` (``parallel.recompute=true``, the default): a stage backward recomputes its
-  forward from the stashed input, so B (recompute + input gradient) costs 2 forwards, W one, and
-  an unsplit backward 3;
+  forward from the stashed input, so B (recompute + input gradient) costs 2 forwards, W 2 (it
+  reruns the forward too, for the activations it multiplies), and an unsplit backward 3;
 * ``keep`` (``parallel.recompute=false``): the forward keeps every layer's matmul outputs, B is
   the input gradient alone; priced with the paper's t_F = t_B = t_W.
 
@@ -104,7 +104,7 @@ MODEL = ModelConfig(hidden=HIDDEN, heads=max(4, HIDDEN // 64), layers=4, mlp_dim
 ROWS = _shape_flag("--rows", 4)  # sequences per microbatch
 SHAPE_ARGS = ["--hidden", str(HIDDEN), "--rows", str(ROWS), *([ZB_ONLY] if ZB_ONLY in sys.argv else [])]
 SPLIT_1F1B = "1f1b split"  # 1F1B's own table, each W in the tick of its B: what splitting alone costs
-RUNTIME_COSTS = {True: Costs(forward=1.0, backward=2.0, weight=1.0),  # recompute: B reruns the stage forward
+RUNTIME_COSTS = {True: Costs(forward=1.0, backward=2.0, weight=2.0),  # recompute: B and W rerun the stage forward
                  False: Costs(forward=1.0, backward=1.0, weight=1.0)}  # keep: the paper's unit costs
 MODES = (False,) if ZB_ONLY in sys.argv else (True, False)  # parallel.recompute
 
@@ -216,10 +216,14 @@ def op_costs(repeats: int = 15) -> dict:
             return None if rb is None else [*layers, rb[-1]], wb, g
 
         b = jax.jit(input_gradient, donate_argnums=(1, 2, 3))
-        # Kept residuals live until W, which reads them (B left it only what depends on the cotangent).
-        w = jax.jit(lambda cp, rb, wb, g: lb(cp).weight_gradient_into(cp, wb, slot, None, g, slot,
-                                                                      None if rb is None else (rb[:-1], slot)),
-                    donate_argnums=3)
+        # W reads the layers' residuals (B left it only what depends on the cotangent): kept ones, which
+        # live until W, or, recomputing, those of the chunk's forward W reruns from the stage input.
+        def weight_gradient(cp, rb, wb, g):
+            if keep:
+                return lb(cp).weight_gradient_into(cp, wb, slot, None, g, slot, (rb[:-1], slot))
+            return lb(cp).forward_weight_gradient_into(cp, x, tok, wb, slot, None, g, slot)
+
+        w = jax.jit(weight_gradient, donate_argnums=3)
         costs = {}
         costs["forward"], kept = timed(lambda rb: forward(chunk, rb), rbuf)
         rbuf = kept if keep else None

@@ -119,6 +119,21 @@ def test_every_schedule_matches_the_unpipelined_model(reference, mesh_shape, sch
     assert_matches_reference(reference, reference[0], mesh_shape, schedule, chunks, microbatches, recompute)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_zb_h1_recomputing_in_w_matches_the_unpipelined_llama(remat):
+    # parallel.recompute=true: B reruns the chunk's forward from the stashed input and leaves W only the
+    # projections' cotangents; W reruns it again for the activations it multiplies (Llama's gated MLP,
+    # grouped-query attention, RMSNorm scales computed in B).
+    overrides = {"family": "llama", "kv_heads": 2, "remat": remat}
+    md = model_def(**overrides)
+    steps = build(md, (1, 1, 1))
+    params = jax.device_get(md.init(steps.mesh, seed=0))
+    loss, grads = steps.gradients(jax.device_put(params, steps.param_shardings),
+                                  jax.device_put(tokens(), steps.batch_sharding))
+    reference = (md, params, float(loss), jax.device_get(grads))
+    assert_matches_reference(reference, md, (1, 2, 4), "zb-h1", 1, 4, recompute=True, run=execution(**overrides))
+
+
 @pytest.mark.parametrize("schedule, chunks, mesh_shape", _representative_on_both(
     [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4)), ("zb-h1", 1, (1, 2, 4))]))
 def test_full_recomputation_from_kept_layer_inputs_matches_the_unpipelined_model(reference, schedule, chunks,

@@ -3,8 +3,9 @@ compares with Megatron's 1F1B.
 
 A stage input is *needed* on its stage from the tick it arrives (it is written into a stash slot at the
 tick's start) through its last read: the backward that recomputes from it (a tick earlier where the
-program hoists that recomputation), or, when nothing is recomputed (a forward-only table, kept
-residuals), its forward. A slot freed in a tick is reused by a
+program hoists that recomputation; with a split backward, the weight gradient, which recomputes the
+layers' residuals from it), or, when nothing is recomputed (a forward-only table, kept residuals), its
+forward. A slot freed in a tick is reused by a
 later tick's arrival. Every stage gets the same buffer (one SPMD program), so the program's
 ``stash_slots`` is the most any stage needs.
 """
@@ -22,7 +23,8 @@ def stash_needed(name: str, p: int, m: int, chunks: int = 1, keep: bool = False)
     sched = make_schedule(name, p, m, chunks)
     last = p * sched.chunks - 1
     arrival, last_read = {}, {}
-    reader = sched.forward if sched.forward_only or keep else sched.backward
+    reader = (sched.forward if sched.forward_only or keep
+              else sched.weight if sched.split_backward else sched.backward)
     early = frozenset() if keep else hoisted_recomputes(sched)
     for tick in range(sched.ticks):
         for stage in range(p):

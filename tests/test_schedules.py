@@ -331,6 +331,9 @@ def simulate(program: Program) -> tuple[int, int]:
                     take(rerun[s], int(program.bwd_pre_slot[t, s]), ("h", mb, k), f"{where}: rerun residuals")
                 elif k == 0:
                     assert program.bwd_stash_slot[t, s] == -1, f"{where}: virtual stage 0 recomputes from tokens"
+                elif sched.split_backward:  # B recomputes from it; W recomputes from it again and frees the slot
+                    slot = int(program.bwd_stash_slot[t, s])
+                    assert 0 <= slot < len(stash[s]) and stash[s][slot] == ("x", mb, k), f"{where}: B's input"
                 else:
                     take(stash[s], int(program.bwd_stash_slot[t, s]), ("x", mb, k), f"{where}: backward input")
                 if k == last:
@@ -354,8 +357,13 @@ def simulate(program: Program) -> tuple[int, int]:
                 take(weights[s], int(program.wgt_slot[t, s]), ("w", mb, k), f"{where}: weight gradient")
                 if program.keeps_residuals:
                     take(kept[s], int(program.wgt_res_slot[t, s]), ("r", mb, k), f"{where}: W's residuals")
+                    assert program.wgt_stash_slot[t, s] == -1, f"{where}: W reads the kept residuals"
                 else:
                     assert program.wgt_res_slot[t, s] == -1, f"{where}: no residuals when recomputing"
+                    if k == 0:
+                        assert program.wgt_stash_slot[t, s] == -1, f"{where}: virtual stage 0 recomputes from tokens"
+                    else:
+                        take(stash[s], int(program.wgt_stash_slot[t, s]), ("x", mb, k), f"{where}: W's input")
                 weighted.add((mb, k))
     everything = {(mb, k) for mb in range(m) for k in range(last + 1)}
     assert forwarded == everything and backwarded == everything

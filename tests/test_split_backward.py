@@ -307,3 +307,45 @@ def test_a_jitted_helper_called_twice_in_the_pullback_is_split_as_two_calls():
         [d_w], d_x = split.pullback(stored, [w], dy)
         np.testing.assert_allclose(np.asarray(d_w), np.asarray(ref_w), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(d_x), np.asarray(ref_x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep"])
+def test_zb_h1_b_to_w_buffers_hold_only_the_projections_cotangents(family, keep):
+    # W reads the layers' residuals however they reach it -- kept until W (parallel.recompute=false), or
+    # recomputed in W from the stashed stage input, which the program keeps until W -- so B's buffer holds
+    # only what depends on the output gradient: each weight-bearing projection's output cotangent, as
+    # the step-memory model counts them (Llama 8h per token per layer here, 13h when B kept each
+    # projection's input too). Kept residuals also host the QKV cotangent (only B reads the QKV output).
+    from meshtron.families import FAMILIES
+    from meshtron.pipeline.layer_backward import LayerBackward
+    from meshtron.pipeline.schedules import check, compile_program, make_schedule
+    from meshtron.plan.step_memory import StepShape
+
+    cfg = ModelConfig(family=family, vocab_size=256, hidden=H, heads=4, kv_heads=2 if family == "llama" else None,
+                      layers=2, mlp_dim=2 * H, seq_len=S)
+    md = model_def_from_config(cfg, tensor=1)
+    mesh = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    program = compile_program(make_schedule("zb-h1", 2, 4), keep_residuals=keep)
+    # Recomputing, a stage input lives from its arrival until its W: p slots, what the table keeps until
+    # W, and as many as the B-to-W buffers.
+    if not keep:
+        assert program.stash_slots == max(check(program.schedule).peak_until_weight) == program.weight_slots == 2
+    found = []
+
+    def buffers(blocks):
+        lb = LayerBackward(program, stage_functions(md), blocks, jnp.zeros((B, S, H)),
+                           jnp.zeros((B, S + 1), jnp.int32), lambda x: x,
+                           lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree))
+        found.extend(a.shape for a in lb.buffers(program.weight_slots))
+        return 0
+
+    blocks = jax.tree.map(lambda a: a[None], md.init(mesh, seed=0)["blocks"])  # [chunk, layer, ...]
+    with jax.set_mesh(mesh), md.scope(Execution.of_model_config(cfg)):
+        jax.eval_shape(buffers, blocks)
+    assert all(shape[:2] == (2, 2) for shape in found)  # [slot, layer, ...]
+    per_token = sum(int(np.prod(shape[2:])) for shape in found) / (B * S)
+    cotangents = FAMILIES[family].load_counts().weight_boundary(StepShape.from_config(cfg), 1)
+    qkv = {"gpt": 3 * H, "llama": (4 + 2 * 2) * (H // 4)}[family]
+    assert per_token == cotangents - (qkv if keep else 0)
+    assert cotangents == {"gpt": 2 * H + 3 * H + 2 * H, "llama": 2 * H + 2 * H + 4 * H}[family]

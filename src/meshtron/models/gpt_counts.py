@@ -50,6 +50,10 @@ def other_parameters(shape: Any, vocab: int, tensor: int) -> float:
 
 
 def weight_boundary(shape: Any, tensor: int) -> float:
-    """Per token, the elements a zb-h1 ``B`` leaves for ``W`` (:mod:`meshtron.plan.step_memory`)."""
+    """Per token, the elements a zb-h1 ``B`` leaves for ``W`` (:mod:`meshtron.plan.step_memory`): the
+    weight-bearing projections' output cotangents -- the attention output's and the second MLP
+    matmul's whole (``h`` each), the QKV and first MLP matmul ones split over ``tensor``. W recomputes
+    the activations it multiplies from the layer's residuals, and B computes the norms' gradients
+    itself."""
     h, f, t = shape.hidden, shape.mlp_dim, tensor
-    return 4 * h + 4 * h / t + 2 * f / t
+    return 2 * h + 3 * h / t + f / t

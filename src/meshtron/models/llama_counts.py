@@ -50,6 +50,10 @@ def other_parameters(shape: Any, vocab: int, tensor: int) -> float:
 
 
 def weight_boundary(shape: Any, tensor: int) -> float:
-    """Per token, the elements a zb-h1 ``B`` leaves for ``W`` (:mod:`meshtron.plan.step_memory`)."""
+    """Per token, the elements a zb-h1 ``B`` leaves for ``W`` (:mod:`meshtron.plan.step_memory`): the
+    weight-bearing projections' output cotangents -- the attention output's and the MLP down
+    projection's whole (``h`` each), the query/key/value and gate/up ones split over ``tensor``. W
+    recomputes the activations it multiplies from the layer's residuals, and B computes the norms'
+    scale gradients itself."""
     h, a, k, d, f, t = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.mlp_dim, tensor
-    return 4 * h + (a + 2 * k) * d / t + h / t + 3 * f / t
+    return 2 * h + (a + 2 * k) * d / t + 2 * f / t

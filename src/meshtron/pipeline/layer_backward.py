@@ -1,7 +1,14 @@
 """A stage's backward taken one layer at a time from each layer's ``jax.vjp`` residuals: what the
 runtime runs for split-backward (zero-bubble) schedules and whenever the forward keeps its residuals
 instead of recomputing (:class:`LayerBackward`). The per-layer cut itself is
-:mod:`meshtron.pipeline.split_backward`."""
+:mod:`meshtron.pipeline.split_backward`.
+
+The weight gradient W always reads the layers' residuals, so B leaves it only what depends on the
+output gradient: kept residuals (``parallel.recompute=false``) live in the microbatch's residual slot
+until W; recomputing, W reruns the chunk's forward from the stashed stage input (which the program
+keeps until W) to get them -- one more chunk forward per W, the price of recomputation, for a
+B-to-W buffer without the activations W multiplies (Llama: 2h + (a+2k)d/t + 2f/t elements per token
+per layer, the projections' output cotangents, instead of 4h + (a+2k)d/t + h/t + 3f/t with their inputs)."""
 
 from __future__ import annotations
 
@@ -29,8 +36,9 @@ class LayerBackward:
     pullbacks, adding each layer's parameter gradients to the accumulator it carries;
     ``input_gradient_into`` computes only the input gradient and writes per layer what the weight
     gradient will need into a slot of the B-to-W buffers, from which ``weight_gradient_into``
-    computes the weight gradients, in any later tick. Every buffer is carried through the layer
-    loop and updated in place, one layer's slice at a time.
+    computes the weight gradients, in any later tick, reading the layers' residuals again (kept, or
+    recomputed by ``forward_weight_gradient_into``). Every buffer is carried through the layer loop
+    and updated in place, one layer's slice at a time.
     """
 
     def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, example_x: jax.Array,
@@ -60,20 +68,23 @@ class LayerBackward:
         # what its backward needs of them is then among its residuals, like any other.
         y, stored, treedef, self._slots = residuals(self._with_tokens(example_tokens), first, example_x)
         self._stored_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored]
-        # Kept residuals live until W (the program frees their slot there), so W reads them rather
-        # than B storing the activations W multiplies a second time: B leaves W only what depends on
-        # the cotangent (GPT: 9 of the 26 s·b·h per layer it stored before).
+        # W reads the residuals -- kept ones, which live until W (the program frees their slot there),
+        # or, recomputing, those of the chunk's forward W reruns from the stashed input (which lives
+        # until W) -- rather than B storing the activations W multiplies: B leaves W only what depends
+        # on the cotangent (GPT: 9 of the 26 s·b·h per layer).
         # On CPU, W's matmuls (and the same matmuls in an unsplit backward from kept residuals) get
         # operands XLA's fast GEMM accepts (W 15% faster at width 256) and produce the gradient in
         # the weight's own layout where that copies less (16% more at width 256, 43% at 1024); GPU
         # GEMMs read transposed operands as they are, so elsewhere the pullback is JAX's own.
         self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y,
-                                       weight_reads_residuals=program.keeps_residuals,
+                                       weight_reads_residuals=True,
                                        contiguous_weight_matmuls=jax.default_backend() == "cpu")
         # A boundary value with a home (a residual of its shape that only B reads) is written over
         # that residual in the microbatch's residual slot, which lives until W anyway; the B-to-W
         # buffers hold the others. GPT: the QKV cotangent takes the QKV output's place (9 -> 6 s·b·h).
-        self._homes = self._pullback.boundary_homes
+        # Recomputed residuals live within a tick: nothing has a home there.
+        self._homes = (self._pullback.boundary_homes if program.keeps_residuals
+                       else (None,) * len(self._pullback.boundary_avals))
         # Parameter gradients B computes itself (a norm's scale and bias) go to the
         # accumulator at B, not through the B-to-W buffers.
         self._at_b = self._pullback.boundary_gradients
@@ -178,24 +189,44 @@ class LayerBackward:
             reverse=True)
         return dx, (bufs, rbufs, g_stage)
 
+    def _layer_weight_gradient(self, g: PyTree, i: jax.Array, lp: PyTree, res: list[jax.Array],
+                               buffers: list[jax.Array], slot: jax.Array, chunk: jax.Array) -> PyTree:
+        """Layer ``i``'s parameter gradients from its residuals ``res`` and what its B left in
+        ``buffers[j][slot, i]``, added to ``g[chunk, i]``."""
+        boundary: list = [None] * len(self._homes)  # None: a gradient B has accumulated
+        for b, k in zip(buffers, self._to_w):
+            boundary[k] = get(b, (slot, i))
+        for k, home in enumerate(self._homes):
+            if home is not None:
+                boundary[k] = res[home]
+        flat = self._pullback.weight_gradient(jax.tree.leaves(lp), boundary, res)
+        return accumulate(g, (chunk, i), flat)
+
     def weight_gradient_into(self, chunk_params: PyTree, buffers: list[jax.Array], slot: jax.Array,
                              active: jax.Array | None, g_stage: PyTree, chunk: jax.Array,
-                             kept: tuple[list[jax.Array], jax.Array] | None = None) -> PyTree:
-        """W: each layer's parameter gradients from what its B left in ``buffers[j][slot, layer]``
-        (and, ``kept = (residual_buffers, residual_slot)``, from the forward's residuals), added to
-        ``g_stage[chunk, layer]``."""
+                             kept: tuple[list[jax.Array], jax.Array]) -> PyTree:
+        """W from kept residuals: each layer's parameter gradients from what its B left in
+        ``buffers[j][slot, layer]`` and from the forward's residuals in ``kept = (residual_buffers,
+        residual_slot)``, added to ``g_stage[chunk, layer]``."""
         def step(g, i, lp):
-            res = None if kept is None else [get(b, (kept[1], i)) for b in kept[0]]
-            boundary: list = [None] * len(self._homes)  # None: a gradient B has accumulated
-            for b, k in zip(buffers, self._to_w):
-                boundary[k] = get(b, (slot, i))
-            for k, home in enumerate(self._homes):
-                if home is not None:
-                    boundary[k] = res[home]
-            flat = self._pullback.weight_gradient(jax.tree.leaves(lp), boundary, res)
-            return accumulate(g, (chunk, i), flat)
+            res = [get(b, (kept[1], i)) for b in kept[0]]
+            return self._layer_weight_gradient(g, i, lp, res, buffers, slot, chunk)
 
         return self._walk(step, g_stage, chunk_params, active)
+
+    def forward_weight_gradient_into(self, chunk_params: PyTree, x: jax.Array, tokens: jax.Array,
+                                     buffers: list[jax.Array], slot: jax.Array, active: jax.Array | None,
+                                     g_stage: PyTree, chunk: jax.Array) -> PyTree:
+        """W recomputing: the chunk's forward rerun from its input ``x`` (the microbatch of ``tokens``),
+        each layer's parameter gradients computed from its recomputed residuals as soon as they exist
+        (one layer's residuals live at a time) and from what its B left in ``buffers[j][slot,
+        layer]``, added to ``g_stage[chunk, layer]``."""
+        def step(c, i, lp):
+            h, g = c
+            y, res = self._residuals(lp, h, tokens)
+            return y, self._layer_weight_gradient(g, i, lp, res, buffers, slot, chunk)
+
+        return self._walk(step, (x, g_stage), chunk_params, active)[1]
 
     def _stacked(self, avals: list, slots: int | None) -> list[jax.ShapeDtypeStruct]:
         lead = (self._layers,) if slots is None else (max(slots, 1), self._layers)

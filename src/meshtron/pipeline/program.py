@@ -34,7 +34,10 @@ class Program:
     (:func:`~meshtron.pipeline.table.hoisted_recomputes`), the tick before: there the stage's forward
     is rerun from the stash (``pre_stash_slot``) keeping the layers' residuals in one of
     ``recompute_slots`` per-stage slots (``pre_res_slot``), and the backward reads them from that slot
-    (``bwd_pre_slot``) instead of recomputing. A recompute slot lives one tick."""
+    (``bwd_pre_slot``) instead of recomputing. A recompute slot lives one tick. With a split backward
+    (never hoisted) the stash keeps the stage input until the weight gradient (``wgt_stash_slot``),
+    which recomputes the stage's residuals from it too, so that B leaves W only what depends on the
+    output gradient."""
 
     schedule: Schedule
     fwd_mb: np.ndarray
@@ -65,6 +68,7 @@ class Program:
     pre_res_slot: np.ndarray | None = None  # recompute slot it fills with the layers' residuals
     bwd_pre_slot: np.ndarray | None = None  # recompute slot the backward reads (and frees); -1: it recomputes
     recompute_slots: int = 0  # hoisted recomputes: residual buffers per stage (one: each lives one tick)
+    wgt_stash_slot: np.ndarray | None = None  # recomputing, split backward: stash slot W recomputes from and frees
 
     @property
     def keeps_residuals(self) -> bool:
@@ -85,7 +89,7 @@ _COLUMNS = (
     "fwd_mb", "fwd_chunk", "fwd_slot", "fwd_send", "recv_fwd_slot",
     "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "bwd_send", "recv_bwd_slot",
     "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot", "wgt_res_slot",
-    "pre_mb", "pre_chunk", "pre_stash_slot", "pre_res_slot", "bwd_pre_slot",
+    "pre_mb", "pre_chunk", "pre_stash_slot", "pre_res_slot", "bwd_pre_slot", "wgt_stash_slot",
 )
 
 
@@ -116,8 +120,9 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool,
     """One stage's instruction columns plus its stash, grad, weight, residual and recompute buffer sizes.
 
     A slot is taken when a value arrives (start of tick ``t``) and released by the backward that
-    consumes it -- by the forward in a forward-only table or when the forward ``keep``-s the
-    residuals, where nothing is recomputed; since
+    consumes it -- by the weight gradient of a split backward, which recomputes from it too; by the
+    forward in a forward-only table or when the forward ``keep``-s the residuals, where nothing is
+    recomputed; since
     arrivals are handled before that tick's work, a released slot is first reused by a value
     arriving in a later tick, so nothing is overwritten while live.
     """
@@ -155,7 +160,10 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool,
         if work is not None:
             key = (work.microbatch, work.chunk * p + stage)
             col["bwd_mb"][tick], col["bwd_chunk"][tick] = work.microbatch, work.chunk
-            col["bwd_stash_slot"][tick] = stash.release(key)  # -1 when the forward or a hoisted rerun consumed it
+            # -1 when the forward or a hoisted rerun consumed it; a split backward's W recomputes from it
+            # too and frees it
+            until_weight = schedule.split_backward and not keep
+            col["bwd_stash_slot"][tick] = stash.owner.get(key, -1) if until_weight else stash.release(key)
             col["bwd_pre_slot"][tick] = rerun.release(key)
             if keep:  # a split backward's W reads the residuals too and frees them
                 col["bwd_res_slot"][tick] = kept.owner[key] if schedule.split_backward else kept.release(key)
@@ -171,6 +179,8 @@ def _compile_stage(schedule: Schedule, stage: int, keep: bool,
             col["wgt_slot"][tick] = weights.release(key)
             if keep:
                 col["wgt_res_slot"][tick] = kept.release(key)
+            else:
+                col["wgt_stash_slot"][tick] = stash.release(key)  # -1 on virtual stage 0 (tokens)
     return col, stash.size, grads.size, weights.size, kept.size, rerun.size
 
 

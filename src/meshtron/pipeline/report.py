@@ -39,7 +39,8 @@ def text_report(schedule: Schedule, costs: Costs = UNIT_COSTS) -> tuple[str, Sch
         lines.append(f"W pending per stage  {', '.join(map(str, stats.peak_weight_pending))} "
                      "(input-gradient boundaries kept for a later weight gradient)")
         lines.append(f"until W per stage    {', '.join(map(str, stats.peak_until_weight))} "
-                     "(forwards whose weight gradient has not run: residuals kept with parallel.recompute=false)")
+                     "(forwards whose weight gradient has not run: their stage inputs stashed, "
+                     "or residuals kept with parallel.recompute=false)")
     return "\n".join(lines), stats
 
 

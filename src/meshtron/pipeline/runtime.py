@@ -113,7 +113,8 @@ __all__ = ["StageFunctions", "TickState", "exact_segments", "run_pipeline", "run
 _FORWARD_FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot")
 _ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
                "bwd_weight_slot", "wgt_mb", "wgt_chunk", "wgt_slot", "fwd_res_slot", "bwd_res_slot",
-               "wgt_res_slot", "pre_mb", "pre_chunk", "pre_stash_slot", "pre_res_slot", "bwd_pre_slot")
+               "wgt_res_slot", "pre_mb", "pre_chunk", "pre_stash_slot", "pre_res_slot", "bwd_pre_slot",
+               "wgt_stash_slot")
 
 
 @dataclass(frozen=True)
@@ -541,15 +542,24 @@ class _TickLoop:
             row, None, gbuf, rbuf, g_shared, seq,
             lambda cp, res, dy, act: self.layers.backward_into(cp, res, dy, act, g_stage, chunk))
 
-    def weight_gradient(self, row, wbuf, rbuf, g_stage, seq):
+    def weight_gradient(self, row, stash, wbuf, rbuf, g_stage, seq):
         """The split backward's W: this chunk's layer gradients, from what its B left in ``wbuf``
-        (and, when the forward keeps residuals, from this microbatch's residual slot of ``rbuf``),
-        added to ``g_stage``."""
+        and the layers' residuals -- this microbatch's residual slot of ``rbuf`` when the forward keeps
+        them, else those of the chunk's forward rerun from its stashed input (the embedding on the
+        first virtual stage) -- added to ``g_stage``."""
         chunk = row["wgt_chunk"]
-        kept = None if rbuf is None else (rbuf[:-1], index_after(row["wgt_res_slot"], seq))
-        g_stage = self.layers.weight_gradient_into(chunk_of(self.stage_params, chunk), wbuf,
-                                                   index_after(row["wgt_slot"], seq), self.active(chunk), g_stage,
-                                                   chunk, kept)
+        chunk_params = chunk_of(self.stage_params, chunk)
+        slot = index_after(row["wgt_slot"], seq)
+        if rbuf is not None:
+            g_stage = self.layers.weight_gradient_into(chunk_params, wbuf, slot, self.active(chunk), g_stage, chunk,
+                                                       (rbuf[:-1], index_after(row["wgt_res_slot"], seq)))
+        else:
+            tok = self.tokens[row["wgt_mb"]]
+            x = self.pin(after(read_slot(stash, row["wgt_stash_slot"]), seq))
+            x = self.pin(jax.lax.cond(chunk * self.p + self.stage_index == 0,
+                                      lambda: self.fns.embed(self.shared_params, tok), lambda: x))
+            g_stage = self.layers.forward_weight_gradient_into(chunk_params, x, tok, wbuf, slot, self.active(chunk),
+                                                               g_stage, chunk)
         return g_stage, seq + token(g_stage)
 
     # ---- one tick, and the loop ------------------------------------------------------------------
@@ -621,7 +631,7 @@ class _TickLoop:
             if seg.weight:
                 g_stage, seq = self.branch(
                     "weight", row["wgt_mb"] >= 0,
-                    lambda: self.weight_gradient(row, wbuf, rbuf, g_stage, seq),
+                    lambda: self.weight_gradient(row, stash, wbuf, rbuf, g_stage, seq),
                     lambda: (g_stage, seq),
                 )
             if seg.send_forward:

@@ -26,8 +26,9 @@ device, term by term:
 * **logits**: the last stage's fp32 logits and their cotangent, ``2 · b·s·V/t`` (every stage of an
   SPMD pipeline runs the same program, so every device reserves them);
 * **zero-bubble buffers** (zb-h1): the input-gradient pass ``B`` recomputes the chunk keeping every
-  layer's residuals, and leaves per layer what the deferred weight gradient ``W`` multiplies (the
-  weight-bearing operations' inputs and output cotangents) in ``weight_slots`` B-to-W buffers.
+  layer's residuals, and leaves per layer what the deferred weight gradient ``W`` needs of it (the
+  weight-bearing projections' output cotangents; ``W`` reruns the chunk's forward from the stashed
+  input for the activations it multiplies) in ``weight_slots`` B-to-W buffers.
 
 With context parallelism (``parallel.context`` = c) every activation term counts the device's ``s/c`` tokens
 of each sequence; the gathered exchange's scores span every key (``[b, heads/t, s/c, s]``), the ring's one
@@ -39,8 +40,7 @@ CPU cannot compute in bf16: it converts bf16 values to fp32, so a layer input it
 held twice (2 + 4 bytes) and the residuals it keeps are the fp32 values (4 bytes); the bf16
 attention probabilities are kept both ways (6 bytes). On a GPU the same values are 2 bytes. XLA:GPU
 holds the attention backward's ``[s, s]`` working set as two fp32 and two bf16 arrays (XLA:CPU: four
-fp32), keeps the causal mask beside each layer's kept probabilities, and its zb-h1 B-to-W buffers keep
-two fp32 residual-stream arrays per layer beyond the projections' boundary. These are the only terms
+fp32), and keeps the causal mask beside each layer's kept probabilities. These are the only terms
 that differ; ``tests/test_step_memory.py`` and ``benchmarks/memory_at_scale.py`` hold the ``cpu``
 figures to XLA:CPU's compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B, and the ``gpu`` figures
 to XLA:GPU's for compile-only H100s, with XLA's attention and cuDNN's fused one
@@ -79,10 +79,6 @@ GPU_KEPT_MASK_BYTES = 1
 """Bytes per score a layer whose attention residuals autodiff keeps holds on XLA:GPU beyond the fp32
 probabilities and their bf16 copy: the causal mask broadcast to ``[b, heads/t, s, s]`` (``pred``), kept
 per layer (read from the H100 program of the 7B zb-h1 step, whose ``B`` keeps a chunk's residuals)."""
-GPU_NORM_BOUNDARY = 2
-"""``h``-wide fp32 arrays per token per layer XLA:GPU's zb-h1 program keeps in each B-to-W buffer beyond
-the weight-bearing projections' bf16 inputs and cotangents (two fp32 ``[.., b, s, h]`` slot buffers in
-the H100 program of the 7B step: the residual-stream values the norms' weight gradients read)."""
 LOGIT_BUFFERS = 2  # fp32 logits and their cotangent
 
 
@@ -216,9 +212,8 @@ def other_parameters(shape: StepShape, tensor: int) -> float:
 
 
 def _weight_boundary(shape: StepShape, tensor: int) -> float:
-    """Per token, the elements a zb-h1 ``B`` leaves for ``W``: each weight-bearing projection's input
-    and output cotangent (the inputs of the column-parallel projections and the cotangents of the
-    row-parallel ones are whole, ``h``; the rest split over ``tensor``)."""
+    """Per token, the elements a zb-h1 ``B`` leaves for ``W``: each weight-bearing projection's output
+    cotangent (the row-parallel ones' whole, ``h``; the rest split over ``tensor``)."""
     return _counts(shape).weight_boundary(shape, tensor)
 
 
@@ -287,7 +282,9 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
         layers_kept = run.residual_slots * chunk_layers * slot_layer
     elif run.remat != "full":
         layers_kept = chunk_layers * (kept_layer + (kept_scores if run.remat == "none" else 0.0))
-    boundary = _weight_boundary(shape, t) * residual + (0 if cpu else GPU_NORM_BOUNDARY * h * 4)
+    # The cotangents in the compute dtype on both backends: XLA:CPU's W converts a buffer to fp32 inside its
+    # branch, where B's chunk residuals (the branch it alternates with) are larger.
+    boundary = _weight_boundary(shape, t) * cb
     weight_buffers = run.weight_slots * chunk_layers * b * s * boundary
     score_bytes = SCORE_BUFFERS * 4 if cpu else GPU_SCORE_BUFFERS[0] * 4 + GPU_SCORE_BUFFERS[1] * cb
     working = 0.0 if fused else score_bytes * scores_one  # the attention core's backward
