@@ -172,8 +172,6 @@ GPU_REAL = [  # Llama-2 7B compiled for compile-only H100s: XLA attention withou
     # cuDNN's fused attention (no [s, s] buffers): 11.6 GB compiled, 11.9 modelled
     ("llama2_7b", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8", "parallel.sequence_parallel=true",
                    "parallel.zero=1", "model.attention=cudnn"]),
-    # zb-h1's B-to-W buffers hold the projections' bf16 cotangents alone: 36.5 GB compiled, 37.1 modelled
-    ("llama2_7b", ["parallel.schedule=zb-h1", "parallel.zero=1", "model.attention=cudnn"]),
 ]
 
 
@@ -185,7 +183,7 @@ def test_the_gpu_model_agrees_with_xla_gpu_compiled_steps_within_ten_percent():
     pytest.importorskip("jax_plugins.xla_cuda12", reason="compiling for H100s needs JAX's CUDA plugin (the gpu-compile extra)")
     env = subprocess_env()
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(GPU_REAL), "h100"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1500, check=False)
+                         capture_output=True, text=True, timeout=1200, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     for config, overrides, compiled, modelled in json.loads(run.stdout.splitlines()[-1]):
         assert abs(modelled / compiled - 1) <= 0.10, (config, overrides, compiled / 1e9, modelled / 1e9)
