@@ -59,11 +59,24 @@ CASES = [(name, p, m, 2 if name == "interleaved" else 1) for name in SCHEDULES f
          if not (name == "interleaved" and m % p)]
 
 
+def stage_orders(table) -> list[list[tuple]]:
+    """Each stage's work in the order it runs (forward, backward, weight gradient within a tick)."""
+    kinds = [("F", table.forward), ("B", table.backward), ("W", table.weight_table)]
+    return [[(kind, work.microbatch, work.chunk) for tick in range(table.ticks) for kind, cells in kinds
+             if (work := cells[tick][stage]) is not None] for stage in range(table.stages)]
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_meshtrons_tables_round_trip_through_torchs_format(case, tmp_path):
+    # Torch's format holds each rank's order, not ticks: read back, every stage keeps its order, and a
+    # table laid out as soon as each op is ready comes back tick for tick. The phased 1f1b-p leaves a
+    # tick between a stage's forwards on purpose (its p - s bound), which the order cannot say.
     table = make_schedule(*case)
     path = write_csv(from_schedule(table), tmp_path / "s.csv")
-    assert to_schedule(read_csv(path), table.name) == table
+    back = to_schedule(read_csv(path), table.name)
+    assert stage_orders(back) == stage_orders(table)
+    if table.name != "1f1b-p":
+        assert back == table
 
 
 # Each fixture of torch's own schedules: runs here (its table passes the checker) or is refused with the reason.
