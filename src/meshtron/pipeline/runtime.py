@@ -396,33 +396,38 @@ class _TickLoop:
         """The forward when nothing is recomputed: the layers run one by one under ``jax.vjp`` and
         write their residuals (and the chunk output, which the loss's backward needs) straight into
         this microbatch's slot of the residual buffers ``rbuf``, which the branch returns updated."""
-        fns, pin = self.fns, self.pin
         chunk = row["fwd_chunk"]
         tok = self.tokens[row["fwd_mb"]]
-        virtual = chunk * self.p + self.stage_index
-        x_stash = pin(after(read_slot(stash, row["fwd_slot"]), seq))
-        x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(self.shared_params, tok), lambda: x_stash))
-        slot = row["fwd_res_slot"]
-        y, stored = self.layers.forward_into(chunk_of(self.stage_params, chunk), x, tok, self.active(chunk), rbuf[:-1],
-                                             slot)
-        loss = jax.lax.cond(virtual == self.last_virtual,
-                            lambda: fns.loss(self.shared_params, y, tok).astype(jnp.float32), lambda: self.zero_loss)
-        return y, loss, [*stored, put(rbuf[-1], (slot,), y)], seq + token(loss) + self.token(y)
+        y, rbuf = self.layers_into(chunk, tok, self.stage_input(chunk, tok, stash, row["fwd_slot"], seq), rbuf,
+                                   row["fwd_res_slot"])
+        loss = jax.lax.cond(chunk * self.p + self.stage_index == self.last_virtual,
+                            lambda: self.fns.loss(self.shared_params, y, tok).astype(jnp.float32),
+                            lambda: self.zero_loss)
+        return y, loss, rbuf, seq + token(loss) + self.token(y)
+
+    def stage_input(self, chunk, tok, stash, stash_slot, seq):
+        """A virtual stage's input: ``tok``'s embedding on the first virtual stage, else the stashed
+        activation at ``stash_slot`` (read after ``seq``)."""
+        x_stash = self.pin(after(read_slot(stash, stash_slot), seq))
+        return self.pin(jax.lax.cond(chunk * self.p + self.stage_index == 0,
+                                     lambda: self.fns.embed(self.shared_params, tok), lambda: x_stash))
+
+    def layers_into(self, chunk, tok, x, buffers, slot):
+        """The chunk's layers on ``x``, their residuals and the chunk output written into ``slot`` of the
+        residual buffers ``buffers``: ``(y, buffers updated)``."""
+        y, stored = self.layers.forward_into(chunk_of(self.stage_params, chunk), x, tok, self.active(chunk),
+                                             buffers[:-1], slot)
+        return y, [*stored, put(buffers[-1], (slot,), y)]
 
     def recompute_keeping(self, row, stash, hbuf, seq):
         """A hoisted recomputation: the stage forward of the microbatch whose backward runs next tick,
         rerun from its stashed input (or its tokens' embedding), its layers' residuals and output written
         into its slot of the recompute buffers ``hbuf``, which the branch returns updated."""
-        fns, pin = self.fns, self.pin
         chunk = row["pre_chunk"]
         tok = self.tokens[row["pre_mb"]]
-        virtual = chunk * self.p + self.stage_index
-        x_stash = pin(after(read_slot(stash, row["pre_stash_slot"]), seq))
-        x = pin(jax.lax.cond(virtual == 0, lambda: fns.embed(self.shared_params, tok), lambda: x_stash))
-        slot = row["pre_res_slot"]
-        y, stored = self.layers.forward_into(chunk_of(self.stage_params, chunk), x, tok, self.active(chunk), hbuf[:-1],
-                                             slot)
-        return [*stored, put(hbuf[-1], (slot,), y)], seq + self.token(y)
+        y, hbuf = self.layers_into(chunk, tok, self.stage_input(chunk, tok, stash, row["pre_stash_slot"], seq), hbuf,
+                                   row["pre_res_slot"])
+        return hbuf, seq + self.token(y)
 
     def backward_recomputed(self, row, gbuf, hbuf, g_stage, g_shared, seq):
         """The whole backward from the residuals a hoisted recomputation kept in ``hbuf`` last tick."""
@@ -555,9 +560,7 @@ class _TickLoop:
                                                        (rbuf[:-1], index_after(row["wgt_res_slot"], seq)))
         else:
             tok = self.tokens[row["wgt_mb"]]
-            x = self.pin(after(read_slot(stash, row["wgt_stash_slot"]), seq))
-            x = self.pin(jax.lax.cond(chunk * self.p + self.stage_index == 0,
-                                      lambda: self.fns.embed(self.shared_params, tok), lambda: x))
+            x = self.stage_input(chunk, tok, stash, row["wgt_stash_slot"], seq)
             g_stage = self.layers.forward_weight_gradient_into(chunk_params, x, tok, wbuf, slot, self.active(chunk),
                                                                g_stage, chunk)
         return g_stage, seq + token(g_stage)
