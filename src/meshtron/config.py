@@ -39,7 +39,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshtron.bundled_configs import resolve
 from meshtron.checkpoint_dirs import imported_step
 from meshtron.errors import ConfigError
-from meshtron.execution import EXCHANGES
+from meshtron.execution import EXCHANGES, FP8_RECIPES
 from meshtron.families import FAMILIES
 from meshtron.megatron import REMAT_MODES
 
@@ -114,6 +114,7 @@ class ModelConfig:
     # a GPT's position table, a Llama's advertised context; null = seq_len. seq_len is the training window.
     max_position_embeddings: int | None = None
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
+    fp8: str = "off"  # off | current: the blocks' projections as FP8 GEMMs, scaled per tensor (models/fp8.py)
     # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered) or ring
     # (blocks passed around, two resident at a time). Ignored with parallel.context=1.
     context_attention: str = "gathered"
@@ -642,6 +643,9 @@ def validate(cfg: Config) -> None:
         _need(m.max_position_embeddings >= m.seq_len, "model.max_position_embeddings",
               f"{m.max_position_embeddings} is shorter than model.seq_len={m.seq_len}: the training window must fit "
               "the model's positions; raise it or lower model.seq_len")
+    _need(m.fp8 in FP8_RECIPES, "model.fp8",
+          f"must be one of {', '.join(FP8_RECIPES)} (off: projections in model.dtype; current: FP8 GEMMs scaled "
+          f"per tensor), got {m.fp8!r}")
     _need(m.attention in ("xla", "cudnn"), "model.attention",
           f"must be 'xla' or 'cudnn' (cuDNN flash attention, GPUs only), got {m.attention!r}")
     _need(m.context_attention in CONTEXT_EXCHANGES, "parallel.context_attention",

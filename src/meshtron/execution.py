@@ -26,8 +26,9 @@ from typing import Protocol
 from meshtron.megatron import REMAT_MODES
 from meshtron.trace_context import TraceContext, using
 
-__all__ = ["DEFAULT_EXECUTION", "EXCHANGES", "REMAT_MODES", "Execution", "checked_exchange"]
+__all__ = ["DEFAULT_EXECUTION", "EXCHANGES", "FP8_RECIPES", "REMAT_MODES", "Execution", "checked_exchange"]
 
+FP8_RECIPES = ("off", "current")  # model.fp8: projections in their own dtype, or FP8 GEMMs scaled per tensor now
 EXCHANGES = ("gathered", "ring")  # parallel.context_attention: keys and values all-gathered, or passed round a ring
 
 
@@ -43,6 +44,8 @@ class _RunModelSettings(Protocol):
     def context_attention(self) -> str: ...
     @property
     def seq_len(self) -> int | None: ...
+    @property
+    def fp8(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -52,24 +55,28 @@ class Execution:
     ``remat``: ``none``, ``full`` (each block recomputed in the backward pass) or ``selective`` (only
     attention cores recomputed). ``attention``: ``jax.nn.dot_product_attention``'s implementation
     (``None``: JAX's choice). ``context_attention``: the exchange over a split sequence (``gathered`` or
-    ``ring``). ``window``: the run's ``model.seq_len``, the context generation sees by default
+    ``ring``). ``fp8``: the recipe the blocks' projections multiply by (:data:`FP8_RECIPES`,
+    :mod:`meshtron.models.fp8`). ``window``: the run's ``model.seq_len``, the context generation sees by default
     (:meth:`context`; ``None``: the model's own limit)."""
 
     remat: str = "none"
     attention: str | None = None
     context_attention: str = "gathered"
     window: int | None = None
+    fp8: str = "off"
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
             raise ValueError(f"model.remat: must be one of {', '.join(REMAT_MODES)}, got {self.remat!r}")
         checked_exchange(self.context_attention)
+        if self.fp8 not in FP8_RECIPES:
+            raise ValueError(f"model.fp8: must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
 
     @classmethod
     def of_model_config(cls, model: _RunModelSettings) -> Execution:
         """The switches a run's ``model`` section (``cfg.model``) sets."""
         return cls(remat=model.remat, attention=model.attention, context_attention=model.context_attention,
-                   window=model.seq_len)
+                   fp8=model.fp8, window=model.seq_len)
 
     def scope(self) -> contextlib.AbstractContextManager[TraceContext]:
         """Inside this, traced model code runs as these switches say: attention through this
@@ -77,7 +84,7 @@ class Execution:
         for the backward under ``remat=selective`` (``full`` is applied where blocks run:
         :func:`meshtron.models.blocks.run_blocks`)."""
         return using(attention=self.attention, recompute_core=self.remat == "selective",
-                     exchange=self.context_attention)
+                     exchange=self.context_attention, fp8=self.fp8)
 
     def context(self, max_len: int | None) -> int | None:
         """How many tokens generation sees by default: the training window, within the model's

@@ -46,6 +46,7 @@ class TraceContext:
     default, :data:`meshtron.sharding.MEGATRON_RULES`).
     ``attention``: the attention backend when a call names none (``None``: JAX's choice).
     ``recompute_core``: attention cores keep only their inputs for the backward (``remat=selective``).
+    ``fp8``: the recipe projections multiply by (``off``: their own dtype; ``current``: FP8 GEMMs).
     ``exchange``: how attention over a split sequence exchanges keys and values.
     ``layer_views``: the active layer views, outermost first.
     ``segments``: packed documents' segment ids that whole-sequence attention masks by.
@@ -59,6 +60,7 @@ class TraceContext:
     rules: tuple[tuple[str, str | None], ...] | None = None
     attention: str | None = None
     recompute_core: bool = False
+    fp8: str = "off"
     exchange: str = "gathered"
     layer_views: tuple[LayerView, ...] = ()
     segments: Any = None

@@ -34,6 +34,7 @@ from meshtron.models.blocks import (
     stack_blocks,
 )
 from meshtron.models.contract import logits_of
+from meshtron.models.fp8 import projection_einsum
 from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block, zeros
 from meshtron.sharding import constrain
 
@@ -76,7 +77,7 @@ class Attention(nnx.Module):
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         h, n, d = dims.hidden, dims.heads, dims.head_dim
         out_std = INIT_STD / math.sqrt(2 * dims.layers)
-        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "rngs": rngs}
+        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "einsum_op": projection_einsum, "rngs": rngs}
         self.qkv = nnx.Einsum(
             "bse,ethd->bsthd",
             (h, 3, n, d),
@@ -110,7 +111,7 @@ class MLP(nnx.Module):
 
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         out_std = INIT_STD / math.sqrt(2 * dims.layers)
-        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "rngs": rngs}
+        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "einsum_op": projection_einsum, "rngs": rngs}
         self.fc1 = nnx.Einsum(
             "bse,em->bsm",
             (dims.hidden, dims.mlp_dim),

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.models.blocks import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
+from meshtron.models.fp8 import projection_einsum
 from meshtron.sharding import constrain
 
 INIT_STD = 0.02
@@ -55,7 +56,7 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
     """
 
     def project(x, *kernels):
-        return jnp.einsum(spec, x, fuse(*kernels).astype(x.dtype))
+        return projection_einsum(spec, x, fuse(*kernels).astype(x.dtype))
 
     return jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, *kernels)
 

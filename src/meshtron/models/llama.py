@@ -34,6 +34,7 @@ from meshtron.models.blocks import (
     stack_blocks,
 )
 from meshtron.models.contract import logits_of
+from meshtron.models.fp8 import projection_einsum
 from meshtron.models.layers import (
     INIT_STD,
     fused_projection,
@@ -88,7 +89,7 @@ def _rms_norm(dims: LlamaDims, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 def _projection(spec: str, shape: tuple[int, ...], axes: tuple[str, ...], dims: LlamaDims, rngs: nnx.Rngs):
     return nnx.Einsum(spec, shape, kernel_init=normal(INIT_STD, axes), dtype=dims.dtype,
-                      param_dtype=dims.param_dtype, rngs=rngs)
+                      param_dtype=dims.param_dtype, einsum_op=projection_einsum, rngs=rngs)
 
 
 class Attention(nnx.Module):

@@ -44,6 +44,7 @@ from flax import nnx
 
 from meshtron.models.auxiliary import attach_auxiliary_loss, report
 from meshtron.models.contract import layer_reports
+from meshtron.models.fp8 import projection_einsum, projection_ragged_dot
 from meshtron.models.layers import INIT_STD, normal
 from meshtron.sharding import constrain, logical_to_spec
 
@@ -192,7 +193,7 @@ def dropless_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: j
     rows = jnp.take(tokens, order // k, axis=0)
 
     def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
+        return projection_ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
 
     out = _swiglu_rows(rows, gate, up, down, grouped)
     return _combined(jnp.take(out, _inverse(order), axis=0), routing)
@@ -225,7 +226,7 @@ def capacity_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: j
     by_expert = buffer.reshape(n, local, capacity, h).transpose(1, 0, 2, 3).reshape(local, n * capacity, h)
 
     def batched(lhs, rhs):
-        return jnp.einsum("ecx,exy->ecy", lhs, rhs.astype(lhs.dtype))
+        return projection_einsum("ecx,exy->ecy", lhs, rhs.astype(lhs.dtype))
 
     out = _swiglu_rows(by_expert, gate, up, down, batched)
     out = out.reshape(local, n, capacity, h).transpose(1, 0, 2, 3).reshape(experts * capacity, h)
@@ -289,7 +290,7 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
     sizes = jnp.bincount(received_ids, length=local + 1)[:local].astype(jnp.int32)
 
     def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
+        return projection_ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
 
     out = _swiglu_rows(jnp.take(received, order, axis=0), gate, up, down, grouped)
     out = jnp.where((jnp.take(received_ids, order) < local)[:, None], out, 0.0)
@@ -334,8 +335,11 @@ class MoE(nnx.Module):
             y = expert_parallel_dropless(tokens, routing, gate, up, down, axis)
         y = y.reshape(b, s, h)
         if d.shared_mlp_dim:
-            hidden = jax.nn.silu(x @ self.shared_gate[...].astype(x.dtype)) * (x @ self.shared_up[...].astype(x.dtype))
-            y = y + constrain(hidden, ("batch", "seq", "mlp")) @ self.shared_down[...].astype(x.dtype)
+            def project(spec, v, w):
+                return projection_einsum(spec, v, w[...].astype(v.dtype))
+
+            hidden = jax.nn.silu(project("bsh,hf->bsf", x, self.shared_gate)) * project("bsh,hf->bsf", x, self.shared_up)
+            y = y + project("bsf,fh->bsh", constrain(hidden, ("batch", "seq", "mlp")), self.shared_down)
         aux, z = load_balancing_loss(routing, d.experts), router_z_loss(routing)
         load = expert_load(routing, d.experts)
         ranks = 1 if axis is None else jax.lax.axis_size(axis)

@@ -1,0 +1,153 @@
+"""FP8 projections (``model.fp8``): the GEMMs against an independent float64 reference of the same
+quantization, the hook off and on, the parity oracle, users' models through the hook, LoRA's frozen base."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtron.config import ConfigError, ModelConfig, load_config
+from meshtron.execution import Execution
+from meshtron.models.fp8 import (
+    fp8_dot_general,
+    power_of_two_scale,
+    projection_dot_general,
+    projection_einsum,
+    projection_ragged_dot,
+)
+from meshtron.testing import Layout, check_parity
+from meshtron.trace_context import using
+from meshtron.train.state import model_def_from_config
+
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+def quantized(x: np.ndarray, dtype) -> tuple[np.ndarray, float]:
+    """``x`` rounded to ``dtype`` after division by its power-of-two scale, back in float64, and the scale."""
+    fmax = float(ml_dtypes.finfo(dtype).max)
+    scale = 2.0 ** np.ceil(np.log2(np.abs(x).max() / fmax))
+    q = np.clip(x.astype(np.float32) / np.float32(scale), -fmax, fmax).astype(dtype)
+    return q.astype(np.float64), scale
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture
+def operands():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 32)).astype(np.float32) * 3.0
+    w = (rng.standard_normal((32, 24)) * 0.02).astype(np.float32)
+    cotangent = rng.standard_normal((6, 24)).astype(np.float32) * 1e-3
+    return x, w, cotangent
+
+
+def test_fp8_gemm_and_both_gradients_equal_the_quantized_products(operands):
+    x, w, c = operands
+    dims = (((1,), (0,)), ((), ()))
+    y, pullback = jax.vjp(lambda a, b: fp8_dot_general(a, b, dims), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = pullback(jnp.asarray(c))
+    (qx, sx), (qw, sw), (qc, sc) = quantized(x, E4M3), quantized(w, E4M3), quantized(c, E5M2)
+    assert y.dtype == jnp.float32 and dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+    assert rel(y, qx @ qw * (sx * sw)) < 1e-6
+    assert rel(dx, qc @ qw.T * (sc * sw)) < 1e-6
+    assert rel(dw, qx.T @ qc * (sc * sx)) < 1e-6
+    # and it is FP8: the products differ from the exact ones by FP8's rounding, not by nothing
+    assert 1e-3 < rel(y, x.astype(np.float64) @ w) < 0.1
+
+
+def test_scales_are_powers_of_two_that_cover_the_largest_value():
+    fmax = float(ml_dtypes.finfo(E4M3).max)  # 448
+    assert float(power_of_two_scale(jnp.array([fmax, 1.0]), jnp.float8_e4m3fn)) == 1.0
+    assert float(power_of_two_scale(jnp.array([fmax + 1]), jnp.float8_e4m3fn)) == 2.0
+    assert float(power_of_two_scale(jnp.array([3.0]), jnp.float8_e4m3fn)) == 2.0 ** -7  # 3 / 2^-7 = 384 <= 448
+    assert float(power_of_two_scale(jnp.zeros(4), jnp.float8_e4m3fn)) == 1.0
+    assert np.isnan(float(power_of_two_scale(jnp.array([1.0, np.nan]), jnp.float8_e4m3fn)))
+
+
+def test_grouped_fp8_gemm_equals_each_groups_quantized_product():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((10, 16)).astype(np.float32)
+    w = (rng.standard_normal((3, 16, 8)) * 0.1).astype(np.float32)
+    c = rng.standard_normal((10, 8)).astype(np.float32)
+    sizes = np.array([3, 0, 7], np.int32)
+    with using(fp8="current"):
+        y, pullback = jax.vjp(lambda a, b: projection_ragged_dot(a, b, jnp.asarray(sizes)), jnp.asarray(x),
+                              jnp.asarray(w))
+        dx, dw = pullback(jnp.asarray(c))
+    (qx, sx), (qw, sw), (qc, sc) = quantized(x, E4M3), quantized(w, E4M3), quantized(c, E5M2)
+    groups = np.repeat(np.arange(3), sizes)
+    assert rel(y, np.stack([qx[i] @ qw[g] for i, g in enumerate(groups)]) * (sx * sw)) < 1e-6
+    assert rel(dx, np.stack([qc[i] @ qw[g].T for i, g in enumerate(groups)]) * (sc * sw)) < 1e-6
+    expected_dw = np.stack([qx[groups == g].T @ qc[groups == g] for g in range(3)]) * (sc * sx)
+    assert rel(dw, expected_dw) < 1e-6 and not np.any(np.asarray(dw[1]))
+
+
+def test_the_hook_is_the_plain_product_when_fp8_is_off_and_fp8_when_on(operands):
+    x, w, _ = operands
+    plain = jnp.einsum("se,ef->sf", x, w)
+    np.testing.assert_array_equal(projection_einsum("se,ef->sf", x, w), plain)
+    dims = (((1,), (0,)), ((), ()))
+    np.testing.assert_array_equal(projection_dot_general(x, w, dims), jax.lax.dot_general(x, w, dims))
+    with using(fp8="current"):
+        on = projection_einsum("se,ef->sf", x, w)
+        np.testing.assert_array_equal(projection_dot_general(x, w, dims), on)
+    np.testing.assert_array_equal(on, fp8_dot_general(jnp.asarray(x), jnp.asarray(w), dims))
+
+
+def test_a_users_nnx_model_takes_fp8_through_the_documented_hook():
+    """An ``nnx.Einsum`` with ``einsum_op=projection_einsum`` and an ``nnx.Linear`` with
+    ``dot_general=projection_dot_general`` run FP8 under the run's execution, and are untouched without."""
+    rngs = nnx.Rngs(0)
+    einsum = nnx.Einsum("bse,ef->bsf", (16, 8), einsum_op=projection_einsum, rngs=rngs)
+    linear = nnx.Linear(16, 8, dot_general=projection_dot_general, rngs=rngs)
+    x = jax.random.normal(jax.random.key(1), (2, 4, 16))
+    off = einsum(x), linear(x)
+    with Execution(fp8="current").scope():
+        on = einsum(x), linear(x)
+        text = jax.jit(lambda v: einsum(v)).lower(x).as_text()
+    np.testing.assert_array_equal(off[0], jnp.einsum("bse,ef->bsf", x, einsum.kernel[...]))
+    for a, b in zip(off, on, strict=True):
+        assert 1e-3 < rel(b, a) < 0.1
+    assert "f8E4M3FN" in text
+
+
+def test_model_fp8_takes_off_and_current_and_names_the_field_otherwise():
+    assert load_config(None, ["model.fp8=current"]).model.fp8 == "current"
+    with pytest.raises(ConfigError, match=r"^model.fp8: must be one of off, current \(off: projections in "
+                                          r"model.dtype; current: FP8 GEMMs scaled per tensor\), got 'e4m3'"):
+        load_config(None, ["model.fp8=e4m3"])
+
+
+def _llama(dtype: str, tensor: int):
+    return model_def_from_config(ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=2, layers=4,
+                                             mlp_dim=128, seq_len=16, dtype=dtype), tensor)
+
+
+# Tolerances, as measured on these layouts. With float32 activations the FP8 products equal one device's
+# to float32 rounding: each split quantizes its part of a tensor with a power-of-two scale, the same as
+# the whole tensor's unless a part's largest value sits in another binade, so the oracle is as tight as
+# without FP8. bf16 activations differ between layouts by bf16's rounding (1% of a gradient's norm
+# here); an element that lands on the other side of an FP8 rounding step moves by a whole step (2^-3
+# of it in e4m3, 2^-2 in e5m2), which turns those differences into about 10% of a gradient's norm,
+# while the loss stays within 1e-4.
+TOLERANCES = {
+    ("float32", "current"): {"loss_rtol": 1e-5, "rtol": 1e-2, "atol": 1e-5},
+    ("bfloat16", "current"): {"loss_rtol": 1e-4, "norm_rtol": 0.2, "atol": 0.0},
+    ("bfloat16", "off"): {"loss_rtol": 1e-4, "norm_rtol": 0.03, "atol": 0.0},
+}
+PARITY_LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(2, 2, 2, "zb-h1", microbatches=2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, fp8", list(TOLERANCES))
+@pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=str)
+def test_parity_oracle_with_fp8_and_with_bf16(layout, dtype, fp8):
+    """The loss and every gradient on each layout equal one device's, with FP8 projections and in bf16."""
+    [report] = check_parity(_llama(dtype, layout.tensor), [layout], execution=Execution(fp8=fp8),
+                            **TOLERANCES[dtype, fp8])
+    assert report.ok
