@@ -29,7 +29,7 @@ PROGRAM = f"""HloModule jit_f8, is_scheduled=true
 %grad_x (p0: f8e5m2[256,512], p1: f8e4m3fn[128,512], s: f32[]) -> bf16[256,128] {{
   %p0 = f8e5m2[256,512]{{1,0}} parameter(0)
   %p1 = f8e4m3fn[128,512]{{1,0}} parameter(1)
-  %dx = bf16[256,128]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}
+  %dx = bf16[256,128]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}, metadata={{op_name="jit(step)/transpose(jvp(block))/dot_general"}}
   %s = f32[] parameter(2)
   %sb = bf16[] convert(%s)
   %b = bf16[256,128]{{1,0}} broadcast(%sb), dimensions={{}}
@@ -57,7 +57,7 @@ PROGRAM = f"""HloModule jit_f8, is_scheduled=true
   %x = f8e4m3fn[256,128]{{1,0}} get-tuple-element(%state), index=3
   %one_f = f32[] constant(1)
   %gx = bf16[256,128]{{1,0}} fusion(%g, %w, %one_f), kind=kCustom, calls=%grad_x, {_TRITON}
-  %gw = bf16[128,512]{{1,0}} fusion(%x, %g), kind=kCustom, calls=%grad_w, {_TRITON}
+  %gw = bf16[128,512]{{1,0}} fusion(%x, %g), kind=kCustom, calls=%grad_w, metadata={{op_name="jit(step)/head/dot_general"}}, {_TRITON}
   %one = s32[] constant(1)
   %next = s32[] add(%i, %one)
   ROOT %out = (s32[], f8e5m2[256,512]{{1,0}}, f8e4m3fn[128,512]{{1,0}}, f8e4m3fn[256,128]{{1,0}}) tuple(%next, %g, %w, %x)
@@ -77,7 +77,7 @@ ENTRY %main (x: f8e4m3fn[256,128], w: f8e4m3fn[128,512], g: f8e5m2[256,512], v: 
   %v = bf16[128,64]{{1,0}} parameter(3)
   %sx = f32[] constant(1)
   %wt = f8e4m3fn[512,128]{{1,0}} transpose(%w), dimensions={{1,0}}
-  %gemm = (bf16[256,512]{{1,0}}, s8[4194304]{{0}}) custom-call(%x, %wt, %sx, %sx), {_F8_GEMM}
+  %gemm = (bf16[256,512]{{1,0}}, s8[4194304]{{0}}) custom-call(%x, %wt, %sx, %sx), metadata={{op_name="jit(step)/block/dot_general"}}, {_F8_GEMM}
   %y = bf16[256,512]{{1,0}} get-tuple-element(%gemm), index=0
   %zero = s32[] constant(0)
   %init = (s32[], f8e5m2[256,512]{{1,0}}, f8e4m3fn[128,512]{{1,0}}, f8e4m3fn[256,128]{{1,0}}) tuple(%zero, %g, %w, %x)
@@ -105,6 +105,9 @@ def test_each_gemm_has_its_kernel_operand_types_flops_and_executions():
     assert forward.f8 and grad_x.f8 and grad_w.f8
     # the fused convert makes it a bf16 GEMM though the fusion reads a float8 array
     assert (upcast.lhs, upcast.rhs, upcast.f8, upcast.flops) == ("bf16", "bf16", False, _UPCAST)
+    # the name stack: the dot's own inside a fusion, else the launching instruction's
+    assert [found[n].op_name for n in ("gemm", "gx", "gw", "z")] == [
+        "jit(step)/block/dot_general", "jit(step)/transpose(jvp(block))/dot_general", "jit(step)/head/dot_general", ""]
 
 
 def test_gemms_grouped_by_operand_types_count_instructions_executions_and_flops():
@@ -200,6 +203,10 @@ def _f8_matmul_and_grad(gpu_target: str, fp8: bool) -> str:
     numbers = (((1,), (0,)), ((), ()))
 
     def matmul(x, w, scale, history):
+        with jax.named_scope("block"):
+            return projection(x, w, scale, history)
+
+    def projection(x, w, scale, history):
         if not fp8:
             return jax.lax.dot_general(x, w, numbers)
         return fp8_ops.fp8_scaled_dot_general(
@@ -223,7 +230,7 @@ def test_a_float8_matmul_and_its_gradient_compile_to_float8_gemms_at_the_fp8_pea
     text = _f8_matmul_and_grad(gpu_target, fp8=True)
     found = gemms(text)
     forward, backward = 2 * 512 * 2048 * 1024, 2 * 2 * 512 * 2048 * 1024
-    assert len(found) == 3 and all(g.f8 for g in found)
+    assert len(found) == 3 and all(g.f8 and "block" in g.op_name for g in found)
     # forward e4m3 x e4m3; the two backward GEMMs multiply the e5m2 gradient by an e4m3 operand
     types = {types: totals.instructions for types, totals in totals_by_operand_types(found).items()}
     assert types[(E4, E4)] == 1 and sum(n for t, n in types.items() if set(t) == {E4, E5}) == 2

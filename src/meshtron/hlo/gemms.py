@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshtron.hlo.schedule import computations_called_by, module_of
 from meshtron.hlo.text import (
@@ -49,6 +49,12 @@ _CALLS = re.compile(r"\bcalls=%?([A-Za-z_][\w.\-]*)")
 _FUSION_KIND = re.compile(r'"fusion_backend_config"\s*:\s*\{\s*"kind"\s*:\s*"([^"]+)"')
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _JSON_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
+_OP_NAME = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
+
+
+def _op_name(instruction: HloInstruction) -> str:
+    found = _OP_NAME.search(instruction.attributes)
+    return found.group(1) if found else ""
 
 
 def is_f8(dtype: str) -> bool:
@@ -63,13 +69,16 @@ class GemmKernel:
     ``kernel`` names what runs it: the custom-call target (``__cublas$lt$matmul$f8``,
     ``__cudnn$fmha...``), the fusion's backend kind (``__triton_nested_gemm_fusion``; ``fusion`` when
     the config names none) or ``dot``. ``lhs``/``rhs`` are the element types the GEMM multiplies,
-    ``output`` its result's."""
+    ``output`` its result's. ``op_name`` is the JAX name stack XLA kept in the dot's metadata (the
+    launching instruction's when the dot has none): how a caller tells a transformer block's GEMMs
+    from the head's."""
 
     kernel: str
     lhs: str
     rhs: str
     output: str
     flops: float
+    op_name: str = ""
 
     @property
     def f8(self) -> bool:
@@ -189,7 +198,7 @@ class GemmFinder:
                 shapes = shapes_of(computation)
                 for instruction in computation.instructions:
                     for gemm in self.of(instruction, shapes):
-                        found.append(GemmKernel(kernel, gemm.lhs, gemm.rhs, gemm.output, gemm.flops)
+                        found.append(GemmKernel(kernel, gemm.lhs, gemm.rhs, gemm.output, gemm.flops, gemm.op_name)
                                      if gemm.kernel == "dot" else gemm)
             self._fused[key] = found
         return self._fused[key]
@@ -201,13 +210,15 @@ class GemmFinder:
             found = _DOT_CONTRACTING.search(instruction.attributes)
             flops = _dot_flops(instruction, shapes, _dims(found.group(1)) if found else [])
             return [GemmKernel("dot", *_operand_types(instruction, shapes), _first_array(instruction.shape).dtype,
-                               flops)]
+                               flops, _op_name(instruction))]
         if opcode in ("fusion", "fusion-start"):
             called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
             if called is None:
                 return []
             kind = _FUSION_KIND.search(instruction.attributes)
-            return self.fused(called.group(1), kind.group(1) if kind else "fusion")
+            fused = self.fused(called.group(1), kind.group(1) if kind else "fusion")
+            outer = _op_name(instruction)
+            return [g if g.op_name or not outer else replace(g, op_name=outer) for g in fused]
         if opcode == "custom-call":
             custom = _CUSTOM_TARGET.search(instruction.attributes)
             name = custom.group(1) if custom else ""
@@ -219,7 +230,7 @@ class GemmFinder:
             else:
                 return []
             return [GemmKernel(name, *_operand_types(instruction, shapes), _first_array(instruction.shape).dtype,
-                               flops)]
+                               flops, _op_name(instruction))]
         return []
 
     def flops(self, instruction: HloInstruction, shapes: Mapping[str, ArrayShape]) -> float:
@@ -256,7 +267,8 @@ def gemms(program: object) -> list[Gemm]:
         shapes = shapes_of(computation)
         for instruction in computation.instructions:
             for g in finder.of(instruction, shapes):
-                found.append(Gemm(g.kernel, g.lhs, g.rhs, g.output, g.flops, name, instruction.name, count, unknown))
+                found.append(Gemm(g.kernel, g.lhs, g.rhs, g.output, g.flops, g.op_name, name, instruction.name, count,
+                                  unknown))
     return found
 
 
