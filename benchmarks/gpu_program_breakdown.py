@@ -91,7 +91,8 @@ def fusion_family(name: str) -> str:
 def breakdown(text: str, mesh: dict[str, int], target: str, gemm_efficiency: float):
     """(per-step costs as (Cost, runs per step), the estimate) for one program."""
     priced = step_time._Priced(text, mesh, target)
-    walk = _RecordingWalk(priced.module, mesh, priced.cluster, gemm_efficiency, priced.windows)
+    walk = _RecordingWalk(priced.module, mesh, priced.cluster, gemm_efficiency, priced.windows,
+                          fp8_peak_tflops=priced.fp8_peak_tflops, target=target)
     walk.computation(priced.module.entry)
     counts = execution_counts(priced.module)
     estimate = step_time._estimate(priced, tokens_per_step=1, model_flops_per_step=0.0,

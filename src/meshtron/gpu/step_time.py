@@ -6,9 +6,13 @@ placed under each. This module walks that program in schedule order and prices e
 with the target's planner cluster (:func:`meshtron.gpu.targets.target` -> ``cluster`` ->
 :func:`meshtron.plan.cluster.load_cluster`):
 
-- **GEMMs** -- cuBLAS custom-calls (``__cublas$gemm``, ``__cublas$lt$matmul``), Triton GEMM fusions
-  and any ``dot`` inside a fusion: ``2*M*N*K`` FLOPs (batch dimensions multiply ``M*N``) at the
-  dense peak ``peak_tflops`` times ``gemm_efficiency``. cuDNN fused attention (``__cudnn$fmha*``) is
+- **GEMMs** -- cuBLAS custom-calls (``__cublas$gemm``, ``__cublas$lt$matmul``, ``...$f8``), Triton GEMM
+  fusions and any ``dot`` inside a fusion (:mod:`meshtron.hlo.gemms` finds them): ``2*M*N*K`` FLOPs
+  (batch dimensions multiply ``M*N``) at the dense peak ``peak_tflops`` times ``gemm_efficiency`` -- or,
+  when both operands are 8-bit floats, at the target's dense FP8 peak
+  (:attr:`meshtron.gpu.targets.Target.fp8_peak_tflops`, twice the bf16 one on H100/H200) times the same
+  ``gemm_efficiency``; a float8 GEMM priced on a target without FP8 tensor cores (A100, for which XLA
+  upcasts float8 dots to bf16, so none of its programs has one) is one ConfigError line. cuDNN fused attention (``__cudnn$fmha*``) is
   a GEMM too: forward ``4*B*H*Sq*Skv*D`` (scores and their product with the values), backward 2.5x
   that (five products: the recomputed scores, dV, dP, dQ, dK), halved under a causal mask, which
   cuDNN skips block by block. ``gemm_efficiency`` is the estimator's only fitted number
@@ -50,7 +54,10 @@ per parameter forward and two backward, plus attention's scores and values ``12*
 hidden, sequence length; :func:`meshtron.megatron.model_flops_per_token`, and :func:`model_flops`
 here splits the attention part out). ``mfu`` counts the attention FLOPs whole (PaLM's convention);
 ``mfu_causal_halved`` counts half of ``causal_attention_flops_per_step``, the work a causal mask
-leaves (the convention of MaxText and of FlashAttention's reports).
+leaves (the convention of MaxText and of FlashAttention's reports). Both are relative to the dense bf16
+peak whatever precision the program's GEMMs run in, as torchtitan's (whose peak table holds only bf16
+figures, FP8 runs included) and MaxText's (one hardware peak per chip) are, so an FP8 step's MFU compares
+with a bf16 step's; ``mfu_fp8_peak`` gives the same model FLOPs relative to the dense FP8 peak.
 """
 
 from __future__ import annotations
@@ -66,11 +73,11 @@ from meshtron.errors import ConfigError
 from meshtron.gpu.slots import SlotConditional, TickTable, slot_conditionals, taken_branches
 from meshtron.gpu.targets import target as gpu_target
 from meshtron.hlo.collectives import MeshOrSizes, _axis_sizes, ring_wire_bytes
+from meshtron.hlo.gemms import GemmFinder, gemm_flops, shapes_of
 from meshtron.hlo.schedule import (
     CollectiveWindow,
     async_wrapped_computations,
     collective_windows,
-    computations_called_by,
     module_of,
 )
 from meshtron.hlo.text import (
@@ -80,7 +87,6 @@ from meshtron.hlo.text import (
     HloInstruction,
     HloModule,
     call_edges,
-    execution_counts,
     leaves,
 )
 from meshtron.megatron import model_flops_per_token
@@ -100,11 +106,7 @@ _FREE = {
     "all-reduce-done", "all-gather-done", "reduce-scatter-done", "collective-permute-done", "async-done",
     "async-update", "copy-done", "send-done", "recv-done", "fusion-done",
 }  # fmt: skip
-_GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
-_CUSTOM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _CALLS = re.compile(r"\bcalls=%?([A-Za-z_][\w.\-]*)")
-_DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_JSON_CONTRACTING = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,138 +120,6 @@ def model_flops(*, params: int, layers: int, hidden: int, seq_len: int, tokens: 
     total = model_flops_per_token(params, layers, hidden, seq_len) * tokens
     attention = model_flops_per_token(0, layers, hidden, seq_len) * tokens
     return total, attention
-
-
-# --------------------------------------------------------------------------------------------------
-# GEMM FLOPs
-# --------------------------------------------------------------------------------------------------
-
-
-def _first_array(shape) -> ArrayShape:
-    return leaves(shape)[0]
-
-
-def _dims(text: str) -> list[int]:
-    return [int(d.strip().strip('"')) for d in text.split(",") if d.strip().strip('"')]
-
-
-def _dot_flops(dot: HloInstruction, shapes: Mapping[str, ArrayShape], contracting: list[int]) -> float:
-    lhs = shapes.get(dot.operands[0]) if dot.operands else None
-    if lhs is None:
-        return 0.0
-    k = math.prod(lhs.dims[d] for d in contracting)
-    return 2.0 * _first_array(dot.shape).elements * k
-
-
-def _fmha_flops(call: HloInstruction, shapes: Mapping[str, ArrayShape], backward: bool) -> float:
-    """cuDNN fused attention: forward ``4*B*H*Sq*Skv*D``, backward 2.5x; halved for a causal mask.
-
-    ``B*H*Sq*Skv`` is the scores' shape, which the backend config names
-    (``intermediate_tensor_shape``, forward and backward); without it, from ``bmm1``'s dimension
-    numbers on the q and k operands, or q and k laid out ``[B, S, H, D]``. ``D`` is q's last (head)
-    dimension."""
-    q = shapes.get(call.operands[0]) if call.operands else None
-    k = shapes.get(call.operands[1]) if len(call.operands) > 1 else None
-    if q is None:
-        return 0.0
-    config = call.attributes
-    head_dim = q.dims[-1]
-    scores = re.search(r'"intermediate_tensor_shape"\s*:\s*\{[^{}]*?"dimensions"\s*:\s*\[([^\]]*)\]', config)
-    if scores:
-        flops = 4.0 * math.prod(_dims(scores.group(1))) * head_dim
-    elif k is not None:
-        numbers = re.search(r'"bmm1_dot_dimension_numbers"\s*:\s*\{([^}]*)\}', config)
-
-        def field(name: str, default: list[int]) -> list[int]:
-            found = re.search(rf'"{name}"\s*:\s*\[([^\]]*)\]', numbers.group(1)) if numbers else None
-            return _dims(found.group(1)) if found else default
-
-        q_batch, q_contracting = field("lhs_batch_dimensions", [0, 2]), field("lhs_contracting_dimensions", [3])
-        k_batch, k_contracting = field("rhs_batch_dimensions", [0, 2]), field("rhs_contracting_dimensions", [3])
-        q_seq = math.prod(d for i, d in enumerate(q.dims) if i not in q_batch + q_contracting)
-        k_seq = math.prod(d for i, d in enumerate(k.dims) if i not in k_batch + k_contracting)
-        flops = 4.0 * math.prod(q.dims[i] for i in q_batch) * q_seq * k_seq * head_dim
-    else:
-        return 0.0
-    if backward:
-        flops *= 2.5
-    if re.search(r'"mask_type"\s*:\s*"CAUSAL"', config):
-        flops /= 2
-    return flops
-
-
-def _shapes(computation: HloComputation) -> dict[str, ArrayShape]:
-    return {i.name: _first_array(i.shape) for i in computation.instructions if leaves(i.shape)}
-
-
-class _Gemms:
-    """GEMM FLOPs of instructions, with fused computations' dots looked up once."""
-
-    def __init__(self, module: HloModule):
-        self.module = module
-        self._fused: dict[str, float] = {}
-
-    def fused_flops(self, name: str) -> float:
-        if name not in self._fused:
-            computation = self.module.computations.get(name)
-            total = 0.0
-            if computation is not None:
-                shapes = _shapes(computation)
-                for instruction in computation.instructions:
-                    total += self.instruction_flops(instruction, shapes)
-            self._fused[name] = total
-        return self._fused[name]
-
-    def instruction_flops(self, instruction: HloInstruction, shapes: Mapping[str, ArrayShape]) -> float:
-        """GEMM FLOPs of one instruction (0 for anything that is not a GEMM)."""
-        opcode = instruction.opcode
-        if opcode == "dot":
-            found = _DOT_CONTRACTING.search(instruction.attributes)
-            return _dot_flops(instruction, shapes, _dims(found.group(1)) if found else [])
-        if opcode in ("fusion", "fusion-start"):
-            called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
-            return self.fused_flops(called.group(1)) if called else 0.0
-        if opcode == "custom-call":
-            custom = _CUSTOM_TARGET.search(instruction.attributes)
-            name = custom.group(1) if custom else ""
-            if name.startswith(_GEMM_TARGETS):
-                found = _JSON_CONTRACTING.search(instruction.attributes)
-                return _dot_flops(instruction, shapes, _dims(found.group(1)) if found else [])
-            if name.startswith("__cudnn$fmha"):
-                return _fmha_flops(instruction, shapes, backward="Backward" in name)
-        return 0.0
-
-
-def gemm_flops(program: object) -> float:
-    """GEMM FLOPs one device runs per step: every cuBLAS/Triton/fused ``dot`` and cuDNN attention,
-    loops times their trip counts."""
-    module = module_of(program)
-    gemms = _Gemms(module)
-    counts = execution_counts(module)
-    fused = _fused_computations(module)
-    total = 0.0
-    for name, (count, _) in counts.items():
-        if name in fused:
-            continue
-        computation = module.computations[name]
-        shapes = _shapes(computation)
-        total += count * sum(gemms.instruction_flops(i, shapes) for i in computation.instructions)
-    return total
-
-
-def _fused_computations(module: HloModule) -> set[str]:
-    fused = computations_called_by(module, "fusion") | computations_called_by(module, "fusion-start")
-    # fusions nested in fusions
-    changed = True
-    while changed:
-        changed = False
-        for name in list(fused):
-            for instruction in module.computations.get(name, HloComputation(name, ())).instructions:
-                called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
-                if called and called.group(1) not in fused:
-                    fused.add(called.group(1))
-                    changed = True
-    return fused
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,6 +215,7 @@ class _Totals:
     compute: float = 0.0
     memory: float = 0.0
     gemm_flops: float = 0.0
+    f8_gemm_flops: float = 0.0
     communication: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
     exposed: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
     bytes: dict[tuple[str, ...], float] = field(default_factory=lambda: defaultdict(float))
@@ -353,6 +224,7 @@ class _Totals:
         self.compute += other.compute * times
         self.memory += other.memory * times
         self.gemm_flops += other.gemm_flops * times
+        self.f8_gemm_flops += other.f8_gemm_flops * times
         for mine, theirs in ((self.communication, other.communication), (self.exposed, other.exposed),
                              (self.bytes, other.bytes)):
             for axes, value in theirs.items():
@@ -440,12 +312,16 @@ class _Walk:
     """Prices a parsed program's computations; see the module docstring for the model."""
 
     def __init__(self, module: HloModule, mesh: MeshOrSizes, cluster: Cluster, gemm_efficiency: float,
-                 windows: list[CollectiveWindow] | None = None, slots: _Slots | None = None):
+                 windows: list[CollectiveWindow] | None = None, slots: _Slots | None = None, *,
+                 fp8_peak_tflops: float | None = None, target: str = ""):
         self.module = module
         self.cluster = cluster
+        self.target = target
         self.gemm_rate = cluster.peak_tflops * 1e12 * gemm_efficiency
+        # Same fraction of the FP8 peak as of the bf16 one: the estimator's one fitted number prices both.
+        self.fp8_rate = fp8_peak_tflops * 1e12 * gemm_efficiency if fp8_peak_tflops else None
         self.hbm_rate = cluster.hbm_gbps * 1e9 * cluster.memory_efficiency
-        self.gemms = _Gemms(module)
+        self.gemms = GemmFinder(module)
         self.windows = {(w.computation, w.start): w for w in (windows if windows is not None else collective_windows(module, mesh))}
         self.wrapped = async_wrapped_computations(module)
         self.memo: dict[str, _Totals] = {}
@@ -483,7 +359,7 @@ class _Walk:
 
     def _walk(self, computation: HloComputation) -> _Totals:
         totals = _Totals()
-        shapes = _shapes(computation)
+        shapes = shapes_of(computation)
         sizes = {i.name: _nbytes(i.shape) for i in computation.instructions}
         clock = 0.0  # compute stream
         collective_free = 0.0  # collective stream
@@ -548,10 +424,17 @@ class _Walk:
                     totals.add(callee, times)
                     seconds += callee.seconds * times
             return seconds
-        flops = self.gemms.instruction_flops(instruction, shapes)
+        gemms = self.gemms.of(instruction, shapes)
+        flops = sum(g.flops for g in gemms)
         if flops > 0:
+            f8_flops = sum(g.flops for g in gemms if g.f8)
+            if f8_flops and self.fp8_rate is None:
+                raise ConfigError(f"target {self.target!r}: the program runs float8 GEMMs ({instruction.name}), but "
+                                  "this GPU has no FP8 tensor cores and XLA compiles no float8 GEMM for it; price "
+                                  "the program on the target it was compiled for (h100, h200)")
             totals.gemm_flops += flops
-            seconds = flops / self.gemm_rate
+            totals.f8_gemm_flops += f8_flops
+            seconds = (flops - f8_flops) / self.gemm_rate + (f8_flops / self.fp8_rate if f8_flops else 0.0)
             totals.compute += seconds
             return seconds
         operand_bytes = [sizes.get(o, 0) for o in instruction.operands]
@@ -585,7 +468,12 @@ class StepEstimate:
     ``bytes_by_axes`` per-device result bytes per step (the convention of
     :func:`meshtron.hlo.collectives.bytes_by_axes`; of a ``conditional`` only the branch priced),
     ``communication_seconds_by_axes``.
-    ``gemm_flops`` is per device per step; ``gpus`` the mesh's device count. ``per_tick``: a pipelined
+    ``gemm_flops`` is per device per step, ``f8_gemm_flops`` the part of it in GEMMs of two float8
+    operands (priced at the FP8 peak); ``gpus`` the mesh's device count. ``mfu`` and ``mfu_causal_halved``
+    are relative to the dense bf16 peak whatever the program's precision, so an FP8 program's MFU compares
+    with a bf16 one's (and may exceed 1 in principle); ``mfu_fp8_peak`` is the model's FLOPs relative to the
+    dense FP8 peak (``None`` on a target without one), the fraction of what the chip could do were every
+    FLOP an FP8 one. ``per_tick``: a pipelined
     program's slots were priced tick by tick (a :class:`~meshtron.gpu.slots.TickTable` was given and the
     program branches on its slots), not each at its costliest branch.
     """
@@ -608,6 +496,8 @@ class StepEstimate:
     mfu: float
     mfu_causal_halved: float
     per_tick: bool = False
+    f8_gemm_flops: float = 0.0
+    mfu_fp8_peak: float | None = None
 
     @property
     def hidden_fraction(self) -> float:
@@ -633,6 +523,11 @@ class StepEstimate:
                        f"hidden {self.hidden_fraction_by_axes.get(axes, 1.0):.0%}")
         out.append(f"  {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {self.mfu:.1%} "
                    f"(causal attention halved: {self.mfu_causal_halved:.1%})")
+        if self.f8_gemm_flops > 0:
+            fp8 = f", MFU vs the FP8 peak {self.mfu_fp8_peak:.1%}" if self.mfu_fp8_peak is not None else ""
+            out.append(f"  float8 GEMMs: {self.f8_gemm_flops / 1e12:.3f} TFLOP per GPU "
+                       f"({self.f8_gemm_flops / self.gemm_flops:.0%} of GEMM FLOPs, at the FP8 peak); "
+                       f"MFU above is vs the bf16 peak{fp8}")
         return out
 
 
@@ -653,6 +548,7 @@ class _Priced:
         self.mesh = mesh_or_sizes
         self.target = target
         self.cluster = _cluster(target)
+        self.fp8_peak_tflops = gpu_target(target).fp8_peak_tflops
         self.gpus = math.prod(_axis_sizes(mesh_or_sizes).values())
         self.windows = collective_windows(self.module, mesh_or_sizes)
         self.slots = _Slots.of(self.module, ticks)
@@ -660,7 +556,8 @@ class _Priced:
 
     def totals(self, gemm_efficiency: float) -> _Totals:
         if gemm_efficiency not in self._totals:
-            walk = _Walk(self.module, self.mesh, self.cluster, gemm_efficiency, self.windows, self.slots)
+            walk = _Walk(self.module, self.mesh, self.cluster, gemm_efficiency, self.windows, self.slots,
+                         fp8_peak_tflops=self.fp8_peak_tflops, target=self.target)
             self._totals[gemm_efficiency] = walk.computation(self.module.entry)
         return self._totals[gemm_efficiency]
 
@@ -673,6 +570,7 @@ def _estimate(priced: _Priced, *, tokens_per_step: int, model_flops_per_step: fl
     communication = sum(totals.communication.values())
     exposed = sum(totals.exposed.values())
     peak = priced.cluster.peak_tflops * 1e12 * priced.gpus
+    fp8_peak = priced.fp8_peak_tflops * 1e12 * priced.gpus if priced.fp8_peak_tflops else None
     hidden = {axes: (max(0.0, 1.0 - totals.exposed[axes] / value) if value > 0 else 1.0)
               for axes, value in totals.communication.items()}
     halved = model_flops_per_step - causal_attention_flops_per_step / 2
@@ -686,6 +584,8 @@ def _estimate(priced: _Priced, *, tokens_per_step: int, model_flops_per_step: fl
         tokens_per_s_per_gpu=tokens_per_step / seconds / priced.gpus if seconds > 0 else 0.0,
         mfu=model_flops_per_step / (seconds * peak) if seconds > 0 else 0.0,
         mfu_causal_halved=halved / (seconds * peak) if seconds > 0 else 0.0, per_tick=priced.slots is not None,
+        f8_gemm_flops=totals.f8_gemm_flops,
+        mfu_fp8_peak=(model_flops_per_step / (seconds * fp8_peak) if seconds > 0 else 0.0) if fp8_peak else None,
     )
 
 
@@ -708,17 +608,24 @@ def estimate_step(program: object, mesh_or_sizes: MeshOrSizes, target: str, *, t
 
 def flop_floor_seconds(target: str, gpus: int, *, model_flops_per_step: float,
                        causal_attention_flops_per_step: float = 0.0,
-                       gemm_efficiency: float = DEFAULT_GEMM_EFFICIENCY) -> float:
+                       gemm_efficiency: float = DEFAULT_GEMM_EFFICIENCY, fp8: bool = False) -> float:
     """The fastest step any layout of the model could take under this estimator: the model's FLOPs
     (``model_flops_per_step`` with the causal half of ``causal_attention_flops_per_step`` skipped,
     nothing recomputed) spread evenly over ``gpus`` GPUs at the GEMM rate, with no memory-bound work,
     no bubble and no exposed communication. A layout's estimate can approach it, never beat it, so a
-    speed-up goal past ``reference_seconds / floor`` is out of reach for every layout."""
+    speed-up goal past ``reference_seconds / floor`` is out of reach for every layout. The floor is at
+    the bf16 peak; a program with float8 GEMMs can beat it, and its floor is the one with ``fp8=True``:
+    every FLOP at the FP8 peak (a ConfigError line on a target without one)."""
     _check_efficiency(gemm_efficiency)
     if not (isinstance(gpus, int) and gpus > 0):
         raise ConfigError(f"gpus: a positive number of GPUs, got {gpus!r}")
     work = model_flops_per_step - causal_attention_flops_per_step / 2
-    return work / (gpus * _cluster(target).peak_tflops * 1e12 * gemm_efficiency)
+    peak = _cluster(target).peak_tflops
+    if fp8:
+        peak = gpu_target(target).fp8_peak_tflops
+        if peak is None:
+            raise ConfigError(f"target {target!r}: no FP8 tensor cores, so no FP8 FLOP floor; use fp8=False")
+    return work / (gpus * peak * 1e12 * gemm_efficiency)
 
 
 def slot_seconds(program: object, mesh_or_sizes: MeshOrSizes, target: str, ticks: TickTable, *,
@@ -730,7 +637,8 @@ def slot_seconds(program: object, mesh_or_sizes: MeshOrSizes, target: str, ticks
     priced = _Priced(program, mesh_or_sizes, target, ticks)
     if priced.slots is None:
         return []
-    walk = _Walk(priced.module, priced.mesh, priced.cluster, float(gemm_efficiency), priced.windows, priced.slots)
+    walk = _Walk(priced.module, priced.mesh, priced.cluster, float(gemm_efficiency), priced.windows, priced.slots,
+                 fp8_peak_tflops=priced.fp8_peak_tflops, target=target)
     return [(walk.computation(c.run).seconds, walk.computation(c.skip).seconds) for c in priced.slots.conditionals]
 
 

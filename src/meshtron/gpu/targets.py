@@ -37,12 +37,17 @@ _INSTALL = f"pip install 'meshtron[{EXTRA}]' (with this stack's constraints file
 @dataclass(frozen=True)
 class Target:
     """One GPU kind to compile for: ``description`` is its ``GpuTargetConfigProto`` file in
-    ``descriptions/``; ``cluster`` the bundled planner cluster whose rates price its program."""
+    ``descriptions/``; ``cluster`` the bundled planner cluster whose rates price its program.
+
+    ``fp8_peak_tflops`` is the chip's dense FP8 tensor-core peak (datasheet, without 2:4 sparsity), at
+    which the step-time estimate prices GEMMs whose operands are both 8-bit floats; ``None`` for a chip
+    without FP8 tensor cores, for which XLA upcasts float8 dots to bf16 before they reach a GEMM."""
 
     name: str
     chip: str
     description: str
     cluster: str
+    fp8_peak_tflops: float | None = None
 
     def description_text(self) -> str:
         """The ``GpuTargetConfigProto`` text the compiler is handed."""
@@ -54,8 +59,9 @@ class Target:
 
 
 TARGETS: dict[str, Target] = {
-    "h100": Target("h100", "NVIDIA H100 80GB HBM3 (SXM)", "h100.txtpb", "h100-80gb"),
-    "h200": Target("h200", "NVIDIA H200 141GB HBM3e (SXM)", "h200.txtpb", "h200-141gb"),
+    # H100 SXM: 1,979 TFLOP/s dense FP8 (3,958 with sparsity), twice its 989 bf16; H200 is the same chip.
+    "h100": Target("h100", "NVIDIA H100 80GB HBM3 (SXM)", "h100.txtpb", "h100-80gb", fp8_peak_tflops=1979.0),
+    "h200": Target("h200", "NVIDIA H200 141GB HBM3e (SXM)", "h200.txtpb", "h200-141gb", fp8_peak_tflops=1979.0),
     "a100": Target("a100", "NVIDIA A100-SXM4-80GB", "a100.txtpb", "a100-80gb"),
 }
 
