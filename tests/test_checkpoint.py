@@ -70,6 +70,7 @@ def killed_at(t: Trainer, step: int) -> None:
 
 @pytest.mark.parametrize("optimizer, layout", [
     ("adamw", INTERLEAVED_222),
+    ("adamw", [*INTERLEAVED_222, "model.fp8=current", "model.dtype=bfloat16"]),  # FP8 projections
     ("lamb", mesh(4, 1, 2)),
     ("lamb", [*mesh(2, 2, 2, microbatches=2), "parallel.layout=Et|tttL"]),  # uneven: padded layer slots
 ])

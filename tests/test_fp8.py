@@ -151,3 +151,70 @@ def test_parity_oracle_with_fp8_and_with_bf16(layout, dtype, fp8):
     [report] = check_parity(_llama(dtype, layout.tensor), [layout], execution=Execution(fp8=fp8),
                             **TOLERANCES[dtype, fp8])
     assert report.ok
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", ["current", "off"])
+def test_h100_program_runs_every_block_gemm_on_fp8_operands(gpu_target, fp8):
+    """Compiled for 8 H100s (zb-h1 on 2x2x2: forward, input-gradient and weight-gradient passes): with FP8
+    every GEMM of the layer loop has float8 operands -- e4m3 x e4m3 forward, e5m2 x e4m3 for both
+    gradients -- and the head's stay bf16; with ``off`` no GEMM is float8. Attention's cores are cuDNN's."""
+    from meshtron.hlo.gemms import gemms
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config("llama_cpu8", [
+        "model.hidden=64", "model.heads=4", "model.mlp_dim=128", "model.seq_len=64", "model.vocab_size=256",
+        "model.attention=cudnn", "model.dtype=bfloat16", f"model.fp8={fp8}", "parallel.schedule=zb-h1",
+        "parallel.chunks=1", "parallel.microbatches=4", "train.batch_size=16"])
+    trainer = Trainer.from_config(cfg, target=gpu_target, read_data=False)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    found = [g for g in gemms(trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]))
+             if not g.attention]
+    head = [g for g in found if "bse,ve->bsv" in g.op_name]  # Llama's head: logits = x . lm_head
+    in_blocks = [g for g in found if "bse,ve->bsv" not in g.op_name]
+    assert in_blocks and head
+    assert all(not g.f8 for g in head)
+    if fp8 == "off":
+        assert not any(g.f8 for g in found)
+        return
+    assert all(g.f8 for g in in_blocks), [(g.lhs, g.rhs, g.op_name) for g in in_blocks if not g.f8][:3]
+    pairs = {tuple(sorted((g.lhs, g.rhs))) for g in in_blocks}
+    assert pairs == {("f8e4m3fn", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")}
+
+
+def test_a_bare_off_in_yaml_is_off(tmp_path):
+    (tmp_path / "run.yaml").write_text("model:\n  fp8: off\n")
+    assert load_config(tmp_path / "run.yaml").model.fp8 == "off"
+    assert load_config(None, ["model.fp8=off"]).model.fp8 == "off"
+
+
+@pytest.mark.slow
+def test_lora_trains_its_adapters_over_a_frozen_base_multiplied_in_fp8():
+    from meshtron.train.loop import Trainer
+
+    def first_losses(fp8: str):
+        cfg = load_config("llama_cpu8", ["train.steps=3", "train.eval_every=1000", "train.eval_batches=1",
+                                         "train.lora.rank=4", f"model.fp8={fp8}"])
+        return Trainer.from_config(cfg).run().losses
+
+    off, on = first_losses("off"), first_losses("current")
+    assert all(np.isfinite(on)) and on[-1] < on[0]
+    assert 1e-6 < abs(on[0] / off[0] - 1) < 1e-2  # the same model, its base GEMMs rounded to FP8
+
+
+@pytest.mark.parametrize("policy", ["everything_saveable", "dots_saveable", "nothing_saveable"])
+def test_gradients_are_the_same_under_any_recomputation_policy(operands, policy):
+    """A layer recomputed under ``jax.checkpoint`` keeps (or reruns) the quantized operands; what it keeps
+    must come back as it was, including e4m3's top binade (256-448), which XLA's reduce-precision would
+    turn to NaN if the kept operand were a float8 array."""
+    x, w, c = operands
+
+    def loss(a, b):
+        with using(fp8="current"):
+            return jnp.sum(jnp.tanh(projection_einsum("se,ef->sf", a, b)) * c)
+
+    plain = jax.grad(loss, argnums=(0, 1))(x, w)
+    recomputed = jax.grad(jax.checkpoint(loss, policy=getattr(jax.checkpoint_policies, policy)), argnums=(0, 1))(x, w)
+    for a, b in zip(recomputed, plain, strict=True):
+        np.testing.assert_array_equal(a, b)

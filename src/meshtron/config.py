@@ -491,8 +491,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if notes:
         note_deprecated(sorted(used, key=list(ALIASES).index))
     _adopt_parallel(cfg)
+    _read_switches(cfg)
     validate(cfg)
     return cfg
+
+
+# Fields whose values are words like ``off``/``on``: YAML 1.1 reads a bare off/on/no/yes as a boolean,
+# which the string field then holds as "False"/"True".
+SWITCH_FIELDS = ("model.fp8",)
+
+
+def _read_switches(cfg: Config) -> None:
+    """``off``/``on`` back in the :data:`SWITCH_FIELDS` a YAML file or an override wrote bare."""
+    for dotted in SWITCH_FIELDS:
+        section, _, name = dotted.partition(".")
+        value = _get(cfg, dotted)
+        if value in ("False", "True"):
+            setattr(getattr(cfg, section), name, "off" if value == "False" else "on")
 
 
 def config_from_dict(values: dict, origin: str) -> Config:

@@ -66,6 +66,19 @@ def _quantized(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
 
 
+def _bits(q: jax.Array) -> jax.Array:
+    """A float8 array's bytes as ``uint8``: what the backward keeps of a quantized operand. Under
+    ``jax.checkpoint`` JAX passes every floating-point value a layer keeps through
+    ``reduce_precision`` with its dtype's exponent and mantissa widths, and XLA's ``reduce-precision``
+    takes the top binade of ``float8_e4m3fn`` (256 to 448: finite in this format, no infinities) for
+    infinities -- a kept e4m3 operand would come back NaN. Bytes pass through untouched."""
+    return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _float8(bits: jax.Array, dtype: Any) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
 def _product(qx: jax.Array, qw: jax.Array, dims: DimensionNumbers) -> jax.Array:
     return jax.lax.dot_general(qx, qw, dims, preferred_element_type=jnp.float32)
 
@@ -79,12 +92,13 @@ def _fp8_dot(x: jax.Array, w: jax.Array, dims: DimensionNumbers, out_dtype: Any,
 def _fp8_dot_forward(x, w, dims, out_dtype, operand_dtypes):
     del operand_dtypes
     (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
-    return (_product(qx, qw, dims) * (sx * sw)).astype(out_dtype), (qx, sx, qw, sw)
+    return (_product(qx, qw, dims) * (sx * sw)).astype(out_dtype), (_bits(qx), sx, _bits(qw), sw)
 
 
 def _fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g):
     del out_dtype
-    qx, sx, qw, sw = residuals
+    x_bits, sx, w_bits, sw = residuals
+    qx, qw = _float8(x_bits, E4M3), _float8(w_bits, E4M3)
     qg, sg = _quantized(g, E5M2)
     dx = fp8_ops.dot_general_transpose_lhs(qg, qx, qw, dimension_numbers=dims, precision=None,
                                            preferred_element_type=jnp.float32)
@@ -119,7 +133,7 @@ def _fp8_ragged_forward(x, w, sizes, out_dtype, operand_dtypes):
     del operand_dtypes
     (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
     y = jax.lax.ragged_dot(qx, qw, sizes, preferred_element_type=jnp.float32)
-    return (y * (sx * sw)).astype(out_dtype), (qx, sx, qw, sw, sizes)
+    return (y * (sx * sw)).astype(out_dtype), (_bits(qx), sx, _bits(qw), sw, sizes)
 
 
 # dw[g] = x_g^T g_g: the rows' (ragged) dimension contracted, one output per group.
@@ -129,7 +143,8 @@ _PER_GROUP_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 
 def _fp8_ragged_backward(out_dtype, operand_dtypes, residuals, g):
     del out_dtype
-    qx, sx, qw, sw, sizes = residuals
+    x_bits, sx, w_bits, sw, sizes = residuals
+    qx, qw = _float8(x_bits, E4M3), _float8(w_bits, E4M3)
     qg, sg = _quantized(g, E5M2)
     dx = jax.lax.ragged_dot(qg, jnp.swapaxes(qw, 1, 2), sizes, preferred_element_type=jnp.float32)
     dw = jax.lax.ragged_dot_general(qx, qg, sizes, _PER_GROUP_WEIGHT_GRADIENT, preferred_element_type=jnp.float32)
