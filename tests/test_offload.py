@@ -164,3 +164,23 @@ def test_the_step_memory_model_agrees_with_llama2_7b_offloaded_on_h100s(gpu_targ
     peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
     assert abs(modelled.peak / peak - 1) <= 0.10, (modelled.peak, peak)
     assert abs(modelled.host / host_bytes(memory) - 1) <= 0.10, (modelled.host, host_bytes(memory))
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_compile
+def test_on_an_h100_a_pipelines_recomputed_stages_hold_their_layer_inputs_on_the_host(gpu_target):
+    """1F1B on 2 stages (data 4): each tick-loop segment that recomputes a stage holds its chunk's layer
+    inputs on the host (two segments here), as the step memory model counts them; zb-h1's ``B`` keeps
+    what its ``W`` reads, so nothing moves there."""
+    from meshtron.describe import host_bytes, modelled_step_memory, parameter_rows
+    from meshtron.mesh import AXES
+
+    pipelined = [*H100_LAYOUT, "parallel.data=4", "parallel.pipe=2", "parallel.microbatches=4", "model.remat=offload"]
+    for schedule, moved in (("1f1b", True), ("zb-h1", False)):
+        t = Trainer.from_config(load_config(None, [*pipelined, f"parallel.schedule={schedule}"]), target=gpu_target,
+                                read_data=False)
+        memory = t.steps.compile(*t.abstract_step_arguments()).memory_analysis()
+        rows = parameter_rows(t.model_def, dict(zip(AXES, t.resolved.mesh_shape)))
+        modelled = modelled_step_memory(t.resolved, rows, "gpu")
+        assert (host_bytes(memory) > 0) == moved
+        assert abs(host_bytes(memory) - modelled.host) <= 0.10 * max(modelled.host, 1), (schedule, memory, modelled)

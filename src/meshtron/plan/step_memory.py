@@ -27,8 +27,9 @@ device, term by term:
   SPMD pipeline runs the same program, so every device reserves them);
 * **host**: what the host offload switches keep in pinned host memory instead of on the device --
   under ``model.remat=offload`` each layer's input (in the compute dtype) where ``full`` keeps it on the
-  device (a recomputed chunk's layer inputs, twice without a pipeline when there are microbatches to
-  accumulate: the first one's backward and the scan's hold their own; a zero-bubble ``B``'s residuals and ``parallel.recompute=false``'s
+  device (a recomputed chunk's layer inputs, once per copy of the backward's code: twice without a
+  pipeline when there are microbatches to accumulate, the first one's and the scan's; once per tick-loop
+  segment that recomputes a stage with one; a zero-bubble ``B``'s residuals and ``parallel.recompute=false``'s
   residual slots stay on the device), and under ``train.offload_optimizer`` the optimizer state. It is
   not part of the device peak: the update moves the state in a few leaves at a time, after the
   backward's activations are freed, and XLA:GPU's programs of Llama-2 7B peak in the backward with it
@@ -54,7 +55,8 @@ figures to XLA:CPU's compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B, a
 to XLA:GPU's for compile-only H100s, with XLA's attention and cuDNN's fused one
 (``benchmarks/2026-11-29-memory-at-scale-gpu.md``).
 
-Pure Python: no JAX.
+Pure Python: no JAX (but for the pipeline's tick-loop segments under ``model.remat=offload``, which are
+the runtime's own).
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class StepRun:
     remat: str = "full"
     offload_optimizer: bool = False  # train.offload_optimizer: the optimizer state in pinned host memory
     microbatches: int = 1  # per data shard (train.microbatches)
+    backward_segments: int = 1  # pipeline: tick-loop segments whose backward recomputes a stage
     sequence_parallel: bool = False
     zero: int = 0
     gather_once: bool = False
@@ -152,6 +155,11 @@ class StepRun:
         """``cfg`` with its resolved mesh; ``program``: its pipeline's compiled schedule (the slot counts)."""
         m, t, mesh = cfg.model, cfg.train, cfg.mesh
         microbatch = t.batch_size // (mesh.data * t.microbatches)
+        segments = 1
+        if program is not None and m.remat == "offload":
+            from meshtron.pipeline.runtime import segments as tick_segments  # imports JAX: the runtime's own
+
+            segments = sum(seg.backward and seg.backward_recomputes for seg in tick_segments(program))
         return cls(
             data=mesh.data, pipe=mesh.pipe, tensor=mesh.tensor, microbatch=microbatch,
             chunks=cfg.pipeline.chunks if mesh.pipe > 1 else 1, context=mesh.context,
@@ -160,6 +168,7 @@ class StepRun:
             weight_slots=program.weight_slots if program is not None else 0,
             residual_slots=program.residual_slots if program is not None else 0,
             remat=m.remat, offload_optimizer=t.offload_optimizer, microbatches=t.microbatches,
+            backward_segments=segments,
             sequence_parallel=m.sequence_parallel and mesh.tensor > 1, zero=t.zero,
             gather_once=t.gather_once, optimizer=t.optimizer, param_bytes=_itemsize(m.param_dtype),
             compute_bytes=_itemsize(m.dtype), gather_bytes=_itemsize(t.gather_dtype or m.dtype),
@@ -283,10 +292,10 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     stage_recomputed = full and not run.residual_slots and not split  # from the stashed input
     inputs_kept = full and run.residual_slots > 0 and not split  # each layer's input, per slot
     if stage_recomputed and run.remat == "offload" and offloads:
-        # Without a pipeline the first microbatch's backward and the accumulating scan's each hold their own
-        # host buffers (XLA:GPU shares none between them); a pipeline's chunk, one set per tick loop segment
-        # that runs backwards -- counted once here.
-        copies = 2 if p == 1 and run.microbatches > 1 else 1
+        # Each copy of the backward's code holds its own host buffers (XLA:GPU shares none between them):
+        # without a pipeline the first microbatch's and the accumulating scan's; with one, each tick-loop
+        # segment's whose backward recomputes the stage.
+        copies = (2 if run.microbatches > 1 else 1) if p == 1 else run.backward_segments
         host += copies * chunk_layers * tokens * h * cb
     elif stage_recomputed or split:
         stash += chunk_layers * tokens * h * recompute_input
