@@ -54,6 +54,8 @@ LAYOUTS = {
     "2x2x1-gpipe-zero3": [*mesh(2, 2, 1, "gpipe"), "parallel.zero=3"],
     "2x2x1-1f1bp-zero1": [*mesh(2, 2, 1, "1f1b-p", microbatches=4), "parallel.zero=1"],
     "2x2x1-1f1b-kept-residuals": [*mesh(2, 2, 1), "parallel.recompute=false"],
+    "2x1x1-onebit-lamb-both-stages": [*mesh(2), "train.optimizer=onebit_lamb", "train.steps=4", "optim.freeze_step=2"],
+    "2x1x1x2-ring-zero1": [*mesh(2), "parallel.context=2", "parallel.context_attention=ring", "parallel.zero=1"],
 }
 
 
