@@ -43,7 +43,7 @@ def test_generations_default_context_is_the_window_within_the_models_limit():
 
 
 @pytest.mark.parametrize("switches, message", [
-    ({"remat": "some"}, r"^model.remat: must be one of none, full, selective, got 'some'$"),
+    ({"remat": "some"}, r"^model.remat: must be one of none, full, selective, offload, got 'some'$"),
     ({"context_attention": "ulysses"}, r"^parallel.context_attention: must be one of gathered, ring, got 'ulysses'$"),
 ])
 def test_an_unknown_switch_is_one_line(switches, message):

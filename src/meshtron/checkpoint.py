@@ -106,10 +106,15 @@ def checksums(tree: Any, mesh) -> tuple[dict[str, int], bool]:
 
 @functools.cache
 def _checksum_program(mesh, count: int):
-    """One jitted program per mesh and leaf count, so a run's saves compile it once."""
+    """One jitted program per mesh and leaf count, so a run's saves compile it once. Leaves held in host
+    memory (``train.offload_optimizer``) are read onto the device first: a program computes in one memory."""
     replicated = NamedSharding(mesh, P())
-    return jax.jit(lambda xs: ([_fingerprint(x) for x in xs], _all_finite(xs)),
-                   out_shardings=([replicated] * count, replicated))
+
+    def program(xs):
+        xs = [jax.device_put(x, jax.memory.Space.Device) for x in xs]
+        return [_fingerprint(x) for x in xs], _all_finite(xs)
+
+    return jax.jit(program, out_shardings=([replicated] * count, replicated))
 
 
 def _saved_shapes(tree_metadata: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -39,9 +39,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from meshtron.bundled_configs import resolve
 from meshtron.checkpoint_dirs import imported_step
 from meshtron.errors import ConfigError
-from meshtron.execution import EXCHANGES, FP8_RECIPES
+from meshtron.execution import EXCHANGES, FP8_RECIPES, REMAT_MODES
 from meshtron.families import FAMILIES
-from meshtron.megatron import REMAT_MODES
 
 DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT_EXCHANGES = EXCHANGES  # (the names live with the run's other switches: meshtron.execution)
@@ -105,7 +104,7 @@ class ModelConfig:
     seq_len: int = 128
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: str = "none"  # none | full (keep block inputs only) | selective (recompute the attention core)
+    remat: str = "none"  # none | full (keep block inputs only) | selective (recompute the attention core) | offload (full, block inputs in host memory)
     sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
     kv_heads: int | None = None
     rope_theta: float = 10000.0
@@ -178,6 +177,7 @@ class TrainConfig:
     init_from: str | None = None  # a checkpoint directory (or step directory) a new run starts from
     init_optimizer: bool = False  # with init_from: also its optimizer state and position (continue that run)
     zero: int = 0  # split over data: 0 nothing, 1 optimizer state (distributed optimizer), 3 also parameters (FSDP)
+    offload_optimizer: bool = False  # optimizer state in pinned host memory between steps, moved in for the update
     gather_once: bool = False  # zero=3: gather parameters once per step, not each layer's before each use
     gather_dtype: str | None = None  # zero=3: the dtype parameters are gathered in (null: model.dtype)
     reduce_dtype: str | None = None  # zero=3: the dtype their gradients are reduced in (null: model.param_dtype)

@@ -62,6 +62,12 @@ def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def megatron_remat(remat: str) -> str:
+    """``model.remat`` as Megatron's formulas name it: ``offload`` recomputes as ``full`` does (what
+    it keeps is the same bytes, in host memory instead)."""
+    return "full" if remat == "offload" else remat
+
+
 def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, str]], float]:
     """(label, value) lines of the activation-memory model for this run, and its bytes per device.
 
@@ -82,9 +88,10 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
     block = FAMILIES[m.family if m.factory is None else FACTORY_STAND_IN].load_counts().BLOCK
     layer = megatron.layer_activation_bytes(
         seq_len=m.seq_len, microbatch=microbatch, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
-        mlp_dim=m.mlp_dim, tensor=tensor, sequence_parallel=sp, remat=m.remat, bytes_per_element=itemsize,
-        block=block)
-    layout = f"remat {m.remat}, {'sequence' if sp else 'no sequence'} parallelism, microbatch {microbatch}"
+        mlp_dim=m.mlp_dim, tensor=tensor, sequence_parallel=sp, remat=megatron_remat(m.remat),
+        bytes_per_element=itemsize, block=block)
+    held = ", the inputs in host memory" if m.remat == "offload" else ""
+    layout = f"remat {m.remat}{held}, {'sequence' if sp else 'no sequence'} parallelism, microbatch {microbatch}"
     lines = [("per layer", f"{format_bytes(layer)} ({layout})")]
     if m.factory is not None:
         lines[0] = ("per layer", lines[0][1] + "; the built-in blocks' constants, a model of your own may differ")
@@ -110,7 +117,8 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
 
 STEP_TERMS = (("parameters", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),
               ("stash", "stash"), ("layers_kept", "layers kept"), ("working", "one layer's backward"),
-              ("logits", "logits"), ("weight_buffers", "B-to-W buffers"), ("peak", "peak"))
+              ("logits", "logits"), ("weight_buffers", "B-to-W buffers"), ("peak", "peak"),
+              ("host", "host (pinned, not in peak)"))
 """:class:`meshtron.plan.step_memory.StepMemory`'s terms as describe prints them."""
 
 
@@ -157,7 +165,7 @@ def planned_step(run: Run, cluster: str = "a100-80gb") -> list[str]:
     try:
         model = ModelShape.from_config(cfg.model)
         layout = Layout(sizes.tensor, sizes.pipe, sizes.data, t.batch_size // (sizes.data * t.microbatches),
-                        t.batch_size, cfg.pipeline.chunks, cfg.model.remat, sizes.context,
+                        t.batch_size, cfg.pipeline.chunks, megatron_remat(cfg.model.remat), sizes.context,
                         sequence_parallel=cfg.model.sequence_parallel and sizes.tensor > 1)
         layout.check(model)
     except ConfigError as err:
@@ -219,6 +227,13 @@ def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef,
               file=out)
 
 
+def host_bytes(memory) -> int:
+    """Bytes a compiled program holds in host memory per device (``memory_analysis()``): its host
+    arguments (an offloaded optimizer state, returned in place) and host temporaries (offloaded layer
+    inputs)."""
+    return getattr(memory, "host_argument_size_in_bytes", 0) + getattr(memory, "host_temp_size_in_bytes", 0)
+
+
 def compiler_name(device) -> str:
     """The compiler a program for ``device`` comes from, as the memory lines name it."""
     return "XLA:GPU" if device.platform == "gpu" else f"XLA:{device.platform.upper()}"
@@ -228,7 +243,9 @@ def print_compiled_memory(program, params, opt_state, seconds: float, trainer, o
                           model: StepMemory | None = None, compiler: str = "XLA:CPU") -> None:
     """Memory per device of the compiled train step: what its arguments hold (read from the shardings
     the program takes), its temporaries, and the peak of the two -- next to ``model``'s (the step
-    memory model for the same compiler), when given."""
+    memory model for the same compiler), when given. What the program keeps in host memory
+    (``model.remat=offload``, ``train.offload_optimizer``) is on a ``host`` line of its own, apart
+    from the device's arguments, temporaries and peak."""
     param_in, opt_in = program.input_shardings[0][:2]
     memory = program.memory_analysis()
     zero = trainer.steps.zero
@@ -236,15 +253,26 @@ def print_compiled_memory(program, params, opt_state, seconds: float, trainer, o
     print(f"\ncompiled train step: memory per device (compiled in {seconds:.1f} s from abstract arrays; "
           f"zero={trainer.resolved.zero.level})", file=out)
     print(f"  {'parameters':24s} {fmt(bytes_per_device(params, param_in))}", file=out)
-    print(f"  {'optimizer state':24s} {fmt(bytes_per_device(opt_state, opt_in))}", file=out)
+    offloaded = trainer.cfg.train.offload_optimizer
+    print(f"  {'optimizer state':24s} {fmt(bytes_per_device(opt_state, opt_in))}"
+          + (" (held in pinned host memory between steps)" if offloaded else ""), file=out)
     if memory is not None:
         peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
         print(f"  {'temporaries':24s} {fmt(memory.temp_size_in_bytes)} (activations, gradients, communication "
               f"buffers; {compiler}'s buffer assignment)", file=out)
-        print(f"  {'peak':24s} {fmt(peak)} (arguments + temporaries; outputs reuse the donated arguments)", file=out)
+        print(f"  {'peak':24s} {fmt(peak)} (arguments + temporaries on the device; outputs reuse the donated "
+              "arguments)", file=out)
+        host = host_bytes(memory)
+        if host or offloaded or trainer.execution.remat == "offload":
+            print(f"  {'host':24s} {fmt(host)} (pinned host memory: arguments "
+                  f"{fmt(getattr(memory, 'host_argument_size_in_bytes', 0))}, temporaries "
+                  f"{fmt(getattr(memory, 'host_temp_size_in_bytes', 0))}"
+                  + ("; XLA:CPU has one memory, what is offloaded stays in the device figures" if compiler == "XLA:CPU"
+                     else "") + ")", file=out)
         if model is not None:
             print(f"  {'modelled (' + compiler + ')':24s} temporaries {fmt(model.temporaries)}, peak {fmt(model.peak)} "
-                  f"({model.peak / peak - 1:+.1%} against the compiled peak)", file=out)
+                  f"({model.peak / peak - 1:+.1%} against the compiled peak)"
+                  + (f", host {fmt(model.host)}" if model.host else ""), file=out)
     if zero is not None and zero.replicated():
         kept = sum(b for _, b in zero.replicated())
         print(f"  {'whole on every data rank':24s} {len(zero.replicated())} leaves, {fmt(kept)} in all (no dimension "
@@ -327,7 +355,7 @@ def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
     kv = family.load_counts().kv_heads(m) if family is not None else m.heads
     kv_local = kv // mesh.tensor if kv % mesh.tensor == 0 else kv
     tokens = t.batch_size // mesh.data // t.microbatches * m.seq_len // mesh.context
-    forwards = 1 + (m.remat in ("full", "selective")) + (mesh.pipe > 1 and cfg.pipeline.recompute)
+    forwards = 1 + (m.remat in ("full", "selective", "offload")) + (mesh.pipe > 1 and cfg.pipeline.recompute)
     def per_layer(itemsize: int) -> tuple[float, float]:
         return exchange_bytes(m.context_attention, mesh.context, tokens, kv_local, m.hidden // m.heads, itemsize)
 
@@ -348,7 +376,7 @@ def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> Exper
     axis = spec[0] if len(spec) and isinstance(spec[0], str) else None
     ranks = mesh_sizes[axis] if axis else 1
     tokens = t.batch_size // sizes.data // t.microbatches * m.seq_len
-    forwards = 1 + (m.remat == "full") + (sizes.pipe > 1 and cfg.pipeline.recompute)
+    forwards = 1 + (m.remat in ("full", "offload")) + (sizes.pipe > 1 and cfg.pipeline.recompute)
     dims = FAMILIES[m.family].load_module().moe_dims(m)  # the one family with experts (config checks it)
     per_layer = all_to_all_bytes(dims, tokens, ranks, forwards, np.dtype(m.dtype).itemsize)
     return ExpertExchange(axis, ranks, dims.experts, tokens, forwards, model_def.layers // sizes.pipe, t.microbatches,
@@ -410,7 +438,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     fig = megatron.megatron_figures(
         vocab_size=model_def.vocab_padded, hidden=m.hidden, layers=model_def.layers, seq_len=m.seq_len,
         heads=m.heads, global_batch=t.batch_size, data=sizes.data, pipe=sizes.pipe, tensor=sizes.tensor,
-        microbatches=t.microbatches, remat=run.execution.remat == "full", bytes_per_element=np.dtype(m.dtype).itemsize,
+        microbatches=t.microbatches, remat=run.execution.remat in ("full", "offload"), bytes_per_element=np.dtype(m.dtype).itemsize,
         layers_per_stage=busiest,
     )
     print("\nMegatron analytical figures per step and device (Narayanan et al. 2021)", file=out)

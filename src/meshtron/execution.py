@@ -23,11 +23,14 @@ import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from meshtron.megatron import REMAT_MODES
+from meshtron.megatron import REMAT_MODES as MEGATRON_REMAT_MODES
 from meshtron.trace_context import TraceContext, using
 
 __all__ = ["DEFAULT_EXECUTION", "EXCHANGES", "FP8_RECIPES", "REMAT_MODES", "Execution", "checked_exchange"]
 
+REMAT_MODES = (*MEGATRON_REMAT_MODES, "offload")
+"""``model.remat``: Megatron's recomputation modes, and ``offload`` -- what ``full`` keeps (each block's
+input) kept in pinned host memory instead of on the device."""
 FP8_RECIPES = ("off", "current")  # model.fp8: projections in their own dtype, or FP8 GEMMs scaled per tensor now
 EXCHANGES = ("gathered", "ring")  # parallel.context_attention: keys and values all-gathered, or passed round a ring
 
@@ -52,8 +55,9 @@ class _RunModelSettings(Protocol):
 class Execution:
     """The run's switches for executing a model's code (defaults: a model traced on its own).
 
-    ``remat``: ``none``, ``full`` (each block recomputed in the backward pass) or ``selective`` (only
-    attention cores recomputed). ``attention``: ``jax.nn.dot_product_attention``'s implementation
+    ``remat``: ``none``, ``full`` (each block recomputed in the backward pass), ``selective`` (only
+    attention cores recomputed) or ``offload`` (``full`` with each block's input kept in pinned host
+    memory). ``attention``: ``jax.nn.dot_product_attention``'s implementation
     (``None``: JAX's choice). ``context_attention``: the exchange over a split sequence (``gathered`` or
     ``ring``). ``fp8``: the recipe the blocks' projections multiply by (:data:`FP8_RECIPES`,
     :mod:`meshtron.models.fp8`). ``window``: the run's ``model.seq_len``, the context generation sees by default
@@ -81,7 +85,7 @@ class Execution:
     def scope(self) -> contextlib.AbstractContextManager[TraceContext]:
         """Inside this, traced model code runs as these switches say: attention through this
         implementation and, over a split sequence, this exchange; attention cores keep only their inputs
-        for the backward under ``remat=selective`` (``full`` is applied where blocks run:
+        for the backward under ``remat=selective`` (``full`` and ``offload`` are applied where blocks run:
         :func:`meshtron.models.blocks.run_blocks`)."""
         return using(attention=self.attention, recompute_core=self.remat == "selective",
                      exchange=self.context_attention, fp8=self.fp8)

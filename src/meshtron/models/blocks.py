@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from meshtron.models import documents
 from meshtron.models.auxiliary import collecting_reports
@@ -190,7 +191,7 @@ def regathered(layer: Callable) -> Callable:
     the backward instead of living from the forward until the backward reaches the layer. A view that
     names what it makes (``unsaved``) has just that recomputed; otherwise the layer keeps only its
     matrix products' outputs (the elementwise work between them is recomputed). The identity without
-    a view, or when the layer is recomputed whole anyway (``remat="full"``)."""
+    a view, or when the layer is recomputed whole anyway (``remat`` full or offload)."""
     layer_views = current().layer_views
     if not layer_views:
         return layer
@@ -202,13 +203,35 @@ def regathered(layer: Callable) -> Callable:
     return jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
 
+BLOCK_INPUT = "block_input"
+"""The checkpoint name of a block's input under ``remat="offload"``: the one value its backward keeps,
+moved to pinned host memory between the forward and the backward."""
+OFFLOAD_POLICY = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT],
+    offload_src="device", offload_dst="pinned_host")
+
+
+def recomputed(layer: Callable, remat: str) -> Callable:
+    """``layer(h, ...)`` as ``remat`` keeps it for the backward: recomputed whole from its input kept on
+    the device (``full``) or in pinned host memory (``offload``: the input is named :data:`BLOCK_INPUT`
+    and the policy copies it to the host in the forward and back in the backward, where everything
+    else is recomputed from it); otherwise as :func:`regathered` leaves it."""
+    if remat == "full":
+        return jax.checkpoint(layer, prevent_cse=False)
+    if remat == "offload":
+        return jax.checkpoint(lambda h, *rest: layer(checkpoint_name(h, BLOCK_INPUT), *rest),
+                              policy=OFFLOAD_POLICY, prevent_cse=False)
+    return regathered(layer)
+
+
 def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none",
                active: jax.Array | int | None = None, collect: bool = False):
     """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
 
     With ``ctx.cache`` (stacked caches ``[layers, ...]``) every block gets its own and the result is
     ``(x, new_caches)``; otherwise ``x``. ``remat="full"`` recomputes each block in the backward pass
-    (Megatron's full activation recomputation: only block inputs are kept); ``"selective"`` is applied
+    (Megatron's full activation recomputation: only block inputs are kept), ``"offload"`` too with
+    those inputs in pinned host memory (:func:`recomputed`); ``"selective"`` is applied
     inside the block, to its attention core (:func:`meshtron.models.attention.attention_core`).
     Between blocks ``x`` is the residual stream, laid out :data:`RESIDUAL` (split over the sequence
     under sequence parallelism). ``active``: run only the first ``active`` blocks and pass ``x``
@@ -228,7 +251,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
         def one_layer(h, layer_state):
             return constrain(layer_view(graphdef, layer_state, h)(h, ctx), RESIDUAL), None
 
-        one_layer = jax.checkpoint(one_layer, prevent_cse=False) if remat == "full" else regathered(one_layer)
+        one_layer = recomputed(one_layer, remat)
         if active is None:
             x, _ = jax.lax.scan(one_layer, x, state)
             return x

@@ -49,9 +49,10 @@ class LayerBackward:
             raise ValueError(f"schedule {program.schedule.name!r} {why}: "
                              "StageFunctions.layer (one layer of a chunk) is required")
         self._layer, self._pin, self._zeros = fns.layer, pin, zeros
-        if program.keeps_layer_residuals and fns.remat == "full" and not program.schedule.split_backward:
+        if program.keeps_layer_residuals and fns.remat in ("full", "offload") and not program.schedule.split_backward:
             # Full recomputation: a layer keeps its input alone, and its pullback reruns its forward
-            # (Megatron's ``--recompute-granularity full``). A split backward's W reads the kept
+            # (Megatron's ``--recompute-granularity full``). ``offload`` keeps it so too: the residual
+            # slots are the runtime's own device buffers. A split backward's W reads the kept
             # matmul inputs, so zero-bubble schedules keep those (below) whatever ``model.remat``.
             self._layer = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.nothing_saveable)
         elif program.keeps_layer_residuals:

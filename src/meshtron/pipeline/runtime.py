@@ -467,7 +467,7 @@ class _TickLoop:
         x0, pull_in = self.embedding_vjp(virtual, tok, x)
         y, pull_stage = jax.vjp(lambda cp, h: pin(self.run_stage(cp, h, chunk, tok)), chunk_params, x0)
         d_shared_out, dy = self.head_gradient(row, gbuf, is_last, tok, y)
-        if fns.remat == "full":
+        if fns.remat in ("full", "offload"):
             # What the pullback recomputes (each layer, with its collectives) reads its inputs after
             # ``dy``, so it follows the head's ``cond`` instead of racing it.
             pull_stage = _after_residuals(pull_stage, self.token(dy), chunk_params)

@@ -32,7 +32,7 @@ class StageFunctions:
     schedules with a split backward (zero bubble) need it, to cut each layer's backward into the
     input gradient and the weight gradient (:mod:`meshtron.pipeline.split_backward`).
 
-    ``remat`` is how the model recomputes a layer (``model.remat``: ``none``, ``selective`` or
+    ``remat`` is how the model recomputes a layer (``model.remat``: ``none``, ``selective``, ``offload`` or
     ``full``). When the forward keeps each layer's residuals for the backward (``parallel.recompute``
     false), ``full`` keeps only each layer's input and recomputes the layer once in its backward:
     Megatron's full recomputation, two forwards per layer instead of the three a stage recomputed

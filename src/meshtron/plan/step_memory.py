@@ -25,6 +25,15 @@ device, term by term:
   recomputation, the layer's recomputed residuals if they are larger (a wide MLP, a long microbatch);
 * **logits**: the last stage's fp32 logits and their cotangent, ``2 · b·s·V/t`` (every stage of an
   SPMD pipeline runs the same program, so every device reserves them);
+* **host**: what the host offload switches keep in pinned host memory instead of on the device --
+  under ``model.remat=offload`` each layer's input (in the compute dtype) where ``full`` keeps it on the
+  device (a recomputed chunk's layer inputs, once per copy of the backward's code: twice without a
+  pipeline when there are microbatches to accumulate, the first one's and the scan's; once per tick-loop
+  segment that recomputes a stage with one; a zero-bubble ``B``'s residuals and ``parallel.recompute=false``'s
+  residual slots stay on the device), and under ``train.offload_optimizer`` the optimizer state. It is
+  not part of the device peak: the update moves the state in a few leaves at a time, after the
+  backward's activations are freed, and XLA:GPU's programs of Llama-2 7B peak in the backward with it
+  offloaded. XLA:CPU has one memory: there, nothing moves and these terms are the device's;
 * **zero-bubble buffers** (zb-h1): the input-gradient pass ``B`` recomputes the chunk keeping every
   layer's residuals, and leaves per layer what the deferred weight gradient ``W`` needs of it (the
   weight-bearing projections' output cotangents; ``W`` reruns the chunk's forward from the stashed
@@ -46,7 +55,8 @@ figures to XLA:CPU's compiled programs of Llama-2 7B, 13B, 70B and Llama-3 8B, a
 to XLA:GPU's for compile-only H100s, with XLA's attention and cuDNN's fused one
 (``benchmarks/2026-11-29-memory-at-scale-gpu.md``).
 
-Pure Python: no JAX.
+Pure Python: no JAX (but for the pipeline's tick-loop segments under ``model.remat=offload``, which are
+the runtime's own).
 """
 
 from __future__ import annotations
@@ -127,6 +137,9 @@ class StepRun:
     weight_slots: int = 0  # split backward (zb-h1): B-to-W buffers
     residual_slots: int = 0  # parallel.recompute=false: in-flight chunks whose residuals are kept
     remat: str = "full"
+    offload_optimizer: bool = False  # train.offload_optimizer: the optimizer state in pinned host memory
+    microbatches: int = 1  # per data shard (train.microbatches)
+    backward_segments: int = 1  # pipeline: tick-loop segments whose backward recomputes a stage
     sequence_parallel: bool = False
     zero: int = 0
     gather_once: bool = False
@@ -142,6 +155,11 @@ class StepRun:
         """``cfg`` with its resolved mesh; ``program``: its pipeline's compiled schedule (the slot counts)."""
         m, t, mesh = cfg.model, cfg.train, cfg.mesh
         microbatch = t.batch_size // (mesh.data * t.microbatches)
+        segments = 1
+        if program is not None and m.remat == "offload":
+            from meshtron.pipeline.runtime import segments as tick_segments  # imports JAX: the runtime's own
+
+            segments = sum(seg.backward and seg.backward_recomputes for seg in tick_segments(program))
         return cls(
             data=mesh.data, pipe=mesh.pipe, tensor=mesh.tensor, microbatch=microbatch,
             chunks=cfg.pipeline.chunks if mesh.pipe > 1 else 1, context=mesh.context,
@@ -149,7 +167,9 @@ class StepRun:
             stash_slots=program.stash_slots if program is not None else 0,
             weight_slots=program.weight_slots if program is not None else 0,
             residual_slots=program.residual_slots if program is not None else 0,
-            remat=m.remat, sequence_parallel=m.sequence_parallel and mesh.tensor > 1, zero=t.zero,
+            remat=m.remat, offload_optimizer=t.offload_optimizer, microbatches=t.microbatches,
+            backward_segments=segments,
+            sequence_parallel=m.sequence_parallel and mesh.tensor > 1, zero=t.zero,
             gather_once=t.gather_once, optimizer=t.optimizer, param_bytes=_itemsize(m.param_dtype),
             compute_bytes=_itemsize(m.dtype), gather_bytes=_itemsize(t.gather_dtype or m.dtype),
             reduce_bytes=_itemsize(t.reduce_dtype or m.param_dtype), attention=m.attention)
@@ -172,6 +192,7 @@ class StepMemory:
     working: float
     logits: float
     weight_buffers: float
+    host: float = 0.0  # pinned host memory: offloaded layer inputs and optimizer state (not in the peak)
 
     @property
     def arguments(self) -> float:
@@ -185,6 +206,7 @@ class StepMemory:
 
     @property
     def peak(self) -> float:
+        """The device's peak (what is held in host memory apart)."""
         return self.arguments + self.temporaries
 
     def terms(self) -> dict[str, float]:
@@ -248,6 +270,10 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
 
     parameters = stage / d if run.zero == 3 else stage
     optimizer = _optimizer_bytes(run, trained)
+    offloads = not cpu  # XLA:CPU has one memory: what the switches offload stays in its figures
+    host = 0.0
+    if run.offload_optimizer and offloads:
+        host, optimizer = optimizer, 0.0
     # (at zero=3 the gathered weights are counted here too: one layer's, or the whole stage's gathered once)
     gathered = run.gather_bytes / run.param_bytes  # a gathered weight's bytes per held byte
     if run.zero == 3 and not run.gather_once:
@@ -262,9 +288,16 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     stash = run.stash_slots * tokens * h * cb
     layers_kept = 0.0
     split = run.weight_slots > 0
-    stage_recomputed = run.remat == "full" and not run.residual_slots and not split  # from the stashed input
-    inputs_kept = run.remat == "full" and run.residual_slots > 0 and not split  # each layer's input, per slot
-    if stage_recomputed or split:
+    full = run.remat in ("full", "offload")  # offload: full with the layer inputs in host memory
+    stage_recomputed = full and not run.residual_slots and not split  # from the stashed input
+    inputs_kept = full and run.residual_slots > 0 and not split  # each layer's input, per slot
+    if stage_recomputed and run.remat == "offload" and offloads:
+        # Each copy of the backward's code holds its own host buffers (XLA:GPU shares none between them):
+        # without a pipeline the first microbatch's and the accumulating scan's; with one, each tick-loop
+        # segment's whose backward recomputes the stage.
+        copies = (2 if run.microbatches > 1 else 1) if p == 1 else run.backward_segments
+        host += copies * chunk_layers * tokens * h * cb
+    elif stage_recomputed or split:
         stash += chunk_layers * tokens * h * recompute_input
     scores_one = b * (a / t) * s * s_keys  # one [b, heads/t, s, s_keys] array's elements
     # fp32 probabilities (+ a bf16 copy); XLA:GPU also keeps the causal mask broadcast to them (a byte each)
@@ -280,7 +313,7 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     elif run.residual_slots:  # slot buffers in the residuals' own dtypes: activations, fp32 probabilities
         slot_layer = kept_layer * cb / residual + (0.0 if fused else scores_one * 4)
         layers_kept = run.residual_slots * chunk_layers * slot_layer
-    elif run.remat != "full":
+    elif not full:
         layers_kept = chunk_layers * (kept_layer + (kept_scores if run.remat == "none" else 0.0))
     # The cotangents in the compute dtype on both backends: XLA:CPU's W converts a buffer to fp32 inside its
     # branch, where B's chunk residuals (the branch it alternates with) are larger.
@@ -292,7 +325,7 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
         working = max(working, kept_layer + kept_scores)
     logits = LOGIT_BUFFERS * b * s * padded_vocab_size(shape.vocab_size, t) / t * 4
     return StepMemory(backend, parameters, optimizer, gradients, stash, layers_kept, working, logits,
-                      weight_buffers)
+                      weight_buffers, host)
 
 
 def _optimizer_bytes(run: StepRun, stage: float) -> float:
@@ -335,3 +368,4 @@ def layout_step_memory(model: ModelShape, layout: Layout, optimizer: str = "adam
                   stash_slots=stash, weight_slots=weights, remat=layout.recompute, zero=zero, optimizer=optimizer,
                   attention="cudnn")
     return step_memory(shape, run, "gpu")
+

@@ -132,6 +132,7 @@ class Trainer:
             model_def, mesh, optimizer.reduction, optimizer.transform,
             microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages, trainable=trainable,
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
+            offload_optimizer=t.offload_optimizer,
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 

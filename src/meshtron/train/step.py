@@ -53,6 +53,7 @@ from meshtron.train.state import ModelDef, Params
 from meshtron.train.trainable import Trainable
 
 SINGLE_STAGE = {"train": {}}
+HOST_MEMORY = "pinned_host"  # where train.offload_optimizer holds the optimizer state between steps
 
 
 class StepMetrics(NamedTuple):
@@ -102,7 +103,7 @@ def build_steps(
     zero: ZeroPlan | None = None,
     trainable: Trainable | None = None,
     seed: int = 0,
-    execution: Execution = DEFAULT_EXECUTION,
+    execution: Execution = DEFAULT_EXECUTION, offload_optimizer: bool = False,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -114,7 +115,8 @@ def build_steps(
     over the shares). ``trainable``: which parameters train (default: the model's own mask). ``seed``:
     of what is random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not
     applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
-    ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`)."""
+    ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`).
+    ``offload_optimizer``: the optimizer state held in pinned host memory between steps (:func:`_state_on_host`)."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
@@ -123,7 +125,7 @@ def build_steps(
     source = plain_forward_backward(model_def, microbatches, execution) if pipeline is None else \
         pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution)
     part = trainable.part
-    held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer)
+    held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         def differentiate(view: Params, local_leaves: Any, layer_view: Any = None):
@@ -162,11 +164,11 @@ def build_steps(
     evaluate = whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())
     scoped = partial(model_def.traced, execution=execution)
     return TrainSteps(
-        mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages), train=scoped(train),
-        evaluate=scoped(evaluate), gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
+        mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages),
+        train=scoped(_state_on_host(train) if offload_optimizer else train), evaluate=scoped(evaluate),
+        gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
-        report_groups=microbatches * shards.replicas,
-        metrics_spec=shards.per_replica,
+        report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica,
     )
 
 
@@ -183,10 +185,10 @@ class _HeldLayout(NamedTuple):
 
 
 def _held_layout(model_def: ModelDef, mesh: Mesh, shards: DataShards, zero: ZeroPlan, part, reduction,
-                 optimizer) -> _HeldLayout:
+                 optimizer, on_host: bool = False) -> _HeldLayout:
     """Optimizer state laid out like the parameters it mirrors (moments are tensor-sharded too, and split
     over data by an active zero plan); per-device parts (1-bit LAMB's error buffers) split over the mesh;
-    the rest replicated. Only what trains (``part``) has state."""
+    the rest replicated. Only what trains (``part``) has state; ``on_host``: held in pinned host memory."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
 
     def init_state(p: Params) -> OptState:
@@ -196,9 +198,25 @@ def _held_layout(model_def: ModelDef, mesh: Mesh, shards: DataShards, zero: Zero
     with jax.set_mesh(mesh):
         state_specs = opt_state_specs(jax.eval_shape(init_state, shapes), part(shapes), part(zero.specs(model_specs)),
                                       mesh, shards.group)
-    return _HeldLayout(init_state, _named(mesh, held_specs) if zero.shards_params else model_specs,
-                       _named(mesh, state_specs), manual_part(_specs(held_specs), shards.manual),
-                       manual_part(state_specs, shards.manual), manual_part(_specs(model_specs), shards.manual))
+    state_shardings = _named(mesh, state_specs)
+    if on_host:
+        state_shardings = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY), state_shardings,
+                                       is_leaf=lambda x: isinstance(x, NamedSharding))
+    return _HeldLayout(init_state, _named(mesh, held_specs) if zero.shards_params else model_specs, state_shardings,
+                       manual_part(_specs(held_specs), shards.manual), manual_part(state_specs, shards.manual),
+                       manual_part(_specs(model_specs), shards.manual))
+
+
+def _state_on_host(train):
+    """``train`` for an optimizer state held in pinned host memory between steps (its shardings' memory kind,
+    :func:`_held_layout`): the step moves the state onto the device for the update and the new state back
+    out -- memory *space* transfers, which a compile-only GPU target (whose shardings have no memory kinds)
+    compiles too."""
+    def offloaded(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
+        new_params, new_state, metrics = train(params, jax.device_put(opt_state, jax.memory.Space.Device), tokens, stage)
+        return new_params, jax.device_put(new_state, jax.memory.Space.Host), metrics
+
+    return offloaded
 
 
 def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
