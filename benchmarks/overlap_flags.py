@@ -93,28 +93,27 @@ def schedule_excerpt(hlo_path: str, sizes: dict[str, int], axis: str, limit: int
     return lines
 
 
-def _one(layout: str, overrides: list[str], hlo_path: str) -> dict:
-    """Child process: compile the step with these overrides, keep its HLO text, estimate it."""
+def _trainer(layout: str, overrides: list[str]):
+    """The run's trainer on 64 compile-only H100s (nothing compiled yet)."""
     from meshtron.gpu.targets import prepare_environment
 
     prepare_environment()
+    from meshtron.config import load_config
+    from meshtron.train.loop import Trainer
+
+    return Trainer.from_config(load_config(CONFIG, [*LAYOUTS[layout], *overrides]), target=TARGET, read_data=False)
+
+
+def _figures(trainer, text: str) -> dict:
+    """The program's estimate (a pipelined step priced tick by tick) and its schedule per axis."""
     import jax
 
-    from meshtron.config import load_config
     from meshtron.gpu.flags import as_flags
     from meshtron.gpu.pipeline_ticks import tick_table
     from meshtron.gpu.step_time import estimate_json, estimate_step, model_flops
     from meshtron.hlo.schedule import collective_windows
-    from meshtron.train.loop import Trainer
 
-    cfg = load_config(CONFIG, [*LAYOUTS[layout], *overrides])
-    trainer = Trainer.from_config(cfg, target=TARGET, read_data=False)
-    params, opt_state, tokens = trainer.abstract_step_arguments()
-    start = time.perf_counter()
-    text = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()
-    compile_s = time.perf_counter() - start
-    Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(hlo_path).write_text(text)
+    cfg, (params, _, _) = trainer.cfg, trainer.abstract_step_arguments()
     sizes = dict(trainer.mesh.shape)
     m = cfg.model
     step_tokens = cfg.train.batch_size * m.seq_len
@@ -125,9 +124,38 @@ def _one(layout: str, overrides: list[str], hlo_path: str) -> dict:
     estimate = estimate_step(text, sizes, TARGET, tokens_per_step=step_tokens, model_flops_per_step=total,
                              causal_attention_flops_per_step=attention, ticks=ticks)
     windows = collective_windows(text, sizes)
-    return {"compile_s": round(compile_s, 1), "options": as_flags(trainer.steps.compiler_options),
+    return {"options": as_flags(trainer.steps.compiler_options),
             "schedule": {axis: _axis_schedule(windows, axis) for axis in ("pipe", "tensor", "data")},
             "estimate": estimate_json(estimate)}
+
+
+def _one(layout: str, overrides: list[str], hlo_path: str) -> dict:
+    """Child process: compile the step with these overrides, keep its HLO text, estimate it."""
+    trainer = _trainer(layout, overrides)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    start = time.perf_counter()
+    text = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()
+    compile_s = time.perf_counter() - start
+    Path(hlo_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(hlo_path).write_text(text)
+    return {"compile_s": round(compile_s, 1), "hlo": hlo_path, **_figures(trainer, text)}
+
+
+def _reestimate(runs: list[dict]) -> list[dict]:
+    """Each run's kept program estimated again (after a change to the estimate), nothing recompiled."""
+    out = []
+    for run in runs:
+        hlo = Path(run.get("hlo") or _hlo_path(run["layout"], run["setting"]))
+        if "error" in run or not hlo.exists():
+            out.append(run)
+            continue
+        out.append({**run, "hlo": str(hlo), **_figures(_trainer(run["layout"], run["overrides"]), hlo.read_text())})
+        print(f"{run['layout']} {run['setting']}: estimated again", file=sys.stderr, flush=True)
+    return out
+
+
+def _hlo_path(layout: str, label: str) -> Path:
+    return HLO_DIR / f"{layout}-{label.replace(' ', '_').replace(',', '').replace('/', '_')}.hlo"
 
 
 def _failure(done: subprocess.CompletedProcess) -> str:
@@ -194,6 +222,9 @@ def main() -> None:
     previous = RESULTS / f"{RESULT_NAME}.json"
     kept = [] if "--fresh" in sys.argv or not previous.exists() else json.loads(previous.read_text())["runs"]
     done_keys = {(r["layout"], r["setting"], tuple(r["overrides"])): r for r in kept}
+    if "--reestimate" in sys.argv:
+        kept = _reestimate(kept)
+        done_keys = {(r["layout"], r["setting"], tuple(r["overrides"])): r for r in kept}
     runs = []
     for label, overrides, layouts in SETTINGS:
         for layout in layouts:
@@ -204,7 +235,7 @@ def main() -> None:
                 continue
             if not wanted:
                 continue
-            hlo = HLO_DIR / f"{layout}-{label.replace(' ', '_').replace(',', '').replace('/', '_')}.hlo"
+            hlo = _hlo_path(layout, label)
             env = {**os.environ, "XLA_FLAGS": ""}
             child = [sys.executable, __file__, "--one", layout, str(hlo), *overrides]
             done = subprocess.run(child, check=False, env=env, capture_output=True, text=True)

@@ -168,3 +168,54 @@ def test_overlap_on_hides_more_tensor_and_pipe_communication_on_h100(gpu_target)
         hidden[overlap] = estimate.hidden_fraction_by_axes
     assert hidden["on"][("pipe",)] > hidden["off"][("pipe",)]
     assert hidden["on"][("tensor",)] >= hidden["off"][("tensor",)]
+
+
+# A microbatch loop as the collective pipeliner leaves it: XLA recorded only its induction variable,
+# not its trip count; it counts from 0 (through a copy) while i < 30, its compare fused.
+_PEELED_LOOP = """HloModule jit_step, is_scheduled=true
+
+%fused_compare (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %bound = s32[] constant(30)
+  ROOT %lt = pred[] compare(%p, %bound), direction=LT
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%fused_compare
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%b), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%j, %one)
+  %x = f32[8]{0} get-tuple-element(%b), index=1
+  %sum = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%next, %sum)
+}
+
+%add (l: f32[], r: f32[]) -> f32[] {
+  %l = f32[] parameter(0)
+  %r = f32[] parameter(1)
+  ROOT %s = f32[] add(%l, %r)
+}
+
+ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {
+  %x = f32[8]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[8]{0}) tuple(%start, %x)
+  ROOT %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+}
+"""
+
+
+def test_a_loop_without_a_recorded_trip_count_is_counted_from_its_bounds():
+    (found,) = collectives(_PEELED_LOOP, {"data": 2})
+    assert (found.kind, found.count, found.unknown_trip_count) == ("all-reduce", 30, False)
+    # a bound the loop does not compare against a constant stays unknown
+    (unknown,) = collectives(_PEELED_LOOP.replace("%bound = s32[] constant(30)", "%bound = s32[] parameter(1)"),
+                             {"data": 2})
+    assert (unknown.count, unknown.unknown_trip_count) == (1, True)
