@@ -12,9 +12,12 @@ pipe and tensor axes what the schedule puts under each collective: how many of t
 collectives (collective-permutes, send/recv pairs) are asynchronous, and the GEMMs between their
 start and done.
 
-Writes ``benchmarks/results/overlap_flags.json`` and ``overlap_flags.png``; finished settings are
-kept in the JSON and not compiled again (``--fresh`` recompiles all; ``--only LAYOUT:SETTING`` runs
-one). Each compile takes 3-4 minutes on a 2-core machine; the ``gpu-compile`` extra is needed.
+Writes ``benchmarks/results/overlap_flags.json`` and ``overlap_flags.png`` and keeps each program's
+HLO text (``$OVERLAP_HLO_DIR``, default ``/tmp/overlap_flags_hlo``). Finished settings are kept in
+the JSON and not compiled again (``--fresh`` recompiles all; ``--only LAYOUT:SETTING`` runs one;
+``--reestimate`` prices the kept programs again, compiling nothing). ``--schedule HLO AXIS
+data=8,context=1,pipe=4,tensor=2`` prints what a kept program schedules under an axis's collectives.
+Each compile takes 1-3 minutes on a 2-core machine; the ``gpu-compile`` extra is needed.
 Usage: ``python benchmarks/overlap_flags.py``.
 """
 
@@ -45,6 +48,9 @@ SETTINGS = [
     ("pipelined reduce-scatter", ["gpu.xla_flags=--xla_gpu_enable_pipelined_reduce_scatter=true"], ("8x4x2", "8x1x8")),
     ("pipelined all-reduce", ["gpu.xla_flags=--xla_gpu_enable_pipelined_all_reduce=true"], ("8x4x2", "8x1x8")),
     ("pipelined p2p", [f"gpu.xla_flags={P2P}"], ("8x4x2",)),
+    ("pipelined p2p, pipeline-parallelism opt level",
+     [f"gpu.xla_flags={P2P} --xla_gpu_experimental_pipeline_parallelism_opt_level=PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE"],
+     ("8x4x2",)),
     ("loops double-buffered",
      ["gpu.xla_flags=--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER"], ("8x4x2", "8x1x8")),
     ("2 collectives in flight", ["gpu.xla_flags=--xla_gpu_experimental_parallel_collective_overlap_limit=2"],
@@ -198,7 +204,7 @@ def _plot(runs: list[dict], path: Path) -> None:
         ax.barh(labels, seconds, color=["tab:orange" if r["setting"] == "gpu.overlap=on" else "tab:blue" for r in mine])
         if base:
             ax.axvline(base * 1e3, color="gray", linestyle=":")
-        ax.set_title(f"Llama-2 7B, {layout} (data x pipe x tensor), 64 H100")
+        ax.set_title(f"Llama-2 7B {layout} (data x pipe x tensor), 64 H100", fontsize=10)
         ax.set_xlabel("estimated step (ms)")
         ax.invert_yaxis()
     fig.tight_layout()

@@ -27,15 +27,18 @@ OptionValue = bool | int | float | str
 
 OVERLAP_MODES = ("off", "on")
 
-# What ``gpu.overlap=on`` sets. The collective pipeliner moves a layer loop's all-gathers (ZeRO's and
-# sequence parallelism's) and reduce-scatters into the neighbouring iteration, so each hides under
-# another layer's compute; pipelined p2p decomposes the pipeline tick loop's collective-permutes into
-# send/recv pairs the same pass moves across ticks (the decomposer only runs below its threshold, so
-# the threshold goes with it).
+# What ``gpu.overlap=on`` sets, measured on Llama-2 7B's steps for 64 H100s (benchmarks/overlap_flags.py).
+# The collective pipeliner moves the all-reduces of a loop (tensor parallelism's, without sequence
+# parallelism) into the neighbouring iteration, under another layer's compute. Pipelined p2p has XLA
+# decompose the pipeline runtime's collective-permutes into asynchronous send/recv pairs (the
+# decomposer runs only at or above its threshold, so the threshold goes with it), where XLA keeps one
+# of a tick's permutes synchronous. The pipeliner's all-gather and reduce-scatter switches, loop
+# double buffering, two collectives in flight and windowed einsum are left out: none shortened the
+# estimated step (docs/gpu.md).
 OVERLAP_ON: dict[str, OptionValue] = {
-    "xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
-    "xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON",
     "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
+    "xla_gpu_enable_pipelined_p2p": True,
+    "xla_gpu_collective_permute_decomposer_threshold": 0,
 }
 
 # XLA_FLAGS spellings that are not DebugOptions fields: XLA's flag parser maps them onto a field, and a
