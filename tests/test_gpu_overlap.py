@@ -234,3 +234,27 @@ def test_a_loop_without_a_recorded_trip_count_is_counted_from_its_bounds():
     (unknown,) = collectives(_PEELED_LOOP.replace("%bound = s32[] constant(30)", "%bound = s32[] parameter(1)"),
                              {"data": 2})
     assert (unknown.count, unknown.unknown_trip_count) == (1, True)
+
+
+def test_overlap_on_leaves_pipelined_p2p_out_where_xla_cannot_compile_it():
+    assert set(compiler_options("on", None, "1f1b")) == set(OVERLAP_ON)
+    assert set(compiler_options("on", None, None)) == set(OVERLAP_ON)  # no pipeline: ring attention's permutes
+    for schedule in ("interleaved", "zb-h1"):
+        assert set(compiler_options("on", None, schedule)) == {"xla_gpu_pipeline_all_reduce"}
+        # an expert's flag is still theirs to give
+        assert compiler_options("on", "--xla_gpu_enable_pipelined_p2p=true", schedule)["xla_gpu_enable_pipelined_p2p"]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1"])
+def test_overlap_on_compiles_every_pipeline_schedule_for_h100(gpu_target, schedule):
+    from meshtron.train.loop import Trainer
+
+    layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", f"parallel.schedule={schedule}",
+              "parallel.microbatches=4", *(["parallel.chunks=2"] if schedule == "interleaved" else [])]
+    trainer = Trainer.from_config(load_config(None, [*_SMALL_GPU, *layout, "gpu.overlap=on"]), target=gpu_target,
+                                  read_data=False)
+    assert "xla_gpu_enable_pipelined_p2p" not in trainer.steps.compiler_options
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    assert "is_scheduled=true" in trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()

@@ -133,7 +133,8 @@ class Trainer:
             model_def, mesh, optimizer.reduction, optimizer.transform,
             microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages, trainable=trainable,
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
-            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags),
+            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags,
+                                         cfg.parallel.schedule if run.pipeline is not None else None),
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 
