@@ -41,6 +41,7 @@ from meshtron.checkpoint_dirs import imported_step
 from meshtron.errors import ConfigError
 from meshtron.execution import EXCHANGES, FP8_RECIPES, REMAT_MODES
 from meshtron.families import FAMILIES
+from meshtron.gpu.flags import compiler_options
 
 DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT_EXCHANGES = EXCHANGES  # (the names live with the run's other switches: meshtron.execution)
@@ -295,6 +296,17 @@ class DistributedConfig:
 
 
 @dataclass
+class GpuConfig:
+    """XLA:GPU compiler options every program of the run is compiled with (:mod:`meshtron.gpu.flags`):
+    ``overlap`` ``on`` turns on the bundle of scheduling flags measured to hide more tensor and pipe
+    communication; ``xla_flags`` (``XLA_FLAGS`` syntax, ``--name=value ...``) adds an expert's own,
+    which win over the bundle's. XLA:CPU ignores them."""
+
+    overlap: str = "off"
+    xla_flags: str | None = None
+
+
+@dataclass
 class ParallelConfig:
     """The parallel layout, one section (torchtitan's ``ParallelismConfig``): the mesh's degrees of
     data, pipeline, tensor and context parallelism (at most one -1, "the rest of the devices"), the
@@ -353,6 +365,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
 
     def __post_init__(self) -> None:
         self.parallel = ParallelConfig(**{new.partition(".")[2]: _get(self, old) for old, new in ALIASES.items()})
@@ -498,7 +511,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 
 # Fields whose values are words like ``off``/``on``: YAML 1.1 reads a bare off/on/no/yes as a boolean,
 # which the string field then holds as "False"/"True".
-SWITCH_FIELDS = ("model.fp8",)
+SWITCH_FIELDS = ("model.fp8", "gpu.overlap")
 
 
 def _read_switches(cfg: Config) -> None:
@@ -708,6 +721,7 @@ def validate(cfg: Config) -> None:
     validate_checkpoint(cfg.checkpoint)
     validate_init(cfg)
     validate_distributed(cfg.distributed)
+    validate_gpu(cfg.gpu)
     _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
     _need(cfg.data.path is None or cfg.data.blend is None, "data.blend",
           "give either data.path or data.blend, not both (a blend names its datasets itself)")
@@ -720,6 +734,13 @@ def validate(cfg: Config) -> None:
             f"{cfg.data.path!r} does not exist; give a UTF-8 text file, an indexed dataset's prefix (PREFIX.bin "
             "+ PREFIX.idx, from meshtron preprocess) or leave data.path unset for the built-in corpus",
         )
+
+
+def validate_gpu(gpu: GpuConfig) -> None:
+    """``gpu.overlap`` is off or on; ``gpu.xla_flags`` parses as ``XLA_FLAGS`` (:mod:`meshtron.gpu.flags`)."""
+    _need(gpu.xla_flags is None or isinstance(gpu.xla_flags, str), "gpu.xla_flags",
+          f"must be a string of flags ('--name=value ...'), got {gpu.xla_flags!r}")
+    compiler_options(gpu.overlap, gpu.xla_flags)
 
 
 def indexed_prefix(path: str) -> str | None:

@@ -24,6 +24,7 @@ from meshtron import megatron
 from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.families import FACTORY_STAND_IN, FAMILIES
+from meshtron.gpu.flags import as_flags
 from meshtron.gpu.targets import TARGETS, devices_for_mesh
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
@@ -490,6 +491,9 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     started = time.perf_counter()
     trainer = Trainer.from_config(cfg, devices, read_data=False, run=run)  # a target's devices, when given
     params, opt_state, tokens = trainer.abstract_step_arguments()
+    options = as_flags(trainer.steps.compiler_options)
+    print(f"\nXLA compiler options (gpu.overlap={cfg.gpu.overlap}, gpu.xla_flags): {options or 'none, the defaults'}",
+          file=out)
     staged = len(trainer.steps.stages) > 1
     for stage in trainer.steps.stages:  # 1-bit LAMB: warmup and compression communicate differently
         program = trainer.steps.compile(params, opt_state, tokens, stage)

@@ -22,6 +22,7 @@ needs: correct, though not a pipeline schedule).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -76,11 +77,14 @@ class Forward:
     ``max_positions``: the longest row :meth:`logits` takes (the model's positions; ``None``: no
     limit); :meth:`losses` takes one token more, as its last token is only a target. ``execution``: how
     the model's code runs (its attention implementation: the run's, which trained it).
+    ``compiler_options``: XLA options its programs are compiled with (the run's ``gpu`` section:
+    :func:`meshtron.gpu.flags.compiler_options`).
     """
 
     def __init__(self, model_def: ModelDef, mesh: Mesh, max_positions: int | None,
-                 execution: Execution = DEFAULT_EXECUTION):
+                 execution: Execution = DEFAULT_EXECUTION, compiler_options: Mapping[str, Any] | None = None):
         self.model_def = model_def
+        self.compiler_options = dict(compiler_options or {})
         self.execution = execution
         self.mesh = mesh
         self.max_positions = max_positions
@@ -119,7 +123,7 @@ class Forward:
         if key not in self._programs:
             fn = self._logits if kind == "logits" else self._losses
             program = jax.jit(self.model_def.traced(fn, self.execution), in_shardings=(self.param_shardings, *[self._rows] * len(rows)),
-                              out_shardings=self._rows)
+                              out_shardings=self._rows, compiler_options=self.compiler_options or None)
             with jax.set_mesh(self.mesh):
                 self._programs[key] = program.lower(params, *rows).compile()
         return self._programs[key]

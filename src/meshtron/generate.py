@@ -52,8 +52,9 @@ valid UTF-8, and ids above 255 (a vocabulary larger than the byte range) decode 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -63,6 +64,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtron.data.tokenizers import Tokenizer
 from meshtron.execution import DEFAULT_EXECUTION, Execution
+from meshtron.gpu.flags import run_options
 from meshtron.models.attention import KVCache, attention_implementation
 from meshtron.models.blocks import Context, run_blocks
 from meshtron.sharding import axis_rules, constrain
@@ -244,7 +246,8 @@ class Sampler:
     prefill, then one token's forward pass per step) or re-run the whole window every step;
     ``None`` (default) uses the cache when the model has ``init_cache`` and the mesh has
     ``pipe=1``, ``True`` insists (an error otherwise), ``False`` never uses it. Both give the same
-    tokens; :attr:`use_cache` says which one this sampler runs.
+    tokens; :attr:`use_cache` says which one this sampler runs. ``compiler_options``: XLA options its
+    programs are compiled with (the run's ``gpu`` section: :func:`meshtron.gpu.flags.compiler_options`).
     """
 
     def __init__(
@@ -256,6 +259,7 @@ class Sampler:
         chunk: int = DEFAULT_CHUNK,
         context: int | None = None,
         use_cache: bool | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
     ):
         if chunk < 1:
             raise ValueError(f"chunk: must be >= 1, got {chunk}")
@@ -288,8 +292,10 @@ class Sampler:
         self.param_shardings = model_def.shardings(mesh)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         # The cache is carried from one chunk to the next: donated, each call updates it in place.
-        self._decode = jax.jit(self._decode_chunk, donate_argnames="cache")
-        self._empty_cache = jax.jit(self._new_cache)
+        self.compiler_options = dict(compiler_options or {})
+        jit = partial(jax.jit, compiler_options=self.compiler_options or None)
+        self._decode = jit(self._decode_chunk, donate_argnames="cache")
+        self._empty_cache = jit(self._new_cache)
         self._traces = 0  # how many times the decoding program was traced (tests: it compiles once)
         # A batch of one sequence has nothing to split over ``data`` (the constraint would pad it
         # to one row per data shard): activations keep their tensor-parallel layout but the batch
@@ -465,13 +471,16 @@ def sample(
             raise TypeError(f"sample(model_def, params, mesh, prompt, ...): expected 4 positional arguments, got "
                             f"{1 + len(args)}")
         model_def, params, mesh, prompt = model, *args
+        options = None
     else:
         if len(args) != 1:
             raise TypeError(f"sample(pretrained, prompt, ...): expected 2 positional arguments, got {1 + len(args)}")
         model_def, params, mesh, prompt = model.model_def, model.params, model.mesh, args[0]
         tokenizer = tokenizer or model.tokenizer
         execution = execution or model.execution
-    return Sampler(model_def, mesh, execution=execution or DEFAULT_EXECUTION, context=context, use_cache=use_cache).sample(
+        options = run_options(model.config.gpu.overlap, model.config.gpu.xla_flags)
+    return Sampler(model_def, mesh, execution=execution or DEFAULT_EXECUTION, context=context, use_cache=use_cache,
+                   compiler_options=options).sample(
         params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
         tokenizer=tokenizer, stop=stop,
     )

@@ -22,6 +22,7 @@ from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokeni
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
 from meshtron.forward import Forward
+from meshtron.gpu.flags import run_options
 from meshtron.mesh import build_mesh, resolve_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
 from meshtron.models.lora import lora_spec
@@ -81,7 +82,8 @@ class Pretrained:
         execution = self.execution
         if held is None or held.model_def is not self.model_def or held.mesh is not self.mesh \
                 or held.execution != execution:
-            self._forward = Forward(self.model_def, self.mesh, self.max_positions, execution)
+            self._forward = Forward(self.model_def, self.mesh, self.max_positions, execution,
+                                    run_options(self.config.gpu.overlap, self.config.gpu.xla_flags))
         return self._forward
 
 

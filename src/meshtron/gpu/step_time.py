@@ -104,7 +104,7 @@ _FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
     "opt-barrier", "add-dependency", "domain", "iota",
     "all-reduce-done", "all-gather-done", "reduce-scatter-done", "collective-permute-done", "async-done",
-    "async-update", "copy-done", "send-done", "recv-done", "fusion-done",
+    "async-update", "copy-done", "send-done", "recv", "recv-done", "fusion-done",
 }  # fmt: skip
 _CALLS = re.compile(r"\bcalls=%?([A-Za-z_][\w.\-]*)")
 

@@ -67,6 +67,9 @@ ASYNC_START_KIND = {
     "reduce-scatter-start": "reduce-scatter",
     "collective-permute-start": "collective-permute",
     "all-to-all-start": "all-to-all",  # XLA:GPU's asynchronous all-to-all (a mixture of experts' dispatch)
+    # A collective-permute XLA:GPU decomposed into send/recv pairs (pipelined p2p): the send carries the
+    # data and its pairs (``_xla_send_recv_source_target_pairs``); its recv is the same transfer's other end.
+    "send": "collective-permute",
 }
 
 
@@ -273,7 +276,12 @@ def collectives(compiled_or_hlo_text: _HasHloText | str, mesh: MeshOrSizes) -> l
             continue
         count, unknown = counts[computation.name]
         users = _users(computation)
+        sent: set[str] = set()
         for instruction in computation.instructions:
+            if instruction.opcode == "send":  # a decomposed cyclic permute sends its data twice: count it once
+                if instruction.operands and instruction.operands[0] in sent:
+                    continue
+                sent.update(instruction.operands[:1])
             collective = _collective(instruction, count, unknown, axis_sizes)
             if collective is not None and collective.kind == "all-reduce" and instruction.opcode == "all-reduce":
                 found.extend(_as_reduce_scatter(collective, instruction, users, module))
@@ -415,8 +423,11 @@ def _payload_shape(opcode: str, shape: Shape) -> Shape:
     ``all-gather-start``, ``reduce-scatter-start`` and ``all-to-all-start`` return ``(operands, results)`` and
     ``collective-permute-start`` ``(operand, result[, u32[], u32[]])``: the result is element 1.
     ``all-reduce-start`` returns the data itself, like the synchronous ops -- or, in XLA of jaxlib
-    0.12, ``((operands), results)`` like the others (told apart by the nested operand tuple).
+    0.12, ``((operands), results)`` like the others (told apart by the nested operand tuple). A
+    ``send`` returns ``(data, u32[], token[])``: element 0.
     """
+    if opcode == "send" and isinstance(shape, tuple):
+        return shape[0]
     if opcode in ("all-gather-start", "reduce-scatter-start", "all-to-all-start", "collective-permute-start") \
             and isinstance(shape, tuple):
         return shape[1]

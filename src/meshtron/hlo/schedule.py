@@ -3,8 +3,9 @@
 XLA:GPU emits a *scheduled* module (``is_scheduled=true``): the order of a computation's
 instructions is the order the compute stream issues them. A collective the compiler made
 asynchronous is a ``*-start``/``*-done`` pair (``all-reduce-start``, ``all-gather-start``,
-``collective-permute-start``, ``reduce-scatter-start``, or a generic ``async-start`` wrapping a
-``reduce-scatter``/``all-to-all`` computation); the communication runs on its own stream from the
+``collective-permute-start``, ``reduce-scatter-start``, a generic ``async-start`` wrapping a
+``reduce-scatter``/``all-to-all`` computation, or a ``send``/``send-done`` of a collective-permute
+XLA decomposed into send/recv pairs); the communication runs on its own stream from the
 start to the done, and everything the schedule put between the two is compute that can hide it.
 A collective that stayed synchronous (a plain ``all-reduce``, or a pair whose backend config says
 ``"is_sync":true`` -- the scheduler found nothing to overlap and NCCL runs it on the compute
@@ -42,7 +43,8 @@ __all__ = ["CollectiveWindow", "async_wrapped_computations", "collective_windows
 
 _IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
 _CALLS = re.compile(r"\bcalls=%?([A-Za-z_][\w.\-]*)")
-_DONE_OPCODES = {"all-reduce-done", "all-gather-done", "reduce-scatter-done", "collective-permute-done", "async-done"}
+_DONE_OPCODES = {"all-reduce-done", "all-gather-done", "reduce-scatter-done", "collective-permute-done", "async-done",
+                 "send-done"}
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,15 @@ def _computation_windows(computation: HloComputation, module: HloModule, count: 
     position = {instruction.name: index for index, instruction in enumerate(computation.instructions)}
     done_of = _done_for(computation)
     windows = []
+    sent: set[str] = set()
     for index, instruction in enumerate(computation.instructions):
         opcode = instruction.opcode
+        if opcode == "send":
+            # XLA:GPU decomposes a cyclic permute into two sends of the same data (the ring's forward
+            # pairs and its back edge): each device sends once, so the permute is priced at its first.
+            if instruction.operands and instruction.operands[0] in sent:
+                continue
+            sent.update(instruction.operands[:1])
         if opcode in COLLECTIVE_KINDS:
             collective_instruction, synchronous, done = instruction, True, instruction.name
         elif opcode in ASYNC_START_KIND or opcode == "async-start":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "STRING_LITERAL",
@@ -161,6 +161,7 @@ class HloInstruction:
     attributes: str  # everything after the operand list, verbatim
     operands: tuple[str, ...] = ()  # names of the instructions it reads, in order
     parameter_number: int | None = None  # for ``parameter(n)``: n
+    inferred_trip_count: int | None = None  # a ``while`` XLA recorded no trip count for: read from its loop
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,76 @@ def parse_hlo_module(text: str) -> HloModule:
             body.append(instruction)
     if entry is None:
         raise ValueError("HLO text has no ENTRY computation")
-    return HloModule(computations, entry)
+    return HloModule(_with_inferred_trip_counts(computations, text), entry)
+
+
+_SCALAR_CONSTANT = re.compile(r"^\s*(?:ROOT\s+)?%?([A-Za-z_][\w.\-]*)\s*=\s*s32\[\]\s+constant\((-?\d+)\)", re.MULTILINE)
+_INDUCTION = re.compile(r'"known_induction_variable"\s*:\s*\{\s*"tuple_index"\s*:\s*"?(\d+)')
+_CONDITION = re.compile(r"\bcondition=%?([A-Za-z_][\w.\-]*)")
+_CALLED = re.compile(r"\bcalls=%?([A-Za-z_][\w.\-]*)")
+_DIRECTION = re.compile(r"\bdirection=(LT|LE)\b")
+
+
+def _with_inferred_trip_counts(computations: dict[str, HloComputation], text: str) -> dict[str, HloComputation]:
+    """Computations whose ``while`` loops without a recorded trip count carry one read from the loop.
+
+    XLA records ``known_trip_count`` for the loops it can analyse, but not always for a loop a pass
+    rewrote (the collective pipeliner peels an iteration off a microbatch loop and leaves only
+    ``known_induction_variable``). Such a loop counts its induction variable (tuple element ``i``) up
+    by one from a constant ``c`` (through copies) while ``i < n`` (or ``<=``) for a constant ``n``:
+    ``n - c`` iterations. A loop of any other form keeps no count (and is reported unknown)."""
+    constants = {name: int(value) for name, value in _SCALAR_CONSTANT.findall(text)}
+    changed = dict(computations)
+    for computation in computations.values():
+        by_name = {i.name: i for i in computation.instructions}
+        instructions = list(computation.instructions)
+        for index, instruction in enumerate(instructions):
+            if instruction.opcode != "while" or _TRIP_COUNT.search(instruction.attributes):
+                continue
+            count = _loop_trip_count(instruction, by_name, computations, constants)
+            if count is not None:
+                instructions[index] = replace(instruction, inferred_trip_count=count)
+        if instructions != list(computation.instructions):
+            changed[computation.name] = HloComputation(computation.name, tuple(instructions))
+    return changed
+
+
+def _loop_trip_count(loop: HloInstruction, by_name: dict[str, HloInstruction],
+                     computations: dict[str, HloComputation], constants: dict[str, int]) -> int | None:
+    induction, condition = _INDUCTION.search(loop.attributes), _CONDITION.search(loop.attributes)
+    if induction is None or condition is None or condition.group(1) not in computations or not loop.operands:
+        return None
+    position = int(induction.group(1))
+    start = by_name.get(loop.operands[0])
+    if start is None or start.opcode != "tuple" or len(start.operands) <= position:
+        return None
+    first = _constant_behind(start.operands[position], by_name, constants)
+    compare = computations[condition.group(1)].instructions[-1]
+    if compare.opcode == "fusion":  # XLA:GPU fuses the compare: read it inside, its constant bound there
+        called = _CALLED.search(compare.attributes)
+        inner = computations.get(called.group(1)) if called else None
+        compare = inner.instructions[-1] if inner else compare
+        scope = {i.name: i for i in inner.instructions} if inner else {}
+    else:
+        scope = {i.name: i for i in computations[condition.group(1)].instructions}
+    direction = _DIRECTION.search(compare.attributes)
+    if compare.opcode != "compare" or direction is None or len(compare.operands) != 2 or first is None:
+        return None
+    counter = scope.get(compare.operands[0])
+    bound = _constant_behind(compare.operands[1], scope, constants)
+    if bound is None or counter is None or counter.opcode not in ("parameter", "get-tuple-element"):
+        return None
+    return max(0, bound - first + (direction.group(1) == "LE"))
+
+
+def _constant_behind(name: str, by_name: dict[str, HloInstruction], constants: dict[str, int]) -> int | None:
+    """The s32 constant ``name`` is, through copies and bitcasts; ``None`` for anything else."""
+    while name not in constants:
+        instruction = by_name.get(name)
+        if instruction is None or instruction.opcode not in ("copy", "bitcast") or not instruction.operands:
+            return None
+        name = instruction.operands[0]
+    return constants[name]
 
 
 def _parse_instruction(line: str) -> HloInstruction | None:
@@ -267,7 +337,7 @@ def call_edges(instruction: HloInstruction) -> list[CallEdge]:
     trip_count: int | None = None
     if instruction.opcode == "while":
         found = _TRIP_COUNT.search(instruction.attributes)
-        trip_count = int(found.group(1)) if found else None
+        trip_count = int(found.group(1)) if found else instruction.inferred_trip_count
     edges = []
     for reference in _COMPUTATION_REFERENCE.finditer(attributes):
         role, value = reference.group(1), reference.group(2)

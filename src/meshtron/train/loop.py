@@ -26,6 +26,7 @@ from meshtron.data.sources import TokenDatasets, load_training_data, packs_docum
 from meshtron.data.text import Corpus
 from meshtron.errors import ConfigError, RunStopped
 from meshtron.execution import Execution
+from meshtron.gpu.flags import run_options
 from meshtron.gpu.targets import devices_for_mesh
 from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes, simulate_devices_for
@@ -133,6 +134,8 @@ class Trainer:
             microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages, trainable=trainable,
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
             offload_optimizer=t.offload_optimizer,
+            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags,
+                                         cfg.parallel.schedule if run.pipeline is not None else None),
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 

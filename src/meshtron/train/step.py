@@ -104,6 +104,7 @@ def build_steps(
     trainable: Trainable | None = None,
     seed: int = 0,
     execution: Execution = DEFAULT_EXECUTION, offload_optimizer: bool = False,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -116,7 +117,8 @@ def build_steps(
     of what is random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not
     applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
     ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`).
-    ``offload_optimizer``: the optimizer state held in pinned host memory between steps (:func:`_state_on_host`)."""
+    ``offload_optimizer``: the optimizer state held in pinned host memory between steps (:func:`_state_on_host`).
+    ``compiler_options``: XLA's options for every program (:func:`meshtron.gpu.flags.compiler_options`)."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
@@ -168,7 +170,7 @@ def build_steps(
         train=scoped(_state_on_host(train) if offload_optimizer else train), evaluate=scoped(evaluate),
         gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
-        report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica,
+        report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
     )
 
 
@@ -250,8 +252,11 @@ class TrainSteps:
     def __init__(self, mesh: Mesh, param_shardings, opt_shardings, batch_sharding, stages: tuple[str, ...], *,
                  train, evaluate, gradients, init_state, zero: ZeroPlan | None = None,
                  trainable: Trainable | None = None, reports=None,
-                 report_groups: int = 1, metrics_spec: P | None = None):
+                 report_groups: int = 1, metrics_spec: P | None = None,
+                 compiler_options: Mapping[str, Any] | None = None):
         self.mesh = mesh
+        self.compiler_options = dict(compiler_options or {})  # XLA options of every program below
+        jit = partial(jax.jit, compiler_options=self.compiler_options or None)
         self.report_groups = report_groups  # routing groups a step's reports sum over: microbatches × data (× context)
         self.zero = zero  # how parameters and optimizer state are split over data
         self.trainable = trainable or Trainable()  # which parameters train (the rest frozen: no state)
@@ -262,8 +267,8 @@ class TrainSteps:
         replicated = NamedSharding(mesh, P())
         per_shard = NamedSharding(mesh, P(DATA) if metrics_spec is None else metrics_spec)
         self.init_state_fn = init_state  # params -> fresh OptState (for abstract shapes: jax.eval_shape)
-        self._init_jit = jax.jit(init_state, in_shardings=(param_shardings,), out_shardings=opt_shardings)
-        self._train_jit = jax.jit(
+        self._init_jit = jit(init_state, in_shardings=(param_shardings,), out_shardings=opt_shardings)
+        self._train_jit = jit(
             train,
             in_shardings=(param_shardings, opt_shardings, batch_sharding),
             out_shardings=(param_shardings, opt_shardings, StepMetrics(per_shard, per_shard, per_shard)),
@@ -272,11 +277,11 @@ class TrainSteps:
         )
         self._compiled: dict[str, jax.stages.Compiled] = {}
         self._data_bytes: dict[str, float] = {}
-        self._eval_jit = jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
-        self._gradients_jit = jax.jit(
+        self._eval_jit = jit(evaluate, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+        self._gradients_jit = jit(
             gradients, in_shardings=(param_shardings, batch_sharding), out_shardings=(replicated, param_shardings)
         )
-        self._reports_jit = None if reports is None else jax.jit(
+        self._reports_jit = None if reports is None else jit(
             reports, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
         self._reports_compiled: Any = None
 
