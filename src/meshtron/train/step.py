@@ -102,9 +102,8 @@ def build_steps(
     skip_nonfinite: bool = False,
     zero: ZeroPlan | None = None,
     trainable: Trainable | None = None,
-    seed: int = 0,
-    execution: Execution = DEFAULT_EXECUTION, offload_optimizer: bool = False,
-    compiler_options: Mapping[str, Any] | None = None,
+    seed: int = 0, execution: Execution = DEFAULT_EXECUTION,
+    offload_optimizer: bool = False, compiler_options: Mapping[str, Any] | None = None,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -116,9 +115,8 @@ def build_steps(
     over the shares). ``trainable``: which parameters train (default: the model's own mask). ``seed``:
     of what is random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not
     applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
-    ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`).
-    ``offload_optimizer``: the optimizer state held in pinned host memory between steps (:func:`_state_on_host`).
-    ``compiler_options``: XLA's options for every program (:func:`meshtron.gpu.flags.compiler_options`)."""
+    ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`). ``offload_optimizer``:
+    optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh)
