@@ -13,8 +13,8 @@ setting:
 each as bf16, ``model.fp8=current``, FP8 + ``gpu.overlap=on``, and FP8 + overlap with both host
 offloads (``model.remat=offload``, ``train.offload_optimizer=true``), then a few rows that explain
 those: bf16 with offload, FP8 with the collective pipeliner on FSDP's gathers and reduce-scatters,
-overlap less its pipelined p2p, and the 7B on 64 with XLA's attention (where ``gpu.overlap=on``
-compiles in bf16). Every run uses cuDNN attention (unless the row says otherwise) and bf16 compute;
+overlap less its pipelined p2p, the 7B on 64 with XLA's attention (where ``gpu.overlap=on``
+compiles in bf16), and the 7B on 8 with full recomputation (FP8's memory with selective). Every run uses cuDNN attention (unless the row says otherwise) and bf16 compute;
 "vs bf16" is against the bf16 row of the same model and attention. For each program it records the device peak (arguments + temporaries, from
 ``memory_analysis()``), the bytes held in pinned host memory, the collective bytes per device and
 step, the hidden fraction of the communication, and the estimated step, tokens/s/GPU and MFU
@@ -86,6 +86,8 @@ SETTINGS = [
     ("bf16 (xla attention)", XLA_ATTENTION),
     ("bf16+overlap (xla attention)", OVERLAP + XLA_ATTENTION),
     ("fp8+overlap (xla attention)", FP8 + OVERLAP + XLA_ATTENTION),
+    ("bf16 (remat full)", ["model.remat=full"]),
+    ("fp8 (remat full)", FP8 + ["model.remat=full"]),
 ]
 # The order rows are compiled in: the 70B's goal figures first, then the 7B on 8, the 7B on 64, offloads last.
 ORDER = ["70b-64:bf16", "70b-64:fp8", "70b-64:fp8+overlap",
@@ -95,7 +97,8 @@ ORDER = ["70b-64:bf16", "70b-64:fp8", "70b-64:fp8+overlap",
          "70b-64:bf16+offload", "7b-8:bf16+offload",
          "7b-64:bf16+overlap", "7b-64:fp8+overlap-p2p", "7b-64:fp8+offload", "7b-64:bf16+offload",
          "70b-64:fp8+pipelined AG/RS", "7b-8:fp8+pipelined AG/RS",
-         "7b-64:bf16 (xla attention)", "7b-64:bf16+overlap (xla attention)", "7b-64:fp8+overlap (xla attention)"]
+         "7b-64:bf16 (xla attention)", "7b-64:bf16+overlap (xla attention)", "7b-64:fp8+overlap (xla attention)",
+         "7b-8:bf16 (remat full)", "7b-8:fp8 (remat full)"]
 
 
 def _spec(key: str) -> tuple[str, int, str, list[str]]:
