@@ -1,6 +1,7 @@
 """``gpu.overlap`` and ``gpu.xla_flags``: parsed into typed XLA compiler options, checked as config
-fields, handed to every program of a run, the same losses on the CPU either way, and (compiled for 8
-H100s) more of the pipe communication hidden with ``gpu.overlap=on``. Also the schedule of a
+fields, handed to every program of a run, the same losses on the CPU either way; compiled for 8 H100s,
+every pipeline schedule with ``gpu.overlap=on``, and more of the pipe communication hidden with an
+expert's pipelined p2p. Also the schedule of a
 collective-permute XLA:GPU decomposed into send/recv pairs (pipelined p2p), and the trip count of a
 loop XLA recorded none for."""
 
@@ -162,27 +163,29 @@ _SMALL_GPU = ["model.hidden=256", "model.heads=4", "model.mlp_dim=1024", "model.
               "model.dtype=bfloat16", "model.layers=4", "parallel.zero=1", "train.batch_size=16"]
 
 
+_P2P_FLAGS = "--xla_gpu_enable_pipelined_p2p=true --xla_gpu_collective_permute_decomposer_threshold=0"
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.slow
-@pytest.mark.parametrize(("axis", "layout"), [
-    # pipelined p2p: the 1F1B runtime's permutes all asynchronous send/recv pairs (the tensor axis's gain,
-    # sequence parallelism's reduce-scatters pipelined across layers, shows on the 7B step of
-    # benchmarks/overlap_flags.py, not on a model this small)
-    ("pipe", ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=1f1b",
-              "parallel.microbatches=4"]),
-])
-def test_overlap_on_hides_more_communication_on_h100(gpu_target, axis, layout):
+def test_pipelined_p2p_hides_more_of_the_pipe_axis_on_h100(gpu_target):
+    """An expert's pipelined p2p (``gpu.xla_flags``): the 1F1B runtime's permutes become asynchronous
+    send/recv pairs with work under them. ``gpu.overlap=on``'s own gain -- sequence parallelism's
+    reduce-scatters pipelined across layers on the tensor axis -- shows on the 7B step of
+    benchmarks/overlap_flags.py, not on a model this small."""
     from meshtron.train.loop import Trainer
 
+    layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=1f1b",
+              "parallel.microbatches=4"]
     hidden = {}
-    for overlap in ("off", "on"):
-        cfg = load_config(None, [*_SMALL_GPU, *layout, f"gpu.overlap={overlap}"])
+    for flags in (None, _P2P_FLAGS):
+        cfg = load_config(None, [*_SMALL_GPU, *layout, *([f"gpu.xla_flags={flags}"] if flags else [])])
         trainer = Trainer.from_config(cfg, target=gpu_target, read_data=False)
         params, opt_state, tokens = trainer.abstract_step_arguments()
         text = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()
         estimate = estimate_step(text, dict(trainer.mesh.shape), gpu_target, tokens_per_step=1, model_flops_per_step=1.0)
-        hidden[overlap] = estimate.hidden_fraction_by_axes[(axis,)]
-    assert hidden["on"] > hidden["off"]
+        hidden[flags] = estimate.hidden_fraction_by_axes[("pipe",)]
+    assert hidden[_P2P_FLAGS] > hidden[None]
 
 
 # A microbatch loop as the collective pipeliner leaves it: XLA recorded only its induction variable,
@@ -236,25 +239,24 @@ def test_a_loop_without_a_recorded_trip_count_is_counted_from_its_bounds():
     assert (unknown.count, unknown.unknown_trip_count) == (1, True)
 
 
-def test_overlap_on_leaves_pipelined_p2p_out_where_xla_cannot_compile_it():
-    assert set(compiler_options("on", None, "1f1b")) == set(OVERLAP_ON)
-    assert set(compiler_options("on", None, None)) == set(OVERLAP_ON)  # no pipeline: ring attention's permutes
-    for schedule in ("interleaved", "zb-h1"):
-        assert set(compiler_options("on", None, schedule)) == {"xla_gpu_pipeline_all_reduce"}
-        # an expert's flag is still theirs to give
-        assert compiler_options("on", "--xla_gpu_enable_pipelined_p2p=true", schedule)["xla_gpu_enable_pipelined_p2p"]
+def test_overlap_on_is_the_pipelined_all_reduce_and_an_experts_flags_come_on_top():
+    assert compiler_options("on") == {"xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON"} == OVERLAP_ON
+    assert compiler_options("on", _P2P_FLAGS) == {**OVERLAP_ON, "xla_gpu_enable_pipelined_p2p": True,
+                                                  "xla_gpu_collective_permute_decomposer_threshold": 0}
 
 
 @pytest.mark.gpu_compile
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
 def test_overlap_on_compiles_every_pipeline_schedule_for_h100(gpu_target, schedule):
+    """With cuDNN attention and FP8 projections: what XLA aborted on when the bundle held pipelined p2p."""
     from meshtron.train.loop import Trainer
 
     layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", f"parallel.schedule={schedule}",
-              "parallel.microbatches=4", *(["parallel.chunks=2"] if schedule == "interleaved" else [])]
+              "parallel.microbatches=4", *(["parallel.chunks=2"] if schedule == "interleaved" else []),
+              "model.attention=cudnn", "model.fp8=current"]
     trainer = Trainer.from_config(load_config(None, [*_SMALL_GPU, *layout, "gpu.overlap=on"]), target=gpu_target,
                                   read_data=False)
-    assert "xla_gpu_enable_pipelined_p2p" not in trainer.steps.compiler_options
+    assert trainer.steps.compiler_options == for_this_xla(OVERLAP_ON)
     params, opt_state, tokens = trainer.abstract_step_arguments()
     assert "is_scheduled=true" in trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 
 from meshtron.errors import ConfigError
 
-__all__ = ["OVERLAP_MODES", "OVERLAP_ON", "P2P_SCHEDULES", "OptionValue", "as_flags", "compiler_options", "for_this_xla", "parse_xla_flags",
-           "run_options"]
+__all__ = ["OVERLAP_MODES", "OVERLAP_ON", "OptionValue", "as_flags", "compiler_options", "for_this_xla",
+           "parse_xla_flags", "run_options"]
 
 OptionValue = bool | int | float | str
 
@@ -30,23 +30,15 @@ OVERLAP_MODES = ("off", "on")
 # What ``gpu.overlap=on`` sets, measured on Llama-2 7B's steps for 64 H100s (benchmarks/overlap_flags.py).
 # The collective pipeliner moves a loop's all-reduces -- among them those XLA:GPU later turns into
 # sequence parallelism's reduce-scatters -- into the neighbouring iteration, under another layer's
-# GEMMs (tensor axis of data 8 x tensor 8: 30.7% -> 38.1% hidden, step -2.1%). Pipelined p2p has XLA
-# decompose the pipeline runtime's collective-permutes into asynchronous send/recv pairs, where by
-# default it keeps one of a tick's permutes synchronous (the decomposer runs only at or above its
-# threshold, so the threshold goes with it; pipe axis of 8 x 4 x 2: 2.9% -> 25.2% hidden, step the same
-# within 0.1%). The pipeliner's all-gather and reduce-scatter switches, loop double buffering, two
-# collectives in flight and windowed einsum are left out: each changed nothing, crashed XLA, or slowed
-# one of the steps by more than 0.1% (docs/gpu.md).
-OVERLAP_ON: dict[str, OptionValue] = {
-    "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
-    "xla_gpu_enable_pipelined_p2p": True,
-    "xla_gpu_collective_permute_decomposer_threshold": 0,
-}
-_P2P = ("xla_gpu_enable_pipelined_p2p", "xla_gpu_collective_permute_decomposer_threshold")
-# Pipeline schedules whose programs XLA of jaxlib 0.12 compiles with pipelined p2p. On the interleaved and
-# zb-h1 schedules' programs its p2p scheduling fails a check (``p2p_schedule_preparation.cc: kind ==
-# kPipelined``) and aborts the process, so ``gpu.overlap=on`` leaves pipelined p2p out there.
-P2P_SCHEDULES = ("gpipe", "1f1b", "1f1b-p")
+# GEMMs (tensor axis of data 8 x tensor 8: 30.7% -> 38.1% hidden, step -2.1%). Left out, each for a
+# measured reason (docs/gpu.md): pipelined p2p (``--xla_gpu_enable_pipelined_p2p=true`` with
+# ``--xla_gpu_collective_permute_decomposer_threshold=0``) hides the pipeline runtime's permutes behind
+# small fusions but not the step (pipe axis of 8 x 4 x 2: 2.9% -> 25.2% hidden, step the same within
+# 0.1%), and jaxlib 0.12's XLA aborts on it (``p2p_schedule_preparation.cc: kind == kPipelined``) for
+# the interleaved and zb-h1 schedules and for 1F1B with cuDNN attention or FP8 projections; the
+# pipeliner's all-gather and reduce-scatter switches, loop double buffering, two collectives in flight
+# and windowed einsum changed nothing, crashed XLA, or slowed one of the steps.
+OVERLAP_ON: dict[str, OptionValue] = {"xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON"}
 
 # XLA_FLAGS spellings that are not DebugOptions fields: XLA's flag parser maps them onto a field, and a
 # compiler option must name the field. The collective pipeliner's switches are an enum, whose values
@@ -96,25 +88,20 @@ def _as_field(name: str, value: OptionValue) -> tuple[str, OptionValue]:
     return name, value
 
 
-def compiler_options(overlap: str = "off", xla_flags: str | None = None,
-                     schedule: str | None = None) -> dict[str, OptionValue]:
-    """The options every program of a run is compiled with: the ``overlap`` bundle (without pipelined p2p
-    for a pipeline ``schedule`` not in :data:`P2P_SCHEDULES`; ``None``: no pipeline), then ``xla_flags``
+def compiler_options(overlap: str = "off", xla_flags: str | None = None) -> dict[str, OptionValue]:
+    """The options every program of a run is compiled with: the ``overlap`` bundle, then ``xla_flags``
     (a field both name takes ``xla_flags``' value)."""
     if overlap not in OVERLAP_MODES:
         raise ConfigError(f"gpu.overlap: must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
     options = dict(OVERLAP_ON) if overlap == "on" else {}
-    if schedule is not None and schedule not in P2P_SCHEDULES:
-        options = {name: value for name, value in options.items() if name not in _P2P}
     options.update(parse_xla_flags(xla_flags) if xla_flags else {})
     return options
 
 
-def run_options(overlap: str = "off", xla_flags: str | None = None,
-                schedule: str | None = None) -> dict[str, OptionValue]:
+def run_options(overlap: str = "off", xla_flags: str | None = None) -> dict[str, OptionValue]:
     """:func:`compiler_options` as this process's XLA takes them (:func:`for_this_xla`): what a run's
     programs are compiled with."""
-    return for_this_xla(compiler_options(overlap, xla_flags, schedule))
+    return for_this_xla(compiler_options(overlap, xla_flags))
 
 
 def for_this_xla(options: Mapping[str, OptionValue]) -> dict[str, OptionValue]:

@@ -13,9 +13,10 @@ float8 operands themselves: half the bytes of bf16 ones.
 from the tensor's absolute maximum at that moment (per tensor, as Transformer Engine's current
 scaling and torchao's tensorwise recipe do), so nothing saturates and no scaling state is carried
 between steps. Scales are rounded *up* to a power of two: the largest value then lands in the top
-binade below the format's maximum (at most one binade of range is left unused), and multiplying the
-f32 accumulator by a power of two is exact in any dtype, so the result does not depend on where the
-product is rounded. Over a tensor split across devices the maximum is taken over the whole tensor
+binade below the format's maximum (at most one binade of range is left unused), and multiplying by a
+power of two is exact in any dtype. So each GEMM returns its product already in the operands' dtype
+(f32 accumulation inside, one rounding), scaled afterwards: a row-parallel projection's partial sums
+then cross the tensor axis in bf16, as without FP8, and the layer keeps bf16 outputs, not f32. Over a tensor split across devices the maximum is taken over the whole tensor
 (one scalar reduction), so every device quantizes with the same scale and a split run computes what
 one device computes.
 
@@ -79,8 +80,9 @@ def _float8(bits: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _product(qx: jax.Array, qw: jax.Array, dims: DimensionNumbers) -> jax.Array:
-    return jax.lax.dot_general(qx, qw, dims, preferred_element_type=jnp.float32)
+def _scaled(product: jax.Array, scale: jax.Array) -> jax.Array:
+    """A GEMM's output (already in its final dtype) times a power-of-two scale: exact in any dtype."""
+    return product * scale.astype(product.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -92,7 +94,8 @@ def _fp8_dot(x: jax.Array, w: jax.Array, dims: DimensionNumbers, out_dtype: Any,
 def _fp8_dot_forward(x, w, dims, out_dtype, operand_dtypes):
     del operand_dtypes
     (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
-    return (_product(qx, qw, dims) * (sx * sw)).astype(out_dtype), (_bits(qx), sx, _bits(qw), sw)
+    y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=out_dtype)
+    return _scaled(y, sx * sw), (_bits(qx), sx, _bits(qw), sw)
 
 
 def _fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g):
@@ -100,12 +103,12 @@ def _fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g):
     x_bits, sx, w_bits, sw = residuals
     qx, qw = _float8(x_bits, E4M3), _float8(w_bits, E4M3)
     qg, sg = _quantized(g, E5M2)
-    dx = fp8_ops.dot_general_transpose_lhs(qg, qx, qw, dimension_numbers=dims, precision=None,
-                                           preferred_element_type=jnp.float32)
-    dw = fp8_ops.dot_general_transpose_rhs(qg, qx, qw, dimension_numbers=dims, precision=None,
-                                           preferred_element_type=jnp.float32)
     x_dtype, w_dtype = operand_dtypes
-    return (dx * (sg * sw)).astype(x_dtype), (dw * (sg * sx)).astype(w_dtype)
+    dx = fp8_ops.dot_general_transpose_lhs(qg, qx, qw, dimension_numbers=dims, precision=None,
+                                           preferred_element_type=x_dtype)
+    dw = fp8_ops.dot_general_transpose_rhs(qg, qx, qw, dimension_numbers=dims, precision=None,
+                                           preferred_element_type=w_dtype)
+    return _scaled(dx, sg * sw), _scaled(dw, sg * sx)
 
 
 _fp8_dot.defvjp(_fp8_dot_forward, _fp8_dot_backward)
@@ -132,8 +135,8 @@ def _fp8_ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, out_dtype: Any
 def _fp8_ragged_forward(x, w, sizes, out_dtype, operand_dtypes):
     del operand_dtypes
     (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
-    y = jax.lax.ragged_dot(qx, qw, sizes, preferred_element_type=jnp.float32)
-    return (y * (sx * sw)).astype(out_dtype), (_bits(qx), sx, _bits(qw), sw, sizes)
+    y = jax.lax.ragged_dot(qx, qw, sizes, preferred_element_type=out_dtype)
+    return _scaled(y, sx * sw), (_bits(qx), sx, _bits(qw), sw, sizes)
 
 
 # dw[g] = x_g^T g_g: the rows' (ragged) dimension contracted, one output per group.
@@ -146,10 +149,10 @@ def _fp8_ragged_backward(out_dtype, operand_dtypes, residuals, g):
     x_bits, sx, w_bits, sw, sizes = residuals
     qx, qw = _float8(x_bits, E4M3), _float8(w_bits, E4M3)
     qg, sg = _quantized(g, E5M2)
-    dx = jax.lax.ragged_dot(qg, jnp.swapaxes(qw, 1, 2), sizes, preferred_element_type=jnp.float32)
-    dw = jax.lax.ragged_dot_general(qx, qg, sizes, _PER_GROUP_WEIGHT_GRADIENT, preferred_element_type=jnp.float32)
     x_dtype, w_dtype = operand_dtypes
-    return (dx * (sg * sw)).astype(x_dtype), (dw * (sg * sx)).astype(w_dtype), None
+    dx = jax.lax.ragged_dot(qg, jnp.swapaxes(qw, 1, 2), sizes, preferred_element_type=x_dtype)
+    dw = jax.lax.ragged_dot_general(qx, qg, sizes, _PER_GROUP_WEIGHT_GRADIENT, preferred_element_type=w_dtype)
+    return _scaled(dx, sg * sw), _scaled(dw, sg * sx), None
 
 
 _fp8_ragged_dot.defvjp(_fp8_ragged_forward, _fp8_ragged_backward)

@@ -134,8 +134,7 @@ class Trainer:
             microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages, trainable=trainable,
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
             offload_optimizer=t.offload_optimizer,
-            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags,
-                                         cfg.parallel.schedule if run.pipeline is not None else None),
+            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags),
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 
