@@ -117,11 +117,11 @@ def _one(config: str, overrides: list[str], hlo_path: str) -> dict:
 
     from meshtron.config import load_config
     from meshtron.describe import bytes_per_device, host_bytes
-    from meshtron.gpu.flags import as_flags
     from meshtron.gpu.pipeline_ticks import tick_table
     from meshtron.gpu.step_time import estimate_json, estimate_step, model_flops
     from meshtron.hlo.gemms import gemms, totals_by_operand_types
     from meshtron.train.loop import Trainer
+    from meshtron.xla_options import as_flags
 
     trainer = Trainer.from_config(load_config(config, overrides), target=TARGET, read_data=False)
     params, opt_state, tokens = trainer.abstract_step_arguments()

@@ -114,10 +114,10 @@ def _figures(trainer, text: str) -> dict:
     """The program's estimate (a pipelined step priced tick by tick) and its schedule per axis."""
     import jax
 
-    from meshtron.gpu.flags import as_flags
     from meshtron.gpu.pipeline_ticks import tick_table
     from meshtron.gpu.step_time import estimate_json, estimate_step, model_flops
     from meshtron.hlo.schedule import collective_windows
+    from meshtron.xla_options import as_flags
 
     cfg, (params, _, _) = trainer.cfg, trainer.abstract_step_arguments()
     sizes = dict(trainer.mesh.shape)

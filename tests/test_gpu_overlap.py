@@ -13,7 +13,10 @@ import pytest
 
 from meshtron.config import load_config
 from meshtron.errors import ConfigError
-from meshtron.gpu.flags import (
+from meshtron.gpu.step_time import estimate_step
+from meshtron.hlo.collectives import collectives
+from meshtron.hlo.schedule import collective_windows
+from meshtron.xla_options import (
     OVERLAP_ON,
     as_flags,
     compiler_options,
@@ -21,9 +24,6 @@ from meshtron.gpu.flags import (
     parse_xla_flags,
     run_options,
 )
-from meshtron.gpu.step_time import estimate_step
-from meshtron.hlo.collectives import collectives
-from meshtron.hlo.schedule import collective_windows
 
 TINY = ["model.layers=4", "model.hidden=32", "model.heads=4", "model.mlp_dim=64", "model.seq_len=16",
         "model.vocab_size=256", "train.batch_size=8", "train.warmup_steps=1", "train.eval_every=1000",

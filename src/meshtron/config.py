@@ -41,7 +41,7 @@ from meshtron.checkpoint_dirs import imported_step
 from meshtron.errors import ConfigError
 from meshtron.execution import EXCHANGES, FP8_RECIPES, REMAT_MODES
 from meshtron.families import FAMILIES
-from meshtron.gpu.flags import compiler_options
+from meshtron.xla_options import compiler_options
 
 DTYPES = ("float32", "bfloat16", "float16")
 CONTEXT_EXCHANGES = EXCHANGES  # (the names live with the run's other switches: meshtron.execution)
@@ -297,7 +297,7 @@ class DistributedConfig:
 
 @dataclass
 class GpuConfig:
-    """XLA:GPU compiler options every program of the run is compiled with (:mod:`meshtron.gpu.flags`):
+    """XLA:GPU compiler options every program of the run is compiled with (:mod:`meshtron.xla_options`):
     ``overlap`` ``on`` turns on the bundle of scheduling flags measured to hide more tensor and pipe
     communication; ``xla_flags`` (``XLA_FLAGS`` syntax, ``--name=value ...``) adds an expert's own,
     which win over the bundle's. XLA:CPU ignores them."""
@@ -737,7 +737,7 @@ def validate(cfg: Config) -> None:
 
 
 def validate_gpu(gpu: GpuConfig) -> None:
-    """``gpu.overlap`` is off or on; ``gpu.xla_flags`` parses as ``XLA_FLAGS`` (:mod:`meshtron.gpu.flags`)."""
+    """``gpu.overlap`` is off or on; ``gpu.xla_flags`` parses as ``XLA_FLAGS`` (:mod:`meshtron.xla_options`)."""
     _need(gpu.xla_flags is None or isinstance(gpu.xla_flags, str), "gpu.xla_flags",
           f"must be a string of flags ('--name=value ...'), got {gpu.xla_flags!r}")
     compiler_options(gpu.overlap, gpu.xla_flags)

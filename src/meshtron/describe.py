@@ -24,7 +24,6 @@ from meshtron import megatron
 from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.families import FACTORY_STAND_IN, FAMILIES
-from meshtron.gpu.flags import as_flags
 from meshtron.gpu.targets import TARGETS, devices_for_mesh
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
@@ -34,6 +33,7 @@ from meshtron.run import MeshSizes, Run, run_for_model
 from meshtron.sharding import logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, model_def_from_config
 from meshtron.units import format_bytes
+from meshtron.xla_options import as_flags
 
 
 def parameter_rows(model_def: ModelDef, mesh_sizes: dict[str, int]) -> list[tuple[str, tuple, str, str, int, str]]:

@@ -78,7 +78,7 @@ class Forward:
     limit); :meth:`losses` takes one token more, as its last token is only a target. ``execution``: how
     the model's code runs (its attention implementation: the run's, which trained it).
     ``compiler_options``: XLA options its programs are compiled with (the run's ``gpu`` section:
-    :func:`meshtron.gpu.flags.compiler_options`).
+    :func:`meshtron.xla_options.compiler_options`).
     """
 
     def __init__(self, model_def: ModelDef, mesh: Mesh, max_positions: int | None,

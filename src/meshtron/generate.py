@@ -64,11 +64,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtron.data.tokenizers import Tokenizer
 from meshtron.execution import DEFAULT_EXECUTION, Execution
-from meshtron.gpu.flags import run_options
 from meshtron.models.attention import KVCache, attention_implementation
 from meshtron.models.blocks import Context, run_blocks
 from meshtron.sharding import axis_rules, constrain
 from meshtron.train.state import ModelDef, Params
+from meshtron.xla_options import run_options
 
 if TYPE_CHECKING:
     from meshtron.pretrained import Pretrained
@@ -247,7 +247,7 @@ class Sampler:
     ``None`` (default) uses the cache when the model has ``init_cache`` and the mesh has
     ``pipe=1``, ``True`` insists (an error otherwise), ``False`` never uses it. Both give the same
     tokens; :attr:`use_cache` says which one this sampler runs. ``compiler_options``: XLA options its
-    programs are compiled with (the run's ``gpu`` section: :func:`meshtron.gpu.flags.compiler_options`).
+    programs are compiled with (the run's ``gpu`` section: :func:`meshtron.xla_options.compiler_options`).
     """
 
     def __init__(

@@ -22,13 +22,13 @@ from meshtron.data.tokenizers import ByteTokenizer, Tokenizer, checkpoint_tokeni
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
 from meshtron.forward import Forward
-from meshtron.gpu.flags import run_options
 from meshtron.mesh import build_mesh, resolve_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
 from meshtron.models.lora import lora_spec
 from meshtron.run import check_tensor_split
 from meshtron.train.frozen_base import read_params
 from meshtron.train.state import ModelDef, Params, model_def_from_config
+from meshtron.xla_options import run_options
 
 
 @dataclass

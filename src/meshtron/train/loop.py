@@ -26,7 +26,6 @@ from meshtron.data.sources import TokenDatasets, load_training_data, packs_docum
 from meshtron.data.text import Corpus
 from meshtron.errors import ConfigError, RunStopped
 from meshtron.execution import Execution
-from meshtron.gpu.flags import run_options
 from meshtron.gpu.targets import devices_for_mesh
 from meshtron.megatron import model_flops_per_token
 from meshtron.mesh import build_mesh, resolve_sizes, shown_sizes, simulate_devices_for
@@ -44,6 +43,7 @@ from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
 from meshtron.train.trainable import Trainable
 from meshtron.units import format_bytes
+from meshtron.xla_options import run_options
 
 
 @dataclass
