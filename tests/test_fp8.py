@@ -218,3 +218,31 @@ def test_gradients_are_the_same_under_any_recomputation_policy(operands, policy)
     recomputed = jax.grad(jax.checkpoint(loss, policy=getattr(jax.checkpoint_policies, policy)), argnums=(0, 1))(x, w)
     for a, b in zip(recomputed, plain, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_operands_get_their_products_and_gradients_in_their_dtype(operands, dtype):
+    """bf16 and float16 operands: products and gradients returned in their dtype, equal to float64 GEMMs of
+    the same float8 operands to that dtype's rounding -- float16's narrow range included (an output
+    gradient of 1e-3 times a weight's scale is below its smallest normal). The operands are quantized as
+    the module does (XLA:CPU's conversion from a bf16 or float16 tensor, whose values land on float8
+    ties often, rounds some ties up where ml_dtypes rounds them to even); the float32 test above holds
+    that quantization to an independent one."""
+    from meshtron.models.fp8 import _quantized
+
+    x, w, c = operands
+    x16, w16, c16 = (jnp.asarray(a, dtype) for a in (x, w, c))
+    dims = (((1,), (0,)), ((), ()))
+    y, pullback = jax.vjp(lambda a, b: fp8_dot_general(a, b, dims), x16, w16)
+    dx, dw = pullback(c16)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.dtype(dtype)
+
+    def q(a, kind):
+        values, scale = jax.jit(_quantized, static_argnums=1)(a, kind)
+        return np.asarray(values.astype(jnp.float32), np.float64), float(scale)
+
+    (qx, sx), (qw, sw), (qc, sc) = q(x16, jnp.float8_e4m3fn), q(w16, jnp.float8_e4m3fn), q(c16, jnp.float8_e5m2)
+    tolerance = 2.0 ** -jnp.finfo(dtype).nmant
+    assert rel(y, qx @ qw * (sx * sw)) < tolerance
+    assert rel(dx, qc @ qw.T * (sc * sw)) < tolerance
+    assert rel(dw, qx.T @ qc * (sc * sx)) < tolerance

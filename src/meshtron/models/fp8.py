@@ -14,13 +14,13 @@ from the tensor's absolute maximum at that moment (per tensor, as Transformer En
 scaling and torchao's tensorwise recipe do), so nothing saturates and no scaling state is carried
 between steps. Scales are rounded *up* to a power of two: the largest value then lands in the top
 binade below the format's maximum (at most one binade of range is left unused), and multiplying by a
-power of two is exact in any dtype. So each GEMM returns its product already in the operands' dtype
-(f32 accumulation inside, one rounding), scaled afterwards: a row-parallel projection's partial sums
-then cross the tensor axis in bf16, as without FP8, and the layer keeps bf16 outputs, not f32. Over a tensor split across devices the maximum is taken over the whole tensor
-(one scalar reduction), so every device quantizes with the same scale and a split run computes what
-one device computes.
+power of two is exact. So each GEMM returns its product already in the operands' dtype (f32
+accumulation inside, one rounding; f32 for float16, whose range is too narrow), scaled afterwards: a row-parallel projection's partial sums
+then cross the tensor axis in bf16, as without FP8, and the layer keeps bf16 outputs, not f32. Over a
+tensor split across devices the maximum is taken over the whole tensor (one scalar reduction), so
+every device quantizes with the same scale and a split run computes what one device computes.
 
-**The pieces** are Flax's (``flax.linen.fp8_ops``): its ``quantize``/``dequantize`` and the two
+**The pieces** are Flax's (``flax.linen.fp8_ops``): its ``quantize`` and the two
 ``dot_general`` transposes its own FP8 dot uses. Flax's modules (``Fp8DirectDotGeneralOp``,
 ``Fp8Einsum``) carry delayed-scaling state as variables whose "gradient" is their next value; current
 scaling needs no state, so the custom VJP here is a function any projection can call.
@@ -80,9 +80,16 @@ def _float8(bits: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _scaled(product: jax.Array, scale: jax.Array) -> jax.Array:
-    """A GEMM's output (already in its final dtype) times a power-of-two scale: exact in any dtype."""
-    return product * scale.astype(product.dtype)
+def _accumulated(dtype: Any) -> Any:
+    """The dtype a GEMM returning ``dtype`` writes its unscaled product in: ``dtype`` itself (bf16 and f32
+    hold any product of float8 values and any power-of-two scale), f32 for float16, whose range holds
+    neither a long sum of e4m3 products (448² each) nor a gradient's small scales."""
+    return jnp.float32 if jnp.dtype(dtype) == jnp.float16 else dtype
+
+
+def _scaled(product: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """A GEMM's unscaled product times a power-of-two scale (exact), in ``dtype``."""
+    return (product * scale.astype(product.dtype)).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -94,8 +101,8 @@ def _fp8_dot(x: jax.Array, w: jax.Array, dims: DimensionNumbers, out_dtype: Any,
 def _fp8_dot_forward(x, w, dims, out_dtype, operand_dtypes):
     del operand_dtypes
     (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
-    y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=out_dtype)
-    return _scaled(y, sx * sw), (_bits(qx), sx, _bits(qw), sw)
+    y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, _bits(qw), sw)
 
 
 def _fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g):
@@ -105,10 +112,10 @@ def _fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g):
     qg, sg = _quantized(g, E5M2)
     x_dtype, w_dtype = operand_dtypes
     dx = fp8_ops.dot_general_transpose_lhs(qg, qx, qw, dimension_numbers=dims, precision=None,
-                                           preferred_element_type=x_dtype)
+                                           preferred_element_type=_accumulated(x_dtype))
     dw = fp8_ops.dot_general_transpose_rhs(qg, qx, qw, dimension_numbers=dims, precision=None,
-                                           preferred_element_type=w_dtype)
-    return _scaled(dx, sg * sw), _scaled(dw, sg * sx)
+                                           preferred_element_type=_accumulated(w_dtype))
+    return _scaled(dx, sg * sw, x_dtype), _scaled(dw, sg * sx, w_dtype)
 
 
 _fp8_dot.defvjp(_fp8_dot_forward, _fp8_dot_backward)
@@ -135,8 +142,8 @@ def _fp8_ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, out_dtype: Any
 def _fp8_ragged_forward(x, w, sizes, out_dtype, operand_dtypes):
     del operand_dtypes
     (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
-    y = jax.lax.ragged_dot(qx, qw, sizes, preferred_element_type=out_dtype)
-    return _scaled(y, sx * sw), (_bits(qx), sx, _bits(qw), sw, sizes)
+    y = jax.lax.ragged_dot(qx, qw, sizes, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, _bits(qw), sw, sizes)
 
 
 # dw[g] = x_g^T g_g: the rows' (ragged) dimension contracted, one output per group.
@@ -150,9 +157,10 @@ def _fp8_ragged_backward(out_dtype, operand_dtypes, residuals, g):
     qx, qw = _float8(x_bits, E4M3), _float8(w_bits, E4M3)
     qg, sg = _quantized(g, E5M2)
     x_dtype, w_dtype = operand_dtypes
-    dx = jax.lax.ragged_dot(qg, jnp.swapaxes(qw, 1, 2), sizes, preferred_element_type=x_dtype)
-    dw = jax.lax.ragged_dot_general(qx, qg, sizes, _PER_GROUP_WEIGHT_GRADIENT, preferred_element_type=w_dtype)
-    return _scaled(dx, sg * sw), _scaled(dw, sg * sx), None
+    dx = jax.lax.ragged_dot(qg, jnp.swapaxes(qw, 1, 2), sizes, preferred_element_type=_accumulated(x_dtype))
+    dw = jax.lax.ragged_dot_general(qx, qg, sizes, _PER_GROUP_WEIGHT_GRADIENT,
+                                    preferred_element_type=_accumulated(w_dtype))
+    return _scaled(dx, sg * sw, x_dtype), _scaled(dw, sg * sx, w_dtype), None
 
 
 _fp8_ragged_dot.defvjp(_fp8_ragged_forward, _fp8_ragged_backward)
