@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
+import subprocess
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -31,3 +33,15 @@ def print_table(header: list[str], rows: list[list]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+
+
+def child_failure(done: subprocess.CompletedProcess) -> str:
+    """Why a child compile gave no result: XLA's failed check, else the signal that ended it, else its
+    last line of stderr."""
+    lines = [x.strip() for x in done.stderr.splitlines() if x.strip() and not x.lstrip().startswith("@")]
+    checks = [x.split("] ", 1)[-1] for x in lines if "Check failed" in x]
+    if checks:
+        return f"XLA aborted: {checks[0]}"
+    if done.returncode < 0:
+        return f"XLA crashed: {signal.Signals(-done.returncode).name}"
+    return lines[-1] if lines else f"exit {done.returncode}"

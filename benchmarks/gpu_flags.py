@@ -52,7 +52,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -121,23 +120,12 @@ def _one(extra: list[str]) -> dict:
             "estimate": estimate_json(estimate)}
 
 
-def _failure(done: subprocess.CompletedProcess) -> str:
-    """Why a child compile gave no result: XLA's failed check, else the signal or the last line."""
-    lines = [x.strip() for x in done.stderr.splitlines() if x.strip() and not x.lstrip().startswith("@")]
-    checks = [x.split("] ", 1)[-1] for x in lines if "Check failed" in x]
-    if checks:
-        return f"XLA aborted: {checks[0]}"
-    if done.returncode < 0:
-        return f"XLA crashed: {signal.Signals(-done.returncode).name}"
-    return lines[-1] if lines else f"exit {done.returncode}"
-
-
 def main() -> None:
     if "--one" in sys.argv:
         print("RESULT " + json.dumps(_one(sys.argv[sys.argv.index("--one") + 1 :])))
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import print_table, write_results
+    from _common import child_failure, print_table, write_results
 
     runs = []
     for label, flags, *extra in SETTINGS:
@@ -147,7 +135,7 @@ def main() -> None:
                               text=True)
         line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
-            runs.append({"setting": label, "flags": flags, "overrides": extra, "error": _failure(done)})
+            runs.append({"setting": label, "flags": flags, "overrides": extra, "error": child_failure(done)})
         else:
             runs.append({"setting": label, "flags": flags, "overrides": extra, **json.loads(line[len("RESULT "):])})
         print(f"{label}: done", file=sys.stderr, flush=True)

@@ -157,18 +157,9 @@ def _one(config: str, overrides: list[str], hlo_path: str) -> dict:
             "estimate": estimate_json(estimate), "hidden_fraction": estimate.hidden_fraction}
 
 
-def _failure(done: subprocess.CompletedProcess) -> str:
-    """Why a child compile gave no result: XLA's failed check, a ConfigError, else the last line."""
-    lines = [x.strip() for x in done.stderr.splitlines() if x.strip() and not x.lstrip().startswith("@")]
-    checks = [x.split("] ", 1)[-1] for x in lines if "Check failed" in x]
-    if checks:
-        return f"XLA aborted: {checks[0]}"
-    if done.returncode < 0:
-        return f"killed by signal {-done.returncode}"
-    return lines[-1] if lines else f"exit {done.returncode}"
-
-
 def _run_row(key: str) -> dict:
+    from _common import child_failure  # (sets the simulated device count: in the parent only)
+
     config, devices, layout, overrides = _spec(key)
     hlo = HLO_DIR / f"{key.replace(':', '-').replace('+', '_').replace('/', '_').replace(' ', '_').replace('(', '').replace(')', '')}.hlo"
     record = {"key": key, "model": key.split(":")[0], "setting": key.split(":")[1], "config": config,
@@ -182,7 +173,7 @@ def _run_row(key: str) -> dict:
         return {**record, "error": f"compile did not finish in {TIMEOUT_S} s"}
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     record["wall_s"] = round(time.perf_counter() - start, 1)
-    record.update({"error": _failure(done)} if line is None else json.loads(line[len("RESULT "):]))
+    record.update({"error": child_failure(done)} if line is None else json.loads(line[len("RESULT "):]))
     return record
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -164,17 +163,6 @@ def _hlo_path(layout: str, label: str) -> Path:
     return HLO_DIR / f"{layout}-{label.replace(' ', '_').replace(',', '').replace('/', '_')}.hlo"
 
 
-def _failure(done: subprocess.CompletedProcess) -> str:
-    """Why a child compile gave no result: XLA's failed check, else the signal or the last line."""
-    lines = [x.strip() for x in done.stderr.splitlines() if x.strip() and not x.lstrip().startswith("@")]
-    checks = [x.split("] ", 1)[-1] for x in lines if "Check failed" in x]
-    if checks:
-        return f"XLA aborted: {checks[0]}"
-    if done.returncode < 0:
-        return f"XLA crashed: {signal.Signals(-done.returncode).name}"
-    return lines[-1] if lines else f"exit {done.returncode}"
-
-
 def _rows(runs: list[dict]) -> list[list]:
     rows = []
     for run in runs:
@@ -222,7 +210,7 @@ def main() -> None:
         print("RESULT " + json.dumps(_one(layout, overrides, hlo_path)))
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import RESULTS, print_table, write_results
+    from _common import RESULTS, child_failure, print_table, write_results
 
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     previous = RESULTS / f"{RESULT_NAME}.json"
@@ -247,7 +235,7 @@ def main() -> None:
             done = subprocess.run(child, check=False, env=env, capture_output=True, text=True)
             line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
             record = {"layout": layout, "setting": label, "overrides": overrides}
-            record.update({"error": _failure(done)} if line is None else json.loads(line[len("RESULT "):]))
+            record.update({"error": child_failure(done)} if line is None else json.loads(line[len("RESULT "):]))
             runs.append(record)
             print(f"{layout} {label}: {'failed: ' + record['error'] if 'error' in record else 'done'}", file=sys.stderr,
                   flush=True)
