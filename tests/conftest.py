@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 from subprocess_env import OPTIMISATION
 
@@ -34,6 +35,17 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+@pytest.fixture
+def operands():
+    """An FP8 projection's operands (tests/test_fp8*.py): activations of a few units, a weight of 0.02 and
+    an output gradient of 1e-3, as float32."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 32)).astype(np.float32) * 3.0
+    w = (rng.standard_normal((32, 24)) * 0.02).astype(np.float32)
+    cotangent = rng.standard_normal((6, 24)).astype(np.float32) * 1e-3
+    return x, w, cotangent
 
 
 @pytest.fixture

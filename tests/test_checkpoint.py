@@ -71,6 +71,7 @@ def killed_at(t: Trainer, step: int) -> None:
 @pytest.mark.parametrize("optimizer, layout", [
     ("adamw", INTERLEAVED_222),
     ("adamw", [*INTERLEAVED_222, "model.fp8=current", "model.dtype=bfloat16"]),  # FP8 projections
+    ("adamw", [*INTERLEAVED_222, "model.fp8=delayed", "model.dtype=bfloat16"]),  # and their amax history
     ("lamb", mesh(4, 1, 2)),
     ("lamb", [*mesh(2, 2, 2, microbatches=2), "parallel.layout=Et|tttL"]),  # uneven: padded layer slots
 ])
@@ -83,6 +84,8 @@ def test_resume_is_bitwise(tmp_path, optimizer, layout):
     assert resumed.first_step == 4
     assert resumed.losses == straight.losses[3:]  # bitwise
     np.testing.assert_array_equal(jax.device_get(resumed.params["wte"]), jax.device_get(straight.params["wte"]))
+    if "fp8_history" in resumed.params["blocks"]:
+        np.testing.assert_array_equal(*(jax.device_get(r.params["blocks"]["fp8_history"]) for r in (resumed, straight)))
 
 
 def test_onebit_resume_is_bitwise_before_and_after_the_freeze(tmp_path):

@@ -37,15 +37,6 @@ def rel(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.fixture
-def operands():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((6, 32)).astype(np.float32) * 3.0
-    w = (rng.standard_normal((32, 24)) * 0.02).astype(np.float32)
-    cotangent = rng.standard_normal((6, 24)).astype(np.float32) * 1e-3
-    return x, w, cotangent
-
-
 def test_fp8_gemm_and_both_gradients_equal_the_quantized_products(operands):
     x, w, c = operands
     dims = (((1,), (0,)), ((), ()))
@@ -116,16 +107,18 @@ def test_a_users_nnx_model_takes_fp8_through_the_documented_hook():
     assert "f8E4M3FN" in text
 
 
-def test_model_fp8_takes_off_and_current_and_names_the_field_otherwise():
+def test_model_fp8_takes_off_current_and_delayed_and_names_the_field_otherwise():
     assert load_config(None, ["model.fp8=current"]).model.fp8 == "current"
-    with pytest.raises(ConfigError, match=r"^model.fp8: must be one of off, current \(off: projections in "
-                                          r"model.dtype; current: FP8 GEMMs scaled per tensor\), got 'e4m3'"):
+    assert load_config(None, ["model.fp8=delayed"]).model.fp8 == "delayed"
+    with pytest.raises(ConfigError, match=r"^model.fp8: must be one of off, current, delayed \(off: projections in "
+                                          r"model.dtype; current: FP8 GEMMs scaled per tensor by its amax; delayed: "
+                                          r"by an amax history\), got 'e4m3'"):
         load_config(None, ["model.fp8=e4m3"])
 
 
-def _llama(dtype: str, tensor: int):
+def _llama(dtype: str, tensor: int, fp8: str = "off"):
     return model_def_from_config(ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=2, layers=4,
-                                             mlp_dim=128, seq_len=16, dtype=dtype), tensor)
+                                             mlp_dim=128, seq_len=16, dtype=dtype, fp8=fp8), tensor)
 
 
 # Tolerances, as measured on these layouts. With float32 activations the FP8 products equal one device's
@@ -137,6 +130,7 @@ def _llama(dtype: str, tensor: int):
 # while the loss stays within 1e-4.
 TOLERANCES = {
     ("float32", "current"): {"loss_rtol": 1e-5, "rtol": 1e-2, "atol": 1e-5},
+    ("float32", "delayed"): {"loss_rtol": 1e-5, "rtol": 1e-2, "atol": 1e-5},
     ("bfloat16", "current"): {"loss_rtol": 1e-4, "norm_rtol": 0.2, "atol": 0.0},
     ("bfloat16", "off"): {"loss_rtol": 1e-4, "norm_rtol": 0.03, "atol": 0.0},
 }
@@ -148,14 +142,14 @@ PARITY_LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(2, 
 @pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=str)
 def test_parity_oracle_with_fp8_and_with_bf16(layout, dtype, fp8):
     """The loss and every gradient on each layout equal one device's, with FP8 projections and in bf16."""
-    [report] = check_parity(_llama(dtype, layout.tensor), [layout], execution=Execution(fp8=fp8),
+    [report] = check_parity(_llama(dtype, layout.tensor, fp8), [layout], execution=Execution(fp8=fp8),
                             **TOLERANCES[dtype, fp8])
     assert report.ok
 
 
 @pytest.mark.gpu_compile
 @pytest.mark.slow
-@pytest.mark.parametrize("fp8", ["current", "off"])
+@pytest.mark.parametrize("fp8", ["current", "delayed", "off"])
 def test_h100_program_runs_every_block_gemm_on_fp8_operands(gpu_target, fp8):
     """Compiled for 8 H100s (zb-h1 on 2x2x2: forward, input-gradient and weight-gradient passes): with FP8
     every GEMM of the layer loop has float8 operands -- e4m3 x e4m3 forward, e5m2 x e4m3 for both
@@ -246,3 +240,29 @@ def test_low_precision_operands_get_their_products_and_gradients_in_their_dtype(
     assert rel(y, qx @ qw * (sx * sw)) < tolerance
     assert rel(dx, qc @ qw.T * (sc * sw)) < tolerance
     assert rel(dw, qx.T @ qc * (sc * sx)) < tolerance
+
+
+@pytest.mark.parametrize("remat", ["full", "offload"])
+def test_a_recomputed_block_keeps_its_fp8_weights_instead_of_quantizing_them_again(operands, remat):
+    """Under ``model.remat=full``/``offload`` the rerun forward reuses the weight quantized in the forward
+    (one amax reduction of it per step, not two: the input's is taken twice, the output gradient's once),
+    with the same gradients; when each layer's parameters are gathered as it runs (zero=3) it quantizes
+    again instead of holding every layer's gathered weights."""
+    from meshtron.models.blocks import recomputed
+    from meshtron.trace_context import LayerView
+
+    x, w, c = operands
+
+    def traced(views=()):
+        with using(fp8="current", layer_views=views):
+            block = recomputed(lambda h, b: jnp.tanh(projection_einsum("se,ef->sf", h, b)), remat)
+            grad = jax.grad(lambda h, b: jnp.sum(block(h, b) * c), argnums=(0, 1))
+            return str(jax.make_jaxpr(grad)(x, w)).count("reduce_max"), grad(x, w)
+
+    kept, gradients = traced()
+    gathered, _ = traced((LayerView(lambda layer: layer, None, None),))
+    assert (kept, gathered) == (4, 5)
+    with using(fp8="current"):
+        plain = jax.grad(lambda h, b: jnp.sum(jnp.tanh(projection_einsum("se,ef->sf", h, b)) * c), argnums=(0, 1))(x, w)
+    for a, b in zip(gradients, plain, strict=True):
+        np.testing.assert_array_equal(a, b)

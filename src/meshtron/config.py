@@ -114,7 +114,10 @@ class ModelConfig:
     # a GPT's position table, a Llama's advertised context; null = seq_len. seq_len is the training window.
     max_position_embeddings: int | None = None
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: xla, or cudnn (flash attention, GPUs)
-    fp8: str = "off"  # off | current: the blocks' projections as FP8 GEMMs, scaled per tensor (models/fp8.py)
+    # off | current | delayed: the blocks' projections as FP8 GEMMs, scaled per tensor by its own amax (current)
+    # or by the largest amax of the last fp8_amax_history steps (delayed; models/fp8.py, models/fp8_scaling.py)
+    fp8: str = "off"
+    fp8_amax_history: int = 16
     # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered) or ring
     # (blocks passed around, two resident at a time). Ignored with parallel.context=1.
     context_attention: str = "gathered"
@@ -673,7 +676,10 @@ def validate(cfg: Config) -> None:
               "the model's positions; raise it or lower model.seq_len")
     _need(m.fp8 in FP8_RECIPES, "model.fp8",
           f"must be one of {', '.join(FP8_RECIPES)} (off: projections in model.dtype; current: FP8 GEMMs scaled "
-          f"per tensor), got {m.fp8!r}")
+          f"per tensor by its amax; delayed: by an amax history), got {m.fp8!r}")
+    _need(isinstance(m.fp8_amax_history, int) and m.fp8_amax_history >= 1, "model.fp8_amax_history",
+          f"must be a whole number of steps >= 1 (how many steps' amaxes delayed FP8 scaling takes the largest "
+          f"of), got {m.fp8_amax_history!r}")
     _need(m.attention in ("xla", "cudnn"), "model.attention",
           f"must be 'xla' or 'cudnn' (cuDNN flash attention, GPUs only), got {m.attention!r}")
     _need(m.context_attention in CONTEXT_EXCHANGES, "parallel.context_attention",

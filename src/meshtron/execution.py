@@ -31,7 +31,8 @@ __all__ = ["DEFAULT_EXECUTION", "EXCHANGES", "FP8_RECIPES", "REMAT_MODES", "Exec
 REMAT_MODES = (*MEGATRON_REMAT_MODES, "offload")
 """``model.remat``: Megatron's recomputation modes, and ``offload`` -- what ``full`` keeps (each block's
 input) kept in pinned host memory instead of on the device."""
-FP8_RECIPES = ("off", "current")  # model.fp8: projections in their own dtype, or FP8 GEMMs scaled per tensor now
+FP8_RECIPES = ("off", "current", "delayed")  # model.fp8: projections in their own dtype, or FP8 GEMMs scaled per
+# tensor by its own amax now, or by an amax history (models/fp8.py, models/fp8_scaling.py)
 EXCHANGES = ("gathered", "ring")  # parallel.context_attention: keys and values all-gathered, or passed round a ring
 
 

@@ -46,7 +46,12 @@ class TraceContext:
     default, :data:`meshtron.sharding.MEGATRON_RULES`).
     ``attention``: the attention backend when a call names none (``None``: JAX's choice).
     ``recompute_core``: attention cores keep only their inputs for the backward (``remat=selective``).
-    ``fp8``: the recipe projections multiply by (``off``: their own dtype; ``current``: FP8 GEMMs).
+    ``fp8``: the recipe projections multiply by (``off``: their own dtype; ``current``/``delayed``: FP8 GEMMs).
+    ``fp8_layer``: under ``delayed``, the scaling state of the layer being traced
+    (:class:`meshtron.models.fp8_scaling.LayerScaling`; ``None`` outside a layer).
+    ``loss_groups``: how many groups of rows (microbatches x data ranks) the step averages its loss over,
+    each group's loss a mean of its own: a backward's output gradients are about that many times the
+    whole batch's (delayed FP8 scaling records them in the whole batch's units).
     ``exchange``: how attention over a split sequence exchanges keys and values.
     ``layer_views``: the active layer views, outermost first.
     ``segments``: packed documents' segment ids that whole-sequence attention masks by.
@@ -61,6 +66,8 @@ class TraceContext:
     attention: str | None = None
     recompute_core: bool = False
     fp8: str = "off"
+    fp8_layer: Any = None
+    loss_groups: int = 1
     exchange: str = "gathered"
     layer_views: tuple[LayerView, ...] = ()
     segments: Any = None

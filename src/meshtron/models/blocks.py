@@ -28,6 +28,8 @@ from jax.ad_checkpoint import checkpoint_name
 from meshtron.models import documents
 from meshtron.models.auxiliary import collecting_reports
 from meshtron.models.context_attention import local_positions
+from meshtron.models.fp8 import FP8_WEIGHT
+from meshtron.models.fp8_scaling import layer_scaling
 from meshtron.sharding import constrain, varying_like
 from meshtron.trace_context import LayerView, current, using
 
@@ -185,6 +187,14 @@ def layer_view(graphdef: Any, layer_state: Any, x: jax.Array | None = None) -> n
     return block
 
 
+def run_layer(graphdef: Any, layer_state: Any, x: jax.Array, ctx: Context) -> Any:
+    """One block from its layer's state (:func:`layer_view`) applied to ``x``, its FP8 projections
+    reading that layer's delayed-scaling state (:func:`meshtron.models.fp8_scaling.layer_scaling`)."""
+    block = layer_view(graphdef, layer_state, x)
+    with layer_scaling(block):
+        return block(x, ctx)
+
+
 def regathered(layer: Callable) -> Callable:
     """``layer`` not keeping what a :func:`layer_parameters` view makes for its backward pass: the
     view's output (a layer's gathered parameters, adapters merged into their matrices) is made again in
@@ -206,21 +216,37 @@ def regathered(layer: Callable) -> Callable:
 BLOCK_INPUT = "block_input"
 """The checkpoint name of a block's input under ``remat="offload"``: the one value its backward keeps,
 moved to pinned host memory between the forward and the backward."""
-OFFLOAD_POLICY = jax.checkpoint_policies.save_and_offload_only_these_names(
-    names_which_can_be_saved=[], names_which_can_be_offloaded=[BLOCK_INPUT],
-    offload_src="device", offload_dst="pinned_host")
+
+
+def offload_policy(kept: tuple[str, ...] = ()) -> Callable:
+    """The ``remat="offload"`` policy: :data:`BLOCK_INPUT` to pinned host memory, the ``kept`` names saved on
+    the device, the rest recomputed."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(kept), names_which_can_be_offloaded=[BLOCK_INPUT],
+        offload_src="device", offload_dst="pinned_host")
+
+
+def _kept_through_recomputation() -> tuple[str, ...]:
+    """What a recomputed block keeps besides its input: its FP8 weights (1 byte per weight, quantized once
+    instead of again in the rerun) -- unless each layer's parameters are gathered as it runs (fully
+    sharded data parallelism), where keeping them would hold every layer's gathered weights at once."""
+    gathered = any(entry.view is not None for entry in current().layer_views)
+    return (FP8_WEIGHT,) if current().fp8 != "off" and not gathered else ()
 
 
 def recomputed(layer: Callable, remat: str) -> Callable:
     """``layer(h, ...)`` as ``remat`` keeps it for the backward: recomputed whole from its input kept on
     the device (``full``) or in pinned host memory (``offload``: the input is named :data:`BLOCK_INPUT`
     and the policy copies it to the host in the forward and back in the backward, where everything
-    else is recomputed from it); otherwise as :func:`regathered` leaves it."""
+    else is recomputed from it); otherwise as :func:`regathered` leaves it. Under ``model.fp8`` both
+    keep the quantized weights (:func:`_kept_through_recomputation`)."""
+    kept = _kept_through_recomputation()
     if remat == "full":
-        return jax.checkpoint(layer, prevent_cse=False)
+        policy = jax.checkpoint_policies.save_only_these_names(*kept) if kept else None
+        return jax.checkpoint(layer, policy=policy, prevent_cse=False)
     if remat == "offload":
         return jax.checkpoint(lambda h, *rest: layer(checkpoint_name(h, BLOCK_INPUT), *rest),
-                              policy=OFFLOAD_POLICY, prevent_cse=False)
+                              policy=offload_policy(kept), prevent_cse=False)
     return regathered(layer)
 
 
@@ -249,7 +275,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
         return _run_collecting(graphdef, state, x, ctx, active)
     if ctx.cache is None:
         def one_layer(h, layer_state):
-            return constrain(layer_view(graphdef, layer_state, h)(h, ctx), RESIDUAL), None
+            return constrain(run_layer(graphdef, layer_state, h, ctx), RESIDUAL), None
 
         one_layer = recomputed(one_layer, remat)
         if active is None:
@@ -269,7 +295,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     def cached_layer(carry, layer_state):
         h, caches, i = carry
         cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), caches)
-        h, cache = layer_view(graphdef, layer_state, h)(h, replace(ctx, cache=cache))
+        h, cache = run_layer(graphdef, layer_state, h, replace(ctx, cache=cache))
         caches = jax.tree.map(lambda c, n: jax.lax.dynamic_update_index_in_dim(c, n, i, 0), caches, cache)
         return (h, caches, i + 1), None
 
@@ -280,7 +306,7 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
 def _run_collecting(graphdef: Any, state: Any, x: jax.Array, ctx: Context, active: jax.Array | int | None):
     def one_layer(h, layer_state):
         with collecting_reports() as found:
-            h = constrain(layer_view(graphdef, layer_state, h)(h, ctx), RESIDUAL)
+            h = constrain(run_layer(graphdef, layer_state, h, ctx), RESIDUAL)
         return h, tuple(found)
 
     layers = jax.tree.leaves(state)[0].shape[0]

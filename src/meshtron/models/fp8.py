@@ -40,11 +40,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
+from jax.ad_checkpoint import checkpoint_name
 
+from meshtron.models.fp8_scaling import current_layer, exponent_bins
 from meshtron.trace_context import current
 
-__all__ = ["E4M3", "E5M2", "fp8_dot_general", "power_of_two_scale", "projection_dot_general", "projection_einsum",
-           "projection_ragged_dot"]
+__all__ = ["E4M3", "E5M2", "FP8_WEIGHT", "fp8_dot_general", "power_of_two_scale", "projection_dot_general",
+           "projection_einsum", "projection_ragged_dot"]
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, range +-448
 E5M2 = jnp.float8_e5m2  # output gradients: 2 mantissa bits, range +-57344
@@ -56,15 +58,49 @@ def power_of_two_scale(x: jax.Array, dtype: Any) -> jax.Array:
     """The f32 scale ``s`` that ``x / s`` is cast to ``dtype`` with: ``amax(|x|) / max(dtype)`` rounded up
     to a power of two (1 for an all-zero tensor; NaN or Inf when ``x`` holds one, so the step's loss shows
     it instead of a silently clipped product)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    ratio = amax / jnp.finfo(dtype).max.astype(jnp.float32)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(ratio)))
+    return _scale_of(_amax(x), dtype)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def _scale_of(amax: jax.Array, dtype: Any) -> jax.Array:
+    scale = _power_of_two_at_least(amax / jnp.finfo(dtype).max.astype(jnp.float32))
     return jnp.where(amax == 0, jnp.ones_like(scale), scale).astype(jnp.float32)
+
+
+def _power_of_two_at_least(v: jax.Array) -> jax.Array:
+    """``2^ceil(log2(v))`` exactly (XLA's ``exp2`` of an integer is not always a power of two); a non-finite
+    ``v`` as it is."""
+    mantissa, exponent = jnp.frexp(v)  # v = mantissa * 2^exponent, mantissa in [0.5, 1)
+    power = jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    return jnp.where(jnp.isfinite(v), power, v)
 
 
 def _quantized(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     scale = power_of_two_scale(x, dtype)
     return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale
+
+
+def _quantized_delayed(x: jax.Array, dtype: Any, delayed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``x`` cast by its history's scale ``delayed`` (by its own amax where the history is empty: 0), the
+    scale used, and the one-hot of ``x``'s amax exponent for the next step's history."""
+    amax = _amax(x)
+    scale = jnp.where(delayed == 0, _scale_of(amax, dtype), delayed)
+    return fp8_ops.quantize(x, dtype, scale, jnp.float32), scale, exponent_bins(amax)
+
+
+def _quantized_gradient(g: jax.Array, delayed: jax.Array, groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An output gradient cast to e5m2 as :func:`_quantized_delayed` casts, its history kept in the whole
+    batch's units: a step that averages ``groups`` groups' mean losses back-propagates ``groups`` times
+    the whole batch's gradients, so the history's scale is multiplied by ``groups`` (rounded up to a
+    power of two) and the amax recorded divided by it -- a history restored onto a mesh with other data
+    ranks or microbatches then still fits its gradients."""
+    amax = _amax(g)
+    grouped = _power_of_two_at_least(delayed * groups) if groups > 1 else delayed
+    scale = jnp.where(delayed == 0, _scale_of(amax, E5M2), grouped)
+    return fp8_ops.quantize(g, E5M2, scale, jnp.float32), scale, exponent_bins(amax / groups)
 
 
 def _bits(q: jax.Array) -> jax.Array:
@@ -74,6 +110,17 @@ def _bits(q: jax.Array) -> jax.Array:
     takes the top binade of ``float8_e4m3fn`` (256 to 448: finite in this format, no infinities) for
     infinities -- a kept e4m3 operand would come back NaN. Bytes pass through untouched."""
     return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+FP8_WEIGHT = "fp8_weight"
+"""The checkpoint name of a projection's quantized weight (its bytes and scale): a recomputation policy
+that saves it (:func:`meshtron.models.blocks.recomputed`) keeps the weight in FP8 from the forward to the
+backward instead of quantizing it again in the rerun."""
+
+
+def _kept_weight(qw: jax.Array, sw: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A quantized weight's bytes and scale, named :data:`FP8_WEIGHT`."""
+    return checkpoint_name(_bits(qw), FP8_WEIGHT), checkpoint_name(sw, FP8_WEIGHT)
 
 
 def _float8(bits: jax.Array, dtype: Any) -> jax.Array:
@@ -100,9 +147,9 @@ def _fp8_dot(x: jax.Array, w: jax.Array, dims: DimensionNumbers, out_dtype: Any,
 
 def _fp8_dot_forward(x, w, dims, out_dtype, operand_dtypes):
     del operand_dtypes
-    (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
-    y = jax.lax.dot_general(qx, qw, dims, preferred_element_type=_accumulated(out_dtype))
-    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, _bits(qw), sw)
+    (qx, sx), (qw_bits, sw) = _quantized(x, E4M3), _kept_weight(*_quantized(w, E4M3))
+    y = jax.lax.dot_general(qx, _float8(qw_bits, E4M3), dims, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, qw_bits, sw)
 
 
 def _fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g):
@@ -110,6 +157,11 @@ def _fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g):
     x_bits, sx, w_bits, sw = residuals
     qx, qw = _float8(x_bits, E4M3), _float8(w_bits, E4M3)
     qg, sg = _quantized(g, E5M2)
+    return _dot_transposes(dims, operand_dtypes, qx, sx, qw, sw, qg, sg)
+
+
+def _dot_transposes(dims, operand_dtypes, qx, sx, qw, sw, qg, sg):
+    """Both backward GEMMs of ``x . w`` on float8 operands: the input and the weight gradient, scaled."""
     x_dtype, w_dtype = operand_dtypes
     dx = fp8_ops.dot_general_transpose_lhs(qg, qx, qw, dimension_numbers=dims, precision=None,
                                            preferred_element_type=_accumulated(x_dtype))
@@ -121,16 +173,57 @@ def _fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g):
 _fp8_dot.defvjp(_fp8_dot_forward, _fp8_dot_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _delayed_dot(x, w, scales, probe, dims, out_dtype, operand_dtypes, groups):
+    return _delayed_dot_forward(x, w, scales, probe, dims, out_dtype, operand_dtypes, groups)[0]
+
+
+def _delayed_operands(x, w, scales):
+    """Both forward operands cast at their history's scales: ``x`` in float8 and its scale, the weight's
+    kept bytes and scale, and their amaxes' one-hots for the next step's history."""
+    qx, sx, bx = _quantized_delayed(x, E4M3, scales[0])
+    qw, sw, bw = _quantized_delayed(w, E4M3, scales[1])
+    return (qx, sx, *_kept_weight(qw, sw), jnp.stack([bx, bw]))
+
+
+def _delayed_dot_forward(x, w, scales, probe, dims, out_dtype, operand_dtypes, groups):
+    del probe, operand_dtypes, groups
+    qx, sx, qw_bits, sw, bins = _delayed_operands(x, w, scales)
+    y = jax.lax.dot_general(qx, _float8(qw_bits, E4M3), dims, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, qw_bits, sw, scales, bins)
+
+
+def _delayed_dot_backward(dims, out_dtype, operand_dtypes, groups, residuals, g):
+    x_bits, sx, w_bits, sw, scales, forward_bins = residuals
+    qg, sg, bg = _quantized_gradient(g, scales[2], groups)
+    dx, dw = _dot_transposes(dims, operand_dtypes, _float8(x_bits, E4M3), sx, _float8(w_bits, E4M3), sw, qg, sg)
+    return dx, dw, jnp.zeros_like(scales), jnp.concatenate([forward_bins, bg[None]])
+
+
+_delayed_dot.defvjp(_delayed_dot_forward, _delayed_dot_backward)
+
+
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNumbers, precision: Any = None,
                     preferred_element_type: Any = None, **_: Any) -> jax.Array:
-    """``jax.lax.dot_general`` computed as an FP8 GEMM with current power-of-two scaling (both operands
-    ``e4m3``; in the backward the output gradient ``e5m2``), accumulated in f32 and returned in
-    ``preferred_element_type`` (default: the operands' promoted dtype). ``precision`` has no meaning for
-    float8 operands and is ignored; the operands' own dtypes are their gradients' dtypes."""
+    """``jax.lax.dot_general`` computed as an FP8 GEMM (both operands ``e4m3``; in the backward the output
+    gradient ``e5m2``), accumulated in f32 and returned in ``preferred_element_type`` (default: the
+    operands' promoted dtype). Scaled per tensor by its own amax (current scaling), or inside a block under
+    ``model.fp8=delayed`` by its projection's amax history. ``precision`` has no meaning for float8
+    operands and is ignored; the operands' own dtypes are their gradients' dtypes."""
     del precision
-    out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    return _fp8_product(lhs, rhs, dimension_numbers, preferred_element_type, projections=1)
+
+
+def _fp8_product(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNumbers, preferred_element_type: Any,
+                 projections: int) -> jax.Array:
+    """:func:`fp8_dot_general` of a GEMM that multiplies by ``projections`` joined weight matrices."""
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     dims = tuple(tuple(tuple(int(a) for a in axes) for axes in pair) for pair in dimension_numbers)
-    return _fp8_dot(lhs, rhs, dims, jnp.dtype(out_dtype), (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype)))
+    dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+    site = _delayed_site(projections)
+    if site is not None:
+        return _delayed_dot(lhs, rhs, *site, dims, out_dtype, dtypes, current().loss_groups)
+    return _fp8_dot(lhs, rhs, dims, out_dtype, dtypes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -141,9 +234,9 @@ def _fp8_ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array, out_dtype: Any
 
 def _fp8_ragged_forward(x, w, sizes, out_dtype, operand_dtypes):
     del operand_dtypes
-    (qx, sx), (qw, sw) = _quantized(x, E4M3), _quantized(w, E4M3)
-    y = jax.lax.ragged_dot(qx, qw, sizes, preferred_element_type=_accumulated(out_dtype))
-    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, _bits(qw), sw, sizes)
+    (qx, sx), (qw_bits, sw) = _quantized(x, E4M3), _kept_weight(*_quantized(w, E4M3))
+    y = jax.lax.ragged_dot(qx, _float8(qw_bits, E4M3), sizes, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, qw_bits, sw, sizes)
 
 
 # dw[g] = x_g^T g_g: the rows' (ragged) dimension contracted, one output per group.
@@ -156,29 +249,89 @@ def _fp8_ragged_backward(out_dtype, operand_dtypes, residuals, g):
     x_bits, sx, w_bits, sw, sizes = residuals
     qx, qw = _float8(x_bits, E4M3), _float8(w_bits, E4M3)
     qg, sg = _quantized(g, E5M2)
+    return (*_ragged_transposes(operand_dtypes, qx, sx, qw, sw, qg, sg, sizes), None)
+
+
+def _ragged_transposes(operand_dtypes, qx, sx, qw, sw, qg, sg, sizes):
+    """Both backward grouped GEMMs of a ragged ``x . w[group]`` on float8 operands, scaled."""
     x_dtype, w_dtype = operand_dtypes
     dx = jax.lax.ragged_dot(qg, jnp.swapaxes(qw, 1, 2), sizes, preferred_element_type=_accumulated(x_dtype))
     dw = jax.lax.ragged_dot_general(qx, qg, sizes, _PER_GROUP_WEIGHT_GRADIENT,
                                     preferred_element_type=_accumulated(w_dtype))
-    return _scaled(dx, sg * sw, x_dtype), _scaled(dw, sg * sx, w_dtype), None
+    return _scaled(dx, sg * sw, x_dtype), _scaled(dw, sg * sx, w_dtype)
 
 
 _fp8_ragged_dot.defvjp(_fp8_ragged_forward, _fp8_ragged_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _delayed_ragged_dot(x, w, sizes, scales, probe, out_dtype, operand_dtypes, groups):
+    return _delayed_ragged_forward(x, w, sizes, scales, probe, out_dtype, operand_dtypes, groups)[0]
+
+
+def _delayed_ragged_forward(x, w, sizes, scales, probe, out_dtype, operand_dtypes, groups):
+    del probe, operand_dtypes, groups
+    qx, sx, qw_bits, sw, bins = _delayed_operands(x, w, scales)
+    y = jax.lax.ragged_dot(qx, _float8(qw_bits, E4M3), sizes, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, qw_bits, sw, sizes, scales, bins)
+
+
+def _delayed_ragged_backward(out_dtype, operand_dtypes, groups, residuals, g):
+    x_bits, sx, w_bits, sw, sizes, scales, forward_bins = residuals
+    qg, sg, bg = _quantized_gradient(g, scales[2], groups)
+    dx, dw = _ragged_transposes(operand_dtypes, _float8(x_bits, E4M3), sx, _float8(w_bits, E4M3), sw, qg, sg, sizes)
+    return dx, dw, None, jnp.zeros_like(scales), jnp.concatenate([forward_bins, bg[None]])
+
+
+_delayed_ragged_dot.defvjp(_delayed_ragged_forward, _delayed_ragged_backward)
 
 
 def _fp8_on() -> bool:
     return current().fp8 != "off"
 
 
+def _delayed_site(projections: int = 1) -> tuple[jax.Array, jax.Array] | None:
+    """Under ``model.fp8=delayed`` inside a layer: the ``(scales, probe)`` of the next ``projections``
+    (:meth:`meshtron.models.fp8_scaling.LayerScaling.next_site`); ``None`` otherwise (current scaling:
+    there is no state outside the blocks)."""
+    layer = current_layer() if current().fp8 == "delayed" else None
+    return None if layer is None else layer.next_site(projections)
+
+
 def projection_einsum(spec: str, x: jax.Array, w: jax.Array, *, precision: Any = None,
-                      preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
+                      preferred_element_type: Any = None, out_sharding: Any = None, projections: int = 1) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` for a projection by a weight matrix: FP8 GEMMs under the run's
     ``model.fp8`` (:func:`fp8_dot_general`), the plain einsum otherwise. Pass it as an ``nnx.Einsum``'s
-    ``einsum_op`` (or call it where a model multiplies by a matrix itself)."""
+    ``einsum_op`` (or call it where a model multiplies by a matrix itself). ``projections``: how many
+    projection matrices ``w`` joins (a fused query/key/value or gate/up kernel): under delayed scaling it
+    takes the scales of all of them and records its amaxes for each, so the state means the same whether
+    a layout joins them or not."""
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+    if current().fp8 == "delayed" and current_layer() is not None:
+        y = _einsum_by_dot_general(spec, x, w, preferred_element_type, projections)
+        return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
     if _fp8_on():
         extra["_dot_general"] = fp8_dot_general
     return jnp.einsum(spec, x, w, precision=precision, preferred_element_type=preferred_element_type, **extra)
+
+
+def _einsum_by_dot_general(spec: str, x: jax.Array, w: jax.Array, preferred_element_type: Any,
+                           projections: int) -> jax.Array:
+    """``einsum(spec, x, w)`` as one FP8 GEMM (:func:`_fp8_product`) called here, in this trace. ``jnp.einsum`` calls
+    its ``_dot_general`` inside a cached ``jit``: a second projection of the same shapes would reuse the
+    first one's trace, and with it the first one's scaling state."""
+    inputs, out = spec.replace(" ", "").split("->")
+    xs, ws = inputs.split(",")
+    if "..." in xs:  # a leading ellipsis over x's extra axes: name them
+        free = "".join(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in spec)[:x.ndim - len(xs) + 3]
+        xs, out = xs.replace("...", free), out.replace("...", free)
+    batch = [c for c in xs if c in ws and c in out]
+    contract = [c for c in xs if c in ws and c not in out]
+    dims = ((tuple(xs.index(c) for c in contract), tuple(ws.index(c) for c in contract)),
+            (tuple(xs.index(c) for c in batch), tuple(ws.index(c) for c in batch)))
+    y = _fp8_product(x, w, dims, preferred_element_type, projections)
+    produced = batch + [c for c in xs if c not in ws] + [c for c in ws if c not in xs]
+    return jnp.transpose(y, [produced.index(c) for c in out])
 
 
 def projection_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -187,6 +340,9 @@ def projection_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     GEMM per group over its rows), the plain grouped matmul otherwise. Returns ``lhs``'s dtype."""
     if _fp8_on():
         dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+        site = _delayed_site()
+        if site is not None:
+            return _delayed_ragged_dot(lhs, rhs, group_sizes, *site, jnp.dtype(lhs.dtype), dtypes, current().loss_groups)
         return _fp8_ragged_dot(lhs, rhs, group_sizes, jnp.dtype(lhs.dtype), dtypes)
     return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes)
 

@@ -56,7 +56,7 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
     """
 
     def project(x, *kernels):
-        return projection_einsum(spec, x, fuse(*kernels).astype(x.dtype))
+        return projection_einsum(spec, x, fuse(*kernels).astype(x.dtype), projections=len(kernels))
 
     return jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, *kernels)
 

@@ -111,9 +111,10 @@ class ExpertLocal(GradientSync):
     def reduced(self, differentiate, params, trainable, reduction_state):
         local = self.local_leaves
         loss, grads = differentiate(params, local)
-        shared, reduction_state = self.reduction.update(_without(grads, local), reduction_state, params)
+        shared, reduction_state = self.reduction.update(_without(grads, local), reduction_state,
+                                                        _without(trainable, local))
         grads = self.plan.mean_native(_merged(shared, grads, local))
-        return Reduced(loss, grads, params, reduction_state, self.norm(grads))
+        return Reduced(loss, grads, trainable, reduction_state, self.norm(grads))
 
 
 class _Sharded(GradientSync):
@@ -159,11 +160,8 @@ class PerLayer(_Sharded):
         return Reduced(loss, grads, trainable, reduction_state, self.norm(grads))
 
 
-def gradient_sync(plan: ZeroPlan, reduction: optax.GradientTransformation, *, trains_part: bool = False) -> GradientSync:
-    """The strategy for ``plan``. ``trains_part``: some leaves are frozen (their gradients never formed)."""
-    if trains_part and plan.has_native:  # a config never gets here: config.validate_lora refuses LoRA on experts
-        raise ValueError("gradient_sync: frozen leaves beside leaves the model splits over the data group "
-                         "(expert parallelism) are not supported")
+def gradient_sync(plan: ZeroPlan, reduction: optax.GradientTransformation) -> GradientSync:
+    """The strategy for ``plan`` (every strategy passes a frozen leaf's ``None`` through)."""
     if not plan.active:
         return (ExpertLocal if plan.has_native else AllReduce)(plan, reduction)
     if not plan.shards_params:
@@ -172,8 +170,8 @@ def gradient_sync(plan: ZeroPlan, reduction: optax.GradientTransformation, *, tr
 
 
 def _without(tree: Any, drop: Any) -> Any:
-    """``tree`` with ``None`` where ``drop`` is true."""
-    return jax.tree.map(lambda x, d: None if d else x, tree, drop)
+    """``tree`` with ``None`` where ``drop`` is true (a frozen leaf's ``None`` stays)."""
+    return jax.tree.map(lambda x, d: None if d else x, tree, drop, is_leaf=lambda x: x is None)
 
 
 def _merged(kept: Any, tree: Any, drop: Any) -> Any:

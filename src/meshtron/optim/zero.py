@@ -85,24 +85,27 @@ class ZeroPlan:
     def build(cls, level: int, shapes: Any, specs: Any, stacked: Any, size: int,
               axis: str | tuple[str, ...] = "data", *, gather_once: bool = False,
               gather_dtype: str | None = None, reduce_dtype: str | None = None,
-              narrow_reductions: bool = True) -> ZeroPlan:
+              narrow_reductions: bool = True, whole: Any = None) -> ZeroPlan:
         """The plan for parameters of ``shapes`` laid out by ``specs`` (``PartitionSpec`` s or
         shardings) on a mesh whose ``axis`` has ``size`` devices; ``stacked`` marks leaves with a
-        leading ``layers`` axis."""
+        leading ``layers`` axis; ``whole`` (optional) marks leaves kept whole on every rank (state the
+        step updates itself, such as delayed FP8 scaling's)."""
         if level not in ZERO_LEVELS:
             raise ValueError(f"parallel.zero: {level!r} is not one of {ZERO_LEVELS}")
         treedef = jax.tree.structure(shapes)
         spec_leaves = [getattr(s, "spec", s) for s in treedef.flatten_up_to(specs)]
 
-        def choose(shape, spec, is_stacked) -> int | None:
-            if level == 0 or size == 1 or splits_over(spec, axis):
+        def choose(shape, spec, is_stacked, kept_whole) -> int | None:
+            if level == 0 or size == 1 or splits_over(spec, axis) or kept_whole:
                 return None
             free = [k for k, entry in enumerate(_entries(spec, len(shape.shape)))
                     if entry is None and not (is_stacked and k == 0) and shape.shape[k] % size == 0]
             return max(free, key=lambda k: (shape.shape[k], -k), default=None)
 
         leaves = jax.tree.leaves(shapes)
-        dims = [choose(s, p, st) for s, p, st in zip(leaves, spec_leaves, treedef.flatten_up_to(stacked), strict=True)]
+        kept = [False] * len(leaves) if whole is None else treedef.flatten_up_to(whole)
+        dims = [choose(s, p, st, k) for s, p, st, k in
+                zip(leaves, spec_leaves, treedef.flatten_up_to(stacked), kept, strict=True)]
         nbytes = tuple(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in leaves)
         native = treedef.unflatten([size > 1 and splits_over(spec, axis) for spec in spec_leaves])
         return cls(level, size, treedef.unflatten(dims), treedef.unflatten(spec_leaves), tuple(leaf_names(shapes)),
@@ -110,14 +113,14 @@ class ZeroPlan:
 
     @classmethod
     def for_mesh(cls, level: int, shapes: Any, specs: Any, stacked: Any, mesh, *, gather_once: bool = False,
-                 gather_dtype: str | None = None, reduce_dtype: str | None = None) -> ZeroPlan:
+                 gather_dtype: str | None = None, reduce_dtype: str | None = None, whole: Any = None) -> ZeroPlan:
         """:meth:`build` over ``mesh``'s gradient group (:func:`meshtron.sharding.gradient_axes`: data,
         and context when sequences are split -- Megatron's distributed optimizer over data x context).
         ``level``, ``gather_once`` and the dtypes: a run's choice (:class:`meshtron.run.ZeroChoice`, ``Run.zero``)."""
         axis = gradient_axes(mesh.shape)
         return cls.build(level, shapes, specs, stacked, math.prod(mesh.shape[a] for a in axis_names(axis)), axis,
                          gather_once=gather_once, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype,
-                         narrow_reductions=_platform(mesh) != "cpu")
+                         narrow_reductions=_platform(mesh) != "cpu", whole=whole)
 
     @property
     def active(self) -> bool:

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
-from meshtron.models.blocks import RESIDUAL, Context, layer_view, run_blocks
+from meshtron.models.blocks import RESIDUAL, Context, run_blocks, run_layer
 from meshtron.models.contract import next_token_pairs, token_losses
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
@@ -124,7 +124,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
         graphdef, state = nnx.split(model_def.bind({"blocks": layer_blocks}).blocks)
         ctx = Context.for_tokens(tokens)
         with auxiliary_loss_scale(aux_scale), documents.document_segments(ctx.segments):
-            return constrain(layer_view(graphdef, state, x)(x, ctx), RESIDUAL)
+            return constrain(run_layer(graphdef, state, x, ctx), RESIDUAL)
 
     def reporting_stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None):
         return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),

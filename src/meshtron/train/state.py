@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -30,8 +31,9 @@ from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.adaptation import Adaptation
-from meshtron.models.blocks import LAYERS
+from meshtron.models.blocks import LAYERS, Context, run_layer
 from meshtron.models.contract import ModelFactory, check_model, checked_model, lm_loss
+from meshtron.models.fp8_scaling import HISTORY, OBSERVED, counting_sites, with_scaling_state
 from meshtron.run import check_sequence_parallel
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trace_context import current, using
@@ -39,6 +41,7 @@ from meshtron.trees import leaf_names
 from meshtron.units import format_count
 
 Params = dict[str, Any]
+SCALING_LEAVES = frozenset({HISTORY, OBSERVED})
 
 
 def _is_variable(x: Any) -> bool:
@@ -63,23 +66,28 @@ class ModelDef:
     max_len: int | None  # the model's own context limit (learned positions), if it has one
     can_cache: bool  # the model provides init_cache: generation decodes with a KV cache
     adaptation: Adaptation | None = None  # added parameters applied through the layer hook (LoRA's adapters)
+    fp8_history: int = 0  # steps of amax history its blocks carry for delayed FP8 scaling (0: none)
 
     @classmethod
     def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES,
-               adaptation: Adaptation | None = None) -> ModelDef:
+               adaptation: Adaptation | None = None, fp8_history: int = 0) -> ModelDef:
         """Trace ``factory`` abstractly (no parameter is created) and check the model contract. With an
         ``adaptation`` (:mod:`meshtron.models.adaptation`: LoRA's adapters), the model carries its
-        parameters and its factory makes them."""
+        parameters and its factory makes them. ``fp8_history`` > 0: the blocks also carry delayed FP8
+        scaling's state (:mod:`meshtron.models.fp8_scaling`) for every projection one block calls."""
         rules = tuple(rules)
         if adaptation is not None:
             factory = adaptation.wrap(factory)
         with axis_rules(rules), nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: checked_model(factory, nnx.Rngs(0)))
+            if fp8_history:
+                factory = with_scaling_state(factory, _projection_sites(abstract, adaptation), fp8_history)
+                abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
         check_model(abstract, rules)
         max_len = getattr(abstract, "max_len", None)
         can_cache = callable(getattr(abstract, "init_cache", None))
         graphdef, state = nnx.split(abstract, nnx.Param)
-        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, adaptation)
+        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, adaptation, fp8_history)
 
     @contextlib.contextmanager
     def scope(self, execution: Execution = DEFAULT_EXECUTION) -> Iterator[None]:
@@ -130,7 +138,16 @@ class ModelDef:
         return max(sizes, default=self.vocab_size)
 
     def parameter_count(self) -> int:
-        return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes()))
+        """The model's weights (delayed FP8 scaling's state is not counted: it is not a weight)."""
+        return sum(math.prod(s.shape) for s, state in zip(jax.tree.leaves(self.shapes()),
+                                                         jax.tree.leaves(self.scaling_state()), strict=True)
+                   if not state)
+
+    def scaling_state(self) -> Params:
+        """``True`` for the leaves of delayed FP8 scaling's state (:mod:`meshtron.models.fp8_scaling`): kept
+        by the step, never trained, not the model's weights."""
+        return jax.tree.unflatten(jax.tree.structure(self.shapes()),
+                                  [n.rsplit(".", 1)[-1] in SCALING_LEAVES for n in leaf_names(self.shapes())])
 
     def describe(self) -> str:
         """One line: the model's class, size and depth (run summaries)."""
@@ -233,6 +250,26 @@ class ModelDef:
         return params
 
 
+def _projection_sites(abstract: nnx.Module, adaptation: Adaptation | None) -> int:
+    """How many FP8 projections one block of ``abstract`` calls through the hook (:mod:`meshtron.models.fp8`),
+    counted by tracing its first block, as the run will (the adaptation's hook applied), on a short input."""
+    graphdef, state = nnx.split(abstract)
+    views = () if adaptation is None else (adaptation.layer_view(),)
+    counted = []
+
+    def first_block(state: Any) -> None:
+        model = nnx.merge(graphdef, state)
+        ctx = Context.for_sequence(1, 8)
+        x = model.embed(jnp.zeros((1, 8), jnp.int32), ctx)
+        blocks_graph, blocks_state = nnx.split(model.blocks)
+        with using(layer_views=views), counting_sites() as counter:
+            run_layer(blocks_graph, jax.tree.map(lambda a: a[0], blocks_state), x, ctx)
+        counted.append(counter.used)
+
+    jax.eval_shape(first_block, state)
+    return counted[0]
+
+
 @dataclass(frozen=True)
 class _Axes:
     """Wraps a tuple of names so tree utilities treat it as one leaf."""
@@ -273,4 +310,5 @@ def model_def_from_config(cfg: ModelConfig, tensor: int = 1, *, rules: Mapping[s
     if cfg.attention == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention: cudnn (flash attention) needs GPUs, this run has {platform} devices; use "
                           "model.attention=xla (or compile for a GPU target: describe --compile --target h100)")
-    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, adaptation=adaptation)
+    return ModelDef.create(factory or model_factory(cfg, tensor), rules=table, adaptation=adaptation,
+                           fp8_history=cfg.fp8_amax_history if cfg.fp8 == "delayed" else 0)

@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 
+from meshtron.models.fp8_scaling import OBSERVED
 from meshtron.train.state import ModelDef
 from meshtron.trees import leaf_names
 
@@ -23,18 +24,27 @@ __all__ = ["Trainable"]
 
 @dataclass(frozen=True)
 class Trainable:
-    """``mask``: a tree shaped like the parameters, ``True`` where a leaf trains; ``None``: every leaf trains."""
+    """``mask``: a tree shaped like the parameters, ``True`` where a leaf trains; ``None``: every leaf trains.
+    ``observed``: ``True`` where a leaf that does not train is differentiated all the same, its gradient read
+    by the step rather than applied (delayed FP8 scaling's probe, :mod:`meshtron.models.fp8_scaling`)."""
 
     mask: Any = None
+    observed: Any = None
 
     @classmethod
     def of_model(cls, model_def: ModelDef) -> Trainable:
-        """What trains in ``model_def``: everything, or what its adaptation says (LoRA: the adapters)."""
-        adaptation = model_def.adaptation
-        if adaptation is None:
+        """What trains in ``model_def``: everything, or what its adaptation says (LoRA: the adapters); never
+        delayed FP8 scaling's state."""
+        adaptation, state = model_def.adaptation, jax.tree.leaves(model_def.scaling_state())
+        if adaptation is None and not any(state):
             return cls()
         shapes = model_def.shapes()
-        return cls(jax.tree.unflatten(jax.tree.structure(shapes), [adaptation.trains(n) for n in leaf_names(shapes)]))
+        names = leaf_names(shapes)
+        trains = [(adaptation is None or adaptation.trains(n)) and not kept for n, kept in zip(names, state, strict=True)]
+        observed = [n.rsplit(".", 1)[-1] == OBSERVED for n in names]
+        structure = jax.tree.structure(shapes)
+        return cls(jax.tree.unflatten(structure, trains),
+                   jax.tree.unflatten(structure, observed) if any(observed) else None)
 
     @property
     def is_partial(self) -> bool:
@@ -45,7 +55,9 @@ class Trainable:
         """``params`` as differentiation should see them: frozen leaves under ``stop_gradient``."""
         if self.mask is None:
             return params
-        return jax.tree.map(lambda keep, x: x if keep else jax.lax.stop_gradient(x), self.mask, params)
+        observed = self.observed if self.observed is not None else jax.tree.map(lambda _: False, self.mask)
+        return jax.tree.map(lambda keep, seen, x: x if keep or seen else jax.lax.stop_gradient(x),
+                            self.mask, observed, params)
 
     def part(self, tree: Any) -> Any:
         """The trainable part of a parameter-shaped ``tree``: its frozen leaves ``None``."""
