@@ -32,9 +32,11 @@ def same_training(*layout: str, reference: tuple[str, ...] = ()) -> None:
     expected = trainer(*layout, *reference).run()
     got = trainer(*layout, *OFFLOAD).run()
     # Recomputing a block fuses its arithmetic differently from keeping its residuals: rounding apart
-    # (Adam turns rounding-level gradient differences of near-zero parameters into ~1e-7 steps)
+    # (Adam turns rounding-level gradient differences of near-zero parameters into ~1e-7 steps; 1-bit
+    # LAMB, its momentum exchanged as signs and scales after the freeze, into up to ~6e-6)
+    atol = 1e-5 if "train.optimizer=onebit_lamb" in layout else 1e-6
     np.testing.assert_allclose(got.losses, expected.losses, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol),
                  jax.device_get(got.params), jax.device_get(expected.params))
 
 
@@ -108,10 +110,12 @@ H100_LAYOUT = ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "paral
 @pytest.mark.slow
 @pytest.mark.gpu_compile
 def test_on_an_h100_the_offloaded_bytes_leave_the_device_for_host_memory(gpu_target):
-    """8 compile-only H100s, zero=3: each switch's bytes are in the program's host memory -- the step memory
-    model's ``host`` bytes -- and off its device peak. The optimizer state leaves it whole (within 10%); the
-    layers' inputs leave it with more: under ``model.remat=full`` XLA:GPU holds more than them on the device
-    for the recomputation (at this size; Llama-2 7B: docs/memory.md)."""
+    """8 compile-only H100s, zero=3, two microbatches: each switch's bytes are in the program's host memory --
+    the step memory model's ``host`` bytes -- and off its device peak. The layers' inputs are on the host
+    once (8 layers of one 1024-token microbatch, bf16: both microbatches run through one loop, so one copy
+    of the backward's code holds them). The optimizer state leaves the device peak whole (within 10%); the
+    layers' inputs leave it with more: XLA:GPU's buffer assignment of the ``model.remat=full`` program
+    holds more than them on the device (at this size; Llama-2 7B: docs/memory.md)."""
     from meshtron.describe import host_bytes
     from meshtron.plan.step_memory import StepRun, StepShape, step_memory
 
@@ -126,6 +130,8 @@ def test_on_an_h100_the_offloaded_bytes_leave_the_device_for_host_memory(gpu_tar
     for switch in OFFLOAD:
         peak, host, modelled_host = compiled(switch)
         assert modelled_host > 0 and abs(host / modelled_host - 1) <= 0.10, (switch, host, modelled_host)
+        if switch == "model.remat=offload":
+            assert host == 8 * 1024 * 1024 * 2, host
         if switch == "train.offload_optimizer=true":
             assert abs((kept_peak - peak) / host - 1) <= 0.10, (switch, kept_peak, peak, host)
         else:
@@ -141,10 +147,10 @@ def test_the_step_memory_model_moves_the_offloaded_bytes_to_the_host():
     for switches in (["model.remat=offload"], ["train.offload_optimizer=true"], OFFLOAD):
         run = StepRun.from_config(load_config("llama2_7b", [*SEVEN_B, *switches]))
         gpu, cpu = step_memory(shape, run, "gpu"), step_memory(shape, run, "cpu")
-        inputs = 2 * 32 * 4096 * 4096 * 2 if "model.remat=offload" in switches else 0  # 2 copies, 32 layers, bf16
+        inputs = 32 * 4096 * 4096 * 2 if "model.remat=offload" in switches else 0  # one copy, 32 layers, bf16
         optimizer = kept["gpu"].optimizer if "train.offload_optimizer=true" in switches else 0
         assert gpu.host == inputs + optimizer
-        assert gpu.peak == kept["gpu"].peak - inputs / 2 - optimizer  # one copy of the inputs was on the device
+        assert gpu.peak == kept["gpu"].peak - inputs - optimizer
         assert cpu.host == 0 and cpu.peak == kept["cpu"].peak  # XLA:CPU: one memory
 
 
@@ -156,7 +162,7 @@ SEVEN_B = ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.
 @pytest.mark.gpu_compile
 def test_the_step_memory_model_agrees_with_llama2_7b_offloaded_on_h100s(gpu_target):
     """Llama-2 7B on 8 compile-only H100s (data 8, zero=3, both switches): the modelled device peak and host
-    bytes within 10% of the compiled program's (measured: 13.3 GB modelled, 14.2 compiled; host 8.9 both)."""
+    bytes within 10% of the compiled program's (measured: 13.3 GB modelled, 14.6 compiled; host 7.8 both)."""
     from meshtron.describe import host_bytes
     from meshtron.plan.step_memory import StepRun, StepShape, step_memory
 

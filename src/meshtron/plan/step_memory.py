@@ -27,10 +27,10 @@ device, term by term:
   SPMD pipeline runs the same program, so every device reserves them);
 * **host**: what the host offload switches keep in pinned host memory instead of on the device --
   under ``model.remat=offload`` each layer's input (in the compute dtype) where ``full`` keeps it on the
-  device (a recomputed chunk's layer inputs, once per copy of the backward's code: twice without a
-  pipeline when there are microbatches to accumulate, the first one's and the scan's; once per tick-loop
-  segment that recomputes a stage with one; a zero-bubble ``B``'s residuals and ``parallel.recompute=false``'s
-  residual slots stay on the device), and under ``train.offload_optimizer`` the optimizer state. It is
+  device (a recomputed chunk's layer inputs, once per copy of the backward's code: once without a
+  pipeline, whose microbatches all run through one accumulating loop; once per tick-loop segment that
+  recomputes a stage with one; a zero-bubble ``B``'s residuals and ``parallel.recompute=false``'s residual
+  slots stay on the device), and under ``train.offload_optimizer`` the optimizer state. It is
   not part of the device peak: the update moves the state in a few leaves at a time, after the
   backward's activations are freed, and XLA:GPU's programs of Llama-2 7B peak in the backward with it
   offloaded. XLA:CPU has one memory: there, nothing moves and these terms are the device's;
@@ -138,7 +138,6 @@ class StepRun:
     residual_slots: int = 0  # parallel.recompute=false: in-flight chunks whose residuals are kept
     remat: str = "full"
     offload_optimizer: bool = False  # train.offload_optimizer: the optimizer state in pinned host memory
-    microbatches: int = 1  # per data shard (train.microbatches)
     backward_segments: int = 1  # pipeline: tick-loop segments whose backward recomputes a stage
     sequence_parallel: bool = False
     zero: int = 0
@@ -167,7 +166,7 @@ class StepRun:
             stash_slots=program.stash_slots if program is not None else 0,
             weight_slots=program.weight_slots if program is not None else 0,
             residual_slots=program.residual_slots if program is not None else 0,
-            remat=m.remat, offload_optimizer=t.offload_optimizer, microbatches=t.microbatches,
+            remat=m.remat, offload_optimizer=t.offload_optimizer,
             backward_segments=segments,
             sequence_parallel=m.sequence_parallel and mesh.tensor > 1, zero=t.zero,
             gather_once=t.gather_once, optimizer=t.optimizer, param_bytes=_itemsize(m.param_dtype),
@@ -293,9 +292,9 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     inputs_kept = full and run.residual_slots > 0 and not split  # each layer's input, per slot
     if stage_recomputed and run.remat == "offload" and offloads:
         # Each copy of the backward's code holds its own host buffers (XLA:GPU shares none between them):
-        # without a pipeline the first microbatch's and the accumulating scan's; with one, each tick-loop
-        # segment's whose backward recomputes the stage.
-        copies = (2 if run.microbatches > 1 else 1) if p == 1 else run.backward_segments
+        # without a pipeline one, the accumulating loop's; with one, each tick-loop segment's whose
+        # backward recomputes the stage.
+        copies = 1 if p == 1 else run.backward_segments
         host += copies * chunk_layers * tokens * h * cb
     elif stage_recomputed or split:
         stash += chunk_layers * tokens * h * recompute_input

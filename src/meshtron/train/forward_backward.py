@@ -54,10 +54,23 @@ def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, micr
         loss, grads = grad_fn(params, batch)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-    # The first microbatch seeds the carry, so it has exactly the (varying-over-data) type of the rest.
-    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, grad_fn(params, micro[0]), micro[1:])
+    # Every microbatch runs through the one loop body: a microbatch peeled off before the loop would be a
+    # second copy of the backward's code, and XLA gives each copy its own buffers (under model.remat=offload
+    # a second set of layer inputs in host memory). The carry starts at zeros of exactly the (varying-over-
+    # data) type of a microbatch's loss and gradients; adding the first microbatch to them is exact, so the
+    # sums are those of seeding the carry with it.
+    zeros = jax.tree.map(_zeros, jax.eval_shape(grad_fn, params, micro[0]))
+    (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, zeros, micro)
     scale = 1.0 / microbatches
     return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
+
+
+def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``like``'s shape and dtype, varying over the manual mesh axes it varies over (a scan's
+    carry must keep its type)."""
+    varying = () if like.manual_axis_type is None else tuple(sorted(like.manual_axis_type.varying))
+    zeros = jnp.zeros(like.shape, like.dtype)
+    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 def plain_forward_backward(model_def: ModelDef, microbatches: int,
