@@ -374,17 +374,22 @@ def test_generation_runs_the_adapters_as_the_merged_model_does(run_2x2x2):
 def test_a_lora_run_with_dropout_resumes_bit_for_bit_and_trains_differently_from_none(tmp_path):
     # One zb-h1 run with dropout serves both properties (they were two tests, with 1F1B for the resume):
     # under zb-h1 a layer's mask must be redrawn alike in its forward, its B and its W recomputations.
+    import shutil
+
     layout = [*LORA, "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=zb-h1",
               "checkpoint.every=2", "checkpoint.async_save=false"]
-    straight = trainer(*layout, "train.lora.dropout=0.2", "train.steps=4", f"checkpoint.dir={tmp_path / 'a'}").run()
+    directory = tmp_path / "a"
+    straight = trainer(*layout, "train.lora.dropout=0.2", "train.steps=4", f"checkpoint.dir={directory}").run()
     none = trainer(*layout, "train.steps=4").run()
     # B is zero until the first update with a learning rate above 0 (after the warmup's first step): the
     # third step is the first whose adapters add anything to drop
     assert straight.losses[:2] == none.losses[:2] and abs(straight.losses[2] - none.losses[2]) > 1e-5
     assert straight.heldout_loss != none.heldout_loss and np.isfinite(straight.heldout_loss)
-    trainer(*layout, "train.lora.dropout=0.2", "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
-    resumed = trainer(*layout, "train.lora.dropout=0.2", "train.steps=4", f"checkpoint.dir={tmp_path / 'b'}").run()
-    assert resumed.losses == straight.losses[2:]
+    # resumed from the run's own step-2 checkpoint (a run of train.steps=2 would compile another
+    # program: the learning-rate schedule ends at train.steps)
+    shutil.rmtree(directory / "4")
+    resumed = trainer(*layout, "train.lora.dropout=0.2", "train.steps=4", f"checkpoint.dir={directory}").run()
+    assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed.params)), jax.tree.leaves(jax.device_get(straight.params))):
         np.testing.assert_array_equal(a, b)
 
@@ -411,7 +416,10 @@ def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
     lora = [*LORA, *layout, f"train.init_from={base}", "checkpoint.every=2"]
     # the straight run also writes the self-contained checkpoints (save_base changes what is saved, not the training)
     straight = trainer(*lora, "train.steps=4", "train.lora.save_base=true", f"checkpoint.dir={tmp_path / 'a'}").run()
-    trainer(*lora, "train.steps=2", f"checkpoint.dir={tmp_path / 'b'}").run()
+    # the adapter-only run trains to step 4 too (the straight run's program: a run of train.steps=2 would
+    # compile another, its learning-rate schedule ending at step 2), and resumes from its step 2 below
+    trainer(*lora, "train.steps=4", f"checkpoint.dir={tmp_path / 'b'}").run()
+    shutil.rmtree(tmp_path / "b" / "4")
     meta = read_step_meta(tmp_path / "b", 2)
     assert meta["lora_base"] == {"dir": str(base.resolve()), "dir_relative": "../base", "step": 2, "seed": 0,
                                  "params_sha256": params_digest(read_step_meta(base, 2))}
@@ -423,7 +431,7 @@ def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
     assert saved == sorted(n for n in leaf_names(straight.params) if is_adapter(n))  # nothing of the base
     assert tensor_bytes(held) < 0.2 * tensor_bytes(whole)  # the adapters and their moments, against the model's
     resumed = trainer(*lora, "train.steps=4", f"checkpoint.dir={tmp_path / 'b'}").run()
-    assert resumed.losses == straight.losses[2:]
+    assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
     loaded = load_pretrained(tmp_path / "b", argument="--checkpoint")
     assert loaded.step == 4
     for name, a, b, c in zip(leaf_names(loaded.params), jax.tree.leaves(jax.device_get(loaded.params)),
@@ -432,9 +440,9 @@ def test_checkpoints_hold_the_adapters_and_point_to_the_base(tmp_path):
         np.testing.assert_array_equal(a, b, err_msg=name)
         np.testing.assert_array_equal(c, b, err_msg=name)
     # a run from the adapter-only checkpoint points to the same base, not to that checkpoint
-    trainer(*LORA, *layout, f"train.init_from={tmp_path / 'b'}", "train.steps=1",
+    trainer(*LORA, *layout, f"train.init_from={tmp_path / 'b'}", "train.steps=4",  # (the straight run's program)
             f"checkpoint.dir={tmp_path / 'c'}").run()
-    assert read_step_meta(tmp_path / "c", 1)["lora_base"] == meta["lora_base"]
+    assert read_step_meta(tmp_path / "c", 4)["lora_base"] == meta["lora_base"]
 
     assert "lora_base" not in read_step_meta(tmp_path / "a", 2)
     shutil.move(base, tmp_path / "moved")
