@@ -88,6 +88,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import PartitionSpec
 
 from meshtron.pipeline.buffers import (
@@ -109,6 +110,10 @@ from meshtron.pipeline.stage import PyTree, StageFunctions
 from meshtron.sharding import varying_like
 
 __all__ = ["StageFunctions", "TickState", "exact_segments", "run_pipeline", "run_pipeline_forward", "segments"]
+
+# The frontend attribute that asks XLA:GPU to run a collective on its point-to-point stream, apart from the
+# stream of the other collectives (XLA's ``kCollectiveStreamAttrName``/``kCollectiveStreamP2P``).
+P2P_STREAM = {"_xla_gpu_collective_stream": "p2p"}
 
 _FORWARD_FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot")
 _ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
@@ -295,6 +300,7 @@ class _TickLoop:
         program, check_vma, layer_counts = plan.program, plan.check_vma, plan.layer_counts
         schedule = program.schedule
         self.lockstep = plan.lockstep
+        self.early_sends = plan.early_sends
         self.collect = collect
         self.reports: PyTree | None = None  # after run(), with collect: the summed reports
         self.program, self.fns, self.tokens, self.axis = program, fns, tokens, axis
@@ -582,13 +588,32 @@ class _TickLoop:
         p, axis, pin = self.p, self.axis, self.pin
         zeros_act, zero_loss = self.zeros_act, self.zero_loss
 
+        early = self.early_sends
+
+        def send(x, seq, step):
+            pairs = [(i, (i + step) % p) for i in range(p)]
+            if not early:
+                return pin(jax.lax.ppermute(pin(after(x, seq)), axis, pairs))
+            # XLA:GPU's scheduler counts a ``conditional`` as using the collective stream when a branch does
+            # (the stage's tensor all-reduces) and keeps one collective in flight on it: a send there could
+            # not stay in flight across the backward's ``conditional``. On the point-to-point stream it can.
+            with set_xla_metadata(**P2P_STREAM):
+                return pin(jax.lax.ppermute(pin(after(x, seq)), axis, pairs))
+
+        def send_forward(y, seq):
+            return send(y, seq, 1)
+
+        def send_backward(dx, seq):
+            return send(dx, seq, -1)
+
         def tick(state: TickState, row_all):
             stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports, hbuf = state
             row = {k: jax.lax.dynamic_index_in_dim(row_all[k], self.stage_index, keepdims=False) for k in row_all}
             stash = write_slot(stash, row["recv_fwd_slot"], f_msg)
             # `seq` threads one data dependency through every collective-bearing operation of the
             # tick, in one fixed order (see the module docstring): forward, backward, send forward,
-            # send backward, then the next tick.
+            # send backward, then the next tick. With early sends each send leaves the chain where its
+            # payload is ready and its message rejoins it after the tick's last slot.
             seq = seq + self.token(f_msg)
             if self.train:
                 gbuf = write_slot(gbuf, row["recv_bwd_slot"], b_msg)
@@ -612,6 +637,8 @@ class _TickLoop:
                     lambda: (zeros_act, zero_loss, reports, seq),
                 )
                 loss_sum = loss_sum + loss
+            if early and seg.send_forward:
+                f_msg = send_forward(y_out, seq)
             if seg.recompute:
                 hbuf, seq = self.branch(
                     "recompute", row["pre_mb"] >= 0,
@@ -631,17 +658,25 @@ class _TickLoop:
                     lambda: self.backward_input(row, stash, gbuf, rbuf, wbuf, g_stage, g_shared, seq),
                     lambda: (zeros_act, wbuf, rbuf, g_stage, g_shared, seq),
                 )
+            if early:
+                # The activation sent after the forward joins the chain before the next send: one send in
+                # flight at a time, each under the slots between it and the next (the backward's GEMMs; for
+                # the input gradient a split backward's W).
+                if seg.send_forward:
+                    seq = seq + self.token(f_msg)
+                if seg.send_backward:
+                    b_msg = send_backward(dx_out, seq)
             if seg.weight:
                 g_stage, seq = self.branch(
                     "weight", row["wgt_mb"] >= 0,
                     lambda: self.weight_gradient(row, stash, wbuf, rbuf, g_stage, seq),
                     lambda: (g_stage, seq),
                 )
-            if seg.send_forward:
-                f_msg = pin(jax.lax.ppermute(pin(after(y_out, seq)), axis, [(i, (i + 1) % p) for i in range(p)]))
+            if seg.send_forward and not early:
+                f_msg = send_forward(y_out, seq)
                 seq = seq + self.token(f_msg)
-            if seg.send_backward:
-                b_msg = pin(jax.lax.ppermute(pin(after(dx_out, seq)), axis, [(i, (i - 1) % p) for i in range(p)]))
+            if seg.send_backward and not early:
+                b_msg = send_backward(dx_out, seq)
             return TickState(stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports,
                              hbuf), None
 
