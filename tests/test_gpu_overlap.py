@@ -256,9 +256,10 @@ def test_overlap_on_puts_the_backward_gemms_under_the_pipe_sends_on_h100(gpu_tar
         estimate = estimate_step(text, sizes, gpu_target, tokens_per_step=1, model_flops_per_step=1.0)
         hidden[setting] = estimate.hidden_fraction_by_axes[("pipe",)]
         under[setting] = _pipe_windows_with_gemms(text, sizes)
-        assert unordered_collectives(text, in_schedule_order=True) == []
-        # the data rule, which XLA:CPU's runtime needs, holds for the chained order only
-        assert (unordered_collectives(text) == []) == (setting != "on")
+        if setting != "p2p":  # (pipelined p2p: XLA's own send/recv schedule, two permutes' sends in flight at once)
+            assert unordered_collectives(text, in_schedule_order=True) == []
+            # the data rule, which XLA:CPU's runtime needs, holds for the chained order only
+            assert (unordered_collectives(text) == []) == (setting == "off")
     assert under["off"] == under["p2p"] == [] and under["on"]
     assert hidden["on"] > hidden["p2p"] > hidden["off"]
 

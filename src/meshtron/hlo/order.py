@@ -37,6 +37,10 @@ start on any device. So with ``in_schedule_order=True`` the rule checked is:
     whose callees run one) scheduled between an asynchronous collective's start and its done shares
     at most one device with it, group by group.
 
+(The sends of one collective-permute that XLA decomposed -- the ring's pairs and its back edge, both
+sending the same buffer -- are taken as the one collective the program asked for, as
+:mod:`meshtron.hlo.schedule` counts them: the rule is about the runtime's own collectives.)
+
 That rule does not hold for XLA:CPU, whose runtime runs a ``conditional`` as soon as its operands
 are ready; its programs are checked with the data rule above.
 """
@@ -198,6 +202,8 @@ def _overlapping_in_flight(module: HloModule, text: str) -> list[UnorderedPair]:
             for under in computation.instructions[index + 1 : position[done]]:
                 if under.opcode in ("recv", "recv-done", "send-done") or under.name in done_of.values():
                     continue  # the other end, or the done, of a transfer already counted at its start
+                if start.opcode == under.opcode == "send" and start.operands[:1] == under.operands[:1]:
+                    continue  # one collective-permute XLA split into sends of the same buffer (ring and back edge)
                 shared = _shared_devices(flying, _groups_run(under, module, bearing, num_devices, memo))
                 if shared > 1:
                     found.append(UnorderedPair(name, start.name, under.name, shared))
