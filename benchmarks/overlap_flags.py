@@ -64,15 +64,18 @@ RESULT_NAME = "overlap_flags"
 HLO_DIR = Path(os.environ.get("OVERLAP_HLO_DIR", "/tmp/overlap_flags_hlo"))
 
 
-def _axis_schedule(windows, axis: str) -> dict:
+def _axis_schedule(windows, module, axis: str) -> dict:
     """The ``axis``'s collectives as the schedule places them: kinds (sync/async), and the GEMMs
-    (custom calls and GEMM fusions) and other fusions between each async one's start and done."""
+    (custom calls and GEMM fusions, those in a pipeline stage's ``conditional`` included) and other
+    instructions between each async one's start and done."""
+    from meshtron.hlo.gemms import GemmFinder, gemms_launched
+
+    finder = GemmFinder(module)
     mine = [w for w in windows if axis in w.collective.axes]
     kinds = Counter(f"{w.kind} {'sync' if w.synchronous else 'async'}" for w in mine)
 
     def gemms(w) -> int:
-        return sum(1 for i in w.between if i.opcode == "custom-call" and "gemm" in i.attributes.lower()
-                   or i.opcode == "fusion" and ("gemm" in i.name or "dot" in i.name))
+        return gemms_launched(w.between, module.computations[w.computation], finder)
 
     overlapped = [w for w in mine if not w.synchronous]
     return {"collectives": dict(kinds),
@@ -84,14 +87,24 @@ def _axis_schedule(windows, axis: str) -> dict:
 def schedule_excerpt(hlo_path: str, sizes: dict[str, int], axis: str, limit: int = 6) -> list[str]:
     """The ``axis``'s asynchronous collectives in a kept program, as the schedule places them: each
     start, the instructions between it and its done (GEMMs marked), the done; ``limit`` of them."""
-    from meshtron.hlo.schedule import collective_windows
+    from meshtron.hlo.gemms import GemmFinder, gemms_launched
+    from meshtron.hlo.schedule import collective_windows, module_of
+
+    module = module_of(Path(hlo_path).read_text())
+    finder = GemmFinder(module)
+
+    def shown(i, computation) -> str:
+        found = gemms_launched([i], computation, finder)
+        if not found:
+            return i.name
+        return f"{i.name} [GEMM]" if i.opcode != "conditional" else f"{i.name} [{found} GEMMs]"
 
     lines = []
-    for w in [w for w in collective_windows(Path(hlo_path).read_text(), sizes) if axis in w.collective.axes][:limit]:
+    for w in [w for w in collective_windows(module, sizes) if axis in w.collective.axes][:limit]:
         if w.synchronous:
             lines.append(f"{w.computation}: {w.start} ({w.kind}, {w.collective.bytes / 2**20:.0f} MiB) synchronous")
             continue
-        under = [f"{i.name}{' [GEMM]' if 'gemm' in i.name or '__cublas' in i.attributes else ''}" for i in w.between
+        under = [shown(i, module.computations[w.computation]) for i in w.between
                  if i.opcode not in ("get-tuple-element", "tuple", "bitcast", "constant", "parameter", "after-all")]
         lines.append(f"{w.computation}: {w.start} ({w.kind}, {w.collective.bytes / 2**20:.0f} MiB, x{w.collective.count})"
                      f" -> {', '.join(under) or 'nothing'} -> {w.done}")
@@ -115,7 +128,7 @@ def _figures(trainer, text: str) -> dict:
 
     from meshtron.gpu.pipeline_ticks import tick_table
     from meshtron.gpu.step_time import estimate_json, estimate_step, model_flops
-    from meshtron.hlo.schedule import collective_windows
+    from meshtron.hlo.schedule import collective_windows, module_of
     from meshtron.xla_options import as_flags
 
     cfg, (params, _, _) = trainer.cfg, trainer.abstract_step_arguments()
@@ -128,9 +141,10 @@ def _figures(trainer, text: str) -> dict:
     ticks = tick_table(trainer.resolved.program) if trainer.resolved.program is not None else None
     estimate = estimate_step(text, sizes, TARGET, tokens_per_step=step_tokens, model_flops_per_step=total,
                              causal_attention_flops_per_step=attention, ticks=ticks)
-    windows = collective_windows(text, sizes)
+    module = module_of(text)
+    windows = collective_windows(module, sizes)
     return {"options": as_flags(trainer.steps.compiler_options),
-            "schedule": {axis: _axis_schedule(windows, axis) for axis in ("pipe", "tensor", "data")},
+            "schedule": {axis: _axis_schedule(windows, module, axis) for axis in ("pipe", "tensor", "data")},
             "estimate": estimate_json(estimate)}
 
 

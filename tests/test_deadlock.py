@@ -3,7 +3,8 @@
 * The proof: in the optimized HLO of every pipelined train step, every operation that runs
   collectives inside a nested computation (the per-device stage ``cond``-s) is ordered by data
   dependencies against every other collective-bearing operation (see
-  :mod:`meshtron.hlo.order`). The checker itself is tested on hand-written HLO.
+  :mod:`meshtron.hlo.order`). The checker itself is tested on hand-written HLO, its rule for a
+  runtime that executes the schedule (XLA:GPU: a send in flight across a stage's ``cond``) too.
 * The stress test: real training runs over many (mesh, schedule, microbatches, vocabulary, hidden,
   batch) combinations -- the 1F1B run that used to deadlock on jaxlib 0.10.2 among them -- each in
   its own process under a time limit; a hang, an XLA abort or any non-zero exit fails.
@@ -75,6 +76,54 @@ def test_checker_accepts_control_predecessors():
     text = _HLO.replace("%SOURCE", "%x").replace(
         "source_target_pairs={{0,1},{1,0}}", "source_target_pairs={{0,1},{1,0}}, control-predecessors={%cond}")
     assert unordered_collectives(text) == []
+
+
+# A scheduled module as XLA:GPU runs it: a collective-permute in flight (start ... done) across a
+# conditional whose branch all-reduces over GROUPS. No data orders the two, the schedule does.
+_SCHEDULED_HLO = """HloModule m, is_scheduled=true, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%work (p: f32[4]) -> f32[4] {
+  %p = f32[4] parameter(0)
+  ROOT %ar = f32[4] all-reduce(f32[4] %p), channel_id=2, replica_groups=GROUPS, to_apply=%add
+}
+
+%idle (q: f32[4]) -> f32[4] {
+  ROOT %q = f32[4] parameter(0)
+}
+
+ENTRY %main (x: f32[4], pred: pred[]) -> (f32[4], f32[4]) {
+  %x = f32[4] parameter(0)
+  %pred = pred[] parameter(1)
+  %start = (f32[4], f32[4]) collective-permute-start(f32[4] %x), channel_id=1, source_target_pairs={{0,2},{2,0},{1,3},{3,1}}
+  %cond = f32[4] conditional(pred[] %pred, f32[4] %x, f32[4] %x), true_computation=%work, false_computation=%idle
+  %done = f32[4] collective-permute-done((f32[4], f32[4]) %start)
+  ROOT %out = (f32[4], f32[4]) tuple(f32[4] %cond, f32[4] %done)
+}
+"""
+
+
+def test_schedule_order_proves_a_send_in_flight_across_a_stage_conditional():
+    # the permute's pairs cross stages ({0,1} and {2,3} here), the branch's all-reduce stays in one
+    stage_groups = _SCHEDULED_HLO.replace("GROUPS", "{{0,1},{2,3}}")
+    assert [(p.first, p.second) for p in unordered_collectives(stage_groups)] == [("cond", "start")]
+    assert unordered_collectives(stage_groups, in_schedule_order=True) == []
+
+
+def test_schedule_order_rejects_a_collective_under_one_in_flight_that_shares_two_devices():
+    [pair] = unordered_collectives(_SCHEDULED_HLO.replace("GROUPS", "{{0,2},{1,3}}"), in_schedule_order=True)
+    assert (pair.computation, pair.first, pair.second, pair.shared_devices) == ("main", "start", "cond", 2)
+    assert "sharing 2 devices" in str(pair)
+
+
+def test_schedule_order_needs_a_scheduled_module():
+    with pytest.raises(ValueError, match="in_schedule_order needs a scheduled module"):
+        unordered_collectives(_SCHEDULED_HLO.replace(", is_scheduled=true", ""), in_schedule_order=True)
 
 
 MODEL = ModelConfig(vocab_size=256, hidden=32, heads=4, layers=8, mlp_dim=64, seq_len=16)

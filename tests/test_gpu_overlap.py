@@ -1,7 +1,8 @@
 """``gpu.overlap`` and ``gpu.xla_flags``: parsed into typed XLA compiler options, checked as config
-fields, handed to every program of a run, the same losses on the CPU either way; compiled for 8 H100s,
-every pipeline schedule with ``gpu.overlap=on``, and more of the pipe communication hidden with an
-expert's pipelined p2p. Also the schedule of a
+fields, handed to every program of a run, the same losses on the CPU either way; on GPUs the pipeline's
+early sends (the same step as the chained order, checked on the CPU); compiled for 8 H100s, every pipeline
+schedule with ``gpu.overlap=on``, the backward's GEMMs under the pipe sends, and more of the pipe
+communication hidden than with an expert's pipelined p2p. Also the schedule of a
 collective-permute XLA:GPU decomposed into send/recv pairs (pipelined p2p), and the trip count of a
 loop XLA recorded none for."""
 
@@ -111,6 +112,60 @@ def test_overlap_on_and_off_give_the_same_losses_on_the_cpu(tmp_path):
     assert len(off) == 3 and on == off
 
 
+def test_sends_go_early_only_on_gpus_with_overlap_on():
+    from meshtron.run import resolve_run
+
+    runs = {overlap: resolve_run(load_config(None, [*TINY, f"gpu.overlap={overlap}"]), 8) for overlap in ("off", "on")}
+    assert runs["on"].pipeline_on("gpu").early_sends
+    assert not runs["on"].pipeline_on("cpu").early_sends
+    assert not runs["off"].pipeline_on("gpu").early_sends
+    assert runs["on"].pipeline_on("gpu").program is runs["on"].pipeline.program
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mesh_shape", "schedule", "chunks", "microbatches"), [
+    ((1, 4, 1), "1f1b", 1, 8),
+    ((2, 2, 1), "zb-h1", 1, 4),  # a segment that sends no input gradient after one that does
+    ((2, 2, 1), "interleaved", 2, 4),
+])
+def test_early_sends_compute_the_chained_step(mesh_shape, schedule, chunks, microbatches):
+    """The early sends move the same messages between the same slots: the step's outputs are bit for bit
+    those of the chained order. Run on the CPU with one tensor rank, so no stage ``cond`` holds a collective
+    that XLA:CPU's runtime could start concurrently with a send."""
+    import jax
+    import numpy as np
+
+    from meshtron.config import MeshConfig, ModelConfig, TrainConfig
+    from meshtron.execution import Execution
+    from meshtron.mesh import build_mesh
+    from meshtron.optim import build_optimizer, data_parallel_mean
+    from meshtron.pipeline.execution import PipelinePlan
+    from meshtron.pipeline.schedules import compile_program, make_schedule
+    from meshtron.train.pipelined import to_stage_order
+    from meshtron.train.state import model_def_from_config
+    from meshtron.train.step import build_steps
+
+    model = ModelConfig(vocab_size=256, hidden=32, heads=4, layers=8, mlp_dim=64, seq_len=16)
+    md = model_def_from_config(model, mesh_shape[2])
+    mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
+    program = compile_program(make_schedule(schedule, mesh_shape[1], microbatches, chunks))
+    tokens = np.random.default_rng(0).integers(0, 256, (mesh_shape[0] * microbatches, model.seq_len + 1))
+    outputs = []
+    for early in (False, True):
+        steps = build_steps(md, mesh, data_parallel_mean(), build_optimizer(TrainConfig(), md.logical_axes()),
+                            microbatches=microbatches, pipeline=PipelinePlan(program, early_sends=early),
+                            execution=Execution.of_model_config(model))
+        params = jax.device_put(to_stage_order(jax.device_get(md.init(mesh, 0)), model.layers, mesh_shape[1], chunks),
+                                steps.param_shardings)
+        batch = jax.device_put(tokens.astype(np.int32), steps.batch_sharding)
+        opt_state = steps.init_opt_state(params)
+        outputs.append(jax.device_get(steps.lower(params, opt_state, batch).compile()(params, opt_state, batch)))
+    chained, early_sent = (jax.tree.leaves(o) for o in outputs)
+    assert len(chained) == len(early_sent) > 2
+    for a, b in zip(chained, early_sent, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_every_program_of_the_run_gets_the_options():
     from meshtron.train.loop import Trainer
 
@@ -166,26 +221,47 @@ _SMALL_GPU = ["model.hidden=256", "model.heads=4", "model.mlp_dim=1024", "model.
 _P2P_FLAGS = "--xla_gpu_enable_pipelined_p2p=true --xla_gpu_collective_permute_decomposer_threshold=0"
 
 
+def _pipe_windows_with_gemms(text: str, sizes: dict[str, int]) -> list[str]:
+    """The pipe axis's asynchronous collectives with a GEMM scheduled between start and done (in a
+    stage's ``conditional`` included)."""
+    from meshtron.hlo.gemms import GemmFinder, gemms_launched
+    from meshtron.hlo.schedule import module_of
+
+    module = module_of(text)
+    finder = GemmFinder(module)
+    return [w.start for w in collective_windows(module, sizes) if "pipe" in w.collective.axes and not w.synchronous
+            and gemms_launched(w.between, module.computations[w.computation], finder) > 0]
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.slow
-def test_pipelined_p2p_hides_more_of_the_pipe_axis_on_h100(gpu_target):
-    """An expert's pipelined p2p (``gpu.xla_flags``): the 1F1B runtime's permutes become asynchronous
-    send/recv pairs with work under them. ``gpu.overlap=on``'s own gain -- sequence parallelism's
-    reduce-scatters pipelined across layers on the tensor axis -- shows on the 7B step of
-    benchmarks/overlap_flags.py, not on a model this small."""
+def test_overlap_on_puts_the_backward_gemms_under_the_pipe_sends_on_h100(gpu_target):
+    """``gpu.overlap=on`` sends early on a GPU: the 1F1B tick loop's permutes are in flight while a stage's
+    ``conditional`` runs its GEMMs, which the chained order (off) never allows; the order is proved by the
+    schedule, not by data. Off, and with an expert's pipelined p2p (``gpu.xla_flags``: the permutes become
+    asynchronous send/recv pairs with small fusions under them), no GEMM is under a pipe collective."""
+    from meshtron.hlo.order import unordered_collectives
     from meshtron.train.loop import Trainer
 
     layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=1f1b",
               "parallel.microbatches=4"]
-    hidden = {}
-    for flags in (None, _P2P_FLAGS):
-        cfg = load_config(None, [*_SMALL_GPU, *layout, *([f"gpu.xla_flags={flags}"] if flags else [])])
-        trainer = Trainer.from_config(cfg, target=gpu_target, read_data=False)
+    hidden, under = {}, {}
+    for setting in ("off", "p2p", "on"):
+        extra = {"off": [], "p2p": [f"gpu.xla_flags={_P2P_FLAGS}"], "on": ["gpu.overlap=on"]}[setting]
+        trainer = Trainer.from_config(load_config(None, [*_SMALL_GPU, *layout, *extra]), target=gpu_target,
+                                      read_data=False)
         params, opt_state, tokens = trainer.abstract_step_arguments()
         text = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()
-        estimate = estimate_step(text, dict(trainer.mesh.shape), gpu_target, tokens_per_step=1, model_flops_per_step=1.0)
-        hidden[flags] = estimate.hidden_fraction_by_axes[("pipe",)]
-    assert hidden[_P2P_FLAGS] > hidden[None]
+        sizes = dict(trainer.mesh.shape)
+        estimate = estimate_step(text, sizes, gpu_target, tokens_per_step=1, model_flops_per_step=1.0)
+        hidden[setting] = estimate.hidden_fraction_by_axes[("pipe",)]
+        under[setting] = _pipe_windows_with_gemms(text, sizes)
+        if setting != "p2p":  # (pipelined p2p: XLA's own send/recv schedule, two permutes' sends in flight at once)
+            assert unordered_collectives(text, in_schedule_order=True) == []
+            # the data rule, which XLA:CPU's runtime needs, holds for the chained order only
+            assert (unordered_collectives(text) == []) == (setting == "off")
+    assert under["off"] == under["p2p"] == [] and under["on"]
+    assert hidden["on"] > hidden["p2p"] > hidden["off"]
 
 
 # A microbatch loop as the collective pipeliner leaves it: XLA recorded only its induction variable,
@@ -247,9 +323,11 @@ def test_overlap_on_is_the_pipelined_all_reduce_and_an_experts_flags_come_on_top
 
 @pytest.mark.gpu_compile
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-p", "interleaved", "zb-h1"])
 def test_overlap_on_compiles_every_pipeline_schedule_for_h100(gpu_target, schedule):
-    """With cuDNN attention and FP8 projections: what XLA aborted on when the bundle held pipelined p2p."""
+    """With cuDNN attention and FP8 projections (what XLA aborted on when the bundle held pipelined p2p) and
+    the early sends: every schedule compiles, and its order is proved by the schedule."""
+    from meshtron.hlo.order import unordered_collectives
     from meshtron.train.loop import Trainer
 
     layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", f"parallel.schedule={schedule}",
@@ -259,4 +337,6 @@ def test_overlap_on_compiles_every_pipeline_schedule_for_h100(gpu_target, schedu
                                   read_data=False)
     assert trainer.steps.compiler_options == for_this_xla(OVERLAP_ON)
     params, opt_state, tokens = trainer.abstract_step_arguments()
-    assert "is_scheduled=true" in trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()
+    text = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0]).as_text()
+    assert "is_scheduled=true" in text and '_xla_gpu_collective_stream="p2p"' in text
+    assert unordered_collectives(text, in_schedule_order=True) == []

@@ -302,7 +302,7 @@ class DistributedConfig:
 class GpuConfig:
     """XLA:GPU compiler options every program of the run is compiled with (:mod:`meshtron.xla_options`):
     ``overlap`` ``on`` turns on the bundle of scheduling flags measured to hide more tensor and pipe
-    communication; ``xla_flags`` (``XLA_FLAGS`` syntax, ``--name=value ...``) adds an expert's own,
+    communication, and on GPUs the pipeline's early sends (:meth:`meshtron.run.Run.pipeline_on`); ``xla_flags`` (``XLA_FLAGS`` syntax, ``--name=value ...``) adds an expert's own,
     which win over the bundle's. XLA:CPU ignores them."""
 
     overlap: str = "off"

@@ -90,6 +90,17 @@ class Run:
         """How the pipeline runtime executes the training program (None without a pipeline or a program)."""
         return None if self.program is None else PipelinePlan(self.program, self.stage_layout)
 
+    def pipeline_on(self, platform: str) -> PipelinePlan | None:
+        """:attr:`pipeline` as it runs on ``platform``'s devices (a JAX platform name: ``cpu``, ``gpu``). On
+        GPUs with ``gpu.overlap=on`` a tick issues each send as soon as its payload is computed
+        (``PipelinePlan.early_sends``), so the activation's transfer can run under the backward's GEMMs:
+        XLA:GPU executes a program in its one schedule order on every device, which keeps the order of the
+        collectives the runtime's ordering chain otherwise fixes. Elsewhere, the chain as it is."""
+        plan = self.pipeline
+        if plan is None or platform != "gpu" or self.cfg.gpu.overlap != "on":
+            return plan
+        return replace(plan, early_sends=True)
+
     @property
     def execution(self) -> Execution:
         """How this run executes the model's code: ``model.remat``, ``model.attention``,

@@ -13,9 +13,9 @@ the ordering token the one before it produced (:mod:`meshtron.pipeline.runtime`'
 schedule can reorder them.
 
 **The rule** (:func:`taken_branches`). Every device runs the same program and the stages meet once
-per tick, at the ``collective-permute``-s after the tick's last slot that send activations forward and
-gradients backward; nothing crosses stages between the slots of one tick (the collectives inside a
-branch are the stage's own tensor-parallel ones). So a tick lasts as long as its slowest stage: the
+per tick, at the ``collective-permute``-s that send activations forward and gradients backward (after
+the tick's last slot, or, with the runtime's early sends, each in flight under the slot after it); no
+slot waits for another stage (the collectives inside a branch are the stage's own tensor-parallel ones). So a tick lasts as long as its slowest stage: the
 tick's work outside the slots (the same on every stage) plus, on the stage whose slots cost the most,
 each slot at the branch that stage takes -- ``max over stages s of sum over the tick's slots of
 cost(branch s takes)``. The step is the sum over ticks. A per-kind maximum (the costliest stage's

@@ -35,12 +35,13 @@ from meshtron.hlo.text import (
     HloComputation,
     HloInstruction,
     HloModule,
+    call_edges,
     execution_counts,
     leaves,
 )
 
 __all__ = ["Gemm", "GemmFinder", "GemmKernel", "GemmTotals", "fmha_flops", "fused_computations", "gemm_flops",
-           "gemms", "is_f8", "kernels_of", "shapes_of", "totals_by_operand_types"]
+           "gemms", "gemms_launched", "is_f8", "kernels_of", "shapes_of", "totals_by_operand_types"]
 
 _CUBLAS_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")  # prefixes: ``$f8`` and other variants included
 _CUDNN_ATTENTION = "__cudnn$fmha"
@@ -270,6 +271,37 @@ def gemms(program: object) -> list[Gemm]:
                 found.append(Gemm(g.kernel, g.lhs, g.rhs, g.output, g.flops, g.op_name, name, instruction.name, count,
                                   unknown))
     return found
+
+
+def gemms_launched(instructions: Iterable[HloInstruction], computation: HloComputation, finder: GemmFinder) -> int:
+    """GEMM kernels that ``instructions`` (of ``computation``, in schedule order) launch, those of the computations
+    they call included: a ``conditional`` at its branch with the most (a pipeline stage's busy branch), a ``call`` or
+    a loop's body once. What a window of the schedule (:class:`meshtron.hlo.schedule.CollectiveWindow`'s
+    ``between``) runs while its collective is in flight, GEMMs in a stage's ``cond`` included."""
+    module = finder.module
+    seen: dict[str, int] = {}
+
+    def in_computation(name: str) -> int:
+        if name not in seen:
+            seen[name] = 0  # a computation that (indirectly) calls itself counts once
+            called = module.computations[name]
+            seen[name] = launched(called.instructions, shapes_of(called))
+        return seen[name]
+
+    def launched(insts: Iterable[HloInstruction], shapes: Mapping[str, ArrayShape]) -> int:
+        total = 0
+        for instruction in insts:
+            direct = finder.of(instruction, shapes)
+            if direct or instruction.opcode in ("fusion", "fusion-start", "async-start"):
+                total += len(direct)
+                continue
+            callees = [e.callee for e in call_edges(instruction) if e.callee in module.computations]
+            counts = [in_computation(name) for name in callees]
+            if counts:
+                total += max(counts) if instruction.opcode == "conditional" else sum(counts)
+        return total
+
+    return launched(instructions, shapes_of(computation))
 
 
 def gemm_flops(program: object) -> float:

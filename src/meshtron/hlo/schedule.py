@@ -39,7 +39,8 @@ from meshtron.hlo.text import (
     parse_hlo_module,
 )
 
-__all__ = ["CollectiveWindow", "async_wrapped_computations", "collective_windows", "is_sync", "module_of", "windows_by_start"]
+__all__ = ["CollectiveWindow", "async_wrapped_computations", "collective_windows", "done_for", "is_sync", "module_of",
+           "windows_by_start", "wrapped_collective"]
 
 _IS_SYNC = re.compile(r'"is_sync"\s*:\s*true')
 _CALLS = re.compile(r"\bcalls=%?([A-Za-z_][\w.\-]*)")
@@ -92,7 +93,7 @@ def async_wrapped_computations(module: HloModule) -> set[str]:
     return computations_called_by(module, "async-start")
 
 
-def _wrapped_collective(instruction: HloInstruction, module: HloModule) -> HloInstruction | None:
+def wrapped_collective(instruction: HloInstruction, module: HloModule) -> HloInstruction | None:
     """The collective an ``async-start`` wraps (its computation's last collective), if any."""
     called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
     computation = module.computations.get(called.group(1)) if called else None
@@ -102,7 +103,7 @@ def _wrapped_collective(instruction: HloInstruction, module: HloModule) -> HloIn
     return found[-1] if found else None
 
 
-def _done_for(computation: HloComputation) -> dict[str, str]:
+def done_for(computation: HloComputation) -> dict[str, str]:
     """start name -> done name: a done reads its start, possibly through ``async-update``s."""
     source: dict[str, str] = {}
     for instruction in computation.instructions:
@@ -120,7 +121,7 @@ def _computation_windows(computation: HloComputation, module: HloModule, count: 
                          mesh: MeshOrSizes) -> list[CollectiveWindow]:
     num_devices = math.prod(_axis_sizes(mesh).values())
     position = {instruction.name: index for index, instruction in enumerate(computation.instructions)}
-    done_of = _done_for(computation)
+    done_of = done_for(computation)
     windows = []
     sent: set[str] = set()
     for index, instruction in enumerate(computation.instructions):
@@ -134,7 +135,7 @@ def _computation_windows(computation: HloComputation, module: HloModule, count: 
         if opcode in COLLECTIVE_KINDS:
             collective_instruction, synchronous, done = instruction, True, instruction.name
         elif opcode in ASYNC_START_KIND or opcode == "async-start":
-            collective_instruction = instruction if opcode in ASYNC_START_KIND else _wrapped_collective(instruction,
+            collective_instruction = instruction if opcode in ASYNC_START_KIND else wrapped_collective(instruction,
                                                                                                         module)
             if collective_instruction is None:
                 continue  # an async computation that is not a collective (e.g. a host offload)

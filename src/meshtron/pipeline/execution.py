@@ -1,5 +1,5 @@
-"""How the pipeline runtime executes one schedule: the compiled program and the three facts about the
-run around it that change how ticks are run.
+"""How the pipeline runtime executes one schedule: the compiled program and the facts about the run
+around it that change how ticks are run.
 
 One value instead of four loose arguments, so that a new way of running ticks is one field here and one
 reader in the runtime, not a parameter threaded through every entry point between the trainer and the
@@ -24,12 +24,23 @@ class PipelinePlan:
     and skip the padding). ``lockstep``: every stage runs every tick's work, idle or not, and keeps what its
     instruction says -- for stage code whose collectives every device of the mesh must enter at once (a ring
     attention's collective-permutes). ``check_vma``: JAX's varying-manual-axes check, off only when the
-    data group has one rank (nothing is reduced over it, so nothing can be re-typed as replicated)."""
+    data group has one rank (nothing is reduced over it, so nothing can be re-typed as replicated).
+
+    ``early_sends``: a tick issues each send as soon as what it sends is computed -- the forward's activation
+    right after the forward slot, a split backward's input gradient right after B -- and the message it
+    receives joins the ordering chain only after the tick's last slot, so the transfer can run under the
+    slots in between (the backward's GEMMs, W's). Off, every send follows the tick's last slot and the next
+    slot waits for it (:mod:`meshtron.pipeline.runtime`'s deadlock rule). Only for a program whose runtime
+    executes every computation's instructions, ``conditional`` s included, one after another in the
+    compiled schedule's order, the same on every device -- XLA:GPU's; XLA:CPU runs a ``conditional``
+    concurrently with the collectives it does not depend on. The trainer turns it on for a GPU run with
+    ``gpu.overlap=on``."""
 
     program: Program
     layout: StageLayout | None = None
     lockstep: bool = False
     check_vma: bool = True
+    early_sends: bool = False
 
     @property
     def layer_counts(self) -> tuple[int, ...] | None:

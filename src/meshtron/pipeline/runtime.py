@@ -65,6 +65,18 @@ the same branch. :func:`meshtron.hlo.order.unordered_collectives` checks the rul
 optimized HLO of every compiled step (tests/test_deadlock.py); a stress test runs schedules x
 meshes under a timeout.
 
+**Early sends** (``PipelinePlan.early_sends``: GPU runs with ``gpu.overlap=on``). XLA:GPU issues a
+computation's instructions one after another in its schedule order, ``conditional`` s included, the
+same on every device, so there the sends need no data dependency on the ``cond`` s around them. A
+tick then sends the last tick's input gradient (kept in ``TickState.b_out``) first, the forward ``cond``
+runs while it is in flight, the message lands in its gradient slot before the backward ``cond`` reads
+it, the forward's activation is sent next and the backward (B and W) runs while it is in flight; it
+joins ``seq`` at the end of the tick. Each message joins ``seq`` before the next send: one send in
+flight at a time, the two never overlapping each other (their pairs share two devices). A segment that
+sends no input gradient gets the last one of the segment before between the ``scan`` s. The rule
+checked then is :func:`~meshtron.hlo.order.unordered_collectives` with ``in_schedule_order=True``:
+nothing that runs collectives under a send in flight shares more than one device with it.
+
 **Held-out evaluation** (:func:`run_pipeline_forward`) runs a forward-only program
 (:func:`meshtron.pipeline.schedules.forward_only`) through the same tick loop with the backward half
 switched off: no gradient buffer, no ``vjp``, no backward ``ppermute``, the same ``seq`` chain.
@@ -88,6 +100,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import PartitionSpec
 
 from meshtron.pipeline.buffers import (
@@ -109,6 +122,10 @@ from meshtron.pipeline.stage import PyTree, StageFunctions
 from meshtron.sharding import varying_like
 
 __all__ = ["StageFunctions", "TickState", "exact_segments", "run_pipeline", "run_pipeline_forward", "segments"]
+
+# The frontend attribute that asks XLA:GPU to run a collective on its point-to-point stream, apart from the
+# stream of the other collectives (XLA's ``kCollectiveStreamAttrName``/``kCollectiveStreamP2P``).
+P2P_STREAM = {"_xla_gpu_collective_stream": "p2p"}
 
 _FORWARD_FIELDS = ("fwd_mb", "fwd_chunk", "fwd_slot", "recv_fwd_slot")
 _ROW_FIELDS = (*_FORWARD_FIELDS, "bwd_mb", "bwd_chunk", "bwd_stash_slot", "bwd_grad_slot", "recv_bwd_slot",
@@ -282,6 +299,7 @@ class TickState(NamedTuple):
     seq: jax.Array  # the ordering token: exactly zero, threaded through every collective-bearing operation
     reports: PyTree | None = None  # forward-only with reports: what each chunk's layers reported, summed
     recomputed: list[jax.Array] | None = None  # hoisted recomputation: a rerun's residuals, by recompute slot
+    b_out: jax.Array | None = None  # early sends: the input gradient of the last tick, sent at the next tick's start
 
 
 class _TickLoop:
@@ -295,6 +313,7 @@ class _TickLoop:
         program, check_vma, layer_counts = plan.program, plan.check_vma, plan.layer_counts
         schedule = program.schedule
         self.lockstep = plan.lockstep
+        self.early_sends = plan.early_sends
         self.collect = collect
         self.reports: PyTree | None = None  # after run(), with collect: the summed reports
         self.program, self.fns, self.tokens, self.axis = program, fns, tokens, axis
@@ -579,20 +598,28 @@ class _TickLoop:
 
     def tick_of(self, seg: _Segment):
         """The body of the ``scan`` over one segment's ticks: receive, forward, backward (B), W, send."""
-        p, axis, pin = self.p, self.axis, self.pin
         zeros_act, zero_loss = self.zeros_act, self.zero_loss
 
+        early = self.early_sends
+        send_forward, send_backward = self.send_forward, self.send_backward
+
+        def receive_backward(gbuf, b_msg, row, seq):
+            return write_slot(gbuf, row["recv_bwd_slot"], b_msg), seq + self.token(b_msg)
+
         def tick(state: TickState, row_all):
-            stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports, hbuf = state
+            stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports, hbuf, b_out = state
             row = {k: jax.lax.dynamic_index_in_dim(row_all[k], self.stage_index, keepdims=False) for k in row_all}
             stash = write_slot(stash, row["recv_fwd_slot"], f_msg)
             # `seq` threads one data dependency through every collective-bearing operation of the
             # tick, in one fixed order (see the module docstring): forward, backward, send forward,
-            # send backward, then the next tick.
+            # send backward, then the next tick. Early sends (GPU) reorder the sends, one in flight at a
+            # time: the last tick's input gradient, under this tick's forward; the forward's activation,
+            # under the backward (B and W).
             seq = seq + self.token(f_msg)
-            if self.train:
-                gbuf = write_slot(gbuf, row["recv_bwd_slot"], b_msg)
-                seq = seq + self.token(b_msg)
+            if early and seg.send_backward:
+                b_msg = send_backward(b_out, seq)
+            if self.train and not early:
+                gbuf, seq = receive_backward(gbuf, b_msg, row, seq)
             y_out, dx_out = f_msg, b_msg
             # Large state (residual and B-to-W buffers, gradient accumulators) enters a ``cond`` whole
             # and leaves it updated in place: an idle branch returns it as it came. Returning a
@@ -612,6 +639,10 @@ class _TickLoop:
                     lambda: (zeros_act, zero_loss, reports, seq),
                 )
                 loss_sum = loss_sum + loss
+            if self.train and early:  # the backward reads what the last tick sent
+                gbuf, seq = receive_backward(gbuf, b_msg, row, seq)
+            if early and seg.send_forward:
+                f_msg = send_forward(y_out, seq)
             if seg.recompute:
                 hbuf, seq = self.branch(
                     "recompute", row["pre_mb"] >= 0,
@@ -638,14 +669,36 @@ class _TickLoop:
                     lambda: (g_stage, seq),
                 )
             if seg.send_forward:
-                f_msg = pin(jax.lax.ppermute(pin(after(y_out, seq)), axis, [(i, (i + 1) % p) for i in range(p)]))
+                if not early:
+                    f_msg = send_forward(y_out, seq)
                 seq = seq + self.token(f_msg)
-            if seg.send_backward:
-                b_msg = pin(jax.lax.ppermute(pin(after(dx_out, seq)), axis, [(i, (i - 1) % p) for i in range(p)]))
+            if seg.send_backward and not early:
+                b_msg = send_backward(dx_out, seq)
+            if early and seg.backward:
+                b_out = dx_out
             return TickState(stash, gbuf, wbuf, rbuf, f_msg, b_msg, g_stage, g_shared, loss_sum, seq, reports,
-                             hbuf), None
+                             hbuf, b_out), None
 
         return tick
+
+    def send(self, x: jax.Array, seq: jax.Array, step: int) -> jax.Array:
+        """``x`` (read after ``seq``) sent ``step`` stages along the ring: one ``ppermute`` over the pipeline
+        axis. With early sends it asks XLA:GPU for its point-to-point stream (:data:`P2P_STREAM`): the GPU
+        scheduler counts a ``conditional`` as using the collective stream when a branch does (a stage's tensor
+        all-reduces) and keeps one collective in flight there, so a send on that stream could not stay in
+        flight across a stage's ``conditional``."""
+        p, pin = self.p, self.pin
+        pairs = [(i, (i + step) % p) for i in range(p)]
+        if not self.early_sends:
+            return pin(jax.lax.ppermute(pin(after(x, seq)), self.axis, pairs))
+        with set_xla_metadata(**P2P_STREAM):
+            return pin(jax.lax.ppermute(pin(after(x, seq)), self.axis, pairs))
+
+    def send_forward(self, y: jax.Array, seq: jax.Array) -> jax.Array:
+        return self.send(y, seq, 1)
+
+    def send_backward(self, dx: jax.Array, seq: jax.Array) -> jax.Array:
+        return self.send(dx, seq, -1)
 
     def recomputing_backward(self, seg: _Segment, row, stash, gbuf, hbuf, g_stage, g_shared, seq):
         """The unsplit backward under recomputation, as a thunk: from a hoisted rerun's residuals where the
@@ -690,6 +743,7 @@ class _TickLoop:
             seq=self.zero_loss,
             reports=self.zero_reports() if self.collect else None,
             recomputed=self.filled(self.layers.residual_buffers(program.recompute_slots)) if self.hoist else None,
+            b_out=self.zeros_act if train and self.early_sends else None,
         )
 
     def zero_reports(self) -> PyTree:
@@ -705,9 +759,15 @@ class _TickLoop:
         state = self.initial_state()
         fields = _ROW_FIELDS if self.train else _FORWARD_FIELDS
         rows = {name: np.asarray(getattr(self.program, name), np.int32) for name in fields}
+        before = None
         for seg in segments(self.program):
+            if self.early_sends and self.train and before is not None and before.send_backward and not seg.send_backward:
+                # Early sends deliver a tick's input gradient at the next tick's start; a segment that sends
+                # none gets the last one of the segment before here, between the loops.
+                state = state._replace(b_msg=self.send_backward(state.b_out, state.seq))
             xs = {name: jnp.asarray(arr[seg.start : seg.stop]) for name, arr in rows.items()}
             state, _ = jax.lax.scan(self.tick_of(seg), state, xs)
+            before = seg
         # The loss lives on the last stage and the shared gradients on the first and last: one sum of
         # both, after everything the loop ran (the last messages included).
         seq = state.seq + self.token(state.f_msg)

@@ -131,7 +131,7 @@ class Trainer:
                                     zero=zero)
         steps = build_steps(
             model_def, mesh, optimizer.reduction, optimizer.transform,
-            microbatches=cfg.train.microbatches, pipeline=run.pipeline, stages=optimizer.stages, trainable=trainable,
+            microbatches=cfg.train.microbatches, pipeline=run.pipeline_on(devices[0].platform), stages=optimizer.stages, trainable=trainable,
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
             offload_optimizer=t.offload_optimizer,
             compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags),
