@@ -165,3 +165,21 @@ def test_what_init_from_cannot_use_is_one_line(imported, tmp_path, overrides, er
         Trainer.from_config(cfg).run()
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_delayed_fp8_fine_tunes_an_import_from_an_empty_history_and_exports_the_weights_alone(imported, tmp_path):
+    """An import holds no amax history: ``model.fp8=delayed`` starts it empty (the first step scales by each
+    tensor's own amax) and records from there; ``export-hf`` writes the weights, not the history."""
+    from safetensors.numpy import load_file
+
+    from meshtron.huggingface import export_hf
+
+    finetune = tmp_path / "fp8"
+    cfg = load_config(imported / CONFIG_FILE, ["train.steps=2", "model.fp8=delayed", f"checkpoint.dir={finetune}",
+                                               *SMALL])
+    result = Trainer.from_config(cfg).run()
+    history = np.asarray(jax.device_get(result.params["blocks"]["fp8_history"]))
+    assert np.all(history[..., :2] > 0) and not np.any(history[..., 2:])
+    exported = load_file(export_hf(finetune, tmp_path / "hf") / "model.safetensors")
+    assert exported and not [name for name in exported if "fp8" in name]
+    assert set(exported) == set(load_file(imported.parent / "hf" / "model.safetensors"))

@@ -127,7 +127,9 @@ def _llama(dtype: str, tensor: int, fp8: str = "off"):
 # without FP8. bf16 activations differ between layouts by bf16's rounding (1% of a gradient's norm
 # here); an element that lands on the other side of an FP8 rounding step moves by a whole step (2^-3
 # of it in e4m3, 2^-2 in e5m2), which turns those differences into about 10% of a gradient's norm,
-# while the loss stays within 1e-4.
+# while the loss stays within 1e-4. Delayed scaling from a fresh history scales each tensor by its own amax
+# too, here through the delayed GEMMs, their probes and the site counting of each layout (the history's own
+# scales against an independent quantization, and across layouts: tests/test_fp8_delayed.py).
 TOLERANCES = {
     ("float32", "current"): {"loss_rtol": 1e-5, "rtol": 1e-2, "atol": 1e-5},
     ("float32", "delayed"): {"loss_rtol": 1e-5, "rtol": 1e-2, "atol": 1e-5},

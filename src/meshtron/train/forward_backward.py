@@ -26,11 +26,14 @@ __all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "plain_forwa
 class ForwardBackward(NamedTuple):
     """``gradients(params, tokens) -> (mean loss, local gradients)``; ``loss(params, tokens)``: the
     forward pass alone (evaluation); ``reports(params, tokens)``: what the layers report (a mixture of
-    experts' routing), stacked over the layers in model order and summed over the microbatches."""
+    experts' routing), stacked over the layers in model order and summed over the microbatches.
+    ``loss_groups``: how many microbatches' mean losses the backward seeds at full weight, each averaged
+    afterwards (its output gradients are that many times the whole batch's)."""
 
     gradients: Callable[[Params, jax.Array], tuple[jax.Array, Params]]
     loss: Callable[[Params, jax.Array], jax.Array]
     reports: Callable[[Params, jax.Array], Any]
+    loss_groups: int = 1
 
 
 def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
@@ -87,4 +90,5 @@ def plain_forward_backward(model_def: ModelDef, microbatches: int,
         gradients=lambda params, tokens: local_gradients(model_def, params, tokens, microbatches, execution),
         loss=functools.partial(model_def.loss, execution=execution),
         reports=reports,
+        loss_groups=microbatches,
     )

@@ -19,7 +19,7 @@ import jax
 from meshtron.models.fp8_scaling import HISTORY, OBSERVED, observed_bounds, rolled
 from meshtron.trees import leaf_names
 
-__all__ = ["ScalingState"]
+__all__ = ["ScalingState", "holds_scaling_state", "with_fresh_scaling_state", "without_scaling_state"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,35 @@ class ScalingState:
         probes = [name for name, seen in zip(names, jax.tree.leaves(self.observed), strict=True) if seen]
         for probe, histogram in zip(probes, histograms, strict=True):
             history = index[probe[:-len(OBSERVED)] + HISTORY]
-            bounds = jax.lax.pmax(observed_bounds(histogram), group)
+            bounds = observed_bounds(histogram)
+            if jax.lax.axis_size(group) > 1:  # (XLA refuses a reduction over one rank of a partly manual region)
+                bounds = jax.lax.pmax(bounds, group)
             leaves[history] = rolled(leaves[history], bounds)
         return jax.tree.unflatten(structure, leaves)
+
+
+def holds_scaling_state(meta: dict[str, Any] | None) -> bool:
+    """Whether the checkpoint of the meta record ``meta`` was written by a run with delayed FP8 scaling."""
+    config = (meta or {}).get("config") or {}
+    return (config.get("model") or {}).get("fp8") == "delayed"
+
+
+def without_scaling_state(tree: Any) -> Any:
+    """A parameter-shaped tree (nested dicts) without delayed FP8 scaling's leaves."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: without_scaling_state(v) for k, v in tree.items() if k not in (HISTORY, OBSERVED)}
+
+
+def with_fresh_scaling_state(params: Any, shapes: Any, shardings: Any) -> Any:
+    """``params`` (without the state) with delayed FP8 scaling's leaves of ``shapes`` added as zeros -- an
+    empty history -- on ``shardings``: a model trained without it, fine-tuned with it."""
+    if not isinstance(shapes, dict):
+        return params
+    out = dict(params)
+    for key, shape in shapes.items():
+        if key in (HISTORY, OBSERVED):
+            out[key] = jax.device_put(jax.numpy.zeros(shape.shape, shape.dtype), shardings[key])
+        elif isinstance(shape, dict):
+            out[key] = with_fresh_scaling_state(params[key], shape, shardings[key])
+    return out

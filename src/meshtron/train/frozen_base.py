@@ -27,6 +27,7 @@ from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from meshtron.checkpoint_dirs import read_step_meta
 from meshtron.errors import ConfigError
 from meshtron.models.lora import adapters_only, grafted, is_adapter, without_adapters
+from meshtron.train.fp8_state import holds_scaling_state, with_fresh_scaling_state, without_scaling_state
 from meshtron.train.state import ModelDef, Params
 
 BASE_KEY = "lora_base"  # the meta record's field holding the pointer
@@ -227,6 +228,9 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
     shapes, target_shardings = model_def.shapes(), shardings
     if lora and not has_adapters:  # LoRA on a model trained without: its weights, and adapters made here
         shapes, target_shardings = without_adapters(shapes), without_adapters(shardings)
+    fresh_scaling = model_def.fp8_history > 0 and not holds_scaling_state(meta)  # delayed FP8 on a model without
+    if fresh_scaling:
+        shapes, target_shardings = without_scaling_state(shapes), without_scaling_state(target_shardings)
     target = adapters_only_target({"params": abstract_like(shapes, target_shardings)}, pointer)
     restored = store.restore_newest(target, None, mesh, resizable=model_def.resizable_in(target), partial=True,
                                     only=step, source=source)
@@ -237,4 +241,6 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
     params = with_base(restored.state, pointer, model_def, mesh, shardings, source)["params"]
     if lora and not has_adapters:
         params = grafted(params, adapters_only(model_def.init(mesh, seed, shardings=shardings)))
+    if fresh_scaling:
+        params = with_fresh_scaling_state(params, model_def.shapes(), shardings)
     return params, restored.meta

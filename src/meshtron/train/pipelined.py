@@ -228,4 +228,5 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
         gradients=lambda params, tokens: run_schedule(params, micro(tokens)),
         loss=lambda params, tokens: run_forward(params, micro(tokens)),
         reports=reports,
+        loss_groups=1,  # the runtime seeds each microbatch's loss at 1/m
     )

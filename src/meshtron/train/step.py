@@ -134,7 +134,7 @@ def build_steps(
                 loss, grads = source.gradients(shards.local(trainable.stopped(view), local_leaves), tokens)
             return loss, part(scaling.read(grads, into=observed))
 
-        with model_def.training(seed), using(loss_groups=microbatches * shards.replicas):
+        with model_def.training(seed), using(loss_groups=source.loss_groups * shards.replicas):
             got = sync.reduced(differentiate, params, part(params), opt_state.reduction)
         updates, optimizer_state = optimizer.update(got.grads, opt_state.optimizer, got.params, **stages[stage])
         new_params = trainable.completed(sync.updated(optax.apply_updates(got.params, updates)), params)
