@@ -173,9 +173,18 @@ def _dot_transposes(dims, operand_dtypes, qx, sx, qw, sw, qg, sg):
 _fp8_dot.defvjp(_fp8_dot_forward, _fp8_dot_backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _delayed_dot(x, w, scales, probe, dims, out_dtype, operand_dtypes, groups):
-    return _delayed_dot_forward(x, w, scales, probe, dims, out_dtype, operand_dtypes, groups)[0]
+def _site_cotangent(forward_bins: jax.Array, gradient_bins: jax.Array) -> jax.Array:
+    """The cotangent of a delayed GEMM's site (``[3, 1 + BINS]``: its scales, then its probe): nothing for
+    the scales, which come from the history and do not train; the three operands' amax one-hots for the
+    probe. One input for both keeps the backward free of a separate zero cotangent whose replication type
+    a replayed pullback (the pipeline's split backward) could not reproduce."""
+    bins = jnp.concatenate([forward_bins, gradient_bins[None]])
+    return jnp.concatenate([jnp.zeros_like(bins[:, :1]), bins], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _delayed_dot(x, w, site, dims, out_dtype, operand_dtypes, groups):
+    return _delayed_dot_forward(x, w, site, dims, out_dtype, operand_dtypes, groups)[0]
 
 
 def _delayed_operands(x, w, scales):
@@ -186,8 +195,9 @@ def _delayed_operands(x, w, scales):
     return (qx, sx, *_kept_weight(qw, sw), jnp.stack([bx, bw]))
 
 
-def _delayed_dot_forward(x, w, scales, probe, dims, out_dtype, operand_dtypes, groups):
-    del probe, operand_dtypes, groups
+def _delayed_dot_forward(x, w, site, dims, out_dtype, operand_dtypes, groups):
+    del operand_dtypes, groups
+    scales = site[:, 0]
     qx, sx, qw_bits, sw, bins = _delayed_operands(x, w, scales)
     y = jax.lax.dot_general(qx, _float8(qw_bits, E4M3), dims, preferred_element_type=_accumulated(out_dtype))
     return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, qw_bits, sw, scales, bins)
@@ -197,7 +207,7 @@ def _delayed_dot_backward(dims, out_dtype, operand_dtypes, groups, residuals, g)
     x_bits, sx, w_bits, sw, scales, forward_bins = residuals
     qg, sg, bg = _quantized_gradient(g, scales[2], groups)
     dx, dw = _dot_transposes(dims, operand_dtypes, _float8(x_bits, E4M3), sx, _float8(w_bits, E4M3), sw, qg, sg)
-    return dx, dw, jnp.zeros_like(scales), jnp.concatenate([forward_bins, bg[None]])
+    return dx, dw, _site_cotangent(forward_bins, bg)
 
 
 _delayed_dot.defvjp(_delayed_dot_forward, _delayed_dot_backward)
@@ -222,7 +232,7 @@ def _fp8_product(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNum
     dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
     site = _delayed_site(projections)
     if site is not None:
-        return _delayed_dot(lhs, rhs, *site, dims, out_dtype, dtypes, current().loss_groups)
+        return _delayed_dot(lhs, rhs, site, dims, out_dtype, dtypes, current().loss_groups)
     return _fp8_dot(lhs, rhs, dims, out_dtype, dtypes)
 
 
@@ -264,13 +274,14 @@ def _ragged_transposes(operand_dtypes, qx, sx, qw, sw, qg, sg, sizes):
 _fp8_ragged_dot.defvjp(_fp8_ragged_forward, _fp8_ragged_backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _delayed_ragged_dot(x, w, sizes, scales, probe, out_dtype, operand_dtypes, groups):
-    return _delayed_ragged_forward(x, w, sizes, scales, probe, out_dtype, operand_dtypes, groups)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _delayed_ragged_dot(x, w, sizes, site, out_dtype, operand_dtypes, groups):
+    return _delayed_ragged_forward(x, w, sizes, site, out_dtype, operand_dtypes, groups)[0]
 
 
-def _delayed_ragged_forward(x, w, sizes, scales, probe, out_dtype, operand_dtypes, groups):
-    del probe, operand_dtypes, groups
+def _delayed_ragged_forward(x, w, sizes, site, out_dtype, operand_dtypes, groups):
+    del operand_dtypes, groups
+    scales = site[:, 0]
     qx, sx, qw_bits, sw, bins = _delayed_operands(x, w, scales)
     y = jax.lax.ragged_dot(qx, _float8(qw_bits, E4M3), sizes, preferred_element_type=_accumulated(out_dtype))
     return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, qw_bits, sw, sizes, scales, bins)
@@ -280,7 +291,7 @@ def _delayed_ragged_backward(out_dtype, operand_dtypes, groups, residuals, g):
     x_bits, sx, w_bits, sw, sizes, scales, forward_bins = residuals
     qg, sg, bg = _quantized_gradient(g, scales[2], groups)
     dx, dw = _ragged_transposes(operand_dtypes, _float8(x_bits, E4M3), sx, _float8(w_bits, E4M3), sw, qg, sg, sizes)
-    return dx, dw, None, jnp.zeros_like(scales), jnp.concatenate([forward_bins, bg[None]])
+    return dx, dw, None, _site_cotangent(forward_bins, bg)
 
 
 _delayed_ragged_dot.defvjp(_delayed_ragged_forward, _delayed_ragged_backward)
@@ -290,8 +301,8 @@ def _fp8_on() -> bool:
     return current().fp8 != "off"
 
 
-def _delayed_site(projections: int = 1) -> tuple[jax.Array, jax.Array] | None:
-    """Under ``model.fp8=delayed`` inside a layer: the ``(scales, probe)`` of the next ``projections``
+def _delayed_site(projections: int = 1) -> jax.Array | None:
+    """Under ``model.fp8=delayed`` inside a layer: the scales and probe of the next ``projections``
     (:meth:`meshtron.models.fp8_scaling.LayerScaling.next_site`); ``None`` otherwise (current scaling:
     there is no state outside the blocks)."""
     layer = current_layer() if current().fp8 == "delayed" else None
@@ -342,7 +353,7 @@ def projection_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
         dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
         site = _delayed_site()
         if site is not None:
-            return _delayed_ragged_dot(lhs, rhs, group_sizes, *site, jnp.dtype(lhs.dtype), dtypes, current().loss_groups)
+            return _delayed_ragged_dot(lhs, rhs, group_sizes, site, jnp.dtype(lhs.dtype), dtypes, current().loss_groups)
         return _fp8_ragged_dot(lhs, rhs, group_sizes, jnp.dtype(lhs.dtype), dtypes)
     return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes)
 

@@ -90,7 +90,7 @@ def delayed_scales(history: jax.Array) -> jax.Array:
     largest bound ``2^e``; 0 where the history is empty (the GEMM then scales by the operand's own amax);
     NaN where it saw a non-finite amax."""
     top = jnp.max(history, axis=-1)
-    scale = jnp.ldexp(top, -jnp.array(_TOPS, jnp.int32))
+    scale = jnp.stack([jnp.ldexp(top[i], -exponent) for i, exponent in enumerate(_TOPS)])
     return jnp.where(jnp.isinf(top), jnp.nan, scale)
 
 
@@ -100,19 +100,20 @@ class LayerScaling:
     def __init__(self, history: jax.Array | None, observed: jax.Array | None):
         self.history, self.observed, self.used = history, observed, 0
 
-    def next_site(self, projections: int = 1) -> tuple[jax.Array, jax.Array]:
-        """``(scales [3], probe [3, BINS])`` of the GEMM that multiplies by the next ``projections`` (one,
-        or a fused kernel's joined matrices): the largest of their histories, and a probe whose gradient
-        reaches each of their sites."""
+    def next_site(self, projections: int = 1) -> jax.Array:
+        """The site ``[3, 1 + BINS]`` of the GEMM that multiplies by the next ``projections`` (one, or a fused
+        kernel's joined matrices): per operand its scale -- from the largest of their histories -- then a
+        probe whose gradient reaches each of their sites."""
         site, self.used = self.used, self.used + projections
         if self.history is None:  # counting: the sites are being numbered
-            return jnp.zeros((OPERANDS,), jnp.float32), jnp.zeros((OPERANDS, BINS), jnp.float32)
+            return jnp.zeros((OPERANDS, 1 + BINS), jnp.float32)
         if self.used > self.sites:
             raise ValueError(f"model.fp8=delayed: a block multiplied by more than the {self.sites} projections counted "
                              "when the model was built; its projections must not depend on the input (call the same "
                              "ones every time, a joined kernel through projection_einsum(..., projections=n))")
         history = jax.lax.stop_gradient(jnp.max(self.history[site:self.used], axis=0))
-        return delayed_scales(history), jnp.sum(self.observed[site:self.used], axis=0)
+        probe = jnp.sum(self.observed[site:self.used], axis=0)
+        return jnp.concatenate([delayed_scales(history)[:, None], probe], axis=1)
 
     @property
     def sites(self) -> int:
