@@ -7,7 +7,8 @@ So each projection here quantizes its two operands to ``float8_e4m3fn`` and mult
 backward quantizes the output gradient to ``float8_e5m2`` (five exponent bits: gradients span more
 binades than they need mantissa) and runs both backward GEMMs (input gradient: e5m2 x e4m3 weight;
 weight gradient: e5m2 x e4m3 input) on float8 operands too. The residuals the backward keeps are the
-float8 operands themselves: half the bytes of bf16 ones.
+float8 operands themselves: half the bytes of bf16 ones. The quantized weight is named
+:data:`FP8_WEIGHT`, so a recomputation policy can keep it through the rerun instead of quantizing again.
 
 **Scaling** (``current``): each tensor is divided by its own scale before the cast, the scale taken
 from the tensor's absolute maximum at that moment (per tensor, as Transformer Engine's current
@@ -20,10 +21,15 @@ then cross the tensor axis in bf16, as without FP8, and the layer keeps bf16 out
 tensor split across devices the maximum is taken over the whole tensor (one scalar reduction), so
 every device quantizes with the same scale and a split run computes what one device computes.
 
+**Delayed scaling** (``delayed``): inside a block, each operand's scale comes from its projection's amax
+history instead (:mod:`meshtron.models.fp8_scaling`: the state, its probe, the scales a history gives).
+The GEMM still takes each operand's amax, for the next step's history, and hands it back as its probe's
+gradient; an empty history scales by the amax as ``current`` does.
+
 **The pieces** are Flax's (``flax.linen.fp8_ops``): its ``quantize`` and the two
 ``dot_general`` transposes its own FP8 dot uses. Flax's modules (``Fp8DirectDotGeneralOp``,
-``Fp8Einsum``) carry delayed-scaling state as variables whose "gradient" is their next value; current
-scaling needs no state, so the custom VJP here is a function any projection can call.
+``Fp8Einsum``) carry delayed-scaling state as variables of the module that multiplies; here the state
+belongs to the block, so the custom VJPs stay functions any projection can call.
 
 **The hook.** Model code multiplies by its projection matrices through :func:`projection_einsum` (the
 ``einsum_op`` of an ``nnx.Einsum``) or :func:`projection_dot_general` (the ``dot_general`` of an
