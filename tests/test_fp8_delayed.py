@@ -223,3 +223,12 @@ def test_the_history_is_checkpointed_and_restored_onto_another_mesh(tmp_path):
         assert resumed.first_step == 3, name
         np.testing.assert_array_equal(rolled_on[..., 1:3], history[..., 1:3], err_msg=name)  # steps 1 and 2, restored
         np.testing.assert_allclose(resumed.losses[0], straight.losses[2], rtol=1e-4, err_msg=name)
+
+
+def test_a_block_calling_more_projections_than_were_counted_is_one_line(operands):
+    x, w, _ = operands
+    with using(fp8="delayed", fp8_layer=LayerScaling(jnp.zeros((1, 3, 4)), jnp.zeros((1, 3, BINS)))):
+        projection_einsum("se,ef->sf", x, w)
+        with pytest.raises(ConfigError, match=r"^model.fp8=delayed: a block multiplied by more than the 1 projections "
+                                              r"counted when the model was built"):
+            projection_einsum("se,ef->sf", x, w)

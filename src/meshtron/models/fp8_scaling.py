@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtron.errors import ConfigError
 from meshtron.trace_context import current, using
 
 __all__ = ["BINS", "HISTORY", "OBSERVED", "Fp8History", "Fp8Observed", "LayerScaling", "counting_sites",
@@ -108,7 +109,7 @@ class LayerScaling:
         if self.history is None:  # counting: the sites are being numbered
             return jnp.zeros((OPERANDS, 1 + BINS), jnp.float32)
         if self.used > self.sites:
-            raise ValueError(f"model.fp8=delayed: a block multiplied by more than the {self.sites} projections counted "
+            raise ConfigError(f"model.fp8=delayed: a block multiplied by more than the {self.sites} projections counted "
                              "when the model was built; its projections must not depend on the input (call the same "
                              "ones every time, a joined kernel through projection_einsum(..., projections=n))")
         history = jax.lax.stop_gradient(jnp.max(self.history[site:self.used], axis=0))
@@ -122,7 +123,7 @@ class LayerScaling:
     def check_complete(self) -> None:
         """Every site was used (or none: the layer ran without FP8 projections)."""
         if self.history is not None and self.used not in (0, self.sites):
-            raise ValueError(f"model.fp8=delayed: a block multiplied by {self.used} projections, {self.sites} were "
+            raise ConfigError(f"model.fp8=delayed: a block multiplied by {self.used} projections, {self.sites} were "
                              "counted when the model was built; its projections must not depend on the input")
 
 
