@@ -34,11 +34,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.both_stacks]
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A conditional whose branch all-reduces, next to a collective-permute: unordered unless the
-# permute reads the conditional's result.
-_HLO = """HloModule m
-
-%add (a: f32[], b: f32[]) -> f32[] {
+# The branches of the hand-written modules below: one all-reduces over GROUPS, the other does nothing.
+_BRANCHES = """%add (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)
   %b = f32[] parameter(1)
   ROOT %s = f32[] add(f32[] %a, f32[] %b)
@@ -46,13 +43,19 @@ _HLO = """HloModule m
 
 %work (p: f32[4]) -> f32[4] {
   %p = f32[4] parameter(0)
-  ROOT %ar = f32[4] all-reduce(f32[4] %p), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  ROOT %ar = f32[4] all-reduce(f32[4] %p), channel_id=2, replica_groups=GROUPS, to_apply=%add
 }
 
 %idle (q: f32[4]) -> f32[4] {
   ROOT %q = f32[4] parameter(0)
 }
+"""
 
+# A conditional whose branch all-reduces, next to a collective-permute: unordered unless the
+# permute reads the conditional's result.
+_HLO = """HloModule m
+
+""" + _BRANCHES.replace("GROUPS", "{{0,1}}") + """
 ENTRY %main (x: f32[4], pred: pred[]) -> (f32[4], f32[4]) {
   %x = f32[4] parameter(0)
   %pred = pred[] parameter(1)
@@ -82,21 +85,7 @@ def test_checker_accepts_control_predecessors():
 # conditional whose branch all-reduces over GROUPS. No data orders the two, the schedule does.
 _SCHEDULED_HLO = """HloModule m, is_scheduled=true, num_partitions=4
 
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(f32[] %a, f32[] %b)
-}
-
-%work (p: f32[4]) -> f32[4] {
-  %p = f32[4] parameter(0)
-  ROOT %ar = f32[4] all-reduce(f32[4] %p), channel_id=2, replica_groups=GROUPS, to_apply=%add
-}
-
-%idle (q: f32[4]) -> f32[4] {
-  ROOT %q = f32[4] parameter(0)
-}
-
+""" + _BRANCHES + """
 ENTRY %main (x: f32[4], pred: pred[]) -> (f32[4], f32[4]) {
   %x = f32[4] parameter(0)
   %pred = pred[] parameter(1)
