@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
-__all__ = ["LayerView", "TraceContext", "current", "using"]
+__all__ = ["GatheredShard", "LayerView", "TraceContext", "current", "using"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,19 @@ class LayerView:
     view: Callable[[dict], dict] | None
     unsaved: str | None
     hook: Callable[[Any, Any], None] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredShard:
+    """Where a parameter a layer view gathered whole came from, for what multiplies by it in FP8: ``shard``,
+    this rank's share as held; ``gather(a)``, an array shaped like ``shard`` (its quantized bytes)
+    gathered whole as the view gathers the parameter; ``group_max(s)``, a scalar's maximum over the
+    ranks that hold the shares. Quantizing the shard with the whole tensor's scale and gathering the
+    bytes gives what quantizing the gathered parameter gives, for half a bf16 gather's traffic."""
+
+    shard: Any
+    gather: Callable[[Any], Any]
+    group_max: Callable[[Any], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +67,9 @@ class TraceContext:
     whole batch's (delayed FP8 scaling records them in the whole batch's units).
     ``exchange``: how attention over a split sequence exchanges keys and values.
     ``layer_views``: the active layer views, outermost first.
+    ``gathered``: while a layer is traced under FP8 with layer views, what the views gathered: by ``id`` of
+    the gathered array, that array (which tells the value is still that one) and its
+    :class:`GatheredShard` (``None``: nothing is recorded).
     ``segments``: packed documents' segment ids that whole-sequence attention masks by.
     ``dropout``: adapter dropout's ``(rate, seed)``.
     ``aux_scale``: what auxiliary losses' gradient seeds are multiplied by.
@@ -70,6 +86,7 @@ class TraceContext:
     loss_groups: int = 1
     exchange: str = "gathered"
     layer_views: tuple[LayerView, ...] = ()
+    gathered: dict[int, tuple[Any, GatheredShard]] | None = None
     segments: Any = None
     dropout: tuple[float, int] = (0.0, 0)
     aux_scale: float = 1.0

@@ -28,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from meshtron.models import documents
 from meshtron.models.auxiliary import collecting_reports
 from meshtron.models.context_attention import local_positions
-from meshtron.models.fp8 import FP8_WEIGHT
+from meshtron.models.fp8 import FP8_SHARD, FP8_WEIGHT
 from meshtron.models.fp8_scaling import layer_scaling
 from meshtron.sharding import constrain, varying_like
 from meshtron.trace_context import LayerView, current, using
@@ -189,10 +189,14 @@ def layer_view(graphdef: Any, layer_state: Any, x: jax.Array | None = None) -> n
 
 def run_layer(graphdef: Any, layer_state: Any, x: jax.Array, ctx: Context) -> Any:
     """One block from its layer's state (:func:`layer_view`) applied to ``x``, its FP8 projections
-    reading that layer's delayed-scaling state (:func:`meshtron.models.fp8_scaling.layer_scaling`)."""
-    block = layer_view(graphdef, layer_state, x)
-    with layer_scaling(block):
-        return block(x, ctx)
+    reading that layer's delayed-scaling state (:func:`meshtron.models.fp8_scaling.layer_scaling`) and,
+    for the weights a view gathered, the shares they came from
+    (:attr:`meshtron.trace_context.TraceContext.gathered`: the shares are quantized, not the gathered weights)."""
+    recording = current().fp8 != "off" and any(entry.view is not None for entry in current().layer_views)
+    with using(gathered={} if recording else None):
+        block = layer_view(graphdef, layer_state, x)
+        with layer_scaling(block):
+            return block(x, ctx)
 
 
 def regathered(layer: Callable) -> Callable:
@@ -200,7 +204,8 @@ def regathered(layer: Callable) -> Callable:
     view's output (a layer's gathered parameters, adapters merged into their matrices) is made again in
     the backward instead of living from the forward until the backward reaches the layer. A view that
     names what it makes (``unsaved``) has just that recomputed; otherwise the layer keeps only its
-    matrix products' outputs (the elementwise work between them is recomputed). The identity without
+    matrix products' outputs (the elementwise work between them is recomputed) and, under ``model.fp8``,
+    what :func:`_kept_through_recomputation` names. The identity without
     a view, or when the layer is recomputed whole anyway (``remat`` full or offload)."""
     layer_views = current().layer_views
     if not layer_views:
@@ -210,6 +215,10 @@ def regathered(layer: Callable) -> Callable:
         policy = jax.checkpoint_policies.save_anything_except_these_names(*names)
     else:
         policy = jax.checkpoint_policies.dots_saveable
+        kept = _kept_through_recomputation()
+        if kept:
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                policy, jax.checkpoint_policies.save_only_these_names(*kept))
     return jax.checkpoint(layer, policy=policy, prevent_cse=False)
 
 
@@ -227,11 +236,15 @@ def offload_policy(kept: tuple[str, ...] = ()) -> Callable:
 
 
 def _kept_through_recomputation() -> tuple[str, ...]:
-    """What a recomputed block keeps besides its input: its FP8 weights (1 byte per weight, quantized once
-    instead of again in the rerun) -- unless each layer's parameters are gathered as it runs (fully
-    sharded data parallelism), where keeping them would hold every layer's gathered weights at once."""
+    """What a recomputed block keeps besides its input under ``model.fp8``: its FP8 weights (1 byte per
+    weight, quantized once instead of again in the rerun); where each layer's parameters are gathered as
+    it runs (fully sharded data parallelism), the quantized *shares* they are gathered from instead (1 byte
+    per parameter of the share: the rerun gathers their bytes again) -- keeping the gathered weights would
+    hold every layer's at once."""
+    if current().fp8 == "off":
+        return ()
     gathered = any(entry.view is not None for entry in current().layer_views)
-    return (FP8_WEIGHT,) if current().fp8 != "off" and not gathered else ()
+    return (FP8_SHARD,) if gathered else (FP8_WEIGHT,)
 
 
 def recomputed(layer: Callable, remat: str) -> Callable:

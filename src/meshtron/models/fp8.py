@@ -21,6 +21,16 @@ then cross the tensor axis in bf16, as without FP8, and the layer keeps bf16 out
 tensor split across devices the maximum is taken over the whole tensor (one scalar reduction), so
 every device quantizes with the same scale and a split run computes what one device computes.
 
+**Weights gathered as their layer runs** (``parallel.zero=3``): a layer view gathers each layer's
+parameters from every rank's share and records where each came from
+(:class:`meshtron.trace_context.GatheredShard`). A projection by such a weight quantizes the *share*
+with the whole tensor's scale -- for ``current`` from the maximum of the shares' amaxes (one scalar
+reduction), for ``delayed`` from the history -- and gathers its float8 bytes: half a bf16 gather's
+traffic, and the same float8 weight quantizing the gathered one gives, bit for bit (the cast is
+elementwise). The quantized share is named :data:`FP8_SHARD`: a recomputed layer keeps it (one byte per
+parameter of the share) and gathers it again instead of quantizing again. The weight's gradient still
+reaches the gathered parameter, whose own gather's transpose reduce-scatters it onto the share.
+
 **Delayed scaling** (``delayed``): inside a block, each operand's scale comes from its projection's amax
 history instead (:mod:`meshtron.models.fp8_scaling`: the state, its probe, the scales a history gives).
 The GEMM still takes each operand's amax, for the next step's history, and hands it back as its probe's
@@ -41,6 +51,8 @@ belongs to the block, so the custom VJPs stay functions any projection can call.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -49,9 +61,9 @@ from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtron.models.fp8_scaling import current_layer, exponent_bins
-from meshtron.trace_context import current
+from meshtron.trace_context import GatheredShard, current
 
-__all__ = ["E4M3", "E5M2", "FP8_WEIGHT", "fp8_dot_general", "power_of_two_scale", "projection_dot_general",
+__all__ = ["E4M3", "E5M2", "FP8_SHARD", "FP8_WEIGHT", "fp8_dot_general", "joined_weight", "power_of_two_scale", "projection_dot_general",
            "projection_einsum", "projection_ragged_dot"]
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, range +-448
@@ -129,6 +141,60 @@ def _kept_weight(qw: jax.Array, sw: jax.Array) -> tuple[jax.Array, jax.Array]:
     return checkpoint_name(_bits(qw), FP8_WEIGHT), checkpoint_name(sw, FP8_WEIGHT)
 
 
+FP8_SHARD = "fp8_shard"
+"""The checkpoint name of what a projection by a gathered weight quantizes before the gather: the share's
+float8 bytes and the whole tensor's amax. A recomputed layer whose parameters are gathered as it runs
+keeps these (:func:`meshtron.models.blocks.recomputed`) and gathers the bytes again in the rerun."""
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """A joined kernel ``fuse(*parts)`` whose parts a layer view gathered (:func:`joined_weight`)."""
+
+    fuse: Callable[..., jax.Array]
+    parts: tuple[GatheredShard, ...]
+
+
+Source = GatheredShard | _Joined
+
+
+def _gathered_source(w: jax.Array) -> Source | None:
+    """Where a layer view gathered ``w`` from, if it did (:attr:`meshtron.trace_context.TraceContext.gathered`)."""
+    table = current().gathered
+    found = None if table is None else table.get(id(w))
+    return found[1] if found is not None and found[0] is w else None
+
+
+def _source_amax(source: Source, dtype: Any) -> jax.Array:
+    """The amax of the whole gathered weight (in ``dtype``, the gathered weight's): the shares' largest."""
+    if isinstance(source, _Joined):
+        return functools.reduce(jnp.maximum, [_source_amax(part, dtype) for part in source.parts])
+    share = jax.lax.stop_gradient(source.shard).astype(dtype)
+    return checkpoint_name(source.group_max(_amax(share)), FP8_SHARD)
+
+
+def _gathered_bits(source: Source, scale: jax.Array, dtype: Any) -> jax.Array:
+    """The gathered weight's e4m3 bytes at ``scale``: the share cast, then its bytes gathered (a joined
+    kernel's: its parts' bytes, joined)."""
+    if isinstance(source, _Joined):
+        return source.fuse(*[_gathered_bits(part, scale, dtype) for part in source.parts])
+    share = jax.lax.stop_gradient(source.shard).astype(dtype)
+    return source.gather(checkpoint_name(_bits(fp8_ops.quantize(share, E4M3, scale, jnp.float32)), FP8_SHARD))
+
+
+def joined_weight(fuse: Callable[..., jax.Array], kernels: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+    """The joined kernel ``fuse(*kernels)`` in ``dtype``, for a projection that multiplies by several matrices
+    at once. ``fuse`` only places values (concatenates, reshapes, indexes), so where a layer view gathered
+    every kernel, an FP8 GEMM by the joined one quantizes their shares at its scale and joins their bytes:
+    what quantizing the joined kernel gives, without quantizing it."""
+    joined = fuse(*kernels).astype(dtype)
+    table = current().gathered
+    parts = [_gathered_source(k) for k in kernels]
+    if table is not None and parts and all(isinstance(p, GatheredShard) for p in parts):
+        table[id(joined)] = (joined, _Joined(fuse, tuple(parts)))
+    return joined
+
+
 def _float8(bits: jax.Array, dtype: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
@@ -179,6 +245,28 @@ def _dot_transposes(dims, operand_dtypes, qx, sx, qw, sw, qg, sg):
 _fp8_dot.defvjp(_fp8_dot_forward, _fp8_dot_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fp8_dot_quantized_weight(x: jax.Array, w: jax.Array, w_bits: jax.Array, sw: jax.Array, dims: DimensionNumbers,
+                              out_dtype: Any, operand_dtypes: tuple[Any, Any]) -> jax.Array:
+    """:func:`_fp8_dot` with the weight already quantized (``w_bits`` at ``sw``): ``w`` is read for its
+    gradient alone."""
+    return _fp8_dot_quantized_weight_forward(x, w, w_bits, sw, dims, out_dtype, operand_dtypes)[0]
+
+
+def _fp8_dot_quantized_weight_forward(x, w, w_bits, sw, dims, out_dtype, operand_dtypes):
+    del w, operand_dtypes
+    qx, sx = _quantized(x, E4M3)
+    y = jax.lax.dot_general(qx, _float8(w_bits, E4M3), dims, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, w_bits, sw)
+
+
+def _fp8_dot_quantized_weight_backward(dims, out_dtype, operand_dtypes, residuals, g):
+    return (*_fp8_dot_backward(dims, out_dtype, operand_dtypes, residuals, g), None, None)
+
+
+_fp8_dot_quantized_weight.defvjp(_fp8_dot_quantized_weight_forward, _fp8_dot_quantized_weight_backward)
+
+
 def _site_cotangent(forward_bins: jax.Array, gradient_bins: jax.Array) -> jax.Array:
     """The cotangent of a delayed GEMM's site (``[3, 1 + BINS]``: its scales, then its probe): nothing for
     the scales, which come from the history and do not train; the three operands' amax one-hots for the
@@ -219,6 +307,30 @@ def _delayed_dot_backward(dims, out_dtype, operand_dtypes, groups, residuals, g)
 _delayed_dot.defvjp(_delayed_dot_forward, _delayed_dot_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _delayed_dot_quantized_weight(x, w, w_bits, sw, w_bins, site, dims, out_dtype, operand_dtypes, groups):
+    """:func:`_delayed_dot` with the weight already quantized (``w_bits`` at ``sw``, its amax's one-hot
+    ``w_bins``): ``w`` is read for its gradient alone."""
+    return _delayed_dot_quantized_weight_forward(x, w, w_bits, sw, w_bins, site, dims, out_dtype, operand_dtypes,
+                                                 groups)[0]
+
+
+def _delayed_dot_quantized_weight_forward(x, w, w_bits, sw, w_bins, site, dims, out_dtype, operand_dtypes, groups):
+    del w, operand_dtypes, groups
+    scales = site[:, 0]
+    qx, sx, bx = _quantized_delayed(x, E4M3, scales[0])
+    y = jax.lax.dot_general(qx, _float8(w_bits, E4M3), dims, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, w_bits, sw, scales, jnp.stack([bx, w_bins]))
+
+
+def _delayed_dot_quantized_weight_backward(dims, out_dtype, operand_dtypes, groups, residuals, g):
+    dx, dw, site = _delayed_dot_backward(dims, out_dtype, operand_dtypes, groups, residuals, g)
+    return dx, dw, None, None, None, site
+
+
+_delayed_dot_quantized_weight.defvjp(_delayed_dot_quantized_weight_forward, _delayed_dot_quantized_weight_backward)
+
+
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNumbers, precision: Any = None,
                     preferred_element_type: Any = None, **_: Any) -> jax.Array:
     """``jax.lax.dot_general`` computed as an FP8 GEMM (both operands ``e4m3``; in the backward the output
@@ -237,9 +349,26 @@ def _fp8_product(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNum
     dims = tuple(tuple(tuple(int(a) for a in axes) for axes in pair) for pair in dimension_numbers)
     dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
     site = _delayed_site(projections)
+    source = _gathered_source(rhs)
+    if source is not None:
+        return _gathered_product(lhs, rhs, source, site, dims, out_dtype, dtypes)
     if site is not None:
         return _delayed_dot(lhs, rhs, site, dims, out_dtype, dtypes, current().loss_groups)
     return _fp8_dot(lhs, rhs, dims, out_dtype, dtypes)
+
+
+def _gathered_product(x: jax.Array, w: jax.Array, source: Source, site: jax.Array | None,
+                      dims: DimensionNumbers, out_dtype: Any, dtypes: tuple[Any, Any]) -> jax.Array:
+    """The FP8 GEMM by a weight a layer view gathered: the share quantized at the whole weight's scale (its
+    history's under delayed scaling, else its amax's), its bytes gathered."""
+    amax = _source_amax(source, w.dtype)
+    if site is None:
+        sw = _scale_of(amax, E4M3)
+        return _fp8_dot_quantized_weight(x, w, _gathered_bits(source, sw, w.dtype), sw, dims, out_dtype, dtypes)
+    delayed = jax.lax.stop_gradient(site[1, 0])
+    sw = jnp.where(delayed == 0, _scale_of(amax, E4M3), delayed)
+    return _delayed_dot_quantized_weight(x, w, _gathered_bits(source, sw, w.dtype), sw, exponent_bins(amax), site,
+                                         dims, out_dtype, dtypes, current().loss_groups)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -324,7 +453,7 @@ def projection_einsum(spec: str, x: jax.Array, w: jax.Array, *, precision: Any =
     takes the scales of all of them and records its amaxes for each, so the state means the same whether
     a layout joins them or not."""
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
-    if current().fp8 == "delayed" and current_layer() is not None:
+    if _fp8_on() and (current().fp8 == "delayed" and current_layer() is not None or _gathered_source(w) is not None):
         y = _einsum_by_dot_general(spec, x, w, preferred_element_type, projections)
         return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
     if _fp8_on():
@@ -336,7 +465,8 @@ def _einsum_by_dot_general(spec: str, x: jax.Array, w: jax.Array, preferred_elem
                            projections: int) -> jax.Array:
     """``einsum(spec, x, w)`` as one FP8 GEMM (:func:`_fp8_product`) called here, in this trace. ``jnp.einsum`` calls
     its ``_dot_general`` inside a cached ``jit``: a second projection of the same shapes would reuse the
-    first one's trace, and with it the first one's scaling state."""
+    first one's trace, and with it the first one's scaling state; and inside it ``w`` is another value than
+    the one a layer view gathered (:func:`_gathered_source`)."""
     inputs, out = spec.replace(" ", "").split("->")
     xs, ws = inputs.split(",")
     if "..." in xs:  # a leading ellipsis over x's extra axes: name them

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.models.blocks import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
-from meshtron.models.fp8 import projection_einsum
+from meshtron.models.fp8 import joined_weight, projection_einsum
 from meshtron.sharding import constrain
+from meshtron.trace_context import current
 
 INIT_STD = 0.02
 
@@ -53,7 +54,13 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
     weights next to its activations. Under ``jax.checkpoint`` only ``x`` and the kernels themselves
     (parameters, kept anyway) are saved; the join is redone in the backward pass, the matmul is not
     (a linear map's transpose needs only its operands).
+
+    Under ``model.fp8`` nothing is recomputed: the FP8 GEMM keeps its operands' float8 bytes, not the
+    joined kernel, and the rerun would quantize the joined kernel again
+    (:func:`~meshtron.models.fp8.joined_weight`: one quantization, of the shares where a layer view gathers).
     """
+    if current().fp8 != "off":
+        return projection_einsum(spec, x, joined_weight(fuse, kernels, x.dtype), projections=len(kernels))
 
     def project(x, *kernels):
         return projection_einsum(spec, x, fuse(*kernels).astype(x.dtype), projections=len(kernels))

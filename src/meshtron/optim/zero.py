@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from meshtron.sharding import axis_names, gradient_axes, manual_part, splits_over
+from meshtron.trace_context import GatheredShard, current
 from meshtron.trees import leaf_names
 
 ZERO_LEVELS = (0, 1, 3)
@@ -275,17 +276,42 @@ class ZeroPlan:
         gathers the layer again -- the layer is recomputed whole (``model.remat=full``) or keeps only
         its matrix products (:func:`meshtron.models.blocks.regathered`) -- so a layer's whole
         parameters live only while it runs, forward and backward. Floating leaves cross the wire
-        in ``gather_dtype`` and their gradients in ``reduce_dtype`` (:func:`_all_gather_cast`)."""
+        in ``gather_dtype`` and their gradients in ``reduce_dtype`` (:func:`_all_gather_cast`).
+
+        Under ``model.fp8`` each gathered floating leaf is also recorded with its share
+        (:class:`~meshtron.trace_context.GatheredShard`): an FP8 projection by it quantizes the share
+        and gathers the float8 bytes instead of the gathered leaf, whose forward gather is then unused
+        (only its transpose, the gradient's reduce-scatter, remains)."""
         dims = jax.tree.map(lambda d: None if d is None else d - 1, self.dims[key], is_leaf=lambda x: x is None)
         specs = jax.tree.map(lambda p: P(*tuple(p)[1:]), self.param_specs[key], is_leaf=lambda x: isinstance(x, P))
 
         def gather(layer):
-            return self._map(lambda x, dim: x if dim is None else
-                             _all_gather_cast(x, self.axis, dim, _wire_dtype(x, self.gather_dtype),
-                                              _wire_dtype(x, self.reduce_dtype), self.narrow_reductions),
-                             layer, dims=dims, specs=specs)
+            whole = self._map(lambda x, dim: x if dim is None else
+                              _all_gather_cast(x, self.axis, dim, _wire_dtype(x, self.gather_dtype),
+                                               _wire_dtype(x, self.reduce_dtype), self.narrow_reductions),
+                              layer, dims=dims, specs=specs)
+            table = current().gathered
+            if table is not None:
+                jax.tree.map(lambda share, out, dim, spec: self._record(table, share, out, dim, spec),
+                             layer, whole, dims, specs, is_leaf=lambda x: x is None or isinstance(x, P))
+            return whole
 
         return gather
+
+    def _record(self, table: dict, share: Any, whole: Any, dim: int | None, spec: P) -> None:
+        """``whole`` (gathered from ``share`` along ``dim``, laid out ``spec``) recorded in ``table`` with how
+        its bytes are gathered: as it is where it was kept whole (``dim`` None)."""
+        if share is None or not jnp.issubdtype(share.dtype, jnp.floating):
+            return
+        if dim is None:
+            table[id(whole)] = (whole, GatheredShard(share, lambda a: a, lambda s: s))
+            return
+
+        def gather(a):
+            return self._map(lambda v, d: jax.lax.all_gather(v, self.axis, axis=d, tiled=True),
+                             {"leaf": a}, dims={"leaf": dim}, specs={"leaf": spec})["leaf"]
+
+        table[id(whole)] = (whole, GatheredShard(share, gather, lambda s: jax.lax.pmax(s, self.axis)))
 
     def sum_squares(self, squares: Any, split: Any = None) -> Any:
         """Per-leaf sums of squares made whole: those of split leaves summed over ``axis``.
