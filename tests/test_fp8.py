@@ -248,8 +248,9 @@ def test_low_precision_operands_get_their_products_and_gradients_in_their_dtype(
 def test_a_recomputed_block_keeps_its_fp8_weights_instead_of_quantizing_them_again(operands, remat):
     """Under ``model.remat=full``/``offload`` the rerun forward reuses the weight quantized in the forward
     (one amax reduction of it per step, not two: the input's is taken twice, the output gradient's once),
-    with the same gradients; when each layer's parameters are gathered as it runs (zero=3) it quantizes
-    again instead of holding every layer's gathered weights."""
+    with the same gradients; under a view that gathers each layer's parameters as it runs without recording
+    their shares it quantizes again instead of holding every layer's gathered weights (zero=3's view records
+    them and keeps the quantized shares: tests/test_fp8_recomputation.py)."""
     from meshtron.models.blocks import recomputed
     from meshtron.trace_context import LayerView
 

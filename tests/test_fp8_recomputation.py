@@ -98,6 +98,25 @@ def test_zero3_trains_as_zero1_with_fp8_weights_gathered_as_shares(fp8):
     np.testing.assert_allclose(losses[3], losses[1], rtol=1e-5)
 
 
+def _pipelined_losses(schedule: str, fp8: str, zero: int) -> list[float]:
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config("llama_cpu8", [*MODEL, "model.layers=4", "parallel.data=2", "parallel.pipe=2",
+                                     f"parallel.schedule={schedule}", f"parallel.chunks={2 if schedule == 'interleaved' else 1}",
+                                     "parallel.microbatches=4", "train.batch_size=16", "train.steps=2",
+                                     f"model.fp8={fp8}", f"parallel.zero={zero}"])
+    return Trainer.from_config(cfg).run().losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, fp8", [("1f1b", "current"), ("interleaved", "current"), ("zb-h1", "current"),
+                                           ("zb-h1", "delayed")])
+def test_pipelined_zero3_trains_as_zero1_with_fp8_weights_gathered_as_shares(schedule, fp8):
+    """On 2x2x2 pipelines (the stages recompute their layers; zb-h1 replays each layer's pullback split in
+    two), zero=3's shares quantized and gathered as float8 bytes give zero=1's losses."""
+    np.testing.assert_allclose(_pipelined_losses(schedule, fp8, 3), _pipelined_losses(schedule, fp8, 1), rtol=1e-5)
+
+
 def _shares_and_gather(mesh, w: np.ndarray, dim: int):
     """``w`` split over ``data`` along ``dim``, and what gathers it whole inside a region manual over ``data``."""
     return (jax.device_put(w, jax.NamedSharding(mesh, P(*[None] * dim, "data"))),
@@ -172,3 +191,28 @@ def test_a_joined_kernel_of_gathered_weights_is_quantized_from_their_shares(oper
     np.testing.assert_array_equal(loss, expected)
     for got, want in ((dx, ex), (da, 4 * ea), (db, 4 * eb)):  # four ranks' equal gradients summed
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_h100_zero3_gathers_each_layers_fp8_weights_as_bytes_half_of_bf16s(gpu_target):
+    """Compiled for 8 H100s (Llama, bf16 compute, zero=3): with FP8 each layer's projection weights cross
+    ``data`` as one byte per element, in the forward and again in the backward, and the layers' gathers move
+    half the bytes of the same step's bf16 gathers without FP8 (the norms' scales still gather in bf16)."""
+    from meshtron.train.loop import Trainer
+
+    def layer_gathers(fp8: str):
+        cfg = load_config("cpu8", ["model.family=llama", "model.hidden=64", "model.heads=4", "model.kv_heads=2",
+                                   "model.mlp_dim=128", "model.seq_len=64", "model.vocab_size=256", "model.layers=2",
+                                   "model.dtype=bfloat16", f"model.fp8={fp8}", "parallel.data=8", "parallel.pipe=1",
+                                   "parallel.tensor=1", "parallel.zero=3", "parallel.microbatches=2",
+                                   "train.batch_size=32"])
+        trainer = Trainer.from_config(cfg, target=gpu_target, read_data=False)
+        return [c for c in collectives(_compiled(trainer), trainer.mesh)
+                if c.kind == "all-gather" and c.axes == ("data",) and c.count >= 2]  # in the layer loops
+
+    bf16, fp8 = layer_gathers("off"), layer_gathers("current")
+    assert {c.dtype for c in bf16} == {"bf16"}
+    # XLA:GPU combines a layer's gathers into one (its dtype reads "bf16+u8": the [64] norm scales stay bf16)
+    assert fp8 and all("u8" in c.dtype.split("+") for c in fp8)
+    assert sum(c.total_bytes for c in fp8) < 0.51 * sum(c.total_bytes for c in bf16)

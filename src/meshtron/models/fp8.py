@@ -61,10 +61,11 @@ from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtron.models.fp8_scaling import current_layer, exponent_bins
+from meshtron.sharding import varying_like
 from meshtron.trace_context import GatheredShard, current
 
-__all__ = ["E4M3", "E5M2", "FP8_SHARD", "FP8_WEIGHT", "fp8_dot_general", "joined_weight", "power_of_two_scale", "projection_dot_general",
-           "projection_einsum", "projection_ragged_dot"]
+__all__ = ["E4M3", "E5M2", "FP8_SHARD", "FP8_WEIGHT", "fp8_dot_general", "joined_weight", "power_of_two_scale",
+           "projection_dot_general", "projection_einsum", "projection_ragged_dot"]
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, range +-448
 E5M2 = jnp.float8_e5m2  # output gradients: 2 mantissa bits, range +-57344
@@ -155,25 +156,28 @@ class _Joined:
     parts: tuple[GatheredShard, ...]
 
 
-Source = GatheredShard | _Joined
+_Source = GatheredShard | _Joined
 
 
-def _gathered_source(w: jax.Array) -> Source | None:
+def _gathered_source(w: jax.Array) -> _Source | None:
     """Where a layer view gathered ``w`` from, if it did (:attr:`meshtron.trace_context.TraceContext.gathered`)."""
     table = current().gathered
     found = None if table is None else table.get(id(w))
     return found[1] if found is not None and found[0] is w else None
 
 
-def _source_amax(source: Source, dtype: Any) -> jax.Array:
+def _source_amax(source: _Source, dtype: Any) -> jax.Array:
     """The amax of the whole gathered weight (in ``dtype``, the gathered weight's): the shares' largest."""
     if isinstance(source, _Joined):
         return functools.reduce(jnp.maximum, [_source_amax(part, dtype) for part in source.parts])
     share = jax.lax.stop_gradient(source.shard).astype(dtype)
-    return checkpoint_name(source.group_max(_amax(share)), FP8_SHARD)
+    # typed as varying like the share, as a scale taken from the gathered weight is: a scale the group's
+    # maximum made invariant would meet varying operands through an implicit cast in the backward, which
+    # a replayed pullback (the pipeline's split backward) cannot reproduce
+    return checkpoint_name(varying_like(source.group_max(_amax(share)), share), FP8_SHARD)
 
 
-def _gathered_bits(source: Source, scale: jax.Array, dtype: Any) -> jax.Array:
+def _gathered_bits(source: _Source, scale: jax.Array, dtype: Any) -> jax.Array:
     """The gathered weight's e4m3 bytes at ``scale``: the share cast, then its bytes gathered (a joined
     kernel's: its parts' bytes, joined)."""
     if isinstance(source, _Joined):
@@ -357,7 +361,7 @@ def _fp8_product(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNum
     return _fp8_dot(lhs, rhs, dims, out_dtype, dtypes)
 
 
-def _gathered_product(x: jax.Array, w: jax.Array, source: Source, site: jax.Array | None,
+def _gathered_product(x: jax.Array, w: jax.Array, source: _Source, site: jax.Array | None,
                       dims: DimensionNumbers, out_dtype: Any, dtypes: tuple[Any, Any]) -> jax.Array:
     """The FP8 GEMM by a weight a layer view gathered: the share quantized at the whole weight's scale (its
     history's under delayed scaling, else its amax's), its bytes gathered."""
@@ -453,7 +457,7 @@ def projection_einsum(spec: str, x: jax.Array, w: jax.Array, *, precision: Any =
     takes the scales of all of them and records its amaxes for each, so the state means the same whether
     a layout joins them or not."""
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
-    if _fp8_on() and (current().fp8 == "delayed" and current_layer() is not None or _gathered_source(w) is not None):
+    if _fp8_on() and ((current().fp8 == "delayed" and current_layer() is not None) or _gathered_source(w) is not None):
         y = _einsum_by_dot_general(spec, x, w, preferred_element_type, projections)
         return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
     if _fp8_on():
