@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshtron.checkpoint import abstract_like
 from meshtron.config import load_config
 from meshtron.hlo.collectives import Collective, collectives
+from meshtron.hlo.gemms import gemms
 from meshtron.hlo.summary import analyze
 
 pytestmark = [pytest.mark.gpu_compile, pytest.mark.slow]
@@ -119,7 +120,7 @@ def test_gpipe_on_an_uneven_layout_without_zero(gpu_target):
 
 
 def test_1f1b_p_on_packed_documents(gpu_target):
-    tr = trainer(gpu_target, "cpu8", *mesh(2, 2, 2, microbatches=4), "model.layers=2", "parallel.schedule=1f1b-p",
+    tr = trainer(gpu_target, "cpu8", *mesh(2, 2, 2, microbatches=2), "model.layers=2", "parallel.schedule=1f1b-p",
                  "parallel.chunks=1", "data.reset_per_document=true")
     params, opt_state, tokens = tr.abstract_step_arguments()
     assert tokens.shape == (tr.cfg.train.batch_size, 65, 3)  # tokens, positions, document ids
@@ -133,6 +134,10 @@ def test_zero_bubble_with_zero1_lora_and_cudnn_attention(gpu_target):
                  "parallel.chunks=1", "parallel.zero=1", "train.lora.rank=4", "train.lora.alpha=8", *CUDNN)
     compiled = compile_step(tr)
     assert FUSED in compiled.as_text()
+    # model.fp8=off (the default): no GEMM of zb-h1's forward, input- and weight-gradient passes has float8
+    # operands (with FP8, every block GEMM has: tests/test_fp8.py)
+    found = [g for g in gemms(compiled) if not g.attention]
+    assert found and not any(g.f8 for g in found)
     colls = gpu_program(compiled, tr.mesh)
     assert ("collective-permute", ("pipe",)) in kinds(colls)
     # Only the adapters train: what ZeRO-1 reduce-scatters over data is a small part of the model.

@@ -244,7 +244,7 @@ def test_overlap_on_puts_the_backward_gemms_under_the_pipe_sends_on_h100(gpu_tar
     from meshtron.train.loop import Trainer
 
     layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=1f1b",
-              "parallel.microbatches=4"]
+              "parallel.microbatches=2", "model.layers=2", "train.batch_size=8"]
     hidden, under = {}, {}
     for setting in ("off", "on"):
         extra = {"off": [], "on": ["gpu.overlap=on"]}[setting]
@@ -320,6 +320,12 @@ def test_overlap_on_is_the_pipelined_all_reduce_and_an_experts_flags_come_on_top
                                                   "xla_gpu_collective_permute_decomposer_threshold": 0}
 
 
+# A schedule's structure, smallest: one layer per stage and chunk (interleaved's 2 chunks: 4 layers), as many
+# microbatches as stages; what is compiled is the schedule's tick loop, whatever the model's size.
+_SCHEDULE_GPU = ["model.hidden=64", "model.heads=4", "model.mlp_dim=128", "model.seq_len=64", "model.vocab_size=256",
+                 "model.dtype=bfloat16", "parallel.zero=1", "train.batch_size=8"]
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-p", "interleaved", "zb-h1"])
@@ -330,9 +336,10 @@ def test_overlap_on_compiles_every_pipeline_schedule_for_h100(gpu_target, schedu
     from meshtron.train.loop import Trainer
 
     layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", f"parallel.schedule={schedule}",
-              "parallel.microbatches=4", *(["parallel.chunks=2"] if schedule == "interleaved" else []),
+              "parallel.microbatches=2", f"model.layers={4 if schedule == 'interleaved' else 2}",
+              *(["parallel.chunks=2"] if schedule == "interleaved" else []),
               "model.attention=cudnn", "model.fp8=current"]
-    trainer = Trainer.from_config(load_config(None, [*_SMALL_GPU, *layout, "gpu.overlap=on"]), target=gpu_target,
+    trainer = Trainer.from_config(load_config(None, [*_SCHEDULE_GPU, *layout, "gpu.overlap=on"]), target=gpu_target,
                                   read_data=False)
     assert trainer.steps.compiler_options == for_this_xla(OVERLAP_ON)
     params, opt_state, tokens = trainer.abstract_step_arguments()
