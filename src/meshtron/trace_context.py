@@ -53,6 +53,8 @@ class TraceContext:
     each group's loss a mean of its own: a backward's output gradients are about that many times the
     whole batch's (delayed FP8 scaling records them in the whole batch's units).
     ``exchange``: how attention over a split sequence exchanges keys and values.
+    ``collective_matmul``: the tensor-parallel regions' projections gather and scatter a split residual
+    stream themselves, overlapped with their GEMMs (:mod:`meshtron.models.collective_matmul`).
     ``layer_views``: the active layer views, outermost first.
     ``segments``: packed documents' segment ids that whole-sequence attention masks by.
     ``dropout``: adapter dropout's ``(rate, seed)``.
@@ -69,6 +71,7 @@ class TraceContext:
     fp8_layer: Any = None
     loss_groups: int = 1
     exchange: str = "gathered"
+    collective_matmul: bool = False
     layer_views: tuple[LayerView, ...] = ()
     segments: Any = None
     dropout: tuple[float, int] = (0.0, 0)
