@@ -185,8 +185,8 @@ def test_the_blocks_move_the_residual_stream_by_collective_permutes_only(family)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.tensor=4"], "parallel.collective_matmul: overlaps sequence parallelism's all-gathers and "
-                            "reduce-scatters with the projections, and this run has parallel.sequence_parallel=false"),
+    (["parallel.tensor=4"], ("parallel.collective_matmul: overlaps sequence parallelism's all-gathers and "
+                             "reduce-scatters with the projections, and this run has parallel.sequence_parallel=false")),
     (["parallel.sequence_parallel=true", "parallel.tensor=4", "model.fp8=current"],
      "parallel.collective_matmul: multiplies in model.dtype and does not compose with model.fp8=current"),
     (["parallel.sequence_parallel=true", "parallel.tensor=4", "train.lora.rank=4"],
