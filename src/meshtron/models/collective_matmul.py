@@ -128,6 +128,19 @@ def _tied(value: jax.Array, anchor: jax.Array) -> jax.Array:
     return value + _zero_from(anchor, value.dtype)
 
 
+def _after(operand: jax.Array, previous: jax.Array | None) -> jax.Array:
+    """``operand`` of a ring step's GEMM, made to depend on the previous step's product. The steps' GEMMs
+    would otherwise be independent products of one weight, and XLA merges such dots into one (its dot
+    merger), run after every transfer has landed: no overlap left. Chained, they run one after another,
+    each while the next chunk travels (the transfers take the untied chunks). The dependency is
+    ``min(|p|, 0)`` of the product's first element ``p``: zero for every finite or infinite ``p`` (NaN
+    stays NaN), which XLA cannot fold away as it folds :func:`_tied`'s."""
+    if previous is None:
+        return operand
+    first = previous.reshape(-1)[0]
+    return operand + jnp.minimum(jnp.abs(first), jnp.zeros((), first.dtype)).astype(operand.dtype)
+
+
 def _around(chunk: jax.Array, axis: str) -> Iterator[tuple[jax.Array, jax.Array]]:
     """Every rank's chunk in turn, each with the index of the rank that holds it: the rank's own first,
     then the previous rank's, and so on. The next chunk's transfer is issued before the current one is
@@ -141,10 +154,10 @@ def _around(chunk: jax.Array, axis: str) -> Iterator[tuple[jax.Array, jax.Array]
 
 def _gather_multiply(spec: str, x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
     """The all-gather-matmul on local shards: ``x`` [b, s/t, ...] -> ``einsum(spec)`` over the whole sequence."""
-    out = None
+    out = y = None
     chunk_len = x.shape[1]
     for chunk, source in _around(x, axis):
-        y = jnp.einsum(spec, chunk, w)
+        y = jnp.einsum(spec, _after(chunk, y), w)
         if out is None:  # every chunk is written once: the padding is a buffer of the right shape, from y
             rest = chunk_len * (jax.lax.axis_size(axis) - 1)
             out = jax.lax.pad(y, jnp.zeros((), y.dtype), [(0, 0, 0), (0, rest, 0)] + [(0, 0, 0)] * (y.ndim - 2))
@@ -158,10 +171,10 @@ def _multiply_scatter(spec: str, h: jax.Array, w: jax.Array, axis: str) -> jax.A
     what it received and passes it on, so the sum of chunk ``r`` arrives complete at the last step."""
     n, rank = jax.lax.axis_size(axis), _rank(axis, h)
     chunk_len = h.shape[1] // n
-    total = None
+    total = part = None
     for step in range(n):
         index = _behind(rank, step + 1, n)
-        part = jnp.einsum(spec, jax.lax.dynamic_slice_in_dim(h, index * chunk_len, chunk_len, axis=1), w)
+        part = jnp.einsum(spec, _after(jax.lax.dynamic_slice_in_dim(h, index * chunk_len, chunk_len, axis=1), part), w)
         total = part if total is None else total + part
         if step < n - 1:
             total = _shift(total, axis)
@@ -172,10 +185,10 @@ def _weight_gradient(spec: str, whole: jax.Array, travelling: jax.Array, axis: s
     """``Σ_chunks einsum(spec, whole chunk, travelling chunk)``: ``whole`` [b, s, ...] sliced to each chunk
     of ``travelling`` [b, s/t, ...] as the chunks come round the ring."""
     chunk_len = travelling.shape[1]
-    total = None
+    total = part = None
     for chunk, source in _around(travelling, axis):
         part_of_whole = jax.lax.dynamic_slice_in_dim(whole, source * chunk_len, chunk_len, axis=1)
-        part = jnp.einsum(spec, part_of_whole, chunk)
+        part = jnp.einsum(spec, _after(part_of_whole, part), chunk)
         total = part if total is None else total + part
     return total
 
