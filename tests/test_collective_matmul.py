@@ -220,7 +220,7 @@ def _tensor_permutes(text: str, sizes: dict[str, int]) -> list[tuple[str, bool]]
 @pytest.mark.slow
 def test_the_rings_permutes_run_under_the_gemms_on_h100(gpu_target):
     """Compiled for 8 H100s (data 2 x tensor 4, sequence parallelism): with collective matmul the blocks'
-    tensor traffic is collective-permutes (forward 12 per layer, backward 18, in the layer loops' bodies),
+    tensor traffic is collective-permutes (in the forward and the backward layer loops' bodies),
     every one in flight while a GEMM of its ring runs, and the step-time estimate hides more of the tensor
     axis's communication than with sequence parallelism's all-gathers and reduce-scatters (read from the
     schedule, not timed)."""
