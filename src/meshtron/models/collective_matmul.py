@@ -17,12 +17,16 @@ steps, each step's GEMM running while the next chunk travels (``ppermute``):
 
 Both have their own backward, itself rings: the input gradient of one is the other primitive
 (``dx`` of the all-gather-matmul is a matmul-reduce-scatter of ``dy`` by ``wᵀ``; ``dh`` of the
-matmul-reduce-scatter an all-gather-matmul of ``dy``), and the weight gradient is summed over the
-chunks as they travel: the all-gather-matmul's backward passes ``x``'s chunks round again rather
-than keeping the gathered ``x`` from the forward (a rank keeps ``s/t`` tokens of the region's input
-per layer, not ``s``: the residual stream's memory saving is what sequence parallelism is for), and
-the matmul-reduce-scatter's backward multiplies the chunks of ``dy`` that its input gradient's ring
-passes round anyway.
+matmul-reduce-scatter an all-gather-matmul of ``dy``), and the weight gradient is one GEMM on the
+whole sequence's operand, gathered by a ring: the all-gather-matmul's backward passes ``x``'s chunks
+round again (a ring of transfers alone, beside the input gradient's ring and its GEMMs) rather than
+keeping the gathered ``x`` from the forward -- a rank keeps ``s/t`` tokens of the region's input per
+layer, not ``s`` (what sequence parallelism keeps between blocks; the plain region keeps its gathered
+input, the fused projections' saved operand), and the forward's value could not be kept anyway where
+the fused projections recompute everything but their inputs (:func:`meshtron.models.layers.fused_projection`)
+-- and the matmul-reduce-scatter's backward keeps the chunks of ``dy`` its input gradient's ring passes
+round anyway. (Summing the weight gradient chunk by chunk instead would read and write a weight-sized
+accumulator at every step.)
 
 Each primitive runs in a nested ``shard_map`` manual over the mesh axis the rules place the
 residual stream's ``residual_seq`` on (``tensor`` under ``parallel.sequence_parallel``); the others
@@ -152,17 +156,34 @@ def _around(chunk: jax.Array, axis: str) -> Iterator[tuple[jax.Array, jax.Array]
         chunk = following
 
 
-def _gather_multiply(spec: str, x: jax.Array, w: jax.Array, axis: str) -> jax.Array:
-    """The all-gather-matmul on local shards: ``x`` [b, s/t, ...] -> ``einsum(spec)`` over the whole sequence."""
-    out = y = None
-    chunk_len = x.shape[1]
+def _gather_multiply(spec: str, x: jax.Array, w: jax.Array | None, axis: str,
+                     keep: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The all-gather-matmul on local shards: ``x`` [b, s/t, ...] -> ``einsum(spec)`` over the whole sequence;
+    with ``keep``, also ``x`` gathered (the chunks written into place as they pass). ``w=None``: the
+    gathered ``x`` alone (a ring of transfers with no GEMM of its own, for a caller whose GEMMs run
+    beside it)."""
+    out = y = gathered = None
+    n = jax.lax.axis_size(axis)
     for chunk, source in _around(x, axis):
+        if keep or w is None:
+            gathered = _placed(gathered, chunk, source, n)
+        if w is None:
+            continue
         y = jnp.einsum(spec, _after(chunk, y), w)
-        if out is None:  # every chunk is written once: the padding is a buffer of the right shape, from y
-            rest = chunk_len * (jax.lax.axis_size(axis) - 1)
-            out = jax.lax.pad(y, jnp.zeros((), y.dtype), [(0, 0, 0), (0, rest, 0)] + [(0, 0, 0)] * (y.ndim - 2))
-        out = jax.lax.dynamic_update_slice_in_dim(out, y, source * chunk_len, axis=1)
-    return out
+        out = _placed(out, y, source, n)
+    if w is None:
+        return gathered
+    return (out, gathered) if keep else out
+
+
+def _placed(buffer: jax.Array | None, chunk: jax.Array, source: jax.Array, n: int) -> jax.Array:
+    """``buffer`` [b, n·c, ...] with ``chunk`` [b, c, ...] written at chunk ``source``; the first chunk makes the
+    buffer (padded from it: every chunk is written once, so the padding's values never survive)."""
+    c = chunk.shape[1]
+    if buffer is None:
+        buffer = jax.lax.pad(chunk, jnp.zeros((), chunk.dtype),
+                             [(0, 0, 0), (0, c * (n - 1), 0)] + [(0, 0, 0)] * (chunk.ndim - 2))
+    return jax.lax.dynamic_update_slice_in_dim(buffer, chunk, source * c, axis=1)
 
 
 def _multiply_scatter(spec: str, h: jax.Array, w: jax.Array, axis: str) -> jax.Array:
@@ -178,18 +199,6 @@ def _multiply_scatter(spec: str, h: jax.Array, w: jax.Array, axis: str) -> jax.A
         total = part if total is None else total + part
         if step < n - 1:
             total = _shift(total, axis)
-    return total
-
-
-def _weight_gradient(spec: str, whole: jax.Array, travelling: jax.Array, axis: str) -> jax.Array:
-    """``Σ_chunks einsum(spec, whole chunk, travelling chunk)``: ``whole`` [b, s, ...] sliced to each chunk
-    of ``travelling`` [b, s/t, ...] as the chunks come round the ring."""
-    chunk_len = travelling.shape[1]
-    total = part = None
-    for chunk, source in _around(travelling, axis):
-        part_of_whole = jax.lax.dynamic_slice_in_dim(whole, source * chunk_len, chunk_len, axis=1)
-        part = jnp.einsum(spec, _after(part_of_whole, part), chunk)
-        total = part if total is None else total + part
     return total
 
 
@@ -277,7 +286,8 @@ def _allgather_matmul_bwd(ring, residuals, dy):
     def gradients(dy, x, w):
         x, w = _tied(x, dy), _tied(w, dy)
         dx = _multiply_scatter(f"{out},{ws}->{xs}", dy, w, ring.axis)
-        dw = _weight_gradient(f"{out},{xs}->{ws}", dy, x, ring.axis)
+        gathered = _gather_multiply("", x, None, ring.axis)  # a ring of its own, beside dx's GEMMs
+        dw = jnp.einsum(f"{out},{xs}->{ws}", dy, gathered)
         return dx, _summed(dw, ring)
 
     operands = (dy, x.astype(dy.dtype), w.astype(dy.dtype))  # cast here: nothing in the ring without dy
@@ -305,8 +315,8 @@ def _matmul_reduce_scatter_bwd(ring, residuals, dy):
 
     def gradients(dy, h, w):
         h, w = _tied(h, dy), _tied(w, dy)
-        dh = _gather_multiply(f"{out},{ws}->{hs}", dy, w, ring.axis)
-        dw = _weight_gradient(f"{hs},{out}->{ws}", h, dy, ring.axis)
+        dh, gathered = _gather_multiply(f"{out},{ws}->{hs}", dy, w, ring.axis, keep=True)
+        dw = jnp.einsum(f"{hs},{out}->{ws}", h, gathered)
         return dh, _summed(dw, ring)
 
     operands = (dy, h.astype(dy.dtype), w.astype(dy.dtype))  # cast here: nothing in the ring without dy
