@@ -172,16 +172,14 @@ def test_the_blocks_move_the_residual_stream_by_collective_permutes_only(family)
     plain, plain_wire = _per_layer_collectives(family, False)
     big = {k: n for k, n in rings.items() if k[1] >= chunk}
     # Per layer: forward, two all-gather-matmuls and two matmul-reduce-scatters of t - 1 steps each;
-    # backward, each all-gather-matmul's reduce-scatter ring and the ring that gathers its input again
-    # for the weight gradient, and each matmul-reduce-scatter's one ring: 10 rings of 3 sequence chunks.
-    assert big == {("collective-permute", chunk): 10 * (t - 1)}
+    # backward, each all-gather-matmul's reduce-scatter ring (its weight gradient reads the input it
+    # gathered in the forward) and each matmul-reduce-scatter's all-gather ring: 8 rings of 3 chunks.
+    assert big == {("collective-permute", chunk): 8 * (t - 1)}
     # what else runs per layer: the all-reduce of the norms' (and biases') gradients, a few hidden-sized vectors
     assert all(kind == "all-reduce" and nbytes <= 8 * 32 * 4 for kind, nbytes in rings if nbytes < chunk), rings
-    # The same bytes as sequence parallelism's reduce-scatters and all-gathers, and the two inputs gathered
-    # again in the backward (which sequence parallelism keeps gathered from the forward instead).
+    # The same bytes over the tensor axis as sequence parallelism's four all-gathers and four reduce-scatters.
     assert plain[("all-gather", activation)] == 4
-    regathered = 2 * (t - 1) * chunk
-    assert ring_wire == pytest.approx(plain_wire + regathered, rel=0.01)
+    assert ring_wire == pytest.approx(plain_wire, rel=0.01)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -18,15 +18,13 @@ steps, each step's GEMM running while the next chunk travels (``ppermute``):
 Both have their own backward, itself rings: the input gradient of one is the other primitive
 (``dx`` of the all-gather-matmul is a matmul-reduce-scatter of ``dy`` by ``wᵀ``; ``dh`` of the
 matmul-reduce-scatter an all-gather-matmul of ``dy``), and the weight gradient is one GEMM on the
-whole sequence's operand, gathered by a ring: the all-gather-matmul's backward passes ``x``'s chunks
-round again (a ring of transfers alone, beside the input gradient's ring and its GEMMs) rather than
-keeping the gathered ``x`` from the forward -- a rank keeps ``s/t`` tokens of the region's input per
-layer, not ``s`` (what sequence parallelism keeps between blocks; the plain region keeps its gathered
-input, the fused projections' saved operand), and the forward's value could not be kept anyway where
-the fused projections recompute everything but their inputs (:func:`meshtron.models.layers.fused_projection`)
--- and the matmul-reduce-scatter's backward keeps the chunks of ``dy`` its input gradient's ring passes
-round anyway. (Summing the weight gradient chunk by chunk instead would read and write a weight-sized
-accumulator at every step.)
+whole sequence's operand, beside the input gradient's ring. The all-gather-matmul keeps its input
+gathered from the forward (the chunks written into place as they pass; :data:`GATHERED_INPUT`): the
+same ``s`` tokens per layer that sequence parallelism's region keeps without it (the fused projections'
+saved operand), and passing them round again in the backward, as Megatron-LM does, would move a third
+more bytes over the tensor axis. The matmul-reduce-scatter's backward keeps the chunks of ``dy`` its
+input gradient's ring passes round anyway. (Summing a weight gradient chunk by chunk instead would read
+and write a weight-sized accumulator at every step.)
 
 Each primitive runs in a nested ``shard_map`` manual over the mesh axis the rules place the
 residual stream's ``residual_seq`` on (``tensor`` under ``parallel.sequence_parallel``); the others
@@ -48,14 +46,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from meshtron.models.fp8 import projection_einsum
 from meshtron.sharding import LogicalAxes, logical_to_spec, manual_part
 from meshtron.trace_context import current, using
 
-__all__ = ["allgather_matmul", "collective_matmul", "column_parallel", "matmul_reduce_scatter",
+__all__ = ["GATHERED_INPUT", "allgather_matmul", "collective_matmul", "column_parallel", "matmul_reduce_scatter",
            "row_parallel", "sequence_ring"]
+
+
+GATHERED_INPUT = "collective_matmul_gathered_input"
+"""The checkpoint name of what an all-gather-matmul keeps for its backward: its input gathered over the
+ring (the weight gradient's operand). A projection recomputed but for its inputs keeps it by this name
+(:func:`meshtron.models.layers.fused_projection`)."""
 
 
 @contextlib.contextmanager
@@ -229,7 +234,8 @@ def _spec_names(spec: PartitionSpec) -> set[str]:
 class _Ring:
     """One projection's ring: the einsum, the mesh axis the sequence travels round, the axes the nested
     ``shard_map`` is manual over and the layouts there of the sequence-split operand or result
-    (``split``), of the whole-sequence one (``whole``) and of the weight."""
+    (``split``), of the whole-sequence one (``whole``), of the weight and of the sequence-split operand
+    gathered (``gathered``)."""
 
     spec: str
     axis: str
@@ -237,6 +243,7 @@ class _Ring:
     split: PartitionSpec
     whole: PartitionSpec
     weight: PartitionSpec
+    gathered: PartitionSpec
 
     def run(self, body, in_specs, out_specs):
         """``body`` on local shards, in a ``shard_map`` that does not check manual-axis types: with checks, JAX
@@ -276,23 +283,24 @@ def _allgather_matmul(ring: _Ring, x, w):
 
 
 def _allgather_matmul_fwd(ring, x, w):
-    return _allgather_matmul(ring, x, w), (x, w)
+    y, gathered = ring.run(lambda x, w: _gather_multiply(ring.spec, x, _tied(w, x), ring.axis, keep=True),
+                           (ring.split, ring.weight), (ring.whole, ring.gathered))(x, w)
+    return _typed(y, x, w), (checkpoint_name(_typed(gathered, x), GATHERED_INPUT), w)
 
 
 def _allgather_matmul_bwd(ring, residuals, dy):
-    x, w = residuals
+    gathered, w = residuals
     xs, ws, out = _parse(ring.spec)
 
-    def gradients(dy, x, w):
-        x, w = _tied(x, dy), _tied(w, dy)
+    def gradients(dy, gathered, w):
+        gathered, w = _tied(gathered, dy), _tied(w, dy)
         dx = _multiply_scatter(f"{out},{ws}->{xs}", dy, w, ring.axis)
-        gathered = _gather_multiply("", x, None, ring.axis)  # a ring of its own, beside dx's GEMMs
-        dw = jnp.einsum(f"{out},{xs}->{ws}", dy, gathered)
+        dw = jnp.einsum(f"{out},{xs}->{ws}", dy, gathered)  # beside the ring: nothing of it waits on a transfer
         return dx, _summed(dw, ring)
 
-    operands = (dy, x.astype(dy.dtype), w.astype(dy.dtype))  # cast here: nothing in the ring without dy
-    dx, dw = ring.run(gradients, (ring.whole, ring.split, ring.weight), (ring.split, ring.weight))(*operands)
-    return (_cotangent(dx, x, dy, w).astype(x.dtype), _cotangent(dw, w, dy, x).astype(w.dtype))
+    operands = (dy, gathered.astype(dy.dtype), w.astype(dy.dtype))  # cast here: nothing in the ring without dy
+    dx, dw = ring.run(gradients, (ring.whole, ring.gathered, ring.weight), (ring.split, ring.weight))(*operands)
+    return (_cotangent(dx, gathered, dy, w).astype(gathered.dtype), _cotangent(dw, w, dy, gathered).astype(w.dtype))
 
 
 _allgather_matmul.defvjp(_allgather_matmul_fwd, _allgather_matmul_bwd)
@@ -355,10 +363,12 @@ def _ring(spec: str, x: jax.Array, w: jax.Array, w_axes: LogicalAxes, *, gathere
     manual = frozenset(mesh.axis_names) - set(mesh.manual_axes)
     split_axes = _axes_of(xs if gathered_input else out, ws, w_axes, "residual_seq")
     whole_axes = _axes_of(out if gathered_input else xs, ws, w_axes, "seq")
-    split_spec, whole_spec, w_spec = (manual_part(logical_to_spec(a), manual) for a in (split_axes, whole_axes, w_axes))
+    gathered_axes = _axes_of(xs, ws, w_axes, "seq")
+    split_spec, whole_spec, w_spec, gathered_spec = (manual_part(logical_to_spec(a), manual)
+                                                     for a in (split_axes, whole_axes, w_axes, gathered_axes))
     if not _even(x, split_spec if gathered_input else whole_spec, mesh) or not _even(w, w_spec, mesh):
         return None
-    return _Ring(spec, axis, manual, split_spec, whole_spec, w_spec)
+    return _Ring(spec, axis, manual, split_spec, whole_spec, w_spec, gathered_spec)
 
 
 def _even(x: jax.Array, spec: PartitionSpec, mesh) -> bool:

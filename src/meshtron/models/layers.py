@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.models.blocks import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
-from meshtron.models.collective_matmul import column_parallel
+from meshtron.models.collective_matmul import GATHERED_INPUT, column_parallel
 from meshtron.models.fp8 import projection_einsum
 from meshtron.sharding import LogicalAxes, constrain
 
@@ -61,11 +61,13 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
     (:func:`meshtron.models.collective_matmul.column_parallel`).
     """
     product = projection_einsum if axes is None else column_parallel(axes)
+    # what a collective matmul gathers is kept (:data:`GATHERED_INPUT`), as the gathered x is without one
+    policy = jax.checkpoint_policies.save_only_these_names(GATHERED_INPUT)
 
     def project(x, *kernels):
         return product(spec, x, fuse(*kernels).astype(x.dtype), projections=len(kernels))
 
-    return jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, *kernels)
+    return jax.checkpoint(project, policy=policy, prevent_cse=False)(x, *kernels)
 
 
 def projection_kernel(module: Any) -> jax.Array:
