@@ -242,3 +242,20 @@ def test_the_rings_permutes_run_under_the_gemms_on_h100(gpu_target):
     assert under["false"] == []
     assert len(under["true"]) >= 24 and all(overlapped for _, overlapped in under["true"]), under["true"]
     assert hidden["true"] > hidden["false"]
+
+
+@pytest.mark.slow
+def test_a_users_model_without_the_hook_runs_as_it_did_with_the_switch_on():
+    import sys
+    from pathlib import Path
+
+    from meshtron.execution import Execution
+    from meshtron.testing import Layout, check_parity
+
+    sys.path.insert(0, str(Path(__file__).parent / "models"))
+    import parallel_lm
+
+    rules = {**parallel_lm.RULES, "residual_seq": "tensor"}
+    [report] = check_parity(parallel_lm.factory, [Layout(2, 1, 4)], rules=rules, seq_len=16,
+                            execution=Execution(collective_matmul=True))
+    assert report.ok

@@ -26,10 +26,9 @@ more bytes over the tensor axis. The matmul-reduce-scatter's backward keeps the 
 input gradient's ring passes round anyway. (Summing a weight gradient chunk by chunk instead would read
 and write a weight-sized accumulator at every step.)
 
-Each primitive runs in a nested ``shard_map`` manual over the mesh axis the rules place the
-residual stream's ``residual_seq`` on (``tensor`` under ``parallel.sequence_parallel``); the others
-(data, and pipe or context where an outer ``shard_map`` is already manual over them) stay as they
-are. Model code names no mesh axis: the built-in families' projections call these through
+The ring runs over the mesh axis the rules place the residual stream's ``residual_seq`` on (``tensor``
+under ``parallel.sequence_parallel``), in a nested ``shard_map`` manual over every mesh axis not yet
+manual (inside the train step's region over data, a pipeline's over pipe, or none). Model code names no mesh axis: the built-in families' projections call these through
 :func:`column_parallel` and :func:`row_parallel` einsum operations, which multiply as
 :func:`meshtron.models.fp8.projection_einsum` does unless the run turned collective matmul on
 (:func:`collective_matmul`, ``parallel.collective_matmul``) and the residual stream is split.
@@ -161,23 +160,17 @@ def _around(chunk: jax.Array, axis: str) -> Iterator[tuple[jax.Array, jax.Array]
         chunk = following
 
 
-def _gather_multiply(spec: str, x: jax.Array, w: jax.Array | None, axis: str,
+def _gather_multiply(spec: str, x: jax.Array, w: jax.Array, axis: str,
                      keep: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The all-gather-matmul on local shards: ``x`` [b, s/t, ...] -> ``einsum(spec)`` over the whole sequence;
-    with ``keep``, also ``x`` gathered (the chunks written into place as they pass). ``w=None``: the
-    gathered ``x`` alone (a ring of transfers with no GEMM of its own, for a caller whose GEMMs run
-    beside it)."""
+    with ``keep``, also ``x`` gathered (the chunks written into place as they pass)."""
     out = y = gathered = None
     n = jax.lax.axis_size(axis)
     for chunk, source in _around(x, axis):
-        if keep or w is None:
+        if keep:
             gathered = _placed(gathered, chunk, source, n)
-        if w is None:
-            continue
         y = jnp.einsum(spec, _after(chunk, y), w)
         out = _placed(out, y, source, n)
-    if w is None:
-        return gathered
     return (out, gathered) if keep else out
 
 
