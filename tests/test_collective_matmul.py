@@ -259,3 +259,23 @@ def test_a_users_model_without_the_hook_runs_as_it_did_with_the_switch_on():
     [report] = check_parity(parallel_lm.factory, [Layout(2, 1, 4)], rules=rules, seq_len=16,
                             execution=Execution(collective_matmul=True))
     assert report.ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_a_model_samples_the_same_tokens_with_the_switch_on(use_cache):
+    # (the sampler keeps the residual stream whole on every tensor rank: no ring runs, and a saved run's switch
+    # changes nothing in what it samples)
+    from meshtron.config import MeshConfig, ModelConfig
+    from meshtron.execution import Execution
+    from meshtron.generate import Sampler
+    from meshtron.mesh import build_mesh
+    from meshtron.train.state import model_def_from_config
+
+    mesh = build_mesh(MeshConfig(1, 1, 4), jax.devices()[:4])
+    md = model_def_from_config(ModelConfig(family="llama", hidden=32, heads=8, kv_heads=4, mlp_dim=64, seq_len=16,
+                                           layers=2, sequence_parallel=True), 4)
+    params = md.init(mesh, seed=1)
+    tokens = [Sampler(md, mesh, chunk=8, context=16, use_cache=use_cache, execution=Execution(collective_matmul=on))
+              .sample(params, "collective", max_new_tokens=8, temperature=1.0, seed=3).new_tokens for on in (False, True)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
