@@ -279,3 +279,18 @@ def test_a_model_samples_the_same_tokens_with_the_switch_on(use_cache):
     tokens = [Sampler(md, mesh, chunk=8, context=16, use_cache=use_cache, execution=Execution(collective_matmul=on))
               .sample(params, "collective", max_new_tokens=8, temperature=1.0, seed=3).new_tokens for on in (False, True)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_keeps_its_gradients_with_the_switch_on():
+    # the attention's projections ring; the experts' MLP runs as it does without the switch
+    from meshtron.config import ModelConfig, MoEConfig
+    from meshtron.execution import Execution
+    from meshtron.testing import Layout, check_parity
+    from meshtron.train.state import model_def_from_config
+
+    cfg = ModelConfig(family="llama", hidden=64, heads=8, kv_heads=4, mlp_dim=128, seq_len=32, layers=2,
+                      sequence_parallel=True, collective_matmul=True, moe=MoEConfig(experts=4, top_k=2))
+    [report] = check_parity(model_def_from_config(cfg, 4), [Layout(2, 1, 4)], seq_len=32,
+                            execution=Execution.of_model_config(cfg), grouped_loss=True)
+    assert report.ok
