@@ -294,3 +294,22 @@ def test_a_mixture_of_experts_keeps_its_gradients_with_the_switch_on():
     [report] = check_parity(model_def_from_config(cfg, 4), [Layout(2, 1, 4)], seq_len=32,
                             execution=Execution.of_model_config(cfg), grouped_loss=True)
     assert report.ok
+
+
+@pytest.mark.slow
+def test_a_pipelined_step_with_the_rings_orders_every_collective():
+    # the rings' collective-permutes run inside the stages' work, in lockstep (meshtron.pipeline.runtime)
+    from meshtron.config import load_config
+    from meshtron.hlo.order import unordered_collectives
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config("llama_cpu8", ["model.hidden=64", "model.mlp_dim=128", "model.seq_len=32", "train.batch_size=8",
+                                     "parallel.sequence_parallel=true", "parallel.collective_matmul=true"])
+    assert cfg.mesh.pipe > 1 and cfg.mesh.tensor > 1
+    trainer = Trainer.from_config(cfg)
+    params = trainer.init_params()
+    batch = jax.device_put(np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32),
+                           trainer.steps.batch_sharding)
+    compiled = trainer.steps.lower(params, trainer.steps.init_opt_state(params), batch).compile()
+    assert "collective-permute" in compiled.as_text()
+    assert unordered_collectives(compiled) == []
