@@ -6,8 +6,10 @@ program with :func:`meshtron.gpu.step_time.estimate_step`. The step is Llama-2 7
 4,096, SwiGLU 11,008, 32 heads; two layers, 2,048 tokens) on data 2 x tensor 4 with ZeRO-1 and
 sequence parallelism, so the tensor axis carries the all-gathers before the column-parallel
 projections and the reduce-scatters after the row-parallel ones that collective matmuls would hide.
-Two last rows compile the same step on the tensor axis alone (data 1, 4 GPUs, half the batch), where
-XLA compiles windowed einsum. Prints a table and writes ``benchmarks/results/gpu_flags.json``; a
+One row turns on meshtron's own collective matmul instead of a flag (``parallel.collective_matmul``:
+the blocks' projections gather and reduce-scatter the residual stream as rings of collective-permutes,
+:mod:`meshtron.models.collective_matmul`). Two last rows compile the same step on the tensor axis
+alone (data 1, 4 GPUs, half the batch), where XLA compiles windowed einsum. Prints a table and writes ``benchmarks/results/gpu_flags.json``; a
 setting XLA crashes on is a row with the crash.
 
 The flags (names checked against the CUDA plugin of jaxlib 0.12; ``strings xla_cuda_plugin.so``):
@@ -80,6 +82,7 @@ SETTINGS = [
     ("windowed einsum", WINDOWED),
     ("windowed einsum, multi-streamed GEMMs", f"{WINDOWED} --xla_gpu_multi_streamed_windowed_einsum=true"),
     ("windowed loops, no GPU handler", f"{WINDOWED} --xla_disable_hlo_passes=windowed-einsum-handler"),
+    ("collective matmul (parallel.collective_matmul)", "", ["parallel.collective_matmul=true"]),
     ("tensor 4 alone: defaults", "", TENSOR_ALONE),
     ("tensor 4 alone: windowed einsum, multi-streamed", f"{WINDOWED} --xla_gpu_multi_streamed_windowed_einsum=true",
      TENSOR_ALONE),

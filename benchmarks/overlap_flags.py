@@ -59,6 +59,8 @@ SETTINGS = [
      ("8x1x8",)),
     ("no sequence parallelism (reference)", ["parallel.sequence_parallel=false"], ("8x1x8",)),
     ("gpu.overlap=on", ["gpu.overlap=on"], ("8x4x2", "8x1x8")),
+    ("collective matmul", ["parallel.collective_matmul=true"], ("8x1x8",)),
+    ("collective matmul, gpu.overlap=on", ["parallel.collective_matmul=true", "gpu.overlap=on"], ("8x1x8",)),
 ]
 RESULT_NAME = "overlap_flags"
 HLO_DIR = Path(os.environ.get("OVERLAP_HLO_DIR", "/tmp/overlap_flags_hlo"))

@@ -90,9 +90,9 @@ class ModelConfig:
 
     ``kv_heads`` (llama): key/value heads for grouped-query attention, null = ``heads``. ``rules``:
     additions to or overrides of the logical -> mesh axis table, e.g. ``{ffn: tensor}`` for a model's
-    own axis name, ``{kv_heads: null}`` to replicate one. ``sequence_parallel`` and
-    ``context_attention`` are the copies code reads of ``parallel.sequence_parallel`` and
-    ``parallel.context_attention``, which users write (:class:`ParallelConfig`).
+    own axis name, ``{kv_heads: null}`` to replicate one. ``sequence_parallel``, ``context_attention``
+    and ``collective_matmul`` are the copies code reads of their ``parallel.*`` fields, which users
+    write (:class:`ParallelConfig`).
     """
 
     family: str = "gpt"
@@ -107,6 +107,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"  # none | full (keep block inputs only) | selective (recompute the attention core) | offload (full, block inputs in host memory)
     sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
+    collective_matmul: bool = False  # sequence parallelism's gathers and reduce-scatters as rings overlapped with the GEMMs
     kv_heads: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5  # epsilon of every LayerNorm (gpt) / RMSNorm (llama)
@@ -340,6 +341,10 @@ class ParallelConfig:
     gather_dtype: str | None = None
     reduce_dtype: str | None = None
     sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
+    # With sequence_parallel: each block's all-gathers and reduce-scatters of the residual stream done by its
+    # projections as rings of collective-permutes, each step's GEMM overlapping the next transfer
+    # (models/collective_matmul.py).
+    collective_matmul: bool = False
     # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered) or ring
     # (blocks passed around, two resident at a time). Ignored with parallel.context=1.
     context_attention: str = "gathered"
@@ -351,7 +356,7 @@ ALIASES: dict[str, str] = {
     **{f"pipeline.{name}": f"parallel.{name}" for name in ("schedule", "chunks", "layout", "recompute")},
     **{f"train.{name}": f"parallel.{name}"
        for name in ("microbatches", "zero", "gather_once", "gather_dtype", "reduce_dtype")},
-    **{f"model.{name}": f"parallel.{name}" for name in ("sequence_parallel", "context_attention")},
+    **{f"model.{name}": f"parallel.{name}" for name in ("sequence_parallel", "context_attention", "collective_matmul")},
 }
 
 
@@ -662,6 +667,8 @@ def validate(cfg: Config) -> None:
     _need(m.remat in REMAT_MODES, "model.remat", f"must be one of {', '.join(REMAT_MODES)}, got {m.remat!r}")
     _need(isinstance(m.sequence_parallel, bool), "parallel.sequence_parallel",
           f"must be true or false, got {m.sequence_parallel!r}")
+    _need(isinstance(m.collective_matmul, bool), "parallel.collective_matmul",
+          f"must be true or false, got {m.collective_matmul!r}")
     _need(m.factory is not None or m.family in FAMILIES, "model.family",
           f"must be one of {', '.join(FAMILIES)} (or set model.factory=package.module:function), got {m.family!r}")
     if m.kv_heads is not None:

@@ -50,6 +50,8 @@ class _RunModelSettings(Protocol):
     def seq_len(self) -> int | None: ...
     @property
     def fp8(self) -> str: ...
+    @property
+    def collective_matmul(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,16 @@ class Execution:
     (``None``: JAX's choice). ``context_attention``: the exchange over a split sequence (``gathered`` or
     ``ring``). ``fp8``: the recipe the blocks' projections multiply by (:data:`FP8_RECIPES`,
     :mod:`meshtron.models.fp8`). ``window``: the run's ``model.seq_len``, the context generation sees by default
-    (:meth:`context`; ``None``: the model's own limit)."""
+    (:meth:`context`; ``None``: the model's own limit). ``collective_matmul``: under sequence parallelism
+    the blocks' projections gather and reduce-scatter the residual stream as rings overlapped with their
+    GEMMs (:mod:`meshtron.models.collective_matmul`)."""
 
     remat: str = "none"
     attention: str | None = None
     context_attention: str = "gathered"
     window: int | None = None
     fp8: str = "off"
+    collective_matmul: bool = False
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
@@ -81,7 +86,7 @@ class Execution:
     def of_model_config(cls, model: _RunModelSettings) -> Execution:
         """The switches a run's ``model`` section (``cfg.model``) sets."""
         return cls(remat=model.remat, attention=model.attention, context_attention=model.context_attention,
-                   fp8=model.fp8, window=model.seq_len)
+                   fp8=model.fp8, window=model.seq_len, collective_matmul=model.collective_matmul)
 
     def scope(self) -> contextlib.AbstractContextManager[TraceContext]:
         """Inside this, traced model code runs as these switches say: attention through this
@@ -89,7 +94,7 @@ class Execution:
         for the backward under ``remat=selective`` (``full`` and ``offload`` are applied where blocks run:
         :func:`meshtron.models.blocks.run_blocks`)."""
         return using(attention=self.attention, recompute_core=self.remat == "selective",
-                     exchange=self.context_attention, fp8=self.fp8)
+                     exchange=self.context_attention, fp8=self.fp8, collective_matmul=self.collective_matmul)
 
     def context(self, max_len: int | None) -> int | None:
         """How many tokens generation sees by default: the training window, within the model's

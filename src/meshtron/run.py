@@ -171,6 +171,7 @@ def check_features(cfg: Config) -> None:
           "reduce-scatters per layer (zero=3); use parallel.zero=0 with onebit_lamb, or adamw/lamb with parallel.zero")
     _need(not t.lora.rank or cfg.model.moe.experts == 0, "train.lora",
           "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
+    check_collective_matmul(cfg)
     _check_sizes(cfg)
 
 
@@ -185,6 +186,27 @@ def _check_sizes(cfg: Config) -> None:
         _check_context_split(m, mesh)
     if mesh.data > 0:
         _check_batch_divisible(cfg, mesh.data)
+
+
+def check_collective_matmul(cfg: Config) -> None:
+    """``parallel.collective_matmul``: the rings replace sequence parallelism's collectives, so it needs
+    them (and more than one tensor rank, which sequence parallelism checks); its rings multiply in the
+    model's dtype, not by FP8 GEMMs, and a LoRA adapter's own product would gather the region's input
+    again beside the ring."""
+    m = cfg.model
+    if not m.collective_matmul:
+        return
+    _need(m.sequence_parallel, "parallel.collective_matmul",
+          "overlaps sequence parallelism's all-gathers and reduce-scatters with the projections, and this run has "
+          "parallel.sequence_parallel=false; set parallel.sequence_parallel=true (with parallel.tensor > 1) or drop it")
+    _need(cfg.mesh.tensor == -1 or cfg.mesh.tensor > 1, "parallel.collective_matmul",
+          "passes sequence chunks round the tensor ranks and needs parallel.tensor > 1; set it or drop "
+          "parallel.collective_matmul")
+    _need(m.fp8 == "off", "parallel.collective_matmul",
+          f"multiplies in model.dtype and does not compose with model.fp8={m.fp8}; use one of the two")
+    _need(not cfg.train.lora.rank, "parallel.collective_matmul",
+          "does not compose with train.lora (the adapters would gather each region's input again beside the "
+          "ring); drop one of the two")
 
 
 def check_sequence_parallel(m: ModelConfig, tensor: int) -> None:
@@ -288,6 +310,9 @@ def _check_pipeline(cfg: Config) -> StageLayout | None:
     layout = stage_layout(pl.layout, layers, pipe, pl.chunks)
     _need(cfg.mesh.context == 1 or cfg.model.context_attention != "ring" or layout.is_even,
           "parallel.context_attention", RING_IN_PIPELINE)
+    _need(not cfg.model.collective_matmul or layout.is_even, "parallel.collective_matmul",
+          "runs pipeline stages in lockstep (XLA's collective-permute waits for every device of the mesh), which an "
+          "uneven parallel.layout's per-stage layer counts cannot; use an even layout or parallel.collective_matmul=false")
     if not is_schedule_file(pl.schedule):  # a CSV's own stages, microbatches and chunks: make_schedule checks
         _need(m >= pipe, "parallel.microbatches",
               f"{m} microbatches cannot fill {pipe} pipeline stages; use parallel.microbatches >= {pipe}")

@@ -66,6 +66,8 @@ class TraceContext:
     each group's loss a mean of its own: a backward's output gradients are about that many times the
     whole batch's (delayed FP8 scaling records them in the whole batch's units).
     ``exchange``: how attention over a split sequence exchanges keys and values.
+    ``collective_matmul``: the tensor-parallel regions' projections gather and scatter a split residual
+    stream themselves, overlapped with their GEMMs (:mod:`meshtron.models.collective_matmul`).
     ``layer_views``: the active layer views, outermost first.
     ``gathered``: while a layer is traced under FP8 with layer views, what the views gathered: by ``id`` of
     the gathered array, that array (which tells the value is still that one) and its
@@ -85,6 +87,7 @@ class TraceContext:
     fp8_layer: Any = None
     loss_groups: int = 1
     exchange: str = "gathered"
+    collective_matmul: bool = False
     layer_views: tuple[LayerView, ...] = ()
     gathered: dict[int, tuple[Any, GatheredShard]] | None = None
     segments: Any = None

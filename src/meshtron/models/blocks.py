@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtron.models import documents
 from meshtron.models.auxiliary import collecting_reports
+from meshtron.models.collective_matmul import sequence_ring
 from meshtron.models.context_attention import local_positions
 from meshtron.models.fp8 import FP8_SHARD, FP8_WEIGHT
 from meshtron.models.fp8_scaling import layer_scaling
@@ -60,7 +61,7 @@ _into_region = _layout_pin(WHOLE_SEQUENCE, RESIDUAL)
 _out_of_region = _layout_pin(RESIDUAL, WHOLE_SEQUENCE)
 
 
-def enter_parallel_region(x: jax.Array) -> jax.Array:
+def enter_parallel_region(x: jax.Array, *, collective: bool = False) -> jax.Array:
     """``x`` from the residual stream into a tensor-parallel region -- Megatron's ``g`` operator.
 
     Forward, ``x`` is laid out :data:`WHOLE_SEQUENCE`; backward, its gradient is laid out
@@ -69,11 +70,20 @@ def enter_parallel_region(x: jax.Array) -> jax.Array:
     all-reduce backward. A plain constraint would pin the gradient to the whole sequence too (an
     all-reduce, then a slice), and no constraint leaves the choice to the compiler's propagation,
     which may reshard inside attention with all-to-alls instead.
+
+    ``collective=True`` says the region's column-parallel projections gather ``x`` themselves
+    (:func:`meshtron.models.collective_matmul.column_parallel`): where the run does collective matmul
+    (:func:`~meshtron.models.collective_matmul.sequence_ring`), ``x`` then enters as it is, laid out
+    :data:`RESIDUAL`, and the projections' rings do the gather (and its reduce-scatter backward);
+    elsewhere it changes nothing. Whatever else in the region reads ``x`` gets the same values, the
+    compiler gathering them for it.
     """
+    if collective and sequence_ring(x.shape[1]) is not None:
+        return constrain(x, RESIDUAL)
     return _into_region(x)
 
 
-def exit_parallel_region(x: jax.Array) -> jax.Array:
+def exit_parallel_region(x: jax.Array, *, collective: bool = False) -> jax.Array:
     """A tensor-parallel region's output, summed over the tensor shards, into the residual stream --
     Megatron's ``ḡ`` operator (the output of a row-parallel projection, or of the vocab-parallel
     embedding lookup).
@@ -82,9 +92,15 @@ def exit_parallel_region(x: jax.Array) -> jax.Array:
     reduce-scatter. Backward, its gradient is laid out :data:`WHOLE_SEQUENCE`: an all-gather under
     sequence parallelism, so the region's backward runs on the whole sequence as its forward did
     (without the pin the compiler may gather the projection's weights instead and reshard the
-    attention backward with all-to-alls)."""
-    return _out_of_region(x)
+    attention backward with all-to-alls).
 
+    ``collective=True`` says ``x`` comes from a row-parallel projection that reduce-scatters its output
+    itself (:func:`meshtron.models.collective_matmul.row_parallel`): where the run does collective
+    matmul, ``x`` is already summed and split over the sequence, and its gradient goes back to the
+    projection as it is (the projection's backward ring gathers it)."""
+    if collective and sequence_ring(x.shape[1]) is not None:
+        return constrain(x, RESIDUAL)
+    return _out_of_region(x)
 
 
 @jax.tree_util.register_dataclass

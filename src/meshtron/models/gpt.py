@@ -33,8 +33,8 @@ from meshtron.models.blocks import (
     exit_parallel_region,
     stack_blocks,
 )
+from meshtron.models.collective_matmul import column_parallel, row_parallel
 from meshtron.models.contract import logits_of
-from meshtron.models.fp8 import projection_einsum
 from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block, zeros
 from meshtron.sharding import constrain
 
@@ -77,13 +77,14 @@ class Attention(nnx.Module):
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         h, n, d = dims.hidden, dims.heads, dims.head_dim
         out_std = INIT_STD / math.sqrt(2 * dims.layers)
-        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "einsum_op": projection_einsum, "rngs": rngs}
+        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "rngs": rngs}
         self.qkv = nnx.Einsum(
             "bse,ethd->bsthd",
             (h, 3, n, d),
             (3, n, d),
             kernel_init=normal(INIT_STD, ("embed", "qkv", "heads", "head_dim")),
             bias_init=zeros(("qkv", "heads", "head_dim")),
+            einsum_op=column_parallel(("embed", "qkv", "heads", "head_dim")),
             **common,
         )
         self.out = nnx.Einsum(
@@ -92,6 +93,7 @@ class Attention(nnx.Module):
             (h,),
             kernel_init=normal(out_std, ("heads", "head_dim", "embed")),
             bias_init=zeros(("embed",)),
+            einsum_op=row_parallel(("heads", "head_dim", "embed")),
             **common,
         )
         self.head_dim = d
@@ -111,13 +113,14 @@ class MLP(nnx.Module):
 
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         out_std = INIT_STD / math.sqrt(2 * dims.layers)
-        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "einsum_op": projection_einsum, "rngs": rngs}
+        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "rngs": rngs}
         self.fc1 = nnx.Einsum(
             "bse,em->bsm",
             (dims.hidden, dims.mlp_dim),
             (dims.mlp_dim,),
             kernel_init=normal(INIT_STD, ("embed", "mlp")),
             bias_init=zeros(("mlp",)),
+            einsum_op=column_parallel(("embed", "mlp")),
             **common,
         )
         self.fc2 = nnx.Einsum(
@@ -126,6 +129,7 @@ class MLP(nnx.Module):
             (dims.hidden,),
             kernel_init=normal(out_std, ("mlp", "embed")),
             bias_init=zeros(("embed",)),
+            einsum_op=row_parallel(("mlp", "embed")),
             **common,
         )
 

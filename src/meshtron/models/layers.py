@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.models.blocks import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
+from meshtron.models.collective_matmul import GATHERED_INPUT, column_parallel
 from meshtron.models.fp8 import joined_weight, projection_einsum
-from meshtron.sharding import constrain
+from meshtron.sharding import LogicalAxes, constrain
 from meshtron.trace_context import current
 
 INIT_STD = 0.02
@@ -45,7 +46,8 @@ def padded_vocab_init(vocab_size: int, std: float = INIT_STD):
     return nnx.with_partitioning(init, ("vocab", "embed"))
 
 
-def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *kernels: jax.Array) -> jax.Array:
+def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *kernels: jax.Array,
+                     axes: LogicalAxes | None = None) -> jax.Array:
     """``einsum(spec, x, fuse(*kernels))`` whose backward pass rebuilds the fused kernel instead of keeping it.
 
     Fusing kernels (query/key/value, gate/up) makes one matmul, so the backward pass all-reduces one
@@ -58,14 +60,22 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
     Under ``model.fp8`` nothing is recomputed: the FP8 GEMM keeps its operands' float8 bytes, not the
     joined kernel, and the rerun would quantize the joined kernel again
     (:func:`~meshtron.models.fp8.joined_weight`: one quantization, of the shares where a layer view gathers).
+    FP8 and collective matmul are exclusive (the run's check rejects the pair).
+
+    ``axes``: the joined kernel's logical axes, for a column-parallel projection in a tensor-parallel
+    region: under collective matmul it then gathers a sequence-split ``x`` itself
+    (:func:`meshtron.models.collective_matmul.column_parallel`).
     """
     if current().fp8 != "off":
         return projection_einsum(spec, x, joined_weight(fuse, kernels, x.dtype), projections=len(kernels))
+    product = projection_einsum if axes is None else column_parallel(axes)
+    # what a collective matmul gathers is kept (:data:`GATHERED_INPUT`), as the gathered x is without one
+    policy = jax.checkpoint_policies.save_only_these_names(GATHERED_INPUT)
 
     def project(x, *kernels):
-        return projection_einsum(spec, x, fuse(*kernels).astype(x.dtype), projections=len(kernels))
+        return product(spec, x, fuse(*kernels).astype(x.dtype), projections=len(kernels))
 
-    return jax.checkpoint(project, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x, *kernels)
+    return jax.checkpoint(project, policy=policy, prevent_cse=False)(x, *kernels)
 
 
 def projection_kernel(module: Any) -> jax.Array:
@@ -94,9 +104,12 @@ def pre_norm_block(x: jax.Array, ctx: Context, attn_norm: Callable, attn: Callab
     the sequence under sequence parallelism) and their outputs enter the tensor-parallel regions
     whole (:func:`~meshtron.models.blocks.enter_parallel_region`); each region's output is summed
     back into the stream (:func:`~meshtron.models.blocks.exit_parallel_region`: an all-reduce, or a
-    reduce-scatter under sequence parallelism)."""
-    attended = attn(enter_parallel_region(attn_norm(x)), ctx)
+    reduce-scatter under sequence parallelism). The regions' projections are column- and row-parallel
+    einsums (:mod:`meshtron.models.collective_matmul`): under collective matmul they do the gather and
+    the reduce-scatter themselves, overlapped with their GEMMs, and the entries and exits none."""
+    attended = attn(enter_parallel_region(attn_norm(x), collective=True), ctx)
     attended, cache = attended if ctx.cache is not None else (attended, None)
-    x = constrain(x + exit_parallel_region(attended), RESIDUAL)
-    x = constrain(x + exit_parallel_region(mlp(enter_parallel_region(mlp_norm(x)))), RESIDUAL)
+    x = constrain(x + exit_parallel_region(attended, collective=True), RESIDUAL)
+    mixed = mlp(enter_parallel_region(mlp_norm(x), collective=True))
+    x = constrain(x + exit_parallel_region(mixed, collective=True), RESIDUAL)
     return x if cache is None else (x, cache)

@@ -33,8 +33,8 @@ from meshtron.models.blocks import (
     exit_parallel_region,
     stack_blocks,
 )
+from meshtron.models.collective_matmul import column_parallel, row_parallel
 from meshtron.models.contract import logits_of
-from meshtron.models.fp8 import projection_einsum
 from meshtron.models.layers import (
     INIT_STD,
     fused_projection,
@@ -87,9 +87,12 @@ def _rms_norm(dims: LlamaDims, rngs: nnx.Rngs) -> nnx.RMSNorm:
                        scale_init=ones(("embed",)), rngs=rngs)
 
 
-def _projection(spec: str, shape: tuple[int, ...], axes: tuple[str, ...], dims: LlamaDims, rngs: nnx.Rngs):
+def _projection(spec: str, shape: tuple[int, ...], axes: tuple[str, ...], dims: LlamaDims, rngs: nnx.Rngs, *,
+                row: bool = False):
+    """A column-parallel projection into a tensor-parallel region, or (``row``) a row-parallel one out of it."""
+    einsum_op = row_parallel(axes) if row else column_parallel(axes)
     return nnx.Einsum(spec, shape, kernel_init=normal(INIT_STD, axes), dtype=dims.dtype,
-                      param_dtype=dims.param_dtype, einsum_op=projection_einsum, rngs=rngs)
+                      param_dtype=dims.param_dtype, einsum_op=einsum_op, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -100,7 +103,7 @@ class Attention(nnx.Module):
         self.wq = _projection("bse,ehd->bshd", (h, n, d), ("embed", "heads", "head_dim"), dims, rngs)
         self.wk = _projection("bse,ekd->bskd", (h, k, d), ("embed", "kv_heads", "head_dim"), dims, rngs)
         self.wv = _projection("bse,ekd->bskd", (h, k, d), ("embed", "kv_heads", "head_dim"), dims, rngs)
-        self.wo = _projection("bshd,hde->bse", (n, d, h), ("heads", "head_dim", "embed"), dims, rngs)
+        self.wo = _projection("bshd,hde->bse", (n, d, h), ("heads", "head_dim", "embed"), dims, rngs, row=True)
         self.theta = dims.rope_theta
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -115,7 +118,8 @@ class Attention(nnx.Module):
         e, n, d = wq.shape
         kv = wk.shape[1]
         y = fused_projection("bse,ekgd->bskgd", x, lambda wq, wk, wv: jnp.concatenate(
-            [wq.reshape(e, kv, n // kv, d), wk[:, :, None], wv[:, :, None]], axis=2), wq, wk, wv)
+            [wq.reshape(e, kv, n // kv, d), wk[:, :, None], wv[:, :, None]], axis=2), wq, wk, wv,
+            axes=("embed", "kv_heads", None, "head_dim"))
         b, s = x.shape[:2]
         q, k, v = y[:, :, :, :-2].reshape(b, s, n, d), y[:, :, :, -2], y[:, :, :, -1]
         return with_added_output(self.wq, x, q), with_added_output(self.wk, x, k), with_added_output(self.wv, x, v)
@@ -138,7 +142,7 @@ class MLP(nnx.Module):
         h, f = dims.hidden, dims.mlp_dim
         self.gate = _projection("bse,ef->bsf", (h, f), ("embed", "mlp"), dims, rngs)
         self.up = _projection("bse,ef->bsf", (h, f), ("embed", "mlp"), dims, rngs)
-        self.down = _projection("bsf,fe->bse", (f, h), ("mlp", "embed"), dims, rngs)
+        self.down = _projection("bsf,fe->bse", (f, h), ("mlp", "embed"), dims, rngs, row=True)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if not divides("mlp"):  # nothing to all-reduce: joining the kernels would only copy them
@@ -148,7 +152,7 @@ class MLP(nnx.Module):
         # stack), so the backward pass all-reduces one input gradient, as Megatron's fused projection;
         # what a layer hook adds to either output (LoRA's rank-r terms) is added beside it.
         y = fused_projection("bse,etf->bstf", x, lambda gate, up: jnp.stack([gate, up], axis=1),
-                             projection_kernel(self.gate), projection_kernel(self.up))
+                             projection_kernel(self.gate), projection_kernel(self.up), axes=("embed", None, "mlp"))
         gate, up = with_added_output(self.gate, x, y[:, :, 0]), with_added_output(self.up, x, y[:, :, 1])
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return self.down(hidden)

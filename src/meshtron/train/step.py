@@ -227,9 +227,11 @@ def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
 
 
 def _for_region(pipeline: PipelinePlan, shards: DataShards, execution: Execution) -> PipelinePlan:
-    """``pipeline`` as the region runs it: a ring attention's collective-permutes are entered by every device
-    of the mesh at once, so stages then run every tick's work in lockstep instead of skipping idle ticks."""
-    lockstep = shards.context > 1 and execution.context_attention == "ring"
+    """``pipeline`` as the region runs it: a ring's collective-permutes (ring attention's, collective matmul's
+    over the tensor ranks) are entered by every device of the mesh at once, so stages then run every tick's
+    work in lockstep instead of skipping idle ticks."""
+    tensor_ring = execution.collective_matmul and shards.mesh.shape.get("tensor", 1) > 1
+    lockstep = (shards.context > 1 and execution.context_attention == "ring") or tensor_ring
     return replace(pipeline, lockstep=lockstep, check_vma=shards.check_vma)
 
 
