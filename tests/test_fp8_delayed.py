@@ -187,7 +187,7 @@ def test_experts_and_lora_train_with_delayed_scaling(config, extra):
     from meshtron.train.loop import Trainer
 
     cfg = load_config(config, ["model.fp8=delayed", "train.steps=3", "train.eval_every=1000", "train.eval_batches=1",
-                               "train.batch_size=16", *extra])
+                               "train.batch_size=8", *extra])
     result = Trainer.from_config(cfg).run()
     assert all(np.isfinite(result.losses)) and result.losses[-1] < result.losses[0], result.losses
     history = np.asarray(jax.device_get(result.params["blocks"]["fp8_history"]))
