@@ -190,7 +190,7 @@ def test_lora_trains_its_adapters_over_a_frozen_base_multiplied_in_fp8():
 
     def first_losses(fp8: str):
         cfg = load_config("llama_cpu8", ["train.steps=3", "train.eval_every=1000", "train.eval_batches=1",
-                                         "train.lora.rank=4", f"model.fp8={fp8}"])
+                                         "train.batch_size=8", "train.lora.rank=4", f"model.fp8={fp8}"])
         return Trainer.from_config(cfg).run().losses
 
     off, on = first_losses("off"), first_losses("current")

@@ -179,15 +179,18 @@ def test_a_step_records_the_largest_amax_over_microbatches_data_stages_and_tenso
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, extra", [("mixtral_cpu8", []), ("llama_cpu8", ["train.lora.rank=4"])],
-                         ids=["experts", "lora"])
+# Mixtral's steps compiled at LLVM's first level (gpu.xla_flags: every program of the run), not the tests'
+# level 0 (conftest.py): at level 0 its FP8 expert GEMMs run three times slower, and three steps took
+# longer than the compile (the test: 44 -> 33 CPU seconds).
+@pytest.mark.parametrize("config, extra", [("mixtral_cpu8", ["gpu.xla_flags=--xla_backend_optimization_level=1"]),
+                                           ("llama_cpu8", ["train.lora.rank=4"])], ids=["experts", "lora"])
 def test_experts_and_lora_train_with_delayed_scaling(config, extra):
     """Mixtral's grouped expert GEMMs (experts split over data) and LoRA's frozen base take their scales
     from the history; both train."""
     from meshtron.train.loop import Trainer
 
     cfg = load_config(config, ["model.fp8=delayed", "train.steps=3", "train.eval_every=1000", "train.eval_batches=1",
-                               "train.batch_size=16", *extra])
+                               "train.batch_size=8", *extra])
     result = Trainer.from_config(cfg).run()
     assert all(np.isfinite(result.losses)) and result.losses[-1] < result.losses[0], result.losses
     history = np.asarray(jax.device_get(result.params["blocks"]["fp8_history"]))

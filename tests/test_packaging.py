@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from subprocess_env import OPTIMISATION
 
 from meshtron.bundled_configs import bundled
 from meshtron.cli import main
@@ -161,8 +162,9 @@ def test_the_wheel_trains_from_a_directory_without_a_checkout(tmp_path):
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS", "VIRTUAL_ENV")}
-    env["JAX_PLATFORMS"] = "cpu"  # and the CLI must ask for the 8 devices itself
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["XLA_FLAGS"] = OPTIMISATION  # the tests' compiler level (conftest.py), not their device count:
+    env["JAX_PLATFORMS"] = "cpu"  # the CLI must ask for the 8 devices itself
     probe = "import meshtron, meshtron.bundled_configs as b; print(meshtron.__file__); print(b.find('cpu8'))"
     where = _run([python, "-c", probe], cwd=elsewhere, env=env).stdout.splitlines()
     assert all(Path(p).resolve().is_relative_to(site_packages.resolve()) for p in where), where
