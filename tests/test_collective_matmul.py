@@ -164,7 +164,7 @@ def _per_layer_collectives(family: str, collective: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", pytest.param("llama", marks=pytest.mark.first_stack_only)])
 def test_the_blocks_move_the_residual_stream_by_collective_permutes_only(family):
     t, activation = 4, 4 * 16 * 32 * 4  # one batch's residual stream [4, 16, 32], fp32
     chunk = activation // t
@@ -245,6 +245,7 @@ def test_the_rings_permutes_run_under_the_gemms_on_h100(gpu_target):
 
 
 @pytest.mark.slow
+@pytest.mark.first_stack_only
 def test_a_users_model_without_the_hook_runs_as_it_did_with_the_switch_on():
     import sys
     from pathlib import Path
@@ -262,6 +263,7 @@ def test_a_users_model_without_the_hook_runs_as_it_did_with_the_switch_on():
 
 
 @pytest.mark.slow
+@pytest.mark.first_stack_only
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_a_model_samples_the_same_tokens_with_the_switch_on(use_cache):
     # (the sampler keeps the residual stream whole on every tensor rank: no ring runs, and a saved run's switch
@@ -282,6 +284,7 @@ def test_a_model_samples_the_same_tokens_with_the_switch_on(use_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.first_stack_only
 def test_a_mixture_of_experts_keeps_its_gradients_with_the_switch_on():
     # the attention's projections ring; the experts' MLP runs as it does without the switch
     from meshtron.config import ModelConfig, MoEConfig
