@@ -8,6 +8,7 @@ program's temporaries are smaller than the XLA attention's at a sequence where t
 matter. Numerics cannot be checked without a GPU; the XLA path, unchanged, is tested on CPU elsewhere.
 """
 
+import functools
 import re
 
 import pytest
@@ -39,13 +40,13 @@ def compiled_step(layout: str, attention: str, *overrides: str):
 
 
 @pytest.mark.parametrize(("layout", "overrides"), [
-    ("8x1x1", ()),
     ("1x1x8", ()),
     ("1x1x8", ("model.kv_heads=2",)),  # fewer key/value heads than tensor ranks: each keeps the one it reads
     ("2x1x4", ("parallel.sequence_parallel=true",)),
-], ids=["data8", "tensor8", "tensor8-gqa", "sequence-parallel"])
+], ids=["tensor8", "tensor8-gqa", "sequence-parallel"])
 def test_cudnn_attention_compiles_into_the_fused_kernel(layout, overrides):
-    """Pipelined layouts with cuDNN (2x2x2 interleaved, zb-h1) are compiled by tests/test_gpu_compile.py."""
+    """Pipelined layouts with cuDNN (2x2x2 interleaved, zb-h1) are compiled by tests/test_gpu_compile.py;
+    plain data parallelism (8x1x1) by test_fused_attention_keeps_no_scores, at a longer sequence."""
     text = compiled_step(layout, "cudnn", *overrides).as_text()
     assert FUSED in text  # forward and backward kernels, per layer
 
@@ -69,31 +70,51 @@ def block_scores(text: str, tokens: int) -> list[str]:
                    if len(dims := shape.split(",")) >= 4 and set(dims[-2:]) <= sizes})
 
 
+def assert_the_ring_runs_each_block_in_the_fused_kernels(fused_text: str, plain_text: str, tokens: int) -> None:
+    """The ring's blocks go to cuDNN's forward and backward kernels (the backward from the whole
+    attention's output and log-sum-exp), and no block's fp32 scores are left; XLA's ring keeps them."""
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', fused_text)
+    assert any("Backward" in c for c in calls) and any("Backward" not in c for c in calls), sorted(set(calls))
+    assert block_scores(fused_text, tokens) == []
+    assert block_scores(plain_text, tokens) != []
+
+
+def xla_ring_text(layout: str, *ring: str) -> str:
+    """The control: XLA's attention by the ring on ``layout``, whose fp32 block scores block_scores finds.
+    Packed documents mask the same blocks by position, so a case with them reads the program without."""
+    return _xla_text(layout, *(o for o in ring if o != "data.reset_per_document=true"))
+
+
+@functools.cache
+def _xla_text(layout: str, *overrides: str) -> str:
+    return compiled_step(layout, "xla", *overrides).as_text()
+
+
 @pytest.mark.parametrize(("layout", "overrides"), [
-    ("2x1x2", ("parallel.context=2",)),
     ("2x1x1", ("parallel.context=4",)),
     ("2x1x1", ("parallel.context=4", "data.reset_per_document=true")),
     ("2x1x2", ("parallel.context=2", "model.kv_heads=2")),  # key/value heads whole on both tensor ranks
-], ids=["context2-tensor2", "context4", "context4-documents", "context2-gqa"])
+], ids=["context4", "context4-documents", "context2-gqa"])
 def test_cudnn_by_the_ring_compiles_each_block_into_the_fused_kernels(layout, overrides):
-    """The ring's blocks go to cuDNN's forward and backward kernels (the backward from the whole
-    attention's output and log-sum-exp), and no block's fp32 scores are left; XLA's ring keeps them."""
+    """Two context ranks over two tensor ranks with every head are test_cudnn_by_the_ring_keeps_no_block_scores'
+    layout (its two compiles check the same)."""
     # 192 tokens: no block (96 or 48 tokens per rank, and halves) is as long as the hidden size (64)
     ring = ("parallel.context_attention=ring", "model.seq_len=192", *overrides)
-    text = compiled_step(layout, "cudnn", *ring).as_text()
-    calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
-    assert any("Backward" in c for c in calls) and any("Backward" not in c for c in calls), sorted(set(calls))
     tokens = 192 // (4 if "parallel.context=4" in overrides else 2)
-    assert block_scores(text, tokens) == []
-    assert block_scores(compiled_step(layout, "xla", *ring).as_text(), tokens) != []
+    assert_the_ring_runs_each_block_in_the_fused_kernels(compiled_step(layout, "cudnn", *ring).as_text(),
+                                                         xla_ring_text(layout, *ring), tokens)
 
 
 def test_cudnn_by_the_ring_keeps_no_block_scores():
     """At 2,048 tokens over two context ranks, one row's [h, s/2, s/2] fp32 block scores are megabytes."""
     longer = ("model.seq_len=2048", "train.batch_size=8", "parallel.microbatches=1", "parallel.context=2",
               "parallel.context_attention=ring")
-    fused_bytes = compiled_step("2x1x2", "cudnn", *longer).memory_analysis().temp_size_in_bytes
-    plain_bytes = compiled_step("2x1x2", "xla", *longer).memory_analysis().temp_size_in_bytes
+    fused = compiled_step("2x1x2", "cudnn", *longer)
+    plain = compiled_step("2x1x2", "xla", *longer)
+    # 2,048 tokens: no block (1,024 tokens per rank, and halves) is as long as the hidden size (64)
+    assert_the_ring_runs_each_block_in_the_fused_kernels(fused.as_text(), plain.as_text(), 2048 // 2)
+    fused_bytes = fused.memory_analysis().temp_size_in_bytes
+    plain_bytes = plain.memory_analysis().temp_size_in_bytes
     scores = 4 * 1024 * 1024 * 4  # one row's [h, s/2, s/2] fp32 scores, per device (4 heads per tensor rank)
     assert plain_bytes - fused_bytes >= scores, (fused_bytes, plain_bytes)
 

@@ -112,7 +112,7 @@ def _representative_on_both(cases, on_both=((2, 2, 2),)):
 
 @pytest.mark.parametrize("schedule, chunks, mesh_shape, recompute",
                          _representative_on_both([(*case, True) for case in SCHEDULE_MESHES])
-                         + [(*case, False) for case in NO_RECOMPUTE])
+                         + _representative_on_both([(*case, False) for case in NO_RECOMPUTE]))
 def test_every_schedule_matches_the_unpipelined_model(reference, mesh_shape, schedule, chunks, recompute):
     p = mesh_shape[1]
     microbatches = 2 * p if p * 2 * mesh_shape[0] <= BATCH else p
