@@ -110,8 +110,9 @@ def test_stage_boundaries_send_a_sequence_slice():
 LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(1, 2, 4, "1f1b")]
 
 
-# Both families on every layout without recomputation; each recomputation once, on one family each (what
-# it changes, the block's checkpoints, is the same code for both families' blocks).
+# Both families on every layout without recomputation; each recomputation on one family: what it changes
+# is where the block's backward starts (the whole block rerun, or attention's shared checkpoints kept), not
+# the families' layers (Llama with selective recomputation: the zero-bubble cut below).
 @pytest.mark.parametrize("family, remat", [("gpt", "none"), ("llama", "none"), ("gpt", "selective"), ("llama", "full")])
 def test_loss_and_gradients_equal_one_device_on_every_layout(family, remat):
     # The oracle compares each layout with one device, where sequence parallelism has nothing to split.
