@@ -1,5 +1,7 @@
 """The compiled train step communicates exactly as Megatron-LM does (measured from the HLO)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +28,10 @@ FAMILIES = {  # Llama: grouped-query attention, 8 query heads sharing 4 key/valu
 }
 
 
+@functools.cache
 def compiled_step(mesh_shape, microbatches, remat, family="gpt"):
+    """The collectives of one compiled step and a device's parameter bytes; cached, as several tests read
+    the same step."""
     cfg = ModelConfig(hidden=HIDDEN, layers=LAYERS, mlp_dim=128, seq_len=SEQ, remat=remat, **FAMILIES[family])
     mesh = build_mesh(MeshConfig(*mesh_shape), jax.devices()[: int(np.prod(mesh_shape))])
     md = model_def_from_config(cfg, mesh.shape["tensor"])
@@ -86,7 +91,7 @@ def test_data_parallel_reduction_happens_once_per_step(microbatches, family):
 
 def test_megatron_figures_match_the_measured_bytes():
     data, microbatches = 2, 4
-    colls, _ = compiled_step((data, 1, 4), microbatches, "none")
+    colls, _ = compiled_step((data, 1, 4), microbatches, "none", "gpt")
     fig = megatron_figures(
         vocab_size=256, hidden=HIDDEN, layers=LAYERS, seq_len=SEQ, heads=4, global_batch=BATCH,
         data=data, pipe=1, tensor=4, microbatches=microbatches, remat=False,

@@ -136,12 +136,20 @@ TOLERANCES = {
     ("bfloat16", "current"): {"loss_rtol": 1e-4, "norm_rtol": 0.2, "atol": 0.0},
     ("bfloat16", "off"): {"loss_rtol": 1e-4, "norm_rtol": 0.03, "atol": 0.0},
 }
-PARITY_LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(2, 2, 2, "zb-h1", microbatches=2)]
+TENSOR8, INTERLEAVED, ZB_H1 = Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(2, 2, 2, "zb-h1", microbatches=2)
+# Each layout with two or one of the four settings, each setting on a layout or two, not all twelve pairs:
+# what a layout changes for FP8 is where its splits quantize (tensor ranks' parts of a tensor on 8-way
+# tensor, the stages' passes on the pipelines), and what a setting changes is the GEMMs' inputs. Current
+# scaling runs through the widest tensor split in both dtypes and through interleaved's recomputed stages
+# in float32 (the tight bound); delayed scaling through zb-h1, whose layers' pullbacks are split in two
+# (B and W) and count their sites per pass; bf16 without FP8 through a pipeline's stage-to-stage sends.
+PARITY_CASES = [(TENSOR8, "float32", "current"), (TENSOR8, "bfloat16", "current"),
+                (INTERLEAVED, "float32", "current"), (INTERLEAVED, "bfloat16", "off"),
+                (ZB_H1, "float32", "delayed")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, fp8", list(TOLERANCES))
-@pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=str)
+@pytest.mark.parametrize("layout, dtype, fp8", PARITY_CASES, ids=[f"{layout}-{dtype}-{fp8}" for layout, dtype, fp8 in PARITY_CASES])
 def test_parity_oracle_with_fp8_and_with_bf16(layout, dtype, fp8):
     """The loss and every gradient on each layout equal one device's, with FP8 projections and in bf16."""
     [report] = check_parity(_llama(dtype, layout.tensor, fp8), [layout], execution=Execution(fp8=fp8),

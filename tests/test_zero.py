@@ -94,6 +94,10 @@ def test_zero_levels_train_like_replicated_state(layout):
     steps = ["train.steps=3"]
     reference = trainer(*layout, *steps).run()
     variants = [["parallel.zero=1"], ["parallel.zero=3"]]
+    if "zb-h1" in layout[3]:
+        # zero=1 splits only the optimizer's update, after the pipeline, where every schedule is alike
+        # (pipelined: the interleaved case); zero=3 gathers the weights in zb-h1's B and W passes
+        variants = [["parallel.zero=3"]]
     if "interleaved" in layout[3]:
         variants.append(["parallel.zero=3", "parallel.gather_once=true"])
     for zero in variants:
