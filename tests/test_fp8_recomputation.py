@@ -100,9 +100,11 @@ def test_zero3_trains_as_zero1_with_fp8_weights_gathered_as_shares(fp8):
 def _pipelined_losses(schedule: str, fp8: str, zero: int) -> list[float]:
     from meshtron.train.loop import Trainer
 
-    cfg = load_config("llama_cpu8", [*MODEL, "model.layers=4", "parallel.data=2", "parallel.pipe=2",
-                                     f"parallel.schedule={schedule}", f"parallel.chunks={2 if schedule == 'interleaved' else 1}",
-                                     "parallel.microbatches=4", "train.batch_size=16", "train.steps=2",
+    chunks = 2 if schedule == "interleaved" else 1  # one layer per stage and chunk, two microbatches: the
+    # smallest pipelined step (zb-h1's program grows with the microbatches it unrolls)
+    cfg = load_config("llama_cpu8", [*MODEL, f"model.layers={2 * chunks}", "parallel.data=2", "parallel.pipe=2",
+                                     f"parallel.schedule={schedule}", f"parallel.chunks={chunks}",
+                                     "parallel.microbatches=2", "train.batch_size=8", "train.steps=2",
                                      f"model.fp8={fp8}", f"parallel.zero={zero}"])
     return Trainer.from_config(cfg).run().losses
 
