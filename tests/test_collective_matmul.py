@@ -32,6 +32,27 @@ def _random(shapes):
     return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes)]
 
 
+def _ring_equals_einsum(primitive, spec, operand, w, w_axes, probe, mesh, operand_spec, w_spec):
+    """``primitive(spec, operand, w, w_axes)``, its value under ``sum(y * probe)`` and both gradients, equal to
+    the plain einsum's, the operands laid out ``operand_spec`` and ``w_spec`` on ``mesh``."""
+    def loss(ring):
+        def f(a, w):
+            y = primitive(spec, a, w, w_axes) if ring else jnp.einsum(spec, a, w)
+            assert y is not None
+            return jnp.sum(y * probe), y
+        return f
+
+    with jax.set_mesh(mesh), axis_rules(SEQUENCE_PARALLEL), collective_matmul():
+        a = jax.device_put(operand, NamedSharding(mesh, operand_spec))
+        w = jax.device_put(w, NamedSharding(mesh, w_spec))
+        (want, y_want), g_want = jax.jit(jax.value_and_grad(loss(False), argnums=(0, 1), has_aux=True))(a, w)
+        (got, y_got), g_got = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1), has_aux=True))(a, w)
+    np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for got_gradient, want_gradient in zip(g_got, g_want):
+        np.testing.assert_allclose(got_gradient, want_gradient, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("data, tensor", [(1, 4), (2, 2)])
 @pytest.mark.parametrize("spec, w_shape, w_axes", [
     ("bse,ef->bsf", (8, 16), ("embed", "mlp")),
@@ -41,23 +62,7 @@ def test_allgather_matmul_equals_the_einsum_of_the_gathered_input_with_its_gradi
                                                                                      w_axes):
     b, s = 4, 16
     x, w, probe = _random([(b, s, 8), w_shape, (b, s, *w_shape[1:])])
-    mesh = _mesh(data, tensor)
-
-    def loss(ring):
-        def f(x, w):
-            y = allgather_matmul(spec, x, w, w_axes) if ring else jnp.einsum(spec, x, w)
-            assert y is not None
-            return jnp.sum(y * probe), y
-        return f
-
-    with jax.set_mesh(mesh), axis_rules(SEQUENCE_PARALLEL), collective_matmul():
-        xs = jax.device_put(x, NamedSharding(mesh, P("data", "tensor")))
-        (want, y_want), g_want = jax.jit(jax.value_and_grad(loss(False), argnums=(0, 1), has_aux=True))(xs, w)
-        (got, y_got), g_got = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1), has_aux=True))(xs, w)
-    np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, e in zip(g_got, g_want):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+    _ring_equals_einsum(allgather_matmul, spec, x, w, w_axes, probe, _mesh(data, tensor), P("data", "tensor"), P())
 
 
 @pytest.mark.parametrize("data, tensor", [(1, 4), (2, 2)])
@@ -68,25 +73,8 @@ def test_allgather_matmul_equals_the_einsum_of_the_gathered_input_with_its_gradi
 def test_matmul_reduce_scatter_equals_the_summed_einsum_with_its_gradients(data, tensor, spec, w_shape, w_axes):
     b, s = 4, 16
     h, w, probe = _random([(b, s, *w_shape[:-1]), w_shape, (b, s, 8)])
-    mesh = _mesh(data, tensor)
-
-    def loss(ring):
-        def f(h, w):
-            y = matmul_reduce_scatter(spec, h, w, w_axes) if ring else jnp.einsum(spec, h, w)
-            assert y is not None
-            return jnp.sum(y * probe), y
-        return f
-
-    with jax.set_mesh(mesh), axis_rules(SEQUENCE_PARALLEL), collective_matmul():
-        feature = P("data", None, "tensor")
-        hs = jax.device_put(h, NamedSharding(mesh, feature))
-        ws = jax.device_put(w, NamedSharding(mesh, P("tensor")))
-        (want, y_want), g_want = jax.jit(jax.value_and_grad(loss(False), argnums=(0, 1), has_aux=True))(hs, ws)
-        (got, y_got), g_got = jax.jit(jax.value_and_grad(loss(True), argnums=(0, 1), has_aux=True))(hs, ws)
-    np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, e in zip(g_got, g_want):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+    _ring_equals_einsum(matmul_reduce_scatter, spec, h, w, w_axes, probe, _mesh(data, tensor),
+                        P("data", None, "tensor"), P("tensor"))
 
 
 def test_no_ring_without_the_switch_a_split_residual_stream_or_a_divisible_sequence():
