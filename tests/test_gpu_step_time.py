@@ -429,13 +429,29 @@ _RING_BUFFER = """HloModule ring_buffer, is_scheduled=true
   ROOT %t = bf16[128,256]{1,0} transpose(%all), dimensions={1,0}
 }
 
-ENTRY %main (a: bf16[64,128], b: bf16[64,128], c: bf16[64,128], d: bf16[64,128], i: s32[]) -> bf16[64,128] {
+%first_of_sum (r0: f32[2,64,128]) -> f32[1] {
+  %r0 = f32[2,64,128]{2,1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %sum = f32[64,128]{1,0} reduce(%r0, %zero), dimensions={0}, to_apply=%add
+  %flat = f32[8192]{0} bitcast(%sum)
+  ROOT %first = f32[1]{0} slice(%flat), slice={[0:1]}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: bf16[64,128], b: bf16[64,128], c: bf16[64,128], d: bf16[64,128], i: s32[], r: f32[2,64,128]) -> bf16[64,128] {
   %a = bf16[64,128]{1,0} parameter(0)
   %b = bf16[64,128]{1,0} parameter(1)
   %c = bf16[64,128]{1,0} parameter(2)
   %d = bf16[64,128]{1,0} parameter(3)
   %i = s32[] parameter(4)
   %whole = bf16[128,256]{1,0} fusion(%a, %b, %c, %d), kind=kLoop, calls=%gathered
+  %r = f32[2,64,128]{2,1,0} parameter(5)
+  %one = f32[1]{0} fusion(%r), kind=kLoop, calls=%first_of_sum
   ROOT %one = bf16[64,128]{1,0} fusion(%a, %b, %c, %d, %i), kind=kLoop, calls=%chunk_of_products
 }
 """
@@ -444,10 +460,11 @@ ENTRY %main (a: bf16[64,128], b: bf16[64,128], c: bf16[64,128], d: bf16[64,128],
 def test_a_chunk_read_out_of_a_buffer_the_products_fill_moves_one_chunk():
     # A ring's steps write their products into one buffer (pad, then dynamic-update-slices), and a fusion
     # reads one chunk of it back through element-wise work: its kernel reads one chunk's elements, not
-    # every product whole; the buffer gathered whole (a concatenate, transposed) reads every product once.
+    # every product whole; the buffer gathered whole (a concatenate, transposed) reads every product once;
+    # one element of a sum over the leading dimension reads the two elements it adds.
     estimate = estimate_step(_RING_BUFFER, {"data": 1}, "h100", tokens_per_step=1, model_flops_per_step=1.0)
     chunk = 64 * 128 * 2
-    moved = (chunk + 4 + chunk) + (4 * chunk + 4 * chunk)  # read one chunk (and the index), write it; gather all
+    moved = (chunk + 4 + chunk) + (4 * chunk + 4 * chunk) + (2 * 4 + 4)  # one chunk (and the index); all; a sum
     assert estimate.memory_seconds == pytest.approx(moved / (H100.hbm_gbps * 1e9 * H100.memory_efficiency))
 
 

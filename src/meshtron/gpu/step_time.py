@@ -168,8 +168,9 @@ def _operand_demand(instruction: HloInstruction, demanded: float, visible: float
     visible elements are demanded at -- exact when the whole output is demanded, and the expected
     share when a slice at an offset known only at run time is (a ring's chunk read out of a buffer its
     steps' products fill); a dynamic-update-slice's buffer is not read where the update overwrites it.
-    An in-place dynamic-update-slice root reads only its update (the buffer is the output). Any other
-    op (reduce, dot, gather, scatter, ...) reads its operands whole."""
+    A reduce reads each output element's window of its inputs. An in-place dynamic-update-slice root
+    reads only its update (the buffer is the output). Any other op (dot, gather, scatter, ...) reads
+    its operands whole."""
     sizes = [_elements(by_name[o].shape) if o in by_name else 0 for o in instruction.operands]
     density = demanded / visible if visible else 0.0
     opcode = instruction.opcode
@@ -181,6 +182,9 @@ def _operand_demand(instruction: HloInstruction, demanded: float, visible: float
         return [(sizes[0] * density, None), *((n, None) for n in sizes[1:])]
     if opcode == "concatenate":
         return [(n * density, None) for n in sizes]
+    if opcode == "reduce":  # each output element reads its own window of the inputs, and the init values
+        half = len(sizes) // 2
+        return [*((n * density, None) for n in sizes[:half]), *((n, None) for n in sizes[half:])]
     if opcode == "dynamic-update-slice" and len(sizes) > 1:
         if in_place_root:
             return [(0.0, None), (sizes[1], None), *((n, None) for n in sizes[2:])]
