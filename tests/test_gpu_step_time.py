@@ -399,6 +399,75 @@ def test_slices_of_a_stacked_buffer_move_only_the_slice():
     assert estimate.memory_seconds == pytest.approx(moved / (H100.hbm_gbps * 1e9 * H100.memory_efficiency))
 
 
+_RING_BUFFER = """HloModule ring_buffer, is_scheduled=true
+
+%chunk_of_products (p0: bf16[64,128], p1: bf16[64,128], p2: bf16[64,128], p3: bf16[64,128], i: s32[]) -> bf16[64,128] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[64,128]{1,0} parameter(1)
+  %p2 = bf16[64,128]{1,0} parameter(2)
+  %p3 = bf16[64,128]{1,0} parameter(3)
+  %i = s32[] parameter(4)
+  %zero = bf16[] constant(0)
+  %z = s32[] constant(0)
+  %c64 = s32[] constant(64)
+  %c128 = s32[] constant(128)
+  %c192 = s32[] constant(192)
+  %padded = bf16[256,128]{1,0} pad(%p0, %zero), padding=0_192x0_0
+  %d1 = bf16[256,128]{1,0} dynamic-update-slice(%padded, %p1, %c64, %z)
+  %d2 = bf16[256,128]{1,0} dynamic-update-slice(%d1, %p2, %c128, %z)
+  %d3 = bf16[256,128]{1,0} dynamic-update-slice(%d2, %p3, %c192, %z)
+  %e = bf16[256,128]{1,0} exponential(%d3)
+  ROOT %s = bf16[64,128]{1,0} dynamic-slice(%e, %i, %z), dynamic_slice_sizes={64,128}
+}
+
+%gathered (q0: bf16[64,128], q1: bf16[64,128], q2: bf16[64,128], q3: bf16[64,128]) -> bf16[256,128] {
+  %q0 = bf16[64,128]{1,0} parameter(0)
+  %q1 = bf16[64,128]{1,0} parameter(1)
+  %q2 = bf16[64,128]{1,0} parameter(2)
+  %q3 = bf16[64,128]{1,0} parameter(3)
+  %all = bf16[256,128]{1,0} concatenate(%q0, %q1, %q2, %q3), dimensions={0}
+  ROOT %t = bf16[128,256]{1,0} transpose(%all), dimensions={1,0}
+}
+
+%first_of_sum (r0: f32[2,64,128]) -> f32[1] {
+  %r0 = f32[2,64,128]{2,1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %sum = f32[64,128]{1,0} reduce(%r0, %zero), dimensions={0}, to_apply=%add
+  %flat = f32[8192]{0} bitcast(%sum)
+  ROOT %first = f32[1]{0} slice(%flat), slice={[0:1]}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: bf16[64,128], b: bf16[64,128], c: bf16[64,128], d: bf16[64,128], i: s32[], r: f32[2,64,128]) -> bf16[64,128] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %b = bf16[64,128]{1,0} parameter(1)
+  %c = bf16[64,128]{1,0} parameter(2)
+  %d = bf16[64,128]{1,0} parameter(3)
+  %i = s32[] parameter(4)
+  %whole = bf16[128,256]{1,0} fusion(%a, %b, %c, %d), kind=kLoop, calls=%gathered
+  %r = f32[2,64,128]{2,1,0} parameter(5)
+  %one = f32[1]{0} fusion(%r), kind=kLoop, calls=%first_of_sum
+  ROOT %one = bf16[64,128]{1,0} fusion(%a, %b, %c, %d, %i), kind=kLoop, calls=%chunk_of_products
+}
+"""
+
+
+def test_a_chunk_read_out_of_a_buffer_the_products_fill_moves_one_chunk():
+    # A ring's steps write their products into one buffer (pad, then dynamic-update-slices), and a fusion
+    # reads one chunk of it back through element-wise work: its kernel reads one chunk's elements, not
+    # every product whole; the buffer gathered whole (a concatenate, transposed) reads every product once;
+    # one element of a sum over the leading dimension reads the two elements it adds.
+    estimate = estimate_step(_RING_BUFFER, {"data": 1}, "h100", tokens_per_step=1, model_flops_per_step=1.0)
+    chunk = 64 * 128 * 2
+    moved = (chunk + 4 + chunk) + (4 * chunk + 4 * chunk) + (2 * 4 + 4)  # one chunk (and the index); all; a sum
+    assert estimate.memory_seconds == pytest.approx(moved / (H100.hbm_gbps * 1e9 * H100.memory_efficiency))
+
+
 _PIPELINED_OVERRIDES = ["parallel.data=4", "parallel.pipe=2", "parallel.tensor=1", "parallel.chunks=1",
                         "parallel.microbatches=2", "model.layers=2", "train.batch_size=8", "model.seq_len=64"]
 

@@ -18,8 +18,11 @@ with the target's planner cluster (:func:`meshtron.gpu.targets.target` -> ``clus
   cuDNN skips block by block. ``gemm_efficiency`` is the estimator's only fitted number
   (:func:`fit_gemm_efficiency` solves for it from one measured step time).
 - **Memory-bound ops** -- every other fusion, copies, unfused element-wise ops: the bytes read and
-  written (a fusion parameter read only through a (dynamic-)slice counts the slice; an in-place
-  ``dynamic-update-slice`` writes only the update) at ``hbm_gbps * efficiency.memory``. An async
+  written at ``hbm_gbps * efficiency.memory``. A fusion reads of each parameter only the elements its
+  outputs' elements need (a (dynamic-)slice of a parameter counts the slice, an element-wise chain
+  under a slice the slice, a pad/concatenate/dynamic-update-slice shares what is read among its
+  operands; :func:`_operand_demand`), and an in-place ``dynamic-update-slice`` reads and writes only
+  the update. An async
   fusion (``fusion-start``/``fusion-done``, XLA's asynchronous dynamic-slice fusions) is priced at
   its start, on the compute stream -- unless XLA put it on a stream of its own (a nonzero
   ``operation_queue_id``: the GEMMs of a multi-streamed windowed einsum loop): then it runs from its
@@ -133,47 +136,74 @@ def _nbytes(shape) -> int:
 
 _VIEWS = ("bitcast", "reshape")  # change no bytes: a slice behind them still reads only the slice
 
-
-def _sliced_bytes(name: str, users: Mapping[str, list[HloInstruction]]) -> int | None:
-    """Bytes read of value ``name`` when every use is a (dynamic-)slice of it, directly or behind
-    bitcasts/reshapes; ``None`` when some use reads it whole."""
-    uses = users.get(name, [])
-    if not uses:
-        return None
-    total = 0
-    for use in uses:
-        if use.opcode in ("dynamic-slice", "slice") and use.operands[0] == name:
-            total += _nbytes(use.shape)
-        elif use.opcode in _VIEWS:
-            inner = _sliced_bytes(use.name, users)
-            if inner is None:
-                return None
-            total += inner
-        else:
-            return None
-    return total
+# Ops whose every output element reads one element of each operand of the output's shape (and of a
+# scalar operand the same element): the elements a fusion's kernel reads of such an operand are those
+# of the output it computes, no more.
+_PER_ELEMENT = frozenset({
+    "abs", "add", "and", "atan2", "bitcast", "bitcast-convert", "cbrt", "ceil", "clamp", "compare", "complex",
+    "convert", "copy", "cosine", "count-leading-zeros", "divide", "erf", "exponential", "exponential-minus-one",
+    "floor", "imag", "is-finite", "log", "log-plus-one", "logistic", "maximum", "minimum", "multiply", "negate",
+    "not", "or", "popcnt", "power", "real", "reduce-precision", "remainder", "reshape", "reverse",
+    "round-nearest-afz", "round-nearest-even", "rsqrt", "select", "shift-left", "shift-right-arithmetic",
+    "shift-right-logical", "sign", "sine", "sqrt", "stochastic-convert", "subtract", "tan", "tanh", "transpose",
+    "xor",
+})  # fmt: skip
 
 
-def _behind_views(name: str, by_name: Mapping[str, HloInstruction]) -> HloInstruction | None:
-    instruction = by_name.get(name)
-    while instruction is not None and instruction.opcode in _VIEWS and instruction.operands:
-        instruction = by_name.get(instruction.operands[0])
-    return instruction
+def _elements(shape) -> int:
+    return sum(leaf.elements for leaf in leaves(shape))
+
+
+def _operand_demand(instruction: HloInstruction, demanded: float, visible: float, by_name: Mapping[str, HloInstruction],
+                    in_place_root: bool) -> list[tuple[float, float | None]]:
+    """For each operand: the elements a fusion's kernel reads of it to compute ``demanded`` of the
+    ``visible`` elements of ``instruction`` (those a later dynamic-update-slice does not overwrite), and
+    how many of the operand's own elements are visible through ``instruction`` (``None``: all).
+
+    A loop fusion is generated element by element: an element of the output is computed from the
+    operand elements it needs, and nothing else is read. Per-element ops read as many elements of
+    each operand as they compute; a (dynamic-)slice reads its own elements of its operand; a
+    broadcast at most its operand. A pad, a concatenate and a dynamic-update-slice pick each element
+    from one operand (XLA emits a branch, not a select): each operand is read at the density its
+    visible elements are demanded at -- exact when the whole output is demanded, and the expected
+    share when a slice at an offset known only at run time is (a ring's chunk read out of a buffer its
+    steps' products fill); a dynamic-update-slice's buffer is not read where the update overwrites it.
+    A reduce reads each output element's window of its inputs. An in-place dynamic-update-slice root
+    reads only its update (the buffer is the output). Any other op (dot, gather, scatter, ...) reads
+    its operands whole."""
+    sizes = [_elements(by_name[o].shape) if o in by_name else 0 for o in instruction.operands]
+    density = demanded / visible if visible else 0.0
+    opcode = instruction.opcode
+    if opcode in _PER_ELEMENT or opcode == "broadcast":
+        return [(min(n, demanded), None) for n in sizes]
+    if opcode in ("slice", "dynamic-slice"):
+        return [(min(sizes[0], demanded), None), *((n, None) for n in sizes[1:])]
+    if opcode == "pad":
+        return [(sizes[0] * density, None), *((n, None) for n in sizes[1:])]
+    if opcode == "concatenate":
+        return [(n * density, None) for n in sizes]
+    if opcode == "reduce":  # each output element reads its own window of the inputs, and the init values
+        half = len(sizes) // 2
+        return [*((n * density, None) for n in sizes[:half]), *((n, None) for n in sizes[half:])]
+    if opcode == "dynamic-update-slice" and len(sizes) > 1:
+        if in_place_root:
+            return [(0.0, None), (sizes[1], None), *((n, None) for n in sizes[2:])]
+        shown = max(visible - sizes[1], 0.0)
+        return [(shown * density, shown), (sizes[1] * density, None), *((n, None) for n in sizes[2:])]
+    return [(n, None) for n in sizes]
 
 
 def _fusion_bytes(instruction: HloInstruction, operand_bytes: list[int], module: HloModule) -> int:
-    """Bytes a fusion reads and writes: a parameter read only through slices counts the slices,
-    an in-place dynamic-update-slice root writes (and does not read) only the update; bitcasts and
-    reshapes in between change nothing."""
+    """Bytes a fusion reads and writes: of each parameter the elements the outputs' elements need
+    (:func:`_operand_demand`, propagated from the outputs back to the parameters), and the outputs --
+    of an in-place dynamic-update-slice root (its buffer a parameter, behind bitcasts or reshapes at
+    most) only the update, the rest of the buffer neither read nor written."""
     called = _CALLS.search(STRING_LITERAL.sub('""', instruction.attributes))
     fused = module.computations.get(called.group(1)) if called else None
     if fused is None:
         return sum(operand_bytes) + _nbytes(instruction.shape)
     by_name = {i.name: i for i in fused.instructions}
-    users: dict[str, list[HloInstruction]] = defaultdict(list)
-    for i in fused.instructions:
-        for operand in dict.fromkeys(i.operands):
-            users[operand].append(i)
+    uses = Counter(o for i in fused.instructions for o in i.operands)
     root = fused.instructions[-1]
     outputs = [by_name[o] for o in root.operands if o in by_name] if root.opcode == "tuple" else [root]
     roots = [_behind_views(o.name, by_name) or o for o in outputs]
@@ -182,24 +212,41 @@ def _fusion_bytes(instruction: HloInstruction, operand_bytes: list[int], module:
         if r.opcode == "dynamic-update-slice" and r.operands:
             buffer = _behind_views(r.operands[0], by_name)
             if buffer is not None and buffer.opcode == "parameter":
-                in_place.add(buffer.name)
-    total = 0
-    for i in fused.instructions:
-        if i.opcode != "parameter" or i.parameter_number is None or i.name in in_place:
+                in_place.add(r.name)
+    demanded: dict[str, float] = defaultdict(float)
+    visible: dict[str, float] = {}
+    for o in outputs:
+        demanded[o.name] = _elements(o.shape)
+    for i in reversed(fused.instructions):
+        if i.opcode in ("parameter", "tuple") or demanded.get(i.name, 0.0) <= 0:
             continue
-        sliced = _sliced_bytes(i.name, users)
-        if sliced is not None:
-            total += sliced
-        elif i.parameter_number < len(operand_bytes):
-            total += operand_bytes[i.parameter_number]
-        else:
-            total += _nbytes(i.shape)
+        shown = visible.get(i.name, _elements(i.shape))
+        need = min(demanded[i.name], shown)
+        for operand, (elements, operand_shown) in zip(
+                i.operands, _operand_demand(i, need, shown, by_name, i.name in in_place)):
+            demanded[operand] += elements
+            if operand_shown is not None and uses[operand] == 1:
+                visible[operand] = operand_shown
+    total = 0.0
+    for i in fused.instructions:
+        if i.opcode != "parameter" or i.parameter_number is None:
+            continue
+        whole = operand_bytes[i.parameter_number] if i.parameter_number < len(operand_bytes) else _nbytes(i.shape)
+        elements = _elements(i.shape)
+        total += whole * min(1.0, demanded.get(i.name, 0.0) / elements) if elements else whole
     for r in roots:
-        if r.opcode == "dynamic-update-slice" and len(r.operands) > 1 and r.operands[1] in by_name:
+        if r.name in in_place and len(r.operands) > 1 and r.operands[1] in by_name:
             total += _nbytes(by_name[r.operands[1]].shape)
         else:
             total += _nbytes(r.shape)
-    return total
+    return round(total)
+
+
+def _behind_views(name: str, by_name: Mapping[str, HloInstruction]) -> HloInstruction | None:
+    instruction = by_name.get(name)
+    while instruction is not None and instruction.opcode in _VIEWS and instruction.operands:
+        instruction = by_name.get(instruction.operands[0])
+    return instruction
 
 
 # --------------------------------------------------------------------------------------------------

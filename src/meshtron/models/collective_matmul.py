@@ -142,7 +142,10 @@ def _after(operand: jax.Array, previous: jax.Array | None) -> jax.Array:
     merger), run after every transfer has landed: no overlap left. Chained, they run one after another,
     each while the next chunk travels (the transfers take the untied chunks). The dependency is
     ``min(|p|, 0)`` of the product's first element ``p``: zero for every finite or infinite ``p`` (NaN
-    stays NaN), which XLA cannot fold away as it folds :func:`_tied`'s."""
+    stays NaN), which XLA cannot fold away as it folds :func:`_tied`'s. Adding it rewrites the operand,
+    a pass over each step's chunk; an optimization barrier over the operand and the product would tie
+    them without one, but XLA:GPU then schedules some of a ring's transfers with no GEMM under them
+    (some synchronous)."""
     if previous is None:
         return operand
     first = previous.reshape(-1)[0]
