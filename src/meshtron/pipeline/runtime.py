@@ -83,6 +83,11 @@ switched off: no gradient buffer, no ``vjp``, no backward ``ppermute``, the same
 Evaluating with the unpipelined model instead would gather every pipe-sharded layer onto every
 device.
 
+**Prepared once per step.** What a stage's layers would compute from their parameters again in every
+forward, recomputation and W pass (a model's FP8 weights, quantized) the model may compute once, before
+the loop (``StageFunctions.prepare``); every tick reads it, the ordering token starts after it (its
+collectives -- a scale's maximum over a split weight -- come first), and nothing differentiates it.
+
 The runtime knows nothing about GPT: the model enters as three functions (:class:`StageFunctions`).
 The tick loop is :class:`_TickLoop`: one object per traced step holding what every tick reads (the
 program, the stage's parameters, the microbatches), whose methods are the stage's bodies (forward,
