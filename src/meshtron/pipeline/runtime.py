@@ -501,7 +501,7 @@ class _TickLoop:
         if fns.remat in ("full", "offload"):
             # What the pullback recomputes (each layer, with its collectives) reads its inputs after
             # ``dy``, so it follows the head's ``cond`` instead of racing it.
-            pull_stage = _after_residuals(pull_stage, self.token(dy), (chunk_params, self.weights))
+            pull_stage = _after_residuals(pull_stage, self.token(dy), chunk_params)
         d_params, dx0 = pull_stage(dy)
         d_shared_in, d_x = pull_in(pin(after(dx0, self.gradients_token(d_params))))
         d_x = pin(d_x)
