@@ -69,6 +69,9 @@ class TraceContext:
     ``collective_matmul``: the tensor-parallel regions' projections gather and scatter a split residual
     stream themselves, overlapped with their GEMMs (:mod:`meshtron.models.collective_matmul`).
     ``layer_views``: the active layer views, outermost first.
+    ``fp8_weights``: while a layer is traced under FP8, its weights quantized beforehand, one entry per
+    projection in the order they run (:class:`meshtron.models.fp8.PreparedWeights`), or what records them
+    (``None``: each projection quantizes its weight itself).
     ``gathered``: while a layer is traced under FP8 with layer views, what the views gathered: by ``id`` of
     the gathered array, that array (which tells the value is still that one) and its
     :class:`GatheredShard` (``None``: nothing is recorded).
@@ -89,6 +92,7 @@ class TraceContext:
     exchange: str = "gathered"
     collective_matmul: bool = False
     layer_views: tuple[LayerView, ...] = ()
+    fp8_weights: Any = None
     gathered: dict[int, tuple[Any, GatheredShard]] | None = None
     segments: Any = None
     dropout: tuple[float, int] = (0.0, 0)

@@ -29,7 +29,7 @@ from meshtron.models import documents
 from meshtron.models.auxiliary import collecting_reports
 from meshtron.models.collective_matmul import sequence_ring
 from meshtron.models.context_attention import local_positions
-from meshtron.models.fp8 import FP8_SHARD, FP8_WEIGHT
+from meshtron.models.fp8 import FP8_SHARD, FP8_WEIGHT, PreparedWeights
 from meshtron.models.fp8_scaling import layer_scaling
 from meshtron.sharding import constrain, varying_like
 from meshtron.trace_context import LayerView, current, using
@@ -203,16 +203,22 @@ def layer_view(graphdef: Any, layer_state: Any, x: jax.Array | None = None) -> n
     return block
 
 
-def run_layer(graphdef: Any, layer_state: Any, x: jax.Array, ctx: Context) -> Any:
+def run_layer(graphdef: Any, layer_state: Any, x: jax.Array, ctx: Context, weights: Any = None) -> Any:
     """One block from its layer's state (:func:`layer_view`) applied to ``x``, its FP8 projections
     reading that layer's delayed-scaling state (:func:`meshtron.models.fp8_scaling.layer_scaling`) and,
     for the weights a view gathered, the shares they came from
-    (:attr:`meshtron.trace_context.TraceContext.gathered`: the shares are quantized, not the gathered weights)."""
+    (:attr:`meshtron.trace_context.TraceContext.gathered`: the shares are quantized, not the gathered weights).
+    ``weights``: the layer's FP8 weights quantized beforehand (:func:`meshtron.models.fp8.quantized_weights`),
+    which its projections multiply by instead of quantizing their weights."""
     recording = current().fp8 != "off" and any(entry.view is not None for entry in current().layer_views)
-    with using(gathered={} if recording else None):
+    prepared = current().fp8_weights if weights is None else PreparedWeights(weights)
+    with using(gathered={} if recording else None, fp8_weights=prepared):
         block = layer_view(graphdef, layer_state, x)
         with layer_scaling(block):
-            return block(x, ctx)
+            y = block(x, ctx)
+        if weights is not None:
+            prepared.check_complete()
+        return y
 
 
 def regathered(layer: Callable) -> Callable:
@@ -280,7 +286,7 @@ def recomputed(layer: Callable, remat: str) -> Callable:
 
 
 def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "none",
-               active: jax.Array | int | None = None, collect: bool = False):
+               active: jax.Array | int | None = None, collect: bool = False, weights: Any = None):
     """Apply stacked blocks in order with a ``lax.scan`` over the ``layers`` axis.
 
     With ``ctx.cache`` (stacked caches ``[layers, ...]``) every block gets its own and the result is
@@ -292,6 +298,9 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     under sequence parallelism). ``active``: run only the first ``active`` blocks and pass ``x``
     through the rest (the padding slots of an uneven pipeline chunk).
 
+    ``weights``: the blocks' FP8 weights quantized beforehand, stacked over the layers (each layer's
+    :func:`meshtron.models.fp8.quantized_weights`); each block multiplies by its own (:func:`run_layer`).
+
     ``collect=True`` (forward only) returns ``(x, reports)``: what each block
     :func:`~meshtron.models.auxiliary.report` ed, a tuple per block stacked over the layers (zeros
     for padding slots; ``()`` when no block reports anything).
@@ -299,24 +308,25 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     graphdef, state = nnx.split(blocks)
     if ctx.cache is None and ctx.segments is not None and documents.active_segments() is not ctx.segments:
         with documents.document_segments(ctx.segments):  # what causal_attention masks packed documents by
-            return run_blocks(blocks, x, ctx, remat=remat, active=active, collect=collect)
+            return run_blocks(blocks, x, ctx, remat=remat, active=active, collect=collect, weights=weights)
     if collect:
         return _run_collecting(graphdef, state, x, ctx, active)
     if ctx.cache is None:
-        def one_layer(h, layer_state):
-            return constrain(run_layer(graphdef, layer_state, h, ctx), RESIDUAL), None
+        def one_layer(h, layer):
+            layer_state, layer_weights = layer
+            return constrain(run_layer(graphdef, layer_state, h, ctx, layer_weights), RESIDUAL), None
 
         one_layer = recomputed(one_layer, remat)
         if active is None:
-            x, _ = jax.lax.scan(one_layer, x, state)
+            x, _ = jax.lax.scan(one_layer, x, (state, weights))
             return x
 
         def maybe_layer(h, xs):
-            i, layer_state = xs
-            return jax.lax.cond(i < active, lambda: one_layer(h, layer_state)[0], lambda: h), None
+            i, layer = xs
+            return jax.lax.cond(i < active, lambda: one_layer(h, layer)[0], lambda: h), None
 
         layers = jax.tree.leaves(state)[0].shape[0]
-        x, _ = jax.lax.scan(maybe_layer, x, (jnp.arange(layers), state))
+        x, _ = jax.lax.scan(maybe_layer, x, (jnp.arange(layers), (state, weights)))
         return x
 
     # The stacked caches ride in the carry and each layer updates its own slice in place: as scan

@@ -31,6 +31,17 @@ elementwise). The quantized share is named :data:`FP8_SHARD`: a recomputed layer
 parameter of the share) and gathers it again instead of quantizing again. The weight's gradient still
 reaches the gathered parameter, whose own gather's transpose reduce-scatters it onto the share.
 
+**Weights quantized beforehand.** A runtime that runs a layer several times per step on the same weights
+(a pipeline stage: each microbatch's forward, its recomputation, a zero-bubble W pass rerunning it) may
+quantize them once, before: :func:`quantized_weights` traces the layer recording what each projection
+quantizes -- a weight's float8 bytes, its scale and its amax's one-hot, or for a gathered weight the
+*shares'* bytes -- and keeps only that computation; a layer traced with those entries
+(:class:`PreparedWeights` in :attr:`meshtron.trace_context.TraceContext.fp8_weights`) multiplies by them
+(gathering a share's bytes per use), in the order its projections run. The scales do not change within a
+step (``current``: the weights do not; ``delayed``: the history does not), so that is bit for bit what
+quantizing per use gives, and the histories record the same amaxes. The weight's gradient still reaches the
+high-precision weight.
+
 **Delayed scaling** (``delayed``): inside a block, each operand's scale comes from its projection's amax
 history instead (:mod:`meshtron.models.fp8_scaling`: the state, its probe, the scales a history gives).
 The GEMM still takes each operand's amax, for the next step's history, and hands it back as its probe's
@@ -59,13 +70,16 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+from jax.interpreters.partial_eval import dce_jaxpr
 
 from meshtron.models.fp8_scaling import current_layer, exponent_bins
 from meshtron.sharding import varying_like
-from meshtron.trace_context import GatheredShard, current
+from meshtron.trace_context import GatheredShard, current, using
 
-__all__ = ["E4M3", "E5M2", "FP8_SHARD", "FP8_WEIGHT", "fp8_dot_general", "joined_weight", "power_of_two_scale",
-           "projection_dot_general", "projection_einsum", "projection_ragged_dot"]
+__all__ = ["E4M3", "E5M2", "FP8_SHARD", "FP8_WEIGHT", "PreparedWeights", "fp8_dot_general", "joined_weight",
+           "power_of_two_scale", "projection_dot_general", "projection_einsum", "projection_ragged_dot",
+           "quantized_weights"]
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, range +-448
 E5M2 = jnp.float8_e5m2  # output gradients: 2 mantissa bits, range +-57344
@@ -354,6 +368,8 @@ def _fp8_product(lhs: jax.Array, rhs: jax.Array, dimension_numbers: DimensionNum
     dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
     site = _delayed_site(projections)
     source = _gathered_source(rhs)
+    if current().fp8_weights is not None:
+        return _prepared_product(lhs, rhs, source, site, dims, out_dtype, dtypes)
     if source is not None:
         return _gathered_product(lhs, rhs, source, site, dims, out_dtype, dtypes)
     if site is not None:
@@ -373,6 +389,102 @@ def _gathered_product(x: jax.Array, w: jax.Array, source: _Source, site: jax.Arr
     sw = jnp.where(delayed == 0, _scale_of(amax, E4M3), delayed)
     return _delayed_dot_quantized_weight(x, w, _gathered_bits(source, sw, w.dtype), sw, exponent_bins(amax), site,
                                          dims, out_dtype, dtypes, current().loss_groups)
+
+
+WeightEntry = tuple[tuple[jax.Array, ...], jax.Array, jax.Array]
+"""What a projection quantizes of its weight: the float8 bytes (a gathered weight's: each part's share, in
+its joined parts' order), the scale, and the amax's exponent one-hot (delayed scaling's next history)."""
+
+
+class _Recording:
+    """The entries a traced layer's projections quantize, in the order they run (:func:`quantized_weights`)."""
+
+    def __init__(self):
+        self.entries: list[WeightEntry] = []
+
+
+class PreparedWeights:
+    """One layer's weights quantized beforehand (the entries :func:`quantized_weights` returned), handed to its
+    projections in the order they run. Set as :attr:`meshtron.trace_context.TraceContext.fp8_weights` while
+    the layer is traced (:func:`meshtron.models.blocks.run_layer` does)."""
+
+    def __init__(self, entries: list[WeightEntry]):
+        self.entries, self.used = list(entries), 0
+
+    def next(self, w: jax.Array, source: _Source | None) -> WeightEntry:
+        if self.used == len(self.entries):
+            raise ValueError(f"FP8 weights prepared for {len(self.entries)} projections; the layer runs more")
+        entry = self.entries[self.used]
+        self.used += 1
+        expected = [w.shape] if source is None else [p.shard.shape for p in _parts(source)]
+        if [b.shape for b in entry[0]] != expected:
+            raise ValueError(f"FP8 weight prepared as {[b.shape for b in entry[0]]} for a projection by {expected}: "
+                             "the layer runs its projections in another order than it was prepared in")
+        return entry
+
+    def check_complete(self) -> None:
+        if self.used != len(self.entries):
+            raise ValueError(f"FP8 weights prepared for {len(self.entries)} projections; the layer ran {self.used}")
+
+
+def _parts(source: _Source) -> tuple[GatheredShard, ...]:
+    return source.parts if isinstance(source, _Joined) else (source,)
+
+
+def _weight_entry(w: jax.Array, source: _Source | None, site: jax.Array | None) -> WeightEntry:
+    """``w`` quantized as the projection by it quantizes it: at its own amax's scale, or its history's under
+    delayed scaling; a gathered weight's shares at the whole weight's."""
+    amax = _amax(jax.lax.stop_gradient(w)) if source is None else _source_amax(source, w.dtype)
+    scale = _scale_of(amax, E4M3)
+    if site is not None:
+        delayed = jax.lax.stop_gradient(site[1, 0])
+        scale = jnp.where(delayed == 0, scale, delayed)
+    if source is None:
+        bits = (_bits(fp8_ops.quantize(jax.lax.stop_gradient(w), E4M3, scale, jnp.float32)),)
+    else:
+        bits = tuple(_bits(fp8_ops.quantize(jax.lax.stop_gradient(p.shard).astype(w.dtype), E4M3, scale, jnp.float32))
+                     for p in _parts(source))
+    return bits, scale, exponent_bins(amax)
+
+
+def _prepared_product(x: jax.Array, w: jax.Array, source: _Source | None, site: jax.Array | None,
+                      dims: DimensionNumbers, out_dtype: Any, dtypes: tuple[Any, Any]) -> jax.Array:
+    """The FP8 GEMM by ``w`` quantized beforehand (:class:`PreparedWeights`; while recording, quantized here and
+    recorded): a gathered weight's share bytes are gathered here, as the view gathers the weight."""
+    prepared = current().fp8_weights
+    if isinstance(prepared, _Recording):
+        entry = _weight_entry(w, source, site)
+        prepared.entries.append(entry)
+    else:
+        entry = prepared.next(w, source)
+    bits, scale, bins = entry
+    if source is not None:
+        gathered = [p.gather(b) for p, b in zip(_parts(source), bits, strict=True)]
+        w_bits = source.fuse(*gathered) if isinstance(source, _Joined) else gathered[0]
+    else:
+        w_bits = bits[0]
+    if site is None:
+        return _fp8_dot_quantized_weight(x, w, w_bits, scale, dims, out_dtype, dtypes)
+    return _delayed_dot_quantized_weight(x, w, w_bits, scale, bins, site, dims, out_dtype, dtypes,
+                                         current().loss_groups)
+
+
+def quantized_weights(layer: Callable[..., Any], *args: Any) -> list[WeightEntry]:
+    """What each FP8 projection of ``layer(*args)`` (a layer, traced under the run's ``model.fp8``) multiplies
+    by, quantized as it quantizes it, in the order the projections run: the entries a
+    :class:`PreparedWeights` hands back to the layer. Only that is computed: the layer is traced, and
+    everything the entries do not need (its activations, a view's gather of the whole weights) pruned
+    before it runs."""
+    def record(*inputs):
+        recording = _Recording()
+        with using(fp8_weights=recording):
+            layer(*inputs)
+        return recording.entries
+
+    closed, shapes = jax.make_jaxpr(record, return_shape=True)(*args)
+    jaxpr, used = dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    inputs = [a for a, keep in zip(jax.tree.leaves(args), used, strict=True) if keep]
+    return jax.tree.unflatten(jax.tree.structure(shapes), jaxpr_as_fun(ClosedJaxpr(jaxpr, closed.consts))(*inputs))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -457,7 +569,8 @@ def projection_einsum(spec: str, x: jax.Array, w: jax.Array, *, precision: Any =
     takes the scales of all of them and records its amaxes for each, so the state means the same whether
     a layout joins them or not."""
     extra = {} if out_sharding is None else {"out_sharding": out_sharding}
-    if _fp8_on() and ((current().fp8 == "delayed" and current_layer() is not None) or _gathered_source(w) is not None):
+    if _fp8_on() and ((current().fp8 == "delayed" and current_layer() is not None) or _gathered_source(w) is not None
+                      or current().fp8_weights is not None):
         y = _einsum_by_dot_general(spec, x, w, preferred_element_type, projections)
         return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
     if _fp8_on():

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from meshtron.pipeline.buffers import accumulate, get, put
+from meshtron.pipeline.buffers import accumulate, chunk_of, get, put
 from meshtron.pipeline.program import Program
 from meshtron.pipeline.split_backward import SplitPullback, residuals
 from meshtron.pipeline.stage import PyTree, StageFunctions
@@ -39,16 +39,21 @@ class LayerBackward:
     computes the weight gradients, in any later tick, reading the layers' residuals again (kept, or
     recomputed by ``forward_weight_gradient_into``). Every buffer is carried through the layer loop
     and updated in place, one layer's slice at a time.
+
+    ``weights``: what the model prepared for the step (:attr:`StageFunctions.prepare`, stacked ``[chunks,
+    layers, ...]``): each layer runs with its own slice, which its pullback reads where it lives, as it
+    reads the parameters, instead of storing it among the residuals.
     """
 
     def __init__(self, program: Program, fns: StageFunctions, stage_params: PyTree, example_x: jax.Array,
-                 example_tokens: jax.Array, pin: Callable[[jax.Array], jax.Array], zeros: Callable[[PyTree], PyTree]):
+                 example_tokens: jax.Array, pin: Callable[[jax.Array], jax.Array], zeros: Callable[[PyTree], PyTree],
+                 weights: PyTree = None):
         if fns.layer is None:
             why = ("splits the backward per layer" if program.schedule.split_backward
                    else "keeps each layer's residuals (no recomputation)")
             raise ValueError(f"schedule {program.schedule.name!r} {why}: "
                              "StageFunctions.layer (one layer of a chunk) is required")
-        self._layer, self._pin, self._zeros = fns.layer, pin, zeros
+        self._layer, self._pin, self._zeros, self._weights = fns.layer, pin, zeros, weights
         if program.keeps_layer_residuals and fns.remat in ("full", "offload") and not program.schedule.split_backward:
             # Full recomputation: a layer keeps its input alone, and its pullback reruns its forward
             # (Megatron's ``--recompute-granularity full``). ``offload`` keeps it so too: the residual
@@ -63,11 +68,13 @@ class LayerBackward:
             # residual buffers costs more time than recomputing them.
             self._layer = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.dots_saveable)
         first = jax.tree.map(lambda a: a[0, 0], stage_params)  # chunk 0, layer 0
+        first_weights = jax.tree.map(lambda a: a[0, 0], weights)
         self._layers = jax.tree.leaves(stage_params)[0].shape[1]
         self._example_x = jax.ShapeDtypeStruct(example_x.shape, example_x.dtype)
         # A layer reads its microbatch's tokens (positions, packed documents) as a closed-over value:
         # what its backward needs of them is then among its residuals, like any other.
-        y, stored, treedef, self._slots = residuals(self._with_tokens(example_tokens), first, example_x)
+        y, stored, treedef, self._slots = residuals(self._with_tokens(example_tokens, first_weights), first, example_x,
+                                                    jax.tree.leaves(first_weights))
         self._stored_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in stored]
         # W reads the residuals -- kept ones, which live until W (the program frees their slot there),
         # or, recomputing, those of the chunk's forward W reruns from the stashed input (which lives
@@ -77,7 +84,7 @@ class LayerBackward:
         # operands XLA's fast GEMM accepts (W 15% faster at width 256) and produce the gradient in
         # the weight's own layout where that copies less (16% more at width 256, 43% at 1024); GPU
         # GEMMs read transposed operands as they are, so elsewhere the pullback is JAX's own.
-        self._pullback = SplitPullback(treedef, self._slots, stored, jax.tree.leaves(first), y,
+        self._pullback = SplitPullback(treedef, self._slots, stored, self._read(first, first_weights), y,
                                        weight_reads_residuals=True,
                                        contiguous_weight_matmuls=jax.default_backend() == "cpu")
         # A boundary value with a home (a residual of its shape that only B reads) is written over
@@ -92,11 +99,22 @@ class LayerBackward:
         self._to_w = [k for k, (home, g) in enumerate(zip(self._homes, self._at_b))
                       if home is None and g is None]  # boundary index per B-to-W buffer
 
-    def _with_tokens(self, tokens: jax.Array) -> Callable[[PyTree, jax.Array], jax.Array]:
-        return lambda layer_params, x: self._layer(layer_params, x, tokens)
+    def _with_tokens(self, tokens: jax.Array, weights: PyTree = None) -> Callable[[PyTree, jax.Array], jax.Array]:
+        if weights is None:
+            return lambda layer_params, x: self._layer(layer_params, x, tokens)
+        return lambda layer_params, x: self._layer(layer_params, x, tokens, weights)
 
-    def _residuals(self, layer_params: PyTree, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        y, stored, _, slots = residuals(self._with_tokens(tokens), layer_params, x)
+    @staticmethod
+    def _read(layer_params: PyTree, weights: PyTree) -> list[jax.Array]:
+        """What a layer's pullback reads where it lives: its parameters, then its prepared weights."""
+        return [*jax.tree.leaves(layer_params), *jax.tree.leaves(weights)]
+
+    def _chunk_weights(self, chunk: jax.Array) -> PyTree:
+        return None if self._weights is None else chunk_of(self._weights, chunk)
+
+    def _residuals(self, layer_params: PyTree, x: jax.Array, tokens: jax.Array,
+                   weights: PyTree = None) -> tuple[jax.Array, list[jax.Array]]:
+        y, stored, _, slots = residuals(self._with_tokens(tokens, weights), layer_params, x, jax.tree.leaves(weights))
         if slots != self._slots:  # a layer whose pullback differs from the first one's
             raise ValueError("split backward: the layers of a chunk must share one structure "
                              f"(residuals that are parameters: {slots} vs {self._slots})")
@@ -117,45 +135,48 @@ class LayerBackward:
         return jax.lax.scan(maybe, init, (jnp.arange(layers), xs), reverse=reverse)
 
     def layers_forward(self, chunk_params: PyTree, x: jax.Array, tokens: jax.Array,
-                       active: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
-        return self._scan(lambda h, lp: self._residuals(lp, h, tokens), x, chunk_params, active,
-                          lambda h, lp: (h, self._zeros(self._stored_avals)))
+                       active: jax.Array | None = None, chunk: jax.Array | None = None) -> tuple[jax.Array, list[jax.Array]]:
+        return self._scan(lambda h, layer: self._residuals(layer[0], h, tokens, layer[1]), x,
+                          (chunk_params, self._chunk_weights(chunk)), active,
+                          lambda h, layer: (h, self._zeros(self._stored_avals)))
 
-    def _walk(self, step, carry, chunk_params: PyTree, active: jax.Array | None, reverse: bool = False):
-        """``carry = step(carry, i, layer_params)`` for each layer slot ``i`` of a chunk (the last first
-        with ``reverse``); with ``active``, slots from ``active`` on (an uneven chunk's padding) are
-        skipped. What a layer produces goes into buffers the carry holds, so a skipped slot costs
+    def _walk(self, step, carry, chunk_params: PyTree, active: jax.Array | None, chunk: jax.Array,
+              reverse: bool = False):
+        """``carry = step(carry, i, layer_params, layer_weights)`` for each layer slot ``i`` of a chunk (the
+        last first with ``reverse``); with ``active``, slots from ``active`` on (an uneven chunk's padding)
+        are skipped. What a layer produces goes into buffers the carry holds, so a skipped slot costs
         nothing (no zeros to output)."""
         def body(c, xs):
-            i, lp = xs
+            i, lp, lw = xs
             if active is None:
-                return step(c, i, lp), None
-            return jax.lax.cond(i < active, lambda: step(c, i, lp), lambda: c), None
+                return step(c, i, lp, lw), None
+            return jax.lax.cond(i < active, lambda: step(c, i, lp, lw), lambda: c), None
 
-        return jax.lax.scan(body, carry, (jnp.arange(self._layers), chunk_params), reverse=reverse)[0]
+        xs = (jnp.arange(self._layers), chunk_params, self._chunk_weights(chunk))
+        return jax.lax.scan(body, carry, xs, reverse=reverse)[0]
 
     def forward_into(self, chunk_params: PyTree, x: jax.Array, tokens: jax.Array, active: jax.Array | None,
-                     buffers: list[jax.Array], slot: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+                     buffers: list[jax.Array], slot: jax.Array, chunk: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         """The chunk's forward on the microbatch of ``tokens``, each layer's residuals written to
         ``buffers[j][slot, layer]``."""
-        def step(c, i, lp):
+        def step(c, i, lp, lw):
             h, bufs = c
-            y, stored = self._residuals(lp, h, tokens)
+            y, stored = self._residuals(lp, h, tokens, lw)
             return y, [put(b, (slot, i), v) for b, v in zip(bufs, stored)]
 
-        return self._walk(step, (x, list(buffers)), chunk_params, active)
+        return self._walk(step, (x, list(buffers)), chunk_params, active, chunk)
 
     def backward_into(self, chunk_params: PyTree, residual_of: Callable[[jax.Array], list[jax.Array]],
                       dy: jax.Array, active: jax.Array | None, g_stage: PyTree,
                       chunk: jax.Array) -> tuple[jax.Array, PyTree]:
         """The layers' whole pullbacks, last layer first, from ``residual_of(layer)``: the input
         gradient, and each layer's parameter gradients added to ``g_stage[chunk, layer]``."""
-        def step(c, i, lp):
+        def step(c, i, lp, lw):
             d, g = c
-            flat, dx = self._pullback.pullback(residual_of(i), jax.tree.leaves(lp), d)
+            flat, dx = self._pullback.pullback(residual_of(i), self._read(lp, lw), d)
             return self._pin(dx), accumulate(g, (chunk, i), flat)
 
-        return self._walk(step, (dy, g_stage), chunk_params, active, reverse=True)
+        return self._walk(step, (dy, g_stage), chunk_params, active, chunk, reverse=True)
 
     def input_gradient_into(self, chunk_params: PyTree, residual_of: Callable[[jax.Array], list[jax.Array]],
                             dy: jax.Array, active: jax.Array | None, buffers: list[jax.Array], slot: jax.Array,
@@ -168,10 +189,10 @@ class LayerBackward:
         residuals are read from those buffers, which the walk carries, and the boundary values that
         have a home there are written over it (see ``__init__``). Returns ``(dx, (buffers,
         residual_buffers, g_stage))`` updated."""
-        def step(c, i, lp):
+        def step(c, i, lp, lw):
             d, bufs, rbufs, g = c
             res = residual_of(i) if kept is None else [get(b, (kept[1], i)) for b in rbufs]
-            dx, boundary = self._pullback.input_gradient(res, jax.tree.leaves(lp), d)
+            dx, boundary = self._pullback.input_gradient(res, self._read(lp, lw), d)
             if kept is not None:
                 rbufs = list(rbufs)
                 for value, home in zip(boundary, self._homes):
@@ -186,11 +207,11 @@ class LayerBackward:
             return self._pin(dx), [put(b, (slot, i), boundary[k]) for b, k in zip(bufs, self._to_w)], rbufs, g
 
         dx, bufs, rbufs, g_stage = self._walk(
-            step, (dy, list(buffers), [] if kept is None else list(kept[0]), g_stage), chunk_params, active,
+            step, (dy, list(buffers), [] if kept is None else list(kept[0]), g_stage), chunk_params, active, chunk,
             reverse=True)
         return dx, (bufs, rbufs, g_stage)
 
-    def _layer_weight_gradient(self, g: PyTree, i: jax.Array, lp: PyTree, res: list[jax.Array],
+    def _layer_weight_gradient(self, g: PyTree, i: jax.Array, lp: PyTree, lw: PyTree, res: list[jax.Array],
                                buffers: list[jax.Array], slot: jax.Array, chunk: jax.Array) -> PyTree:
         """Layer ``i``'s parameter gradients from its residuals ``res`` and what its B left in
         ``buffers[j][slot, i]``, added to ``g[chunk, i]``."""
@@ -200,7 +221,7 @@ class LayerBackward:
         for k, home in enumerate(self._homes):
             if home is not None:
                 boundary[k] = res[home]
-        flat = self._pullback.weight_gradient(jax.tree.leaves(lp), boundary, res)
+        flat = self._pullback.weight_gradient(self._read(lp, lw), boundary, res)
         return accumulate(g, (chunk, i), flat)
 
     def weight_gradient_into(self, chunk_params: PyTree, buffers: list[jax.Array], slot: jax.Array,
@@ -209,11 +230,11 @@ class LayerBackward:
         """W from kept residuals: each layer's parameter gradients from what its B left in
         ``buffers[j][slot, layer]`` and from the forward's residuals in ``kept = (residual_buffers,
         residual_slot)``, added to ``g_stage[chunk, layer]``."""
-        def step(g, i, lp):
+        def step(g, i, lp, lw):
             res = [get(b, (kept[1], i)) for b in kept[0]]
-            return self._layer_weight_gradient(g, i, lp, res, buffers, slot, chunk)
+            return self._layer_weight_gradient(g, i, lp, lw, res, buffers, slot, chunk)
 
-        return self._walk(step, g_stage, chunk_params, active)
+        return self._walk(step, g_stage, chunk_params, active, chunk)
 
     def forward_weight_gradient_into(self, chunk_params: PyTree, x: jax.Array, tokens: jax.Array,
                                      buffers: list[jax.Array], slot: jax.Array, active: jax.Array | None,
@@ -222,12 +243,12 @@ class LayerBackward:
         each layer's parameter gradients computed from its recomputed residuals as soon as they exist
         (one layer's residuals live at a time) and from what its B left in ``buffers[j][slot,
         layer]``, added to ``g_stage[chunk, layer]``."""
-        def step(c, i, lp):
+        def step(c, i, lp, lw):
             h, g = c
-            y, res = self._residuals(lp, h, tokens)
-            return y, self._layer_weight_gradient(g, i, lp, res, buffers, slot, chunk)
+            y, res = self._residuals(lp, h, tokens, lw)
+            return y, self._layer_weight_gradient(g, i, lp, lw, res, buffers, slot, chunk)
 
-        return self._walk(step, (x, g_stage), chunk_params, active)[1]
+        return self._walk(step, (x, g_stage), chunk_params, active, chunk)[1]
 
     def _stacked(self, avals: list, slots: int | None) -> list[jax.ShapeDtypeStruct]:
         lead = (self._layers,) if slots is None else (max(slots, 1), self._layers)

@@ -83,6 +83,11 @@ switched off: no gradient buffer, no ``vjp``, no backward ``ppermute``, the same
 Evaluating with the unpipelined model instead would gather every pipe-sharded layer onto every
 device.
 
+**Prepared once per step.** What a stage's layers would compute from their parameters again in every
+forward, recomputation and W pass (a model's FP8 weights, quantized) the model may compute once, before
+the loop (``StageFunctions.prepare``); every tick reads it, the ordering token starts after it (its
+collectives -- a scale's maximum over a split weight -- come first), and nothing differentiates it.
+
 The runtime knows nothing about GPT: the model enters as three functions (:class:`StageFunctions`).
 The tick loop is :class:`_TickLoop`: one object per traced step holding what every tick reads (the
 program, the stage's parameters, the microbatches), whose methods are the stage's bodies (forward,
@@ -349,7 +354,12 @@ class _TickLoop:
         self.hoist = program.hoists_recompute
         # The example microbatch's tokens vary like those a tick reads (picked by the stage's own row).
         example_tokens = tokens[0] if self.varies is None else varying_like(tokens[0], self.varies)
-        self.layers = (LayerBackward(program, fns, stage_params, self.zeros_act, example_tokens, self.pin, self.zeros)
+        # What the model prepares once per step (its FP8 weights quantized): every forward, recomputation and
+        # W pass of the step reads it, none computes it again.
+        self.weights = (fns.prepare(stage_params, self.zeros_act, example_tokens)
+                        if self.train and fns.prepare is not None else None)
+        self.layers = (LayerBackward(program, fns, stage_params, self.zeros_act, example_tokens, self.pin, self.zeros,
+                                     self.weights)
                        if self.keep or self.hoist or schedule.split_backward else None)
 
     def gradients_token(self, grads: PyTree, stacked: bool = False) -> jax.Array:
@@ -378,6 +388,8 @@ class _TickLoop:
     def run_stage(self, chunk_params, x, chunk, tok, stage=None):
         """The layers of ``chunk`` on ``x``, for the microbatch whose tokens are ``tok``."""
         stage = stage or self.fns.stage
+        if self.weights is not None and stage is self.fns.stage:
+            return stage(chunk_params, x, tok, self.active(chunk), chunk_of(self.weights, chunk))
         return stage(chunk_params, x, tok) if self.counts is None else stage(chunk_params, x, tok, self.active(chunk))
 
     # ---- the stage's bodies: forward, backward (whole, or B and W) ------------------------------
@@ -435,7 +447,7 @@ class _TickLoop:
         """The chunk's layers on ``x``, their residuals and the chunk output written into ``slot`` of the
         residual buffers ``buffers``: ``(y, buffers updated)``."""
         y, stored = self.layers.forward_into(chunk_of(self.stage_params, chunk), x, tok, self.active(chunk),
-                                             buffers[:-1], slot)
+                                             buffers[:-1], slot, chunk)
         return y, [*stored, put(buffers[-1], (slot,), y)]
 
     def recompute_keeping(self, row, stash, hbuf, seq):
@@ -524,7 +536,7 @@ class _TickLoop:
             slot = index_after(row["bwd_res_slot"], seq)
             y = get(rbuf[-1], (slot,))
         else:
-            y, stored = self.layers.layers_forward(chunk_params, x0, tok, self.active(chunk))
+            y, stored = self.layers.layers_forward(chunk_params, x0, tok, self.active(chunk), chunk)
         d_shared_out, dy = self.head_gradient(row, gbuf, is_last, tok, y)
         # The layers' backward reads its residuals after ``dy``, so whatever it recomputes from them
         # (a layer rerun under ``model.remat=full``, with its collectives) follows the head's
@@ -740,11 +752,19 @@ class _TickLoop:
             g_stage=self.zeros(self.stage_params) if train else None,
             g_shared=self.zeros(self.shared_params) if train else None,
             loss_sum=self.zero_loss,
-            seq=self.zero_loss,
+            seq=self.prepared_token(),
             reports=self.zero_reports() if self.collect else None,
             recomputed=self.filled(self.layers.residual_buffers(program.recompute_slots)) if self.hoist else None,
             b_out=self.zeros_act if train and self.early_sends else None,
         )
+
+    def prepared_token(self) -> jax.Array:
+        """The ordering token's start: after what :attr:`StageFunctions.prepare` made (its floating leaves --
+        the FP8 weights' scales, which its collectives make -- not a pass over its bytes)."""
+        if self.weights is None:
+            return self.zero_loss
+        floating = [w for w in jax.tree.leaves(self.weights) if jnp.issubdtype(w.dtype, jnp.floating)]
+        return sum(map(token, floating), self.zero_loss)
 
     def zero_reports(self) -> PyTree:
         """Zeros shaped like one chunk's reports, for every chunk: ``[chunks, layers_per_chunk, ...]``."""

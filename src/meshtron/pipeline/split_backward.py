@@ -491,17 +491,19 @@ def _reader(env: dict) -> Callable[[Any], Any]:
     return read
 
 
-def residuals(layer: Callable[[PyTree, jax.Array], jax.Array], params: PyTree,
-              x: jax.Array) -> tuple[jax.Array, list[jax.Array], Any, tuple[int | None, ...]]:
+def residuals(layer: Callable[[PyTree, jax.Array], jax.Array], params: PyTree, x: jax.Array,
+              held: Sequence[jax.Array] = ()) -> tuple[jax.Array, list[jax.Array], Any, tuple[int | None, ...]]:
     """``(y, stored, treedef, param_slots)``: the layer's output and its pullback's residuals.
 
     ``stored`` are the residual arrays that are not parameters; ``param_slots[i]`` says which flat
     parameter the ``i``-th residual is (``None``: it is in ``stored``), so the parameters are read
-    where they live instead of being stored a second time per microbatch.
+    where they live instead of being stored a second time per microbatch. ``held``: other arrays the
+    layer reads (closed over, not differentiated) that live as long as the parameters; they are
+    numbered after the flat parameters and read where they live too.
     """
     y, pullback = jax.vjp(lambda p, h: layer(p, h), params, x)
     leaves, treedef = jax.tree.flatten(pullback)
-    flat_params = jax.tree.leaves(params)
+    flat_params = [*jax.tree.leaves(params), *held]
     by_id = {id(p): i for i, p in enumerate(flat_params)}
     slots = tuple(by_id.get(id(leaf)) for leaf in leaves)
     stored = [leaf for leaf, slot in zip(leaves, slots) if slot is None]

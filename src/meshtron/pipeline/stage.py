@@ -44,6 +44,15 @@ class StageFunctions:
     parameters (a tree of ``PartitionSpec`` s shaped like them, the leading layer axis unsplit): the
     runtime orders the embedding's backward after all of a chunk's parameter gradients with it.
 
+    ``prepare(stage_params, x, tokens) -> weights`` computes once per step, before the tick loop, what the
+    stage's layers would otherwise compute from their parameters again in every forward, recomputation and
+    W pass (a model's FP8 weights, quantized), for example activation ``x`` and microbatch ``tokens``: a
+    pytree whose leaves are stacked ``[chunks, layers_per_chunk, ...]`` like ``stage_params``, or ``None``
+    (nothing to prepare). The runtime then hands ``stage`` its chunk's slice and ``layer`` its layer's, as
+    the argument after ``active`` (``stage(chunk_params, x, tokens, active, weights)``) and after ``tokens``
+    (``layer(layer_params, x, tokens, weights)``). The weights are not differentiated: gradients still go to
+    the parameters.
+
     ``reporting_stage(chunk_params, x, tokens[, active]) -> (y, reports)`` is ``stage`` that also returns
     what the chunk's layers measured (a pytree of arrays stacked over the chunk's layers, e.g. a
     mixture of experts' routing): the forward-only pipeline sums it over the microbatches when asked
@@ -59,3 +68,4 @@ class StageFunctions:
     activation_spec: Callable[[], Any] | None = None
     chunk_specs: Callable[[], Any] | None = None
     reporting_stage: Callable[..., tuple[jax.Array, PyTree]] | None = None
+    prepare: Callable[[PyTree, jax.Array, jax.Array], PyTree | None] | None = None

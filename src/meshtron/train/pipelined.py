@@ -26,10 +26,12 @@ from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.blocks import RESIDUAL, Context, run_blocks, run_layer
 from meshtron.models.contract import next_token_pairs, token_losses
+from meshtron.models.fp8 import quantized_weights
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.sharding import constrain, logical_to_spec
+from meshtron.trace_context import current
 from meshtron.train.forward_backward import ForwardBackward, as_microbatches
 from meshtron.train.state import ModelDef, Params
 
@@ -109,22 +111,36 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
         return model_def.bind(shared).embed(next_token_pairs(tokens)[0], Context.for_tokens(tokens))
 
-    def stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None) -> jax.Array:
+    def stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None,
+              weights=None) -> jax.Array:
         with auxiliary_loss_scale(aux_scale):
             return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),
-                              remat=execution.remat, active=active)
+                              remat=execution.remat, active=active, weights=weights)
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         model = model_def.bind(shared)
         seen = documents.view(tokens)
         return documents.weighted_mean(token_losses(model, model.head(y), seen.targets), seen.weights)
 
-    def layer(layer_blocks: Params, x: jax.Array, tokens: jax.Array) -> jax.Array:
+    def layer(layer_blocks: Params, x: jax.Array, tokens: jax.Array, weights=None) -> jax.Array:
         # One block, as run_blocks applies each: the stacked module's graph with one layer's values.
         graphdef, state = nnx.split(model_def.bind({"blocks": layer_blocks}).blocks)
         ctx = Context.for_tokens(tokens)
         with auxiliary_loss_scale(aux_scale), documents.document_segments(ctx.segments):
-            return constrain(run_layer(graphdef, state, x, ctx), RESIDUAL)
+            return constrain(run_layer(graphdef, state, x, ctx, weights), RESIDUAL)
+
+    def prepare(stage_blocks: Params, x: jax.Array, tokens: jax.Array):
+        # Under FP8, every layer's weights quantized once for the step (its projections' entries, stacked
+        # [chunks, layers, ...] like the parameters): the ticks' forwards, recomputations and W passes all
+        # multiply by these instead of quantizing again.
+        if current().fp8 == "off":
+            return None
+        chunks, layers = jax.tree.leaves(stage_blocks)[0].shape[:2]
+        flat = jax.tree.map(lambda a: a.reshape(chunks * layers, *a.shape[2:]), stage_blocks)
+        stacked = jax.lax.map(lambda layer_blocks: quantized_weights(layer, layer_blocks, x, tokens), flat)
+        if not jax.tree.leaves(stacked):
+            return None
+        return jax.tree.map(lambda a: a.reshape(chunks, layers, *a.shape[1:]), stacked)
 
     def reporting_stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None):
         return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),
@@ -136,7 +152,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
 
     return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
                           remat=execution.remat, activation_spec=lambda: logical_to_spec(RESIDUAL),
-                          chunk_specs=chunk_specs, reporting_stage=reporting_stage)
+                          chunk_specs=chunk_specs, reporting_stage=reporting_stage, prepare=prepare)
 
 
 def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan, execution: Execution = DEFAULT_EXECUTION):

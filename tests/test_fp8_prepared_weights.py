@@ -1,0 +1,123 @@
+"""FP8 weights quantized once per step in the pipeline runtime: each stage's layers are quantized before the
+tick loop (:attr:`meshtron.pipeline.stage.StageFunctions.prepare`) and every forward, recomputation and W pass
+multiplies by those bytes. The compiled step says each weight is cast to e4m3 once per step, and training gives
+bit for bit what quantizing at every use gives."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshtron.config import load_config
+from meshtron.hlo.text import execution_counts, leaves, parse_hlo_module
+from meshtron.models.fp8 import PreparedWeights, projection_einsum, quantized_weights
+from meshtron.trace_context import using
+
+# Llama, hidden 64 (4 heads of 16, 2 key/value heads), MLP 224, on a 1x2x1 mesh (pipe 2): one layer per stage and
+# chunk, two microbatches -- the smallest pipelined step. Each layer's weights by element count: wq and wo
+# 64x64, wk and wv 64x32, gate, up and down 64x224 (activations and the vocabulary's matrices have other sizes).
+MODEL = ["model.family=llama", "model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.mlp_dim=224",
+         "model.seq_len=20", "model.vocab_size=256", "model.dtype=bfloat16", "parallel.tensor=1", "parallel.pipe=2",
+         "parallel.microbatches=2", "train.batch_size=8", "train.eval_every=1000", "train.eval_batches=1"]
+LAYER_WEIGHTS = {64 * 64: 2, 64 * 32: 2, 64 * 224: 3}  # element count: weights of that size per layer
+
+
+def _trainer(schedule: str, fp8: str, zero: int = 0, data: int = 1, steps: int = 2):
+    from meshtron.train.loop import Trainer
+
+    chunks = 2 if schedule == "interleaved" else 1
+    cfg = load_config("llama_cpu8", [*MODEL, f"model.layers={2 * chunks}", f"parallel.schedule={schedule}",
+                                     f"parallel.chunks={chunks}", f"parallel.data={data}", f"parallel.zero={zero}",
+                                     f"model.fp8={fp8}", f"train.steps={steps}"])
+    return Trainer.from_config(cfg)
+
+
+def weight_quantizations(text: str, sizes: set[int]) -> dict[int, int]:
+    """Per element count in ``sizes``: how many times a run of the program casts a value of that size to e4m3
+    (each cast instruction times the runs of the computation holding it)."""
+    module = parse_hlo_module(text)
+    runs = execution_counts(module)
+    found: dict[int, int] = {}
+    for name, computation in module.computations.items():
+        for i in computation.instructions:
+            shape = leaves(i.shape)[0] if i.opcode == "convert" else None
+            if shape is not None and str(shape.dtype) == "f8e4m3fn" and shape.elements in sizes and name in runs:
+                count, unknown = runs[name]
+                assert not unknown, f"{name}: a loop without a known trip count"
+                found[shape.elements] = found.get(shape.elements, 0) + count
+    return found
+
+
+@pytest.mark.parametrize("schedule, fp8", [
+    ("1f1b", "current"),
+    pytest.param("1f1b", "delayed", marks=pytest.mark.slow),
+    pytest.param("interleaved", "current", marks=pytest.mark.slow),
+    ("interleaved", "delayed"),
+    pytest.param("zb-h1", "current", marks=pytest.mark.slow),
+    pytest.param("zb-h1", "delayed", marks=pytest.mark.slow),
+])
+def test_a_pipelined_step_quantizes_each_weight_once(schedule, fp8):
+    """Each stage's layer weights are cast to e4m3 once per step, however often the schedule runs a layer on
+    them (each microbatch's forward and recomputation; zb-h1's W pass reruns the forward too)."""
+    trainer = _trainer(schedule, fp8)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    compiled = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0])
+    layers_per_stage = 2 if schedule == "interleaved" else 1
+    found = weight_quantizations(compiled.as_text(), set(LAYER_WEIGHTS))
+    assert found == {size: n * layers_per_stage for size, n in LAYER_WEIGHTS.items()}
+
+
+def _run(schedule: str, fp8: str, zero: int, prepared: bool, monkeypatch):
+    """Losses and parameters after two steps on a 2x2x1 mesh, the stages' FP8 weights quantized once per step
+    (``prepared``) or at every use."""
+    from meshtron.train import pipelined
+
+    with monkeypatch.context() as patch:
+        if not prepared:
+            cut = pipelined.stage_functions
+            patch.setattr(pipelined, "stage_functions",
+                          lambda *a, **k: dataclasses.replace(cut(*a, **k), prepare=None))
+        result = _trainer(schedule, fp8, zero=zero, data=2).run()
+    return result.losses, jax.device_get(result.params)
+
+
+@pytest.mark.parametrize("schedule, fp8, zero", [
+    ("1f1b", "current", 1),
+    pytest.param("1f1b", "delayed", 3, marks=pytest.mark.slow),
+    pytest.param("interleaved", "current", 3, marks=pytest.mark.slow),
+    pytest.param("interleaved", "delayed", 1, marks=pytest.mark.slow),
+    pytest.param("zb-h1", "current", 1, marks=pytest.mark.slow),
+    ("zb-h1", "delayed", 3),
+])
+def test_weights_quantized_once_train_as_weights_quantized_at_every_use(schedule, fp8, zero, monkeypatch):
+    """Weights and (``delayed``) histories do not change within a step, so multiplying by the bytes quantized
+    before the tick loop is bit for bit what quantizing at every use gives: the same losses, parameters and
+    amax histories (zero=3: the shares quantized, their bytes gathered at each use)."""
+    losses, params = _run(schedule, fp8, zero, True, monkeypatch)
+    per_use_losses, per_use_params = _run(schedule, fp8, zero, False, monkeypatch)
+    assert losses == per_use_losses
+    jax.tree.map(np.testing.assert_array_equal, params, per_use_params)
+
+
+def test_a_layers_prepared_weights_give_its_product_and_gradients(operands):
+    """A layer traced with its weights quantized beforehand (:func:`quantized_weights`, handed back through
+    :class:`PreparedWeights`) gives the product and both gradients of the layer quantizing them itself, bit for
+    bit, and the weight's gradient still reaches the high-precision weight."""
+    x, w, c = operands
+
+    def layer(x, w):
+        return projection_einsum("se,ef->sf", x, w) * c
+
+    def loss(x, w, entries=None):
+        with using(fp8="current", fp8_weights=None if entries is None else PreparedWeights(entries)):
+            return jnp.sum(layer(x, w))
+
+    with using(fp8="current"):
+        entries = quantized_weights(layer, x, w)
+    assert [e[0][0].dtype for e in entries] == [jnp.uint8] and entries[0][0][0].shape == w.shape
+    got = jax.value_and_grad(loss, argnums=(0, 1))(x, w, entries)
+    expected = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+    jax.tree.map(np.testing.assert_array_equal, got, expected)
+    assert np.abs(got[1][1]).max() > 0
