@@ -1,7 +1,7 @@
 """FP8 weights quantized once per step in the pipeline runtime: each stage's layers are quantized before the
 tick loop (:attr:`meshtron.pipeline.stage.StageFunctions.prepare`) and every forward, recomputation and W pass
-multiplies by those bytes. The compiled step says each weight is cast to e4m3 once per step, and training gives
-bit for bit what quantizing at every use gives."""
+multiplies by those bytes, a mixture of experts' grouped expert weights included. The compiled step says each
+weight is cast to e4m3 once per step, and training gives bit for bit what quantizing at every use gives."""
 
 import dataclasses
 
@@ -12,7 +12,7 @@ import pytest
 
 from meshtron.config import load_config
 from meshtron.hlo.text import execution_counts, leaves, parse_hlo_module
-from meshtron.models.fp8 import PreparedWeights, projection_einsum, quantized_weights
+from meshtron.models.fp8 import PreparedWeights, projection_einsum, projection_ragged_dot, quantized_weights
 from meshtron.trace_context import using
 
 # Llama, hidden 64 (4 heads of 16, 2 key/value heads), MLP 224, on a 1x2x1 mesh (pipe 2): one layer per stage and
@@ -24,13 +24,20 @@ MODEL = ["model.family=llama", "model.hidden=64", "model.heads=4", "model.kv_hea
 LAYER_WEIGHTS = {64 * 64: 2, 64 * 32: 2, 64 * 224: 3}  # element count: weights of that size per layer
 
 
-def _trainer(schedule: str, fp8: str, zero: int = 0, data: int = 1, steps: int = 2):
+# The same model as a Mixtral: 4 experts (top 2) of width 56 in place of the MLP. On a 2x2x1 mesh the experts
+# split over data, so each device holds 2 of each of gate, up [2, 64, 56] and down [2, 56, 64] (7168 elements;
+# the rows the experts multiply, 160x64 and 160x56, have other sizes).
+EXPERTS = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.mlp_dim=56"]
+EXPERT_LAYER_WEIGHTS = {64 * 64: 2, 64 * 32: 2, 2 * 64 * 56: 3}
+
+
+def _trainer(schedule: str, fp8: str, zero: int = 0, data: int = 1, steps: int = 2, extra: tuple[str, ...] = ()):
     from meshtron.train.loop import Trainer
 
     chunks = 2 if schedule == "interleaved" else 1
     cfg = load_config("llama_cpu8", [*MODEL, f"model.layers={2 * chunks}", f"parallel.schedule={schedule}",
                                      f"parallel.chunks={chunks}", f"parallel.data={data}", f"parallel.zero={zero}",
-                                     f"model.fp8={fp8}", f"train.steps={steps}"])
+                                     f"model.fp8={fp8}", f"train.steps={steps}", *extra])
     return Trainer.from_config(cfg)
 
 
@@ -69,7 +76,22 @@ def test_a_pipelined_step_quantizes_each_weight_once(schedule, fp8):
     assert found == {size: n * layers_per_stage for size, n in LAYER_WEIGHTS.items()}
 
 
-def _run(schedule: str, fp8: str, zero: int, prepared: bool, monkeypatch):
+@pytest.mark.parametrize("schedule, fp8", [
+    ("1f1b", "current"),
+    pytest.param("1f1b", "delayed", marks=pytest.mark.slow),
+    pytest.param("zb-h1", "current", marks=pytest.mark.slow),
+    pytest.param("zb-h1", "delayed", marks=pytest.mark.slow),
+])
+def test_a_pipelined_step_quantizes_each_expert_weight_once(schedule, fp8):
+    """A mixture of experts' grouped expert weights, split over data (each device's own experts), are cast to
+    e4m3 once per step too, with the attention weights beside them."""
+    trainer = _trainer(schedule, fp8, data=2, extra=EXPERTS)
+    params, opt_state, tokens = trainer.abstract_step_arguments()
+    compiled = trainer.steps.compile(params, opt_state, tokens, trainer.steps.stages[0])
+    assert weight_quantizations(compiled.as_text(), set(EXPERT_LAYER_WEIGHTS)) == EXPERT_LAYER_WEIGHTS
+
+
+def _run(schedule: str, fp8: str, zero: int, prepared: bool, monkeypatch, extra: tuple[str, ...] = ()):
     """Losses and parameters after two steps on a 2x2x1 mesh, the stages' FP8 weights quantized once per step
     (``prepared``) or at every use."""
     from meshtron.train import pipelined
@@ -79,7 +101,7 @@ def _run(schedule: str, fp8: str, zero: int, prepared: bool, monkeypatch):
             cut = pipelined.stage_functions
             patch.setattr(pipelined, "stage_functions",
                           lambda *a, **k: dataclasses.replace(cut(*a, **k), prepare=None))
-        result = _trainer(schedule, fp8, zero=zero, data=2).run()
+        result = _trainer(schedule, fp8, zero=zero, data=2, extra=extra).run()
     return result.losses, jax.device_get(result.params)
 
 
@@ -97,6 +119,20 @@ def test_weights_quantized_once_train_as_weights_quantized_at_every_use(schedule
     amax histories (zero=3: the shares quantized, their bytes gathered at each use)."""
     losses, params = _run(schedule, fp8, zero, True, monkeypatch)
     per_use_losses, per_use_params = _run(schedule, fp8, zero, False, monkeypatch)
+    assert losses == per_use_losses
+    jax.tree.map(np.testing.assert_array_equal, params, per_use_params)
+
+
+@pytest.mark.parametrize("schedule, fp8", [
+    pytest.param("1f1b", "current", marks=pytest.mark.slow),
+    ("zb-h1", "delayed"),
+])
+def test_expert_weights_quantized_once_train_as_quantized_at_every_use(schedule, fp8, monkeypatch):
+    """The grouped expert GEMMs multiply by their weights quantized before the tick loop, at the scales each use
+    takes (each device's experts by their own amax, or the history's), so training is bit for bit the same:
+    losses, parameters and (``delayed``) the experts' amax histories."""
+    losses, params = _run(schedule, fp8, 1, True, monkeypatch, EXPERTS)
+    per_use_losses, per_use_params = _run(schedule, fp8, 1, False, monkeypatch, EXPERTS)
     assert losses == per_use_losses
     jax.tree.map(np.testing.assert_array_equal, params, per_use_params)
 
@@ -121,3 +157,43 @@ def test_a_layers_prepared_weights_give_its_product_and_gradients(operands):
     expected = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
     jax.tree.map(np.testing.assert_array_equal, got, expected)
     assert np.abs(got[1][1]).max() > 0
+
+
+def _expert_operands(operands):
+    """A grouped GEMM's operands: ``operands``' activations as rows of 3 experts (2, none and 4 rows), a weight
+    [3, 32, 24] of 0.02, and ``operands``' output gradient."""
+    x, _, c = operands
+    w = (np.random.default_rng(1).standard_normal((3, 32, 24)) * 0.02).astype(np.float32)
+    return x, w, jnp.asarray([2, 0, 4], jnp.int32), c
+
+
+def test_a_layers_prepared_expert_weights_give_its_grouped_product_and_gradients(operands):
+    """A grouped expert GEMM multiplies by its [experts, k, n] weight quantized beforehand as by the weight it
+    quantizes itself: the same product and gradients, bit for bit, the weight's gradient to the weight."""
+    x, w, sizes, c = _expert_operands(operands)
+
+    def layer(x, w):
+        return projection_ragged_dot(x, w, sizes) * c
+
+    def loss(x, w, entries=None):
+        with using(fp8="current", fp8_weights=None if entries is None else PreparedWeights(entries)):
+            return jnp.sum(layer(x, w))
+
+    with using(fp8="current"):
+        entries = quantized_weights(layer, x, w)
+    assert [e[0][0].shape for e in entries] == [w.shape] and entries[0][0][0].dtype == jnp.uint8
+    got = jax.value_and_grad(loss, argnums=(0, 1))(x, w, entries)
+    expected = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+    jax.tree.map(np.testing.assert_array_equal, got, expected)
+    assert np.abs(got[1][1]).max() > 0
+
+
+def test_a_grouped_gemm_given_another_projections_weight_says_so(operands):
+    """Entries prepared for another layer (a dense projection's weight) are refused by the grouped GEMM, naming
+    both shapes."""
+    x, w, sizes, _ = _expert_operands(operands)
+    with using(fp8="current"):
+        entries = quantized_weights(lambda x, w: projection_einsum("se,ef->sf", x, w), x, w[0])
+    with using(fp8="current", fp8_weights=PreparedWeights(entries)), pytest.raises(
+            ValueError, match=r"prepared as \[\(32, 24\)\] for a grouped expert projection by \[\(3, 32, 24\)\]"):
+        projection_ragged_dot(x, w, sizes)

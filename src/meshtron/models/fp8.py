@@ -35,7 +35,9 @@ reaches the gathered parameter, whose own gather's transpose reduce-scatters it 
 (a pipeline stage: each microbatch's forward, its recomputation, a zero-bubble W pass rerunning it) may
 quantize them once, before: :func:`quantized_weights` traces the layer recording what each projection
 quantizes -- a weight's float8 bytes, its scale and its amax's one-hot, or for a gathered weight the
-*shares'* bytes -- and keeps only that computation; a layer traced with those entries
+*shares'* bytes; for a grouped expert matmul its ``[experts, k, n]`` weight as the program holds it (experts
+split over a manual axis: this device's, at their own amax's scale, as each use quantizes them) -- and keeps
+only that computation; a layer traced with those entries
 (:class:`PreparedWeights` in :attr:`meshtron.trace_context.TraceContext.fp8_weights`) multiplies by them
 (gathering a share's bytes per use), in the order its projections run. The scales do not change within a
 step (``current``: the weights do not; ``delayed``: the history does not), so that is bit for bit what
@@ -411,14 +413,19 @@ class PreparedWeights:
     def __init__(self, entries: list[WeightEntry]):
         self.entries, self.used = list(entries), 0
 
-    def next(self, w: jax.Array, source: _Source | None) -> WeightEntry:
+    def next(self, w: jax.Array, source: _Source | None, grouped: bool = False) -> WeightEntry:
+        """The next projection's entry, checked against the weight it multiplies by (``w``, or the shares of a
+        gathered ``source``; ``grouped``: a grouped expert matmul's ``[experts, k, n]`` weight, named so in
+        the error)."""
+        what = "a grouped expert projection" if grouped else "a projection"
         if self.used == len(self.entries):
-            raise ValueError(f"FP8 weights prepared for {len(self.entries)} projections; the layer runs more")
+            raise ValueError(f"FP8 weights prepared for {len(self.entries)} projections; the layer runs more "
+                             f"({what} by {w.shape})")
         entry = self.entries[self.used]
         self.used += 1
         expected = [w.shape] if source is None else [p.shard.shape for p in _parts(source)]
         if [b.shape for b in entry[0]] != expected:
-            raise ValueError(f"FP8 weight prepared as {[b.shape for b in entry[0]]} for a projection by {expected}: "
+            raise ValueError(f"FP8 weight prepared as {[b.shape for b in entry[0]]} for {what} by {expected}: "
                              "the layer runs its projections in another order than it was prepared in")
         return entry
 
@@ -447,17 +454,22 @@ def _weight_entry(w: jax.Array, source: _Source | None, site: jax.Array | None) 
     return bits, scale, exponent_bins(amax)
 
 
-def _prepared_product(x: jax.Array, w: jax.Array, source: _Source | None, site: jax.Array | None,
-                      dims: DimensionNumbers, out_dtype: Any, dtypes: tuple[Any, Any]) -> jax.Array:
-    """The FP8 GEMM by ``w`` quantized beforehand (:class:`PreparedWeights`; while recording, quantized here and
-    recorded): a gathered weight's share bytes are gathered here, as the view gathers the weight."""
+def _prepared_entry(w: jax.Array, source: _Source | None, site: jax.Array | None, grouped: bool = False) -> WeightEntry:
+    """The next projection's weight entry from the trace context's :class:`PreparedWeights`; while recording
+    (:func:`quantized_weights`), ``w`` quantized here and recorded."""
     prepared = current().fp8_weights
     if isinstance(prepared, _Recording):
         entry = _weight_entry(w, source, site)
         prepared.entries.append(entry)
-    else:
-        entry = prepared.next(w, source)
-    bits, scale, bins = entry
+        return entry
+    return prepared.next(w, source, grouped)
+
+
+def _prepared_product(x: jax.Array, w: jax.Array, source: _Source | None, site: jax.Array | None,
+                      dims: DimensionNumbers, out_dtype: Any, dtypes: tuple[Any, Any]) -> jax.Array:
+    """The FP8 GEMM by ``w`` quantized beforehand (:class:`PreparedWeights`; while recording, quantized here and
+    recorded): a gathered weight's share bytes are gathered here, as the view gathers the weight."""
+    bits, scale, bins = _prepared_entry(w, source, site)
     if source is not None:
         gathered = [p.gather(b) for p, b in zip(_parts(source), bits, strict=True)]
         w_bits = source.fuse(*gathered) if isinstance(source, _Joined) else gathered[0]
@@ -548,6 +560,68 @@ def _delayed_ragged_backward(out_dtype, operand_dtypes, groups, residuals, g):
 _delayed_ragged_dot.defvjp(_delayed_ragged_forward, _delayed_ragged_backward)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fp8_ragged_dot_quantized_weight(x: jax.Array, w: jax.Array, w_bits: jax.Array, sw: jax.Array, sizes: jax.Array,
+                                     out_dtype: Any, operand_dtypes: tuple[Any, Any]) -> jax.Array:
+    """:func:`_fp8_ragged_dot` with the ``[experts, k, n]`` weight already quantized (``w_bits`` at ``sw``):
+    ``w`` is read for its gradient alone."""
+    return _fp8_ragged_quantized_weight_forward(x, w, w_bits, sw, sizes, out_dtype, operand_dtypes)[0]
+
+
+def _fp8_ragged_quantized_weight_forward(x, w, w_bits, sw, sizes, out_dtype, operand_dtypes):
+    del w, operand_dtypes
+    qx, sx = _quantized(x, E4M3)
+    y = jax.lax.ragged_dot(qx, _float8(w_bits, E4M3), sizes, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, w_bits, sw, sizes)
+
+
+def _fp8_ragged_quantized_weight_backward(out_dtype, operand_dtypes, residuals, g):
+    dx, dw, _ = _fp8_ragged_backward(out_dtype, operand_dtypes, residuals, g)
+    return dx, dw, None, None, None
+
+
+_fp8_ragged_dot_quantized_weight.defvjp(_fp8_ragged_quantized_weight_forward, _fp8_ragged_quantized_weight_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _delayed_ragged_dot_quantized_weight(x, w, w_bits, sw, w_bins, sizes, site, out_dtype, operand_dtypes, groups):
+    """:func:`_delayed_ragged_dot` with the ``[experts, k, n]`` weight already quantized (``w_bits`` at ``sw``,
+    its amax's one-hot ``w_bins``): ``w`` is read for its gradient alone."""
+    return _delayed_ragged_quantized_weight_forward(x, w, w_bits, sw, w_bins, sizes, site, out_dtype,
+                                                    operand_dtypes, groups)[0]
+
+
+def _delayed_ragged_quantized_weight_forward(x, w, w_bits, sw, w_bins, sizes, site, out_dtype, operand_dtypes,
+                                             groups):
+    del w, operand_dtypes, groups
+    scales = site[:, 0]
+    qx, sx, bx = _quantized_delayed(x, E4M3, scales[0])
+    y = jax.lax.ragged_dot(qx, _float8(w_bits, E4M3), sizes, preferred_element_type=_accumulated(out_dtype))
+    return _scaled(y, sx * sw, out_dtype), (_bits(qx), sx, w_bits, sw, sizes, scales, jnp.stack([bx, w_bins]))
+
+
+def _delayed_ragged_quantized_weight_backward(out_dtype, operand_dtypes, groups, residuals, g):
+    dx, dw, _, site = _delayed_ragged_backward(out_dtype, operand_dtypes, groups, residuals, g)
+    return dx, dw, None, None, None, None, site
+
+
+_delayed_ragged_dot_quantized_weight.defvjp(_delayed_ragged_quantized_weight_forward,
+                                            _delayed_ragged_quantized_weight_backward)
+
+
+def _prepared_ragged_product(x: jax.Array, w: jax.Array, sizes: jax.Array, site: jax.Array | None,
+                             dtypes: tuple[Any, Any]) -> jax.Array:
+    """The grouped FP8 GEMM by ``w`` [experts, k, n] quantized beforehand (:class:`PreparedWeights`; while
+    recording, quantized here and recorded) as the per-use grouped GEMM quantizes it: the amax, and under
+    delayed scaling the history's scale, of the weight this program holds (with the experts split over a
+    manual axis, this device's experts: the per-use GEMM takes no maximum over the expert group either)."""
+    bits, scale, bins = _prepared_entry(w, None, site, grouped=True)
+    if site is None:
+        return _fp8_ragged_dot_quantized_weight(x, w, bits[0], scale, sizes, jnp.dtype(x.dtype), dtypes)
+    return _delayed_ragged_dot_quantized_weight(x, w, bits[0], scale, bins, sizes, site, jnp.dtype(x.dtype), dtypes,
+                                                current().loss_groups)
+
+
 def _fp8_on() -> bool:
     return current().fp8 != "off"
 
@@ -601,10 +675,14 @@ def _einsum_by_dot_general(spec: str, x: jax.Array, w: jax.Array, preferred_elem
 def projection_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """``jax.lax.ragged_dot(lhs [m, k], rhs [groups, k, n], group_sizes)`` for grouped expert matmuls:
     FP8 GEMMs under the run's ``model.fp8`` (each operand scaled as a whole, the weight gradient one
-    GEMM per group over its rows), the plain grouped matmul otherwise. Returns ``lhs``'s dtype."""
+    GEMM per group over its rows), the plain grouped matmul otherwise. Returns ``lhs``'s dtype. In a layer
+    whose weights were quantized beforehand (:class:`PreparedWeights`) it multiplies by the next entry's
+    bytes, as the dense projections do."""
     if _fp8_on():
         dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
         site = _delayed_site()
+        if current().fp8_weights is not None:
+            return _prepared_ragged_product(lhs, rhs, group_sizes, site, dtypes)
         if site is not None:
             return _delayed_ragged_dot(lhs, rhs, group_sizes, site, jnp.dtype(lhs.dtype), dtypes, current().loss_groups)
         return _fp8_ragged_dot(lhs, rhs, group_sizes, jnp.dtype(lhs.dtype), dtypes)
