@@ -137,26 +137,27 @@ def test_expert_weights_quantized_once_train_as_quantized_at_every_use(schedule,
     jax.tree.map(np.testing.assert_array_equal, params, per_use_params)
 
 
-def test_a_layers_prepared_weights_give_its_product_and_gradients(operands):
-    """A layer traced with its weights quantized beforehand (:func:`quantized_weights`, handed back through
-    :class:`PreparedWeights`) gives the product and both gradients of the layer quantizing them itself, bit for
+def _prepared_equals_per_use(layer, x, w):
+    """``layer(x, w)`` traced with ``w`` quantized beforehand (:func:`quantized_weights`, handed back through
+    :class:`PreparedWeights`) gives the value and both gradients of the layer quantizing ``w`` itself, bit for
     bit, and the weight's gradient still reaches the high-precision weight."""
-    x, w, c = operands
-
-    def layer(x, w):
-        return projection_einsum("se,ef->sf", x, w) * c
-
     def loss(x, w, entries=None):
         with using(fp8="current", fp8_weights=None if entries is None else PreparedWeights(entries)):
             return jnp.sum(layer(x, w))
 
     with using(fp8="current"):
         entries = quantized_weights(layer, x, w)
-    assert [e[0][0].dtype for e in entries] == [jnp.uint8] and entries[0][0][0].shape == w.shape
+    assert [e[0][0].shape for e in entries] == [w.shape] and entries[0][0][0].dtype == jnp.uint8
     got = jax.value_and_grad(loss, argnums=(0, 1))(x, w, entries)
     expected = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
     jax.tree.map(np.testing.assert_array_equal, got, expected)
     assert np.abs(got[1][1]).max() > 0
+
+
+def test_a_layers_prepared_weights_give_its_product_and_gradients(operands):
+    """A dense projection multiplies by its weight quantized beforehand as by the weight it quantizes itself."""
+    x, w, c = operands
+    _prepared_equals_per_use(lambda x, w: projection_einsum("se,ef->sf", x, w) * c, x, w)
 
 
 def _expert_operands(operands):
@@ -169,23 +170,9 @@ def _expert_operands(operands):
 
 def test_a_layers_prepared_expert_weights_give_its_grouped_product_and_gradients(operands):
     """A grouped expert GEMM multiplies by its [experts, k, n] weight quantized beforehand as by the weight it
-    quantizes itself: the same product and gradients, bit for bit, the weight's gradient to the weight."""
+    quantizes itself."""
     x, w, sizes, c = _expert_operands(operands)
-
-    def layer(x, w):
-        return projection_ragged_dot(x, w, sizes) * c
-
-    def loss(x, w, entries=None):
-        with using(fp8="current", fp8_weights=None if entries is None else PreparedWeights(entries)):
-            return jnp.sum(layer(x, w))
-
-    with using(fp8="current"):
-        entries = quantized_weights(layer, x, w)
-    assert [e[0][0].shape for e in entries] == [w.shape] and entries[0][0][0].dtype == jnp.uint8
-    got = jax.value_and_grad(loss, argnums=(0, 1))(x, w, entries)
-    expected = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
-    jax.tree.map(np.testing.assert_array_equal, got, expected)
-    assert np.abs(got[1][1]).max() > 0
+    _prepared_equals_per_use(lambda x, w: projection_ragged_dot(x, w, sizes) * c, x, w)
 
 
 def test_a_grouped_gemm_given_another_projections_weight_says_so(operands):
