@@ -76,6 +76,17 @@ def test_a_pipelined_step_quantizes_each_weight_once(schedule, fp8):
     assert found == {size: n * layers_per_stage for size, n in LAYER_WEIGHTS.items()}
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("interleaved", marks=pytest.mark.slow)])
+def test_a_pipelined_evaluation_quantizes_each_weight_once(schedule):
+    """Held-out evaluation's forward-only program quantizes each stage's weights once too, not once per
+    microbatch."""
+    trainer = _trainer(schedule, "delayed")
+    params, _, tokens = trainer.abstract_step_arguments()
+    layers_per_stage = 2 if schedule == "interleaved" else 1
+    found = weight_quantizations(trainer.steps.lower_eval(params, tokens).compile().as_text(), set(LAYER_WEIGHTS))
+    assert found == {size: n * layers_per_stage for size, n in LAYER_WEIGHTS.items()}
+
+
 @pytest.mark.parametrize("schedule, fp8", [
     ("1f1b", "current"),
     pytest.param("1f1b", "delayed", marks=pytest.mark.slow),
@@ -92,8 +103,8 @@ def test_a_pipelined_step_quantizes_each_expert_weight_once(schedule, fp8):
 
 
 def _run(schedule: str, fp8: str, zero: int, prepared: bool, monkeypatch, extra: tuple[str, ...] = ()):
-    """Losses and parameters after two steps on a 2x2x1 mesh, the stages' FP8 weights quantized once per step
-    (``prepared``) or at every use."""
+    """Losses, the closing held-out loss and parameters after two steps on a 2x2x1 mesh, the stages' FP8
+    weights quantized once per step (``prepared``) or at every use."""
     from meshtron.train import pipelined
 
     with monkeypatch.context() as patch:
@@ -102,7 +113,7 @@ def _run(schedule: str, fp8: str, zero: int, prepared: bool, monkeypatch, extra:
             patch.setattr(pipelined, "stage_functions",
                           lambda *a, **k: dataclasses.replace(cut(*a, **k), prepare=None))
         result = _trainer(schedule, fp8, zero=zero, data=2, extra=extra).run()
-    return result.losses, jax.device_get(result.params)
+    return [*result.losses, result.heldout_loss], jax.device_get(result.params)
 
 
 @pytest.mark.parametrize("schedule, fp8, zero", [
@@ -115,8 +126,8 @@ def _run(schedule: str, fp8: str, zero: int, prepared: bool, monkeypatch, extra:
 ])
 def test_weights_quantized_once_train_as_weights_quantized_at_every_use(schedule, fp8, zero, monkeypatch):
     """Weights and (``delayed``) histories do not change within a step, so multiplying by the bytes quantized
-    before the tick loop is bit for bit what quantizing at every use gives: the same losses, parameters and
-    amax histories (zero=3: the shares quantized, their bytes gathered at each use)."""
+    before the tick loop is bit for bit what quantizing at every use gives: the same losses, held-out loss,
+    parameters and amax histories (zero=3: the shares quantized, their bytes gathered at each use)."""
     losses, params = _run(schedule, fp8, zero, True, monkeypatch)
     per_use_losses, per_use_params = _run(schedule, fp8, zero, False, monkeypatch)
     assert losses == per_use_losses

@@ -355,9 +355,9 @@ class _TickLoop:
         # The example microbatch's tokens vary like those a tick reads (picked by the stage's own row).
         example_tokens = tokens[0] if self.varies is None else varying_like(tokens[0], self.varies)
         # What the model prepares once per step (its FP8 weights quantized): every forward, recomputation and
-        # W pass of the step reads it, none computes it again.
+        # W pass of the step (of a held-out evaluation: every microbatch's forward) reads it, none computes it again.
         self.weights = (fns.prepare(stage_params, self.zeros_act, example_tokens)
-                        if self.train and fns.prepare is not None else None)
+                        if fns.prepare is not None else None)
         self.layers = (LayerBackward(program, fns, stage_params, self.zeros_act, example_tokens, self.pin, self.zeros,
                                      self.weights)
                        if self.keep or self.hoist or schedule.split_backward else None)
