@@ -180,16 +180,20 @@ def test_one_step_moves_the_bias_by_the_rate_against_the_whole_batchs_load(tmp_p
 @pytest.mark.slow
 def test_a_pipelined_run_updates_the_bias_as_the_unpipelined_one():
     """The bias after two steps is the same whether the layers run unpipelined (2 microbatches, 2 data ranks)
-    or as two stages of 1F1B (4 data ranks, 2 microbatches) or interleaved over 2x2 virtual stages (with
-    tensor parallelism)."""
+    or as two stages of 1F1B (4 data ranks, 2 microbatches), interleaved over 2x2 virtual stages (with
+    tensor parallelism), or zero-bubble ZB-H1 (its weight gradients, the probe's among them, in passes of
+    their own) over an uneven layout of 1 and 3 layers."""
     plain = balanced_run("train.steps=2", "parallel.pipe=1", "parallel.tensor=2", "parallel.schedule=1f1b",
                          "parallel.chunks=1", "parallel.microbatches=2")[1]
     assert np.any(plain != 0)
     one_f_one_b = balanced_run("train.steps=2", "parallel.tensor=1", "parallel.data=4", "parallel.schedule=1f1b",
                                "parallel.chunks=1", "parallel.microbatches=2")[1]
     interleaved = balanced_run("train.steps=2")[1]
+    zero_bubble = balanced_run("train.steps=2", "parallel.tensor=1", "parallel.data=4", "parallel.schedule=zb-h1",
+                               "parallel.chunks=1", "parallel.microbatches=2", "parallel.layout=[1,3]")[1]
     np.testing.assert_array_equal(one_f_one_b, plain)
     np.testing.assert_array_equal(interleaved, plain)
+    np.testing.assert_array_equal(zero_bubble, plain)
 
 
 @pytest.mark.slow

@@ -48,7 +48,7 @@ from meshtron.models.contract import layer_reports
 from meshtron.models.fp8 import projection_einsum, projection_ragged_dot
 from meshtron.models.layers import INIT_STD, normal
 from meshtron.models.probed_state import PROBED, ProbedState, StepTotals
-from meshtron.sharding import constrain, logical_to_spec
+from meshtron.sharding import constrain, logical_to_spec, varying_like
 
 EXPERTS = "experts"
 BIAS = "e_score_correction_bias"  # Hugging Face's name of DeepSeek-V3's selection bias
@@ -424,7 +424,7 @@ class MoE(nnx.Module):
         routing = route(tokens @ self.router[...].astype(x.dtype), d.top_k, d.normalize_top_k, scores=d.router,
                         bias=bias, n_group=d.n_group, topk_group=d.topk_group, scaling=d.routed_scaling_factor)
         gate, up, down = self.gate[...], self.up[...], self.down[...]
-        dropped = jnp.int32(0)
+        dropped = varying_like(jnp.int32(0), x)  # (typed like what a capacity would count, for a padding slot's cond)
         axis = expert_axis()
         if d.capacity_factor > 0:
             capacity = d.capacity(b * s * d.top_k)
@@ -443,7 +443,7 @@ class MoE(nnx.Module):
         aux, z = load_balancing_loss(routing, d.experts), router_z_loss(routing)
         load = expert_load(routing, d.experts)
         ranks = 1 if axis is None else jax.lax.axis_size(axis)
-        shown = jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+        shown = varying_like(jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32), x)
         report(RoutingStatistics(load, load.reshape(ranks, -1).sum(-1), dropped, aux, z, shown))
         if bias is not None:
             y = carry_out(y, getattr(self, LOAD)[...], load.astype(jnp.float32))
