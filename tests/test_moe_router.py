@@ -226,3 +226,31 @@ def test_the_bias_is_checkpointed_resumed_bit_exactly_and_restored_onto_another_
             np.testing.assert_allclose(moved_on, bias, atol=2 * RATE + 1e-6, err_msg=name)
             assert np.mean(moved_on == bias) > 0.9, name
             np.testing.assert_allclose(resumed.losses[0], straight.losses[2], rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.slow
+def test_a_step_the_nonfinite_guard_skips_keeps_the_bias():
+    """With ``train.on_nonfinite=skip``, a step whose update is not finite (the head's weights NaN: the loss
+    and every gradient NaN, the routing and its load unaffected) leaves the bias as it was. (Every expert on
+    every data rank: with experts split over data the guarded step fails to build, a fault of its own.)"""
+    from meshtron.train.loop import Trainer
+
+    def one_step(poisoned: bool):
+        cfg = load_config("mixtral_cpu8", [*TINY, "model.layers=4", "model.moe.router=sigmoid",
+                                           f"model.moe.bias_update_rate={RATE}", "train.batch_size=8",
+                                           "train.on_nonfinite=skip", "model.rules={experts: null}",
+                                           "parallel.pipe=1", "parallel.data=4",
+                                           "parallel.schedule=1f1b", "parallel.chunks=1", "parallel.microbatches=2"])
+        trainer = Trainer.from_config(cfg)
+        params = trainer.init_params()
+        if poisoned:
+            params = {**params, "lm_head": params["lm_head"] * np.nan}
+        batch = trainer.train_stream(0).next(trainer.steps.batch_sharding)
+        params, _, metrics = trainer.steps.train(params, trainer.steps.init_opt_state(params), batch)
+        return metrics.was_applied(), np.asarray(jax.device_get(params["blocks"]["mlp"][BIAS]))
+
+    applied, bias = one_step(poisoned=False)
+    assert applied and np.any(bias)
+    skipped, kept = one_step(poisoned=True)
+    assert not skipped
+    np.testing.assert_array_equal(kept, np.zeros_like(kept))
