@@ -254,3 +254,14 @@ def test_a_step_the_nonfinite_guard_skips_keeps_the_bias():
     skipped, kept = one_step(poisoned=True)
     assert not skipped
     np.testing.assert_array_equal(kept, np.zeros_like(kept))
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.moe.router=sigmoid", "router"), ("model.moe.routed_scaling_factor=2.5", "routed_scaling_factor"),
+    ("model.moe.topk_group=2", "topk_group"), ("model.moe.bias_update_rate=0.001", "bias_update_rate")])
+def test_a_model_routed_otherwise_than_mixtral_is_not_exported_as_one(override, field):
+    from meshtron.models.llama_hf import hf_config
+
+    assert hf_config(load_config(None, [*TINY, "model.moe.n_group=4"]).model, False, None)["model_type"] == "mixtral"
+    with pytest.raises(ConfigError, match=rf"^model.moe.{field}: a Mixtral routes by softmax top-k over every expert"):
+        hf_config(load_config(None, [*TINY, "model.moe.n_group=4", override]).model, False, None)
