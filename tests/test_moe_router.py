@@ -148,7 +148,8 @@ def balanced_run(*overrides: str, metrics=None):
                                        "train.eval_batches=1", "train.batch_size=8", "train.log_every=1", *overrides])
     trainer = Trainer.from_config(cfg)
     result = trainer.run(metrics_file=metrics)
-    return result, np.asarray(jax.device_get(result.params["blocks"]["mlp"][BIAS])), trainer
+    bias = result.params["blocks"]["mlp"].get(BIAS)
+    return result, None if bias is None else np.asarray(jax.device_get(bias)), trainer
 
 
 @pytest.mark.slow
@@ -265,3 +266,16 @@ def test_a_model_routed_otherwise_than_mixtral_is_not_exported_as_one(override, 
     assert hf_config(load_config(None, [*TINY, "model.moe.n_group=4"]).model, False, None)["model_type"] == "mixtral"
     with pytest.raises(ConfigError, match=rf"^model.moe.{field}: a Mixtral routes by softmax top-k over every expert"):
         hf_config(load_config(None, [*TINY, "model.moe.n_group=4", override]).model, False, None)
+
+
+@pytest.mark.slow
+def test_a_model_trained_without_the_bias_is_fine_tuned_with_it_from_zeros(tmp_path):
+    """``train.init_from`` a checkpoint without a selection bias (a run without balancing; an import is
+    the same): the weights are read, the bias starts at zeros and moves by the rate."""
+    base, none, _ = balanced_run("train.steps=1", "model.moe.bias_update_rate=0",
+                                 f"checkpoint.dir={tmp_path / 'base'}", "checkpoint.every=1")
+    assert none is None
+    tuned, bias, _ = balanced_run("train.steps=1", f"train.init_from={tmp_path / 'base'}",
+                                  f"checkpoint.dir={tmp_path / 'tuned'}")
+    assert tuned.first_step == 1 and tuned.losses[0] != base.losses[0] and np.any(bias)
+    np.testing.assert_array_equal(np.abs(bias)[bias != 0], np.float32(RATE))

@@ -6,6 +6,9 @@ leaves leave the tree (:meth:`ProbedStates.read`), and after the update replaces
 kind's ``advance`` (:meth:`ProbedStates.advanced`), which reduces what it needs over the data group. Nothing
 of it reaches the gradient sync or the optimizer: no reduction, no compression, no weight decay. A step the
 non-finite guard skips keeps the old state too, since the guard chooses between whole parameter trees.
+
+A checkpoint written without such state (an import, a run without it) is read with the state added fresh
+(:func:`absent_from`, :func:`without_leaves`, :func:`with_fresh_leaves`): zeros, an empty history.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from meshtron.models.probed_state import StepTotals
 from meshtron.train.state import ModelDef
 from meshtron.trees import leaf_names
 
-__all__ = ["ProbedStates"]
+__all__ = ["ProbedStates", "absent_from", "with_fresh_leaves", "without_leaves"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +61,42 @@ class ProbedStates:
             state = index[self.model_def.state_leaf(probe)]
             leaves[state] = kinds[probe].advance(leaves[state], gradient, totals).astype(leaves[state].dtype)
         return jax.tree.unflatten(structure, leaves)
+
+
+def absent_from(checksums: Any, names: list[str], prefix: str) -> list[str]:
+    """Which of the dotted leaf ``names`` a checkpoint whose meta record has ``checksums`` (keys: ``prefix``
+    + a parameter's name) does not hold: a model trained without that state (an import, a run without
+    delayed FP8 scaling or bias balancing). Without checksums to tell, none."""
+    if not isinstance(checksums, dict):
+        return []
+    return [name for name in names if prefix + name not in checksums]
+
+
+def without_leaves(tree: Any, names: list[str]) -> Any:
+    """A parameter-shaped tree (nested dicts) without the leaves of dotted ``names``."""
+    if not names:
+        return tree
+    out = dict(tree)
+    for name in names:
+        node = out
+        *parents, last = name.split(".")
+        for key in parents:
+            node[key] = dict(node[key])
+            node = node[key]
+        del node[last]
+    return out
+
+
+def with_fresh_leaves(params: Any, shapes: Any, shardings: Any, names: list[str]) -> Any:
+    """``params`` (without the leaves of dotted ``names``) with those leaves added as zeros of ``shapes``
+    on ``shardings``: state that starts empty (an amax history, a selection bias) for a model trained
+    without it."""
+    out = dict(params)
+    for name in names:
+        node, shape, sharding = out, shapes, shardings
+        *parents, last = name.split(".")
+        for key in parents:
+            node[key] = dict(node[key])
+            node, shape, sharding = node[key], shape[key], sharding[key]
+        node[last] = jax.device_put(jax.numpy.zeros(shape[last].shape, shape[last].dtype), sharding[last])
+    return out
