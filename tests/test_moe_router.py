@@ -279,3 +279,47 @@ def test_a_model_trained_without_the_bias_is_fine_tuned_with_it_from_zeros(tmp_p
                                   f"checkpoint.dir={tmp_path / 'tuned'}")
     assert tuned.first_step == 1 and tuned.losses[0] != base.losses[0] and np.any(bias)
     np.testing.assert_array_equal(np.abs(bias)[bias != 0], np.float32(RATE))
+
+
+def test_the_sequence_wise_balance_loss_is_each_sequences_balance_averaged():
+    """DeepSeek-V3's ``Σ_i f_i P_i`` per sequence, ``f_i = E/(k·T) · count_i`` and ``P_i`` the mean of the
+    scores normalised over the experts, averaged over the sequences; computed here by hand."""
+    from meshtron.models.moe import sequence_balance_loss
+
+    rng = np.random.default_rng(3)
+    sequences, length, experts, k = 3, 16, 8, 2
+    logits = rng.standard_normal((sequences * length, experts)).astype(np.float32)
+    r = route(jnp.asarray(logits), k, scores="sigmoid")
+    chosen = np.asarray(r.experts).reshape(sequences, length, k)
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    normalised = (scores / scores.sum(-1, keepdims=True)).reshape(sequences, length, experts)
+    expected = np.mean([np.sum(experts / (k * length) * np.bincount(chosen[s].ravel(), minlength=experts)
+                               * normalised[s].mean(0)) for s in range(sequences)])
+    np.testing.assert_allclose(sequence_balance_loss(r, experts, sequences), expected, rtol=1e-5)
+
+
+def test_a_layer_with_balancing_selects_by_its_bias_and_hands_its_load_to_the_probe():
+    """The layer's routing ranks scores plus its bias, and the backward gives the probe ``expert_load``
+    the layer's assignments per expert (the statistic the step sums)."""
+    from flax import nnx
+
+    from meshtron.models.auxiliary import collecting_reports
+    from meshtron.models.moe import MoE, moe_dims_from_config
+
+    dims = moe_dims_from_config(load_config(None, [*TINY, "model.moe.router=sigmoid",
+                                                   "model.moe.bias_update_rate=0.01"]).model)
+    with nnx.use_eager_sharding(False):
+        layer = MoE(dims, rngs=nnx.Rngs(0))
+    getattr(layer, BIAS)[...] = jnp.asarray([5.0, 5.0, 0, 0, 0, 0, 0, 0])  # experts 0 and 1 win every token
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, 32)), jnp.float32)
+    graphdef, state = nnx.split(layer)
+
+    def output(state):
+        with collecting_reports() as found:
+            y = nnx.merge(graphdef, state)(x)
+        return jnp.sum(y), found[0]
+
+    grads, found = jax.grad(output, has_aux=True)(state)
+    np.testing.assert_array_equal(found.load, [32, 32, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(grads[LOAD][...], [32, 32, 0, 0, 0, 0, 0, 0])
+    assert not np.any(grads[BIAS][...])

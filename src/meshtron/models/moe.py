@@ -6,6 +6,14 @@ softmax over the experts, top-k, the k probabilities renormalised to sum to 1 un
 output of ``shared_mlp_dim``-wide shared experts when there are any (DeepSeek's always-on experts,
 applied to every token as one SwiGLU).
 
+**DeepSeek-V3's router** is the same layer with other choices (:func:`route`): sigmoid scores, selection
+limited to the best ``topk_group`` of ``n_group`` expert groups, combine weights times
+``routed_scaling_factor``, and, with ``bias_update_rate`` > 0, aux-loss-free balancing: a per-expert
+selection bias (:data:`BIAS`) that each step moves towards the mean load (:class:`BiasBalancing`). The
+bias is training state, not a weight; the step learns the load from the gradient of a probe beside it
+(:data:`LOAD`, :mod:`meshtron.models.probed_state`). :func:`moe_dims_from_config` maps ``model.moe`` to
+the layer's :class:`MoEDims` for every family that has experts.
+
 **Dropless by default.** The ``T·k`` (token, expert) assignments are sorted by expert and each
 expert multiplies exactly its own rows, with ``jax.lax.ragged_dot`` grouped matmuls: no capacity,
 no padding, no token dropped. With ``capacity_factor`` > 0 each expert takes at most
@@ -18,7 +26,8 @@ fraction of tokens assigned to expert e, ``P_e``: its mean router probability; 1
 balanced); the router z-loss is ST-MoE's mean squared log-sum-exp of the router logits. Their
 weights are ``aux_loss_weight`` and ``z_loss_weight``; each layer attaches its own to its output
 (:func:`meshtron.models.auxiliary.attach_auxiliary_loss`), so the objective is the language-model
-loss plus the weighted sum over layers, and no block returns anything new.
+loss plus the weighted sum over layers, and no block returns anything new. DeepSeek-V3's sequence-wise
+balance loss (``sequence_aux_loss_weight``) is the load-balancing loss of each sequence alone, averaged.
 
 **Layout.** Expert weights are ``[experts, embed, mlp]`` (gate, up) and ``[experts, mlp, embed]``
 (down). The rules table says where ``experts`` and ``mlp`` go: by default ``mlp`` splits over
@@ -180,7 +189,7 @@ def route(logits: jax.Array, top_k: int, normalize: bool = True, *, scores: str 
         kept_groups = jax.lax.top_k(group_scores, topk_group)[1]
         kept = jnp.sum(jax.nn.one_hot(kept_groups, n_group, dtype=jnp.int32), axis=1) > 0
         choice = jnp.where(jnp.repeat(kept, experts // n_group, axis=1), choice, -jnp.inf)
-    if bias is None and choice is values:
+    if choice is values:  # no bias, every group: the top k of the scores are the weights
         weights, experts = jax.lax.top_k(values, top_k)
     else:
         experts = jax.lax.top_k(choice, top_k)[1]
