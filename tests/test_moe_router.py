@@ -323,3 +323,20 @@ def test_a_layer_with_balancing_selects_by_its_bias_and_hands_its_load_to_the_pr
     np.testing.assert_array_equal(found.load, [32, 32, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(grads[LOAD][...], [32, 32, 0, 0, 0, 0, 0, 0])
     assert not np.any(grads[BIAS][...])
+
+
+def test_the_progress_line_shows_the_balance_of_any_mixture_and_the_bias_range_with_balancing():
+    import io
+
+    from meshtron.train.reporting import PlainProgress
+
+    out = io.StringIO()
+    progress = PlainProgress(10, out)
+    record = {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "moe/load_imbalance": 1.5}
+    progress.line(1, record)
+    progress.line(2, {**record, "moe/bias_min": -0.002, "moe/bias_max": 0.003})
+    progress.line(3, {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5})  # a dense model
+    first, second, dense = out.getvalue().splitlines()
+    assert "imbalance 1.50" in first and "bias" not in first
+    assert "imbalance 1.50  bias -0.002..+0.003" in second
+    assert "imbalance" not in dense
