@@ -71,6 +71,12 @@ class MoEConfig:
     model's ``mlp_dim``); ``capacity_factor`` 0 is dropless, > 0 caps each expert at
     ``ceil(capacity_factor · tokens · top_k / experts)`` assignments and drops the rest.
     ``shared_experts`` always-on experts of the same width run on every token.
+
+    ``router``: ``softmax`` (Mixtral) or ``sigmoid`` (DeepSeek-V3) scores; ``routed_scaling_factor``
+    multiplies the combine weights. ``n_group``/``topk_group``: the experts split into ``n_group``
+    groups of which each token may use the ``topk_group`` best (null: all). ``bias_update_rate`` > 0:
+    aux-loss-free balancing, a per-expert bias on the scores for selection that each step moves by this
+    rate towards the mean load. ``sequence_aux_loss_weight``: DeepSeek-V3's per-sequence balance loss.
     """
 
     experts: int = 0
@@ -81,6 +87,12 @@ class MoEConfig:
     z_loss_weight: float = 0.0  # the router z-loss's weight, per layer (ST-MoE: 1e-3)
     shared_experts: int = 0
     normalize_top_k: bool = True  # renormalise the chosen experts' probabilities to sum to 1 (Mixtral)
+    router: str = "softmax"  # the scores of the router's logits: softmax (Mixtral) or sigmoid (DeepSeek-V3)
+    routed_scaling_factor: float = 1.0  # multiplies the combine weights (after any renormalisation)
+    n_group: int = 1  # expert groups for group-limited routing (1: no limit)
+    topk_group: int | None = None  # groups each token may use (null: all n_group)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing's per-step bias update (0: off; DeepSeek-V3: 1e-3)
+    sequence_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss, per layer
 
 
 @dataclass
@@ -804,6 +816,24 @@ def validate_moe(m: ModelConfig) -> None:
     for name in ("aux_loss_weight", "z_loss_weight"):
         _need(getattr(e, name) >= 0, f"model.moe.{name}", f"must be >= 0, got {getattr(e, name)}")
     _need(e.shared_experts >= 0, "model.moe.shared_experts", f"must be >= 0, got {e.shared_experts}")
+    _need(e.router in ("softmax", "sigmoid"), "model.moe.router", f"must be softmax or sigmoid, got {e.router!r}")
+    _need(e.routed_scaling_factor > 0, "model.moe.routed_scaling_factor",
+          f"must be > 0, got {e.routed_scaling_factor}")
+    _need(e.n_group >= 1 and e.experts % e.n_group == 0, "model.moe.n_group",
+          f"must be >= 1 and divide model.moe.experts={e.experts}, got {e.n_group}")
+    _need(e.n_group == 1 or e.experts // e.n_group >= 2, "model.moe.n_group",
+          f"groups score their two best experts, so each needs >= 2; {e.experts} experts in {e.n_group} groups "
+          "have 1: use fewer groups")
+    kept = e.n_group if e.topk_group is None else e.topk_group
+    _need(1 <= kept <= e.n_group, "model.moe.topk_group",
+          f"must be between 1 and model.moe.n_group={e.n_group} (null: all), got {e.topk_group}")
+    _need(e.top_k <= kept * (e.experts // e.n_group), "model.moe.topk_group",
+          f"the {kept} kept groups hold {kept * (e.experts // e.n_group)} experts, fewer than model.moe.top_k="
+          f"{e.top_k}; keep more groups")
+    _need(e.bias_update_rate >= 0, "model.moe.bias_update_rate",
+          f"must be >= 0 (0: no aux-loss-free balancing), got {e.bias_update_rate}")
+    _need(e.sequence_aux_loss_weight >= 0, "model.moe.sequence_aux_loss_weight",
+          f"must be >= 0, got {e.sequence_aux_loss_weight}")
 
 
 def validate_optim(o: OptimConfig) -> None:

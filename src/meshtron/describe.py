@@ -369,7 +369,7 @@ def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
 
 def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> ExpertExchange:
     """What the expert-parallel all-to-alls of ``cfg``'s step send (:func:`meshtron.models.moe.all_to_all_bytes`)."""
-    from meshtron.models.moe import EXPERTS, all_to_all_bytes
+    from meshtron.models.moe import EXPERTS, all_to_all_bytes, moe_dims_from_config
 
     m, t = cfg.model, cfg.train
     mesh_sizes = dict(zip(AXES, mesh_shape(cfg.mesh)))
@@ -378,7 +378,7 @@ def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> Exper
     ranks = mesh_sizes[axis] if axis else 1
     tokens = t.batch_size // sizes.data // t.microbatches * m.seq_len
     forwards = 1 + (m.remat in ("full", "offload")) + (sizes.pipe > 1 and cfg.pipeline.recompute)
-    dims = FAMILIES[m.family].load_module().moe_dims(m)  # the one family with experts (config checks it)
+    dims = moe_dims_from_config(m)
     per_layer = all_to_all_bytes(dims, tokens, ranks, forwards, np.dtype(m.dtype).itemsize)
     return ExpertExchange(axis, ranks, dims.experts, tokens, forwards, model_def.layers // sizes.pipe, t.microbatches,
                           per_layer)

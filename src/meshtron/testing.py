@@ -211,7 +211,7 @@ def check_parity(
         return references[groups]
 
     names = leaf_names(reference(1)[1])
-    scaling = jax.tree.leaves(md.scaling_state())
+    scaling = jax.tree.leaves(md.probed_state())
     reports = []
     for layout in chosen:
         ref_loss, ref_grads = reference(layout.data * layout.m if grouped_loss else 1)
@@ -226,7 +226,7 @@ def check_parity(
             continue
         worst, worst_diff, ok = "", 0.0, math.isclose(loss, ref_loss, rel_tol=loss_rtol)
         for name, g, r, state in zip(names, jax.tree.leaves(grads), jax.tree.leaves(ref_grads), scaling, strict=True):
-            if state:  # delayed FP8 scaling's probes: a histogram whose counts depend on the split, not a weight's gradient
+            if state:  # probed state and probes: statistics whose counts depend on the split, not a weight's gradient
                 continue
             g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
             diff = float(np.max(np.abs(g - r))) if g.size else 0.0

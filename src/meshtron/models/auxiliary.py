@@ -13,6 +13,9 @@ is ``weight``; a pipeline seeds every microbatch's loss with ``1/m`` and sums, s
 inside :func:`auxiliary_loss_scale` ``(1/m)``. Either way the gradient is that of
 ``mean over microbatches (loss + Σ weight · auxiliary loss)``.
 
+A block carries a statistic out the same way (:func:`carry_out`): the gradient of a probe parameter,
+which the step reads (:mod:`meshtron.models.probed_state`).
+
 A block reports what it measured on the way (a mixture of experts' routing: expert load, dropped
 assignments, the unweighted losses) with :func:`report`; :func:`meshtron.models.blocks.run_blocks`
 with ``collect=True`` gathers each layer's reports and returns them stacked over the layers, so the
@@ -67,6 +70,36 @@ def attach_auxiliary_loss(x: jax.Array, loss: jax.Array, weight: float) -> jax.A
     if not weight:
         return x
     return _attached(x, loss.astype(jnp.float32), weight * current().aux_scale)
+
+
+@jax.custom_vjp
+def _carrying(x: jax.Array, probe: jax.Array, value: jax.Array) -> jax.Array:
+    del probe, value
+    return x
+
+
+def _carrying_forward(x, probe, value):
+    del probe
+    return x, value
+
+
+def _carrying_backward(value, grad):
+    return grad, value, jnp.zeros_like(value)
+
+
+_carrying.defvjp(_carrying_forward, _carrying_backward)
+
+
+def carry_out(x: jax.Array, probe: jax.Array, value: jax.Array) -> jax.Array:
+    """``x``, unchanged, whose backward pass gives ``probe`` (a parameter of zeros shaped like ``value``)
+    the gradient ``value``: a statistic of the forward carried out of the block by the gradients every
+    schedule already returns (:mod:`meshtron.models.probed_state`).
+
+    It is seeded like an auxiliary loss (``value · scale`` inside :func:`auxiliary_loss_scale`), so that
+    whichever way the step combines its microbatches' gradients, the probe's is the mean over them of
+    ``value``. Attach it, as a loss, to a value that reaches the objective.
+    """
+    return _carrying(x, probe, (value * current().aux_scale).astype(probe.dtype))
 
 
 @contextlib.contextmanager

@@ -20,7 +20,8 @@ them as they handle the weights); neither trains:
   (the forward's two and the output gradient's, which exists only in the backward). Gradients are summed
   over microbatches and averaged over data ranks, which would blur a maximum but keeps a histogram's
   non-empty bins non-empty: the step reads the highest one (:func:`observed_bounds`), takes the maximum
-  over the data group and pushes it into the history (:func:`rolled`).
+  over the data group and pushes it into the history (:func:`rolled`). The pair is a
+  :class:`~meshtron.models.probed_state.ProbedState` (:data:`DELAYED_SCALING`).
 
 A scale is ``2^(e - m)`` with ``2^m`` the largest power of two within the format (e4m3: 256 < 448; e5m2:
 32768 < 57344), so the history's largest amax lands below the format's maximum; an amax larger than the
@@ -40,9 +41,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.errors import ConfigError
+from meshtron.models.probed_state import PROBED, ProbedState, StepTotals
 from meshtron.trace_context import current, using
 
-__all__ = ["BINS", "HISTORY", "OBSERVED", "Fp8History", "Fp8Observed", "LayerScaling", "counting_sites",
+__all__ = ["BINS", "DELAYED_SCALING", "HISTORY", "OBSERVED", "Fp8History", "Fp8Observed", "LayerScaling", "counting_sites",
            "delayed_scales", "exponent_bins", "layer_scaling", "observed_bounds", "rolled", "with_scaling_state"]
 
 HISTORY = "fp8_history"
@@ -93,6 +95,15 @@ def delayed_scales(history: jax.Array) -> jax.Array:
     top = jnp.max(history, axis=-1)
     scale = jnp.stack([jnp.ldexp(top[i], -exponent) for i, exponent in enumerate(_TOPS)])
     return jnp.where(jnp.isinf(top), jnp.nan, scale)
+
+
+def _advanced(history: jax.Array, histogram: jax.Array, totals: StepTotals) -> jax.Array:
+    """The history after a step whose probe's gradient (this rank's) is ``histogram``: each site's
+    highest exponent, the largest over the data group, rolled in."""
+    return rolled(history, totals.reduce(jax.lax.pmax, observed_bounds(histogram)))
+
+
+DELAYED_SCALING = ProbedState(HISTORY, OBSERVED, _advanced)
 
 
 class LayerScaling:
@@ -168,6 +179,7 @@ def with_scaling_state(factory: Callable[[nnx.Rngs], nnx.Module], sites: int, hi
             nnx.with_partitioning(nnx.initializers.zeros_init(), axes)(None, (layers, sites, OPERANDS, history), jnp.float32)))
         setattr(model.blocks, OBSERVED, Fp8Observed(
             nnx.with_partitioning(nnx.initializers.zeros_init(), axes)(None, (layers, sites, OPERANDS, BINS), jnp.float32)))
+        setattr(model.blocks, PROBED, (*getattr(model.blocks, PROBED, ()), DELAYED_SCALING))
         return model
 
     return make

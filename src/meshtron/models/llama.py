@@ -45,7 +45,7 @@ from meshtron.models.layers import (
     projection_kernel,
     with_added_output,
 )
-from meshtron.models.moe import MoE, MoEDims
+from meshtron.models.moe import MoE, MoEDims, moe_dims_from_config
 from meshtron.sharding import constrain, divides, same_layout
 
 
@@ -210,26 +210,13 @@ class Llama(nnx.Module):
         return logits_of(self, tokens)
 
 
-def moe_dims(cfg: ModelConfig) -> MoEDims | None:
-    """The mixture of experts of ``model.moe`` (None: a dense model)."""
-    e = cfg.moe
-    if not e.experts:
-        return None
-    width = e.mlp_dim or cfg.mlp_dim
-    return MoEDims(
-        hidden=cfg.hidden, experts=e.experts, top_k=e.top_k, mlp_dim=width, capacity_factor=e.capacity_factor,
-        aux_loss_weight=e.aux_loss_weight, z_loss_weight=e.z_loss_weight, shared_mlp_dim=e.shared_experts * width,
-        normalize_top_k=e.normalize_top_k, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-    )
-
-
 def dims_from_config(cfg: ModelConfig, tensor: int = 1) -> LlamaDims:
     """Static shape; the vocabulary is padded to a multiple of 128 x tensor as in Megatron."""
     return LlamaDims(
         vocab_size=cfg.vocab_size, vocab_padded=padded_vocab_size(cfg.vocab_size, tensor), hidden=cfg.hidden,
         heads=cfg.heads, kv_heads=cfg.kv_heads or cfg.heads, layers=cfg.layers, mlp_dim=cfg.mlp_dim,
         rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
-        param_dtype=jnp.dtype(cfg.param_dtype), moe=moe_dims(cfg),
+        param_dtype=jnp.dtype(cfg.param_dtype), moe=moe_dims_from_config(cfg),
     )
 
 

@@ -179,6 +179,13 @@ def hf_config(m: ModelConfig, tied: bool, eod: int | None) -> dict[str, Any]:
                      else "normalize_top_k")
             raise ConfigError(f"model.moe.{field}: a Mixtral is dropless, without shared experts and with "
                               "renormalised top-k weights; this model cannot be exported as one")
+        limited = e.n_group > 1 and (e.topk_group or e.n_group) < e.n_group
+        routed = {"router": e.router != "softmax", "routed_scaling_factor": e.routed_scaling_factor != 1.0,
+                  "topk_group": limited, "bias_update_rate": e.bias_update_rate > 0}
+        for field, differs in routed.items():
+            if differs:
+                raise ConfigError(f"model.moe.{field}: a Mixtral routes by softmax top-k over every expert, without a "
+                                  "selection bias or a scaling factor; this model cannot be exported as one")
         dense = hf_config(replace(m, moe=MoEConfig(), mlp_dim=e.mlp_dim or m.mlp_dim), tied, eod)
         for field in ("mlp_bias", "pretraining_tp", "head_dim"):
             dense.pop(field)

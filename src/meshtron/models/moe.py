@@ -6,6 +6,14 @@ softmax over the experts, top-k, the k probabilities renormalised to sum to 1 un
 output of ``shared_mlp_dim``-wide shared experts when there are any (DeepSeek's always-on experts,
 applied to every token as one SwiGLU).
 
+**DeepSeek-V3's router** is the same layer with other choices (:func:`route`): sigmoid scores, selection
+limited to the best ``topk_group`` of ``n_group`` expert groups, combine weights times
+``routed_scaling_factor``, and, with ``bias_update_rate`` > 0, aux-loss-free balancing: a per-expert
+selection bias (:data:`BIAS`) that each step moves towards the mean load (:class:`BiasBalancing`). The
+bias is training state, not a weight; the step learns the load from the gradient of a probe beside it
+(:data:`LOAD`, :mod:`meshtron.models.probed_state`). :func:`moe_dims_from_config` maps ``model.moe`` to
+the layer's :class:`MoEDims` for every family that has experts.
+
 **Dropless by default.** The ``T·k`` (token, expert) assignments are sorted by expert and each
 expert multiplies exactly its own rows, with ``jax.lax.ragged_dot`` grouped matmuls: no capacity,
 no padding, no token dropped. With ``capacity_factor`` > 0 each expert takes at most
@@ -18,7 +26,8 @@ fraction of tokens assigned to expert e, ``P_e``: its mean router probability; 1
 balanced); the router z-loss is ST-MoE's mean squared log-sum-exp of the router logits. Their
 weights are ``aux_loss_weight`` and ``z_loss_weight``; each layer attaches its own to its output
 (:func:`meshtron.models.auxiliary.attach_auxiliary_loss`), so the objective is the language-model
-loss plus the weighted sum over layers, and no block returns anything new.
+loss plus the weighted sum over layers, and no block returns anything new. DeepSeek-V3's sequence-wise
+balance loss (``sequence_aux_loss_weight``) is the load-balancing loss of each sequence alone, averaged.
 
 **Layout.** Expert weights are ``[experts, embed, mlp]`` (gate, up) and ``[experts, mlp, embed]``
 (down). The rules table says where ``experts`` and ``mlp`` go: by default ``mlp`` splits over
@@ -42,13 +51,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshtron.models.auxiliary import attach_auxiliary_loss, report
+from meshtron.config import ModelConfig
+from meshtron.models.auxiliary import attach_auxiliary_loss, carry_out, report
 from meshtron.models.contract import layer_reports
 from meshtron.models.fp8 import projection_einsum, projection_ragged_dot
 from meshtron.models.layers import INIT_STD, normal
-from meshtron.sharding import constrain, logical_to_spec
+from meshtron.models.probed_state import PROBED, ProbedState, StepTotals
+from meshtron.sharding import constrain, logical_to_spec, varying_like
 
 EXPERTS = "experts"
+BIAS = "e_score_correction_bias"  # Hugging Face's name of DeepSeek-V3's selection bias
+LOAD = "expert_load"  # the bias's probe: zeros whose gradient is the step's expert load
 
 
 @dataclass(frozen=True)
@@ -64,12 +77,34 @@ class MoEDims:
     z_loss_weight: float = 0.0
     shared_mlp_dim: int = 0  # total inner width of the shared experts (0: none)
     normalize_top_k: bool = True
+    router: str = "softmax"  # scores of the router's logits: softmax (Mixtral) or sigmoid (DeepSeek-V3)
+    routed_scaling_factor: float = 1.0  # multiplies the combine weights
+    n_group: int = 1  # expert groups for group-limited routing
+    topk_group: int = 1  # groups each token may use (n_group: no limit)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing's bias step (0: no selection bias)
+    sequence_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
     def capacity(self, assignments: int) -> int:
         """Rows per expert with a capacity factor: ``ceil(capacity_factor · assignments / experts)``."""
         return max(1, math.ceil(self.capacity_factor * assignments / self.experts))
+
+
+def moe_dims_from_config(cfg: ModelConfig) -> MoEDims | None:
+    """The mixture of experts of ``model.moe`` (None: a dense model), for every family that has one."""
+    e = cfg.moe
+    if not e.experts:
+        return None
+    width = e.mlp_dim or cfg.mlp_dim
+    return MoEDims(
+        hidden=cfg.hidden, experts=e.experts, top_k=e.top_k, mlp_dim=width, capacity_factor=e.capacity_factor,
+        aux_loss_weight=e.aux_loss_weight, z_loss_weight=e.z_loss_weight, shared_mlp_dim=e.shared_experts * width,
+        normalize_top_k=e.normalize_top_k, router=e.router, routed_scaling_factor=e.routed_scaling_factor,
+        n_group=e.n_group, topk_group=e.n_group if e.topk_group is None else e.topk_group,
+        bias_update_rate=e.bias_update_rate, sequence_aux_loss_weight=e.sequence_aux_loss_weight,
+        dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+    )
 
 
 class Routing(NamedTuple):
@@ -86,20 +121,23 @@ class RoutingStatistics(NamedTuple):
     """One MoE layer's routing of one batch: assignments per expert ``[E]`` (before any drop), per
     expert-parallel rank ``[n]`` (the ``E/n`` experts each holds; ``[1]`` without expert
     parallelism), assignments dropped for capacity, the load-balancing loss and the z-loss
-    (unweighted). Stacked over layers, each field gains a leading ``[layers]`` axis."""
+    (unweighted), and the selection bias ``[E]`` (``[0]`` without aux-loss-free balancing). Stacked
+    over layers, each field gains a leading ``[layers]`` axis."""
 
     load: jax.Array
     rank_load: jax.Array
     dropped: jax.Array
     aux_loss: jax.Array
     z_loss: jax.Array
+    bias: jax.Array
 
     def metrics(self, groups: int = 1) -> dict[str, float]:
         """A run's record of these statistics, stacked over the layers and summed over ``groups``
         routing groups (microbatches × data shards, each routed and balanced on its own): the
         losses as their mean over layers and groups, the dropped fraction of all assignments, the
         busiest expert's load over the mean (``load_imbalance``, the worst layer; 1 is balanced),
-        and each expert-parallel rank's share of all assignments."""
+        each expert-parallel rank's share of all assignments and, with aux-loss-free balancing, the
+        selection bias's smallest and largest entry over all layers."""
         load, ranks = np.asarray(self.load, np.float64), np.asarray(self.rank_load, np.float64)
         record = {
             "moe/aux_loss": float(np.mean(self.aux_loss)) / groups,
@@ -107,6 +145,9 @@ class RoutingStatistics(NamedTuple):
             "moe/dropped_fraction": float(np.sum(self.dropped) / max(np.sum(load), 1.0)),
             "moe/load_imbalance": float(np.max(load.max(-1) / np.maximum(load.mean(-1), 1e-9))),
         }
+        bias = np.asarray(self.bias, np.float64)
+        if bias.shape[-1]:
+            record.update({"moe/bias_min": float(bias.min()) / groups, "moe/bias_max": float(bias.max()) / groups})
         shares = ranks.reshape(-1, ranks.shape[-1]).sum(0) / max(ranks.sum(), 1.0)
         if len(shares) > 1:
             record.update({f"moe/rank_load/{r}": float(share) for r, share in enumerate(shares)})
@@ -122,13 +163,41 @@ def _whole(x: jax.Array) -> jax.Array:
     return constrain(x, (None,) * x.ndim)
 
 
-def route(logits: jax.Array, top_k: int, normalize: bool = True) -> Routing:
-    """Mixtral's routing of router ``logits`` [T, E]: softmax, top-k, renormalised weights."""
+def route(logits: jax.Array, top_k: int, normalize: bool = True, *, scores: str = "softmax",
+          bias: jax.Array | None = None, n_group: int = 1, topk_group: int | None = None,
+          scaling: float = 1.0) -> Routing:
+    """The routing of router ``logits`` [T, E]: Mixtral's by default (softmax, top-k, renormalised weights).
+
+    ``scores``: ``softmax`` or ``sigmoid`` (DeepSeek-V3) of the logits, in fp32. Selection ranks
+    ``scores + bias`` (``bias`` [E]: aux-loss-free balancing's, none by default); with ``n_group`` > 1 the
+    experts form that many groups, each scored by the sum of its two best, and only the ``topk_group``
+    best groups' experts may be chosen (DeepSeek-V3's ``noaux_tc``). The combine weights are the chosen
+    experts' scores without the bias, renormalised to sum to 1 when ``normalize``, times ``scaling``.
+    ``probs`` (what the balance losses average) are the scores normalised to sum to 1 over the experts.
+    """
     logits = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    if scores == "softmax":
+        values = probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        values = jax.nn.sigmoid(logits)
+        probs = values / jnp.sum(values, axis=-1, keepdims=True)
+    choice = values if bias is None else values + jax.lax.stop_gradient(bias).astype(jnp.float32)
+    if n_group > 1 and (topk_group or n_group) < n_group:
+        count, experts = choice.shape
+        grouped = choice.reshape(count, n_group, experts // n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        kept_groups = jax.lax.top_k(group_scores, topk_group)[1]
+        kept = jnp.sum(jax.nn.one_hot(kept_groups, n_group, dtype=jnp.int32), axis=1) > 0
+        choice = jnp.where(jnp.repeat(kept, experts // n_group, axis=1), choice, -jnp.inf)
+    if choice is values:  # no bias, every group: the top k of the scores are the weights
+        weights, experts = jax.lax.top_k(values, top_k)
+    else:
+        experts = jax.lax.top_k(choice, top_k)[1]
+        weights = jnp.take_along_axis(values, experts, axis=-1)
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    if scaling != 1.0:
+        weights = weights * scaling
     return Routing(_whole(experts), _whole(weights), probs, logits)
 
 
@@ -142,6 +211,37 @@ def load_balancing_loss(routing: Routing, experts: int) -> jax.Array:
     tokens, k = routing.experts.shape
     fraction = jax.lax.stop_gradient(expert_load(routing, experts).astype(jnp.float32)) / tokens
     return experts / k * jnp.sum(fraction * jnp.mean(routing.probs, axis=0))
+
+
+def sequence_balance_loss(routing: Routing, experts: int, sequences: int) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss: :func:`load_balancing_loss` of each of the ``sequences``
+    (the routed tokens in order, one sequence after another), averaged over them."""
+    per_sequence = jax.tree.map(lambda a: a.reshape(sequences, a.shape[0] // sequences, *a.shape[1:]), routing)
+    return jnp.mean(jax.vmap(lambda r: load_balancing_loss(r, experts))(per_sequence))
+
+
+@dataclass(frozen=True)
+class BiasBalancing:
+    """DeepSeek-V3's aux-loss-free balancing as a :class:`~meshtron.models.probed_state.ProbedState`'s
+    advance: after each step every expert's selection bias moves by ``rate`` towards balance,
+    ``bias += rate · sign(mean load - load)``, the load being the assignments to each expert over the
+    whole global batch (every microbatch and data rank)."""
+
+    rate: float
+
+    def __call__(self, bias: jax.Array, load: jax.Array, totals: StepTotals) -> jax.Array:
+        # the probe's gradient is the mean load per microbatch; counts are whole numbers, so rounding
+        # the total undoes the order in which a schedule summed them
+        load = totals.reduce(jax.lax.psum, jnp.round(load.astype(jnp.float32) * totals.microbatches))
+        return bias + self.rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+
+class ExpertBias(nnx.Param):
+    """A layer's selection bias ``[E]`` (aux-loss-free balancing): state, not a trained weight."""
+
+
+class ExpertLoad(nnx.Param):
+    """Zeros ``[E]`` whose gradient is the step's assignments per expert; never trained."""
 
 
 def router_z_loss(routing: Routing) -> jax.Array:
@@ -317,14 +417,23 @@ class MoE(nnx.Module):
             self.shared_gate = param((h, fs), ("embed", "mlp"))
             self.shared_up = param((h, fs), ("embed", "mlp"))
             self.shared_down = param((fs, h), ("mlp", "embed"))
+        if dims.bias_update_rate:
+            def zeros(kind):
+                return kind(nnx.with_partitioning(nnx.initializers.zeros_init(), (None,))(None, (e,), jnp.float32))
+
+            setattr(self, BIAS, zeros(ExpertBias))
+            setattr(self, LOAD, zeros(ExpertLoad))
+            setattr(self, PROBED, (ProbedState(BIAS, LOAD, BiasBalancing(dims.bias_update_rate)),))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         d = self.dims
         b, s, h = x.shape
         tokens = _whole(x.reshape(b * s, h))
-        routing = route(tokens @ self.router[...].astype(x.dtype), d.top_k, d.normalize_top_k)
+        bias = getattr(self, BIAS)[...] if d.bias_update_rate else None
+        routing = route(tokens @ self.router[...].astype(x.dtype), d.top_k, d.normalize_top_k, scores=d.router,
+                        bias=bias, n_group=d.n_group, topk_group=d.topk_group, scaling=d.routed_scaling_factor)
         gate, up, down = self.gate[...], self.up[...], self.down[...]
-        dropped = jnp.int32(0)
+        dropped = varying_like(jnp.int32(0), x)  # (typed like what a capacity would count, for a padding slot's cond)
         axis = expert_axis()
         if d.capacity_factor > 0:
             capacity = d.capacity(b * s * d.top_k)
@@ -343,7 +452,12 @@ class MoE(nnx.Module):
         aux, z = load_balancing_loss(routing, d.experts), router_z_loss(routing)
         load = expert_load(routing, d.experts)
         ranks = 1 if axis is None else jax.lax.axis_size(axis)
-        report(RoutingStatistics(load, load.reshape(ranks, -1).sum(-1), dropped, aux, z))
+        shown = varying_like(jnp.zeros((0,), jnp.float32) if bias is None else bias.astype(jnp.float32), x)
+        report(RoutingStatistics(load, load.reshape(ranks, -1).sum(-1), dropped, aux, z, shown))
+        if bias is not None:
+            y = carry_out(y, getattr(self, LOAD)[...], load.astype(jnp.float32))
+        if d.sequence_aux_loss_weight:
+            y = attach_auxiliary_loss(y, sequence_balance_loss(routing, d.experts, b), d.sequence_aux_loss_weight)
         y = attach_auxiliary_loss(y, aux, d.aux_loss_weight)
         return attach_auxiliary_loss(y, z, d.z_loss_weight)
 

@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
 from meshtron.checkpoint_dirs import read_step_meta
 from meshtron.errors import ConfigError
 from meshtron.models.lora import adapters_only, grafted, is_adapter, without_adapters
-from meshtron.train.fp8_state import holds_scaling_state, with_fresh_scaling_state, without_scaling_state
+from meshtron.train.probed_state import absent_from, with_fresh_leaves, without_leaves
 from meshtron.train.state import ModelDef, Params
+from meshtron.trees import leaf_names
 
 BASE_KEY = "lora_base"  # the meta record's field holding the pointer
 PARAMS_PREFIX = "state.params."  # the parameters' names in a step's ``checksums`` (CheckpointStore.save)
@@ -228,9 +230,12 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
     shapes, target_shardings = model_def.shapes(), shardings
     if lora and not has_adapters:  # LoRA on a model trained without: its weights, and adapters made here
         shapes, target_shardings = without_adapters(shapes), without_adapters(shardings)
-    fresh_scaling = model_def.fp8_history > 0 and not holds_scaling_state(meta)  # delayed FP8 on a model without
-    if fresh_scaling:
-        shapes, target_shardings = without_scaling_state(shapes), without_scaling_state(target_shardings)
+    kept = [n for n, k in zip(leaf_names(model_def.shapes()), jax.tree.leaves(model_def.probed_state()), strict=True)
+            if k]
+    # state a model trained without it lacks (delayed FP8's history, a selection bias), made fresh; a checkpoint
+    # that points to its base gets it with the base
+    fresh = [] if pointer is not None else absent_from((meta or {}).get("checksums"), kept, PARAMS_PREFIX)
+    shapes, target_shardings = without_leaves(shapes, fresh), without_leaves(target_shardings, fresh)
     target = adapters_only_target({"params": abstract_like(shapes, target_shardings)}, pointer)
     restored = store.restore_newest(target, None, mesh, resizable=model_def.resizable_in(target), partial=True,
                                     only=step, source=source)
@@ -241,6 +246,5 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
     params = with_base(restored.state, pointer, model_def, mesh, shardings, source)["params"]
     if lora and not has_adapters:
         params = grafted(params, adapters_only(model_def.init(mesh, seed, shardings=shardings)))
-    if fresh_scaling:
-        params = with_fresh_scaling_state(params, model_def.shapes(), shardings)
+    params = with_fresh_leaves(params, model_def.shapes(), shardings, fresh)
     return params, restored.meta

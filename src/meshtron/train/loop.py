@@ -122,7 +122,7 @@ class Trainer:
         specs = model_def.shardings(mesh)
         zero = ZeroPlan.for_mesh(run.zero.level, model_def.shapes(), specs, model_def.stacked(), mesh,
                                  gather_once=run.zero.gather_once, gather_dtype=run.zero.gather_dtype,
-                                 reduce_dtype=run.zero.reduce_dtype, whole=model_def.scaling_state())
+                                 reduce_dtype=run.zero.reduce_dtype, whole=model_def.probed_state())
         if run.zero.level and not zero.active:
             note(f"parallel.zero={run.zero.level}: the mesh has one data rank (parallel.data=1), so nothing is split over "
                  "it; this run is the same as parallel.zero=0")

@@ -116,10 +116,24 @@ class PlainProgress:
         if math.isfinite(record.get("tokens_per_s", math.nan)):
             parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
         parts += [f"lr {record['lr']:.2e}", f"grad norm {record['grad_norm']:.3g}"]
+        if routing_summary(record):
+            parts.append(routing_summary(record))
         if stage:
             parts.append(f"stage {stage}")
         parts.append(f"{elapsed:,.0f} s")
         print("  ".join(parts), file=self.out, flush=True)
+
+
+def routing_summary(record: dict[str, Any]) -> str:
+    """A mixture of experts' balance as the progress shows it: the busiest expert's load over the mean
+    (``moe/load_imbalance``) and, with aux-loss-free balancing, the selection bias's range; ``""`` for a
+    record without them (a dense model, a step not logged)."""
+    if "moe/load_imbalance" not in record:
+        return ""
+    text = f"imbalance {record['moe/load_imbalance']:.2f}"
+    if "moe/bias_min" in record:
+        text += f"  bias {record['moe/bias_min']:+.3g}..{record['moe/bias_max']:+.3g}"
+    return text
 
 
 class RunReport:
@@ -179,6 +193,7 @@ class RunProgress:
             TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("lr {task.fields[lr]}"),
             TextColumn("{task.fields[stage]}{task.fields[comm]}/step"),
+            TextColumn("{task.fields[routing]}"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
@@ -200,7 +215,7 @@ class RunProgress:
     def __enter__(self) -> Self:
         self.bar.__enter__()
         self.task = self.bar.add_task("train", total=self.total, completed=self.completed, loss="-", tps="-", lr="-",
-                                      stage="", comm="-")
+                                      stage="", comm="-", routing="")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -228,6 +243,8 @@ class RunProgress:
         if logged or first_of_stage:
             self.bar.update(self.task, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
                             stage=f"{stage} " if self.staged else "", comm=format_bytes(data_bytes))
+        if reported:
+            self.bar.update(self.task, routing=routing_summary(reported))
         record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "step_seconds": step_seconds, "lr": lr,
                   "grad_norm": grad_norm,
                   "stage": stage, "data_bytes": data_bytes, "model_flops_per_s": self.flops_per_token * tokens_per_s}

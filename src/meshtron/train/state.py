@@ -33,7 +33,8 @@ from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.adaptation import Adaptation
 from meshtron.models.blocks import LAYERS, Context, run_layer
 from meshtron.models.contract import ModelFactory, check_model, checked_model, lm_loss
-from meshtron.models.fp8_scaling import HISTORY, OBSERVED, counting_sites, with_scaling_state
+from meshtron.models.fp8_scaling import counting_sites, with_scaling_state
+from meshtron.models.probed_state import ProbedState, declared
 from meshtron.run import check_sequence_parallel
 from meshtron.sharding import MEGATRON_RULES, Rules, axis_rules, extend_rules, logical_to_spec, variable_axes
 from meshtron.trace_context import current, using
@@ -41,7 +42,6 @@ from meshtron.trees import leaf_names
 from meshtron.units import format_count
 
 Params = dict[str, Any]
-SCALING_LEAVES = frozenset({HISTORY, OBSERVED})
 
 
 def _is_variable(x: Any) -> bool:
@@ -67,6 +67,7 @@ class ModelDef:
     can_cache: bool  # the model provides init_cache: generation decodes with a KV cache
     adaptation: Adaptation | None = None  # added parameters applied through the layer hook (LoRA's adapters)
     fp8_history: int = 0  # steps of amax history its blocks carry for delayed FP8 scaling (0: none)
+    probed: tuple[tuple[str, ProbedState], ...] = ()  # state advanced from probes' gradients, by probe leaf name
 
     @classmethod
     def create(cls, factory: ModelFactory, *, rules: Rules = MEGATRON_RULES,
@@ -86,8 +87,10 @@ class ModelDef:
         check_model(abstract, rules)
         max_len = getattr(abstract, "max_len", None)
         can_cache = callable(getattr(abstract, "init_cache", None))
+        probed = tuple(sorted(declared(abstract).items(), key=lambda item: item[0]))
         graphdef, state = nnx.split(abstract, nnx.Param)
-        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, adaptation, fp8_history)
+        return cls(factory, graphdef, state, rules, abstract.vocab_size, max_len, can_cache, adaptation, fp8_history,
+                   probed)
 
     @contextlib.contextmanager
     def scope(self, execution: Execution = DEFAULT_EXECUTION) -> Iterator[None]:
@@ -138,16 +141,22 @@ class ModelDef:
         return max(sizes, default=self.vocab_size)
 
     def parameter_count(self) -> int:
-        """The model's weights (delayed FP8 scaling's state is not counted: it is not a weight)."""
+        """The model's weights (state advanced from probes -- delayed FP8 scaling's, a mixture of experts'
+        selection bias -- is not counted: it is not a weight)."""
         return sum(math.prod(s.shape) for s, state in zip(jax.tree.leaves(self.shapes()),
-                                                         jax.tree.leaves(self.scaling_state()), strict=True)
+                                                         jax.tree.leaves(self.probed_state()), strict=True)
                    if not state)
 
-    def scaling_state(self) -> Params:
-        """``True`` for the leaves of delayed FP8 scaling's state (:mod:`meshtron.models.fp8_scaling`): kept
-        by the step, never trained, not the model's weights."""
-        return jax.tree.unflatten(jax.tree.structure(self.shapes()),
-                                  [n.rsplit(".", 1)[-1] in SCALING_LEAVES for n in leaf_names(self.shapes())])
+    def state_leaf(self, probe: str) -> str:
+        """The dotted name of the state that the probe leaf named ``probe`` (a key of :attr:`probed`) advances."""
+        kind = dict(self.probed)[probe]
+        return probe[:len(probe) - len(kind.probe)] + kind.state
+
+    def probed_state(self) -> Params:
+        """``True`` for the leaves of state advanced from probes and for the probes
+        (:mod:`meshtron.models.probed_state`): kept by the step, never trained, not the model's weights."""
+        kept = {name for probe, _ in self.probed for name in (probe, self.state_leaf(probe))}
+        return jax.tree.unflatten(jax.tree.structure(self.shapes()), [n in kept for n in leaf_names(self.shapes())])
 
     def describe(self) -> str:
         """One line: the model's class, size and depth (run summaries)."""

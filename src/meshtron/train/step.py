@@ -49,8 +49,8 @@ from meshtron.pipeline.execution import PipelinePlan
 from meshtron.trace_context import using
 from meshtron.train.data_shards import DATA, DataShards
 from meshtron.train.forward_backward import plain_forward_backward
-from meshtron.train.fp8_state import ScalingState
 from meshtron.train.pipelined import pipelined_forward_backward
+from meshtron.train.probed_state import ProbedStates
 from meshtron.train.state import ModelDef, Params
 from meshtron.train.trainable import Trainable
 
@@ -119,26 +119,26 @@ def build_steps(
     optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
-    zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.scaling_state())
+    zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.probed_state())
     trainable = trainable or Trainable.of_model(model_def)
     sync = gradient_sync(zero, reduction)
     source = plain_forward_backward(model_def, microbatches, execution) if pipeline is None else \
         pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution)
-    part, scaling = trainable.part, ScalingState(trainable.observed)
+    part, probed = trainable.part, ProbedStates(model_def, trainable.observed)
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
-        observed = []  # delayed FP8 scaling's probes' gradients, read before frozen leaves leave the tree
+        observed = []  # the probes' gradients (models/probed_state.py), read before frozen leaves leave the tree
         def differentiate(view: Params, local_leaves: Any, layer_view: Any = None):
             with layer_parameters(layer_view) if layer_view is not None else contextlib.nullcontext():
                 loss, grads = source.gradients(shards.local(trainable.stopped(view), local_leaves), tokens)
-            return loss, part(scaling.read(grads, into=observed))
+            return loss, part(probed.read(grads, into=observed))
 
         with model_def.training(seed), using(loss_groups=source.loss_groups * shards.replicas):
             got = sync.reduced(differentiate, params, part(params), opt_state.reduction)
         updates, optimizer_state = optimizer.update(got.grads, opt_state.optimizer, got.params, **stages[stage])
         new_params = trainable.completed(sync.updated(optax.apply_updates(got.params, updates)), params)
-        new_params = scaling.advanced(new_params, observed, shards.group)
+        new_params = probed.advanced(new_params, observed, shards.group, microbatches)
         new_state = OptState(got.reduction_state, optimizer_state)
         applied = jnp.bool_(True)
         if skip_nonfinite:

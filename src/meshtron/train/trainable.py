@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 
-from meshtron.models.fp8_scaling import OBSERVED
 from meshtron.train.state import ModelDef
 from meshtron.trees import leaf_names
 
@@ -26,7 +25,7 @@ __all__ = ["Trainable"]
 class Trainable:
     """``mask``: a tree shaped like the parameters, ``True`` where a leaf trains; ``None``: every leaf trains.
     ``observed``: ``True`` where a leaf that does not train is differentiated all the same, its gradient read
-    by the step rather than applied (delayed FP8 scaling's probe, :mod:`meshtron.models.fp8_scaling`)."""
+    by the step rather than applied (a probe, :mod:`meshtron.models.probed_state`)."""
 
     mask: Any = None
     observed: Any = None
@@ -34,14 +33,15 @@ class Trainable:
     @classmethod
     def of_model(cls, model_def: ModelDef) -> Trainable:
         """What trains in ``model_def``: everything, or what its adaptation says (LoRA: the adapters); never
-        delayed FP8 scaling's state."""
-        adaptation, state = model_def.adaptation, jax.tree.leaves(model_def.scaling_state())
+        state advanced from probes, nor the probes."""
+        adaptation, state = model_def.adaptation, jax.tree.leaves(model_def.probed_state())
         if adaptation is None and not any(state):
             return cls()
         shapes = model_def.shapes()
         names = leaf_names(shapes)
         trains = [(adaptation is None or adaptation.trains(n)) and not kept for n, kept in zip(names, state, strict=True)]
-        observed = [n.rsplit(".", 1)[-1] == OBSERVED for n in names]
+        probes = dict(model_def.probed)
+        observed = [n in probes for n in names]
         structure = jax.tree.structure(shapes)
         return cls(jax.tree.unflatten(structure, trains),
                    jax.tree.unflatten(structure, observed) if any(observed) else None)
