@@ -94,6 +94,11 @@ class GradientSync(ABC):
         return jnp.sqrt(sum(jax.tree.leaves(self.plan.sum_squares(squares))))
 
 
+def _on_every_rank(verdict: jax.Array, axis) -> jax.Array:
+    """``verdict`` (a bool) true on every rank of ``axis`` only if it is on all of them."""
+    return jax.lax.pmin(verdict.astype(jnp.int32), axis) > 0
+
+
 class AllReduce(GradientSync):
     """zero=0: every rank holds everything; ``reduction`` (an all-reduce, or nothing for an optimizer that
     reduces itself) averages the gradients."""
@@ -116,12 +121,16 @@ class ExpertLocal(GradientSync):
         grads = self.plan.mean_native(_merged(shared, grads, local))
         return Reduced(loss, grads, trainable, reduction_state, self.norm(grads))
 
+    def agreed(self, verdict):
+        # Each rank updates its own experts, so each judges other updates: all must pass.
+        return _on_every_rank(verdict, self.plan.axis)
+
 
 class _Sharded(GradientSync):
     """zero=1/3: gradients reduce-scattered into shares, each rank updating its own."""
 
     def agreed(self, verdict):
-        return jax.lax.pmin(verdict.astype(jnp.int32), self.plan.axis) > 0
+        return _on_every_rank(verdict, self.plan.axis)
 
 
 class ScatterGather(_Sharded):
