@@ -54,7 +54,13 @@ from flax import nnx
 from meshtron.config import ModelConfig, padded_vocab_size
 from meshtron.models.attention import causal_attention
 from meshtron.models.auxiliary import collecting_reports, report
-from meshtron.models.blocks import LAYERS, WHOLE_SEQUENCE, Context, enter_parallel_region, exit_parallel_region
+from meshtron.models.blocks import (
+    LAYERS,
+    WHOLE_SEQUENCE,
+    Context,
+    enter_parallel_region,
+    exit_parallel_region,
+)
 from meshtron.models.collective_matmul import column_parallel, row_parallel
 from meshtron.models.contract import logits_of
 from meshtron.models.fp8 import projection_einsum
@@ -306,8 +312,8 @@ class DenseOrExperts(nnx.Module):
         assert dims.moe is not None
         self.dense = MLP(dims, rngs=rngs)
         self.experts = MoE(dims.moe, rngs=rngs)
-        self.routed = nnx.Param(nnx.with_partitioning(lambda *_: routed.astype(dims.param_dtype), ())(
-            rngs.params(), (), dims.param_dtype))
+        self.routed = nnx.Param(nnx.with_partitioning(lambda *_: routed.astype(dims.param_dtype)[None], (None,))(
+            rngs.params(), (1,), dims.param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         def experts(x):
@@ -321,7 +327,7 @@ class DenseOrExperts(nnx.Module):
             zeros = tuple(jax.tree.map(lambda r: varying_like(jnp.zeros(r.shape, r.dtype), x), s) for s in shapes)
             return self.dense(x), zeros
 
-        y, reports = jax.lax.cond(jax.lax.stop_gradient(self.routed[...]) > 0.5, experts, dense, x)
+        y, reports = jax.lax.cond(jax.lax.stop_gradient(self.routed[...][0]) > 0.5, experts, dense, x)
         for found in reports:
             report(found)
         return y

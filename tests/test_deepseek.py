@@ -1,0 +1,128 @@
+"""The deepseek family: multi-head latent attention (MLA), YaRN, dense-then-expert blocks, the latent
+decoding cache -- against one device on the parallel layouts, against the full-window forward, and
+its config's errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtron.config import ConfigError, MlaConfig, ModelConfig, MoEConfig, load_config
+from meshtron.models import deepseek
+from meshtron.models.blocks import Context, run_blocks
+from meshtron.testing import Layout, check_parity
+from meshtron.train.state import model_def_from_config
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.707}
+
+
+def small(q_lora_rank=24, layers=4, experts=8, **kw) -> ModelConfig:
+    """MLA with a query latent, 8 experts top-2 and a shared expert after one dense block."""
+    return ModelConfig(family="deepseek", vocab_size=256, hidden=64, heads=8, layers=layers, mlp_dim=96, seq_len=16,
+                       moe=MoEConfig(experts=experts, top_k=2, mlp_dim=16, shared_experts=1, aux_loss_weight=0.01),
+                       first_k_dense_replace=1 if experts else 0, rope_scaling=YARN,
+                       mla=MlaConfig(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
+                                     qk_rope_head_dim=4, v_head_dim=12), **kw)
+
+
+def built(cfg: ModelConfig) -> deepseek.Deepseek:
+    with nnx.use_eager_sharding(False):
+        return deepseek.build(cfg, nnx.Rngs(0))
+
+
+def test_dense_blocks_come_first_and_only_expert_blocks_route():
+    model = built(small())
+    np.testing.assert_array_equal(model.blocks.mlp.routed[...][:, 0], [0.0, 1.0, 1.0, 1.0])
+    from meshtron.models.moe import routing_statistics
+
+    stats = routing_statistics(model, jnp.zeros((2, 8), jnp.int32))
+    assert np.asarray(stats.load)[0].sum() == 0 and (np.asarray(stats.load)[1:].sum(-1) == 2 * 8 * 2).all()
+
+
+def test_yarn_matches_the_formula_of_hugging_face():
+    rope = deepseek.rope_from_config(4, 10000.0, YARN, True)
+    # dim 4: two frequencies, base^-0 and base^-1/2; the correction range [0, 3] ramps them
+    low = max(np.floor(4 * np.log(8 / (32 * 2 * np.pi)) / (2 * np.log(10000.0))), 0)
+    high = min(np.ceil(4 * np.log(8 / (1 * 2 * np.pi)) / (2 * np.log(10000.0))), 3)
+    ramp = np.clip((np.arange(2) - low) / (high - low), 0, 1)
+    base = 10000.0 ** (-np.arange(0, 4, 2) / 4)
+    np.testing.assert_allclose(rope.inv_freq, base / 4 * ramp + base * (1 - ramp), rtol=1e-6)
+    mscale = 0.1 * np.log(4.0) + 1
+    assert rope.attention_factor == pytest.approx(mscale / (0.1 * 0.707 * np.log(4.0) + 1))
+    assert deepseek.softmax_scale(12, YARN) == pytest.approx(12 ** -0.5 * (0.1 * 0.707 * np.log(4.0) + 1) ** 2)
+
+
+@pytest.mark.parametrize("q_lora_rank, interleave", [(24, True), (None, False)])
+def test_latent_cache_decoding_equals_the_full_window(q_lora_rank, interleave):
+    cfg = small(q_lora_rank)
+    cfg.mla.rope_interleave = interleave
+    model = built(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
+    full = model(tokens)
+    cache = model.init_cache(2, 16)
+    assert cache.latent.shape == (4, 2, 16, 16 + 4)
+    ctx = Context.for_sequence(2, 5, 0, cache)
+    x, cache = run_blocks(model.blocks, model.embed(tokens[:, :5], ctx), ctx)
+    steps = [model.head(x)]
+    for p in range(5, 12):
+        ctx = Context.for_sequence(2, 1, p, cache)
+        x, cache = run_blocks(model.blocks, model.embed(tokens[:, p:p + 1], ctx), ctx)
+        steps.append(model.head(x))
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-6)
+
+
+def test_greedy_generation_with_the_latent_cache_equals_the_full_window():
+    from meshtron.config import MeshConfig
+    from meshtron.generate import Sampler
+    from meshtron.mesh import build_mesh
+
+    md = model_def_from_config(small(layers=2))
+    mesh = build_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    params = md.init(mesh, seed=0)
+    runs = [Sampler(md, mesh, context=16, use_cache=cached).sample(params, [5, 7, 11], max_new_tokens=20)
+            for cached in (True, False)]
+    assert runs[0].new_tokens == runs[1].new_tokens and len(runs[0].new_tokens) == 20
+
+
+REQUIRED = [Layout(1, 1, 8), Layout(8, 1, 1), Layout(2, 2, 2, "interleaved", 2),
+            Layout(4, 2, 1, "zb-h1", microbatches=2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", REQUIRED, ids=str)
+def test_deepseek_loss_and_gradients_equal_one_device(layout):
+    md = model_def_from_config(small(), layout.tensor)
+    [report] = check_parity(md, [layout], grouped_loss=True)
+    assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.mla.kv_lora_rank=0"], "model.mla.kv_lora_rank: must be >= 1"),
+    (["model.mla.q_lora_rank=0"], "model.mla.q_lora_rank: must be >= 1, or null"),
+    (["model.mla.qk_rope_head_dim=3"], "model.mla.qk_rope_head_dim: must be even"),
+    (["model.kv_heads=2"], "model.kv_heads: the deepseek family has no key/value heads"),
+    (["model.first_k_dense_replace=9"], "model.first_k_dense_replace: must be between 0 and model.layers=4"),
+    (["model.rope_scaling={type: linear, factor: 2.0, original_max_position_embeddings: 8}"],
+     "model.rope_scaling.type: must be 'yarn'"),
+    (["model.rope_scaling={type: yarn, factor: 0.5, original_max_position_embeddings: 8}"],
+     "model.rope_scaling.factor: must be a number >= 1"),
+    (["model.rope_scaling={type: yarn, factor: 2.0}"], "model.rope_scaling.original_max_position_embeddings"),
+    (["model.rope_scaling={type: yarn, factor: 2.0, original_max_position_embeddings: 8, betta: 1}"],
+     "model.rope_scaling.betta: not a YaRN parameter"),
+])
+def test_bad_deepseek_settings_are_one_line_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        load_config(None, ["model.family=deepseek", "model.layers=4", *overrides])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.family=llama", "model.first_k_dense_replace=1"], "model.first_k_dense_replace: only the deepseek family"),
+    (["model.family=llama", "model.rope_scaling={type: yarn, factor: 2.0, original_max_position_embeddings: 8}"],
+     "model.rope_scaling: only the deepseek family"),
+])
+def test_deepseek_fields_elsewhere_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
