@@ -68,7 +68,7 @@ from meshtron.models.fused_attention import dot_product_attention
 from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block
 from meshtron.models.llama import MLP, moe_dims
 from meshtron.models.moe import MoE, MoEDims
-from meshtron.sharding import constrain, varying_like
+from meshtron.sharding import constrain
 from meshtron.trace_context import current
 
 LATENT_NORM_EPS = 1e-6  # Hugging Face's q_a_layernorm / kv_a_layernorm (DeepseekV3RMSNorm's default)
@@ -319,18 +319,31 @@ class DenseOrExperts(nnx.Module):
         def experts(x):
             with collecting_reports() as found:
                 y = self.experts(x)
-            return y, tuple(found)
+            return y, _varying_everywhere(tuple(found))
 
         shapes = jax.eval_shape(experts, x)[1]
 
         def dense(x):
-            zeros = tuple(jax.tree.map(lambda r: varying_like(jnp.zeros(r.shape, r.dtype), x), s) for s in shapes)
-            return self.dense(x), zeros
+            return self.dense(x), _varying_everywhere(jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), shapes))
 
         y, reports = jax.lax.cond(jax.lax.stop_gradient(self.routed[...][0]) > 0.5, experts, dense, x)
         for found in reports:
             report(found)
         return y
+
+
+def _varying_everywhere(tree: Any) -> Any:
+    """Every array of ``tree`` typed as varying over all the manual mesh axes (inside the trainer's
+    ``shard_map``), its values unchanged: the two branches of a ``cond`` must agree on the type of the
+    reports, which the dense branch makes as constants (varying over none)."""
+    manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+    def vary(x: jax.Array) -> jax.Array:
+        aval = jax.typeof(x)
+        missing = manual - frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return jax.tree.map(vary, tree) if manual else tree
 
 
 class Block(nnx.Module):
