@@ -126,3 +126,35 @@ def test_bad_deepseek_settings_are_one_line_naming_the_field(overrides, message)
 def test_deepseek_fields_elsewhere_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+DEEPSEEK = ["model.family=deepseek", "model.layers=4", "model.hidden=32", "model.heads=4", "model.mlp_dim=64",
+            "model.seq_len=16", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp_dim=16",
+            "model.moe.shared_experts=1", "model.moe.aux_loss_weight=0.01", "model.first_k_dense_replace=1",
+            "model.mla.q_lora_rank=16", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
+            "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=8", "train.batch_size=16", "train.eval_every=1000",
+            "train.eval_batches=1"]
+
+
+def deepseek_trainer(*overrides):
+    from meshtron.train.loop import Trainer
+
+    return Trainer.from_config(load_config(None, [*DEEPSEEK, *overrides]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+     "parallel.microbatches=4"],
+    ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.microbatches=1"],
+], ids=["2x2x2 interleaved", "8x1x1"])
+def test_routing_reports_equal_one_devices_and_the_dense_block_reports_none(layout):
+    trainer = deepseek_trainer(*layout)
+    groups = trainer.steps.report_groups
+    one = deepseek_trainer("parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", f"parallel.microbatches={groups}")
+    tokens = np.asarray(trainer.train_stream().next(trainer.steps.batch_sharding))
+    [got] = trainer.steps.layer_reports(trainer.init_params(), tokens)
+    [want] = one.steps.layer_reports(one.init_params(), tokens)
+    np.testing.assert_array_equal(got.load, want.load)
+    np.testing.assert_allclose(got.aux_loss, want.aux_loss, rtol=1e-5)
+    assert got.load[0].sum() == 0 and (got.load[1:].sum(-1) == tokens[:, :-1].size * 2).all()

@@ -319,12 +319,22 @@ class DenseOrExperts(nnx.Module):
         def experts(x):
             with collecting_reports() as found:
                 y = self.experts(x)
-            return y, _varying_everywhere(tuple(found))
+            return y, tuple(found)
 
-        shapes = jax.eval_shape(experts, x)[1]
+        # The dense branch's zeros must have the type of the experts' reports, including the manual mesh
+        # axes each varies over inside the trainer's ``shard_map``: read from an abstract trace.
+        kinds: list[Any] = []
+
+        def reports_of(x):
+            reports = experts(x)[1]
+            kinds.extend(jax.typeof(r) for r in jax.tree.leaves(reports))
+            return reports
+
+        structure = jax.tree.structure(jax.eval_shape(reports_of, x))
 
         def dense(x):
-            return self.dense(x), _varying_everywhere(jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), shapes))
+            return self.dense(x), jax.tree.unflatten(structure, [_varying_as(jnp.zeros(k.shape, k.dtype), k)
+                                                                 for k in kinds])
 
         y, reports = jax.lax.cond(jax.lax.stop_gradient(self.routed[...][0]) > 0.5, experts, dense, x)
         for found in reports:
@@ -332,18 +342,16 @@ class DenseOrExperts(nnx.Module):
         return y
 
 
-def _varying_everywhere(tree: Any) -> Any:
-    """Every array of ``tree`` typed as varying over all the manual mesh axes (inside the trainer's
-    ``shard_map``), its values unchanged: the two branches of a ``cond`` must agree on the type of the
-    reports, which the dense branch makes as constants (varying over none)."""
-    manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+def _manual_axes(kind: Any) -> frozenset[str]:
+    """The manual mesh axes a value of abstract type ``kind`` varies over (``vma`` up to jax 0.10,
+    ``mat.varying`` after)."""
+    return frozenset(kind.vma if hasattr(kind, "vma") else kind.mat.varying)
 
-    def vary(x: jax.Array) -> jax.Array:
-        aval = jax.typeof(x)
-        missing = manual - frozenset(aval.vma if hasattr(aval, "vma") else aval.mat.varying)
-        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
-    return jax.tree.map(vary, tree) if manual else tree
+def _varying_as(x: jax.Array, kind: Any) -> jax.Array:
+    """``x`` (a constant, varying over no manual axis) typed as varying like a value of type ``kind``."""
+    axes = tuple(sorted(_manual_axes(kind)))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 class Block(nnx.Module):
