@@ -158,3 +158,20 @@ def test_routing_reports_equal_one_devices_and_the_dense_block_reports_none(layo
     np.testing.assert_array_equal(got.load, want.load)
     np.testing.assert_allclose(got.aux_loss, want.aux_loss, rtol=1e-5)
     assert got.load[0].sum() == 0 and (got.load[1:].sum(-1) == tokens[:, :-1].size * 2).all()
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_counts_are_the_dense_models_parameters(q_lora_rank):
+    from meshtron.config import padded_vocab_size
+    from meshtron.models import deepseek_counts
+    from meshtron.plan.step_memory import StepShape
+
+    cfg = small(q_lora_rank, experts=0)
+    params = nnx.to_pure_dict(nnx.state(built(cfg), nnx.Param))
+    per_layer = sum(a.size for a in jax.tree.leaves(params["blocks"])) / cfg.layers
+    rest = sum(a.size for k, v in params.items() if k != "blocks" for a in jax.tree.leaves(v))
+    shape = StepShape.from_config(cfg)
+    assert deepseek_counts.block_parameters(shape, 1) == per_layer
+    assert deepseek_counts.other_parameters(shape, padded_vocab_size(cfg.vocab_size, 1), 1) == rest
+    # the latent cache: kv_lora_rank + qk_rope_head_dim per token and layer, against heads x (q/k + v) for K/V
+    assert deepseek_counts.cache_elements_per_token(cfg) == {"latent": 16 + 4, "keys_values": 8 * (8 + 4 + 12)}
