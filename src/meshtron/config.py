@@ -106,7 +106,7 @@ class MlaConfig:
 
 @dataclass
 class ModelConfig:
-    """The model: a built-in ``family`` (gpt, llama) or a user's ``factory`` (``package.module:function``
+    """The model: a built-in ``family`` (gpt, llama, deepseek) or a user's ``factory`` (``package.module:function``
     called as ``function(model_config, rngs)``), its sizes, dtypes and activation recomputation.
 
     ``kv_heads`` (llama): key/value heads for grouped-query attention, null = ``heads``. ``rules``:
