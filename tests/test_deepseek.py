@@ -98,6 +98,27 @@ def test_deepseek_loss_and_gradients_equal_one_device(layout):
     assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, documents", [
+    (Layout(2, 1, 2, context=2), False), (Layout(2, 1, 2, context=2, context_attention="ring"), False),
+    (Layout(2, 1, 2), True)], ids=["context gathered", "context ring", "packed documents"])
+def test_latent_attention_over_split_sequences_and_packed_documents_equals_one_device(layout, documents):
+    # Without the load-balancing loss: over a sequence split on context ranks each rank routes (and
+    # balances) its own tokens, so that loss's groups are not one device's -- the experts', not MLA's.
+    cfg = small()
+    cfg.moe.aux_loss_weight = 0.0
+    [report] = check_parity(model_def_from_config(cfg, layout.tensor), [layout], grouped_loss=True,
+                            documents=documents)
+    assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_equals_one_device():
+    md = model_def_from_config(small(), 4, rules={"residual_seq": "tensor"})
+    [report] = check_parity(md, [Layout(2, 1, 4)], grouped_loss=True)
+    assert report.ok
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.mla.kv_lora_rank=0"], "model.mla.kv_lora_rank: must be >= 1"),
     (["model.mla.q_lora_rank=0"], "model.mla.q_lora_rank: must be >= 1, or null"),
