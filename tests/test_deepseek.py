@@ -54,11 +54,14 @@ def test_yarn_matches_the_formula_of_hugging_face():
     assert deepseek.softmax_scale(12, YARN) == pytest.approx(12 ** -0.5 * (0.1 * 0.707 * np.log(4.0) + 1) ** 2)
 
 
-@pytest.mark.parametrize("q_lora_rank, interleave", [(24, True), (None, False)])
-def test_latent_cache_decoding_equals_the_full_window(q_lora_rank, interleave):
+@pytest.mark.parametrize("q_lora_rank, interleave, expanded", [(24, True, False), (None, False, False),
+                                                               (24, True, True)])
+def test_latent_cache_decoding_equals_the_full_window(q_lora_rank, interleave, expanded):
     cfg = small(q_lora_rank)
     cfg.mla.rope_interleave = interleave
     model = built(cfg)
+    if expanded:  # a kv_b_proj a layer hook wrapped (adding nothing here): the cache expanded through it
+        model.blocks.self_attn.kv_b_proj.added_output = lambda x, dtype: jnp.zeros((), dtype)
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
     full = model(tokens)
     cache = model.init_cache(2, 16)
