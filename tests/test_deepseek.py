@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from meshtron.config import ConfigError, MlaConfig, ModelConfig, MoEConfig, load_config
+from meshtron.execution import Execution
 from meshtron.models import deepseek
 from meshtron.models.blocks import Context, run_blocks
 from meshtron.testing import Layout, check_parity
@@ -116,9 +117,19 @@ def test_latent_attention_over_split_sequences_and_packed_documents_equals_one_d
 
 
 @pytest.mark.slow
-def test_sequence_parallel_equals_one_device():
+@pytest.mark.parametrize("collective_matmul", [False, True], ids=["sequence parallel", "collective matmul"])
+def test_sequence_parallel_equals_one_device(collective_matmul):
     md = model_def_from_config(small(), 4, rules={"residual_seq": "tensor"})
-    [report] = check_parity(md, [Layout(2, 1, 4)], grouped_loss=True)
+    [report] = check_parity(md, [Layout(2, 1, 4)], grouped_loss=True,
+                            execution=Execution(collective_matmul=collective_matmul))
+    assert report.ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["full", "selective"])
+def test_recomputed_blocks_equal_one_device(remat):
+    md = model_def_from_config(small(), 2)
+    [report] = check_parity(md, [Layout(2, 2, 2, "1f1b")], grouped_loss=True, execution=Execution(remat=remat))
     assert report.ok
 
 
@@ -199,3 +210,12 @@ def test_counts_are_the_dense_models_parameters(q_lora_rank):
     assert deepseek_counts.other_parameters(shape, padded_vocab_size(cfg.vocab_size, 1), 1) == rest
     # the latent cache: kv_lora_rank + qk_rope_head_dim per token and layer, against heads x (q/k + v) for K/V
     assert deepseek_counts.cache_elements_per_token(cfg) == {"latent": 16 + 4, "keys_values": 8 * (8 + 4 + 12)}
+
+
+def test_fp8_with_dense_and_expert_blocks_is_refused_in_one_line():
+    from meshtron.run import check_features
+
+    cfg = load_config(None, [*DEEPSEEK, "model.fp8=current"])
+    with pytest.raises(ConfigError, match="^model.fp8: FP8 projections do not compile inside the switch"):
+        check_features(cfg)
+    check_features(load_config(None, [*DEEPSEEK, "model.fp8=current", "model.first_k_dense_replace=0"]))
