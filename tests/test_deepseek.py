@@ -219,3 +219,72 @@ def test_fp8_with_dense_and_expert_blocks_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="^model.fp8: FP8 projections do not compile inside the switch"):
         check_features(cfg)
     check_features(load_config(None, [*DEEPSEEK, "model.fp8=current", "model.first_k_dense_replace=0"]))
+
+
+def _hf_state_dict(params: dict, layers: int, q_lora_rank: int | None) -> dict:
+    """transformers' DeepseekV3 tensor names and [out, in] layouts for a dense deepseek's parameters."""
+    import torch
+
+    def t(a):
+        return torch.tensor(np.ascontiguousarray(a))
+
+    def flat_in(k):  # [in, heads, d] -> [heads·d, in]
+        return t(k.reshape(k.shape[0], -1).T)
+
+    sd = {"model.embed_tokens.weight": t(params["embedding"][:256]), "lm_head.weight": t(params["lm_head"][:256]),
+          "model.norm.weight": t(params["norm"]["scale"])}
+    b, a = params["blocks"], params["blocks"]["self_attn"]
+    for i in range(layers):
+        at = f"model.layers.{i}."
+        sd[at + "input_layernorm.weight"] = t(b["input_layernorm"]["scale"][i])
+        sd[at + "post_attention_layernorm.weight"] = t(b["post_attention_layernorm"]["scale"][i])
+        if q_lora_rank:
+            sd[at + "self_attn.q_a_proj.weight"] = t(a["q_a_proj"]["kernel"][i].T)
+            sd[at + "self_attn.q_a_layernorm.weight"] = t(a["q_a_layernorm"]["scale"][i])
+            sd[at + "self_attn.q_b_proj.weight"] = flat_in(a["q_b_proj"]["kernel"][i])
+        else:
+            sd[at + "self_attn.q_proj.weight"] = flat_in(a["q_proj"]["kernel"][i])
+        sd[at + "self_attn.kv_a_proj_with_mqa.weight"] = t(a["kv_a_proj_with_mqa"]["kernel"][i].T)
+        sd[at + "self_attn.kv_a_layernorm.weight"] = t(a["kv_a_layernorm"]["scale"][i])
+        sd[at + "self_attn.kv_b_proj.weight"] = flat_in(a["kv_b_proj"]["kernel"][i])
+        o = a["o_proj"]["kernel"][i]
+        sd[at + "self_attn.o_proj.weight"] = t(o.reshape(-1, o.shape[-1]).T)
+        for name in ("gate", "up", "down"):
+            sd[at + f"mlp.{name}_proj.weight"] = t(b["mlp"][name]["kernel"][i].T)
+    return sd
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_lora_rank, interleave, yarn", [(24, True, True), (None, True, False), (24, False, True)])
+def test_latent_attention_and_yarn_give_transformers_logits(q_lora_rank, interleave, yarn):
+    # Dense blocks only (transformers' router is DeepSeek-V3's sigmoid one): MLA, YaRN and the rotary
+    # layouts against DeepseekV3ForCausalLM with the same weights, large enough to make every term count.
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    scaling = YARN if yarn else None
+    cfg = ModelConfig(family="deepseek", vocab_size=256, hidden=64, heads=4, layers=2, mlp_dim=96, seq_len=32,
+                      norm_eps=1e-6, rope_scaling=scaling,
+                      mla=MlaConfig(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                    v_head_dim=12, rope_interleave=interleave))
+    model = built(cfg)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda a: np.asarray(a, np.float32), nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + rng.normal(0, 0.2, a.shape).astype(np.float32) if "scale" in jax.tree_util.keystr(path)
+        else a * 6, params)
+    nnx.update(model, params)
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, **{k: v for k, v in YARN.items() if k != "type"}} if yarn \
+        else {"rope_type": "default", "rope_theta": 10000.0}
+    reference = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, first_k_dense_replace=2, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=12, rms_norm_eps=1e-6, max_position_embeddings=32, rope_interleave=interleave,
+        rope_parameters=rope, tie_word_embeddings=False)).eval()
+    missing, unexpected = reference.load_state_dict(_hf_state_dict(params, 2, q_lora_rank), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    tokens = rng.integers(0, 256, (2, 32))
+    with torch.no_grad():
+        want = reference(torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(model(jnp.asarray(tokens)))[..., :256]
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
