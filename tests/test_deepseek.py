@@ -10,10 +10,13 @@ from flax import nnx
 
 from meshtron.config import ConfigError, MlaConfig, ModelConfig, MoEConfig, load_config
 from meshtron.execution import Execution
+from meshtron.gpu.targets import prepare_environment
 from meshtron.models import deepseek
 from meshtron.models.blocks import Context, run_blocks
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
+
+prepare_environment()  # before JAX's backends start: the CUDA plugin loads without CUDA (GPU-target compiles)
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 0.707}
@@ -288,3 +291,17 @@ def test_latent_attention_and_yarn_give_transformers_logits(q_lora_rank, interle
     got = np.asarray(model(jnp.asarray(tokens)))[..., :256]
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_cudnn_latent_attention_compiles_into_the_fused_kernel(gpu_target):
+    # Keys of 8 + 8 features per head, values of 16: cuDNN's one head width for both is the padded 16.
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config(None, [*DEEPSEEK, "parallel.data=2", "parallel.pipe=1", "parallel.tensor=4",
+                             "model.dtype=bfloat16", "model.attention=cudnn", "model.heads=8", "model.seq_len=128",
+                             "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16", "parallel.microbatches=2"])
+    trainer = Trainer.from_config(cfg, target=gpu_target, read_data=False)
+    text = trainer.steps.compile(*trainer.abstract_step_arguments(), trainer.steps.stages[0]).as_text()
+    assert "__cudnn$fmha" in text
