@@ -150,7 +150,7 @@ def test_the_trainer_keeps_to_the_loop():
     assert trainer.end_lineno - trainer.lineno + 1 <= 250 and run.end_lineno - run.lineno + 1 <= 60
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "deepseek"])
 def test_a_model_family_imports_no_training_feature(family):
     tree = ast.parse((SRC / "meshtron" / "models" / f"{family}.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

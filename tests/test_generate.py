@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from meshtron.config import MeshConfig, ModelConfig, MoEConfig
+from meshtron.config import MeshConfig, MlaConfig, ModelConfig, MoEConfig
 from meshtron.generate import (
     Sampler,
     SampleResult,
@@ -38,6 +38,14 @@ FAMILIES = {
     # A Mixtral: the Llama block with 8 experts, top-2 (split over data by the default rules).
     "mixtral": ModelConfig(family="llama", vocab_size=256, hidden=64, heads=8, kv_heads=4, layers=2, mlp_dim=64,
                            seq_len=SEQ, moe=MoEConfig(experts=8, top_k=2, mlp_dim=32)),
+    # DeepSeek: latent attention (its cache holds the latents), a dense block, then 8 experts top-2 and a
+    # shared one; YaRN rotary positions.
+    "deepseek": ModelConfig(family="deepseek", vocab_size=256, hidden=64, heads=8, layers=2, mlp_dim=64, seq_len=SEQ,
+                            moe=MoEConfig(experts=8, top_k=2, mlp_dim=32, shared_experts=1), first_k_dense_replace=1,
+                            mla=MlaConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                          v_head_dim=8),
+                            rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                          "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 CACHE_MESHES = [(1, 1, 1), (1, 1, 4), (2, 1, 4)]
 

@@ -96,8 +96,29 @@ class MoEConfig:
 
 
 @dataclass
+class MlaConfig:
+    """Multi-head latent attention (``deepseek``; :mod:`meshtron.models.deepseek`), with Hugging Face's
+    DeepSeek-V2/V3 field names.
+
+    Queries go through a ``q_lora_rank``-wide latent (null: one projection, DeepSeek-V2-Lite's);
+    keys and values through a shared ``kv_lora_rank``-wide latent, which is all a decoding cache
+    holds per token besides the ``qk_rope_head_dim``-wide rotary key shared by every head. Each head
+    has ``qk_nope_head_dim + qk_rope_head_dim`` query/key features and ``v_head_dim`` value features.
+    ``rope_interleave``: the rotary features are rotated in adjacent pairs (DeepSeek's checkpoints;
+    Hugging Face's default), else in halves (Llama's).
+    """
+
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    rope_interleave: bool = True
+
+
+@dataclass
 class ModelConfig:
-    """The model: a built-in ``family`` (gpt, llama) or a user's ``factory`` (``package.module:function``
+    """The model: a built-in ``family`` (gpt, llama, deepseek) or a user's ``factory`` (``package.module:function``
     called as ``function(model_config, rngs)``), its sizes, dtypes and activation recomputation.
 
     ``kv_heads`` (llama): key/value heads for grouped-query attention, null = ``heads``. ``rules``:
@@ -136,6 +157,11 @@ class ModelConfig:
     context_attention: str = "gathered"
     rules: dict[str, str | None] = field(default_factory=dict)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    mla: MlaConfig = field(default_factory=MlaConfig)
+    # Rotary scaling as Hugging Face's config writes it (deepseek: YaRN, {type: yarn, factor,
+    # original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim}); null: none.
+    rope_scaling: dict[str, Any] | None = None
+    first_k_dense_replace: int = 0  # deepseek with model.moe.experts: the first k blocks keep a dense MLP
 
 
 @dataclass
@@ -689,6 +715,7 @@ def validate(cfg: Config) -> None:
               "of query heads)")
     _need(m.norm_eps > 0, "model.norm_eps", f"must be > 0 (the normalisation epsilon), got {m.norm_eps}")
     validate_moe(m)
+    validate_mla(m)
     if m.max_position_embeddings is not None:
         _need(m.max_position_embeddings >= m.seq_len, "model.max_position_embeddings",
               f"{m.max_position_embeddings} is shorter than model.seq_len={m.seq_len}: the training window must fit "
@@ -807,8 +834,8 @@ def validate_moe(m: ModelConfig) -> None:
     _need(e.experts >= 0, "model.moe.experts", f"must be >= 0 (0: a dense model), got {e.experts}")
     if not e.experts:
         return
-    _need(m.factory is not None or m.family == "llama", "model.moe.experts",
-          f"the {m.family} family has no mixture of experts; use model.family=llama")
+    _need(m.factory is not None or m.family in ("llama", "deepseek"), "model.moe.experts",
+          f"the {m.family} family has no mixture of experts; use model.family=llama or deepseek")
     _need(1 <= e.top_k <= e.experts, "model.moe.top_k", f"must be between 1 and model.moe.experts={e.experts}, got {e.top_k}")
     _need(e.mlp_dim is None or e.mlp_dim >= 1, "model.moe.mlp_dim", f"must be >= 1 or null, got {e.mlp_dim}")
     _need(e.capacity_factor >= 0, "model.moe.capacity_factor",
@@ -834,6 +861,57 @@ def validate_moe(m: ModelConfig) -> None:
           f"must be >= 0 (0: no aux-loss-free balancing), got {e.bias_update_rate}")
     _need(e.sequence_aux_loss_weight >= 0, "model.moe.sequence_aux_loss_weight",
           f"must be >= 0, got {e.sequence_aux_loss_weight}")
+
+
+YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "attention_factor", "truncate")
+"""The keys of ``model.rope_scaling`` (Hugging Face's YaRN parameters; ``type`` and ``rope_type`` are synonyms)."""
+
+
+def validate_mla(m: ModelConfig) -> None:
+    """``model.mla``, ``model.rope_scaling`` and ``model.first_k_dense_replace``: the deepseek family's fields."""
+    deepseek = m.factory is None and m.family == "deepseek"
+    a = m.mla
+    if deepseek:
+        _need(a.q_lora_rank is None or a.q_lora_rank >= 1, "model.mla.q_lora_rank",
+              f"must be >= 1, or null for a direct query projection, got {a.q_lora_rank}")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _need(getattr(a, name) >= 1, f"model.mla.{name}", f"must be >= 1, got {getattr(a, name)}")
+        _need(a.qk_rope_head_dim >= 2 and a.qk_rope_head_dim % 2 == 0, "model.mla.qk_rope_head_dim",
+              f"must be even and >= 2 (rotary features turn in pairs), got {a.qk_rope_head_dim}")
+        _need(isinstance(a.rope_interleave, bool), "model.mla.rope_interleave",
+              f"must be true or false, got {a.rope_interleave!r}")
+        _need(m.kv_heads is None, "model.kv_heads",
+              "the deepseek family has no key/value heads of its own (keys and values come from one latent); "
+              "leave it null")
+    _need(0 <= m.first_k_dense_replace <= m.layers, "model.first_k_dense_replace",
+          f"must be between 0 and model.layers={m.layers}, got {m.first_k_dense_replace}")
+    _need(m.first_k_dense_replace == 0 or deepseek, "model.first_k_dense_replace",
+          f"only the deepseek family has dense blocks before its mixture-of-experts ones; got family {m.family!r}")
+    r = m.rope_scaling
+    if r is None:
+        return
+    _need(deepseek, "model.rope_scaling", f"only the deepseek family scales its rotary positions (YaRN); "
+          f"got family {m.family!r}: set it to null")
+    unknown = sorted(set(r) - set(YARN_KEYS))
+    _need(not unknown, f"model.rope_scaling.{unknown[0] if unknown else ''}",
+          f"not a YaRN parameter; use {', '.join(YARN_KEYS)}")
+    kind = r.get("rope_type", r.get("type"))
+    _need(kind == "yarn", "model.rope_scaling.type", f"must be 'yarn' (the only rotary scaling the deepseek family "
+          f"has), got {kind!r}")
+    factor = r.get("factor")
+    _need(isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor >= 1,
+          "model.rope_scaling.factor", f"must be a number >= 1 (how much longer the context is), got {factor!r}")
+    original = r.get("original_max_position_embeddings")
+    _need(isinstance(original, int) and not isinstance(original, bool) and original >= 1,
+          "model.rope_scaling.original_max_position_embeddings",
+          f"must be the pretraining context length (an int >= 1), got {original!r}")
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        value = r.get(name)
+        _need(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0),
+              f"model.rope_scaling.{name}", f"must be a number >= 0 or absent, got {value!r}")
+    _need(isinstance(r.get("truncate", True), bool), "model.rope_scaling.truncate",
+          f"must be true or false, got {r.get('truncate')!r}")
 
 
 def validate_optim(o: OptimConfig) -> None:

@@ -138,7 +138,7 @@ def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemor
     # with LoRA only the adapters have gradients and optimizer state
     trainable = per_layer_and_rest([r for r in rows if is_adapter(r[0])]) if run.cfg.train.lora.rank else None
     shape = StepShape(m.family if m.factory is None else FACTORY_STAND_IN, layers, m.hidden, m.heads, m.kv_heads or m.heads,
-                      m.mlp_dim, m.vocab_size, m.seq_len, m.max_position_embeddings or m.seq_len)
+                      m.mlp_dim, m.vocab_size, m.seq_len, m.max_position_embeddings or m.seq_len, m.mla)
     return step_memory(shape, StepRun.from_config(run.cfg, run.program), backend,
                        stage_bytes=per_layer_and_rest(rows), trainable_bytes=trainable)
 

@@ -171,6 +171,11 @@ def check_features(cfg: Config) -> None:
           "reduce-scatters per layer (zero=3); use parallel.zero=0 with onebit_lamb, or adamw/lamb with parallel.zero")
     _need(not t.lora.rank or cfg.model.moe.experts == 0, "train.lora",
           "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
+    m = cfg.model
+    _need(m.fp8 == "off" or not (m.first_k_dense_replace and m.moe.experts), "model.fp8",
+          f"FP8 projections do not compile inside the switch between the deepseek family's dense and expert "
+          f"blocks (model.first_k_dense_replace={m.first_k_dense_replace} with model.moe.experts={m.moe.experts}); "
+          "set model.fp8=off, or model.first_k_dense_replace=0 (every block a mixture of experts)")
     check_collective_matmul(cfg)
     _check_sizes(cfg)
 

@@ -1,4 +1,4 @@
-"""From a config to a model factory: ``model.family`` (gpt, llama) or ``model.factory`` (a user's model).
+"""From a config to a model factory: ``model.family`` (gpt, llama, deepseek) or ``model.factory`` (a user's model).
 
 Families are named by import path in :mod:`meshtron.families`, exactly like a user's factory, so
 nothing here (and nothing that uses this module: the trainer, ``describe``, ``generate``) imports a

@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass, fields
 
 from meshtron import megatron
-from meshtron.config import Config, ModelConfig, padded_vocab_size
+from meshtron.config import Config, MlaConfig, ModelConfig, padded_vocab_size
 from meshtron.errors import ConfigError
 from meshtron.families import FAMILIES
 from meshtron.pipeline.program import compile_program
@@ -105,6 +105,7 @@ class StepShape:
     vocab_size: int
     seq_len: int
     positions: int
+    mla: MlaConfig | None = None  # deepseek's latent attention (model.mla)
 
     @property
     def head_dim(self) -> int:
@@ -118,7 +119,8 @@ class StepShape:
                               f"got {what}; "
                               "pass the model's parameter bytes (stage_bytes=) for a model of your own")
         return cls(model.family, model.layers, model.hidden, model.heads, model.kv_heads or model.heads,
-                   model.mlp_dim, model.vocab_size, model.seq_len, model.max_position_embeddings or model.seq_len)
+                   model.mlp_dim, model.vocab_size, model.seq_len, model.max_position_embeddings or model.seq_len,
+                   model.mla)
 
 
 @dataclass(frozen=True)
