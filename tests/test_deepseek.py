@@ -305,3 +305,11 @@ def test_cudnn_latent_attention_compiles_into_the_fused_kernel(gpu_target):
     trainer = Trainer.from_config(cfg, target=gpu_target, read_data=False)
     text = trainer.steps.compile(*trainer.abstract_step_arguments(), trainer.steps.stages[0]).as_text()
     assert "__cudnn$fmha" in text
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_the_dense_or_expert_switch_stays_what_it_was_through_training(optimizer):
+    # No gradient reaches it and weight decay skips it (no embed axis): the blocks keep their kinds.
+    result = deepseek_trainer("parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "train.steps=2",
+                              f"train.optimizer={optimizer}", "train.weight_decay=0.1", "train.batch_size=4").run()
+    np.testing.assert_array_equal(np.asarray(result.params["blocks"]["mlp"]["routed"])[:, 0], [0.0, 1.0, 1.0, 1.0])
