@@ -141,6 +141,17 @@ def test_ragged_all_to_all_bytes_are_the_routed_rows():
     assert all_to_all_bytes(padded, 128, 8) == pytest.approx(7 / 8 * (4 * 1024 * 64 * 4 + 1024 * 4))
 
 
+def test_describe_says_the_ragged_exchange_is_the_routed_rows_and_does_not_compare_it_with_the_program():
+    from meshtron.describe import ExpertExchange
+    from meshtron.units import format_bytes
+
+    dims = MoEDims(hidden=64, experts=8, top_k=2, mlp_dim=64, dispatch="ragged")
+    exchange = ExpertExchange("data", 8, 8, 128, 1, 2, 2, all_to_all_bytes(dims, 128, 8), "ragged")
+    assert exchange.line().startswith("split over data (8 ranks, 1 expert each): ragged all-to-all of the routed rows "
+                                      f"(balanced routing) {format_bytes(all_to_all_bytes(dims, 128, 8))} per device")
+    assert exchange.measured([]).startswith("ragged all-to-all over data: its sizes are the routing's")
+
+
 # ---- the H100 program ---------------------------------------------------------------------------------
 
 _DEFINED = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = \(*\w+\[(\d+)", re.MULTILINE)
