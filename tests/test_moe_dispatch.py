@@ -2,8 +2,8 @@
 ``jax.lax.ragged_all_to_all``'s semantics say, grouped by expert on arrival and back where it left; the
 CPU emulation of the primitive gives the documented example's result; ``ragged`` trains with the same
 losses, gradients and weights as ``padded``; bad settings are one line; and the H100 program holds
-real ragged all-to-alls whose send buffers are the routed rows, and ``ragged_dot`` as a masked dense
-product."""
+real ragged all-to-alls whose send buffers are the routed rows, ordered against every other
+collective in a pipeline, and ``ragged_dot`` as a masked dense product."""
 
 import re
 from functools import partial
@@ -152,6 +152,36 @@ def test_describe_says_the_ragged_exchange_is_the_routed_rows_and_does_not_compa
     assert exchange.measured([]).startswith("ragged all-to-all over data: its sizes are the routing's")
 
 
+_RACING_RAGGED_EXCHANGE = """HloModule m
+
+%work (p: f32[4]) -> f32[4] {
+  %p = f32[4] parameter(0)
+  %o = f32[4] constant({0, 0, 0, 0})
+  %i = s64[2] constant({0, 0})
+  ROOT %r = f32[4] ragged-all-to-all(f32[4] %p, f32[4] %o, s64[2] %i, s64[2] %i, s64[2] %i, s64[2] %i), channel_id=2, replica_groups={{0,1}}
+}
+
+%idle (q: f32[4]) -> f32[4] {
+  ROOT %q = f32[4] parameter(0)
+}
+
+ENTRY %main (x: f32[4], pred: pred[]) -> (f32[4], f32[4]) {
+  %x = f32[4] parameter(0)
+  %pred = pred[] parameter(1)
+  %cond = f32[4] conditional(pred[] %pred, f32[4] %x, f32[4] %x), true_computation=%work, false_computation=%idle
+  %send = f32[4] collective-permute(f32[4] %x), channel_id=1, source_target_pairs={{0,1},{1,0}}
+  ROOT %out = (f32[4], f32[4]) tuple(f32[4] %cond, f32[4] %send)
+}
+"""
+
+
+def test_the_ordering_check_sees_a_ragged_exchange_in_a_conditional():
+    from meshtron.hlo.order import unordered_collectives
+
+    [pair] = unordered_collectives(_RACING_RAGGED_EXCHANGE)
+    assert {pair.first, pair.second} == {"cond", "send"}
+
+
 # ---- the H100 program ---------------------------------------------------------------------------------
 
 _DEFINED = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = \(*\w+\[(\d+)", re.MULTILINE)
@@ -216,3 +246,24 @@ def test_h100_ragged_dot_is_a_masked_dense_product(gpu_target):
     assert re.search(rf"f32\[{groups},{rows},{out}\]\S* fusion\([^)]*\), kind=kCustom, calls=%\S*gemm_fusion", text)
     assert re.search(rf"bf16\[{groups},{rows},{width}\]\S* fusion\([^)]*\), kind=kLoop, calls=%fused_select", text)
     assert "ragged-dot" not in text and "custom_call_target" not in text
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+def test_h100_pipelined_ragged_step_orders_every_collective(gpu_target):
+    from meshtron.hlo.order import unordered_collectives
+    from meshtron.train.loop import Trainer
+
+    # 1F1B on (2,2,2) with every layer recomputed: ragged exchanges inside the stages' conditionals,
+    # forward, recomputed and transposed, each ordered against every other collective
+    cfg = load_config("mixtral_cpu8", ["model.hidden=64", "model.heads=4", "model.kv_heads=2", "model.mlp_dim=128",
+                                       "model.seq_len=64", "model.vocab_size=256", "model.layers=2",
+                                       "model.moe.mlp_dim=64", "model.moe.dispatch=ragged", "model.remat=full",
+                                       "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
+                                       "parallel.microbatches=4", "parallel.schedule=1f1b", "parallel.chunks=1",
+                                       "train.batch_size=16", "train.steps=10", "train.warmup_steps=1"])
+    tr = Trainer.from_config(cfg, target=gpu_target, read_data=False)
+    params, opt_state, tokens = tr.abstract_step_arguments()
+    compiled = tr.steps.compile(params, opt_state, tokens, tr.steps.stages[0])
+    assert len(ragged_exchanges(compiled.as_text())) >= 6  # dispatch and combine: forward, recomputed, transposed
+    assert unordered_collectives(compiled) == []
