@@ -77,6 +77,9 @@ class MoEConfig:
     groups of which each token may use the ``topk_group`` best (null: all). ``bias_update_rate`` > 0:
     aux-loss-free balancing, a per-expert bias on the scores for selection that each step moves by this
     rate towards the mean load. ``sequence_aux_loss_weight``: DeepSeek-V3's per-sequence balance loss.
+    ``dispatch``: how expert parallelism moves rows to the experts: ``padded`` (an all-to-all of each
+    destination's worst case) or ``ragged`` (``ragged_all_to_all`` of the routed rows; dropless only;
+    without expert parallelism there is no exchange and it changes nothing).
     """
 
     experts: int = 0
@@ -93,6 +96,7 @@ class MoEConfig:
     topk_group: int | None = None  # groups each token may use (null: all n_group)
     bias_update_rate: float = 0.0  # aux-loss-free balancing's per-step bias update (0: off; DeepSeek-V3: 1e-3)
     sequence_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss, per layer
+    dispatch: str = "padded"  # expert parallelism's exchange: padded (worst-case all-to-all) or ragged (routed rows)
 
 
 @dataclass
@@ -861,6 +865,10 @@ def validate_moe(m: ModelConfig) -> None:
           f"must be >= 0 (0: no aux-loss-free balancing), got {e.bias_update_rate}")
     _need(e.sequence_aux_loss_weight >= 0, "model.moe.sequence_aux_loss_weight",
           f"must be >= 0, got {e.sequence_aux_loss_weight}")
+    _need(e.dispatch in ("padded", "ragged"), "model.moe.dispatch", f"must be padded or ragged, got {e.dispatch!r}")
+    _need(e.dispatch == "padded" or not e.capacity_factor, "model.moe.dispatch",
+          f"ragged sends each expert its routed rows, so it needs dropless experts; set model.moe.capacity_factor=0 "
+          f"(got {e.capacity_factor:g}) or model.moe.dispatch=padded")
 
 
 YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",

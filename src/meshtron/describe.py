@@ -292,16 +292,21 @@ class ExpertExchange:
     layers: int  # MoE layers a device runs per microbatch
     microbatches: int
     per_layer: float  # the formula's bytes sent per layer and microbatch
+    dispatch: str = "padded"  # model.moe.dispatch: padded all-to-alls, or ragged ones of the routed rows
 
     def line(self) -> str:
         if self.ranks <= 1:
             return "experts on every device (no expert parallelism): no all-to-all"
         each = self.experts // self.ranks
-        return (f"split over {self.axis} ({self.ranks} ranks, {each} expert{'s' if each > 1 else ''} each): all-to-all "
+        kind = "ragged all-to-all of the routed rows (balanced routing)" if self.dispatch == "ragged" else "all-to-all"
+        return (f"split over {self.axis} ({self.ranks} ranks, {each} expert{'s' if each > 1 else ''} each): {kind} "
                 f"{format_bytes(self.per_layer)} per device, layer and microbatch of {self.tokens} tokens (dispatch and "
                 f"combine in {self.forwards} forward{'s' if self.forwards > 1 else ''}, their transposes backward)")
 
     def measured(self, collectives) -> str:
+        if self.dispatch == "ragged":  # what a ragged exchange sends is set by the routing, when the step runs
+            return (f"ragged all-to-all over {self.axis}: its sizes are the routing's, known only when the step runs; "
+                    f"{format_bytes(self.per_layer)} per layer and microbatch by the formula at balanced routing")
         sent = sum(c.total_wire_bytes for c in collectives if c.kind == "all-to-all" and c.axes == (self.axis,))
         per_layer = sent / (self.layers * self.microbatches)
         return (f"all-to-all over {self.axis}: {format_bytes(per_layer)} per layer and microbatch in the compiled step, "
@@ -381,7 +386,7 @@ def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> Exper
     dims = moe_dims_from_config(m)
     per_layer = all_to_all_bytes(dims, tokens, ranks, forwards, np.dtype(m.dtype).itemsize)
     return ExpertExchange(axis, ranks, dims.experts, tokens, forwards, model_def.layers // sizes.pipe, t.microbatches,
-                          per_layer)
+                          per_layer, dims.dispatch)
 
 
 def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: Run | None = None,

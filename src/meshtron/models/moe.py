@@ -33,7 +33,10 @@ balance loss (``sequence_aux_loss_weight``) is the load-balancing loss of each s
 (down). The rules table says where ``experts`` and ``mlp`` go: by default ``mlp`` splits over
 ``tensor`` (each rank holds a column slice of every expert, Megatron's expert-tensor parallelism:
 the layer's output is a partial sum that the block's :func:`exit_parallel_region` all-reduces,
-as for a dense MLP). The router is replicated. Nothing here names a mesh axis.
+as for a dense MLP). The router is replicated. Nothing here names a mesh axis. With ``experts`` on a
+manual axis, rows travel to their experts' devices and back: padded all-to-alls of each destination's
+worst case (:func:`expert_parallel_dropless`), or with ``dispatch="ragged"`` ragged exchanges of the
+routed rows alone (:func:`expert_parallel_ragged`).
 
 Each call reports its :class:`RoutingStatistics` (:func:`meshtron.models.auxiliary.report`): expert
 load, dropped assignments and the unweighted losses, which a run's logged steps record
@@ -57,6 +60,7 @@ from meshtron.models.contract import layer_reports
 from meshtron.models.fp8 import projection_einsum, projection_ragged_dot
 from meshtron.models.layers import INIT_STD, normal
 from meshtron.models.probed_state import PROBED, ProbedState, StepTotals
+from meshtron.models.ragged_exchange import expert_plans, ragged_all_to_all
 from meshtron.sharding import constrain, logical_to_spec, varying_like
 
 EXPERTS = "experts"
@@ -83,6 +87,7 @@ class MoEDims:
     topk_group: int = 1  # groups each token may use (n_group: no limit)
     bias_update_rate: float = 0.0  # aux-loss-free balancing's bias step (0: no selection bias)
     sequence_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
+    dispatch: str = "padded"  # expert-parallel exchange: padded (all-to-all) or ragged (ragged_all_to_all)
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
 
@@ -103,7 +108,7 @@ def moe_dims_from_config(cfg: ModelConfig) -> MoEDims | None:
         normalize_top_k=e.normalize_top_k, router=e.router, routed_scaling_factor=e.routed_scaling_factor,
         n_group=e.n_group, topk_group=e.n_group if e.topk_group is None else e.topk_group,
         bias_update_rate=e.bias_update_rate, sequence_aux_loss_weight=e.sequence_aux_loss_weight,
-        dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+        dispatch=e.dispatch, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
     )
 
 
@@ -341,9 +346,18 @@ def all_to_all_bytes(dims: MoEDims, tokens: int, ranks: int, forwards: int = 1, 
     each buffer) per MoE layer and microbatch of ``tokens`` routed tokens: dispatch and combine in each
     of ``forwards`` forward passes (2 when the layer is recomputed for its backward), and the rows'
     two transposes in the backward. Dropless, each destination's block holds ``T · min(k, E/n)`` rows
-    and their int32 expert ids travel with them; with a capacity the buffer is ``E · capacity`` rows."""
+    and their int32 expert ids travel with them; with a capacity the buffer is ``E · capacity`` rows.
+
+    With ``dispatch="ragged"`` each trip sends the ``T · k`` routed rows themselves, of which the
+    ``(n-1)/n`` routed to other devices leave when the routing is balanced (what this counts: the real
+    figure is the routing's, known only when the step runs); each forward also gathers the ``[E]``
+    int32 counts from every device, and each backward trip exchanges two ``[E]`` int32 offset arrays."""
     if ranks <= 1:
         return 0.0
+    if dims.dispatch == "ragged":
+        rows = tokens * dims.top_k
+        rows_bytes = (ranks - 1) / ranks * (2 * forwards + 2) * rows * dims.hidden * itemsize
+        return rows_bytes + (ranks - 1) * forwards * dims.experts * 4 + (ranks - 1) / ranks * 2 * 2 * dims.experts * 4
     if dims.capacity_factor:
         rows, ids = dims.experts * dims.capacity(tokens * dims.top_k), 0
     else:
@@ -372,8 +386,7 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
 
     A device may receive any number of rows, and the buffers of an all-to-all have one shape, so each
     destination's block holds the most it can be sent without dropping: ``T · min(k, E/n)`` rows (a
-    token's k experts are distinct). XLA:CPU cannot run ``ragged_all_to_all``, which would send only
-    the rows that exist.
+    token's k experts are distinct). :func:`expert_parallel_ragged` sends only the rows that exist.
     """
     count, k = routing.experts.shape
     n, local = jax.lax.axis_size(axis), gate.shape[0]
@@ -396,6 +409,38 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
     out = jnp.where((jnp.take(received_ids, order) < local)[:, None], out, 0.0)
     back = jax.lax.all_to_all(jnp.take(out, _inverse(order), axis=0), axis, 0, 0, tiled=True)
     return _combined(jnp.take(back, slots, axis=0), routing)
+
+
+def expert_parallel_ragged(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array,
+                           axis: str) -> jax.Array:
+    """:func:`expert_parallel_dropless` with ragged exchanges: each device sends each other device exactly
+    the rows routed to its experts (:mod:`meshtron.models.ragged_exchange`), and they arrive grouped by
+    local expert, so the grouped matmuls need no sort.
+
+    The rows leave sorted by expert (``[T·k, h]``, no padding); what each device routes to each expert
+    (``[n, E]`` int32) is gathered over ``axis`` first, so every device knows every offset. The receive
+    buffer's shape is static and must hold the most a device can be sent without a drop, all ``n``
+    devices sending it ``T · min(k, E/n)`` rows: ``[n · T · min(k, E/n), h]``, as large as the padded
+    exchange's; only the routed rows are written into it, and rows past them stay zero.
+    """
+    count, k = routing.experts.shape
+    n, local = jax.lax.axis_size(axis), gate.shape[0]
+    block = count * min(k, local)  # the most rows one device sends another
+    flat = routing.experts.reshape(-1)
+    order = _whole(jnp.argsort(flat, stable=True))  # assignments sorted by expert, so by destination too
+    counts = jax.lax.all_gather(jnp.bincount(flat, length=n * local).astype(jnp.int32), axis)  # [n, E]
+    plans = expert_plans(counts, jax.lax.axis_index(axis), local)
+    send = jnp.take(tokens, order // k, axis=0)
+    received = ragged_all_to_all(send, varying_like(jnp.zeros((n * block, tokens.shape[-1]), tokens.dtype), send),
+                                 plans.dispatch, axis, block)
+
+    def grouped(lhs, rhs):
+        return projection_ragged_dot(lhs, rhs.astype(lhs.dtype), plans.group_sizes)
+
+    out = _swiglu_rows(received, gate, up, down, grouped)
+    out = jnp.where((jnp.arange(n * block) < jnp.sum(plans.group_sizes))[:, None], out, 0.0)
+    back = ragged_all_to_all(out, varying_like(jnp.zeros_like(send), out), plans.combine, axis, block)
+    return _combined(jnp.take(back, _inverse(order), axis=0), routing)
 
 
 class MoE(nnx.Module):
@@ -440,6 +485,8 @@ class MoE(nnx.Module):
             y, dropped = capacity_experts(tokens, routing, gate, up, down, capacity, axis)
         elif axis is None:
             y = dropless_experts(tokens, routing, gate, up, down)
+        elif d.dispatch == "ragged":
+            y = expert_parallel_ragged(tokens, routing, gate, up, down, axis)
         else:
             y = expert_parallel_dropless(tokens, routing, gate, up, down, axis)
         y = y.reshape(b, s, h)
