@@ -225,6 +225,28 @@ def test_an_export_is_the_import_exactly_and_loads_in_transformers(hf, cases, na
 
 
 @pytest.mark.slow
+def test_a_fine_tune_of_an_import_keeps_its_selection_bias_and_exports_back(hf, cases, tmp_path):
+    """A step from the V3 import (its config.yaml) trains the weights and leaves the selection bias as
+    imported (bias_update_rate 0); the trained checkpoint exports with that bias and meshtron's logits."""
+    from meshtron.train.loop import Trainer
+
+    hf_dir, _, imported = cases("v3")
+    cfg = load_config(imported / "config.yaml", [f"checkpoint.dir={tmp_path / 'run'}", "train.steps=1",
+                                                "train.batch_size=2", "train.eval_batches=1", "train.warmup_steps=0",
+                                                "train.lr=1e-3", "model.seq_len=32"])
+    assert (cfg.model.moe.selection_bias, cfg.model.moe.bias_update_rate) == (True, 0.0)
+    assert Trainer.from_config(cfg).run().checkpoints == [1]
+    trained = load_pretrained(tmp_path / "run", MeshConfig(1, 1, 1))
+    exported = export_hf(tmp_path / "run", tmp_path / "hf")
+    original, written = load_file(str(hf_dir / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for key in original:
+        same = np.array_equal(written[key], original[key])
+        assert same == key.endswith("e_score_correction_bias"), key
+    delta("export v3 (trained 1 step)", hf_logits(hf[0], from_pretrained(hf, exported)), meshtron_logits(trained))
+
+
+@pytest.mark.slow
 def test_a_meshtron_deepseek_without_a_selection_bias_exports_as_a_v3(hf, tmp_path):
     """A run's DeepSeek (sigmoid routing, no selection bias, a dense first block, trained on 2x1x2)
     exports as a ``DeepseekV3ForCausalLM`` whose biases are zeros; its logits are meshtron's."""

@@ -1,8 +1,9 @@
-"""Hugging Face checkpoints in and out: Llama-family and GPT-2 weights <-> meshtron checkpoints.
+"""Hugging Face checkpoints in and out: Llama-family, DeepSeek and GPT-2 weights <-> meshtron checkpoints.
 
 :func:`import_hf` reads a Hugging Face model directory (``config.json`` and ``*.safetensors``, one
 file or shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM`` (or a
-``MistralForCausalLM`` that is a Llama: no sliding window) or a ``GPT2LMHeadModel`` and writes a
+``MistralForCausalLM`` that is a Llama: no sliding window), a ``MixtralForCausalLM``, a
+``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM`` or a ``GPT2LMHeadModel`` and writes a
 meshtron checkpoint directory: the model's parameters as step 0, and a recorded config that
 describes the model, so that ``load_pretrained`` / ``meshtron generate --checkpoint`` read it onto
 any mesh. ``config.yaml`` in the directory is the config of a run that fine-tunes it: it starts
@@ -14,8 +15,11 @@ the newest checkpoint's parameters back as ``config.json`` + ``model.safetensors
 
 Each family's mapping -- which architectures it reads, its tensors' names and layouts, its
 ``config.json`` fields both ways -- lives with the family (``models/llama_hf.py``,
-``models/gpt_hf.py``; :mod:`meshtron.families` names them); this module reads
-and writes the directories through them.
+``models/deepseek_hf.py``, ``models/gpt_hf.py``; :mod:`meshtron.families` names them); this module
+reads and writes the directories through them. A parameter some layers do not store (a DeepSeek's
+dense MLP in its expert layers) is zeros there on import and not written on export; parameters
+Hugging Face does not store at all are the mapping's constants; tensors a mapping leaves out on
+purpose (DeepSeek-V3's multi-token-prediction layers) are named in one line on stderr.
 
 meshtron pads the vocabulary of its embedding and head to a multiple of 128 x tensor
 (:func:`meshtron.config.padded_vocab_size`); the padding rows are zeros on import (as meshtron's
