@@ -53,6 +53,9 @@ CASES = {
                           "qk_rope_head_dim": 4, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 2,
                           "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 1.5,
                           "topk_method": "greedy", "rope_parameters": YARN}),
+    # no block with experts: a dense DeepSeek
+    "v3-dense": ("DeepseekV3", {**COMMON, "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8,
+                                "qk_rope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 4}),
 }
 MEASURED: dict[str, tuple[float, float]] = {}  # max|logit difference| per check, printed at the end (pytest -s)
 
@@ -134,7 +137,7 @@ def from_pretrained(hf, directory: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["v3", "v3-lite", "v2"])
+@pytest.mark.parametrize("name", ["v3", "v3-lite", "v2", "v3-dense"])
 def test_imported_logits_equal_transformers_on_any_mesh(cases, name):
     _, reference, output = cases(name)
     for shape in [(1, 1, 1), (2, 2, 2)]:
@@ -173,6 +176,18 @@ def test_the_recorded_config_is_the_deepseek_and_keeps_its_selection_bias(cases)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("override, field, fixed", [
+    ("model.mla.kv_lora_rank=8", "mla.kv_lora_rank", "20"), ("model.first_k_dense_replace=2", "first_k_dense_replace", "1"),
+    ("model.moe.selection_bias=false", "moe.selection_bias", "True"), ("model.moe.shared_experts=2", "moe.shared_experts", "1")])
+def test_overrides_may_not_change_what_the_weights_fix(cases, tmp_path, override, field, fixed):
+    hf_dir, _, _ = cases("v3")
+    with pytest.raises(ConfigError, match=rf"^model\.{re.escape(field)}: the Hugging Face weights fix it at {fixed}"):
+        import_hf(hf_dir, tmp_path / "out", overrides=[override])
+    cfg = load_config(import_hf(hf_dir, tmp_path / "tuned", overrides=["model.moe.bias_update_rate=0.001"]) / "config.yaml")
+    assert (cfg.model.moe.selection_bias, cfg.model.moe.bias_update_rate) == (True, 0.001)
+
+
+@pytest.mark.slow
 def test_multi_token_prediction_layers_are_left_out_saying_so(hf, cases, tmp_path, capsys):
     """A V3 as DeepSeek's checkpoints store it, with its multi-token-prediction layer after its own
     (``model.layers.4``: a block, ``enorm``/``hnorm``/``eh_proj`` and the ``shared_head``): the import
@@ -201,7 +216,7 @@ def test_multi_token_prediction_layers_are_left_out_saying_so(hf, cases, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["v3", "v3-lite", "v2"])
+@pytest.mark.parametrize("name", ["v3", "v3-lite", "v2", "v3-dense"])
 def test_an_export_is_the_import_exactly_and_loads_in_transformers(hf, cases, name, tmp_path):
     """Every tensor written back bit for bit, no other (a dense-or-experts block's unused half is not
     written), the config's fields as they were, and transformers loads it with nothing missing."""
@@ -213,7 +228,11 @@ def test_an_export_is_the_import_exactly_and_loads_in_transformers(hf, cases, na
         np.testing.assert_array_equal(written[key], value, err_msg=key)
     before, after = (json.loads((d / "config.json").read_text()) for d in (hf_dir, exported))
     assert after["architectures"] == before["architectures"]
+    routing = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
+               "topk_group", "routed_scaling_factor", "norm_topk_prob")  # what a dense model has none of
     for field, value in before.items():
+        if name == "v3-dense" and field in routing:
+            continue
         if field in ("rope_parameters", "rope_scaling"):
             assert {k: v for k, v in after[field].items() if k != "type"} == {
                 k: v for k, v in value.items() if k != "type"}, field
@@ -336,3 +355,13 @@ def test_what_meshtron_cannot_represent_is_one_line(tmp_path, config, message):
 def test_what_transformers_cannot_load_does_not_export(moe, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
         deepseek_hf.hf_config(ModelConfig(family="deepseek", moe=moe), False, None)
+
+
+def test_a_v2_routed_greedily_ignores_its_groups(tmp_path):
+    """transformers' V2 ignores ``n_group``/``topk_group`` under ``greedy`` (and keeping every group is
+    greedy): the import routes over every expert; a V3 keeps its group limit."""
+    for config, groups in [({**V2_CONFIG, "n_group": 4, "topk_group": 2}, (1, 1)),
+                           ({**V2_CONFIG, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 4}, (1, 1)),
+                           (V3_CONFIG, (2, 1))]:
+        moe = deepseek_hf.model_config(config, tmp_path / "config.json").moe
+        assert (moe.n_group, moe.topk_group) == groups

@@ -78,7 +78,7 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 # Fields of model.* that the Hugging Face weights fix (an override may not change them).
 _SHAPE_FIELDS = ("family", "factory", "vocab_size", "hidden", "heads", "kv_heads", "layers", "mlp_dim",
                  "rope_theta", "norm_eps", "max_position_embeddings")
-_MOE_FIELDS = ("experts", "top_k", "mlp_dim", "shared_experts")  # the experts, also fixed by the weights
+_MOE_FIELDS = ("experts", "top_k", "mlp_dim", "shared_experts", "selection_bias")  # also fixed by the weights
 # A DeepSeek's latent attention and dense blocks, also fixed by the weights.
 _DEEPSEEK_FIELDS = ("first_k_dense_replace", "mla.q_lora_rank", "mla.kv_lora_rank", "mla.qk_nope_head_dim",
                     "mla.qk_rope_head_dim", "mla.v_head_dim")

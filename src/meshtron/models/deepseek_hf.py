@@ -236,20 +236,22 @@ def _moe_config(hf: dict[str, Any], where: Path, layers: int, v2: bool) -> tuple
     shared = hf.get("n_shared_experts")
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 1:
         raise refuse(where, "n_shared_experts", shared, "meshtron's deepseek has at least one shared expert")
-    n_group = size(hf, "n_group", where, 1) if hf.get("n_group") is not None else 1
-    topk_group = size(hf, "topk_group", where, n_group) if hf.get("topk_group") is not None else n_group
-    if experts % n_group or (n_group > 1 and experts // n_group < 2) or topk_group > n_group:
-        raise ConfigError(f"{where}: n_group={n_group}, topk_group={topk_group}: expected groups of at least 2 of "
-                          f"the n_routed_experts={experts} experts, topk_group of them kept")
     scores, method = ("softmax", "greedy") if v2 else ("sigmoid", "noaux_tc")
     if hf.get("scoring_func", scores) != scores:
         raise refuse(where, "scoring_func", hf["scoring_func"], f"a DeepSeek-{'V2' if v2 else 'V3'} scores by {scores}")
     method_field = hf.get("topk_method", method)
+    if method_field not in (method, "group_limited_greedy" if v2 else method):
+        raise refuse(where, "topk_method", method_field, f"a DeepSeek-{'V2' if v2 else 'V3'} routes by {method}")
+    n_group = size(hf, "n_group", where, 1) if hf.get("n_group") is not None else 1
+    topk_group = size(hf, "topk_group", where, n_group) if hf.get("topk_group") is not None else n_group
     if v2 and method_field == "group_limited_greedy" and topk_group < n_group:
         raise refuse(where, "topk_method", method_field, "meshtron ranks expert groups by their two best experts "
                      "(noaux_tc), not their best; greedy, or topk_group = n_group")
-    if method_field not in (method, "group_limited_greedy" if v2 else method):
-        raise refuse(where, "topk_method", method_field, f"a DeepSeek-{'V2' if v2 else 'V3'} routes by {method}")
+    if v2:  # greedy ignores the groups, and group_limited_greedy keeping them all is greedy
+        n_group = topk_group = 1
+    if experts % n_group or (n_group > 1 and experts // n_group < 2) or topk_group > n_group:
+        raise ConfigError(f"{where}: n_group={n_group}, topk_group={topk_group}: expected groups of at least 2 of "
+                          f"the n_routed_experts={experts} experts, topk_group of them kept")
     weight = float(hf.get("aux_loss_alpha") or 0.0)
     per_sequence = bool(hf.get("seq_aux", True))
     return MoEConfig(
