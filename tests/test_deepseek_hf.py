@@ -212,6 +212,25 @@ def test_multi_token_prediction_layers_are_left_out_saying_so(hf, cases, tmp_pat
     delta("import v3 with an mtp layer", meshtron_logits(load_pretrained(output, MeshConfig(1, 1, 1))), reference)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["v3", "v2"])
+def test_greedy_decoding_from_the_latent_cache_gives_transformers_tokens(hf, cases, name):
+    """``meshtron.sample`` on an import (the latent cache, experts chosen with the imported selection
+    bias) gives the tokens of transformers' model decoding greedily."""
+    from meshtron.generate import sample
+
+    torch, transformers = hf
+    hf_dir, _, imported = cases(name)
+    prompt = [int(t) for t in TOKENS[0, :8]]
+    result = sample(load_pretrained(imported, MeshConfig(1, 1, 1)), prompt, max_new_tokens=12, stop=[])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(12):
+            ids = torch.cat([ids, reference(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert tuple(ids[0, len(prompt):].tolist()) == result.new_tokens
+
+
 # ---- meshtron -> Hugging Face ----------------------------------------------------------------------
 
 
