@@ -382,7 +382,7 @@ GPT2_CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **GPT
     ({**GPT2_CONFIG, "scale_attn_by_inverse_layer_idx": True}, ConfigError,
      r"scale_attn_by_inverse_layer_idx=true is not supported"),
     ({"architectures": ["BertForMaskedLM"], "model_type": "bert"}, ConfigError,
-     r'architectures=\["BertForMaskedLM"\] is not supported; meshtron imports LlamaForCausalLM'),
+     r'architectures=\["BertForMaskedLM"\] is not supported; meshtron imports DeepseekV3ForCausalLM, Deepseek'),
     (LLAMA_CONFIG, CheckpointError, r"holds no \*.safetensors weights"),
 ], ids=["rope_scaling", "rope_parameters", "attention_bias", "mlp_bias", "hidden_act", "head_dim", "mistral-default",
         "sliding_window", "activation_function", "gpt2-untied", "inverse_layer_idx", "architecture", "no-weights"])

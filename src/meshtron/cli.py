@@ -196,7 +196,8 @@ def _summary(cfg: Config) -> str:
     if m.factory is not None:
         return f"{layout}; model from {m.factory}: seq {m.seq_len}, {m.dtype}"
     mapping = hf_mapping(m.family)
-    params = sum(math.prod(spec.hf_shape) * (m.layers if spec.per_layer else 1) for spec in mapping.tensors(m))
+    params = sum(math.prod(spec.hf_shape) * (sum(map(spec.stored_in, range(m.layers))) if spec.per_layer else 1)
+                 * (m.moe.experts if spec.per_expert else 1) for spec in mapping.tensors(m))
     kv = f" ({m.kv_heads or m.heads} kv)" if mapping.GROUPED_QUERY else ""
     return (f"{layout}; {mapping.DISPLAY_NAME} {format_count(params)} params: {m.layers} layers, hidden {m.hidden}, "
             f"{m.heads} heads{kv}, seq {m.seq_len}, {m.dtype}")

@@ -76,7 +76,8 @@ class MoEConfig:
     multiplies the combine weights. ``n_group``/``topk_group``: the experts split into ``n_group``
     groups of which each token may use the ``topk_group`` best (null: all). ``bias_update_rate`` > 0:
     aux-loss-free balancing, a per-expert bias on the scores for selection that each step moves by this
-    rate towards the mean load. ``sequence_aux_loss_weight``: DeepSeek-V3's per-sequence balance loss.
+    rate towards the mean load; ``selection_bias`` keeps that bias with a rate of 0, fixed (an imported
+    DeepSeek-V3's ``e_score_correction_bias``). ``sequence_aux_loss_weight``: DeepSeek-V3's per-sequence balance loss.
     ``dispatch``: how expert parallelism moves rows to the experts: ``padded`` (an all-to-all of each
     destination's worst case) or ``ragged`` (``ragged_all_to_all`` of the routed rows; dropless only;
     without expert parallelism there is no exchange and it changes nothing).
@@ -95,6 +96,9 @@ class MoEConfig:
     n_group: int = 1  # expert groups for group-limited routing (1: no limit)
     topk_group: int | None = None  # groups each token may use (null: all n_group)
     bias_update_rate: float = 0.0  # aux-loss-free balancing's per-step bias update (0: off; DeepSeek-V3: 1e-3)
+    # A selection bias even with bias_update_rate 0, where it stays as it is: an imported DeepSeek-V3's
+    # e_score_correction_bias, which chooses its experts (bias_update_rate > 0 always has one).
+    selection_bias: bool = False
     sequence_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss, per layer
     dispatch: str = "padded"  # expert parallelism's exchange: padded (worst-case all-to-all) or ragged (routed rows)
 
@@ -863,6 +867,8 @@ def validate_moe(m: ModelConfig) -> None:
           f"{e.top_k}; keep more groups")
     _need(e.bias_update_rate >= 0, "model.moe.bias_update_rate",
           f"must be >= 0 (0: no aux-loss-free balancing), got {e.bias_update_rate}")
+    _need(isinstance(e.selection_bias, bool), "model.moe.selection_bias",
+          f"must be true or false, got {e.selection_bias!r}")
     _need(e.sequence_aux_loss_weight >= 0, "model.moe.sequence_aux_loss_weight",
           f"must be >= 0, got {e.sequence_aux_loss_weight}")
     _need(e.dispatch in ("padded", "ragged"), "model.moe.dispatch", f"must be padded or ragged, got {e.dispatch!r}")

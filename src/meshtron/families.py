@@ -50,7 +50,7 @@ class Family:
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt", "meshtron.models.gpt", "meshtron.models.gpt_hf", "meshtron.models.gpt_counts"),
     Family("llama", "meshtron.models.llama", "meshtron.models.llama_hf", "meshtron.models.llama_counts"),
-    Family("deepseek", "meshtron.models.deepseek", None, "meshtron.models.deepseek_counts"),
+    Family("deepseek", "meshtron.models.deepseek", "meshtron.models.deepseek_hf", "meshtron.models.deepseek_counts"),
 )}
 
 FACTORY_STAND_IN = "gpt"

@@ -1,8 +1,9 @@
-"""Hugging Face checkpoints in and out: Llama-family and GPT-2 weights <-> meshtron checkpoints.
+"""Hugging Face checkpoints in and out: Llama-family, DeepSeek and GPT-2 weights <-> meshtron checkpoints.
 
 :func:`import_hf` reads a Hugging Face model directory (``config.json`` and ``*.safetensors``, one
 file or shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM`` (or a
-``MistralForCausalLM`` that is a Llama: no sliding window) or a ``GPT2LMHeadModel`` and writes a
+``MistralForCausalLM`` that is a Llama: no sliding window), a ``MixtralForCausalLM``, a
+``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM`` or a ``GPT2LMHeadModel`` and writes a
 meshtron checkpoint directory: the model's parameters as step 0, and a recorded config that
 describes the model, so that ``load_pretrained`` / ``meshtron generate --checkpoint`` read it onto
 any mesh. ``config.yaml`` in the directory is the config of a run that fine-tunes it: it starts
@@ -14,8 +15,11 @@ the newest checkpoint's parameters back as ``config.json`` + ``model.safetensors
 
 Each family's mapping -- which architectures it reads, its tensors' names and layouts, its
 ``config.json`` fields both ways -- lives with the family (``models/llama_hf.py``,
-``models/gpt_hf.py``; :mod:`meshtron.families` names them); this module reads
-and writes the directories through them.
+``models/deepseek_hf.py``, ``models/gpt_hf.py``; :mod:`meshtron.families` names them); this module
+reads and writes the directories through them. A parameter some layers do not store (a DeepSeek's
+dense MLP in its expert layers) is zeros there on import and not written on export; parameters
+Hugging Face does not store at all are the mapping's constants; tensors a mapping leaves out on
+purpose (DeepSeek-V3's multi-token-prediction layers) are named in one line on stderr.
 
 meshtron pads the vocabulary of its embedding and head to a multiple of 128 x tensor
 (:func:`meshtron.config.padded_vocab_size`); the padding rows are zeros on import (as meshtron's
@@ -28,6 +32,7 @@ sliding window, ...) is refused with one line naming the Hugging Face config fie
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import sys
@@ -73,7 +78,10 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 # Fields of model.* that the Hugging Face weights fix (an override may not change them).
 _SHAPE_FIELDS = ("family", "factory", "vocab_size", "hidden", "heads", "kv_heads", "layers", "mlp_dim",
                  "rope_theta", "norm_eps", "max_position_embeddings")
-_MOE_FIELDS = ("experts", "top_k", "mlp_dim")  # a Mixtral's experts, also fixed by the weights
+_MOE_FIELDS = ("experts", "top_k", "mlp_dim", "shared_experts", "selection_bias")  # also fixed by the weights
+# A DeepSeek's latent attention and dense blocks, also fixed by the weights.
+_DEEPSEEK_FIELDS = ("first_k_dense_replace", "mla.q_lora_rank", "mla.kv_lora_rank", "mla.qk_nope_head_dim",
+                    "mla.qk_rope_head_dim", "mla.v_head_dim")
 
 
 
@@ -188,30 +196,40 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _read_params(weights: _Weights, mapping: ModuleType, m: ModelConfig, shapes: dict[str, jax.ShapeDtypeStruct],
-                 tied: bool) -> dict[str, Any]:
+                 tied: bool, hf: dict[str, Any]) -> dict[str, Any]:
     """The meshtron parameter tree (host arrays, vocabulary padded as ``shapes`` say); a tied head is
-    read from the embedding."""
+    read from the embedding, a layer that does not store a tensor holds zeros, and the mapping's
+    constants fill what Hugging Face does not store."""
     prefixes = (mapping.PREFIX,)
     params: dict[str, Any] = {}
     for spec in mapping.tensors(m):
         target = shapes[spec.path]
         name = mapping.EMBEDDING if spec.path == mapping.HEAD and tied else spec.hf
-        if spec.per_expert:
-            value = np.stack([np.stack([
-                to_meshtron(weights.read(name.format(i=i, j=j), spec.hf_shape, prefixes), spec, target.shape[2:],
-                            target.dtype)
-                for j in range(target.shape[1])]) for i in range(m.layers)])
-        elif spec.per_layer:
-            value = np.stack([
-                to_meshtron(weights.read(name.format(i=i), spec.hf_shape, prefixes), spec, target.shape[1:],
-                            target.dtype)
-                for i in range(m.layers)
-            ])
+
+        def layer(i: int, spec=spec, name=name, shape=target.shape[1:], dtype=target.dtype) -> np.ndarray:
+            if not spec.stored_in(i):
+                return np.zeros(shape, dtype)
+            if spec.per_expert:
+                return np.stack([to_meshtron(weights.read(name.format(i=i, j=j), spec.hf_shape, prefixes), spec,
+                                             shape[1:], dtype) for j in range(shape[0])])
+            return to_meshtron(weights.read(name.format(i=i), spec.hf_shape, prefixes), spec, shape, dtype)
+
+        if spec.per_layer:
+            value = np.stack([layer(i) for i in range(m.layers)])
         else:
             value = to_meshtron(weights.read(name, spec.hf_shape, prefixes), spec, target.shape, target.dtype)
         _set(params, spec.path, value)
+    for path, value in getattr(mapping, "constants", lambda _: {})(m).items():
+        _set(params, path, np.asarray(value, shapes[path].dtype).reshape(shapes[path].shape))
+    assert sorted(leaf_names(params)) == sorted(shapes), (
+        f"the {m.family} mapping fills {sorted(set(leaf_names(params)) ^ set(shapes))} wrongly")
     tied_head = [n for n in weights.unused() if n.endswith("lm_head.weight")] if tied else []
     weights.used.update(tied_head)  # a saved copy of a tied head is the embedding again
+    left_out, why = getattr(mapping, "ignored", lambda _: ((), ""))(hf)
+    skipped = [n for n in weights.unused() if n.startswith(left_out)] if left_out else []
+    if skipped:
+        weights.used.update(skipped)
+        print(f"meshtron: {weights.where}: {len(skipped)} tensors ({skipped[0]}, ...) left out: {why}", file=sys.stderr)
     extra = weights.unused()
     if extra:
         raise CheckpointError(f"{weights.where}: tensor {extra[0]} ({len(extra)} in all) has no place in meshtron's "
@@ -231,10 +249,23 @@ def _override_lines(m: ModelConfig, mesh: MeshConfig) -> list[str]:
         lines.append(f"model.kv_heads={m.kv_heads}")
     if m.moe.experts:
         lines += [f"model.moe.{name}={getattr(m.moe, name)!r}" for name in (*_MOE_FIELDS, "aux_loss_weight")]
+    lines = [line.replace("'", "") for line in lines]
+    # the rest of the model that differs from the defaults (a DeepSeek's routing, latent attention, YaRN)
+    lines += [f"model.{name}={json.dumps(value)}" for name, value in _changed(m, ModelConfig()) if name not in
+              {line.split("=")[0][len("model."):] for line in lines}]
     lines += [f"parallel.{axis}={getattr(mesh, axis)}" for axis in ("data", "pipe", "tensor")]
     if mesh.pipe > 1:  # the fewest microbatches that fill the pipeline (an override may ask for more)
         lines.append(f"parallel.microbatches={mesh.pipe}")
-    return [line.replace("'", "") for line in lines]
+    return lines
+
+
+def _changed(value: Any, default: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """The dotted fields of a config dataclass ``value`` that differ from ``default``'s (nested sections
+    field by field; a dict, such as ``rope_scaling``, whole)."""
+    if not dataclasses.is_dataclass(value):
+        return [] if value == default else [(prefix[:-1], value)]
+    return [found for f in dataclasses.fields(value)
+            for found in _changed(getattr(value, f.name), getattr(default, f.name), f"{prefix}{f.name}.")]
 
 
 def _run_config(model: ModelConfig, mesh: MeshConfig, overrides: Sequence[str]) -> Config:
@@ -244,6 +275,7 @@ def _run_config(model: ModelConfig, mesh: MeshConfig, overrides: Sequence[str]) 
     check_features(cfg)
     fixed = [(name, getattr(model, name), getattr(cfg.model, name)) for name in _SHAPE_FIELDS]
     fixed += [(f"moe.{name}", getattr(model.moe, name), getattr(cfg.model.moe, name)) for name in _MOE_FIELDS]
+    fixed += [(name, _dotted(model, name), _dotted(cfg.model, name)) for name in _DEEPSEEK_FIELDS]
     for name, wanted, got in fixed:
         if name == "kv_heads":
             wanted, got = wanted or model.heads, got or cfg.model.heads
@@ -251,6 +283,12 @@ def _run_config(model: ModelConfig, mesh: MeshConfig, overrides: Sequence[str]) 
             raise ConfigError(f"model.{name}: the Hugging Face weights fix it at {wanted!r}; do not override it "
                               f"(got {got!r})")
     return cfg
+
+
+def _dotted(section: Any, name: str) -> Any:
+    for part in name.split("."):
+        section = getattr(section, part)
+    return section
 
 
 def _hf_tokenizer(hf_dir: Path, vocab_size: int):
@@ -314,7 +352,7 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     model_def = model_def_from_config(cfg.model, tensor)
     model_def.check_mesh(device_mesh)
     shapes = dict(zip(leaf_names(model_def.shapes()), jax.tree.leaves(model_def.shapes()), strict=True))
-    host = _read_params(_Weights(hf_dir), mapping, model, shapes, tied)
+    host = _read_params(_Weights(hf_dir), mapping, model, shapes, tied, hf)
     params = jax.device_put(host, model_def.shardings(device_mesh))
     del host
 
@@ -396,15 +434,17 @@ def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, argument: s
         if spec.path == mapping.HEAD and tied:
             continue
         value = _get(params, spec.path)
+        stored = [i for i in range(m.layers) if spec.stored_in(i)]
         if spec.per_expert:
-            for i in range(m.layers):
+            for i in stored:
                 for j in range(value.shape[1]):
                     tensors[spec.hf.format(i=i, j=j)] = to_hf(value[i, j], spec)
         elif spec.per_layer:
-            for i in range(m.layers):
+            for i in stored:
                 tensors[spec.hf.format(i=i)] = to_hf(value[i], spec)
         else:
             tensors[spec.hf] = to_hf(value, spec)
+    tensors.update(getattr(mapping, "zeros_on_export", lambda _: {})(m))
     tokenizer = checkpoint_tokenizer(checkpoint_dir)
     with new_directory(output_dir, argument, what="the export") as partial:
         save_file(tensors, str(partial / HF_WEIGHTS), metadata={"format": "pt"})

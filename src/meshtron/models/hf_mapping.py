@@ -9,7 +9,12 @@ line naming the field it cannot represent), ``tensors(model)``, ``head_tied(hf)`
 stored as the embedding), ``HEAD`` and ``EMBEDDING`` (the meshtron head parameter, if separate, and
 the Hugging Face name of the embedding), ``hf_config(model, tied, eod)`` (the exported
 ``config.json``), ``ties_on_export(params)``, and for listings ``DISPLAY_NAME`` and
-``GROUPED_QUERY``. :mod:`meshtron.huggingface` reads and writes the directories through them.
+``GROUPED_QUERY``. Optionally ``constants(model)`` (parameters Hugging Face does not store, by
+meshtron name: values fixed by the config) and ``ignored(hf)`` (prefixes of stored tensors the model
+has no place for and leaves out on purpose, with the line that says why) and ``zeros_on_export(model)``
+(tensors transformers needs that the model does not hold, by Hugging Face name: zeros that change
+nothing). :mod:`meshtron.huggingface`
+reads and writes the directories through them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class HfTensor:
     stacked ``[layers, ...]``) and ``{j}`` for the expert of a per-expert one (stacked
     ``[layers, experts, ...]``). ``linear``: a ``[out, in]`` ``nn.Linear`` weight, transposed before
     it is reshaped to meshtron's shape. ``vocab``: the leading axis is the (padded) vocabulary.
+    ``layers``: the ``[first, end)`` layers that store a per-layer tensor (None: all); meshtron's
+    stack holds the parameter in every layer, zeros where Hugging Face has none, and they are not
+    written back (the unused half of a block that is dense in some layers and experts in others).
     """
 
     path: str
@@ -42,6 +50,11 @@ class HfTensor:
     hf_shape: tuple[int, ...]
     linear: bool = False
     vocab: bool = False
+    layers: tuple[int, int] | None = None
+
+    def stored_in(self, layer: int) -> bool:
+        """Whether Hugging Face stores this per-layer tensor for ``layer``."""
+        return self.layers is None or self.layers[0] <= layer < self.layers[1]
 
     @property
     def per_layer(self) -> bool:

@@ -181,7 +181,7 @@ def hf_config(m: ModelConfig, tied: bool, eod: int | None) -> dict[str, Any]:
                               "renormalised top-k weights; this model cannot be exported as one")
         limited = e.n_group > 1 and (e.topk_group or e.n_group) < e.n_group
         routed = {"router": e.router != "softmax", "routed_scaling_factor": e.routed_scaling_factor != 1.0,
-                  "topk_group": limited, "bias_update_rate": e.bias_update_rate > 0}
+                  "topk_group": limited, "bias_update_rate": e.bias_update_rate > 0, "selection_bias": e.selection_bias}
         for field, differs in routed.items():
             if differs:
                 raise ConfigError(f"model.moe.{field}: a Mixtral routes by softmax top-k over every expert, without a "

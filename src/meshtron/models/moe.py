@@ -11,7 +11,8 @@ limited to the best ``topk_group`` of ``n_group`` expert groups, combine weights
 ``routed_scaling_factor``, and, with ``bias_update_rate`` > 0, aux-loss-free balancing: a per-expert
 selection bias (:data:`BIAS`) that each step moves towards the mean load (:class:`BiasBalancing`). The
 bias is training state, not a weight; the step learns the load from the gradient of a probe beside it
-(:data:`LOAD`, :mod:`meshtron.models.probed_state`). :func:`moe_dims_from_config` maps ``model.moe`` to
+(:data:`LOAD`, :mod:`meshtron.models.probed_state`). With ``selection_bias`` and a rate of 0 the bias
+is there but stays as it is (an imported DeepSeek-V3's, which chooses its experts). :func:`moe_dims_from_config` maps ``model.moe`` to
 the layer's :class:`MoEDims` for every family that has experts.
 
 **Dropless by default.** The ``T·k`` (token, expert) assignments are sorted by expert and each
@@ -85,7 +86,8 @@ class MoEDims:
     routed_scaling_factor: float = 1.0  # multiplies the combine weights
     n_group: int = 1  # expert groups for group-limited routing
     topk_group: int = 1  # groups each token may use (n_group: no limit)
-    bias_update_rate: float = 0.0  # aux-loss-free balancing's bias step (0: no selection bias)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing's bias step (0: the bias, if any, stays as it is)
+    selection_bias: bool = False  # a per-expert bias on the scores for selection (BIAS)
     sequence_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
     dispatch: str = "padded"  # expert-parallel exchange: padded (all-to-all) or ragged (ragged_all_to_all)
     dtype: jnp.dtype = jnp.float32
@@ -107,8 +109,9 @@ def moe_dims_from_config(cfg: ModelConfig) -> MoEDims | None:
         aux_loss_weight=e.aux_loss_weight, z_loss_weight=e.z_loss_weight, shared_mlp_dim=e.shared_experts * width,
         normalize_top_k=e.normalize_top_k, router=e.router, routed_scaling_factor=e.routed_scaling_factor,
         n_group=e.n_group, topk_group=e.n_group if e.topk_group is None else e.topk_group,
-        bias_update_rate=e.bias_update_rate, sequence_aux_loss_weight=e.sequence_aux_loss_weight,
-        dispatch=e.dispatch, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+        bias_update_rate=e.bias_update_rate, selection_bias=e.selection_bias or e.bias_update_rate > 0,
+        sequence_aux_loss_weight=e.sequence_aux_loss_weight, dispatch=e.dispatch,
+        dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
     )
 
 
@@ -462,7 +465,7 @@ class MoE(nnx.Module):
             self.shared_gate = param((h, fs), ("embed", "mlp"))
             self.shared_up = param((h, fs), ("embed", "mlp"))
             self.shared_down = param((fs, h), ("mlp", "embed"))
-        if dims.bias_update_rate:
+        if dims.selection_bias:  # kept by the step's ProbedState, which moves it by bias_update_rate (0: not at all)
             def zeros(kind):
                 return kind(nnx.with_partitioning(nnx.initializers.zeros_init(), (None,))(None, (e,), jnp.float32))
 
@@ -474,7 +477,7 @@ class MoE(nnx.Module):
         d = self.dims
         b, s, h = x.shape
         tokens = _whole(x.reshape(b * s, h))
-        bias = getattr(self, BIAS)[...] if d.bias_update_rate else None
+        bias = getattr(self, BIAS)[...] if d.selection_bias else None
         routing = route(tokens @ self.router[...].astype(x.dtype), d.top_k, d.normalize_top_k, scores=d.router,
                         bias=bias, n_group=d.n_group, topk_group=d.topk_group, scaling=d.routed_scaling_factor)
         gate, up, down = self.gate[...], self.up[...], self.down[...]

@@ -1,0 +1,343 @@
+"""The deepseek family's Hugging Face mapping: ``DeepseekV3ForCausalLM`` and ``DeepseekV2ForCausalLM``
+<-> meshtron's DeepSeek (:mod:`meshtron.models.deepseek`); the contract of a mapping is
+:mod:`meshtron.models.hf_mapping`'s.
+
+Names: meshtron's parameters are named after Hugging Face's modules, so each tensor is its module's
+name. Layouts: ``nn.Linear`` weights are ``[out, in]`` and a per-head ``out`` is ``(heads, d)``
+(head-major), so ``q_b_proj[r, n, d] = q_b_proj.weight.T.reshape(r, n, d)`` (``q_proj`` and
+``kv_b_proj`` likewise) and ``o_proj[n, v, h] = o_proj.weight.T.reshape(n, v, h)``. The rotary
+features are used as stored: meshtron rotates adjacent pairs (``rope_interleave``, and always for a
+V2, whose complex-number rotation pairs them the same way) or halves as Hugging Face does.
+
+Experts are stored one by one, as the Hub's checkpoints and ``save_pretrained`` write them
+(``mlp.experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``), with the router ``mlp.gate.weight``
+``[experts, hidden]`` and the shared experts as one SwiGLU (``mlp.shared_experts``, ``n_shared_experts
+· moe_intermediate_size`` wide). The first ``first_k_dense_replace`` layers store a dense ``mlp``
+instead; meshtron's stack holds both in every layer (:class:`meshtron.models.deepseek.DenseOrExperts`),
+so on import the half a layer does not store is zeros (never read) and on export it is not written.
+
+**Routing.** A V3 routes by sigmoid scores, choosing by ``scores + e_score_correction_bias`` within
+the ``topk_group`` best of ``n_group`` groups (each scored by its two best), weights renormalised
+when ``norm_topk_prob``, times ``routed_scaling_factor``: :func:`meshtron.models.moe.route` with
+``router: sigmoid``. The bias is part of the model -- it decides which experts a token uses -- so an
+import keeps it as ``model.moe.selection_bias: true`` with ``bias_update_rate: 0``: present, used for
+selection, never changed by training (set ``model.moe.bias_update_rate`` to move it by aux-loss-free
+balancing in a fine-tune). A V2 routes by softmax scores, top-k without renormalisation (``greedy``),
+times ``routed_scaling_factor``. V2's ``group_limited_greedy`` ranks groups by their best expert,
+which meshtron's groups (their two best) do not, so only its unlimited form (``topk_group`` =
+``n_group``) imports.
+
+**Multi-token prediction.** A V3's ``num_nextn_predict_layers`` extra layers (stored after the
+model's own, as ``model.layers.{num_hidden_layers + k}``) only train; transformers does not load
+them and neither does meshtron: an import leaves them out, saying so, and an export writes none.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshtron.config import MlaConfig, ModelConfig, MoEConfig
+from meshtron.errors import ConfigError
+from meshtron.models.hf_mapping import HfTensor, context, number, refuse, size
+from meshtron.models.llama_hf import DEFAULT_SEQ_LEN
+
+DISPLAY_NAME = "DeepSeek"  # as meshtron configs lists it
+GROUPED_QUERY = False  # keys and values come from one latent
+FAMILY = "deepseek"
+ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+PREFIX = "model."
+HEAD = "lm_head"
+EMBEDDING = "model.embed_tokens.weight"
+_YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+         "attention_factor", "truncate")
+
+
+def _routed(m: ModelConfig) -> tuple[str, tuple[int, int] | None, tuple[int, int] | None]:
+    """Where the mixture of experts' parameters are in the tree, and the layers that store the experts
+    and the dense MLP (None: all)."""
+    if not m.moe.experts:
+        return "", None, None
+    if m.first_k_dense_replace == 0:
+        return "blocks.mlp.", None, (0, 0)
+    return "blocks.mlp.experts.", (m.first_k_dense_replace, m.layers), (0, m.first_k_dense_replace)
+
+
+def tensors(m: ModelConfig) -> list[HfTensor]:
+    a, h, n, v = m.mla, m.hidden, m.heads, m.vocab_size
+    dq = a.qk_nope_head_dim + a.qk_rope_head_dim
+    layer, attn = "model.layers.{i}.", "blocks.self_attn."
+    if a.q_lora_rank is None:
+        queries = [HfTensor(attn + "q_proj.kernel", layer + "self_attn.q_proj.weight", (n * dq, h), linear=True)]
+    else:
+        r = a.q_lora_rank
+        queries = [
+            HfTensor(attn + "q_a_proj.kernel", layer + "self_attn.q_a_proj.weight", (r, h), linear=True),
+            HfTensor(attn + "q_a_layernorm.scale", layer + "self_attn.q_a_layernorm.weight", (r,)),
+            HfTensor(attn + "q_b_proj.kernel", layer + "self_attn.q_b_proj.weight", (n * dq, r), linear=True),
+        ]
+    return [
+        HfTensor("embedding", EMBEDDING, (v, h), vocab=True),
+        HfTensor("blocks.input_layernorm.scale", layer + "input_layernorm.weight", (h,)),
+        *queries,
+        HfTensor(attn + "kv_a_proj_with_mqa.kernel", layer + "self_attn.kv_a_proj_with_mqa.weight",
+                 (a.kv_lora_rank + a.qk_rope_head_dim, h), linear=True),
+        HfTensor(attn + "kv_a_layernorm.scale", layer + "self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,)),
+        HfTensor(attn + "kv_b_proj.kernel", layer + "self_attn.kv_b_proj.weight",
+                 (n * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), linear=True),
+        HfTensor(attn + "o_proj.kernel", layer + "self_attn.o_proj.weight", (h, n * a.v_head_dim), linear=True),
+        HfTensor("blocks.post_attention_layernorm.scale", layer + "post_attention_layernorm.weight", (h,)),
+        *_mlp(m, layer),
+        HfTensor("norm.scale", "model.norm.weight", (h,)),
+        HfTensor("lm_head", "lm_head.weight", (v, h), vocab=True),
+    ]
+
+
+def _mlp(m: ModelConfig, layer: str) -> list[HfTensor]:
+    h, e = m.hidden, m.moe
+    prefix, expert_layers, dense_layers = _routed(m)
+    dense = [] if dense_layers == (0, 0) else [
+        HfTensor(f"blocks.mlp.{'dense.' if prefix else ''}{name}.kernel", f"{layer}mlp.{name}_proj.weight", shape,
+                 linear=True, layers=dense_layers)
+        for name, shape in (("gate", (m.mlp_dim, h)), ("up", (m.mlp_dim, h)), ("down", (h, m.mlp_dim)))]
+    if not e.experts:
+        return dense
+    f = e.mlp_dim or m.mlp_dim
+    fs, expert = e.shared_experts * f, layer + "mlp.experts.{j}."
+    experts = [
+        HfTensor(prefix + "router", layer + "mlp.gate.weight", (e.experts, h), linear=True, layers=expert_layers),
+        *(HfTensor(prefix + name, f"{expert}{name}_proj.weight", shape, linear=True, layers=expert_layers)
+          for name, shape in (("gate", (f, h)), ("up", (f, h)), ("down", (h, f)))),
+        *(HfTensor(f"{prefix}shared_{name}", f"{layer}mlp.shared_experts.{name}_proj.weight", shape, linear=True,
+                   layers=expert_layers)
+          for name, shape in (("gate", (fs, h)), ("up", (fs, h)), ("down", (h, fs)))),
+    ]
+    if e.selection_bias or e.bias_update_rate > 0:
+        experts.append(HfTensor(prefix + "e_score_correction_bias", layer + "mlp.gate.e_score_correction_bias",
+                                (e.experts,), layers=expert_layers))
+    return dense + experts
+
+
+def constants(m: ModelConfig) -> dict[str, np.ndarray]:
+    """What Hugging Face does not store: the per-layer switch between a block's dense MLP and its
+    experts, and the zeros of the selection bias's load probe."""
+    prefix, _, _ = _routed(m)
+    found: dict[str, np.ndarray] = {}
+    if prefix == "blocks.mlp.experts.":
+        found["blocks.mlp.routed"] = (np.arange(m.layers) >= m.first_k_dense_replace).astype(np.float32)
+    if prefix and (m.moe.selection_bias or m.moe.bias_update_rate > 0):
+        found[prefix + "expert_load"] = np.zeros((m.layers, m.moe.experts), np.float32)
+    return found
+
+
+def ignored(hf: dict[str, Any]) -> tuple[tuple[str, ...], str]:
+    """The multi-token-prediction layers a V3 stores after its own: left out (transformers does too)."""
+    layers, extra = hf.get("num_hidden_layers"), hf.get("num_nextn_predict_layers") or 0
+    if not isinstance(layers, int) or not isinstance(extra, int):
+        return (), ""
+    names = tuple(f"{start}layers.{layers + k}." for k in range(extra) for start in ("model.", ""))
+    return names, (f"num_nextn_predict_layers={extra}: the multi-token-prediction layers only train, and "
+                   "meshtron's deepseek has none (transformers does not load them either)")
+
+
+def _is_v2(hf: dict[str, Any]) -> bool:
+    return hf.get("architectures") == ["DeepseekV2ForCausalLM"] or (
+        not hf.get("architectures") and hf.get("model_type") == "deepseek_v2")
+
+
+def _rope(hf: dict[str, Any], where: Path, max_positions: int) -> tuple[float, dict[str, Any] | None]:
+    """The RoPE base and YaRN parameters (None: plain RoPE), from ``rope_theta`` + ``rope_scaling``
+    (transformers 4.x, DeepSeek's own configs) or ``rope_parameters`` (5.x)."""
+    supported = "meshtron's deepseek has plain RoPE or YaRN (rope_type default or yarn)"
+    scaling, parameters = hf.get("rope_scaling"), hf.get("rope_parameters")
+    yarn = None
+    for field, rope in (("rope_scaling", scaling), ("rope_parameters", parameters)):
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise refuse(where, field, rope, supported)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "yarn"):
+            raise refuse(where, field, rope, supported)
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise refuse(where, f"{field}.partial_rotary_factor", rope["partial_rotary_factor"],
+                          "meshtron's deepseek rotates all qk_rope_head_dim features (1.0)")
+        if kind == "yarn":
+            yarn = {"type": "yarn", **{k: rope[k] for k in _YARN if rope.get(k) is not None}}
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise refuse(where, "partial_rotary_factor", hf["partial_rotary_factor"],
+                      "meshtron's deepseek rotates all qk_rope_head_dim features (1.0)")
+    theta = (parameters or {}).get("rope_theta", (scaling or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = number({"rope_theta": theta}, "rope_theta", where, 10000.0)
+    if yarn is not None:
+        original = yarn.setdefault("original_max_position_embeddings", max_positions)
+        if yarn.get("factor") is None:  # transformers' rule for a config without one
+            yarn["factor"] = max_positions / original
+    return theta, yarn
+
+
+def model_config(hf: dict[str, Any], where: Path) -> ModelConfig:
+    """The meshtron model of a DeepSeek-V3 or -V2 ``config.json``; what it cannot represent (biases,
+    another activation, another rotary scaling, key/value heads of their own, V2's group-limited
+    routing, no shared experts) is one line naming the field."""
+    v2 = _is_v2(hf)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise refuse(where, "hidden_act", hf["hidden_act"], "meshtron's deepseek MLPs are SwiGLU (silu)")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field, False):
+            raise refuse(where, field, hf[field], "meshtron's deepseek has no biases (false)")
+    hidden, heads = size(hf, "hidden_size", where), size(hf, "num_attention_heads", where)
+    kv_heads = hf.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        raise refuse(where, "num_key_value_heads", kv_heads,
+                     f"a DeepSeek's keys and values come from one latent per head: num_attention_heads={heads}")
+    layers = size(hf, "num_hidden_layers", where)
+    max_positions = size(hf, "max_position_embeddings", where, 2048)
+    q_lora_rank = hf.get("q_lora_rank")
+    if q_lora_rank is not None:
+        q_lora_rank = size(hf, "q_lora_rank", where)
+    rope_dim = size(hf, "qk_rope_head_dim", where)
+    if rope_dim % 2:
+        raise refuse(where, "qk_rope_head_dim", rope_dim, "rotary features turn in pairs: an even number")
+    interleave = True if v2 else hf.get("rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise refuse(where, "rope_interleave", interleave, "true or false")
+    theta, yarn = _rope(hf, where, max_positions)
+    mlp_dim = size(hf, "intermediate_size", where)
+    moe, first_dense = _moe_config(hf, where, layers, v2)
+    return ModelConfig(
+        family=FAMILY, vocab_size=size(hf, "vocab_size", where), hidden=hidden, heads=heads, layers=layers,
+        mlp_dim=mlp_dim, seq_len=min(max_positions, DEFAULT_SEQ_LEN), max_position_embeddings=max_positions,
+        rope_theta=theta, rope_scaling=yarn, norm_eps=number(hf, "rms_norm_eps", where, 1e-6),
+        mla=MlaConfig(q_lora_rank=q_lora_rank, kv_lora_rank=size(hf, "kv_lora_rank", where),
+                      qk_nope_head_dim=size(hf, "qk_nope_head_dim", where), qk_rope_head_dim=rope_dim,
+                      v_head_dim=size(hf, "v_head_dim", where), rope_interleave=interleave),
+        moe=moe, first_k_dense_replace=first_dense,
+    )
+
+
+def _moe_config(hf: dict[str, Any], where: Path, layers: int, v2: bool) -> tuple[MoEConfig, int]:
+    """The experts and the dense blocks before them; a model whose every layer is dense has none."""
+    first_dense = hf.get("first_k_dense_replace", 0)
+    if not isinstance(first_dense, int) or isinstance(first_dense, bool) or first_dense < 0:
+        raise ConfigError(f"{where}: first_k_dense_replace={json.dumps(first_dense)}: expected an integer >= 0")
+    if hf.get("n_routed_experts") is None or first_dense >= layers:
+        return MoEConfig(), 0
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise refuse(where, "moe_layer_freq", hf["moe_layer_freq"],
+                     "every layer after first_k_dense_replace has experts in meshtron's deepseek (1)")
+    experts, top_k = size(hf, "n_routed_experts", where), size(hf, "num_experts_per_tok", where)
+    if top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok={top_k} is more than n_routed_experts={experts}")
+    shared = hf.get("n_shared_experts")
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 1:
+        raise refuse(where, "n_shared_experts", shared, "meshtron's deepseek has at least one shared expert")
+    scores, method = ("softmax", "greedy") if v2 else ("sigmoid", "noaux_tc")
+    if hf.get("scoring_func", scores) != scores:
+        raise refuse(where, "scoring_func", hf["scoring_func"], f"a DeepSeek-{'V2' if v2 else 'V3'} scores by {scores}")
+    method_field = hf.get("topk_method", method)
+    if method_field not in (method, "group_limited_greedy" if v2 else method):
+        raise refuse(where, "topk_method", method_field, f"a DeepSeek-{'V2' if v2 else 'V3'} routes by {method}")
+    n_group = size(hf, "n_group", where, 1) if hf.get("n_group") is not None else 1
+    topk_group = size(hf, "topk_group", where, n_group) if hf.get("topk_group") is not None else n_group
+    if v2 and method_field == "group_limited_greedy" and topk_group < n_group:
+        raise refuse(where, "topk_method", method_field, "meshtron ranks expert groups by their two best experts "
+                     "(noaux_tc), not their best; greedy, or topk_group = n_group")
+    if v2:  # greedy ignores the groups, and group_limited_greedy keeping them all is greedy
+        n_group = topk_group = 1
+    if experts % n_group or (n_group > 1 and experts // n_group < 2) or topk_group > n_group:
+        raise ConfigError(f"{where}: n_group={n_group}, topk_group={topk_group}: expected groups of at least 2 of "
+                          f"the n_routed_experts={experts} experts, topk_group of them kept")
+    weight = float(hf.get("aux_loss_alpha") or 0.0)
+    per_sequence = bool(hf.get("seq_aux", True))
+    return MoEConfig(
+        experts=experts, top_k=top_k, mlp_dim=size(hf, "moe_intermediate_size", where), shared_experts=shared,
+        router=scores, normalize_top_k=False if v2 else bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=number(hf, "routed_scaling_factor", where, 1.0 if v2 else 2.5),
+        n_group=n_group, topk_group=topk_group, selection_bias=not v2,
+        aux_loss_weight=0.0 if per_sequence else weight, sequence_aux_loss_weight=weight if per_sequence else 0.0,
+    ), first_dense
+
+
+def head_tied(hf: dict[str, Any]) -> bool:
+    """Whether the checkpoint stores its head as the embedding (``tie_word_embeddings``)."""
+    return bool(hf.get("tie_word_embeddings", False))
+
+
+def ties_on_export(params: dict[str, Any]) -> bool:
+    """Write the head tied when it still equals the embedding."""
+    return bool(np.array_equal(np.asarray(params["embedding"]), np.asarray(params["lm_head"])))
+
+
+def _exportable(m: ModelConfig) -> bool:
+    """Whether the model is a V2 (softmax scores, no renormalisation, no bias) rather than a V3; one line
+    for a mixture of experts neither can hold."""
+    e = m.moe
+    if not e.experts:
+        return False
+    if e.capacity_factor:
+        raise ConfigError("model.moe.capacity_factor: a DeepSeek's experts are dropless; this model cannot be exported "
+                          "to Hugging Face")
+    if not e.shared_experts:
+        raise ConfigError("model.moe.shared_experts: a DeepSeek has at least one shared expert; this model cannot be "
+                          "exported to Hugging Face")
+    if e.router == "sigmoid":
+        return False
+    if e.normalize_top_k or e.selection_bias or e.bias_update_rate > 0 or not m.mla.rope_interleave:
+        field = ("normalize_top_k" if e.normalize_top_k else "selection_bias" if e.selection_bias
+                 or e.bias_update_rate > 0 else "mla.rope_interleave")
+        raise ConfigError(f"model.{'' if field.startswith('mla') else 'moe.'}{field}: a softmax router is a "
+                          "DeepSeek-V2's, which neither renormalises its top-k weights nor has a selection bias, and "
+                          "rotates adjacent pairs; this model cannot be exported to Hugging Face")
+    return True
+
+
+def zeros_on_export(m: ModelConfig) -> dict[str, np.ndarray]:
+    """What transformers needs that the model does not hold: a V3's selection bias, zeros (no bias) for
+    a model routed without one."""
+    e = m.moe
+    if not e.experts or e.router != "sigmoid" or e.selection_bias or e.bias_update_rate > 0:
+        return {}
+    return {f"model.layers.{i}.mlp.gate.e_score_correction_bias": np.zeros((e.experts,), np.float32)
+            for i in range(m.first_k_dense_replace, m.layers)}
+
+
+def hf_config(m: ModelConfig, tied: bool, eod: int | None) -> dict[str, Any]:
+    """The exported ``config.json``: a ``DeepseekV3ForCausalLM`` (sigmoid router, or no experts) or a
+    ``DeepseekV2ForCausalLM`` (softmax router), in float32."""
+    v2, a, e = _exportable(m), m.mla, m.moe
+    experts = e.experts or 1
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling is not None:
+        yarn = {k: v for k, v in m.rope_scaling.items() if k not in ("type", "rope_type")}
+        rope = {"rope_type": "yarn", "rope_theta": m.rope_theta, **yarn}
+    config = {
+        "architectures": [ARCHITECTURES[1] if v2 else ARCHITECTURES[0]],
+        "model_type": MODEL_TYPES[1] if v2 else MODEL_TYPES[0], "vocab_size": m.vocab_size,
+        "bos_token_id": eod, "eos_token_id": eod, "tie_word_embeddings": tied, "torch_dtype": "float32",
+        "dtype": "float32", "use_cache": True,
+        "hidden_size": m.hidden, "num_attention_heads": m.heads, "num_key_value_heads": m.heads,
+        "num_hidden_layers": m.layers, "intermediate_size": m.mlp_dim,
+        "max_position_embeddings": context(m), "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta, "rope_parameters": rope, "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "q_lora_rank": a.q_lora_rank, "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_head_dim,
+        "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim,
+        "first_k_dense_replace": m.first_k_dense_replace if e.experts else m.layers,
+        "n_routed_experts": experts, "num_experts_per_tok": e.top_k if e.experts else 1,
+        "moe_intermediate_size": (e.mlp_dim or m.mlp_dim) if e.experts else m.mlp_dim,
+        "n_shared_experts": e.shared_experts if e.experts else 1, "routed_scaling_factor": e.routed_scaling_factor,
+        "n_group": e.n_group if e.experts else 1,
+        "topk_group": (e.n_group if e.topk_group is None else e.topk_group) if e.experts else 1,
+        "aux_loss_alpha": e.sequence_aux_loss_weight or e.aux_loss_weight, "seq_aux": e.sequence_aux_loss_weight > 0,
+    }
+    if v2:
+        ungrouped = {"n_group": None, "topk_group": None} if config["n_group"] == 1 else {}  # V2's spelling
+        return {**config, **ungrouped, "mlp_bias": False, "topk_method": "greedy", "scoring_func": "softmax",
+                "norm_topk_prob": False}
+    return {**config, "rope_interleave": a.rope_interleave, "norm_topk_prob": e.normalize_top_k,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}
