@@ -209,12 +209,19 @@ def test_mtp_over_a_sequence_split_on_context_ranks_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [Layout(1, 1, 8), Layout(2, 2, 2, "1f1b"), Layout(2, 2, 2, "interleaved", 2)],
-                         ids=str)
+@pytest.mark.parametrize("layout", [Layout(1, 1, 8), Layout(2, 2, 2, "1f1b"), Layout(2, 2, 2, "interleaved", 2),
+                                    Layout(4, 2, 1, "zb-h1", microbatches=2)], ids=str)
 def test_mtp_loss_and_gradients_equal_one_device(layout):
     md = model_def_from_config(small(1, layers=4), layout.tensor)
     [report] = check_parity(md, [layout], grouped_loss=True)
     assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_mtp_under_sequence_parallelism_equals_one_device():
+    md = model_def_from_config(small(1), 4, rules={"residual_seq": "tensor"})
+    [report] = check_parity(md, [Layout(2, 1, 4)], grouped_loss=True)
+    assert report.ok
 
 
 @pytest.mark.slow
@@ -267,3 +274,11 @@ def test_mtp_trains_alike_at_every_zero_level_and_is_recorded():
         np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5, err_msg=str(zero))
         jax.tree.map(lambda a, b, zero=zero: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(zero)),
                      jax.device_get(result.params["mtp"]), jax.device_get(reference.params["mtp"]))
+
+
+@pytest.mark.slow
+def test_the_mtp_blocks_experts_are_balanced_without_an_auxiliary_loss_too():
+    result = deepseek_trainer("parallel.data=2", "parallel.pipe=1", "parallel.tensor=1",
+                              "model.moe.bias_update_rate=0.001", "train.steps=2").run()
+    bias = np.asarray(jax.device_get(result.params["mtp"]["depth1"]["block"]["mlp"]["e_score_correction_bias"]))
+    assert np.all(np.isin(np.round(bias / 0.001), [-2, -1, 0, 1, 2])) and np.any(bias != 0)  # two steps of ±rate
