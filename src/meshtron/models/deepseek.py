@@ -38,6 +38,12 @@ and the mixture of experts (:class:`DenseOrExperts`) and a constant per-layer sw
 it runs (``lax.cond``: only that one is computed); the other's parameters get no gradient and are
 never read. The cost is their memory: the dense MLP's in every expert layer and the experts' in
 every dense layer.
+
+**Multi-token prediction** (``mtp_layers`` > 0, DeepSeek-V3's): the modules of
+:mod:`meshtron.models.mtp` under ``mtp`` (``depth1`` ..), each with a block of this family (an
+expert block when the model has experts), sharing the embedding and the head's projection
+(:meth:`Deepseek.projected`); their loss is the contract's further loss (:meth:`Deepseek.extra_loss`),
+so they run where the head runs and generation never calls them.
 """
 
 from __future__ import annotations
