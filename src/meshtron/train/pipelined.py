@@ -162,7 +162,8 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
         return jax.tree.map(lambda axes: logical_to_spec((None, *axes[1:])), model_def.logical_axes()["blocks"],
                             is_leaf=lambda x: isinstance(x, tuple))
 
-    return StageFunctions(embed, stage, loss if extra is None else extra_value, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
+    head = loss if extra is None else extra_value
+    return StageFunctions(embed, stage, head, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
                           remat=execution.remat, activation_spec=lambda: logical_to_spec(RESIDUAL),
                           chunk_specs=chunk_specs, reporting_stage=reporting_stage, prepare=prepare)
 
