@@ -125,6 +125,19 @@ class MlaConfig:
 
 
 @dataclass
+class MtpConfig:
+    """DeepSeek-V3's multi-token prediction (``deepseek``; :mod:`meshtron.models.mtp`): ``layers``
+    sequential modules after the last block, module ``k`` predicting the token ``k + 1`` places past
+    the next one from the previous depth's hidden state and the embedding of token ``i + k``, through
+    the model's shared embedding and output head. Their mean cross-entropy times ``loss_weight`` joins
+    the objective (reported apart as ``mtp/loss``). 0 layers: none. ``loss_weight`` 0.3 is the
+    paper's for its first 10T tokens (then 0.1)."""
+
+    layers: int = 0
+    loss_weight: float = 0.3
+
+
+@dataclass
 class ModelConfig:
     """The model: a built-in ``family`` (gpt, llama, deepseek) or a user's ``factory`` (``package.module:function``
     called as ``function(model_config, rngs)``), its sizes, dtypes and activation recomputation.
@@ -170,6 +183,7 @@ class ModelConfig:
     # original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim}); null: none.
     rope_scaling: dict[str, Any] | None = None
     first_k_dense_replace: int = 0  # deepseek with model.moe.experts: the first k blocks keep a dense MLP
+    mtp: MtpConfig = field(default_factory=MtpConfig)
 
 
 @dataclass
@@ -724,6 +738,7 @@ def validate(cfg: Config) -> None:
     _need(m.norm_eps > 0, "model.norm_eps", f"must be > 0 (the normalisation epsilon), got {m.norm_eps}")
     validate_moe(m)
     validate_mla(m)
+    validate_mtp(m)
     if m.max_position_embeddings is not None:
         _need(m.max_position_embeddings >= m.seq_len, "model.max_position_embeddings",
               f"{m.max_position_embeddings} is shorter than model.seq_len={m.seq_len}: the training window must fit "
@@ -875,6 +890,21 @@ def validate_moe(m: ModelConfig) -> None:
     _need(e.dispatch == "padded" or not e.capacity_factor, "model.moe.dispatch",
           f"ragged sends each expert its routed rows, so it needs dropless experts; set model.moe.capacity_factor=0 "
           f"(got {e.capacity_factor:g}) or model.moe.dispatch=padded")
+
+
+def validate_mtp(m: ModelConfig) -> None:
+    """``model.mtp``: multi-token prediction's depth and loss weight, for the deepseek family only."""
+    t = m.mtp
+    _need(isinstance(t.layers, int) and not isinstance(t.layers, bool) and t.layers >= 0, "model.mtp.layers",
+          f"must be a whole number >= 0 (0: no multi-token prediction; DeepSeek-V3: 1), got {t.layers!r}")
+    _need(isinstance(t.loss_weight, (int, float)) and not isinstance(t.loss_weight, bool) and t.loss_weight >= 0,
+          "model.mtp.loss_weight", f"must be a number >= 0 (DeepSeek-V3: 0.3, later 0.1), got {t.loss_weight!r}")
+    _need(t.layers == 0 or (m.factory is None and m.family == "deepseek"), "model.mtp.layers",
+          f"multi-token prediction is built by the deepseek family only, got "
+          f"{'model.factory' if m.factory is not None else 'family ' + repr(m.family)}; set model.mtp.layers=0")
+    _need(t.layers < m.seq_len, "model.mtp.layers",
+          f"{t.layers} depths predict past a model.seq_len={m.seq_len} window: every target would fall off it; "
+          "lower it or lengthen the window")
 
 
 YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",

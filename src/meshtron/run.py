@@ -176,6 +176,10 @@ def check_features(cfg: Config) -> None:
           f"FP8 projections do not compile inside the switch between the deepseek family's dense and expert "
           f"blocks (model.first_k_dense_replace={m.first_k_dense_replace} with model.moe.experts={m.moe.experts}); "
           "set model.fp8=off, or model.first_k_dense_replace=0 (every block a mixture of experts)")
+    _need(not m.mtp.layers or cfg.mesh.context <= 1, "model.mtp.layers",
+          f"multi-token prediction reads each position's tokens k places on, which a sequence split over "
+          f"parallel.context={cfg.mesh.context} ranks keeps on another rank; use parallel.context=1 or "
+          "model.mtp.layers=0")
     check_collective_matmul(cfg)
     _check_sizes(cfg)
 

@@ -22,6 +22,12 @@ user's model is a third. A model is any ``nnx.Module`` with:
     vocabulary when the head's parameters are (logical axis ``vocab``).
 ``loss(logits, targets) -> [b, s]`` (optional)
     Per-token loss; default :func:`vocab_parallel_cross_entropy` over ``vocab_size``.
+``extra_loss(x [b, s, h], tokens) -> ExtraLoss | None`` (optional)
+    One further loss of the last block's output ``x`` and the batch's ``tokens`` (any form
+    :func:`next_token_pairs` reads), computed where the head runs (the last pipeline stage):
+    :class:`ExtraLoss`, its unweighted value, the weight it joins the objective's gradient with and
+    the metric it is reported under (:func:`head_loss`); ``None``: none. DeepSeek-V3's multi-token
+    prediction (:mod:`meshtron.models.mtp`).
 ``max_len: int`` (optional)
     The longest sequence the model can attend over (learned positions); generation keeps at
     most this many tokens of context. Without it, the run's ``model.seq_len``.
@@ -52,8 +58,9 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,8 +72,9 @@ from meshtron.models.blocks import LAYERS, Context, layer_parameters, run_blocks
 from meshtron.sharding import Rules, variable_axes
 
 __all__ = [
-    "Context", "ModelContractError", "ModelFactory", "check_model", "checked_model", "layer_parameters",
-    "layer_reports", "lm_loss", "logits_of", "next_token_pairs", "token_losses", "vocab_parallel_cross_entropy",
+    "Context", "ExtraLoss", "ExtraLossReport", "ModelContractError", "ModelFactory", "batch_reports", "check_model",
+    "checked_model", "extra_loss", "head_loss", "layer_parameters", "layer_reports", "lm_loss", "logits_of",
+    "next_token_pairs", "token_losses", "vocab_parallel_cross_entropy",
 ]  # Context and layer_parameters are blocks' (imported from here by the train step)
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -91,6 +99,34 @@ def layer_reports(model: nnx.Module, tokens: jax.Array, ctx: Context | None = No
     forward through embedding and blocks."""
     ctx = Context.for_sequence(*tokens.shape) if ctx is None else ctx
     return run_blocks(model.blocks, model.embed(tokens, ctx), ctx, collect=True)[1]
+
+
+class ExtraLoss(NamedTuple):
+    """A model's further loss (its ``extra_loss``): the scalar ``value`` (unweighted), the ``weight`` it
+    joins the objective's gradient with, and the ``name`` of the metric it is reported under."""
+
+    name: str
+    value: jax.Array
+    weight: float
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ExtraLossReport:
+    """A model's further loss as the step reports it: ``value`` summed over the report's groups
+    (microbatches × data shards), :meth:`metrics` their mean under ``name``."""
+
+    value: jax.Array
+    name: str = field(metadata={"static": True})
+
+    def metrics(self, groups: int = 1) -> dict[str, float]:
+        return {self.name: float(self.value) / groups}
+
+
+def extra_loss(model: nnx.Module, x: jax.Array, tokens: jax.Array) -> ExtraLoss | None:
+    """The model's further loss of the last block's output ``x`` (``None`` without one)."""
+    own = getattr(model, "extra_loss", None)
+    return None if own is None else own(x, tokens)
 
 
 def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
@@ -125,12 +161,41 @@ def logits_of(model: nnx.Module, tokens: jax.Array, *, remat: str = "none", ctx:
     return model.head(run_blocks(model.blocks, model.embed(tokens, ctx), ctx, remat=remat))
 
 
+def head_loss(model: nnx.Module, x: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The objective of the last block's output ``x`` [b, s, h] for a batch ``tokens`` (any form
+    :func:`next_token_pairs` reads): the mean next-token loss through the head, for packed documents'
+    features each token's loss weighted as they say.
+
+    A model's :func:`extra_loss` joins the gradient only: ``weight · extra`` is added and subtracted
+    again under ``stop_gradient``, so the value stays the next-token loss exactly (the loss every run
+    reports and evaluates, comparable with a model without it) while the gradient is that of
+    ``loss + weight · extra``, whatever seed a schedule gives the loss. The extra loss is reported on
+    its own (:func:`batch_reports`)."""
+    seen = documents.view(tokens)
+    loss = documents.weighted_mean(token_losses(model, model.head(x), seen.targets), seen.weights)
+    extra = extra_loss(model, x, tokens)
+    if extra is not None and extra.weight:
+        term = extra.weight * extra.value.astype(jnp.float32)
+        loss = loss + (term - jax.lax.stop_gradient(term))
+    return loss
+
+
 def lm_loss(model: nnx.Module, tokens: jax.Array, *, remat: str = "none") -> jax.Array:
     """Mean next-token loss of a batch (any form :func:`next_token_pairs` reads); for packed
-    documents' features, each token's loss weighted as they say."""
-    seen = documents.view(tokens)
-    logits = logits_of(model, seen.inputs, remat=remat, ctx=Context.for_tokens(tokens))
-    return documents.weighted_mean(token_losses(model, logits, seen.targets), seen.weights)
+    documents' features, each token's loss weighted as they say. The objective: with a model's
+    :func:`extra_loss`, its gradient is that of the extra loss too (:func:`head_loss`)."""
+    seen, ctx = documents.view(tokens), Context.for_tokens(tokens)
+    return head_loss(model, run_blocks(model.blocks, model.embed(seen.inputs, ctx), ctx, remat=remat), tokens)
+
+
+def batch_reports(model: nnx.Module, tokens: jax.Array) -> tuple[Any, ...]:
+    """What a forward over a batch ``tokens`` (any form :func:`next_token_pairs` reads) reports: the
+    blocks' reports stacked over the layers (:func:`layer_reports`), then, with a model's
+    :func:`extra_loss`, its unweighted value (:class:`ExtraLossReport`)."""
+    seen, ctx = documents.view(tokens), Context.for_tokens(tokens)
+    x, found = run_blocks(model.blocks, model.embed(seen.inputs, ctx), ctx, collect=True)
+    extra = extra_loss(model, x, tokens)
+    return found if extra is None else (*found, ExtraLossReport(extra.value.astype(jnp.float32), extra.name))
 
 
 # ---- checking a model -------------------------------------------------------------------------

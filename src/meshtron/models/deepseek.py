@@ -38,12 +38,18 @@ and the mixture of experts (:class:`DenseOrExperts`) and a constant per-layer sw
 it runs (``lax.cond``: only that one is computed); the other's parameters get no gradient and are
 never read. The cost is their memory: the dense MLP's in every expert layer and the experts' in
 every dense layer.
+
+**Multi-token prediction** (``mtp_layers`` > 0, DeepSeek-V3's): the modules of
+:mod:`meshtron.models.mtp` under ``mtp`` (``depth1`` ..), each with a block of this family (an
+expert block when the model has experts), sharing the embedding and the head's projection
+(:meth:`Deepseek.projected`); their loss is the contract's further loss (:meth:`Deepseek.extra_loss`),
+so they run where the head runs and generation never calls them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -52,6 +58,7 @@ import numpy as np
 from flax import nnx
 
 from meshtron.config import ModelConfig, padded_vocab_size
+from meshtron.models import mtp
 from meshtron.models.attention import causal_attention
 from meshtron.models.auxiliary import collecting_reports, report
 from meshtron.models.blocks import (
@@ -62,7 +69,7 @@ from meshtron.models.blocks import (
     exit_parallel_region,
 )
 from meshtron.models.collective_matmul import column_parallel, row_parallel
-from meshtron.models.contract import logits_of
+from meshtron.models.contract import ExtraLoss, logits_of, token_losses
 from meshtron.models.fp8 import projection_einsum
 from meshtron.models.fused_attention import dot_product_attention
 from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block
@@ -168,6 +175,8 @@ class DeepseekDims:
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     moe: MoEDims | None = None
+    mtp_layers: int = 0  # multi-token prediction depths after the last block (0: none)
+    mtp_loss_weight: float = 0.0  # their mean loss's weight in the objective
 
     @property
     def qk_head_dim(self) -> int:
@@ -386,8 +395,27 @@ def _stacked_blocks(dims: DeepseekDims, rngs: nnx.Rngs) -> nnx.Module:
     return make(keys, routed)
 
 
+class PredictionDepths(nnx.Module):
+    """The multi-token prediction modules (:mod:`meshtron.models.mtp`), ``depth1`` .. ``depthD``: each
+    block a mixture of experts when the model has experts (DeepSeek-V3's), else a dense block."""
+
+    def __init__(self, dims: DeepseekDims, *, rngs: nnx.Rngs):
+        block_dims = replace(dims, first_k_dense=0)  # an expert block, never the dense-or-experts switch
+        self.count = dims.mtp_layers
+        for k in range(1, dims.mtp_layers + 1):
+            setattr(self, f"depth{k}", mtp.PredictionDepth(
+                dims.hidden, Block(block_dims, jnp.asarray(True), rngs=rngs),
+                lambda: _norm(dims.hidden, dims.norm_eps, dims, rngs), dtype=dims.dtype,
+                param_dtype=dims.param_dtype, rngs=rngs))
+
+    def __iter__(self):
+        return (getattr(self, f"depth{k}") for k in range(1, self.count + 1))
+
+
 class Deepseek(nnx.Module):
-    """Token embedding, stacked blocks, final RMSNorm, untied LM head."""
+    """Token embedding, stacked blocks, final RMSNorm, untied LM head; with ``mtp_layers``, the
+    multi-token prediction modules after them (``mtp``: their own subtree of the parameters, which
+    generation never reads)."""
 
     def __init__(self, dims: DeepseekDims, *, rngs: nnx.Rngs):
         self.dims = dims
@@ -397,6 +425,8 @@ class Deepseek(nnx.Module):
         self.norm = _norm(dims.hidden, dims.norm_eps, dims, rngs)
         self.lm_head = nnx.Param(
             padded_vocab_init(dims.vocab_size)(rngs.params(), (dims.vocab_padded, dims.hidden), dims.param_dtype))
+        if dims.mtp_layers:
+            self.mtp = PredictionDepths(dims, rngs=rngs)
 
     @property
     def vocab_size(self) -> int:
@@ -409,9 +439,23 @@ class Deepseek(nnx.Module):
 
     def head(self, x: jax.Array) -> jax.Array:
         """Logits over the padded vocabulary, left split over ``vocab`` (fp32 for the loss)."""
-        x = enter_parallel_region(self.norm(x))
+        return self.projected(self.norm(x))
+
+    def projected(self, x: jax.Array) -> jax.Array:
+        """The output projection of a normed hidden state ``x``: the head after its norm, which the
+        multi-token prediction modules share."""
+        x = enter_parallel_region(x)
         logits = jnp.einsum("bse,ve->bsv", x, self.lm_head[...].astype(x.dtype))
         return constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def extra_loss(self, x: jax.Array, tokens: jax.Array) -> ExtraLoss | None:
+        """The multi-token prediction loss (the contract's further loss) of the last block's output ``x``
+        for the batch ``tokens``; ``None`` without ``mtp_layers``."""
+        if not self.dims.mtp_layers:
+            return None
+        value = mtp.prediction_loss(list(self.mtp), self.norm(x), tokens, embed=self.embed, logits=self.projected,
+                                    token_losses=lambda logits, targets: token_losses(self, logits, targets))
+        return ExtraLoss(mtp.METRIC, value, self.dims.mtp_loss_weight)
 
     def init_cache(self, batch: int, max_len: int) -> LatentCache:
         """Zeroed latent caches for every layer, stacked ``[layers, batch, max_len, kv_lora_rank +
@@ -434,7 +478,8 @@ def dims_from_config(cfg: ModelConfig, tensor: int = 1) -> DeepseekDims:
         v_head_dim=a.v_head_dim, rope=rope_from_config(a.qk_rope_head_dim, cfg.rope_theta, scaling, a.rope_interleave),
         scale=softmax_scale(a.qk_nope_head_dim + a.qk_rope_head_dim, scaling),
         first_k_dense=cfg.first_k_dense_replace, norm_eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
-        param_dtype=jnp.dtype(cfg.param_dtype), moe=moe_dims_from_config(cfg),
+        param_dtype=jnp.dtype(cfg.param_dtype), moe=moe_dims_from_config(cfg), mtp_layers=cfg.mtp.layers,
+        mtp_loss_weight=float(cfg.mtp.loss_weight),
     )
 
 

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from meshtron.execution import DEFAULT_EXECUTION, Execution
-from meshtron.models.blocks import Context
-from meshtron.models.contract import layer_reports, next_token_pairs
+from meshtron.models.contract import batch_reports
 from meshtron.train.state import ModelDef, Params
 
 __all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "plain_forward_backward"]
@@ -26,7 +25,8 @@ __all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "plain_forwa
 class ForwardBackward(NamedTuple):
     """``gradients(params, tokens) -> (mean loss, local gradients)``; ``loss(params, tokens)``: the
     forward pass alone (evaluation); ``reports(params, tokens)``: what the layers report (a mixture of
-    experts' routing), stacked over the layers in model order and summed over the microbatches.
+    experts' routing), stacked over the layers in model order, then a model's further loss
+    (:class:`~meshtron.models.contract.ExtraLossReport`), summed over the microbatches.
     ``loss_groups``: how many microbatches' mean losses the backward seeds at full weight, each averaged
     afterwards (its output gradients are that many times the whole batch's)."""
 
@@ -82,8 +82,7 @@ def plain_forward_backward(model_def: ModelDef, microbatches: int,
     recomputed as ``execution.remat`` says."""
 
     def reports(params: Params, tokens: jax.Array):
-        found = jax.lax.map(lambda mb: layer_reports(model_def.bind(params), next_token_pairs(mb)[0],
-                                                     Context.for_tokens(mb)), as_microbatches(tokens, microbatches))
+        found = jax.lax.map(lambda mb: batch_reports(model_def.bind(params), mb), as_microbatches(tokens, microbatches))
         return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
 
     return ForwardBackward(

@@ -25,7 +25,7 @@ from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.blocks import RESIDUAL, Context, run_blocks, run_layer
-from meshtron.models.contract import next_token_pairs, token_losses
+from meshtron.models.contract import ExtraLossReport, extra_loss, head_loss, next_token_pairs
 from meshtron.models.fp8 import quantized_weights
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
@@ -97,15 +97,21 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
                         is_leaf=param_shaped)
 
 
-def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execution = DEFAULT_EXECUTION) -> StageFunctions:
+def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execution = DEFAULT_EXECUTION,
+                    extra: list[str] | None = None) -> StageFunctions:
     """A contract model cut into embedding (first virtual stage), a chunk of blocks, and head + loss
-    (last virtual stage). Activations between stages are ``x`` [rows, seq, hidden]; every stage
-    reads its positions (and packed documents' segments) from the microbatch's tokens, which every
-    stage holds (:meth:`~meshtron.models.blocks.Context.for_tokens`).
+    (last virtual stage: the objective of :func:`~meshtron.models.contract.head_loss`, a model's further
+    loss included). Activations between stages are ``x`` [rows, seq, hidden]; every stage reads its
+    positions (and packed documents' segments) from the microbatch's tokens, which every stage holds
+    (:meth:`~meshtron.models.blocks.Context.for_tokens`).
 
     The runtime seeds each microbatch's loss gradient with ``1/microbatches``; the blocks'
-    auxiliary losses are seeded alike (:func:`~meshtron.models.auxiliary.auxiliary_loss_scale`). Layers
-    are recomputed as ``execution.remat`` says."""
+    auxiliary losses are seeded alike (:func:`~meshtron.models.auxiliary.auxiliary_loss_scale`), the
+    head's too (a further loss's own blocks). Layers are recomputed as ``execution.remat`` says.
+
+    ``extra``: the last stage computes the model's further loss (unweighted) instead of the objective,
+    and appends its metric name to ``extra`` when traced (without one: the objective, nothing appended):
+    what a forward-only pipeline reports."""
     aux_scale = 1.0 / microbatches
 
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
@@ -118,9 +124,15 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
                               remat=execution.remat, active=active, weights=weights)
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
-        model = model_def.bind(shared)
-        seen = documents.view(tokens)
-        return documents.weighted_mean(token_losses(model, model.head(y), seen.targets), seen.weights)
+        with auxiliary_loss_scale(aux_scale):
+            return head_loss(model_def.bind(shared), y, tokens)
+
+    def extra_value(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        found = extra_loss(model_def.bind(shared), y, tokens)
+        if found is None:
+            return loss(shared, y, tokens)
+        extra.append(found.name)
+        return found.value
 
     def layer(layer_blocks: Params, x: jax.Array, tokens: jax.Array, weights=None) -> jax.Array:
         # One block, as run_blocks applies each: the stacked module's graph with one layer's values.
@@ -150,7 +162,8 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
         return jax.tree.map(lambda axes: logical_to_spec((None, *axes[1:])), model_def.logical_axes()["blocks"],
                             is_leaf=lambda x: isinstance(x, tuple))
 
-    return StageFunctions(embed, stage, loss, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
+    head = loss if extra is None else extra_value
+    return StageFunctions(embed, stage, head, layout=lambda x: constrain(x, RESIDUAL), layer=layer,
                           remat=execution.remat, activation_spec=lambda: logical_to_spec(RESIDUAL),
                           chunk_specs=chunk_specs, reporting_stage=reporting_stage, prepare=prepare)
 
@@ -189,7 +202,7 @@ def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan, execution: Exec
 
 
 def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = False,
-                   execution: Execution = DEFAULT_EXECUTION):
+                   execution: Execution = DEFAULT_EXECUTION, extra: list[str] | None = None):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
     Same stages, layer placement and microbatches as training (``plan``'s), but a forward-only table:
@@ -197,10 +210,11 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     all-gather every pipe-sharded layer onto each device).
 
     ``reports=True``: ``-> (loss, reports)``, what the layers reported summed over the microbatches,
-    stacked over the stage-ordered layer axis (as the block parameters are).
+    stacked over the stage-ordered layer axis (as the block parameters are). ``extra``: the loss is the
+    model's further loss instead, its name appended to ``extra`` when traced (:func:`stage_functions`).
     """
     forward = plan.forward_only()
-    fns = stage_functions(model_def, execution=execution)
+    fns = stage_functions(model_def, execution=execution, extra=extra)
     chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
@@ -229,7 +243,8 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
     sched = plan.program.schedule
     run_schedule = pipelined_gradients(model_def, plan, execution)
     run_forward = pipelined_loss(model_def, plan, execution=execution)
-    run_reporting = pipelined_loss(model_def, plan, reports=True, execution=execution)
+    extra: list[str] = []  # the name of the model's further loss, once a report is traced
+    run_reporting = pipelined_loss(model_def, plan, reports=True, execution=execution, extra=extra)
     model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
                                                               plan.layout)))
 
@@ -237,8 +252,11 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
         return as_microbatches(tokens, microbatches)
 
     def reports(params: Params, tokens: jax.Array):
-        found = run_reporting(params, micro(tokens))[1]
-        return jax.tree.map(lambda r: jnp.take(r, model_order, axis=0), found)
+        extra_mean, found = run_reporting(params, micro(tokens))
+        found = jax.tree.map(lambda r: jnp.take(r, model_order, axis=0), found)
+        if not extra:
+            return found
+        return (*found, ExtraLossReport(extra_mean * microbatches, extra[0]))  # summed over the microbatches
 
     return ForwardBackward(
         gradients=lambda params, tokens: run_schedule(params, micro(tokens)),

@@ -116,8 +116,8 @@ class PlainProgress:
         if math.isfinite(record.get("tokens_per_s", math.nan)):
             parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
         parts += [f"lr {record['lr']:.2e}", f"grad norm {record['grad_norm']:.3g}"]
-        if routing_summary(record):
-            parts.append(routing_summary(record))
+        if reported_summary(record):
+            parts.append(reported_summary(record))
         if stage:
             parts.append(f"stage {stage}")
         parts.append(f"{elapsed:,.0f} s")
@@ -134,6 +134,16 @@ def routing_summary(record: dict[str, Any]) -> str:
     if "moe/bias_min" in record:
         text += f"  bias {record['moe/bias_min']:+.3g}..{record['moe/bias_max']:+.3g}"
     return text
+
+
+def reported_summary(record: dict[str, Any]) -> str:
+    """What the model reported beside the loss, as the progress shows it: the multi-token prediction
+    loss (``mtp/loss``, unweighted) and a mixture of experts' balance (:func:`routing_summary`); ``""``
+    for a record without them."""
+    parts = [f"mtp {record['mtp/loss']:.4f}"] if "mtp/loss" in record else []
+    if routing_summary(record):
+        parts.append(routing_summary(record))
+    return "  ".join(parts)
 
 
 class RunReport:
@@ -244,7 +254,7 @@ class RunProgress:
             self.bar.update(self.task, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
                             stage=f"{stage} " if self.staged else "", comm=format_bytes(data_bytes))
         if reported:
-            self.bar.update(self.task, routing=routing_summary(reported))
+            self.bar.update(self.task, routing=reported_summary(reported))
         record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "step_seconds": step_seconds, "lr": lr,
                   "grad_norm": grad_norm,
                   "stage": stage, "data_bytes": data_bytes, "model_flops_per_s": self.flops_per_token * tokens_per_s}
