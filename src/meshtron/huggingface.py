@@ -411,7 +411,8 @@ def _get(tree: dict[str, Any], dotted: str) -> np.ndarray:
 def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, argument: str = "output_dir") -> Path:
     """Write the newest checkpoint in ``checkpoint_dir`` as a Hugging Face model directory.
 
-    ``output_dir`` gets ``config.json`` (``LlamaForCausalLM`` or ``GPT2LMHeadModel``, float32) and
+    ``output_dir`` gets ``config.json`` (``LlamaForCausalLM``, ``DeepseekV3ForCausalLM`` or ``GPT2LMHeadModel``,
+    float32) and
     ``model.safetensors`` (float32, without meshtron's vocabulary padding), plus the checkpoint's
     tokenizer file (``tokenizer.json``: with a ``tokenizer_config.json`` for ``AutoTokenizer``).
     A Llama's head is written tied (``tie_word_embeddings: true``, no ``lm_head.weight``) when it
