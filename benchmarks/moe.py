@@ -10,10 +10,25 @@ width 48 (both 384 active) on the same mesh: median step time, the compiled step
 (``cost_analysis``) and the bytes the step sends over ``data`` (all-to-alls and the gradient
 reduction), which say where the time goes.
 
+(c) **Fine-grained experts and aux-loss-free balancing** (:mod:`moe_balance`'s tiny model on data=2,
+experts split over data): 64 experts of width 24, top-8, sigmoid scores balanced by the selection bias
+alone (``bias_update_rate`` > 0, no balance loss), against the same 64 experts routed by a softmax with
+the load-balancing loss, and against Mixtral's 8 experts of width 96, top-2, softmax and the loss: all
+three 192 active feed-forward columns per token, as the tiny model's dense MLP. Held-out loss, every
+step's busiest expert over the mean, dropped assignments (counted), tokens/s.
+
+(d) **The balancing figure.** From a skewed start (every layer's selection bias 0.1 on expert 0 of 8,
+top-2, so expert 0 takes every token: 4x the mean load), sigmoid routing with no balance loss: the bias
+rule at ``bias_update_rate`` 0.01 against the same bias held fixed (rate 0). The step at which the
+busiest expert falls under 1.3x the mean, and the final values.
+
     .venv/bin/python benchmarks/moe.py                 # (a) 300 steps each, (b) 20 steps each: ~20 minutes
     .venv/bin/python benchmarks/moe.py --steps 100     # shorter (a)
+    .venv/bin/python benchmarks/moe.py --part c        # ~10 minutes
+    .venv/bin/python benchmarks/moe.py --part d        # ~4 minutes
 
-Writes ``results/moe.json`` and ``results/moe.png``.
+(a) and (b) write ``results/moe.json`` and ``results/moe.png``; (c) ``results/moe_fine_grained.{json,png}``;
+(d) ``results/moe_balancing.{json,png}``.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import statistics
 
 import _common  # sets the simulated devices before JAX is imported
 import jax
+import moe_balance
 import numpy as np
 import throughput as throughput_benchmark
 
@@ -35,6 +51,20 @@ QUALITY = {"dense (mlp 384)": ("llama_cpu8", []),
            "8 experts top-2 (mlp 192)": ("mixtral_cpu8", [])}
 THROUGHPUT = {"8 experts top-2 (mlp 192)": ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp_dim=192"],
               "64 experts top-8 (mlp 48)": ["model.moe.experts=64", "model.moe.top_k=8", "model.moe.mlp_dim=48"]}
+FINE = ["model.moe.experts=64", "model.moe.top_k=8", "model.moe.mlp_dim=24"]
+SOFTMAX_AUX = ["model.moe.router=softmax", "model.moe.aux_loss_weight=0.01", "model.moe.z_loss_weight=0.001"]
+SIGMOID_BIAS = ["model.moe.router=sigmoid", "model.moe.aux_loss_weight=0", "model.moe.z_loss_weight=0"]
+RATE = 0.01  # the bias's step: DeepSeek-V3 used 1e-3 over far more steps; 200 steps need a larger one
+FINE_GRAINED = {"64 x 24 top-8, sigmoid + bias": [*FINE, *SIGMOID_BIAS, f"model.moe.bias_update_rate={RATE}"],
+                "64 x 24 top-8, softmax + aux loss": [*FINE, *SOFTMAX_AUX],
+                "8 x 96 top-2, softmax + aux loss": ["model.moe.experts=8", "model.moe.top_k=2",
+                                                     "model.moe.mlp_dim=96", *SOFTMAX_AUX]}
+SKEW = (1, 0.1)  # (hot experts, bias offset): expert 0 wins every token's selection at the start
+BALANCING = {f"bias rule, rate {RATE}": [f"model.moe.bias_update_rate={RATE}"],
+             "bias fixed, rate 0": ["model.moe.bias_update_rate=0", "model.moe.selection_bias=true"]}
+BALANCING_BASE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp_dim=96", *SIGMOID_BIAS,
+                  "train.batch_size=32"]
+THRESHOLD = 1.3
 
 
 def expert_load(trainer: Trainer, params) -> dict | None:
@@ -111,11 +141,91 @@ def plot(results: dict) -> None:
     fig.savefig(_common.RESULTS / "moe.png", dpi=120)
 
 
+def fine_grained(steps: int) -> dict:
+    out = {}
+    for name, overrides in FINE_GRAINED.items():
+        run = moe_balance.train_recording_load(name, overrides, steps)
+        out[name] = run.summary()
+        print(f"  (c) {name}: held-out {run.heldout_loss:.4f}, {run.tokens_per_s:,.0f} tok/s, dropped {run.dropped} "
+              f"of {run.routed:,} (expected {run.expected_routed:,})", flush=True)
+    return out
+
+
+def balancing(steps: int) -> dict:
+    out = {}
+    for name, overrides in BALANCING.items():
+        run = moe_balance.train_recording_load(name, [*BALANCING_BASE, *overrides], steps, skew=SKEW)
+        out[name] = run.summary()
+        print(f"  (d) {name}: first under {THRESHOLD} at step {run.first_below(THRESHOLD)}, final "
+              f"{run.imbalance[-1]:.3f}", flush=True)
+    return out
+
+
+def tail_mean(values: list[float], last: int = 50) -> float:
+    return float(np.mean(values[-last:]))
+
+
+def report_fine_grained(steps: int) -> None:
+    results = {"steps": steps, "model": moe_balance.TINY, "rate": RATE, "runs": fine_grained(steps)}
+    rows = [[name, f"{r['parameters']:,}", f"{r['heldout_loss']:.4f}", f"{r['imbalance'][0]:.2f}",
+             f"{tail_mean(r['imbalance']):.2f}", f"{max(r['imbalance'][-50:]):.2f}", f"{r['dropped']}",
+             f"{r['routed']:,}", f"{r['tokens_per_s']:,.0f}"] for name, r in results["runs"].items()]
+    print(f"\n(c) {steps} steps, 192 active feed-forward columns per token")
+    _common.print_table(["router", "parameters", "held-out loss", "busiest/mean step 1", "mean last 50",
+                         "max last 50", "dropped", "routed", "tokens/s"], rows)
+    _common.write_results("moe_fine_grained", results)
+    plot_load("moe_fine_grained", results["runs"], f"(c) busiest expert / mean, every step's batch (worst layer), "
+              f"{steps} steps")
+
+
+def report_balancing(steps: int) -> None:
+    results = {"steps": steps, "model": [*moe_balance.TINY, *BALANCING_BASE], "skew": SKEW, "threshold": THRESHOLD,
+               "runs": balancing(steps)}
+    rows = [[name, f"{r['imbalance'][0]:.2f}", str(r["first_below_1.3"]), str(r["stays_below_1.3_from"]),
+             f"{tail_mean(r['imbalance']):.2f}", f"{r['imbalance'][-1]:.2f}",
+             f"{r['bias_range'][-1][0]:.3f} .. {r['bias_range'][-1][1]:.3f}", f"{r['heldout_loss']:.4f}"]
+            for name, r in results["runs"].items()]
+    print(f"\n(d) {steps} steps from expert 0 of 8 taking every token, no balance loss")
+    _common.print_table(["selection bias", "step 1", f"first < {THRESHOLD}", f"< {THRESHOLD} from", "mean last 50",
+                         "final", "bias range at the end", "held-out loss"], rows)
+    _common.write_results("moe_balancing", results)
+    plot_load("moe_balancing", results["runs"], "(d) busiest expert / mean from a skewed start, no balance loss "
+              "(8 experts top-2, sigmoid)", threshold=THRESHOLD)
+
+
+def plot_load(name: str, runs: dict, title: str, threshold: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for label, r in runs.items():
+        ax.plot(range(1, len(r["imbalance"]) + 1), r["imbalance"], label=f"{label} (held-out {r['heldout_loss']:.3f})",
+                linewidth=1)
+    if threshold is not None:
+        ax.axhline(threshold, color="black", linestyle="--", linewidth=0.8, label=f"{threshold}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("busiest expert's load / mean (worst layer)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(_common.RESULTS / f"{name}.png", dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["ab", "c", "d"], default="ab",
+                        help="ab: quality and throughput; c: fine-grained experts; d: the balancing figure")
     parser.add_argument("--steps", type=int, default=300, help="training steps of each model in (a)")
     parser.add_argument("--throughput-steps", type=int, default=20, help="timed steps of each model in (b)")
+    parser.add_argument("--balance-steps", type=int, default=200, help="training steps of each run in (c) and (d)")
     args = parser.parse_args()
+    if args.part == "c":
+        return report_fine_grained(args.balance_steps)
+    if args.part == "d":
+        return report_balancing(args.balance_steps)
     results = {"steps": args.steps, "quality": quality(args.steps), "throughput": throughput(args.throughput_steps)}
     rows = [[name, f"{r['parameters']:,}", f"{r['heldout_loss']:.4f}", f"{r['tokens_per_s']:,.0f}",
              "-" if r["load"] is None else f"{max(r['load']['max_over_mean']):.2f}"]

@@ -40,12 +40,14 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "Collective",
     "MeshOrSizes",
+    "RaggedAllToAll",
     "bytes_by_axes",
     "collective_of",
     "collectives",
     "count_by",
     "device_groups",
     "iota_device_groups",
+    "ragged_all_to_alls",
     "ring_wire_bytes",
 ]
 
@@ -203,14 +205,16 @@ def ring_wire_bytes(kind: str, nbytes: float, group_size: int) -> float:
 
     all-reduce 2(n-1)/n*S (reduce-scatter then all-gather), all-gather (n-1)/n*S_out,
     reduce-scatter (n-1)*S_out, all-to-all (n-1)/n*S, collective-permute and -broadcast S.
-    A group of one device sends nothing.
+    A ragged all-to-all's S is what it sends (:class:`RaggedAllToAll`: at most its smaller buffer with
+    balanced routing), (n-1)/n of which leaves when the rows spread evenly over the group. A group of one device
+    sends nothing.
     """
     n = group_size
     if n <= 1:
         return 0.0
     if kind == "all-reduce":
         return 2 * (n - 1) / n * nbytes
-    if kind in ("all-gather", "all-to-all"):
+    if kind in ("all-gather", "all-to-all", "ragged-all-to-all"):
         return (n - 1) / n * nbytes
     if kind == "reduce-scatter":
         return (n - 1) * nbytes
@@ -434,6 +438,67 @@ def _payload_shape(opcode: str, shape: Shape) -> Shape:
     if opcode == "all-reduce-start" and isinstance(shape, tuple) and len(shape) == 2 and isinstance(shape[0], tuple):
         return shape[1]
     return shape
+
+
+# --------------------------------------------------------------------------------------------------
+# Ragged all-to-alls
+# --------------------------------------------------------------------------------------------------
+
+_RAGGED_KINDS = ("ragged-all-to-all", "ragged-all-to-all-start")
+
+
+@dataclass(frozen=True)
+class RaggedAllToAll(Collective):
+    """One ``ragged-all-to-all`` of a compiled program (a mixture of experts' ragged dispatch).
+
+    Its sizes are arrays the program computes, so what it sends is known only when it runs. The
+    program fixes its buffers: ``bytes`` is the send buffer, the most one execution can send (every
+    row of it, to other devices), and ``receive_bytes`` the receive buffer, the most it can be sent.
+    :attr:`wire_bytes` is the balanced figure: when every device sends as many rows as it receives (a
+    balanced router's trips out to the experts and back), it sends at most the smaller buffer, of which
+    ``(n-1)/n`` leaves when the rows spread evenly over the group. :func:`collectives` does not list
+    these, whose bytes are bounds, not sizes.
+    """
+
+    receive_bytes: int = 0
+
+    @property
+    def wire_bytes(self) -> float:
+        return ring_wire_bytes(self.kind, min(self.bytes, self.receive_bytes), self.group_size)
+
+    @property
+    def total_receive_bytes(self) -> int:
+        return self.receive_bytes * self.count
+
+
+def ragged_all_to_alls(compiled_or_hlo_text: _HasHloText | str, mesh: MeshOrSizes) -> list[RaggedAllToAll]:
+    """Every ragged all-to-all the program runs (synchronous, or the start of an asynchronous one), in
+    the order of the HLO text, with its device groups read back onto ``mesh`` as :func:`collectives`
+    does. A synchronous one's result is its receive buffer and its first operand its send buffer; an
+    asynchronous start's result lists both first."""
+    text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
+    axis_sizes = _axis_sizes(mesh)
+    module = parse_hlo_module(text)
+    counts = execution_counts(module)
+    found = []
+    for computation in module.computations.values():
+        if computation.name not in counts:
+            continue
+        count, unknown = counts[computation.name]
+        shapes = {instruction.name: instruction.shape for instruction in computation.instructions}
+        for instruction in computation.instructions:
+            if instruction.opcode not in _RAGGED_KINDS:
+                continue
+            if instruction.opcode == "ragged-all-to-all-start" and isinstance(instruction.shape, tuple):
+                send, receive = leaves(instruction.shape)[:2]
+            else:
+                send, receive = leaves(shapes[instruction.operands[0]])[0], leaves(instruction.shape)[0]
+            groups = _device_groups(STRING_LITERAL.sub('""', instruction.attributes), math.prod(axis_sizes.values()))
+            found.append(RaggedAllToAll(
+                kind="ragged-all-to-all", axes=_axes_spanned(groups, axis_sizes), dtype=send.dtype, bytes=send.nbytes,
+                count=count, group_size=len(groups[0]), name=instruction.name, unknown_trip_count=unknown,
+                receive_bytes=receive.nbytes))
+    return found
 
 
 # --------------------------------------------------------------------------------------------------
