@@ -24,7 +24,7 @@ busiest expert falls under 1.3x the mean, and the final values.
 
     .venv/bin/python benchmarks/moe.py                 # (a) 300 steps each, (b) 20 steps each: ~20 minutes
     .venv/bin/python benchmarks/moe.py --steps 100     # shorter (a)
-    .venv/bin/python benchmarks/moe.py --part c        # ~10 minutes
+    .venv/bin/python benchmarks/moe.py --part c        # ~15 minutes
     .venv/bin/python benchmarks/moe.py --part d        # ~4 minutes
 
 (a) and (b) write ``results/moe.json`` and ``results/moe.png``; (c) ``results/moe_fine_grained.{json,png}``;

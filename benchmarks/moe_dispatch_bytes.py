@@ -12,7 +12,7 @@ them to other devices. And the layer's own count
 
 Needs the ``gpu-compile`` extra (JAX's CUDA plugin; the Python 3.12 stack):
 
-    .venv-py312/bin/python benchmarks/moe_dispatch_bytes.py      # ~2 minutes; results/moe_dispatch_bytes.json
+    .venv-py312/bin/python benchmarks/moe_dispatch_bytes.py      # ~5 minutes; results/moe_dispatch_bytes.json
 """
 
 from __future__ import annotations
