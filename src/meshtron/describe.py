@@ -55,6 +55,24 @@ def parameter_rows(model_def: ModelDef, mesh_sizes: dict[str, int]) -> list[tupl
     return rows
 
 
+def active_parameters(model_def: ModelDef, experts: int, top_k: int) -> int:
+    """The parameters one token passes through: every parameter, except that each array laid out over the
+    logical ``experts`` axis (the routed experts' weights, of every layer and module that routes) counts
+    ``top_k / experts`` of its elements. Shared experts, routers and everything else count whole. Read
+    from the model's own arrays, so it follows the model's mix of dense and expert layers; an array held
+    but skipped by a switch (the unused half of a DeepSeek block that holds both a dense MLP and experts,
+    docs/deepseek.md) counts as it would if it ran."""
+    from meshtron.models.moe import EXPERTS
+
+    shapes = jax.tree.leaves(model_def.shapes())
+    axes = jax.tree.leaves(model_def.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
+    active = 0
+    for shape, names in zip(shapes, axes, strict=True):
+        count = math.prod(shape.shape)
+        active += count * top_k // experts if experts and EXPERTS in names else count
+    return active
+
+
 def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
     cells = [header] + [tuple(str(c) for c in row) for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -199,16 +217,14 @@ def bytes_per_device(shapes, shardings) -> float:
 def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef, params: int, out,
                    run: Run | None = None) -> None:
     """The GPU program's overlap and estimated step time (:mod:`meshtron.gpu.step_time`): the
-    collectives each mesh axis hides under compute, tokens/s per GPU and MFU. ``run``: the run the
-    program was compiled for; a pipelined one's tick table prices each tick at the slots its stages run."""
+    collectives each mesh axis hides under compute, tokens/s per GPU and MFU. ``params``: the parameters
+    a token passes through (:func:`active_parameters`). ``run``: the run the program was compiled for; a
+    pipelined one's tick table prices each tick at the slots its stages run."""
     from meshtron.gpu.pipeline_ticks import tick_table
     from meshtron.gpu.step_time import estimate_step, model_flops
 
     m = cfg.model
     tokens = cfg.train.batch_size * m.seq_len
-    if m.moe.experts:  # the parameters a token passes through: top-k of the experts' MLPs
-        per_expert = 3 * m.hidden * (m.moe.mlp_dim or m.mlp_dim) * model_def.layers
-        params -= per_expert * (m.moe.experts - m.moe.top_k)
     flops, attention = model_flops(params=params, layers=model_def.layers, hidden=m.hidden, seq_len=m.seq_len,
                                    tokens=tokens)
     ticks = tick_table(run.program) if run is not None and run.program is not None else None
@@ -433,7 +449,10 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
               "compiled step what a context rank holds", file=out)
     rows = parameter_rows(model_def, mesh_sizes)
     total = sum(math.prod(r[1]) for r in rows)
-    print(f"\nparameters ({total:,} in all, {format_bytes(sum(r[4] for r in rows))} per device)", file=out)
+    active = active_parameters(model_def, m.moe.experts, m.moe.top_k)
+    routed = (f", {active:,} active per token (the routed experts' arrays counted top-{m.moe.top_k} of "
+              f"{m.moe.experts})") if m.moe.experts and active != total else ""
+    print(f"\nparameters ({total:,} in all{routed}, {format_bytes(sum(r[4] for r in rows))} per device)", file=out)
     print(_table(("name", "shape", "logical axes", "mesh spec", "bytes/device", "placed by rule"), rows), file=out)
 
     t = cfg.train
@@ -514,4 +533,4 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
         if split is not None and sizes.pipe == 1 and not trainer.steps.zero.active:
             print(split.measured(step.collectives), file=out)
         if target is not None:
-            print_estimate(program, trainer.mesh, target, cfg, model_def, total, out, trainer.resolved)
+            print_estimate(program, trainer.mesh, target, cfg, model_def, active, out, trainer.resolved)
