@@ -7,6 +7,7 @@ one is the wrapper around it -- with the reference kernel in the kernel's place 
 program for the H100 target.
 """
 
+import functools
 import re
 
 import jax
@@ -55,11 +56,12 @@ def test_only_a_hopper_gpu_with_tokamax_gets_the_kernel(monkeypatch):
     assert gm.kernel_for(Device("gpu", "9.0")) == "xla"
 
 
-def leaves_rows_unwritten(ragged_dot):
-    """``ragged_dot`` as a kernel that writes nothing outside its groups may leave it: NaN there."""
-    def kernel(lhs, rhs, sizes, dims=None):
-        y = ragged_dot(lhs, rhs, sizes) if dims is None else jax.lax.ragged_dot_general(lhs, rhs, sizes, dims)
-        if dims is None:
+def leaves_unwritten(product, rows: bool):
+    """``product`` as a kernel that writes nothing outside its groups may leave it: NaN in the rows past
+    the groups (``rows``), or in the gradient of an expert with no rows."""
+    def kernel(lhs, rhs, sizes):
+        y = product(lhs, rhs, sizes)
+        if rows:
             return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(sizes))[:, None], y, jnp.nan)
         return jnp.where((sizes > 0)[:, None, None], y, jnp.nan)
     return kernel
@@ -70,10 +72,11 @@ def test_the_kernels_vjp_gives_ragged_dots_values_and_gradients():
     unwritten; the rest equals ``jax.lax.ragged_dot`` and its gradients."""
     x, w, g = operands()
     sizes = jnp.asarray(SIZES)
-    kernel = leaves_rows_unwritten(jax.lax.ragged_dot)
+    weight_gradient = functools.partial(jax.lax.ragged_dot_general, ragged_dot_dimension_numbers=gm._WEIGHT_GRADIENT)
 
     def wrapped(a, b, s):
-        return gm._kernel_grouped_matmul(a, b, s, kernel, kernel)
+        return gm._kernel_grouped_matmul(a, b, s, leaves_unwritten(jax.lax.ragged_dot, rows=True),
+                                         leaves_unwritten(weight_gradient, rows=False))
 
     got = values_and_grads(wrapped, x, w, g, sizes)
     want = values_and_grads(jax.lax.ragged_dot, x, w, g, sizes)
@@ -152,3 +155,23 @@ def test_for_an_h100_xlas_ragged_dot_is_a_gemm_over_every_expert(monkeypatch):
     monkeypatch.setattr(gm, "_tokamax", lambda: None)
     compiled = compiled_for_h100(1, gradient=False)
     assert sum(g.total_flops for g in gemms(compiled)) == E * 2 * ROWS * K * N
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@pytest.mark.parametrize(("tensor", "kernels"), [(1, 9), (2, 0)], ids=["data8", "data4-tensor2"])
+def test_an_h100_moe_train_step_runs_its_experts_in_the_kernel(tensor, kernels):
+    """A bf16 Mixtral layer's three expert products, forward and backward, are the kernel's nine calls when
+    the train step's ``shard_map`` leaves no axis of more than one device automatic; with the tensor axis
+    automatic the products stay XLA's, which the partitioner splits over it."""
+    from meshtron.config import load_config
+    from meshtron.train.loop import Trainer
+
+    needs_h100_compiler_and_tokamax()
+    cfg = load_config("mixtral_cpu8", ["model.dtype=bfloat16", "model.hidden=64", "model.heads=4", "model.kv_heads=2",
+                                       "model.mlp_dim=128", "model.seq_len=64", "model.layers=1", "model.moe.mlp_dim=64",
+                                       f"parallel.data={8 // tensor}", "parallel.pipe=1", f"parallel.tensor={tensor}",
+                                       "parallel.microbatches=1", "train.batch_size=16"])
+    trainer = Trainer.from_config(cfg, target="h100", read_data=False)
+    text = trainer.steps.compile(*trainer.abstract_step_arguments(), trainer.steps.stages[0]).as_text()
+    assert re.findall(r'custom_call_target="([^"]+)"', text).count(KERNEL) == kernels

@@ -37,6 +37,8 @@ __all__ = ["GROUPED_KERNELS", "grouped_matmul", "kernel_for"]
 GROUPED_KERNELS = ("xla", "tokamax")
 """What :func:`kernel_for` may pick: ``jax.lax.ragged_dot`` as XLA compiles it, or tokamax's Mosaic GPU kernel."""
 
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # the sm90 kernel's operand types
+
 _WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
 """``lhs [m, k]`` and ``g [m, n]`` contracted over the rows of each group: ``[E, k, n]``."""
@@ -83,25 +85,47 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> ja
     ``jax.lax.ragged_dot``."""
     rhs = rhs.astype(lhs.dtype)
     device = _program_device()
-    if kernel_for(device) == "xla":
+    rest = _automatic_axes()
+    if kernel_for(device) == "xla" or lhs.dtype not in _KERNEL_DTYPES or rest is None:
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
     tokamax = _tokamax()
 
     def on_device(call: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-        def traced(*args: Any, **kwargs: Any) -> jax.Array:
+        def kernel(*args: Any) -> jax.Array:
             with jax.default_device(device):
-                return call(*args, **kwargs, implementation="mosaic_gpu")
-        return traced
+                return call(*args, implementation="mosaic_gpu")
 
-    return _kernel_grouped_matmul(lhs, rhs, group_sizes, on_device(tokamax.ragged_dot),
-                                  on_device(tokamax.ragged_dot_general))
+        if not rest:
+            return kernel
+        # Every axis manual: jnp.searchsorted, which tokamax's tiling of the groups calls, fails on a value
+        # that varies over the manual axes of a shard_map that leaves others automatic (a JAX error); the
+        # axes left are all of size 1 here, so making them manual too moves no data.
+        return jax.shard_map(kernel, in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(),
+                             axis_names=rest, check_vma=False)
+
+    weight_gradient = functools.partial(tokamax.ragged_dot_general, ragged_dot_dimension_numbers=_WEIGHT_GRADIENT)
+    return _kernel_grouped_matmul(lhs, rhs, group_sizes, on_device(tokamax.ragged_dot), on_device(weight_gradient))
+
+
+def _automatic_axes() -> frozenset[str] | None:
+    """Inside a ``shard_map`` that leaves some mesh axes automatic: those axes (empty outside one, or where
+    every axis is manual); ``None`` when one of them has more than one device -- the kernel would then run
+    whole on each of them, so the grouped matmul stays XLA's, which the partitioner splits."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return frozenset()
+    manual = [t == jax.sharding.AxisType.Manual for t in mesh.axis_types]
+    if not any(manual):
+        return frozenset()
+    rest = {name: size for name, size, m in zip(mesh.axis_names, mesh.axis_sizes, manual) if not m}
+    return None if any(size > 1 for size in rest.values()) else frozenset(rest)
 
 
 def _kernel_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                            ragged_dot: Callable[..., jax.Array],
-                           ragged_dot_general: Callable[..., jax.Array]) -> jax.Array:
+                           weight_gradient: Callable[..., jax.Array]) -> jax.Array:
     """The grouped product through ``ragged_dot`` (``jax.lax.ragged_dot``'s signature) with its VJP through
-    ``ragged_dot`` and ``ragged_dot_general``, and ``jax.lax.ragged_dot``'s zeros where a kernel may
+    ``ragged_dot`` and ``weight_gradient`` (``lhs [m, k]``, ``g [m, n]``, sizes: ``[E, k, n]``), and ``jax.lax.ragged_dot``'s zeros where a kernel may
     leave memory unwritten (rows past the groups, experts with no rows)."""
 
     def typed(y: jax.Array, *like: jax.Array) -> jax.Array:
@@ -124,7 +148,7 @@ def _kernel_grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Arra
         x, w, sizes = residuals
         g = g.astype(x.dtype)
         dx = covered_rows(typed(ragged_dot(g, jnp.swapaxes(w, 1, 2), sizes), x), sizes)
-        dw = typed(ragged_dot_general(x, g, sizes, _WEIGHT_GRADIENT), w)
+        dw = typed(weight_gradient(x, g, sizes), w)
         dw = jnp.where((sizes > 0)[:, None, None], dw, jnp.zeros((), dw.dtype))
         return dx, dw.astype(w.dtype), None
 
