@@ -59,10 +59,12 @@ from meshtron.config import ModelConfig
 from meshtron.models.auxiliary import attach_auxiliary_loss, carry_out, report
 from meshtron.models.contract import layer_reports
 from meshtron.models.fp8 import projection_einsum, projection_ragged_dot
+from meshtron.models.grouped_matmul import grouped_matmul
 from meshtron.models.layers import INIT_STD, normal
 from meshtron.models.probed_state import PROBED, ProbedState, StepTotals
 from meshtron.models.ragged_exchange import expert_plans, ragged_all_to_all
 from meshtron.sharding import constrain, logical_to_spec, varying_like
+from meshtron.trace_context import current
 
 EXPERTS = "experts"
 BIAS = "e_score_correction_bias"  # Hugging Face's name of DeepSeek-V3's selection bias
@@ -288,6 +290,16 @@ def _combined(out: jax.Array, routing: Routing) -> jax.Array:
     return jnp.einsum("tkh,tk->th", out, routing.weights.astype(out.dtype))
 
 
+def _expert_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """The experts' grouped matmul in ``lhs``'s dtype: FP8 GEMMs under ``model.fp8``
+    (:func:`~meshtron.models.fp8.projection_ragged_dot`), else
+    :func:`~meshtron.models.grouped_matmul.grouped_matmul` -- a grouped-GEMM kernel on Hopper GPUs where
+    ``jax.lax.ragged_dot`` would be a masked dense product over every expert."""
+    if current().fp8 != "off":
+        return projection_ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
+    return grouped_matmul(lhs, rhs, sizes)
+
+
 def dropless_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array,
                      down: jax.Array) -> jax.Array:
     """Every assignment through its expert: rows sorted by expert, grouped matmuls, unsorted, combined.
@@ -301,7 +313,7 @@ def dropless_experts(tokens: jax.Array, routing: Routing, gate: jax.Array, up: j
     rows = jnp.take(tokens, order // k, axis=0)
 
     def grouped(lhs, rhs):
-        return projection_ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
+        return _expert_matmul(lhs, rhs, sizes)
 
     out = _swiglu_rows(rows, gate, up, down, grouped)
     return _combined(jnp.take(out, _inverse(order), axis=0), routing)
@@ -406,7 +418,7 @@ def expert_parallel_dropless(tokens: jax.Array, routing: Routing, gate: jax.Arra
     sizes = jnp.bincount(received_ids, length=local + 1)[:local].astype(jnp.int32)
 
     def grouped(lhs, rhs):
-        return projection_ragged_dot(lhs, rhs.astype(lhs.dtype), sizes)
+        return _expert_matmul(lhs, rhs, sizes)
 
     out = _swiglu_rows(jnp.take(received, order, axis=0), gate, up, down, grouped)
     out = jnp.where((jnp.take(received_ids, order) < local)[:, None], out, 0.0)
@@ -438,7 +450,7 @@ def expert_parallel_ragged(tokens: jax.Array, routing: Routing, gate: jax.Array,
                                  plans.dispatch, axis, block)
 
     def grouped(lhs, rhs):
-        return projection_ragged_dot(lhs, rhs.astype(lhs.dtype), plans.group_sizes)
+        return _expert_matmul(lhs, rhs, plans.group_sizes)
 
     out = _swiglu_rows(received, gate, up, down, grouped)
     out = jnp.where((jnp.arange(n * block) < jnp.sum(plans.group_sizes))[:, None], out, 0.0)
