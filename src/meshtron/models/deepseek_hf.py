@@ -42,9 +42,9 @@ naming them). An import with ``model.mtp.layers=0`` leaves them out, saying so.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Collection
 from typing import Any
 
 import numpy as np
