@@ -348,8 +348,9 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     hf = _read_hf_config(hf_dir)
     where = hf_dir / HF_CONFIG
     mapping = _mapping(hf, where)
+    model = mapping.model_config(hf, where)  # (what config.json cannot hold is said before the weights are read)
     weights = _Weights(hf_dir)
-    model = getattr(mapping, "stored_model", lambda m, _: m)(mapping.model_config(hf, where), weights.files)
+    model = getattr(mapping, "stored_model", lambda m, _: m)(model, weights.files)
     tied = mapping.head_tied(hf)
     devices = jax.devices()
     mesh_cfg = resolve_sizes(mesh or MeshConfig(1, 1, 1), len(devices))
