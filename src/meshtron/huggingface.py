@@ -348,9 +348,14 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     hf = _read_hf_config(hf_dir)
     where = hf_dir / HF_CONFIG
     mapping = _mapping(hf, where)
-    model = mapping.model_config(hf, where)  # (what config.json cannot hold is said before the weights are read)
-    weights = _Weights(hf_dir)
-    model = getattr(mapping, "stored_model", lambda m, _: m)(model, weights.files)
+    read: list[_Weights] = []  # the weights, once read: what config.json or the overrides cannot hold is said first
+
+    def weights() -> _Weights:
+        if not read:
+            read.append(_Weights(hf_dir))
+        return read[0]
+
+    model = getattr(mapping, "stored_model", lambda m, _: m)(mapping.model_config(hf, where), lambda: weights().files)
     tied = mapping.head_tied(hf)
     devices = jax.devices()
     mesh_cfg = resolve_sizes(mesh or MeshConfig(1, 1, 1), len(devices))
@@ -364,7 +369,7 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     model_def = model_def_from_config(cfg.model, tensor)
     model_def.check_mesh(device_mesh)
     shapes = dict(zip(leaf_names(model_def.shapes()), jax.tree.leaves(model_def.shapes()), strict=True))
-    host = _read_params(weights, mapping, replace(model, mtp=cfg.model.mtp), shapes, tied, hf)
+    host = _read_params(weights(), mapping, replace(model, mtp=cfg.model.mtp), shapes, tied, hf)
     params = jax.device_put(host, model_def.shardings(device_mesh))
     del host
 

@@ -42,7 +42,7 @@ naming them). An import with ``model.mtp.layers=0`` leaves them out, saying so.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -171,13 +171,16 @@ def _mtp_config(hf: dict[str, Any], where: Path) -> MtpConfig:
     return MtpConfig(layers=extra) if extra and not _is_v2(hf) else MtpConfig()
 
 
-def stored_model(m: ModelConfig, names: Collection[str]) -> ModelConfig:
-    """``m`` with the multi-token prediction layers the checkpoint's tensors (``names``) hold: the first
-    of ``num_nextn_predict_layers`` that are stored (``transformers``' ``save_pretrained`` writes the
-    field, 1 by default, and no layer)."""
+def stored_model(m: ModelConfig, names: Callable[[], Collection[str]]) -> ModelConfig:
+    """``m`` with the multi-token prediction layers the checkpoint's tensors (named by ``names()``, asked
+    only when ``config.json`` says it has such layers) hold: the first of ``num_nextn_predict_layers``
+    that are stored (``transformers``' ``save_pretrained`` writes the field, 1 by default, and no layer)."""
+    if not m.mtp.layers:
+        return m
+    stored = names()
     layers = 0
     while layers < m.mtp.layers and any(n.startswith((_mtp_layer(m, layers + 1), _mtp_layer(m, layers + 1)[len(PREFIX):]))
-                                        for n in names):
+                                        for n in stored):
         layers += 1
     return replace(m, mtp=replace(m.mtp, layers=layers))
 
