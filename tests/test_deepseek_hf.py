@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from meshtron.checkpoint import CheckpointError
 from meshtron.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_config
 from meshtron.huggingface import export_hf, import_hf
 from meshtron.models import deepseek_hf
@@ -187,29 +188,82 @@ def test_overrides_may_not_change_what_the_weights_fix(cases, tmp_path, override
     assert (cfg.model.moe.selection_bias, cfg.model.moe.bias_update_rate) == (True, 0.001)
 
 
-@pytest.mark.slow
-def test_multi_token_prediction_layers_are_left_out_saying_so(hf, cases, tmp_path, capsys):
-    """A V3 as DeepSeek's checkpoints store it, with its multi-token-prediction layer after its own
-    (``model.layers.4``: a block, ``enorm``/``hnorm``/``eh_proj`` and the ``shared_head``): the import
-    leaves that layer out, in one line, and the model is the same."""
-    hf_dir, reference, _ = cases("v3")
-    copy = tmp_path / "v3-mtp"
-    copy.mkdir()
+def with_mtp_layer(hf_dir: Path, copy: Path, *, head_copy: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The V3 of ``hf_dir`` as DeepSeek's checkpoints store it, with one multi-token-prediction layer
+    after its own (``model.layers.4``: an expert block of random weights, ``enorm``/``hnorm``/
+    ``eh_proj``/``shared_head.norm``, and copies of the embedding and head), written to ``copy``."""
+    rng = np.random.default_rng(1)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     for key in [k for k in tensors if k.startswith("model.layers.3.")]:
-        tensors[key.replace("model.layers.3.", "model.layers.4.")] = tensors[key]
-    for key, shape in (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
-                       ("shared_head.norm.weight", (64,)), ("shared_head.head.weight", (VOCAB, 64))):
-        tensors[f"model.layers.4.{key}"] = np.ones(shape, np.float32)
+        tensors[key.replace("model.layers.3.", "model.layers.4.")] = (
+            0.15 * rng.standard_normal(tensors[key].shape)).astype(np.float32)
+    for key, shape in (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("shared_head.norm.weight", (64,))):
+        tensors[f"model.layers.4.{key}"] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    tensors["model.layers.4.eh_proj.weight"] = (0.15 * rng.standard_normal((64, 128))).astype(np.float32)
+    tensors["model.layers.4.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()
+    tensors["model.layers.4.shared_head.head.weight"] = (tensors["lm_head.weight"].copy() if head_copy is None
+                                                         else head_copy)
+    copy.mkdir()
     save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((hf_dir / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return tensors
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_layers_import_and_export_exactly(hf, cases, tmp_path, capsys):
+    """A V3 with its multi-token-prediction layer: the import holds it as ``mtp.depth1`` (its block's
+    tensors as a stacked layer's would be), the model's logits are unchanged, and the export is the
+    original file tensor for tensor, bit for bit -- the layer's copies of the embedding and head too --
+    which transformers loads with nothing missing, leaving out only that layer."""
+    hf_dir, reference, _ = cases("v3")
+    original = with_mtp_layer(hf_dir, tmp_path / "v3-mtp")
+    output = import_hf(tmp_path / "v3-mtp", tmp_path / "imported")
+    pretrained = load_pretrained(output, MeshConfig(1, 1, 1))
+    assert pretrained.config.model.mtp.layers == 1
+    depth = jax.device_get(pretrained.params["mtp"]["depth1"])
+    np.testing.assert_array_equal(depth["eh_proj"]["kernel"], original["model.layers.4.eh_proj.weight"].T)
+    np.testing.assert_array_equal(depth["norm"]["scale"], original["model.layers.4.shared_head.norm.weight"])
+    np.testing.assert_array_equal(depth["block"]["mlp"]["up"][5], original["model.layers.4.mlp.experts.5.up_proj.weight"].T)
+    delta("import v3 with an mtp layer", meshtron_logits(pretrained), reference)
+
+    exported = export_hf(output, tmp_path / "hf")
+    written = load_file(str(exported / "model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for key, value in original.items():
+        np.testing.assert_array_equal(written[key], value, err_msg=key)
+    assert json.loads((exported / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    _, transformers = hf
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
+    # (named as transformers converts them: its experts fused into one tensor)
+    assert {k.split(".mlp.experts.")[0] for k in info["unexpected_keys"]} >= {"model.layers.4.eh_proj.weight"}
+    assert all(k.startswith("model.layers.4.") for k in info["unexpected_keys"]), info["unexpected_keys"]
+    delta("export v3 with an mtp layer", hf_logits(hf[0], model.eval()), reference)
+
+
+@pytest.mark.slow
+def test_multi_token_prediction_layers_may_be_left_out_or_must_share_the_head(cases, tmp_path, capsys):
+    """``model.mtp.layers=0`` leaves the stored layer out, saying so in one line, and the model is the
+    same; a layer whose head is not the model's is refused in one line (meshtron's depths share it);
+    a count the weights do not hold is refused too."""
+    hf_dir, reference, _ = cases("v3")
+    original = with_mtp_layer(hf_dir, tmp_path / "v3-mtp")
     capsys.readouterr()
-    output = import_hf(copy, tmp_path / "imported")
+    output = import_hf(tmp_path / "v3-mtp", tmp_path / "without", overrides=["model.mtp.layers=0"])
     said = capsys.readouterr().err
-    assert re.search(r"tensors \(model\.layers\.4\..*\) left out: num_nextn_predict_layers=1: the "
-                     r"multi-token-prediction layers only train", said), said
-    delta("import v3 with an mtp layer", meshtron_logits(load_pretrained(output, MeshConfig(1, 1, 1))), reference)
+    assert re.search(r"tensors \(model\.layers\.4\..*\) left out: num_nextn_predict_layers=1: model.mtp.layers=0 "
+                     r"leaves the multi-token-prediction layers out", said), said
+    pretrained = load_pretrained(output, MeshConfig(1, 1, 1))
+    assert pretrained.config.model.mtp.layers == 0 and "mtp" not in pretrained.params
+    delta("import v3 leaving its mtp layer out", meshtron_logits(pretrained), reference)
+    with pytest.raises(ConfigError, match=r"^model.mtp.layers: the Hugging Face weights hold 1 multi-token prediction "
+                                          r"layers; keep them or leave them out with 0 \(got 2\)$"):
+        import_hf(tmp_path / "v3-mtp", tmp_path / "two", overrides=["model.mtp.layers=2"])
+    with_mtp_layer(hf_dir, tmp_path / "v3-other-head", head_copy=original["lm_head.weight"] + 1)
+    with pytest.raises(CheckpointError, match=r"tensor model.layers.4.shared_head.head.weight differs from "
+                                              r"lm_head.weight; meshtron's deepseek shares lm_head.weight there"):
+        import_hf(tmp_path / "v3-other-head", tmp_path / "other")
 
 
 @pytest.mark.slow

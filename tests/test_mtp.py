@@ -282,3 +282,31 @@ def test_the_mtp_blocks_experts_are_balanced_without_an_auxiliary_loss_too():
                               "model.moe.bias_update_rate=0.001", "train.steps=2").run()
     bias = np.asarray(jax.device_get(result.params["mtp"]["depth1"]["block"]["mlp"]["e_score_correction_bias"]))
     assert np.all(np.isin(np.round(bias / 0.001), [-2, -1, 0, 1, 2])) and np.any(bias != 0)  # two steps of ±rate
+
+
+@pytest.mark.slow
+def test_a_run_that_adds_mtp_starts_from_weights_without_it_and_cannot_resume_them(tmp_path, capsys):
+    """A checkpoint of a run without the modules: resuming it with ``model.mtp.layers=1`` is one line
+    naming the missing ``mtp`` parameters and the way to add them; ``train.init_from`` it instead
+    reads every other parameter as saved and starts the modules from the initializer -- the values a
+    new model of the run's seed has -- and trains them."""
+    base = tmp_path / "base"
+    one = ["parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "train.steps=1", "checkpoint.every=1"]
+    saved = deepseek_trainer(*one, "model.mtp.layers=0", f"checkpoint.dir={base}").run()
+    with pytest.raises(ConfigError) as err:
+        deepseek_trainer(*one, "train.steps=2", f"checkpoint.dir={base}").run()
+    said = str(err.value)
+    assert "\n" not in said and "model.mtp.layers: 0 there, 1 here" in said, said
+    assert (f"its weights have no mtp parameters: to add them, start a new run from them (train.init_from={base} and "
+            "a checkpoint.dir of its own), where they begin from their initializer") in said, said
+
+    capsys.readouterr()
+    trainer = deepseek_trainer(*one, f"train.init_from={base}")
+    params, _, position, line = trainer.starting_state(None)
+    assert position.step == 0 and "initialised from" in line
+    assert f"train.init_from: {base} has no mtp parameters" in capsys.readouterr().err
+    fresh = jax.device_get(trainer.canonical_params(trainer.init_params()))
+    got = jax.device_get(trainer.canonical_params(params))
+    jax.tree.map(np.testing.assert_array_equal, got["mtp"], fresh["mtp"])
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in got.items() if k != "mtp"},
+                 jax.device_get(saved.params))

@@ -205,3 +205,27 @@ def test_the_planner_prices_meshtrons_step_on_its_layouts():
     assert layout_step_memory(model, Layout(8, 16, 144, 2, 2304, 1, "full")) is None  # m = 8 < p = 16: no table
     plan = make_plan(model, 1536, 2304, load_cluster("a100-80gb")).to_dict(top=3)
     assert all(row["meshtron_memory_gb"] > 0 for row in plan["ranked"])
+
+
+DEEPSEEK_SMALL = ["model.family=deepseek", "model.kv_heads=null", "model.moe.experts=0", "model.mla.q_lora_rank=64",
+                  "parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "parallel.microbatches=1",
+                  "train.batch_size=8"]
+DEEPSEEK_CASES = [  # the small DeepSeek of mixtral_cpu8's shape with dense blocks, on one device
+    ("mixtral_cpu8", DEEPSEEK_SMALL),  # remat none: latent attention's own widths
+    ("mixtral_cpu8", [*DEEPSEEK_SMALL, "model.mtp.layers=2"]),  # two modules' blocks and logits
+    ("mixtral_cpu8", [*DEEPSEEK_SMALL, "model.mtp.layers=1", "model.remat=selective"]),
+    ("mixtral_cpu8", [*DEEPSEEK_SMALL, "model.mtp.layers=1", "model.remat=full"]),
+    ("mixtral_cpu8", [*DEEPSEEK_SMALL, "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=2"]),
+]
+
+
+@pytest.mark.slow
+def test_the_model_agrees_with_compiled_steps_of_a_small_deepseek_within_ten_percent():
+    """Latent attention's residuals (:func:`meshtron.models.deepseek_counts.block_activations`) and the
+    multi-token prediction modules' (:class:`StepMemory`'s ``mtp``), held to XLA:CPU's compiled steps."""
+    env = subprocess_env()
+    run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(DEEPSEEK_CASES)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for config, overrides, compiled, modelled in json.loads(run.stdout.splitlines()[-1]):
+        assert abs(modelled / compiled - 1) <= 0.10, (overrides, compiled / 2**20, modelled / 2**20)

@@ -28,7 +28,7 @@ from meshtron.gpu.targets import TARGETS, devices_for_mesh
 from meshtron.hlo.summary import analyze
 from meshtron.mesh import AXES, mesh_shape, resolve_sizes, shown_sizes
 from meshtron.models.lora import is_adapter, lora_spec
-from meshtron.plan.step_memory import BACKENDS, StepMemory, StepRun, StepShape, step_memory
+from meshtron.plan.step_memory import BACKENDS, StepMemory, StepRun, StepShape, block_activations, step_memory
 from meshtron.run import MeshSizes, Run, run_for_model
 from meshtron.sharding import logical_to_spec, placing_rules
 from meshtron.train.state import ModelDef, model_def_from_config
@@ -104,7 +104,7 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
     sp = m.sequence_parallel and tensor > 1
     itemsize = np.dtype(m.dtype).itemsize
     microbatch = t.batch_size // (data * t.microbatches)
-    block = FAMILIES[m.family if m.factory is None else FACTORY_STAND_IN].load_counts().BLOCK
+    block = block_activations(_step_shape(m))
     layer = megatron.layer_activation_bytes(
         seq_len=m.seq_len, microbatch=microbatch, hidden=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
         mlp_dim=m.mlp_dim, tensor=tensor, sequence_parallel=sp, remat=megatron_remat(m.remat),
@@ -136,9 +136,17 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
 
 STEP_TERMS = (("parameters", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),
               ("stash", "stash"), ("layers_kept", "layers kept"), ("working", "one layer's backward"),
-              ("logits", "logits"), ("weight_buffers", "B-to-W buffers"), ("peak", "peak"),
+              ("logits", "logits"), ("mtp", "multi-token prediction"), ("weight_buffers", "B-to-W buffers"),
+              ("peak", "peak"),
               ("host", "host (pinned, not in peak)"))
 """:class:`meshtron.plan.step_memory.StepMemory`'s terms as describe prints them."""
+
+
+def _step_shape(m) -> StepShape:
+    """The model's :class:`StepShape`; a model of the user's own is shaped as the stand-in family's."""
+    return StepShape(m.family if m.factory is None else FACTORY_STAND_IN, m.layers, m.hidden, m.heads,
+                     m.kv_heads or m.heads, m.mlp_dim, m.vocab_size, m.seq_len, m.max_position_embeddings or m.seq_len,
+                     m.mla, m.moe, m.first_k_dense_replace, m.mtp.layers)
 
 
 def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemory:
@@ -155,9 +163,7 @@ def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemor
 
     # with LoRA only the adapters have gradients and optimizer state
     trainable = per_layer_and_rest([r for r in rows if is_adapter(r[0])]) if run.cfg.train.lora.rank else None
-    shape = StepShape(m.family if m.factory is None else FACTORY_STAND_IN, layers, m.hidden, m.heads, m.kv_heads or m.heads,
-                      m.mlp_dim, m.vocab_size, m.seq_len, m.max_position_embeddings or m.seq_len, m.mla)
-    return step_memory(shape, StepRun.from_config(run.cfg, run.program), backend,
+    return step_memory(_step_shape(m), StepRun.from_config(run.cfg, run.program), backend,
                        stage_bytes=per_layer_and_rest(rows), trainable_bytes=trainable)
 
 

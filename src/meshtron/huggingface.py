@@ -216,6 +216,9 @@ def _read_params(weights: _Weights, mapping: ModuleType, m: ModelConfig, shapes:
 
         if spec.per_layer:
             value = np.stack([layer(i) for i in range(m.layers)])
+        elif spec.per_expert:  # one module's experts, not a stack's (a multi-token prediction block)
+            value = np.stack([to_meshtron(weights.read(name.format(j=j), spec.hf_shape, prefixes), spec,
+                                          target.shape[1:], target.dtype) for j in range(target.shape[0])])
         else:
             value = to_meshtron(weights.read(name, spec.hf_shape, prefixes), spec, target.shape, target.dtype)
         _set(params, spec.path, value)
@@ -225,7 +228,11 @@ def _read_params(weights: _Weights, mapping: ModuleType, m: ModelConfig, shapes:
         f"the {m.family} mapping fills {sorted(set(leaf_names(params)) ^ set(shapes))} wrongly")
     tied_head = [n for n in weights.unused() if n.endswith("lm_head.weight")] if tied else []
     weights.used.update(tied_head)  # a saved copy of a tied head is the embedding again
-    left_out, why = getattr(mapping, "ignored", lambda _: ((), ""))(hf)
+    for copy, original, shape in getattr(mapping, "copies", lambda *_: [])(m, tied):
+        if not np.array_equal(weights.read(copy, shape, prefixes), weights.read(original, shape, prefixes)):
+            raise CheckpointError(f"{weights.where}: tensor {copy} differs from {original}; meshtron's {m.family} "
+                                  f"shares {original} there, as the checkpoints it reads store it (an exact copy)")
+    left_out, why = getattr(mapping, "ignored", lambda *_: ((), ""))(hf, m)
     skipped = [n for n in weights.unused() if n.startswith(left_out)] if left_out else []
     if skipped:
         weights.used.update(skipped)
@@ -282,6 +289,9 @@ def _run_config(model: ModelConfig, mesh: MeshConfig, overrides: Sequence[str]) 
         if wanted != got:
             raise ConfigError(f"model.{name}: the Hugging Face weights fix it at {wanted!r}; do not override it "
                               f"(got {got!r})")
+    if cfg.model.mtp.layers not in (0, model.mtp.layers):
+        raise ConfigError(f"model.mtp.layers: the Hugging Face weights hold {model.mtp.layers} multi-token prediction "
+                          f"layers; keep them or leave them out with 0 (got {cfg.model.mtp.layers})")
     return cfg
 
 
@@ -338,7 +348,14 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     hf = _read_hf_config(hf_dir)
     where = hf_dir / HF_CONFIG
     mapping = _mapping(hf, where)
-    model = mapping.model_config(hf, where)
+    read: list[_Weights] = []  # the weights, once read: what config.json or the overrides cannot hold is said first
+
+    def weights() -> _Weights:
+        if not read:
+            read.append(_Weights(hf_dir))
+        return read[0]
+
+    model = getattr(mapping, "stored_model", lambda m, _: m)(mapping.model_config(hf, where), lambda: weights().files)
     tied = mapping.head_tied(hf)
     devices = jax.devices()
     mesh_cfg = resolve_sizes(mesh or MeshConfig(1, 1, 1), len(devices))
@@ -352,7 +369,7 @@ def import_hf(hf_dir: str | Path, output: str | Path, *, mesh: MeshConfig | None
     model_def = model_def_from_config(cfg.model, tensor)
     model_def.check_mesh(device_mesh)
     shapes = dict(zip(leaf_names(model_def.shapes()), jax.tree.leaves(model_def.shapes()), strict=True))
-    host = _read_params(_Weights(hf_dir), mapping, model, shapes, tied, hf)
+    host = _read_params(weights(), mapping, replace(model, mtp=cfg.model.mtp), shapes, tied, hf)
     params = jax.device_put(host, model_def.shardings(device_mesh))
     del host
 
@@ -436,7 +453,10 @@ def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, argument: s
             continue
         value = _get(params, spec.path)
         stored = [i for i in range(m.layers) if spec.stored_in(i)]
-        if spec.per_expert:
+        if spec.per_expert and not spec.per_layer:  # one module's experts (a multi-token prediction block)
+            for j in range(value.shape[0]):
+                tensors[spec.hf.format(j=j)] = to_hf(value[j], spec)
+        elif spec.per_expert:
             for i in stored:
                 for j in range(value.shape[1]):
                     tensors[spec.hf.format(i=i, j=j)] = to_hf(value[i, j], spec)
@@ -446,6 +466,8 @@ def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, argument: s
         else:
             tensors[spec.hf] = to_hf(value, spec)
     tensors.update(getattr(mapping, "zeros_on_export", lambda _: {})(m))
+    for copy, original, _ in getattr(mapping, "copies", lambda *_: [])(m, tied):
+        tensors[copy] = tensors[original]
     tokenizer = checkpoint_tokenizer(checkpoint_dir)
     with new_directory(output_dir, argument, what="the export") as partial:
         save_file(tensors, str(partial / HF_WEIGHTS), metadata={"format": "pt"})

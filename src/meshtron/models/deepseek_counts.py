@@ -5,9 +5,11 @@ planner, the step-memory model (:mod:`meshtron.plan.step_memory`) and ``describe
 
 The block: two RMSNorms, multi-head latent attention (``model.mla``: the query latent and its norm, the
 key/value latent with the shared rotary key and its norm, the per-head expansions, the output
-projection), and a dense SwiGLU MLP of ``mlp_dim``. Like the Llama family's counts these price the
-dense block: a mixture of experts' parameters are not counted here (``describe`` prices a run's
-parameters from the model itself).
+projection), and a dense SwiGLU MLP of ``mlp_dim`` or a mixture of experts (``model.moe``). The block
+parameters price the dense block (``describe`` prices a run's parameters from the model itself);
+what a block keeps for the backward (:func:`block_activations`) counts the latent attention's own
+widths and the experts' rows; the parameters outside the blocks include the multi-token prediction
+modules (:func:`mtp_parameters`).
 """
 
 from __future__ import annotations
@@ -20,11 +22,52 @@ if TYPE_CHECKING:
     from meshtron.config import ModelConfig
 
 BLOCK = BlockActivations(residual=6, gathered=2, query=2, key_value=2, mlp=6, scores=2)
-"""The Llama block's constants (:data:`meshtron.models.llama_counts.BLOCK`), in units of
-``hidden``-wide query and key/value arrays. Latent attention keeps arrays of other widths (per head
-``qk_nope + qk_rope`` query and key features, ``v_head_dim`` value features padded to the wider of the
-two, the latents replicated on every tensor rank): these constants price it as a Llama block of the
-same hidden size, heads and MLP width."""
+"""The Llama block's constants (:data:`meshtron.models.llama_counts.BLOCK`): what a model of this family
+keeps when only a Llama-like block's shape is known. :func:`block_activations` counts its own."""
+
+ROW_STATISTICS = 2
+"""Per token and RMSNorm (two on the residual stream, the key/value latent's and any query latent's), the
+per-row scalars the block keeps of its reciprocal root mean square."""
+
+ROUTING_SCALARS = 4
+"""Per token, besides ``5·top_k`` per-choice numbers (the chosen experts' indices, scores and combine
+weights), the scalars a mixture of experts keeps: its rows' sort positions and the weights' sums."""
+
+
+def block_activations(shape: Any) -> BlockActivations:
+    """What autodiff keeps of one block for its backward, per token, as :class:`BlockActivations` in its
+    units (``tests/test_sequence_parallel.py`` holds them to ``jax.ad_checkpoint.saved_residuals``):
+
+    * outside the tensor-parallel regions, the Llama block's six residual-stream arrays and two norm
+      outputs, and, whole on every tensor rank, the latents (the query latent's and the key/value
+      latent's projection, norm input and output: four of each), the norms' row statistics, and a
+      mixture of experts' rows in and out (``2·top_k·h``: dispatched and combined), its output and router
+      scores (``h + experts``) and its routing scalars;
+    * inside them, split over ``tensor``: the queries, keys and values, each head's padded to the wider
+      of ``qk_nope + qk_rope`` and ``v_head_dim`` (three arrays), and the attention output (``v_head_dim``
+      per head) -- counted in ``query`` units of ``hidden``; the dense MLP's six ``mlp_dim``-wide arrays,
+      and a mixture of experts' six per chosen expert (``moe.mlp_dim``) and six of the shared experts'
+      width -- in ``mlp`` units of ``mlp_dim``; and the scores (two per head, as the Llama block's).
+
+    With ``first_k_dense_replace`` > 0 and experts, every layer of the one stack holds both a dense MLP
+    and the experts and keeps both halves' residuals (the switch between them is a ``lax.cond``, whose
+    backward saves both branches'); the dense MLP's alone without experts, the experts' alone with
+    ``first_k_dense_replace`` 0."""
+    a, h, n, f = _mla(shape), shape.hidden, shape.heads, shape.mlp_dim
+    width = max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim)
+    norms = 3 + (a.q_lora_rank is not None)
+    latents = 4 * ((a.q_lora_rank or 0) + a.kv_lora_rank) + norms * ROW_STATISTICS
+    moe = getattr(shape, "moe", None)
+    experts = moe is not None and moe.experts > 0
+    dense = not experts or getattr(shape, "first_k_dense_replace", 0) > 0
+    mlp = 6.0 if dense else 0.0
+    if experts:
+        fe = moe.mlp_dim or f
+        mlp += 6 * (moe.top_k * fe + moe.shared_experts * fe) / f
+        latents += (2 * moe.top_k + 1) * h + moe.experts + 5 * moe.top_k + ROUTING_SCALARS
+    return BlockActivations(residual=6, gathered=2 + latents / h, query=(3 * n * width + n * a.v_head_dim) / h,
+                            key_value=0, mlp=mlp, scores=2)
+
 
 PAPER_GPT = False
 """Not the PTD-P paper's GPT: the planner (:mod:`meshtron.plan`) does not price it."""
@@ -61,11 +104,34 @@ def block_parameters(shape: Any, tensor: int) -> float:
     return attention_parameters(shape, tensor) + 3 * h * f / tensor + 2 * h
 
 
+def moe_parameters(shape: Any, tensor: int) -> float:
+    """One mixture of experts' parameters on one tensor rank: the routed and shared experts' SwiGLU
+    matrices split over ``tensor`` (their ``mlp`` dimension), the router whole, and with a selection
+    bias the bias and its load probe (``experts`` each)."""
+    e, h = shape.moe, shape.hidden
+    fe = e.mlp_dim or shape.mlp_dim
+    bias = 2 * e.experts if e.selection_bias or e.bias_update_rate > 0 else 0
+    return 3 * h * fe * (e.experts + e.shared_experts) / tensor + h * e.experts + bias
+
+
+def mtp_parameters(shape: Any, tensor: int) -> float:
+    """The multi-token prediction modules' parameters on one tensor rank (``mtp_layers`` of them, DeepSeek-V3's
+    11.6B for its one): per module three RMSNorms (``enorm``, ``hnorm``, ``norm``), ``eh_proj``
+    (``2·hidden × hidden``, whole) and a block -- the latent attention, two norms, and a mixture of experts
+    when the model has experts, else the dense MLP. The embedding and head are the model's own."""
+    depths = getattr(shape, "mtp_layers", 0)
+    if not depths:
+        return 0.0
+    h, moe = shape.hidden, getattr(shape, "moe", None)
+    mlp = moe_parameters(shape, tensor) if moe is not None and moe.experts else 3 * h * shape.mlp_dim / tensor
+    return depths * (3 * h + 2 * h * h + attention_parameters(shape, tensor) + 2 * h + mlp)
+
+
 def other_parameters(shape: Any, vocab: int, tensor: int) -> float:
     """Outside the blocks on one tensor rank (``vocab``: the padded vocabulary): the embedding, the
-    untied head and the final RMSNorm."""
+    untied head, the final RMSNorm, and the multi-token prediction modules (:func:`mtp_parameters`)."""
     h = shape.hidden
-    return 2 * vocab * h / tensor + h
+    return 2 * vocab * h / tensor + h + mtp_parameters(shape, tensor)
 
 
 def weight_boundary(shape: Any, tensor: int) -> float:

@@ -27,20 +27,29 @@ times ``routed_scaling_factor``. V2's ``group_limited_greedy`` ranks groups by t
 which meshtron's groups (their two best) do not, so only its unlimited form (``topk_group`` =
 ``n_group``) imports.
 
-**Multi-token prediction.** A V3's ``num_nextn_predict_layers`` extra layers (stored after the
-model's own, as ``model.layers.{num_hidden_layers + k}``) only train; transformers does not load
-them and neither does meshtron: an import leaves them out, saying so, and an export writes none.
+**Multi-token prediction.** A V3 stores its ``num_nextn_predict_layers`` modules after its own
+layers, module ``k`` as ``model.layers.{num_hidden_layers + k - 1}``: a whole decoder layer (an expert
+block, ``self_attn``, ``mlp``, both norms) with ``enorm``, ``hnorm``, ``eh_proj`` and
+``shared_head.norm``, and copies of the model's embedding (``embed_tokens``) and head
+(``shared_head.head``). They are meshtron's ``mtp.depth{k}`` (:mod:`meshtron.models.mtp`:
+``enorm``, ``hnorm``, ``eh_proj``, ``block``, ``norm``), which share the model's own embedding and
+head, so an import checks that the copies equal them (DeepSeek's do: its weight notes call them
+shared) and an export writes them back from the model's. ``transformers`` has no place for these
+layers and leaves them out when it loads (for DeepSeek-V3's 61 layers silently, else with a warning
+naming them). An import with ``model.mtp.layers=0`` leaves them out, saying so.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from meshtron.config import MlaConfig, ModelConfig, MoEConfig
+from meshtron.config import MlaConfig, ModelConfig, MoEConfig, MtpConfig
 from meshtron.errors import ConfigError
 from meshtron.models.hf_mapping import HfTensor, context, number, refuse, size
 from meshtron.models.llama_hf import DEFAULT_SEQ_LEN
@@ -94,6 +103,7 @@ def tensors(m: ModelConfig) -> list[HfTensor]:
         *_mlp(m, layer),
         HfTensor("norm.scale", "model.norm.weight", (h,)),
         HfTensor("lm_head", "lm_head.weight", (v, h), vocab=True),
+        *mtp_tensors(m),
     ]
 
 
@@ -131,17 +141,95 @@ def constants(m: ModelConfig) -> dict[str, np.ndarray]:
         found["blocks.mlp.routed"] = (np.arange(m.layers) >= m.first_k_dense_replace).astype(np.float32)
     if prefix and (m.moe.selection_bias or m.moe.bias_update_rate > 0):
         found[prefix + "expert_load"] = np.zeros((m.layers, m.moe.experts), np.float32)
+    return {**found, **_mtp_constants(m)}
+
+
+def ignored(hf: dict[str, Any], m: ModelConfig) -> tuple[tuple[str, ...], str]:
+    """The stored multi-token-prediction layers the model ``m`` has no module for (an import with
+    ``model.mtp.layers=0``): left out, with the line that says so."""
+    layers, extra = hf.get("num_hidden_layers"), _stored_mtp_layers(hf)
+    if not isinstance(layers, int) or extra <= m.mtp.layers:
+        return (), ""
+    names = tuple(f"{start}layers.{layers + k}." for k in range(m.mtp.layers, extra) for start in ("model.", ""))
+    return names, (f"num_nextn_predict_layers={extra}: model.mtp.layers={m.mtp.layers} leaves the "
+                   "multi-token-prediction layers out")
+
+
+# ---- multi-token prediction --------------------------------------------------------------------
+
+
+def _stored_mtp_layers(hf: dict[str, Any]) -> int:
+    extra = hf.get("num_nextn_predict_layers") or 0
+    return extra if isinstance(extra, int) and not isinstance(extra, bool) and extra > 0 else 0
+
+
+def _mtp_config(hf: dict[str, Any], where: Path) -> MtpConfig:
+    """The multi-token prediction modules a V3 stores (``num_nextn_predict_layers``; none for a V2)."""
+    extra = hf.get("num_nextn_predict_layers") or 0
+    if not isinstance(extra, int) or isinstance(extra, bool) or extra < 0:
+        raise ConfigError(f"{where}: num_nextn_predict_layers={json.dumps(extra)}: expected an integer >= 0")
+    return MtpConfig(layers=extra) if extra and not _is_v2(hf) else MtpConfig()
+
+
+def stored_model(m: ModelConfig, names: Callable[[], Collection[str]]) -> ModelConfig:
+    """``m`` with the multi-token prediction layers the checkpoint's tensors (named by ``names()``, asked
+    only when ``config.json`` says it has such layers) hold: the first of ``num_nextn_predict_layers``
+    that are stored (``transformers``' ``save_pretrained`` writes the field, 1 by default, and no layer)."""
+    if not m.mtp.layers:
+        return m
+    stored = names()
+    layers = 0
+    while layers < m.mtp.layers and any(n.startswith((_mtp_layer(m, layers + 1), _mtp_layer(m, layers + 1)[len(PREFIX):]))
+                                        for n in stored):
+        layers += 1
+    return replace(m, mtp=replace(m.mtp, layers=layers))
+
+
+def _mtp_layer(m: ModelConfig, k: int) -> str:
+    """Where depth ``k`` (1-based) is stored: the layer after the model's own and the earlier depths'."""
+    return f"model.layers.{m.layers + k - 1}."
+
+
+def mtp_tensors(m: ModelConfig) -> list[HfTensor]:
+    """Each multi-token prediction depth's tensors: its norms and projection, and its block's, which
+    are those of a layer of the stack after ``first_k_dense_replace`` (an expert block, or a dense one
+    for a model without experts), one layer's instead of stacked (per expert, ``{j}``)."""
+    if not m.mtp.layers:
+        return []
+    h = m.hidden
+    block = [spec for spec in tensors(replace(m, first_k_dense_replace=0, mtp=MtpConfig())) if spec.per_layer]
+    found = []
+    for k in range(1, m.mtp.layers + 1):
+        depth, layer = f"mtp.depth{k}.", _mtp_layer(m, k)
+        found += [
+            HfTensor(depth + "enorm.scale", layer + "enorm.weight", (h,)),
+            HfTensor(depth + "hnorm.scale", layer + "hnorm.weight", (h,)),
+            HfTensor(depth + "eh_proj.kernel", layer + "eh_proj.weight", (h, 2 * h), linear=True),
+            HfTensor(depth + "norm.scale", layer + "shared_head.norm.weight", (h,)),
+            *(HfTensor(depth + "block." + spec.path.removeprefix("blocks."),
+                       spec.hf.replace("model.layers.{i}.", layer), spec.hf_shape, linear=spec.linear)
+              for spec in block),
+        ]
     return found
 
 
-def ignored(hf: dict[str, Any]) -> tuple[tuple[str, ...], str]:
-    """The multi-token-prediction layers a V3 stores after its own: left out (transformers does too)."""
-    layers, extra = hf.get("num_hidden_layers"), hf.get("num_nextn_predict_layers") or 0
-    if not isinstance(layers, int) or not isinstance(extra, int):
-        return (), ""
-    names = tuple(f"{start}layers.{layers + k}." for k in range(extra) for start in ("model.", ""))
-    return names, (f"num_nextn_predict_layers={extra}: the multi-token-prediction layers only train, and "
-                   "meshtron's deepseek has none (transformers does not load them either)")
+def _mtp_constants(m: ModelConfig) -> dict[str, np.ndarray]:
+    """The selection bias's load probe of each depth's experts (zeros), as the stack's."""
+    if not m.moe.experts or not (m.moe.selection_bias or m.moe.bias_update_rate > 0):
+        return {}
+    return {f"mtp.depth{k}.block.mlp.expert_load": np.zeros((m.moe.experts,), np.float32)
+            for k in range(1, m.mtp.layers + 1)}
+
+
+def copies(m: ModelConfig, tied: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(stored copy, original, shape)``: what each multi-token prediction layer stores of the model's
+    own embedding and head (``embed_tokens``, ``shared_head.head``), which meshtron's depths share.
+    An import requires each copy to equal its original; an export writes the original again."""
+    head = EMBEDDING if tied else "lm_head.weight"
+    shape = (m.vocab_size, m.hidden)
+    return [pair for k in range(1, m.mtp.layers + 1)
+            for pair in ((_mtp_layer(m, k) + "embed_tokens.weight", EMBEDDING, shape),
+                         (_mtp_layer(m, k) + "shared_head.head.weight", head, shape))]
 
 
 def _is_v2(hf: dict[str, Any]) -> bool:
@@ -216,7 +304,7 @@ def model_config(hf: dict[str, Any], where: Path) -> ModelConfig:
         mla=MlaConfig(q_lora_rank=q_lora_rank, kv_lora_rank=size(hf, "kv_lora_rank", where),
                       qk_nope_head_dim=size(hf, "qk_nope_head_dim", where), qk_rope_head_dim=rope_dim,
                       v_head_dim=size(hf, "v_head_dim", where), rope_interleave=interleave),
-        moe=moe, first_k_dense_replace=first_dense,
+        moe=moe, first_k_dense_replace=first_dense, mtp=_mtp_config(hf, where),
     )
 
 
@@ -340,4 +428,4 @@ def hf_config(m: ModelConfig, tied: bool, eod: int | None) -> dict[str, Any]:
         return {**config, **ungrouped, "mlp_bias": False, "topk_method": "greedy", "scoring_func": "softmax",
                 "norm_topk_prob": False}
     return {**config, "rope_interleave": a.rope_interleave, "norm_topk_prob": e.normalize_top_k,
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": m.mtp.layers}

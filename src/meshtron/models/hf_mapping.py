@@ -10,10 +10,13 @@ stored as the embedding), ``HEAD`` and ``EMBEDDING`` (the meshtron head paramete
 the Hugging Face name of the embedding), ``hf_config(model, tied, eod)`` (the exported
 ``config.json``), ``ties_on_export(params)``, and for listings ``DISPLAY_NAME`` and
 ``GROUPED_QUERY``. Optionally ``constants(model)`` (parameters Hugging Face does not store, by
-meshtron name: values fixed by the config) and ``ignored(hf)`` (prefixes of stored tensors the model
-has no place for and leaves out on purpose, with the line that says why) and ``zeros_on_export(model)``
-(tensors transformers needs that the model does not hold, by Hugging Face name: zeros that change
-nothing). :mod:`meshtron.huggingface`
+meshtron name: values fixed by the config) and ``ignored(hf, model)`` (prefixes of stored tensors the
+model has no place for and leaves out on purpose, with the line that says why) and
+``zeros_on_export(model)`` (tensors transformers needs that the model does not hold, by Hugging Face
+name: zeros that change nothing), ``stored_model(model, names)`` (the model as the stored tensors hold
+it, where ``config.json`` alone does not say; ``names()`` lists them) and ``copies(model, tied)`` (``(copy,
+original, shape)``: tensors stored twice, which an import requires to be equal and an export writes
+again). :mod:`meshtron.huggingface`
 reads and writes the directories through them.
 """
 

@@ -23,6 +23,9 @@ device, term by term:
   ``model.attention=xla``'s backward, the ``[b, heads/t, s, s]`` scores, their mask, probabilities
   and cotangents, four fp32 arrays (cuDNN's fused attention keeps none) -- or, with full
   recomputation, the layer's recomputed residuals if they are larger (a wide MLP, a long microbatch);
+* **multi-token prediction** (deepseek's ``model.mtp.layers``): on the last stage, what each module's
+  block keeps, rematerialised as the stack's are (under full recomputation its two inputs), and its
+  own fp32 logits and their cotangent;
 * **logits**: the last stage's fp32 logits and their cotangent, ``2 · b·s·V/t`` (every stage of an
   SPMD pipeline runs the same program, so every device reserves them);
 * **host**: what the host offload switches keep in pinned host memory instead of on the device --
@@ -64,16 +67,17 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 from meshtron import megatron
-from meshtron.config import Config, MlaConfig, ModelConfig, padded_vocab_size
+from meshtron.config import Config, MlaConfig, ModelConfig, MoEConfig, padded_vocab_size
 from meshtron.errors import ConfigError
 from meshtron.families import FAMILIES
 from meshtron.pipeline.program import compile_program
 from meshtron.pipeline.schedules import make_schedule
 from meshtron.plan.model import Layout, ModelShape, onebit_padded_length
 
-__all__ = ["BACKENDS", "StepMemory", "StepRun", "StepShape", "block_parameters", "layout_step_memory",
+__all__ = ["BACKENDS", "StepMemory", "StepRun", "StepShape", "block_activations", "block_parameters", "layout_step_memory",
            "other_parameters", "step_memory"]
 
 BACKENDS = ("gpu", "cpu")
@@ -106,6 +110,9 @@ class StepShape:
     seq_len: int
     positions: int
     mla: MlaConfig | None = None  # deepseek's latent attention (model.mla)
+    moe: MoEConfig | None = None  # a mixture of experts (model.moe; the deepseek family's counts read it)
+    first_k_dense_replace: int = 0  # deepseek: dense blocks before the expert ones
+    mtp_layers: int = 0  # deepseek: multi-token prediction modules after the last block (model.mtp.layers)
 
     @property
     def head_dim(self) -> int:
@@ -120,7 +127,7 @@ class StepShape:
                               "pass the model's parameter bytes (stage_bytes=) for a model of your own")
         return cls(model.family, model.layers, model.hidden, model.heads, model.kv_heads or model.heads,
                    model.mlp_dim, model.vocab_size, model.seq_len, model.max_position_embeddings or model.seq_len,
-                   model.mla)
+                   model.mla, model.moe, model.first_k_dense_replace, model.mtp.layers)
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,7 @@ class StepMemory:
     logits: float
     weight_buffers: float
     host: float = 0.0  # pinned host memory: offloaded layer inputs and optimizer state (not in the peak)
+    mtp: float = 0.0  # deepseek: the multi-token prediction modules' residuals and logits (the last stage's)
 
     @property
     def arguments(self) -> float:
@@ -203,7 +211,7 @@ class StepMemory:
     @property
     def temporaries(self) -> float:
         return (self.gradients + self.stash + self.layers_kept + self.working + self.logits
-                + self.weight_buffers)
+                + self.weight_buffers + self.mtp)
 
     @property
     def peak(self) -> float:
@@ -219,6 +227,15 @@ class StepMemory:
 def _counts(shape: StepShape):
     """The numbers of ``shape``'s family (:mod:`meshtron.families`)."""
     return FAMILIES[shape.family].load_counts()
+
+
+def block_activations(shape: Any) -> megatron.BlockActivations:
+    """What one block of ``shape``'s family keeps for its backward, per token: the family's
+    ``block_activations(shape)`` where its constants depend on the shape (latent attention's widths, a
+    mixture of experts), else its ``BLOCK``."""
+    counts = _counts(shape)
+    made = getattr(counts, "block_activations", None)
+    return counts.BLOCK if made is None else made(shape)
 
 
 def block_parameters(shape: StepShape, tensor: int) -> float:
@@ -306,7 +323,7 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     kept_layer = megatron.layer_activation_bytes(
         seq_len=s, microbatch=b, hidden=h, heads=a, kv_heads=shape.kv_heads, mlp_dim=shape.mlp_dim, tensor=t,
         sequence_parallel=run.sequence_parallel, remat="selective", bytes_per_element=residual,
-        block=_counts(shape).BLOCK)
+        block=block_activations(shape))
     if split:  # B's residuals for the chunk, and what W reads in each B-to-W buffer
         layers_kept = chunk_layers * (kept_layer + kept_scores)
     elif inputs_kept:  # each layer's input (as autodiff keeps it) and the chunk's output, per slot
@@ -325,8 +342,16 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     if stage_recomputed or inputs_kept:  # full recomputation: one layer's residuals, recomputed, while its backward runs
         working = max(working, kept_layer + kept_scores)
     logits = LOGIT_BUFFERS * b * s * padded_vocab_size(shape.vocab_size, t) / t * 4
+    # Multi-token prediction: each module runs one block and the head after the stack, rematerialised as the
+    # stack's blocks are: it keeps what such a block keeps (under full recomputation its two inputs, the hidden
+    # state and the embedded tokens) and its own logits.
+    if full:
+        module = 2 * tokens * h * recompute_input
+    else:
+        module = kept_layer + (kept_scores if run.remat == "none" else 0.0)
+    mtp = shape.mtp_layers * (module + logits)
     return StepMemory(backend, parameters, optimizer, gradients, stash, layers_kept, working, logits,
-                      weight_buffers, host)
+                      weight_buffers, host, mtp)
 
 
 def _optimizer_bytes(run: StepRun, stage: float) -> float:

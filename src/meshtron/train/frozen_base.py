@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh
 
 from meshtron.checkpoint import CheckpointError, CheckpointStore, abstract_like
@@ -213,13 +215,59 @@ def with_base(state: dict[str, Any], pointer: BasePointer | None, model_def: Mod
     return {**state, "params": grafted(base, state["params"])}
 
 
+def absent_modules(meta: dict[str, Any] | None, shapes: Params) -> list[str]:
+    """The top-level parameter subtrees of ``shapes`` (modules: ``mtp``, say) of which the checkpoint whose
+    meta record is ``meta`` holds no leaf: the model that wrote it had no such module. Without checksums
+    to tell, none."""
+    checksums = (meta or {}).get("checksums")
+    if not isinstance(checksums, dict):
+        return []
+    held = {name[len(PARAMS_PREFIX):].split(".")[0] for name in checksums if name.startswith(PARAMS_PREFIX)}
+    return [key for key in shapes if key not in held]
+
+
+def initialised_leaves(params: Params, model_def: ModelDef, mesh: Mesh, shardings: Params, names: list[str],
+                       seed: int) -> Params:
+    """``params`` (without the leaves of dotted ``names``) with those leaves as the model's initializer
+    makes them from ``seed`` -- the values a new model of that seed has -- computed alone (the program
+    keeps only those leaves of the initializer's work) and placed on ``shardings``."""
+    if not names:
+        return params
+
+    def at(tree: Any, name: str) -> Any:
+        for key in name.split("."):
+            tree = tree[key]
+        return tree
+
+    def create() -> list[jax.Array]:
+        with nnx.use_eager_sharding(False):
+            model = model_def.factory(nnx.Rngs(params=seed))
+        fresh = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return [at(fresh, name) for name in names]
+
+    with jax.set_mesh(mesh), model_def.scope():
+        values = jax.jit(create, out_shardings=[at(shardings, name) for name in names])()
+    out = dict(params)
+    for name, value in zip(names, values, strict=True):
+        node = out
+        *parents, last = name.split(".")
+        for key in parents:
+            node[key] = dict(node.get(key, {}))
+            node = node[key]
+        node[last] = value
+    return out
+
+
 def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardings: Params, *, step: int | None,
-                source: str, seed: int) -> tuple[Params, dict[str, Any]]:
+                source: str, seed: int, new_modules: bool = False) -> tuple[Params, dict[str, Any]]:
     """The parameters (no optimizer state) of step ``step`` (default: the newest intact one) of ``store``,
     canonical, on ``shardings``, and that checkpoint's meta record.
 
     A checkpoint of a LoRA run whose base it only points to gets its base back; a model with adapters
-    read from a checkpoint without them (LoRA on an import) gets fresh ones from ``seed``."""
+    read from a checkpoint without them (LoRA on an import) gets fresh ones from ``seed``. With
+    ``new_modules`` (a run started from another's weights), modules of the model the checkpoint has no
+    leaf of (:func:`absent_modules`: multi-token prediction added to a model trained without it) start
+    from the model's initializer with ``seed``, and a line on stderr names them."""
     lora = model_def.adaptation is not None
     meta = newest_meta(store, step)
     has_adapters = holds_adapters(meta)
@@ -235,7 +283,10 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
     # state a model trained without it lacks (delayed FP8's history, a selection bias), made fresh; a checkpoint
     # that points to its base gets it with the base
     fresh = [] if pointer is not None else absent_from((meta or {}).get("checksums"), kept, PARAMS_PREFIX)
-    shapes, target_shardings = without_leaves(shapes, fresh), without_leaves(target_shardings, fresh)
+    modules = absent_modules(meta, shapes) if new_modules and pointer is None else []
+    made = [name for name in leaf_names(shapes) if name.split(".")[0] in modules]
+    fresh = [name for name in fresh if name.split(".")[0] not in modules]
+    shapes, target_shardings = (without_leaves(tree, fresh + made) for tree in (shapes, target_shardings))
     target = adapters_only_target({"params": abstract_like(shapes, target_shardings)}, pointer)
     restored = store.restore_newest(target, None, mesh, resizable=model_def.resizable_in(target), partial=True,
                                     only=step, source=source)
@@ -247,4 +298,9 @@ def read_params(store: CheckpointStore, model_def: ModelDef, mesh: Mesh, shardin
     if lora and not has_adapters:
         params = grafted(params, adapters_only(model_def.init(mesh, seed, shardings=shardings)))
     params = with_fresh_leaves(params, model_def.shapes(), shardings, fresh)
+    if made:
+        params = initialised_leaves(params, model_def, mesh, shardings, made, seed)
+        if jax.process_index() == 0:
+            print(f"meshtron: {source}: {store.directory} has no {', '.join(modules)} parameters ({len(made)} "
+                  f"tensors): they start from the model's initializer (seed {seed})", file=sys.stderr)
     return params, restored.meta

@@ -32,6 +32,7 @@ from meshtron.run import Run
 from meshtron.train.frozen_base import (
     BASE_KEY,
     BasePointer,
+    absent_modules,
     adapters_only_target,
     check_read_alike,
     newest_meta,
@@ -239,7 +240,7 @@ class WeightsIO:
         """The parameters (only) of a checkpoint in ``store``, in this run's training layout, and its meta."""
         params, meta = read_params(store, self.model_def, self.mesh,
                                    self._canonical_shardings(self.steps.param_shardings), step=step, source=source,
-                                   seed=self.cfg.train.seed)
+                                   seed=self.cfg.train.seed, new_modules=True)
         perm = self._layer_perm(to_stage=True)
         if perm is not None:
             with jax.set_mesh(self.mesh):
@@ -254,13 +255,18 @@ class WeightsIO:
         try:
             resumed = self._read_state(store) if store is not None else None
         except CheckpointError as err:
-            other = another_run(newest_meta(store), self.cfg)
+            meta = newest_meta(store)
+            other = another_run(meta, self.cfg)
             if other is None:
                 raise
+            modules = absent_modules(meta, self.model_def.shapes())
+            start = (f"; its weights have no {', '.join(modules)} parameters: to add them, start a new run from them "
+                     f"(train.init_from={store.directory} and a checkpoint.dir of its own), where they begin from "
+                     "their initializer") if modules else ""
             raise ConfigError(
                 f"checkpoint.dir: {store.directory} holds the checkpoints of another run ({other}), which this run "
-                f"cannot resume; give this run a directory of its own (checkpoint.dir={store.directory}-2, say), or "
-                "resume that run with its settings") from err
+                f"cannot resume{start}; give this run a directory of its own (checkpoint.dir={store.directory}-2, "
+                "say), or resume that run with its settings") from err
         if resumed is not None:
             params, opt_state, position, meta = resumed
             saved_vocab = ((meta.get("config") or {}).get("model") or {}).get("vocab_size")
