@@ -55,6 +55,19 @@ def test_dense_blocks_are_the_prefix_and_only_expert_blocks_route():
     assert not hasattr(built(dataclasses.replace(small(), first_k_dense_replace=0)), "prefix")
 
 
+def test_the_prefix_follows_the_contract_and_a_prefix_on_the_layers_axis_is_refused():
+    from meshtron.models.blocks import stack_blocks
+    from meshtron.models.contract import ModelContractError, check_model
+    from meshtron.sharding import MEGATRON_RULES
+
+    model = built(small())
+    check_model(model, MEGATRON_RULES)
+    with nnx.use_eager_sharding(False):
+        model.prefix = stack_blocks(lambda r: deepseek.Block(model.dims, experts=False, rngs=r), 1, nnx.Rngs(1))
+    with pytest.raises(ModelContractError, match="^model: parameter prefix.* is under prefix but its first axis is 'layers', not 'prefix_layers'.*axis=PREFIX_LAYERS"):
+        check_model(model, MEGATRON_RULES)
+
+
 def test_the_model_holds_exactly_its_counted_parameters():
     # Dense layers hold no expert weights and expert layers no dense MLP: the model is the dense blocks'
     # count (deepseek_counts), the expert blocks' attention and norms, their experts, and the rest.

@@ -378,13 +378,13 @@ def check_model(model: Any, rules: Rules) -> None:
         if in_blocks and axes[0] != LAYERS:
             _fail(f"parameter {where} is under blocks but its first axis is {axes[0]!r}, not 'layers'",
                   "build blocks with meshtron.models.stack_blocks(make_block, layers, rngs)")
-        if not in_blocks and LAYERS in axes:
-            _fail(f"parameter {where} has a 'layers' axis outside blocks",
-                  "keep stacked layers under the model's blocks attribute")
         if in_prefix and (not axes or axes[0] != PREFIX_LAYERS):
             _fail(f"parameter {where} is under prefix but its first axis is {axes[0] if axes else None!r}, "
                   f"not {PREFIX_LAYERS!r}", "build the prefix with meshtron.models.stack_blocks(make_block, n, rngs, "
                   "axis=PREFIX_LAYERS)")
+        if not in_blocks and LAYERS in axes:
+            _fail(f"parameter {where} has a 'layers' axis outside blocks",
+                  "keep stacked layers under the model's blocks attribute")
         if not in_prefix and PREFIX_LAYERS in axes:
             _fail(f"parameter {where} has a {PREFIX_LAYERS!r} axis outside prefix",
                   "keep the prefix's stacked layers under the model's prefix attribute")
