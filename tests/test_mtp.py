@@ -13,6 +13,7 @@ from meshtron.models import deepseek, documents
 from meshtron.models.blocks import Context, run_blocks
 from meshtron.models.contract import (
     batch_reports,
+    embed_tokens,
     lm_loss,
     logits_of,
     token_losses,
@@ -93,7 +94,7 @@ def explicit_mtp_loss(params, model, y, windows_or_tokens, ctx):
 
 def main_and_blocks(model, tokens):
     seen, ctx = documents.view(tokens), Context.for_tokens(tokens)
-    y = run_blocks(model.blocks, model.embed(seen.inputs, ctx), ctx)
+    y = run_blocks(model.blocks, embed_tokens(model, seen.inputs, ctx), ctx)
     main = documents.weighted_mean(token_losses(model, model.head(y), seen.targets), seen.weights)
     return main, y, ctx
 

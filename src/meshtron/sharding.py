@@ -32,7 +32,6 @@ MESH_AXES = ("data", "context", "pipe", "tensor")
 MEGATRON_RULES: Rules = (
     ("batch", "data"),
     ("layers", "pipe"),
-    ("prefix_layers", None),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -45,6 +44,7 @@ MEGATRON_RULES: Rules = (
     ("pos", None),
     ("experts", "data"),
     ("lora_rank", None),
+    ("prefix_layers", None),  # a model's prefix stack runs with the embedding: replicated over pipe like it
 )
 
 
