@@ -237,8 +237,9 @@ def test_greedy_decoding_from_the_latent_cache_gives_transformers_tokens(hf, cas
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["v3", "v3-lite", "v2", "v3-dense"])
 def test_an_export_is_the_import_exactly_and_loads_in_transformers(hf, cases, name, tmp_path):
-    """Every tensor written back bit for bit, no other (a dense-or-experts block's unused half is not
-    written), the config's fields as they were, and transformers loads it with nothing missing."""
+    """Every tensor written back bit for bit, no other (the prefix's dense layers and the blocks' expert
+    layers each under their own layer numbers), the config's fields as they were, and transformers loads it
+    with nothing missing."""
     hf_dir, reference, output = cases(name)
     exported = export_hf(output, tmp_path / "hf")
     original, written = load_file(str(hf_dir / "model.safetensors")), load_file(str(exported / "model.safetensors"))
