@@ -1,6 +1,8 @@
-"""The deepseek family: multi-head latent attention (MLA), YaRN, dense-then-expert blocks, the latent
-decoding cache -- against one device on the parallel layouts, against the full-window forward, and
+"""The deepseek family: multi-head latent attention (MLA), YaRN, dense blocks (the prefix) then expert
+blocks, the latent decoding cache -- against one device on the parallel layouts, against the full-window forward, and
 its config's errors."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +14,8 @@ from meshtron.config import ConfigError, MlaConfig, ModelConfig, MoEConfig, load
 from meshtron.execution import Execution
 from meshtron.gpu.targets import prepare_environment
 from meshtron.models import deepseek
-from meshtron.models.blocks import Context, run_blocks
+from meshtron.models.blocks import Context
+from meshtron.models.contract import PrefixedCaches, final_hidden
 from meshtron.testing import Layout, check_parity
 from meshtron.train.state import model_def_from_config
 
@@ -22,8 +25,9 @@ YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "b
         "mscale": 1.0, "mscale_all_dim": 0.707}
 
 
-def small(q_lora_rank=24, layers=4, experts=8, **kw) -> ModelConfig:
-    """MLA with a query latent, 8 experts top-2 and a shared expert after one dense block."""
+def small(q_lora_rank=24, layers=5, experts=8, **kw) -> ModelConfig:
+    """MLA with a query latent, 8 experts top-2 and a shared expert after one dense block (the prefix; the
+    four expert blocks split over every pipeline layout here)."""
     return ModelConfig(family="deepseek", vocab_size=256, hidden=64, heads=8, layers=layers, mlp_dim=96, seq_len=16,
                        moe=MoEConfig(experts=experts, top_k=2, mlp_dim=16, shared_experts=1, aux_loss_weight=0.01),
                        first_k_dense_replace=1 if experts else 0, rope_scaling=YARN,
@@ -36,13 +40,50 @@ def built(cfg: ModelConfig) -> deepseek.Deepseek:
         return deepseek.build(cfg, nnx.Rngs(0))
 
 
-def test_dense_blocks_come_first_and_only_expert_blocks_route():
+def test_dense_blocks_are_the_prefix_and_only_expert_blocks_route():
     model = built(small())
-    np.testing.assert_array_equal(model.blocks.mlp.routed[...][:, 0], [0.0, 1.0, 1.0, 1.0])
+    prefix = nnx.to_pure_dict(nnx.state(model.prefix, nnx.Param))
+    blocks = nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param))
+    assert sorted(prefix["mlp"]) == ["down", "gate", "up"] and prefix["mlp"]["gate"]["kernel"].shape == (1, 64, 96)
+    assert sorted(blocks["mlp"]) == ["down", "gate", "router", "shared_down", "shared_gate", "shared_up", "up"]
+    assert blocks["mlp"]["router"].shape[0] == 4
     from meshtron.models.moe import routing_statistics
 
     stats = routing_statistics(model, jnp.zeros((2, 8), jnp.int32))
-    assert np.asarray(stats.load)[0].sum() == 0 and (np.asarray(stats.load)[1:].sum(-1) == 2 * 8 * 2).all()
+    assert np.asarray(stats.load).shape == (4, 8) and (np.asarray(stats.load).sum(-1) == 2 * 8 * 2).all()
+    assert not hasattr(built(small(experts=0)), "prefix")
+    assert not hasattr(built(dataclasses.replace(small(), first_k_dense_replace=0)), "prefix")
+
+
+def test_the_prefix_follows_the_contract_and_a_prefix_on_the_layers_axis_is_refused():
+    from meshtron.models.blocks import stack_blocks
+    from meshtron.models.contract import ModelContractError, check_model
+    from meshtron.sharding import MEGATRON_RULES
+
+    model = built(small())
+    check_model(model, MEGATRON_RULES)
+    with nnx.use_eager_sharding(False):
+        model.prefix = stack_blocks(lambda r: deepseek.Block(model.dims, experts=False, rngs=r), 1, nnx.Rngs(1))
+    with pytest.raises(ModelContractError, match="^model: parameter prefix.* is under prefix but its first axis is 'layers', not 'prefix_layers'.*axis=PREFIX_LAYERS"):
+        check_model(model, MEGATRON_RULES)
+
+
+def test_the_model_holds_exactly_its_counted_parameters():
+    # Dense layers hold no expert weights and expert layers no dense MLP: the model is the dense blocks'
+    # count (deepseek_counts), the expert blocks' attention and norms, their experts, and the rest.
+    from meshtron.config import padded_vocab_size
+    from meshtron.models import deepseek_counts
+    from meshtron.plan.step_memory import StepShape
+
+    cfg = small()
+    shape, e = StepShape.from_config(cfg), cfg.moe
+    experts = e.experts * cfg.hidden + 3 * e.experts * cfg.hidden * e.mlp_dim + 3 * cfg.hidden * e.shared_experts * e.mlp_dim
+    expert_block = deepseek_counts.attention_parameters(shape, 1) + 2 * cfg.hidden + experts
+    counted = (deepseek_counts.block_parameters(shape, 1) * cfg.first_k_dense_replace
+               + expert_block * (cfg.layers - cfg.first_k_dense_replace)
+               + deepseek_counts.other_parameters(shape, padded_vocab_size(cfg.vocab_size, 1), 1))
+    held = sum(a.size for a in jax.tree.leaves(nnx.state(built(cfg), nnx.Param)))
+    assert held == counted
 
 
 def test_yarn_matches_the_formula_of_hugging_face():
@@ -69,13 +110,14 @@ def test_latent_cache_decoding_equals_the_full_window(q_lora_rank, interleave, e
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
     full = model(tokens)
     cache = model.init_cache(2, 16)
-    assert cache.latent.shape == (4, 2, 16, 16 + 4)
+    assert isinstance(cache, PrefixedCaches)
+    assert (cache.prefix.latent.shape, cache.blocks.latent.shape) == ((1, 2, 16, 16 + 4), (4, 2, 16, 16 + 4))
     ctx = Context.for_sequence(2, 5, 0, cache)
-    x, cache = run_blocks(model.blocks, model.embed(tokens[:, :5], ctx), ctx)
+    x, cache = final_hidden(model, tokens[:, :5], ctx)
     steps = [model.head(x)]
     for p in range(5, 12):
         ctx = Context.for_sequence(2, 1, p, cache)
-        x, cache = run_blocks(model.blocks, model.embed(tokens[:, p:p + 1], ctx), ctx)
+        x, cache = final_hidden(model, tokens[:, p:p + 1], ctx)
         steps.append(model.head(x))
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-6)
 
@@ -166,7 +208,7 @@ def test_deepseek_fields_elsewhere_are_refused(overrides, message):
         load_config(None, overrides)
 
 
-DEEPSEEK = ["model.family=deepseek", "model.layers=4", "model.hidden=32", "model.heads=4", "model.mlp_dim=64",
+DEEPSEEK = ["model.family=deepseek", "model.layers=5", "model.hidden=32", "model.heads=4", "model.mlp_dim=64",
             "model.seq_len=16", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp_dim=16",
             "model.moe.shared_experts=1", "model.moe.aux_loss_weight=0.01", "model.first_k_dense_replace=1",
             "model.mla.q_lora_rank=16", "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8",
@@ -186,7 +228,7 @@ def deepseek_trainer(*overrides):
      "parallel.microbatches=4"],
     ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1", "parallel.microbatches=1"],
 ], ids=["2x2x2 interleaved", "8x1x1"])
-def test_routing_reports_equal_one_devices_and_the_dense_block_reports_none(layout):
+def test_routing_reports_equal_one_devices_and_come_from_the_expert_blocks(layout):
     trainer = deepseek_trainer(*layout)
     groups = trainer.steps.report_groups
     one = deepseek_trainer("parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", f"parallel.microbatches={groups}")
@@ -195,7 +237,7 @@ def test_routing_reports_equal_one_devices_and_the_dense_block_reports_none(layo
     [want] = one.steps.layer_reports(one.init_params(), tokens)
     np.testing.assert_array_equal(got.load, want.load)
     np.testing.assert_allclose(got.aux_loss, want.aux_loss, rtol=1e-5)
-    assert got.load[0].sum() == 0 and (got.load[1:].sum(-1) == tokens[:, :-1].size * 2).all()
+    assert got.load.shape[0] == 4 and (got.load.sum(-1) == tokens[:, :-1].size * 2).all()
 
 
 @pytest.mark.parametrize("q_lora_rank", [24, None])
@@ -215,13 +257,21 @@ def test_counts_are_the_dense_models_parameters(q_lora_rank):
     assert deepseek_counts.cache_elements_per_token(cfg) == {"latent": 16 + 4, "keys_values": 8 * (8 + 4 + 12)}
 
 
-def test_fp8_with_dense_and_expert_blocks_is_refused_in_one_line():
-    from meshtron.run import check_features
-
-    cfg = load_config(None, [*DEEPSEEK, "model.fp8=current"])
-    with pytest.raises(ConfigError, match="^model.fp8: FP8 projections do not compile inside the switch"):
-        check_features(cfg)
-    check_features(load_config(None, [*DEEPSEEK, "model.fp8=current", "model.first_k_dense_replace=0"]))
+@pytest.mark.parametrize("fp8", ["current", "delayed"])
+@pytest.mark.parametrize("layout", [["parallel.pipe=1"], ["parallel.pipe=2", "parallel.microbatches=2"]],
+                         ids=["one device", "pipe 2"])
+def test_fp8_trains_the_dense_prefix_and_the_expert_blocks(fp8, layout):
+    # The prefix's projections scale by their own amax (delayed scaling's state is the blocks'), the expert
+    # blocks' as the recipe says; both train, on one device and with the prefix in a pipeline's first stage.
+    result = deepseek_trainer("parallel.data=1", "parallel.tensor=1", *layout, f"model.fp8={fp8}", "train.steps=2",
+                              "train.batch_size=4").run()
+    fresh = deepseek_trainer("parallel.data=1", "parallel.tensor=1", *layout)
+    start = fresh.canonical_params(fresh.init_params())
+    assert np.isfinite(result.losses).all()
+    for part in ("prefix", "blocks"):
+        moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), result.params[part]["mlp"],
+                             start[part]["mlp"])
+        assert all(jax.tree.leaves(moved)), (part, moved)
 
 
 def _hf_state_dict(params: dict, layers: int, q_lora_rank: int | None) -> dict:
@@ -305,11 +355,3 @@ def test_cudnn_latent_attention_compiles_into_the_fused_kernel(gpu_target):
     trainer = Trainer.from_config(cfg, target=gpu_target, read_data=False)
     text = trainer.steps.compile(*trainer.abstract_step_arguments(), trainer.steps.stages[0]).as_text()
     assert "__cudnn$fmha" in text
-
-
-@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
-def test_the_dense_or_expert_switch_stays_what_it_was_through_training(optimizer):
-    # No gradient reaches it and weight decay skips it (no embed axis): the blocks keep their kinds.
-    result = deepseek_trainer("parallel.data=1", "parallel.pipe=1", "parallel.tensor=1", "train.steps=2",
-                              f"train.optimizer={optimizer}", "train.weight_decay=0.1", "train.batch_size=4").run()
-    np.testing.assert_array_equal(np.asarray(result.params["blocks"]["mlp"]["routed"])[:, 0], [0.0, 1.0, 1.0, 1.0])

@@ -35,11 +35,11 @@ COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "moe_
           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
           "max_position_embeddings": 64, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 CASES = {
-    # a query latent, odd head widths, 8 experts top-2 in 2 groups of which 1 is kept, a shared expert, a dense
-    # first block, YaRN
+    # a query latent, odd head widths, 8 experts top-2 in 2 groups of which 1 is kept, a shared expert, two dense
+    # first blocks (the prefix; the two expert blocks split over 2 pipeline stages), YaRN
     "v3": ("DeepseekV3", {**COMMON, "q_lora_rank": 24, "kv_lora_rank": 20, "qk_nope_head_dim": 6, "qk_rope_head_dim": 4,
                           "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
-                          "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                          "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 2,
                           "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rope_parameters": YARN}),
     # V2-Lite's direct query projection, halves rotated, every block with experts, no groups, weights as
     # chosen (no renormalisation), a tied head
@@ -49,10 +49,10 @@ CASES = {
                                "routed_scaling_factor": 1.5, "norm_topk_prob": False, "rope_interleave": False,
                                "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default",
                                                                                 "rope_theta": 50000.0}}),
-    # softmax routing, greedy top-k, YaRN, a dense first block
+    # softmax routing, greedy top-k, YaRN, two dense first blocks
     "v2": ("DeepseekV2", {**COMMON, "q_lora_rank": None, "kv_lora_rank": 20, "qk_nope_head_dim": 6,
                           "qk_rope_head_dim": 4, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 2,
-                          "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 1.5,
+                          "n_shared_experts": 1, "first_k_dense_replace": 2, "routed_scaling_factor": 1.5,
                           "topk_method": "greedy", "rope_parameters": YARN}),
     # no block with experts: a dense DeepSeek
     "v3-dense": ("DeepseekV3", {**COMMON, "q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8,
@@ -155,30 +155,30 @@ def test_the_recorded_config_is_the_deepseek_and_keeps_its_selection_bias(cases)
     pretrained = load_pretrained(output, MeshConfig(1, 1, 1))
     m = pretrained.config.model
     assert (m.family, m.layers, m.first_k_dense_replace, m.rope_scaling["factor"], m.mla.q_lora_rank,
-            m.mla.qk_nope_head_dim, m.mla.v_head_dim, m.mla.rope_interleave) == ("deepseek", 4, 1, 4.0, 24, 6, 10, True)
+            m.mla.qk_nope_head_dim, m.mla.v_head_dim, m.mla.rope_interleave) == ("deepseek", 4, 2, 4.0, 24, 6, 10, True)
     e = m.moe
     assert (e.experts, e.top_k, e.mlp_dim, e.shared_experts, e.router, e.n_group, e.topk_group, e.routed_scaling_factor,
             e.normalize_top_k, e.selection_bias, e.bias_update_rate) == (8, 2, 24, 1, "sigmoid", 2, 1, 2.5, True, True,
                                                                           0.0)
     stored = load_file(str(hf_dir / "model.safetensors"))
-    bias = np.asarray(pretrained.params["blocks"]["mlp"]["experts"]["e_score_correction_bias"])
-    np.testing.assert_array_equal(bias[0], 0)  # the dense block has none
-    for i in range(1, 4):
-        np.testing.assert_array_equal(bias[i], stored[f"model.layers.{i}.mlp.gate.e_score_correction_bias"])
-    np.testing.assert_array_equal(np.asarray(pretrained.params["blocks"]["mlp"]["routed"]).ravel(), [0, 1, 1, 1])
+    bias = np.asarray(pretrained.params["blocks"]["mlp"]["e_score_correction_bias"])
+    assert bias.shape[0] == 2  # the expert layers 2 and 3; layers 0 and 1, dense, are the prefix
+    for i in range(2, 4):
+        np.testing.assert_array_equal(bias[i - 2], stored[f"model.layers.{i}.mlp.gate.e_score_correction_bias"])
+    assert sorted(pretrained.params["prefix"]["mlp"]) == ["down", "gate", "up"]
     md = pretrained.model_def
     with jax.set_mesh(pretrained.mesh), md.scope(pretrained.execution):
         load = jax.jit(lambda p: routing_statistics(md.bind(p), TOKENS).load)(pretrained.params)
-        unbiased = jax.tree.map(np.zeros_like, pretrained.params["blocks"]["mlp"]["experts"]["e_score_correction_bias"])
+        unbiased = jax.tree.map(np.zeros_like, pretrained.params["blocks"]["mlp"]["e_score_correction_bias"])
         params = jax.tree.map(lambda x: x, pretrained.params)
-        params["blocks"]["mlp"]["experts"]["e_score_correction_bias"] = unbiased
+        params["blocks"]["mlp"]["e_score_correction_bias"] = unbiased
         without = jax.jit(lambda p: routing_statistics(md.bind(p), TOKENS).load)(params)
-    assert not np.array_equal(np.asarray(load)[1:], np.asarray(without)[1:])
+    assert not np.array_equal(np.asarray(load), np.asarray(without))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("override, field, fixed", [
-    ("model.mla.kv_lora_rank=8", "mla.kv_lora_rank", "20"), ("model.first_k_dense_replace=2", "first_k_dense_replace", "1"),
+    ("model.mla.kv_lora_rank=8", "mla.kv_lora_rank", "20"), ("model.first_k_dense_replace=1", "first_k_dense_replace", "2"),
     ("model.moe.selection_bias=false", "moe.selection_bias", "True"), ("model.moe.shared_experts=2", "moe.shared_experts", "1")])
 def test_overrides_may_not_change_what_the_weights_fix(cases, tmp_path, override, field, fixed):
     hf_dir, _, _ = cases("v3")
@@ -291,8 +291,9 @@ def test_greedy_decoding_from_the_latent_cache_gives_transformers_tokens(hf, cas
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["v3", "v3-lite", "v2", "v3-dense"])
 def test_an_export_is_the_import_exactly_and_loads_in_transformers(hf, cases, name, tmp_path):
-    """Every tensor written back bit for bit, no other (a dense-or-experts block's unused half is not
-    written), the config's fields as they were, and transformers loads it with nothing missing."""
+    """Every tensor written back bit for bit, no other (the prefix's dense layers and the blocks' expert
+    layers each under their own layer numbers), the config's fields as they were, and transformers loads it
+    with nothing missing."""
     hf_dir, reference, output = cases(name)
     exported = export_hf(output, tmp_path / "hf")
     original, written = load_file(str(hf_dir / "model.safetensors")), load_file(str(exported / "model.safetensors"))

@@ -13,6 +13,7 @@ from meshtron.models import deepseek, documents
 from meshtron.models.blocks import Context, run_blocks
 from meshtron.models.contract import (
     batch_reports,
+    embed_tokens,
     lm_loss,
     logits_of,
     token_losses,
@@ -93,7 +94,7 @@ def explicit_mtp_loss(params, model, y, windows_or_tokens, ctx):
 
 def main_and_blocks(model, tokens):
     seen, ctx = documents.view(tokens), Context.for_tokens(tokens)
-    y = run_blocks(model.blocks, model.embed(seen.inputs, ctx), ctx)
+    y = run_blocks(model.blocks, embed_tokens(model, seen.inputs, ctx), ctx)
     main = documents.weighted_mean(token_losses(model, model.head(y), seen.targets), seen.weights)
     return main, y, ctx
 
@@ -212,7 +213,7 @@ def test_mtp_over_a_sequence_split_on_context_ranks_is_refused():
 @pytest.mark.parametrize("layout", [Layout(1, 1, 8), Layout(2, 2, 2, "1f1b"), Layout(2, 2, 2, "interleaved", 2),
                                     Layout(4, 2, 1, "zb-h1", microbatches=2)], ids=str)
 def test_mtp_loss_and_gradients_equal_one_device(layout):
-    md = model_def_from_config(small(1, layers=4), layout.tensor)
+    md = model_def_from_config(small(1, layers=5), layout.tensor)
     [report] = check_parity(md, [layout], grouped_loss=True)
     assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6)
 
@@ -226,12 +227,12 @@ def test_mtp_under_sequence_parallelism_equals_one_device():
 
 @pytest.mark.slow
 def test_mtp_over_packed_documents_equals_one_device():
-    md = model_def_from_config(small(2, layers=4), 2)
+    md = model_def_from_config(small(2, layers=5), 2)
     [report] = check_parity(md, [Layout(2, 2, 2, "1f1b")], grouped_loss=True, documents=True)
     assert report.ok
 
 
-DEEPSEEK = ["model.family=deepseek", "model.layers=4", "model.hidden=32", "model.heads=4", "model.mlp_dim=64",
+DEEPSEEK = ["model.family=deepseek", "model.layers=5", "model.hidden=32", "model.heads=4", "model.mlp_dim=64",
             "model.seq_len=16", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp_dim=16",
             "model.moe.shared_experts=1", "model.first_k_dense_replace=1", "model.mla.q_lora_rank=16",
             "model.mla.kv_lora_rank=16", "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=4",

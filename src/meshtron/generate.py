@@ -65,7 +65,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshtron.data.tokenizers import Tokenizer
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.attention import KVCache, attention_implementation
-from meshtron.models.blocks import Context, run_blocks
+from meshtron.models.blocks import Context
+from meshtron.models.contract import final_hidden
 from meshtron.sharding import axis_rules, constrain
 from meshtron.train.state import ModelDef, Params
 from meshtron.xla_options import run_options
@@ -401,7 +402,7 @@ class Sampler:
             """The whole buffer at positions 0 .. context - 1 (writing the cache, if any); the
             logits at position ``length - 1``. Only that position goes through the head."""
             ctx = Context.for_sequence(1, context, 0, cache)
-            x = run_blocks(model.blocks, model.embed(window[None], ctx), ctx)
+            x = final_hidden(model, window[None], ctx)
             x, cache = x if cache is not None else (x, None)
             last = jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
             return model.head(last)[0, 0], cache
@@ -410,7 +411,7 @@ class Sampler:
             """One token, the last of the buffer (position ``length - 1``), against the cache."""
             ctx = Context.for_sequence(1, 1, length - 1, cache)
             token = jax.lax.dynamic_slice_in_dim(window, length - 1, 1)[None]
-            x, cache = run_blocks(model.blocks, model.embed(token, ctx), ctx)
+            x, cache = final_hidden(model, token, ctx)
             return model.head(x)[0, 0], cache
 
         def step(i, carry):

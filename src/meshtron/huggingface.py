@@ -16,9 +16,9 @@ the newest checkpoint's parameters back as ``config.json`` + ``model.safetensors
 Each family's mapping -- which architectures it reads, its tensors' names and layouts, its
 ``config.json`` fields both ways -- lives with the family (``models/llama_hf.py``,
 ``models/deepseek_hf.py``, ``models/gpt_hf.py``; :mod:`meshtron.families` names them); this module
-reads and writes the directories through them. A parameter some layers do not store (a DeepSeek's
-dense MLP in its expert layers) is zeros there on import and not written on export; parameters
-Hugging Face does not store at all are the mapping's constants; tensors a mapping leaves out on
+reads and writes the directories through them. A stack of blocks may hold some of Hugging Face's
+layers only (a DeepSeek's dense first layers are its ``prefix``, the expert layers its ``blocks``);
+parameters Hugging Face does not store at all are the mapping's constants; tensors a mapping leaves out on
 purpose (DeepSeek-V3's multi-token-prediction layers) are named in one line on stderr.
 
 meshtron pads the vocabulary of its embedding and head to a multiple of 128 x tensor
@@ -198,8 +198,8 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def _read_params(weights: _Weights, mapping: ModuleType, m: ModelConfig, shapes: dict[str, jax.ShapeDtypeStruct],
                  tied: bool, hf: dict[str, Any]) -> dict[str, Any]:
     """The meshtron parameter tree (host arrays, vocabulary padded as ``shapes`` say); a tied head is
-    read from the embedding, a layer that does not store a tensor holds zeros, and the mapping's
-    constants fill what Hugging Face does not store."""
+    read from the embedding, each stack holds the layers its tensors name, and the mapping's constants
+    fill what Hugging Face does not store."""
     prefixes = (mapping.PREFIX,)
     params: dict[str, Any] = {}
     for spec in mapping.tensors(m):
@@ -207,15 +207,13 @@ def _read_params(weights: _Weights, mapping: ModuleType, m: ModelConfig, shapes:
         name = mapping.EMBEDDING if spec.path == mapping.HEAD and tied else spec.hf
 
         def layer(i: int, spec=spec, name=name, shape=target.shape[1:], dtype=target.dtype) -> np.ndarray:
-            if not spec.stored_in(i):
-                return np.zeros(shape, dtype)
             if spec.per_expert:
                 return np.stack([to_meshtron(weights.read(name.format(i=i, j=j), spec.hf_shape, prefixes), spec,
                                              shape[1:], dtype) for j in range(shape[0])])
             return to_meshtron(weights.read(name.format(i=i), spec.hf_shape, prefixes), spec, shape, dtype)
 
         if spec.per_layer:
-            value = np.stack([layer(i) for i in range(m.layers)])
+            value = np.stack([layer(i) for i in spec.stacked(m.layers)])
         elif spec.per_expert:  # one module's experts, not a stack's (a multi-token prediction block)
             value = np.stack([to_meshtron(weights.read(name.format(j=j), spec.hf_shape, prefixes), spec,
                                           target.shape[1:], target.dtype) for j in range(target.shape[0])])
@@ -452,17 +450,17 @@ def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, *, argument: s
         if spec.path == mapping.HEAD and tied:
             continue
         value = _get(params, spec.path)
-        stored = [i for i in range(m.layers) if spec.stored_in(i)]
+        stored = spec.stacked(m.layers)
         if spec.per_expert and not spec.per_layer:  # one module's experts (a multi-token prediction block)
             for j in range(value.shape[0]):
                 tensors[spec.hf.format(j=j)] = to_hf(value[j], spec)
         elif spec.per_expert:
-            for i in stored:
+            for n, i in enumerate(stored):
                 for j in range(value.shape[1]):
-                    tensors[spec.hf.format(i=i, j=j)] = to_hf(value[i, j], spec)
+                    tensors[spec.hf.format(i=i, j=j)] = to_hf(value[n, j], spec)
         elif spec.per_layer:
-            for i in stored:
-                tensors[spec.hf.format(i=i)] = to_hf(value[i], spec)
+            for n, i in enumerate(stored):
+                tensors[spec.hf.format(i=i)] = to_hf(value[n], spec)
         else:
             tensors[spec.hf] = to_hf(value, spec)
     tensors.update(getattr(mapping, "zeros_on_export", lambda _: {})(m))

@@ -25,7 +25,7 @@ from meshtron.forward import Forward
 from meshtron.mesh import build_mesh, resolve_sizes, simulate_devices_for
 from meshtron.models.contract import ModelFactory
 from meshtron.models.lora import lora_spec
-from meshtron.run import check_tensor_split
+from meshtron.run import check_tensor_split, stacked_layers
 from meshtron.train.frozen_base import read_params
 from meshtron.train.state import ModelDef, Params, model_def_from_config
 from meshtron.xla_options import run_options
@@ -137,9 +137,9 @@ def load_pretrained(directory: str | Path, mesh: MeshConfig | None = None, devic
             cfg = replace(cfg, model=replace(cfg.model, sequence_parallel=False))
         if model is None:  # a model passed in is checked parameter by parameter (check_mesh below)
             check_tensor_split(cfg.model, mesh_cfg)
-        if cfg.model.layers % pipe:
-            raise ConfigError(f"parallel.pipe: {pipe} does not divide the model's {cfg.model.layers} layers; "
-                              "use a pipe size that does (or 1)")
+        if stacked_layers(cfg.model) % pipe:
+            raise ConfigError(f"parallel.pipe: {pipe} does not divide the model's {stacked_layers(cfg.model)} stacked "
+                              "layers; use a pipe size that does (or 1)")
         device_mesh = build_mesh(mesh_cfg, devices)
         # a LoRA run's checkpoint holds its adapters: the model carries them and merges them as it runs
         model_def = model_def_from_config(cfg.model, tensor, rules=rules, factory=model, adaptation=lora_spec(cfg.train.lora))

@@ -119,7 +119,7 @@ def resolve_run(cfg: Config, devices: int, *, layers: int | None = None, program
     compile the schedule into the runtime's instructions (planning needs only the table)."""
     cfg = replace(cfg, mesh=resolve_sizes(cfg.mesh, devices))
     pipe = cfg.mesh.pipe
-    if layers is not None and layers != cfg.model.layers:
+    if layers is not None and layers != stacked_layers(cfg.model):
         cfg = replace(cfg, model=replace(cfg.model, layers=layers))
     check_features(cfg)
     layout = _check_pipeline(cfg)
@@ -137,11 +137,18 @@ def resolve_run(cfg: Config, devices: int, *, layers: int | None = None, program
     return Run(cfg, layout, schedule, compiled)
 
 
+def stacked_layers(m: ModelConfig) -> int:
+    """The layers a built-in family stacks in its ``blocks``, which pipeline parallelism splits over its
+    stages: ``model.layers`` less the dense ones a model with experts runs first, in its ``prefix``
+    (``model.first_k_dense_replace``: :mod:`meshtron.models.contract`)."""
+    return m.layers - (m.first_k_dense_replace if m.moe.experts else 0)
+
+
 def run_for_model(cfg: Config, devices: int, layers: int, run: Run | None = None) -> Run:
     """``run`` (resolved before the model was built, as the CLI does before JAX starts) when it holds for
     a model of ``layers`` layers on ``devices`` devices; else ``cfg`` resolved for them. A model of the
     user's own decides its own depth, and with it the pipeline split."""
-    if run is not None and run.cfg.model.layers == layers and run.sizes.devices <= devices:
+    if run is not None and stacked_layers(run.cfg.model) == layers and run.sizes.devices <= devices:
         return run
     return resolve_run(cfg, devices, layers=layers)
 
@@ -172,10 +179,6 @@ def check_features(cfg: Config) -> None:
     _need(not t.lora.rank or cfg.model.moe.experts == 0, "train.lora",
           "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
     m = cfg.model
-    _need(m.fp8 == "off" or not (m.first_k_dense_replace and m.moe.experts), "model.fp8",
-          f"FP8 projections do not compile inside the switch between the deepseek family's dense and expert "
-          f"blocks (model.first_k_dense_replace={m.first_k_dense_replace} with model.moe.experts={m.moe.experts}); "
-          "set model.fp8=off, or model.first_k_dense_replace=0 (every block a mixture of experts)")
     _need(not m.mtp.layers or cfg.mesh.context <= 1, "model.mtp.layers",
           f"multi-token prediction reads each position's tokens k places on, which a sequence split over "
           f"parallel.context={cfg.mesh.context} ranks keeps on another rank; use parallel.context=1 or "
@@ -288,7 +291,7 @@ def _check_pipeline(cfg: Config) -> StageLayout | None:
     layers split over p·v (or a ``parallel.layout`` that fits), enough microbatches to fill. Returns
     the parsed stage layout, None without a pipeline."""
     pipe, pl = cfg.mesh.pipe, cfg.pipeline
-    layers, m = cfg.model.layers, cfg.train.microbatches
+    layers, m = stacked_layers(cfg.model), cfg.train.microbatches
     _need(
         pl.schedule in SCHEDULES or is_schedule_file(pl.schedule),
         "parallel.schedule",

@@ -1,10 +1,11 @@
 """Logical axis names -> mesh axes: the one table that decides the parallel layout.
 
 Model code names *logical* axes only (``batch``, ``seq``, ``embed``, ``heads``, ``kv_heads``,
-``head_dim``, ``qkv``, ``mlp``, ``experts``, ``vocab``, ``layers``). :data:`MEGATRON_RULES` maps them onto the mesh the way
+``head_dim``, ``qkv``, ``mlp``, ``experts``, ``vocab``, ``layers``, ``prefix_layers``). :data:`MEGATRON_RULES` maps them onto the mesh the way
 Megatron-LM splits a transformer: attention by heads and the MLP's inner dimension over
 ``tensor`` (column-parallel in, row-parallel out), the vocabulary over ``tensor`` (vocab-parallel
-embedding and cross-entropy), the batch over ``data``, the stacked layer axis over ``pipe`` and the
+embedding and cross-entropy), the batch over ``data``, the stacked layer axis over ``pipe`` (a model's
+``prefix`` stack, which runs with the embedding, is replicated over it) and the
 sequence over ``context`` (context parallelism: the train step is manual over that axis, and
 attention exchanges keys and values over it, :mod:`meshtron.models.context_attention`).
 Changing the layout means changing this table, never the model: :func:`extend_rules` adds a
@@ -43,6 +44,7 @@ MEGATRON_RULES: Rules = (
     ("pos", None),
     ("experts", "data"),
     ("lora_rank", None),
+    ("prefix_layers", None),  # a model's prefix stack runs with the embedding: replicated over pipe like it
 )
 
 

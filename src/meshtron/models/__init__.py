@@ -7,8 +7,8 @@ The contract's names load on first use: the families' Hugging Face mappings (``*
 registry need no JAX, so ``meshtron configs`` stays light."""
 
 __all__ = [
-    "RESIDUAL", "WHOLE_SEQUENCE", "Context", "ExtraLoss", "ModelContractError", "ModelFactory", "check_model",
-    "enter_parallel_region", "exit_parallel_region", "lm_loss", "logits_of", "run_blocks", "stack_blocks",
+    "PREFIX_LAYERS", "RESIDUAL", "WHOLE_SEQUENCE", "Context", "ExtraLoss", "ModelContractError", "ModelFactory", "check_model",
+    "embed_tokens", "enter_parallel_region", "exit_parallel_region", "lm_loss", "logits_of", "run_blocks", "stack_blocks",
     "vocab_parallel_cross_entropy",
 ]
 

@@ -35,6 +35,10 @@ from meshtron.sharding import constrain, varying_like
 from meshtron.trace_context import LayerView, current, using
 
 LAYERS = "layers"
+PREFIX_LAYERS = "prefix_layers"
+"""The logical axis a model's ``prefix`` stacks its blocks on (:mod:`meshtron.models.contract`): replicated
+over pipeline stages (the prefix runs with the embedding, on the first virtual stage), where ``layers``
+is split over them."""
 RESIDUAL = ("batch", "residual_seq", "embed")
 """Logical axes of the residual stream -- embedding output, block inputs and outputs, the inputs of
 norms and of the head. ``residual_seq`` is replicated by default and split over ``tensor`` under
@@ -146,15 +150,17 @@ class Context:
         return cls(seen.positions, segments=seen.segments)
 
 
-def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs: nnx.Rngs) -> nnx.Module:
+def stack_blocks(make_block: Callable[[nnx.Rngs], nnx.Module], layers: int, rngs: nnx.Rngs, *,
+                 axis: str = LAYERS) -> nnx.Module:
     """``layers`` independent blocks made by ``make_block(rngs)``, their parameters stacked on a leading
-    ``layers`` axis (the canonical layout pipeline placement and checkpoints rely on).
+    ``layers`` axis (the canonical layout pipeline placement and checkpoints rely on); a model's
+    ``prefix`` stacks its own on :data:`PREFIX_LAYERS` (``axis``).
 
     Each block draws from its own key, split from ``rngs.params()``.
     """
     keys = jax.random.split(rngs.params(), layers)
 
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(key: jax.Array) -> nnx.Module:
         return make_block(nnx.Rngs(params=key))
 

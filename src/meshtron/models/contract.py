@@ -17,6 +17,17 @@ user's model is a third. A model is any ``nnx.Module`` with:
     called ``block(x, ctx) -> x`` (``ctx``: a :class:`~meshtron.models.blocks.Context`); during
     cached decoding ``ctx.cache`` holds the block's own cache and the block returns
     ``(x, new_cache)`` (:func:`meshtron.models.attention.causal_attention` does both).
+``prefix`` (optional)
+    A second stack of blocks, of another class, that runs after ``embed`` and before ``blocks``
+    (DeepSeek's first dense layers before its expert layers): build it with
+    ``stack_blocks(make_block, n, rngs, axis=PREFIX_LAYERS)``, its blocks called as ``blocks``' are. It
+    is part of the first virtual pipeline stage: every consumer runs ``embed`` then ``prefix`` through
+    :func:`embed_tokens`. Its stacked axis, :data:`~meshtron.models.blocks.PREFIX_LAYERS`, is replicated
+    over pipeline stages as the embedding is (the pipeline's shared parameters are everything but
+    ``blocks``), and gathered whole under fully sharded data parallelism; ``execution.remat`` recomputes
+    its blocks as it does ``blocks``'. What its blocks report (routing statistics) is not collected:
+    the per-layer reports are ``blocks``'. Under ``model.fp8`` its projections use current scaling
+    (delayed scaling's state, and a pipeline's weights quantized once per step, are ``blocks``').
 ``head(x [b, s, h]) -> logits [b, s, V]``
     Final norm and output projection: the last virtual stage. Logits stay split over the
     vocabulary when the head's parameters are (logical axis ``vocab``).
@@ -33,7 +44,8 @@ user's model is a third. A model is any ``nnx.Module`` with:
     most this many tokens of context. Without it, the run's ``model.seq_len``.
 ``init_cache(batch, max_len) -> caches`` (optional)
     Zeroed per-layer decoding caches stacked ``[layers, ...]``; with it, ``generate`` runs one
-    prefill and one compiled step per token instead of re-running the whole window.
+    prefill and one compiled step per token instead of re-running the whole window. A model with a
+    ``prefix`` returns :class:`PrefixedCaches`: the prefix's stacked caches and the blocks'.
 
 Every ``nnx.Param`` carries logical axis names (``nnx.with_partitioning(init, names)``); the
 rules table (:mod:`meshtron.sharding`) maps them to mesh axes, so the model names no mesh axis.
@@ -58,7 +70,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -68,13 +80,14 @@ from flax import nnx
 
 from meshtron.errors import ConfigError
 from meshtron.models import documents
-from meshtron.models.blocks import LAYERS, Context, layer_parameters, run_blocks
+from meshtron.models.blocks import LAYERS, PREFIX_LAYERS, Context, layer_parameters, run_blocks
 from meshtron.sharding import Rules, variable_axes
+from meshtron.trace_context import using
 
 __all__ = [
-    "Context", "ExtraLoss", "ExtraLossReport", "ModelContractError", "ModelFactory", "batch_reports", "check_model",
-    "checked_model", "extra_loss", "head_loss", "layer_parameters", "layer_reports", "lm_loss", "logits_of",
-    "next_token_pairs", "token_losses", "vocab_parallel_cross_entropy",
+    "Context", "ExtraLoss", "ExtraLossReport", "ModelContractError", "ModelFactory", "PrefixedCaches", "batch_reports",
+    "check_model", "checked_model", "embed_tokens", "extra_loss", "final_hidden", "head_loss", "layer_parameters",
+    "layer_reports", "lm_loss", "logits_of", "next_token_pairs", "token_losses", "vocab_parallel_cross_entropy",
 ]  # Context and layer_parameters are blocks' (imported from here by the train step)
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
@@ -93,12 +106,50 @@ def next_token_pairs(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     return seen.inputs, seen.targets
 
 
+class PrefixedCaches(NamedTuple):
+    """The decoding caches of a model with a ``prefix``: the prefix's, stacked over its layers, and the
+    blocks', stacked over theirs (what its ``init_cache`` returns)."""
+
+    prefix: Any
+    blocks: Any
+
+
+PREFIX = "prefix"
+
+
+def embed_tokens(model: nnx.Module, tokens: jax.Array, ctx: Context, *, remat: str = "none") -> Any:
+    """What ``blocks`` take for ``tokens`` [b, s]: the model's ``embed``, then its ``prefix`` if it has one
+    (recomputed as ``remat`` says); the first virtual pipeline stage. With ``ctx.cache`` (decoding a model
+    with a prefix: the prefix's caches), ``(x, the prefix's new caches)``.
+
+    The prefix runs outside :func:`layer_parameters` views (those are shaped like one layer of
+    ``blocks``): its parameters are used as they arrive, as the embedding's are."""
+    x = model.embed(tokens, ctx)
+    prefix = getattr(model, PREFIX, None)
+    if prefix is None:
+        return x
+    with using(layer_views=()):
+        return run_blocks(prefix, x, ctx, remat=remat)
+
+
+def final_hidden(model: nnx.Module, tokens: jax.Array, ctx: Context, *, remat: str = "none") -> Any:
+    """The last block's output ``x`` [b, s, h] for ``tokens`` [b, s]: embed, prefix, blocks. With
+    ``ctx.cache`` (what the model's ``init_cache`` made), ``(x, new caches)`` of the same structure."""
+    prefix = getattr(model, PREFIX, None)
+    if ctx.cache is None or prefix is None:
+        return run_blocks(model.blocks, embed_tokens(model, tokens, ctx, remat=remat), ctx, remat=remat)
+    caches = ctx.cache
+    x, prefix_caches = embed_tokens(model, tokens, replace(ctx, cache=caches.prefix))
+    x, block_caches = run_blocks(model.blocks, x, replace(ctx, cache=caches.blocks))
+    return x, PrefixedCaches(prefix_caches, block_caches)
+
+
 def layer_reports(model: nnx.Module, tokens: jax.Array, ctx: Context | None = None) -> tuple[Any, ...]:
     """What the blocks :func:`~meshtron.models.auxiliary.report` for ``tokens`` [b, s] (the inputs,
     without the last target; in ``ctx``, default one sequence per row), stacked over the layers: a
-    forward through embedding and blocks."""
+    forward through embedding, prefix (which reports nothing) and blocks."""
     ctx = Context.for_sequence(*tokens.shape) if ctx is None else ctx
-    return run_blocks(model.blocks, model.embed(tokens, ctx), ctx, collect=True)[1]
+    return run_blocks(model.blocks, embed_tokens(model, tokens, ctx), ctx, collect=True)[1]
 
 
 class ExtraLoss(NamedTuple):
@@ -155,10 +206,10 @@ def token_losses(model: nnx.Module, logits: jax.Array, targets: jax.Array) -> ja
 
 
 def logits_of(model: nnx.Module, tokens: jax.Array, *, remat: str = "none", ctx: Context | None = None) -> jax.Array:
-    """The full forward pass through the contract: embed -> blocks -> head, of ``tokens`` [b, s] (in
-    ``ctx``: packed documents', :meth:`Context.for_tokens`; default, one sequence per row)."""
+    """The full forward pass through the contract: embed -> prefix -> blocks -> head, of ``tokens`` [b, s]
+    (in ``ctx``: packed documents', :meth:`Context.for_tokens`; default, one sequence per row)."""
     ctx = Context.for_sequence(*tokens.shape) if ctx is None else ctx
-    return model.head(run_blocks(model.blocks, model.embed(tokens, ctx), ctx, remat=remat))
+    return model.head(final_hidden(model, tokens, ctx, remat=remat))
 
 
 def head_loss(model: nnx.Module, x: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -185,7 +236,7 @@ def lm_loss(model: nnx.Module, tokens: jax.Array, *, remat: str = "none") -> jax
     documents' features, each token's loss weighted as they say. The objective: with a model's
     :func:`extra_loss`, its gradient is that of the extra loss too (:func:`head_loss`)."""
     seen, ctx = documents.view(tokens), Context.for_tokens(tokens)
-    return head_loss(model, run_blocks(model.blocks, model.embed(seen.inputs, ctx), ctx, remat=remat), tokens)
+    return head_loss(model, final_hidden(model, seen.inputs, ctx, remat=remat), tokens)
 
 
 def batch_reports(model: nnx.Module, tokens: jax.Array) -> tuple[Any, ...]:
@@ -193,7 +244,7 @@ def batch_reports(model: nnx.Module, tokens: jax.Array) -> tuple[Any, ...]:
     blocks' reports stacked over the layers (:func:`layer_reports`), then, with a model's
     :func:`extra_loss`, its unweighted value (:class:`ExtraLossReport`)."""
     seen, ctx = documents.view(tokens), Context.for_tokens(tokens)
-    x, found = run_blocks(model.blocks, model.embed(seen.inputs, ctx), ctx, collect=True)
+    x, found = run_blocks(model.blocks, embed_tokens(model, seen.inputs, ctx), ctx, collect=True)
     extra = extra_loss(model, x, tokens)
     return found if extra is None else (*found, ExtraLossReport(extra.value.astype(jnp.float32), extra.name))
 
@@ -303,8 +354,12 @@ def check_model(model: Any, rules: Rules) -> None:
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         _fail(f"{kind}.vocab_size is {vocab!r}, not a positive int",
               "give the model a vocab_size attribute (the real vocabulary, before padding)")
+    prefix = getattr(model, PREFIX, None)
+    if prefix is not None and not isinstance(prefix, nnx.Module):
+        _fail(f"{kind}.prefix is a {type(prefix).__name__}, not stacked blocks",
+              "set self.prefix = meshtron.models.stack_blocks(make_block, n, rngs, axis=PREFIX_LAYERS), or no prefix")
     named = {name for name, _ in rules}
-    depth = None
+    depth, prefix_depth = None, None
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         where = _path(path)
         try:
@@ -319,13 +374,25 @@ def check_model(model: Any, rules: Rules) -> None:
         if unknown:
             _fail(f"parameter {where} uses logical axis {unknown[0]!r}, which no sharding rule maps",
                   f"add a rule, e.g. model.rules={{{unknown[0]}: null}} (replicated) or rules={{'{unknown[0]}': 'tensor'}}")
-        in_blocks = where.startswith("blocks.")
+        in_blocks, in_prefix = where.startswith("blocks."), where.startswith(f"{PREFIX}.")
         if in_blocks and axes[0] != LAYERS:
             _fail(f"parameter {where} is under blocks but its first axis is {axes[0]!r}, not 'layers'",
                   "build blocks with meshtron.models.stack_blocks(make_block, layers, rngs)")
+        if in_prefix and (not axes or axes[0] != PREFIX_LAYERS):
+            _fail(f"parameter {where} is under prefix but its first axis is {axes[0] if axes else None!r}, "
+                  f"not {PREFIX_LAYERS!r}", "build the prefix with meshtron.models.stack_blocks(make_block, n, rngs, "
+                  "axis=PREFIX_LAYERS)")
         if not in_blocks and LAYERS in axes:
             _fail(f"parameter {where} has a 'layers' axis outside blocks",
                   "keep stacked layers under the model's blocks attribute")
+        if not in_prefix and PREFIX_LAYERS in axes:
+            _fail(f"parameter {where} has a {PREFIX_LAYERS!r} axis outside prefix",
+                  "keep the prefix's stacked layers under the model's prefix attribute")
+        if in_prefix:
+            if prefix_depth is not None and shape[0] != prefix_depth:
+                _fail(f"parameter {where} stacks {shape[0]} layers, others of the prefix {prefix_depth}",
+                      "stack every prefix parameter once")
+            prefix_depth = shape[0]
         if in_blocks:
             if depth is not None and shape[0] != depth:
                 _fail(f"parameter {where} stacks {shape[0]} layers, others {depth}", "stack every block parameter once")

@@ -32,12 +32,12 @@ through its slice of ``kv_b_proj``'s value part. Where a layer hook adds a term 
 projections, their norms and the shared rotary key are replicated (their weights' axes are
 ``(embed, None)``: a few hundred features, computed whole on every rank).
 
-**Dense and expert blocks in one stack.** Every block holds the same parameters (the stack's
-contract), so with ``first_k_dense_replace`` > 0 and experts each block holds both a dense SwiGLU MLP
-and the mixture of experts (:class:`DenseOrExperts`) and a constant per-layer switch says which one
-it runs (``lax.cond``: only that one is computed); the other's parameters get no gradient and are
-never read. The cost is their memory: the dense MLP's in every expert layer and the experts' in
-every dense layer.
+**Dense blocks, then expert blocks.** With ``first_k_dense_replace`` = k > 0 and experts, the first k
+blocks (a dense SwiGLU MLP each) are the model's ``prefix`` -- a stack of their own that runs after the
+embedding, on the first virtual pipeline stage, replicated over pipeline stages as the embedding is
+(:mod:`meshtron.models.contract`) -- and ``blocks`` holds the ``layers - k`` expert blocks, which
+pipeline parallelism splits over its stages. Each block holds only its own parameters; the routing
+statistics are the expert blocks'. Without experts, or with k = 0, there is no prefix.
 
 **Multi-token prediction** (``mtp_layers`` > 0, DeepSeek-V3's): the modules of
 :mod:`meshtron.models.mtp` under ``mtp`` (``depth1`` ..), each with a block of this family (an
@@ -49,7 +49,7 @@ so they run where the head runs and generation never calls them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -60,16 +60,16 @@ from flax import nnx
 from meshtron.config import ModelConfig, padded_vocab_size
 from meshtron.models import mtp
 from meshtron.models.attention import causal_attention
-from meshtron.models.auxiliary import collecting_reports, report
 from meshtron.models.blocks import (
-    LAYERS,
+    PREFIX_LAYERS,
     WHOLE_SEQUENCE,
     Context,
     enter_parallel_region,
     exit_parallel_region,
+    stack_blocks,
 )
 from meshtron.models.collective_matmul import column_parallel, row_parallel
-from meshtron.models.contract import ExtraLoss, logits_of, token_losses
+from meshtron.models.contract import ExtraLoss, PrefixedCaches, logits_of, token_losses
 from meshtron.models.fp8 import projection_einsum
 from meshtron.models.fused_attention import dot_product_attention
 from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block
@@ -311,88 +311,22 @@ def latent_attention(attn: Attention, q_nope: jax.Array, q_rope: jax.Array, late
     return attn.o_proj(constrain(out, HEADS)), LatentCache(rows)
 
 
-class DenseOrExperts(nnx.Module):
-    """A dense SwiGLU MLP and a mixture of experts in one block, of which ``routed`` (a per-layer constant
-    stored as a parameter, 1.0 for an expert layer, which never gets a gradient) picks the one that runs.
-    The mixture's reports (its routing statistics) leave the branch as outputs and are reported again
-    outside it; a dense layer reports zeros."""
-
-    def __init__(self, dims: DeepseekDims, routed: jax.Array, *, rngs: nnx.Rngs):
-        assert dims.moe is not None
-        self.dense = MLP(dims, rngs=rngs)
-        self.experts = MoE(dims.moe, rngs=rngs)
-        self.routed = nnx.Param(nnx.with_partitioning(lambda *_: routed.astype(dims.param_dtype)[None], (None,))(
-            rngs.params(), (1,), dims.param_dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        def experts(x):
-            with collecting_reports() as found:
-                y = self.experts(x)
-            return y, tuple(found)
-
-        # The dense branch's zeros must have the type of the experts' reports, including the manual mesh
-        # axes each varies over inside the trainer's ``shard_map``: read from an abstract trace.
-        kinds: list[Any] = []
-
-        def reports_of(x):
-            reports = experts(x)[1]
-            kinds.extend(jax.typeof(r) for r in jax.tree.leaves(reports))
-            return reports
-
-        structure = jax.tree.structure(jax.eval_shape(reports_of, x))
-
-        def dense(x):
-            return self.dense(x), jax.tree.unflatten(structure, [_varying_as(jnp.zeros(k.shape, k.dtype), k)
-                                                                 for k in kinds])
-
-        y, reports = jax.lax.cond(jax.lax.stop_gradient(self.routed[...][0]) > 0.5, experts, dense, x)
-        for found in reports:
-            report(found)
-        return y
-
-
-def _manual_axes(kind: Any) -> frozenset[str]:
-    """The manual mesh axes a value of abstract type ``kind`` varies over (``vma`` up to jax 0.10,
-    ``mat.varying`` after)."""
-    return frozenset(kind.vma if hasattr(kind, "vma") else kind.mat.varying)
-
-
-def _varying_as(x: jax.Array, kind: Any) -> jax.Array:
-    """``x`` (a constant, varying over no manual axis) typed as varying like a value of type ``kind``."""
-    axes = tuple(sorted(_manual_axes(kind)))
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
-
-
 class Block(nnx.Module):
-    """Pre-RMSNorm block: latent attention, then a dense MLP or the mixture of experts."""
+    """Pre-RMSNorm block: latent attention, then the mixture of experts (``experts``) or a dense SwiGLU MLP."""
 
-    def __init__(self, dims: DeepseekDims, routed: jax.Array, *, rngs: nnx.Rngs):
+    def __init__(self, dims: DeepseekDims, *, experts: bool, rngs: nnx.Rngs):
         self.input_layernorm = _norm(dims.hidden, dims.norm_eps, dims, rngs)
         self.self_attn = Attention(dims, rngs=rngs)
         self.post_attention_layernorm = _norm(dims.hidden, dims.norm_eps, dims, rngs)
-        if dims.moe is None:
-            self.mlp = MLP(dims, rngs=rngs)
-        elif dims.first_k_dense == 0:
+        if experts:
+            assert dims.moe is not None
             self.mlp = MoE(dims.moe, rngs=rngs)
         else:
-            self.mlp = DenseOrExperts(dims, routed, rngs=rngs)
+            self.mlp = MLP(dims, rngs=rngs)
 
     def __call__(self, x: jax.Array, ctx: Context):
         """``x`` after the block; ``(x, cache)`` when decoding with ``ctx.cache``."""
         return pre_norm_block(x, ctx, self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp)
-
-
-def _stacked_blocks(dims: DeepseekDims, rngs: nnx.Rngs) -> nnx.Module:
-    """The ``layers`` blocks stacked on a leading ``layers`` axis (as
-    :func:`meshtron.models.blocks.stack_blocks`), each told whether it is an expert layer."""
-    keys = jax.random.split(rngs.params(), dims.layers)
-    routed = jnp.arange(dims.layers) >= dims.first_k_dense
-
-    @nnx.vmap(in_axes=(0, 0), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    def make(key: jax.Array, routed: jax.Array) -> nnx.Module:
-        return Block(dims, routed, rngs=nnx.Rngs(params=key))
-
-    return make(keys, routed)
 
 
 class PredictionDepths(nnx.Module):
@@ -400,11 +334,10 @@ class PredictionDepths(nnx.Module):
     block a mixture of experts when the model has experts (DeepSeek-V3's), else a dense block."""
 
     def __init__(self, dims: DeepseekDims, *, rngs: nnx.Rngs):
-        block_dims = replace(dims, first_k_dense=0)  # an expert block, never the dense-or-experts switch
         self.count = dims.mtp_layers
         for k in range(1, dims.mtp_layers + 1):
             setattr(self, f"depth{k}", mtp.PredictionDepth(
-                dims.hidden, Block(block_dims, jnp.asarray(True), rngs=rngs),
+                dims.hidden, Block(dims, experts=dims.moe is not None, rngs=rngs),
                 lambda: _norm(dims.hidden, dims.norm_eps, dims, rngs), dtype=dims.dtype,
                 param_dtype=dims.param_dtype, rngs=rngs))
 
@@ -413,15 +346,20 @@ class PredictionDepths(nnx.Module):
 
 
 class Deepseek(nnx.Module):
-    """Token embedding, stacked blocks, final RMSNorm, untied LM head; with ``mtp_layers``, the
-    multi-token prediction modules after them (``mtp``: their own subtree of the parameters, which
-    generation never reads)."""
+    """Token embedding, the dense blocks (``prefix``: with experts and ``first_k_dense`` > 0), the stacked
+    blocks, final RMSNorm, untied LM head; with ``mtp_layers``, the multi-token prediction modules after
+    them (``mtp``: their own subtree of the parameters, which generation never reads)."""
 
     def __init__(self, dims: DeepseekDims, *, rngs: nnx.Rngs):
         self.dims = dims
         self.embedding = nnx.Param(
             padded_vocab_init(dims.vocab_size)(rngs.params(), (dims.vocab_padded, dims.hidden), dims.param_dtype))
-        self.blocks = _stacked_blocks(dims, rngs)
+        experts = dims.moe is not None
+        if experts and dims.first_k_dense:
+            self.prefix = stack_blocks(lambda r: Block(dims, experts=False, rngs=r), dims.first_k_dense, rngs,
+                                       axis=PREFIX_LAYERS)
+        self.blocks = stack_blocks(lambda r: Block(dims, experts=experts, rngs=r), dims.layers - self.prefix_layers,
+                                   rngs)
         self.norm = _norm(dims.hidden, dims.norm_eps, dims, rngs)
         self.lm_head = nnx.Param(
             padded_vocab_init(dims.vocab_size)(rngs.params(), (dims.vocab_padded, dims.hidden), dims.param_dtype))
@@ -431,6 +369,11 @@ class Deepseek(nnx.Module):
     @property
     def vocab_size(self) -> int:
         return self.dims.vocab_size
+
+    @property
+    def prefix_layers(self) -> int:
+        """How many of the model's layers its ``prefix`` holds (the dense ones before the experts; 0: no prefix)."""
+        return self.dims.first_k_dense if self.dims.moe is not None else 0
 
     def embed(self, tokens: jax.Array, ctx: Context) -> jax.Array:
         del ctx  # positions enter through the rotary embedding in every block
@@ -457,11 +400,17 @@ class Deepseek(nnx.Module):
                                     token_losses=lambda logits, targets: token_losses(self, logits, targets))
         return ExtraLoss(mtp.METRIC, value, self.dims.mtp_loss_weight)
 
-    def init_cache(self, batch: int, max_len: int) -> LatentCache:
+    def init_cache(self, batch: int, max_len: int) -> LatentCache | PrefixedCaches:
         """Zeroed latent caches for every layer, stacked ``[layers, batch, max_len, kv_lora_rank +
-        qk_rope_head_dim]``."""
+        qk_rope_head_dim]``; with a prefix, its layers' and the blocks' (:class:`PrefixedCaches`)."""
         d = self.dims
-        return LatentCache(jnp.zeros((d.layers, batch, max_len, d.latent_dim), d.dtype))
+
+        def caches(layers: int) -> LatentCache:
+            return LatentCache(jnp.zeros((layers, batch, max_len, d.latent_dim), d.dtype))
+
+        if not self.prefix_layers:
+            return caches(d.layers)
+        return PrefixedCaches(caches(self.prefix_layers), caches(d.layers - self.prefix_layers))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return logits_of(self, tokens)

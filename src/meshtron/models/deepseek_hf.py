@@ -13,8 +13,8 @@ Experts are stored one by one, as the Hub's checkpoints and ``save_pretrained`` 
 (``mlp.experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj``), with the router ``mlp.gate.weight``
 ``[experts, hidden]`` and the shared experts as one SwiGLU (``mlp.shared_experts``, ``n_shared_experts
 · moe_intermediate_size`` wide). The first ``first_k_dense_replace`` layers store a dense ``mlp``
-instead; meshtron's stack holds both in every layer (:class:`meshtron.models.deepseek.DenseOrExperts`),
-so on import the half a layer does not store is zeros (never read) and on export it is not written.
+instead: they are meshtron's ``prefix`` (Hugging Face's layer ``i`` its ``i``-th block), the layers after
+them its ``blocks`` (layer ``i`` block ``i - first_k_dense_replace``).
 
 **Routing.** A V3 routes by sigmoid scores, choosing by ``scores + e_score_correction_bias`` within
 the ``topk_group`` best of ``n_group`` groups (each scored by its two best), weights renormalised
@@ -66,81 +66,86 @@ _YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
          "attention_factor", "truncate")
 
 
-def _routed(m: ModelConfig) -> tuple[str, tuple[int, int] | None, tuple[int, int] | None]:
-    """Where the mixture of experts' parameters are in the tree, and the layers that store the experts
-    and the dense MLP (None: all)."""
-    if not m.moe.experts:
-        return "", None, None
-    if m.first_k_dense_replace == 0:
-        return "blocks.mlp.", None, (0, 0)
-    return "blocks.mlp.experts.", (m.first_k_dense_replace, m.layers), (0, m.first_k_dense_replace)
+def _stacks(m: ModelConfig) -> list[tuple[str, tuple[int, int] | None, bool]]:
+    """Each stack of blocks: its path, the Hugging Face layers ``[first, end)`` it holds (None: all),
+    and whether its blocks are mixtures of experts."""
+    dense = m.first_k_dense_replace if m.moe.experts else 0
+    if not dense:
+        return [("blocks.", None, bool(m.moe.experts))]
+    return [("prefix.", (0, dense), False), ("blocks.", (dense, m.layers), True)]
 
 
 def tensors(m: ModelConfig) -> list[HfTensor]:
-    a, h, n, v = m.mla, m.hidden, m.heads, m.vocab_size
-    dq = a.qk_nope_head_dim + a.qk_rope_head_dim
-    layer, attn = "model.layers.{i}.", "blocks.self_attn."
-    if a.q_lora_rank is None:
-        queries = [HfTensor(attn + "q_proj.kernel", layer + "self_attn.q_proj.weight", (n * dq, h), linear=True)]
-    else:
-        r = a.q_lora_rank
-        queries = [
-            HfTensor(attn + "q_a_proj.kernel", layer + "self_attn.q_a_proj.weight", (r, h), linear=True),
-            HfTensor(attn + "q_a_layernorm.scale", layer + "self_attn.q_a_layernorm.weight", (r,)),
-            HfTensor(attn + "q_b_proj.kernel", layer + "self_attn.q_b_proj.weight", (n * dq, r), linear=True),
-        ]
+    h, v = m.hidden, m.vocab_size
     return [
         HfTensor("embedding", EMBEDDING, (v, h), vocab=True),
-        HfTensor("blocks.input_layernorm.scale", layer + "input_layernorm.weight", (h,)),
-        *queries,
-        HfTensor(attn + "kv_a_proj_with_mqa.kernel", layer + "self_attn.kv_a_proj_with_mqa.weight",
-                 (a.kv_lora_rank + a.qk_rope_head_dim, h), linear=True),
-        HfTensor(attn + "kv_a_layernorm.scale", layer + "self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,)),
-        HfTensor(attn + "kv_b_proj.kernel", layer + "self_attn.kv_b_proj.weight",
-                 (n * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), linear=True),
-        HfTensor(attn + "o_proj.kernel", layer + "self_attn.o_proj.weight", (h, n * a.v_head_dim), linear=True),
-        HfTensor("blocks.post_attention_layernorm.scale", layer + "post_attention_layernorm.weight", (h,)),
-        *_mlp(m, layer),
+        *(spec for stack, layers, experts in _stacks(m) for spec in _block(m, stack, layers, experts)),
         HfTensor("norm.scale", "model.norm.weight", (h,)),
         HfTensor("lm_head", "lm_head.weight", (v, h), vocab=True),
         *mtp_tensors(m),
     ]
 
 
-def _mlp(m: ModelConfig, layer: str) -> list[HfTensor]:
+def _block(m: ModelConfig, stack: str, layers: tuple[int, int] | None, experts: bool) -> list[HfTensor]:
+    """The tensors of the blocks under ``stack`` holding Hugging Face's ``layers``."""
+    a, h, n = m.mla, m.hidden, m.heads
+    dq = a.qk_nope_head_dim + a.qk_rope_head_dim
+    layer, attn = "model.layers.{i}.", stack + "self_attn."
+
+    def tensor(path: str, hf: str, shape: tuple[int, ...], linear: bool = False) -> HfTensor:
+        return HfTensor(path, hf, shape, linear=linear, layers=layers)
+
+    if a.q_lora_rank is None:
+        queries = [tensor(attn + "q_proj.kernel", layer + "self_attn.q_proj.weight", (n * dq, h), linear=True)]
+    else:
+        r = a.q_lora_rank
+        queries = [
+            tensor(attn + "q_a_proj.kernel", layer + "self_attn.q_a_proj.weight", (r, h), linear=True),
+            tensor(attn + "q_a_layernorm.scale", layer + "self_attn.q_a_layernorm.weight", (r,)),
+            tensor(attn + "q_b_proj.kernel", layer + "self_attn.q_b_proj.weight", (n * dq, r), linear=True),
+        ]
+    return [
+        tensor(stack + "input_layernorm.scale", layer + "input_layernorm.weight", (h,)),
+        *queries,
+        tensor(attn + "kv_a_proj_with_mqa.kernel", layer + "self_attn.kv_a_proj_with_mqa.weight",
+               (a.kv_lora_rank + a.qk_rope_head_dim, h), linear=True),
+        tensor(attn + "kv_a_layernorm.scale", layer + "self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,)),
+        tensor(attn + "kv_b_proj.kernel", layer + "self_attn.kv_b_proj.weight",
+               (n * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), linear=True),
+        tensor(attn + "o_proj.kernel", layer + "self_attn.o_proj.weight", (h, n * a.v_head_dim), linear=True),
+        tensor(stack + "post_attention_layernorm.scale", layer + "post_attention_layernorm.weight", (h,)),
+        *(_experts(m, stack + "mlp.", layer, layers) if experts else
+          [tensor(f"{stack}mlp.{name}.kernel", f"{layer}mlp.{name}_proj.weight", shape, linear=True)
+           for name, shape in (("gate", (m.mlp_dim, h)), ("up", (m.mlp_dim, h)), ("down", (h, m.mlp_dim)))]),
+    ]
+
+
+def _experts(m: ModelConfig, path: str, layer: str, layers: tuple[int, int] | None) -> list[HfTensor]:
     h, e = m.hidden, m.moe
-    prefix, expert_layers, dense_layers = _routed(m)
-    dense = [] if dense_layers == (0, 0) else [
-        HfTensor(f"blocks.mlp.{'dense.' if prefix else ''}{name}.kernel", f"{layer}mlp.{name}_proj.weight", shape,
-                 linear=True, layers=dense_layers)
-        for name, shape in (("gate", (m.mlp_dim, h)), ("up", (m.mlp_dim, h)), ("down", (h, m.mlp_dim)))]
-    if not e.experts:
-        return dense
     f = e.mlp_dim or m.mlp_dim
     fs, expert = e.shared_experts * f, layer + "mlp.experts.{j}."
     experts = [
-        HfTensor(prefix + "router", layer + "mlp.gate.weight", (e.experts, h), linear=True, layers=expert_layers),
-        *(HfTensor(prefix + name, f"{expert}{name}_proj.weight", shape, linear=True, layers=expert_layers)
+        HfTensor(path + "router", layer + "mlp.gate.weight", (e.experts, h), linear=True, layers=layers),
+        *(HfTensor(path + name, f"{expert}{name}_proj.weight", shape, linear=True, layers=layers)
           for name, shape in (("gate", (f, h)), ("up", (f, h)), ("down", (h, f)))),
-        *(HfTensor(f"{prefix}shared_{name}", f"{layer}mlp.shared_experts.{name}_proj.weight", shape, linear=True,
-                   layers=expert_layers)
+        *(HfTensor(f"{path}shared_{name}", f"{layer}mlp.shared_experts.{name}_proj.weight", shape, linear=True,
+                   layers=layers)
           for name, shape in (("gate", (fs, h)), ("up", (fs, h)), ("down", (h, fs)))),
     ]
     if e.selection_bias or e.bias_update_rate > 0:
-        experts.append(HfTensor(prefix + "e_score_correction_bias", layer + "mlp.gate.e_score_correction_bias",
-                                (e.experts,), layers=expert_layers))
-    return dense + experts
+        experts.append(HfTensor(path + "e_score_correction_bias", layer + "mlp.gate.e_score_correction_bias",
+                                (e.experts,), layers=layers))
+    return experts
 
 
 def constants(m: ModelConfig) -> dict[str, np.ndarray]:
-    """What Hugging Face does not store: the per-layer switch between a block's dense MLP and its
-    experts, and the zeros of the selection bias's load probe."""
-    prefix, _, _ = _routed(m)
+    """What Hugging Face does not store: the zeros of the selection bias's load probe, the stack's and
+    each multi-token prediction depth's."""
     found: dict[str, np.ndarray] = {}
-    if prefix == "blocks.mlp.experts.":
-        found["blocks.mlp.routed"] = (np.arange(m.layers) >= m.first_k_dense_replace).astype(np.float32)
-    if prefix and (m.moe.selection_bias or m.moe.bias_update_rate > 0):
-        found[prefix + "expert_load"] = np.zeros((m.layers, m.moe.experts), np.float32)
+    if m.moe.experts and (m.moe.selection_bias or m.moe.bias_update_rate > 0):
+        stack, layers, _ = _stacks(m)[-1]
+        count = m.layers if layers is None else layers[1] - layers[0]
+        found[stack + "mlp.expert_load"] = np.zeros((count, m.moe.experts), np.float32)
     return {**found, **_mtp_constants(m)}
 
 

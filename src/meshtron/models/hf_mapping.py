@@ -43,9 +43,8 @@ class HfTensor:
     stacked ``[layers, ...]``) and ``{j}`` for the expert of a per-expert one (stacked
     ``[layers, experts, ...]``). ``linear``: a ``[out, in]`` ``nn.Linear`` weight, transposed before
     it is reshaped to meshtron's shape. ``vocab``: the leading axis is the (padded) vocabulary.
-    ``layers``: the ``[first, end)`` layers that store a per-layer tensor (None: all); meshtron's
-    stack holds the parameter in every layer, zeros where Hugging Face has none, and they are not
-    written back (the unused half of a block that is dense in some layers and experts in others).
+    ``layers``: the ``[first, end)`` Hugging Face layers a per-layer parameter's stack holds (None:
+    all), layer ``i`` at index ``i - first`` (a DeepSeek's dense ``prefix`` and its expert ``blocks``).
     """
 
     path: str
@@ -56,8 +55,12 @@ class HfTensor:
     layers: tuple[int, int] | None = None
 
     def stored_in(self, layer: int) -> bool:
-        """Whether Hugging Face stores this per-layer tensor for ``layer``."""
+        """Whether this per-layer parameter's stack holds Hugging Face's ``layer``."""
         return self.layers is None or self.layers[0] <= layer < self.layers[1]
+
+    def stacked(self, layers: int) -> range:
+        """The Hugging Face layers this per-layer parameter stacks, in its order (of a model of ``layers``)."""
+        return range(layers) if self.layers is None else range(*self.layers)
 
     @property
     def per_layer(self) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 LAYERS = "layers"
+STACKED = frozenset({LAYERS, "prefix_layers"})  # the contract's stacked blocks' axis, and its prefix's
 Axes = tuple[str | None, ...]
 
 
@@ -27,15 +28,16 @@ def _map(fn, axes: Any) -> Any:
 
 
 def stacked_from_axes(axes: Any) -> Any:
-    """``True`` where a parameter's first logical axis is ``layers`` (a tree shaped like ``axes``)."""
-    return _map(lambda a: bool(a) and a[0] == LAYERS, axes)
+    """``True`` where a parameter's first logical axis stacks layers (``layers``, or a prefix's
+    ``prefix_layers``; a tree shaped like ``axes``)."""
+    return _map(lambda a: bool(a) and a[0] in STACKED, axes)
 
 
 def decay_from_axes(axes: Any, hidden: str = "embed") -> Any:
     """``True`` for weight matrices and embeddings: ``hidden`` and at least one other axis besides ``layers``."""
 
     def decays(a: Axes) -> bool:
-        own = [n for n in a if n != LAYERS]
+        own = [n for n in a if n not in STACKED]
         return hidden in own and len(own) >= 2
 
     return _map(decays, axes)

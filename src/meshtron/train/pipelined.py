@@ -25,7 +25,7 @@ from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.blocks import RESIDUAL, Context, run_blocks, run_layer
-from meshtron.models.contract import ExtraLossReport, extra_loss, head_loss, next_token_pairs
+from meshtron.models.contract import ExtraLossReport, embed_tokens, extra_loss, head_loss, next_token_pairs
 from meshtron.models.fp8 import quantized_weights
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
@@ -99,7 +99,8 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
 
 def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execution = DEFAULT_EXECUTION,
                     extra: list[str] | None = None) -> StageFunctions:
-    """A contract model cut into embedding (first virtual stage), a chunk of blocks, and head + loss
+    """A contract model cut into embedding and its ``prefix`` if it has one (first virtual stage:
+    :func:`~meshtron.models.contract.embed_tokens`, on parameters replicated over the stages), a chunk of blocks, and head + loss
     (last virtual stage: the objective of :func:`~meshtron.models.contract.head_loss`, a model's further
     loss included). Activations between stages are ``x`` [rows, seq, hidden]; every stage reads its
     positions (and packed documents' segments) from the microbatch's tokens, which every stage holds
@@ -115,7 +116,9 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
     aux_scale = 1.0 / microbatches
 
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
-        return model_def.bind(shared).embed(next_token_pairs(tokens)[0], Context.for_tokens(tokens))
+        with auxiliary_loss_scale(aux_scale):
+            return embed_tokens(model_def.bind(shared), next_token_pairs(tokens)[0], Context.for_tokens(tokens),
+                                remat=execution.remat)
 
     def stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None,
               weights=None) -> jax.Array:

@@ -31,8 +31,8 @@ from meshtron.config import ModelConfig
 from meshtron.errors import ConfigError
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.adaptation import Adaptation
-from meshtron.models.blocks import LAYERS, Context, run_layer
-from meshtron.models.contract import ModelFactory, check_model, checked_model, lm_loss
+from meshtron.models.blocks import LAYERS, PREFIX_LAYERS, Context, run_layer
+from meshtron.models.contract import ModelFactory, check_model, checked_model, embed_tokens, lm_loss
 from meshtron.models.fp8_scaling import counting_sites, with_scaling_state
 from meshtron.models.probed_state import ProbedState, declared
 from meshtron.run import check_sequence_parallel
@@ -188,8 +188,9 @@ class ModelDef:
         return lm_loss(self.bind(params), tokens, remat=execution.remat)
 
     def stacked(self) -> Params:
-        """``True`` for parameters with a leading ``layers`` axis (per-layer optimizer choices)."""
-        return jax.tree.map(lambda a: bool(a) and a[0] == LAYERS, self.logical_axes(),
+        """``True`` for parameters with a leading ``layers`` axis, or a prefix's ``prefix_layers`` (per-layer
+        optimizer choices)."""
+        return jax.tree.map(lambda a: bool(a) and a[0] in (LAYERS, PREFIX_LAYERS), self.logical_axes(),
                             is_leaf=lambda x: isinstance(x, tuple))
 
     def _axes_leaves(self) -> list[tuple[str | None, ...]]:
@@ -269,7 +270,7 @@ def _projection_sites(abstract: nnx.Module, adaptation: Adaptation | None) -> in
     def first_block(state: Any) -> None:
         model = nnx.merge(graphdef, state)
         ctx = Context.for_sequence(1, 8)
-        x = model.embed(jnp.zeros((1, 8), jnp.int32), ctx)
+        x = embed_tokens(model, jnp.zeros((1, 8), jnp.int32), ctx)
         blocks_graph, blocks_state = nnx.split(model.blocks)
         with using(layer_views=views), counting_sites() as counter:
             run_layer(blocks_graph, jax.tree.map(lambda a: a[0], blocks_state), x, ctx)
