@@ -1,6 +1,6 @@
 """The deepseek family's counts (:mod:`meshtron.models.deepseek_counts`): what its block keeps for the
 backward equals what JAX's autodiff saves, per token, for latent attention of unequal widths, with and
-without a query latent, dense, with experts, and with the one stack's dense-or-experts switch; the
+without a query latent, dense, with experts, and with dense layers before expert layers; the
 multi-token prediction modules' parameters equal the built model's, DeepSeek-V3's 11.6B among them."""
 
 import contextlib
@@ -47,7 +47,7 @@ def saved_elements(cfg: ModelConfig, batch: int) -> int:
 
 @pytest.mark.parametrize("cfg", [model(), model(q_lora_rank=None), model(moe=EXPERTS),
                                  model(moe=EXPERTS, layers=2, first_dense=1)],
-                         ids=["dense", "dense q_proj", "experts", "dense-or-experts switch"])
+                         ids=["dense", "dense q_proj", "experts", "dense then experts"])
 def test_block_activations_are_what_autodiff_keeps_per_token(cfg):
     """Per token: the difference between two microbatch sizes (what a layer keeps whatever the batch, such
     as the weights a switch's branches save, falls out)."""

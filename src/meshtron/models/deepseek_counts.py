@@ -14,6 +14,7 @@ modules (:func:`mtp_parameters`).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from meshtron.megatron import BlockActivations
@@ -49,21 +50,29 @@ def block_activations(shape: Any) -> BlockActivations:
       and a mixture of experts' six per chosen expert (``moe.mlp_dim``) and six of the shared experts'
       width -- in ``mlp`` units of ``mlp_dim``; and the scores (two per head, as the Llama block's).
 
-    With ``first_k_dense_replace`` > 0 and experts, every layer of the one stack holds both a dense MLP
-    and the experts and keeps both halves' residuals (the switch between them is a ``lax.cond``, whose
-    backward saves both branches'); the dense MLP's alone without experts, the experts' alone with
-    ``first_k_dense_replace`` 0."""
+    With ``first_k_dense_replace`` > 0 and experts, the model runs that many dense blocks (its
+    ``prefix``) and then expert blocks: the layer average of the two, what the model keeps over all its
+    layers divided by their number."""
+    moe = getattr(shape, "moe", None)
+    first_dense = getattr(shape, "first_k_dense_replace", 0)
+    if moe is None or moe.experts == 0 or first_dense == 0:
+        return _block_activations(shape, moe if moe is not None and moe.experts > 0 else None)
+    dense, routed = _block_activations(shape, None), _block_activations(shape, moe)
+    share = first_dense / shape.layers
+    return BlockActivations(**{f.name: share * getattr(dense, f.name) + (1 - share) * getattr(routed, f.name)
+                               for f in fields(BlockActivations)})
+
+
+def _block_activations(shape: Any, moe: Any) -> BlockActivations:
+    """One block's: a dense MLP without ``moe``, the experts with it."""
     a, h, n, f = _mla(shape), shape.hidden, shape.heads, shape.mlp_dim
     width = max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim)
     norms = 3 + (a.q_lora_rank is not None)
     latents = 4 * ((a.q_lora_rank or 0) + a.kv_lora_rank) + norms * ROW_STATISTICS
-    moe = getattr(shape, "moe", None)
-    experts = moe is not None and moe.experts > 0
-    dense = not experts or getattr(shape, "first_k_dense_replace", 0) > 0
-    mlp = 6.0 if dense else 0.0
-    if experts:
+    mlp = 6.0
+    if moe is not None:
         fe = moe.mlp_dim or f
-        mlp += 6 * (moe.top_k * fe + moe.shared_experts * fe) / f
+        mlp = 6 * (moe.top_k * fe + moe.shared_experts * fe) / f
         latents += (2 * moe.top_k + 1) * h + moe.experts + 5 * moe.top_k + ROUTING_SCALARS
     return BlockActivations(residual=6, gathered=2 + latents / h, query=(3 * n * width + n * a.v_head_dim) / h,
                             key_value=0, mlp=mlp, scores=2)
