@@ -57,7 +57,7 @@ def test_uneven_stage_order_pads_each_chunk_to_the_largest():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ([3, 4], "the layout has 7 layers (3 + 4), model.layers=8; make them add up to 8"),
+    ([3, 4], "the layout has 7 layers (3 + 4), the model 8; make them add up to 8"),
     ([2, 2, 4], "3 virtual stages given, parallel.pipe=2 x parallel.chunks=1 needs 2"),
     ("tEttt|ttttL", "E (the embedding) in virtual stage 0; meshtron embeds on virtual stage 0"),
     ("Etttt|Ltttt", "L (the loss) in virtual stage 1; meshtron computes the loss after the last"),

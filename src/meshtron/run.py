@@ -315,11 +315,18 @@ def _check_pipeline(cfg: Config) -> StageLayout | None:
         _need(
             layers % virtual == 0,
             "model.layers",
-            f"{layers} layers cannot be split evenly over parallel.pipe={pipe} x parallel.chunks={pl.chunks}; "
+            f"{layers}{'' if layers == cfg.model.layers else ' pipelined'} layers cannot be split evenly over parallel.pipe={pipe} x parallel.chunks={pl.chunks}; "
             f"use a multiple of {virtual}, or say which stage runs how many with parallel.layout (e.g. "
             f"{_example_layout(layers, virtual)})",
         )
-    layout = stage_layout(pl.layout, layers, pipe, pl.chunks)
+    try:
+        layout = stage_layout(pl.layout, layers, pipe, pl.chunks)
+    except ConfigError as err:
+        if layers == cfg.model.layers:
+            raise
+        raise ConfigError(f"{err} (the pipelined layers: model.layers={cfg.model.layers} less the "
+                          f"model.first_k_dense_replace={cfg.model.first_k_dense_replace} dense ones, which run "
+                          "with the embedding on the first stage)") from None
     _need(cfg.mesh.context == 1 or cfg.model.context_attention != "ring" or layout.is_even,
           "parallel.context_attention", RING_IN_PIPELINE)
     _need(not cfg.model.collective_matmul or layout.is_even, "parallel.collective_matmul",

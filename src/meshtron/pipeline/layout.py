@@ -68,7 +68,7 @@ class StageLayout:
                 f"give one entry per virtual stage (chunk-major: every stage's chunk 0, then chunk 1, ...)")
         if sum(counts) != layers:
             raise LayoutError(
-                f"the layout has {sum(counts)} layers ({' + '.join(map(str, counts))}), model.layers={layers}; "
+                f"the layout has {sum(counts)} layers ({' + '.join(map(str, counts))}), the model {layers}; "
                 f"make them add up to {layers}")
         if max(counts) == 0:
             raise LayoutError("every virtual stage has 0 layers; give the model's layers to the stages")
