@@ -91,8 +91,11 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", [pytest.param(v, marks=pytest.mark.both_stacks) if "interleaved" in k else v
                                     for k, v in LAYOUTS.items()], ids=list(LAYOUTS))
 def test_zero_levels_train_like_replicated_state(layout):
+    """The same losses and parameters at every zero level; on the interleaved pipeline, which runs every level,
+    the compiled steps that trained also hold and send what :func:`assert_state_and_traffic` says."""
     steps = ["train.steps=3"]
-    reference = trainer(*layout, *steps).run()
+    reference_trainer = trainer(*layout, *steps)
+    reference = reference_trainer.run()
     variants = [["parallel.zero=1"], ["parallel.zero=3"]]
     if "zb-h1" in layout[3]:
         # zero=1 splits only the optimizer's update, after the pipeline, where every schedule is alike
@@ -100,11 +103,17 @@ def test_zero_levels_train_like_replicated_state(layout):
         variants = [["parallel.zero=3"]]
     if "interleaved" in layout[3]:
         variants.append(["parallel.zero=3", "parallel.gather_once=true"])
+    trained = {}
     for zero in variants:
-        result = trainer(*layout, *steps, *zero).run()
+        t = trainer(*layout, *steps, *zero)
+        result = t.run()
+        trained[" ".join(zero)] = t
         np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5, err_msg=str(zero))
         jax.tree.map(lambda a, b, zero=zero: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(zero)),
                      jax.device_get(result.params), jax.device_get(reference.params))
+    if "interleaved" in layout[3]:
+        assert_state_and_traffic(reference_trainer, trained["parallel.zero=1"], trained["parallel.zero=3"],
+                                 trained["parallel.zero=3 parallel.gather_once=true"])
 
 
 @pytest.mark.slow
@@ -141,8 +150,10 @@ def test_zero3_of_a_bf16_model_gathers_in_bf16_and_trains_like_replicated_state(
 # ---- memory and traffic of the compiled step ----------------------------------------------------------
 
 
-def compiled(*overrides):
-    t = trainer(*overrides, read_data=False)
+def state_and_traffic(t: Trainer):
+    """``t``'s compiled train step (the one its run compiled, if it ran): the bytes per device of its
+    parameters and optimizer state, the bytes it sends over ``data``, and the bytes per device of the
+    leaves the zero plan keeps whole."""
     params, opt_state, tokens = t.abstract_step_arguments()
     program = t.steps.compile(params, opt_state, tokens)
     # what one device holds, read from the shardings the compiled program takes
@@ -152,18 +163,23 @@ def compiled(*overrides):
     whole = {n for n, _ in t.steps.zero.replicated()}  # the leaves the plan could not split
     kept = [(x, s) for n, x, s in zip(leaf_names(params), jax.tree.leaves(params), jax.tree.leaves(param_in),
                                       strict=True) if n in whole]
-    return t, bytes_per_device(params, param_in), bytes_per_device(opt_state, opt_in), data, bytes_per_device(*zip(*kept)) if kept else 0
+    return bytes_per_device(params, param_in), bytes_per_device(opt_state, opt_in), data, bytes_per_device(*zip(*kept)) if kept else 0
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [mesh(8, 1, 1, microbatches=2), mesh(2, 2, 2, "interleaved", 2, 4)],
-                         ids=["8x1x1", "2x2x2-interleaved"])
-def test_compiled_state_and_traffic_bytes_per_device(layout):
-    t0, params0, opt0, data0, _ = compiled(*layout)
-    _t1, params1, opt1, data1, kept = compiled(*layout, "parallel.zero=1")
-    _, params3, opt3, _, _ = compiled(*layout, "parallel.zero=3")
-    _, params3once, opt3once, data3once, _ = compiled(*layout, "parallel.zero=3", "parallel.gather_once=true")
-    d = t0.mesh.shape["data"]
+def compiled(*overrides):
+    t = trainer(*overrides, read_data=False)
+    return t, *state_and_traffic(t)
+
+
+def assert_state_and_traffic(zero0: Trainer, zero1: Trainer, zero3: Trainer, zero3_once: Trainer) -> None:
+    """zero=1 holds 1/d of the optimizer state, zero=3 of the parameters too (gathering them once per step or
+    at each use alike), except what stays whole; the reduce-scatters and all-gathers move what zero=0's
+    all-reduces moved."""
+    params0, opt0, data0, _ = state_and_traffic(zero0)
+    params1, opt1, data1, kept = state_and_traffic(zero1)
+    params3, opt3, _, _ = state_and_traffic(zero3)
+    params3once, opt3once, data3once, _ = state_and_traffic(zero3_once)
+    d = zero0.mesh.shape["data"]
     # ``kept``: bytes per device of the leaves that stay whole on every data rank (biases split over tensor)
     assert params1 == params0 and opt1 < opt0
     # optimizer state: 1/d of it, except the 2 moments of what stays whole
@@ -173,6 +189,13 @@ def test_compiled_state_and_traffic_bytes_per_device(layout):
     # a reduce-scatter and an all-gather move what the all-reduce moved
     assert data1 == pytest.approx(data0, rel=0.05)
     assert data3once == pytest.approx(data0, rel=0.05)
+
+
+@pytest.mark.slow  # on the interleaved pipeline: the compiled steps of test_zero_levels_train_like_replicated_state
+def test_compiled_state_and_traffic_bytes_per_device():
+    layout = mesh(8, 1, 1, microbatches=2)
+    assert_state_and_traffic(*(trainer(*layout, *zero, read_data=False) for zero in (
+        [], ["parallel.zero=1"], ["parallel.zero=3"], ["parallel.zero=3", "parallel.gather_once=true"])))
 
 
 @pytest.mark.slow
