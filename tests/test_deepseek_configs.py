@@ -13,7 +13,7 @@ import pytest
 
 from meshtron.config import load_config
 from meshtron.describe import active_parameters, describe
-from meshtron.run import check_features
+from meshtron.run import check_features, resolve_run
 from meshtron.train.state import model_def_from_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "mesh_configs"
@@ -50,6 +50,8 @@ HF = {
 def test_deepseek_config_holds_the_published_shapes_and_passes_every_check(name):
     cfg = load_config(CONFIGS / f"{name}.yaml")
     check_features(cfg)
+    devices = cfg.mesh.data * cfg.mesh.pipe * cfg.mesh.tensor * cfg.mesh.context
+    resolve_run(cfg, devices)  # the pipeline layout against the pipelined (expert) layers, as the CLI checks it
     m, want = cfg.model, HF[name]
     assert m.family == "deepseek" and m.kv_heads is None
     for field in ("hidden", "layers", "heads", "vocab_size", "mlp_dim", "norm_eps", "max_position_embeddings",
@@ -79,7 +81,7 @@ def test_active_parameters_count_top_k_of_the_routed_experts():
 
 
 SHRUNK_V3 = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=2",
-             "parallel.layout=[2,1]", "model.layers=3", "model.first_k_dense_replace=1", "model.hidden=64",
+             "parallel.layout=[2,1]", "model.layers=4", "model.first_k_dense_replace=1", "model.hidden=64",
              "model.heads=4", "model.mlp_dim=128", "model.vocab_size=256", "model.seq_len=64",
              "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp_dim=32", "model.moe.n_group=4",
              "model.moe.topk_group=2", "model.mla.q_lora_rank=32", "model.mla.kv_lora_rank=32",

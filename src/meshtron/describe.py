@@ -59,9 +59,8 @@ def active_parameters(model_def: ModelDef, experts: int, top_k: int) -> int:
     """The parameters one token passes through: every parameter, except that each array laid out over the
     logical ``experts`` axis (the routed experts' weights, of every layer and module that routes) counts
     ``top_k / experts`` of its elements. Shared experts, routers and everything else count whole. Read
-    from the model's own arrays, so it follows the model's mix of dense and expert layers; an array held
-    but skipped by a switch (the unused half of a DeepSeek block that holds both a dense MLP and experts,
-    docs/deepseek.md) counts as it would if it ran."""
+    from the model's own arrays, so it follows the model's mix of dense and expert layers (a DeepSeek's
+    dense ``prefix`` counts whole)."""
     from meshtron.models.moe import EXPERTS
 
     shapes = jax.tree.leaves(model_def.shapes())
