@@ -230,7 +230,7 @@ def print_estimate(program, mesh, target: str, cfg: Config, model_def: ModelDef,
 
     m = cfg.model
     tokens = cfg.train.batch_size * m.seq_len
-    flops, attention = model_flops(params=params, layers=model_def.layers, hidden=m.hidden, seq_len=m.seq_len,
+    flops, attention = model_flops(params=params, layers=model_def.prefix_layers + model_def.layers, hidden=m.hidden, seq_len=m.seq_len,
                                    tokens=tokens)
     ticks = tick_table(run.program) if run is not None and run.program is not None else None
     estimate = estimate_step(program, mesh, target, tokens_per_step=tokens, model_flops_per_step=flops,
@@ -437,7 +437,10 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
     print(f"mesh      {shown_sizes(mesh_sizes)}  ({math.prod(run.mesh_shape)} devices; {machine})", file=out)
     family = f"{m.family}" if m.factory is None else f"factory {m.factory}"
     kv = f" ({m.kv_heads} kv)" if m.kv_heads and m.factory is None else ""
-    print(f"model     {family}: {model_def.layers} layers, hidden {m.hidden}, {m.heads} heads{kv}, mlp {m.mlp_dim}, "
+    depth = (f"{model_def.layers} layers" if not model_def.prefix_layers else
+             f"{model_def.prefix_layers + model_def.layers} layers (a prefix of {model_def.prefix_layers}, then "
+             f"{model_def.layers} blocks)")
+    print(f"model     {family}: {depth}, hidden {m.hidden}, {m.heads} heads{kv}, mlp {m.mlp_dim}, "
           f"seq {m.seq_len}, vocab {model_def.vocab_size} (padded to {model_def.vocab_padded}), "
           f"dtype {m.dtype}, params {m.param_dtype}, remat {m.remat}, sequence parallel {m.sequence_parallel}", file=out)
     exchange = expert_exchange(cfg, sizes, model_def) if m.moe.experts and m.factory is None else None

@@ -134,6 +134,12 @@ class ModelDef:
         return jax.tree.leaves(self.shapes()["blocks"])[0].shape[0]
 
     @property
+    def prefix_layers(self) -> int:
+        """Depth of the model's ``prefix`` stack, the blocks it runs before ``blocks`` (0 without one)."""
+        prefix = self.shapes().get("prefix")
+        return jax.tree.leaves(prefix)[0].shape[0] if prefix else 0
+
+    @property
     def vocab_padded(self) -> int:
         """The vocabulary as the parameters hold it (the leading size of a ``vocab``-first parameter)."""
         sizes = [s.shape[0] for s, a in zip(jax.tree.leaves(self.shapes()), self._axes_leaves(), strict=True)
