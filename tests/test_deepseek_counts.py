@@ -49,8 +49,8 @@ def saved_elements(cfg: ModelConfig, batch: int) -> int:
                                  model(moe=EXPERTS, layers=2, first_dense=1)],
                          ids=["dense", "dense q_proj", "experts", "dense then experts"])
 def test_block_activations_are_what_autodiff_keeps_per_token(cfg):
-    """Per token: the difference between two microbatch sizes (what a layer keeps whatever the batch, such
-    as the weights a switch's branches save, falls out)."""
+    """Per token: the difference between two microbatch sizes (what a layer keeps whatever the batch
+    falls out); with dense layers first, the layer average of the two kinds."""
     per_token = (saved_elements(cfg, 5) - saved_elements(cfg, 3)) / (2 * S * cfg.layers)
     block = deepseek_counts.block_activations(StepShape.from_config(cfg))
     predicted = layer_activation_bytes(seq_len=S, microbatch=1, hidden=H, heads=HEADS, mlp_dim=MLP, remat="selective",
