@@ -54,7 +54,7 @@ def test_an_unknown_name_is_one_line_naming_config_and_the_choices(command, caps
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
     assert lines[0].startswith(
-        "meshtron: error: --config: no such file or bundled config 'cpu9'; bundled: cpu8, gpu8, llama2_7b, llama2_13b, llama2_70b, llama3_8b, llama_cpu8, "
+        "meshtron: error: --config: no such file or bundled config 'cpu9'; bundled: cpu8, deepseek_v2_lite, deepseek_v3, gpu8, llama2_7b, llama2_13b, llama2_70b, llama3_8b, llama_cpu8, "
     )
     assert lines[0].endswith("paper/gpt_529_6b; see 'meshtron configs'")
     assert all(name in lines[0] for name in SHIPPED)
