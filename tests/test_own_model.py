@@ -77,7 +77,7 @@ def test_the_cli_takes_a_factory_and_its_rules(capsys, monkeypatch):
     out = capsys.readouterr()
     assert status == 0, out.err
     w_in = next(line for line in out.out.splitlines() if line.startswith("blocks/w_in"))
-    assert "(layers, embed, ffn)" in w_in and w_in.rstrip().endswith("#1 layers->pipe, #16 ffn->tensor"), w_in
+    assert "(layers, embed, ffn)" in w_in and w_in.rstrip().endswith("#1 layers->pipe, #17 ffn->tensor"), w_in
     assert main(["train", "--config", "cpu8", "model.factory=parallel_lm:nope", "train.steps=1"]) == 2
     assert "model.factory: 'parallel_lm' has no attribute 'nope'" in capsys.readouterr().err
 
