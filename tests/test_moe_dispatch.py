@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from meshtron.config import ConfigError, load_config
+from meshtron.hlo.collectives import ragged_all_to_alls
 from meshtron.models.moe import MoEDims, all_to_all_bytes
 from meshtron.models.ragged_exchange import RaggedPlan, emulated_ragged_all_to_all, expert_plans
 from meshtron.run import check_features
@@ -228,6 +229,12 @@ def test_h100_step_sends_the_routed_rows_with_ragged_all_to_alls(gpu_target):
     # dispatch and combine forward, their transposes backward: the routed rows into the worst case and back
     assert sorted(exchanges) == [(256, 1024), (256, 1024), (1024, 256), (1024, 256)]
     assert not row_all_to_alls(text)  # no padded exchange left: only the small int32 bookkeeping
+    # read back onto the mesh: over data, once each; balanced, each trip sends its 256 routed rows of 64
+    # floats, 7/8 of them to other devices
+    found, row = ragged_all_to_alls(text, tr.mesh), 64 * 4
+    assert sorted((c.bytes // row, c.receive_bytes // row) for c in found) == [(256, 1024)] * 2 + [(1024, 256)] * 2
+    assert all(c.axes == ("data",) and c.group_size == 8 and c.count == 1 for c in found)
+    assert sum(c.total_wire_bytes for c in found) == pytest.approx(4 * 7 / 8 * 256 * row)
 
 
 @pytest.mark.gpu_compile

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -263,6 +263,20 @@ class _HasHloText(Protocol):
     def as_text(self) -> str: ...
 
 
+def _module(compiled_or_hlo_text: _HasHloText | str, mesh: MeshOrSizes) -> tuple[HloModule, dict[str, int]]:
+    """The program's parsed HLO (a ``Compiled``'s optimized text, or the text itself) and the mesh's axis sizes."""
+    text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
+    return parse_hlo_module(text), _axis_sizes(mesh)
+
+
+def _executed(module: HloModule) -> Iterator[tuple[HloComputation, int, bool]]:
+    """Each computation the program runs, with how often per step and whether a loop's trip count was unknown."""
+    counts = execution_counts(module)
+    for computation in module.computations.values():
+        if computation.name in counts:
+            yield (computation, *counts[computation.name])
+
+
 def collectives(compiled_or_hlo_text: _HasHloText | str, mesh: MeshOrSizes) -> list[Collective]:
     """Every collective the program runs, in the order of the HLO text.
 
@@ -270,15 +284,9 @@ def collectives(compiled_or_hlo_text: _HasHloText | str, mesh: MeshOrSizes) -> l
     partitioned HLO) or HLO text. ``mesh`` is the ``Mesh`` the program was compiled for, or its
     axis sizes in mesh order as a dict; it is what turns device ids into axis names.
     """
-    text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
-    axis_sizes = _axis_sizes(mesh)
-    module = parse_hlo_module(text)
-    counts = execution_counts(module)
+    module, axis_sizes = _module(compiled_or_hlo_text, mesh)
     found = []
-    for computation in module.computations.values():
-        if computation.name not in counts:
-            continue
-        count, unknown = counts[computation.name]
+    for computation, count, unknown in _executed(module):
         users = _users(computation)
         sent: set[str] = set()
         for instruction in computation.instructions:
@@ -476,15 +484,9 @@ def ragged_all_to_alls(compiled_or_hlo_text: _HasHloText | str, mesh: MeshOrSize
     the order of the HLO text, with its device groups read back onto ``mesh`` as :func:`collectives`
     does. A synchronous one's result is its receive buffer and its first operand its send buffer; an
     asynchronous start's result lists both first."""
-    text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
-    axis_sizes = _axis_sizes(mesh)
-    module = parse_hlo_module(text)
-    counts = execution_counts(module)
+    module, axis_sizes = _module(compiled_or_hlo_text, mesh)
     found = []
-    for computation in module.computations.values():
-        if computation.name not in counts:
-            continue
-        count, unknown = counts[computation.name]
+    for computation, count, unknown in _executed(module):
         shapes = {instruction.name: instruction.shape for instruction in computation.instructions}
         for instruction in computation.instructions:
             if instruction.opcode not in _RAGGED_KINDS:
