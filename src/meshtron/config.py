@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,6 +205,34 @@ class LoraConfig:
     save_base: bool = False
 
 
+# The experiment trackers a run can write to (``train.trackers``) -> the extra that installs each one's
+# library (``pip install 'meshtron[wandb]'``); the library's module has the same name.
+TRACKERS = ("wandb", "mlflow")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (``train.trackers: [wandb]``). Null fields are W&B's own: its environment
+    (``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_NAME``, ``WANDB_MODE=offline``, ``WANDB_DIR``) or its
+    defaults; meshtron passes only what is set here."""
+
+    project: str | None = None
+    entity: str | None = None
+    name: str | None = None  # the run's display name
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (``train.trackers: [mlflow]``). ``experiment`` null: ``MLFLOW_EXPERIMENT_NAME``, else
+    MLflow's ``Default``; ``tracking_uri`` null: ``MLFLOW_TRACKING_URI``, else MLflow's default (a SQLite
+    file ``mlflow.db`` in the working directory); ``run_name`` null: one MLflow makes up."""
+
+    experiment: str | None = None
+    run_name: str | None = None
+    tracking_uri: str | None = None
+
+
 @dataclass
 class TrainConfig:
     """The optimisation: global batch (sequences), microbatches, optimizer and schedule.
@@ -236,6 +266,9 @@ class TrainConfig:
     max_skipped_steps: int = 10  # with "skip": stop after this many non-finite steps in a row
     max_minutes: float | None = None  # wall-clock budget of a run: stop (with a checkpoint) at the step that passes it
     tensorboard: str | None = None  # a directory for TensorBoard event files (the CLI's --tensorboard)
+    trackers: list[str] = field(default_factory=list)  # experiment trackers fed the same records: wandb, mlflow
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     profile_steps: str | None = None  # "a:b": a jax.profiler trace of steps a..b into profile_dir
     profile_dir: str = "profile"
     peak_flops: float | None = None  # one device's peak FLOP/s (e.g. 989e12, H100 bf16 dense): logs utilisation
@@ -690,6 +723,11 @@ def _explain(err: OmegaConfBaseException, origin: str) -> ConfigError:
             "distributed": DistributedConfig,
         }
         section_cls = sections.get(section.split(".")[0], Config)
+        for part in section.split(".")[1:]:  # a nested section (train.wandb, model.moe): its own keys
+            inner = typing.get_type_hints(section_cls).get(part)
+            if not dataclasses.is_dataclass(inner):
+                break
+            section_cls = inner
         known = ", ".join(f.name for f in dataclasses.fields(section_cls))
         return ConfigError(f"{key} ({origin}): unknown key {name!r} in section {section!r}; valid keys: {known}")
     if isinstance(err, ValidationError):
@@ -788,6 +826,7 @@ def validate(cfg: Config) -> None:
           f"must be > 0 (one device's peak FLOP/s) or null, got {t.peak_flops}")
     parse_profile_steps(t.profile_steps)
     check_output_path("train.tensorboard", t.tensorboard, directory=True)
+    validate_trackers(t)
     if t.profile_steps:
         check_output_path("train.profile_dir", t.profile_dir, directory=True)
 
@@ -839,6 +878,26 @@ def parse_profile_steps(spec: str | None) -> tuple[int, int] | None:
     if not 1 <= first <= last:
         raise ConfigError(f"train.profile_steps: need 1 <= FIRST <= LAST, got {spec!r}")
     return first, last
+
+
+def validate_trackers(t: TrainConfig) -> None:
+    """``train.trackers`` names known trackers once each, whose libraries are installed: a missing one is
+    one line naming the extra, before anything runs (the library itself is imported when the run starts)."""
+    _need(len(set(t.trackers)) == len(t.trackers), "train.trackers", f"names a tracker twice: {list(t.trackers)}")
+    for name in t.trackers:
+        _need(name in TRACKERS, "train.trackers", f"{name!r} is not a tracker; use {' or '.join(TRACKERS)}")
+        _need(importlib.util.find_spec(name) is not None, "train.trackers",
+              f"{name} is not installed; pip install 'meshtron[{name}]'")
+    for name in ("project", "entity", "name"):
+        value = getattr(t.wandb, name)
+        _need(value is None or (isinstance(value, str) and value), f"train.wandb.{name}",
+              f"must be a non-empty string or null, got {value!r}")
+    _need(all(isinstance(tag, str) and tag for tag in t.wandb.tags), "train.wandb.tags",
+          f"must be a list of non-empty strings, got {list(t.wandb.tags)!r}")
+    for name in ("experiment", "run_name", "tracking_uri"):
+        value = getattr(t.mlflow, name)
+        _need(value is None or (isinstance(value, str) and value), f"train.mlflow.{name}",
+              f"must be a non-empty string or null, got {value!r}")
 
 
 def validate_lora(lora: LoraConfig) -> None:

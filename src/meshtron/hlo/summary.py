@@ -14,7 +14,7 @@ from meshtron.units import format_bytes
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["MemoryFigures", "StepAnalysis", "analyze"]
+__all__ = ["MemoryFigures", "StepAnalysis", "analyze", "memory_figures"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def analyze(compiled: jax.stages.Compiled, mesh: MeshOrSizes) -> StepAnalysis:
     return StepAnalysis(
         collectives=tuple(collectives(compiled, mesh)),
         flops=_flops(compiled),
-        memory=_memory(compiled),
+        memory=memory_figures(compiled),
     )
 
 
@@ -121,7 +121,8 @@ def _flops(compiled: Any) -> float | None:
     return float(cost["flops"])
 
 
-def _memory(compiled: Any) -> MemoryFigures | None:
+def memory_figures(compiled: Any) -> MemoryFigures | None:
+    """The per-device buffer sizes of a compiled program; ``None`` when the backend does not report them."""
     try:
         stats = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 - not every backend implements it

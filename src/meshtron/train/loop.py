@@ -21,7 +21,7 @@ import numpy as np
 from rich.console import Console
 
 from meshtron.checkpoint import CheckpointStore, RunPosition, abstract_like
-from meshtron.config import Config, TrainConfig, load_config, parse_profile_steps
+from meshtron.config import Config, TrainConfig, load_config, parse_profile_steps, to_dict
 from meshtron.data.sources import TokenDatasets, load_training_data, packs_documents
 from meshtron.data.text import Corpus
 from meshtron.errors import ConfigError, RunStopped
@@ -238,6 +238,7 @@ class Trainer:
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
         cadence, nonfinite = Cadence.of(self.cfg), NonFinitePolicy.of(t, store)
         record = RunRecord(position.updates, StageTiming.of(self.steps.stages, self.cfg), learning_rate_schedule(t))
+        outcome = "failed"  # how the run ended, for the records' sinks: until the steps are done, an error
         try:
             progress.started(position.step, weights)
             stream = self.train_stream(position.data_position)
@@ -258,6 +259,8 @@ class Trainer:
                     applied = nonfinite.applies(step, loss, grad_norm, metrics, progress.note)
                     stage_bytes = self.steps.data_bytes(stage)
                     first_of_stage = record.stepped(loss, applied, stage, elapsed, stage_bytes)
+                    if first_of_stage:
+                        progress.compiled(step, stage, self.steps.memory(stage))
                     stop = stopper.poll() if step < t.steps else 0  # (multi-process: agreed by all processes)
                     held = record.evaluated(step, self.evaluate(params)) if cadence.evaluates(step, stop) else None
                     progress.stepped(step, loss=loss, grad_norm=grad_norm, tokens_per_s=record.timing.tokens_per_s,
@@ -275,10 +278,16 @@ class Trainer:
                         break
                 if record.stopped is None and not record.evaluations:  # resumed at the last step
                     record.evaluated(t.steps, self.evaluate(params))  # the held-out loss of what was restored
+            outcome = "finished" if record.stopped is None else "stopped"
         finally:
             profiler.stop()
-            progress.close()
-            saved = finish_saving(store)
+            try:
+                saved = finish_saving(store)
+            except BaseException:
+                outcome = "failed"
+                raise
+            finally:
+                progress.close(outcome)
         if record.stopped is not None:  # the checkpoint is on disk (finish_saving), the progress bar closed
             raise _stopped(stopper, *record.stopped, t, store, console)
         timing = record.timing
@@ -296,10 +305,10 @@ class Trainer:
         return reported
 
     def _progress(self, step: int, console: Console, metrics_file: IO[str] | None) -> RunProgress:
-        """Where the run's numbers go (bar, metrics lines, TensorBoard), from ``step`` on."""
+        """Where the run's numbers go (bar, metrics lines, TensorBoard, trackers), from ``step`` on."""
         t, m = self.cfg.train, self.cfg.model
         return RunProgress(t.steps, step, console=console, lead=jax.process_index() == 0, metrics_file=metrics_file,
-                           tensorboard=t.tensorboard, staged=len(self.steps.stages) > 1,
+                           train=t, config=to_dict(self.cfg), staged=len(self.steps.stages) > 1,
                            peak_flops=t.peak_flops and t.peak_flops * self.mesh.size,
                            flops_per_token=model_flops_per_token(self.model_def.parameter_count(),
                                                                  self.model_def.layers, m.hidden, m.seq_len))

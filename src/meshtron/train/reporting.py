@@ -1,5 +1,6 @@
 """Where a run's numbers go: the progress bar (or a plain line per logged step when stderr is not a
-terminal), JSON lines, TensorBoard event files, and a ``jax.profiler`` trace of chosen steps.
+terminal), the records' sinks (JSON lines, TensorBoard event files, W&B and MLflow:
+:mod:`meshtron.train.sinks`), and a ``jax.profiler`` trace of chosen steps.
 
 Why apart from the loop: each sink has its own failure modes (a pipe that cannot be re-read, a
 TensorBoard directory on a shared disk, a profiler that must stop even when a step raises), and the
@@ -27,23 +28,13 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from meshtron.config import TrainConfig
 from meshtron.errors import ConfigError
+from meshtron.hlo.summary import MemoryFigures
 from meshtron.plotting import pyplot, save
+from meshtron.train.sinks import JsonLines, MetricSink, Outcome, TensorBoard
+from meshtron.train.trackers import open_trackers
 from meshtron.units import format_bytes
-
-# JSONL / TensorBoard names of the per-step figures (TensorBoard groups them by the prefix).
-SCALARS = {
-    "loss": "train/loss",
-    "heldout_loss": "eval/heldout_loss",
-    "heldout_loss_per_byte": "eval/heldout_nats_per_byte",
-    "lr": "train/learning_rate",
-    "grad_norm": "train/grad_norm",
-    "tokens_per_s": "perf/tokens_per_s",
-    "step_seconds": "perf/step_seconds",
-    "model_flops_per_s": "perf/model_flops_per_s",
-    "mfu": "perf/model_flops_utilisation",
-    "data_bytes": "comm/bytes_over_data_per_step",
-}
 
 
 class StepProfiler:
@@ -72,30 +63,6 @@ class StepProfiler:
 
             jax.profiler.stop_trace()
             self.active = False
-
-
-class TensorBoard:
-    """Scalars into TensorBoard event files (``tensorboardX``'s writer, no TensorFlow needed)."""
-
-    def __init__(self, directory: str | Path):
-        from tensorboardX import SummaryWriter
-
-        self.writer = SummaryWriter(logdir=str(directory), flush_secs=10)
-
-    def write(self, step: int, record: dict[str, Any]) -> None:
-        """The record's known scalars under their tags, and every ``"group/name"`` key as it is."""
-        tags = {**SCALARS, **{key: key for key in record if "/" in key}}
-        for key, tag in tags.items():
-            value = record.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(tag, value, global_step=step)
-
-    def text(self, step: int, tag: str, text: str) -> None:
-        self.writer.add_text(tag, text, global_step=step)
-
-    def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
 
 
 @dataclass
@@ -147,53 +114,74 @@ def reported_summary(record: dict[str, Any]) -> str:
 
 
 class RunReport:
-    """The metrics of one run: JSON lines (``--metrics``) and TensorBoard (``--tensorboard``),
-    written by process 0 only."""
+    """The records of one run, written to every sink (:mod:`meshtron.train.sinks`): the metrics JSON lines
+    (``--metrics``), TensorBoard (``train.tensorboard``) and the experiment trackers (``train.trackers``),
+    by process 0 only (``lead``); the other processes hold none."""
 
-    def __init__(self, metrics_file: IO[str] | None, tensorboard: str | Path | None, *, lead: bool):
-        self.metrics_file = metrics_file if lead else None
-        self.tensorboard = TensorBoard(tensorboard) if (tensorboard and lead) else None
+    def __init__(self, metrics_file: IO[str] | None, train: TrainConfig, *, lead: bool):
+        self.sinks: list[MetricSink] = []
+        if not lead:
+            return
+        if metrics_file is not None:
+            self.sinks.append(JsonLines(metrics_file))
+        if train.tensorboard:
+            self.sinks.append(TensorBoard(train.tensorboard))
+        self.sinks += open_trackers(train)
+
+    def start(self, step: int, weights: str, config: dict[str, Any]) -> None:
+        """The run's first record: where its weights came from, at the step it starts after, and its
+        resolved config. A sink that cannot start (a tracker's login) ends the others, as failed."""
+        for sink in self.sinks:
+            try:
+                sink.start(step, weights, config)
+            except BaseException:
+                self.close("failed")
+                raise
 
     def write(self, record: dict[str, Any]) -> None:
-        self._line(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record["step"], record)
+        for sink in self.sinks:
+            sink.write(record["step"], record)
 
-    def start(self, record: dict[str, Any]) -> None:
-        """The run's first record (``"event": "start"``): where its weights came from, at the step it
-        starts after; TensorBoard gets it as text (``run/weights``)."""
-        self._line(record)
-        if self.tensorboard is not None:
-            self.tensorboard.text(record["step"], "run/weights", record["weights"])
+    def summary(self, step: int, values: dict[str, float]) -> None:
+        for sink in self.sinks:
+            sink.summary(step, values)
 
-    def _line(self, record: dict[str, Any]) -> None:
-        if self.metrics_file is not None:
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.metrics_file.flush()
-
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+    def close(self, outcome: Outcome) -> None:
+        """Every sink flushed and ended, each even when one before it fails to."""
+        sinks, self.sinks = self.sinks, []
+        errors = []
+        for sink in sinks:
+            try:
+                sink.close(outcome)
+            except Exception as err:  # noqa: BLE001 -- the rest must still close; the first is raised after
+                errors.append(err)
+        if errors and outcome == "finished":
+            raise errors[0]
+        for err in errors:  # the run's own error is the one raised
+            print(f"meshtron: closing the run's records: {err}", file=sys.stderr)
 
 
 class RunProgress:
     """One run as its user follows it: the first line (where the weights came from), the progress bar
     -- step, loss, tokens/s, learning rate, the bytes a step sends over ``data`` -- or, when stderr is
     not a terminal, a plain line every logged step, notes above the bar (held-out losses, skipped
-    steps), and every logged step's record in the metrics file and TensorBoard (:class:`RunReport`).
+    steps), and every logged step's record in the metrics file, TensorBoard and the trackers
+    (:class:`RunReport`; ``train``'s ``tensorboard``, ``trackers``, ``wandb`` and ``mlflow``).
 
     ``flops_per_token``: the model FLOPs of one token (the records' ``model_flops_per_s``);
-    ``peak_flops``: the mesh's peak FLOP/s, for ``mfu`` (None: not logged). Use as a context manager
-    around the steps; the records are written by process 0 only (``lead``).
+    ``peak_flops``: the mesh's peak FLOP/s, for ``mfu`` (None: not logged); ``config``: the run's
+    resolved config, the sinks' hyperparameters. Use as a context manager around the steps (the bar),
+    and :meth:`close` the records with how the run ended; they are written by process 0 only (``lead``).
     """
 
     def __init__(self, total: int, completed: int, *, console: Console, lead: bool, metrics_file: IO[str] | None,
-                 tensorboard: str | Path | None, staged: bool, flops_per_token: float, peak_flops: float | None):
+                 train: TrainConfig, config: dict[str, Any], staged: bool, flops_per_token: float,
+                 peak_flops: float | None):
         self.total, self.completed, self.console, self.lead = total, completed, console, lead
         self.metrics_file = metrics_file if lead else None
         self.staged, self.flops_per_token, self.peak_flops = staged, flops_per_token, peak_flops
         self.report: RunReport | None = None
-        self.tensorboard = tensorboard
+        self.train, self.config = train, config
         self.plain = None if console.is_terminal or not lead else PlainProgress(total, console.file)
         self.bar = Progress(
             TextColumn("[bold]train"),
@@ -219,8 +207,8 @@ class RunProgress:
         self.console.print(weights, soft_wrap=True)
         if self.metrics_file is not None:
             keep_records_up_to(self.metrics_file, step)
-        self.report = RunReport(self.metrics_file, self.tensorboard, lead=self.lead)
-        self.report.start({"step": step, "event": "start", "weights": weights.removeprefix("weights: ")})
+        self.report = RunReport(self.metrics_file, self.train, lead=self.lead)
+        self.report.start(step, weights.removeprefix("weights: "), self.config)
 
     def __enter__(self) -> Self:
         self.bar.__enter__()
@@ -230,13 +218,23 @@ class RunProgress:
 
     def __exit__(self, *exc) -> None:
         self.bar.__exit__(*exc)
-        self.close()
 
-    def close(self) -> None:
-        """Flush and close the metrics sinks (again: nothing happens)."""
+    def close(self, outcome: Outcome) -> None:
+        """Flush and end the records' sinks, with how the run ended (again: nothing happens)."""
         if self.report is not None:
-            self.report.close()
-            self.report = None
+            report, self.report = self.report, None
+            report.close(outcome)
+
+    def compiled(self, step: int, stage: str, memory: MemoryFigures | None) -> None:
+        """``stage``'s step, compiled for ``step``: its per-device memory into the sinks' run summary
+        (``memory/temp_bytes``, ...; ``memory/<stage>/...`` when the optimizer has stages)."""
+        if memory is None or self.report is None:
+            return
+        prefix = f"memory/{stage}/" if self.staged else "memory/"
+        figures = {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
+                   "temp_bytes": memory.temp_size_in_bytes, "alias_bytes": memory.alias_size_in_bytes,
+                   "total_bytes": memory.total_bytes}
+        self.report.summary(step, {prefix + name: float(value) for name, value in figures.items()})
 
     def note(self, text: str) -> None:
         """A line above the progress bar."""

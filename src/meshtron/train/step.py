@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.hlo.collectives import collectives
+from meshtron.hlo.summary import MemoryFigures, memory_figures
 from meshtron.models.blocks import layer_parameters
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.sync import gradient_sync
@@ -320,6 +321,13 @@ class TrainSteps:
             colls = collectives(self._compiled[stage], self.mesh)
             self._data_bytes[stage] = sum(c.total_wire_bytes for c in colls if DATA in c.axes)
         return self._data_bytes.get(stage)
+
+    def memory(self, stage: str | None = None) -> MemoryFigures | None:
+        """The per-device buffers of ``stage``'s compiled step as XLA reports them (arguments, outputs,
+        temporaries, aliased); ``None`` until that stage has been compiled, or where the backend does not
+        report them."""
+        stage = self._stage(stage)
+        return memory_figures(self._compiled[stage]) if stage in self._compiled else None
 
     def eval(self, params: Params, tokens: jax.Array) -> jax.Array:
         """Mean loss of ``tokens`` (no update); with a pipeline, a forward-only pipeline program."""
