@@ -107,6 +107,7 @@ def wandb_runs(directory):
     return found
 
 
+@pytest.mark.slow
 def test_wandb_holds_every_jsonl_scalar_at_its_step_the_config_and_the_memory(runs):
     trainer, records, config, tmp = runs
     logged = wandb_runs(tmp)
@@ -136,6 +137,7 @@ def test_wandb_holds_every_jsonl_scalar_at_its_step_the_config_and_the_memory(ru
     assert [r["history"]["step"]["num"] for r in logged["failed"] if r["type"] == "history"] == [1]
 
 
+@pytest.mark.slow
 def test_mlflow_holds_every_jsonl_scalar_at_its_step_the_config_and_the_memory(runs):
     from mlflow.tracking import MlflowClient
 
@@ -173,12 +175,22 @@ def test_a_missing_tracker_library_is_one_line_naming_the_extra(monkeypatch, cap
             load_config(None, [f"train.trackers=[{name}]"])
     assert main(["train", *MODEL, "train.trackers=[mlflow]"]) == 2  # refused before anything runs
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["meshtron: error: train.trackers: mlflow is not installed; "
-                                        "pip install 'meshtron[mlflow]'"]
+    assert err.strip().splitlines() == [
+        "meshtron: error: train.trackers: mlflow is not installed; pip install 'meshtron[mlflow]'"]
     from meshtron.train.trackers import WandbTracker
 
     with pytest.raises(ConfigError, match=r"pip install 'meshtron\[wandb\]'"):
         WandbTracker(load_config(None).train.wandb)
+
+
+def test_a_tracker_that_cannot_start_its_run_is_one_line():
+    pytest.importorskip("mlflow")
+    from meshtron.config import MlflowConfig
+    from meshtron.train.trackers import MlflowTracker
+
+    with pytest.raises(ConfigError, match=r"^train.trackers: MLflow could not start a run at nowhere://x \(.*\); set "
+                                          r"train.mlflow.tracking_uri or MLFLOW_TRACKING_URI to a store it can write"):
+        MlflowTracker(MlflowConfig(tracking_uri="nowhere://x")).start(0, "a new model from seed 0", {"train": {}})
 
 
 def test_tracker_names_are_checked():

@@ -38,6 +38,7 @@ from meshtron.run import Run, check_features, run_for_model
 from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, StageTiming
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
+from meshtron.train.sinks import Outcome
 from meshtron.train.state import ModelDef, Params, model_def_from_config
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
@@ -238,7 +239,7 @@ class Trainer:
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
         cadence, nonfinite = Cadence.of(self.cfg), NonFinitePolicy.of(t, store)
         record = RunRecord(position.updates, StageTiming.of(self.steps.stages, self.cfg), learning_rate_schedule(t))
-        outcome = "failed"  # how the run ended, for the records' sinks: until the steps are done, an error
+        outcome: Outcome = "failed"  # how the run ended, for the records' sinks: until the steps are done, an error
         try:
             progress.started(position.step, weights)
             stream = self.train_stream(position.data_position)
@@ -259,8 +260,6 @@ class Trainer:
                     applied = nonfinite.applies(step, loss, grad_norm, metrics, progress.note)
                     stage_bytes = self.steps.data_bytes(stage)
                     first_of_stage = record.stepped(loss, applied, stage, elapsed, stage_bytes)
-                    if first_of_stage:
-                        progress.compiled(step, stage, self.steps.memory(stage))
                     stop = stopper.poll() if step < t.steps else 0  # (multi-process: agreed by all processes)
                     held = record.evaluated(step, self.evaluate(params)) if cadence.evaluates(step, stop) else None
                     progress.stepped(step, loss=loss, grad_norm=grad_norm, tokens_per_s=record.timing.tokens_per_s,
@@ -280,14 +279,7 @@ class Trainer:
                     record.evaluated(t.steps, self.evaluate(params))  # the held-out loss of what was restored
             outcome = "finished" if record.stopped is None else "stopped"
         finally:
-            profiler.stop()
-            try:
-                saved = finish_saving(store)
-            except BaseException:
-                outcome = "failed"
-                raise
-            finally:
-                progress.close(outcome)
+            saved = _finish(store, profiler, progress, outcome)
         if record.stopped is not None:  # the checkpoint is on disk (finish_saving), the progress bar closed
             raise _stopped(stopper, *record.stopped, t, store, console)
         timing = record.timing
@@ -308,10 +300,25 @@ class Trainer:
         """Where the run's numbers go (bar, metrics lines, TensorBoard, trackers), from ``step`` on."""
         t, m = self.cfg.train, self.cfg.model
         return RunProgress(t.steps, step, console=console, lead=jax.process_index() == 0, metrics_file=metrics_file,
-                           train=t, config=to_dict(self.cfg), staged=len(self.steps.stages) > 1,
+                           train=t, config=to_dict(self.cfg), memory=self.steps.memory,
+                           staged=len(self.steps.stages) > 1,
                            peak_flops=t.peak_flops and t.peak_flops * self.mesh.size,
                            flops_per_token=model_flops_per_token(self.model_def.parameter_count(),
                                                                  self.model_def.layers, m.hidden, m.seq_len))
+
+
+def _finish(store: CheckpointStore | None, profiler: StepProfiler, progress: RunProgress, outcome: Outcome) -> list[int]:
+    """The run's end, however it ends: the profiler stopped, the checkpoint writes waited for (returns the
+    complete checkpoints' steps), then the records' sinks closed with how the run ended -- failed, too,
+    when the writes fail."""
+    profiler.stop()
+    try:
+        return finish_saving(store)
+    except BaseException:
+        outcome = "failed"
+        raise
+    finally:
+        progress.close(outcome)
 
 
 def _stopped(stopper: RunStopper, step: int, code: int, t: TrainConfig, store: CheckpointStore | None,

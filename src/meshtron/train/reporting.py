@@ -14,6 +14,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
@@ -170,18 +171,19 @@ class RunProgress:
 
     ``flops_per_token``: the model FLOPs of one token (the records' ``model_flops_per_s``);
     ``peak_flops``: the mesh's peak FLOP/s, for ``mfu`` (None: not logged); ``config``: the run's
-    resolved config, the sinks' hyperparameters. Use as a context manager around the steps (the bar),
+    resolved config, the sinks' hyperparameters; ``memory(stage)``: the per-device memory of a stage's
+    compiled step, which the sinks' run summary gets at the stage's first step. Use as a context manager around the steps (the bar),
     and :meth:`close` the records with how the run ended; they are written by process 0 only (``lead``).
     """
 
     def __init__(self, total: int, completed: int, *, console: Console, lead: bool, metrics_file: IO[str] | None,
                  train: TrainConfig, config: dict[str, Any], staged: bool, flops_per_token: float,
-                 peak_flops: float | None):
+                 peak_flops: float | None, memory: Callable[[str], MemoryFigures | None] = lambda stage: None):
         self.total, self.completed, self.console, self.lead = total, completed, console, lead
         self.metrics_file = metrics_file if lead else None
         self.staged, self.flops_per_token, self.peak_flops = staged, flops_per_token, peak_flops
         self.report: RunReport | None = None
-        self.train, self.config = train, config
+        self.train, self.config, self.memory = train, config, memory
         self.plain = None if console.is_terminal or not lead else PlainProgress(total, console.file)
         self.bar = Progress(
             TextColumn("[bold]train"),
@@ -225,9 +227,10 @@ class RunProgress:
             report, self.report = self.report, None
             report.close(outcome)
 
-    def compiled(self, step: int, stage: str, memory: MemoryFigures | None) -> None:
+    def _compiled(self, step: int, stage: str) -> None:
         """``stage``'s step, compiled for ``step``: its per-device memory into the sinks' run summary
         (``memory/temp_bytes``, ...; ``memory/<stage>/...`` when the optimizer has stages)."""
+        memory = self.memory(stage)
         if memory is None or self.report is None:
             return
         prefix = f"memory/{stage}/" if self.staged else "memory/"
@@ -248,6 +251,8 @@ class RunProgress:
         record is written when it is logged or evaluated (``heldout``: its held-out loss, printed
         above the bar with the unigram baseline and, for text, nats per byte). ``reported``: what
         the layers measured this step (``"group/name"`` keys, e.g. ``moe/aux_loss``), added to it."""
+        if first_of_stage:
+            self._compiled(step, stage)
         if logged or first_of_stage:
             self.bar.update(self.task, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
                             stage=f"{stage} " if self.staged else "", comm=format_bytes(data_bytes))
