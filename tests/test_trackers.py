@@ -193,6 +193,18 @@ def test_a_tracker_that_cannot_start_its_run_is_one_line():
         MlflowTracker(MlflowConfig(tracking_uri="nowhere://x")).start(0, "a new model from seed 0", {"train": {}})
 
 
+def test_only_the_first_process_opens_the_trackers(monkeypatch):
+    from meshtron.train.reporting import RunReport
+
+    for name in ("wandb", "mlflow"):
+        monkeypatch.setitem(sys.modules, name, None)  # not even imported by the other processes
+    train = load_config(None).train
+    train.trackers = ["wandb", "mlflow"]
+    assert RunReport(None, train, lead=False).sinks == []
+    with pytest.raises(ConfigError, match=r"meshtron\[wandb\]"):
+        RunReport(None, train, lead=True)
+
+
 def test_tracker_names_are_checked():
     with pytest.raises(ConfigError, match="train.trackers: 'neptune' is not a tracker; use wandb or mlflow"):
         load_config(None, ["train.trackers=[neptune]"])
