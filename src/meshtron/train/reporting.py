@@ -123,11 +123,12 @@ class RunReport:
         self.sinks: list[MetricSink] = []
         if not lead:
             return
+        trackers = open_trackers(train)  # first: a missing library leaves no event file open
         if metrics_file is not None:
             self.sinks.append(JsonLines(metrics_file))
         if train.tensorboard:
             self.sinks.append(TensorBoard(train.tensorboard))
-        self.sinks += open_trackers(train)
+        self.sinks += trackers
 
     def start(self, step: int, weights: str, config: dict[str, Any]) -> None:
         """The run's first record: where its weights came from, at the step it starts after, and its
@@ -172,8 +173,9 @@ class RunProgress:
     ``flops_per_token``: the model FLOPs of one token (the records' ``model_flops_per_s``);
     ``peak_flops``: the mesh's peak FLOP/s, for ``mfu`` (None: not logged); ``config``: the run's
     resolved config, the sinks' hyperparameters; ``memory(stage)``: the per-device memory of a stage's
-    compiled step, which the sinks' run summary gets at the stage's first step. Use as a context manager around the steps (the bar),
-    and :meth:`close` the records with how the run ended; they are written by process 0 only (``lead``).
+    compiled step, which the sinks' run summary gets at the stage's first step. Use as a context
+    manager around the steps (the bar), and :meth:`close` the records with how the run ended; they are
+    written by process 0 only (``lead``).
     """
 
     def __init__(self, total: int, completed: int, *, console: Console, lead: bool, metrics_file: IO[str] | None,
@@ -230,8 +232,8 @@ class RunProgress:
     def _compiled(self, step: int, stage: str) -> None:
         """``stage``'s step, compiled for ``step``: its per-device memory into the sinks' run summary
         (``memory/temp_bytes``, ...; ``memory/<stage>/...`` when the optimizer has stages)."""
-        memory = self.memory(stage)
-        if memory is None or self.report is None:
+        memory = self.memory(stage) if self.report is not None and self.report.sinks else None
+        if memory is None:
             return
         prefix = f"memory/{stage}/" if self.staged else "memory/"
         figures = {"argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
