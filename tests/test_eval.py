@@ -8,6 +8,7 @@ nothing is downloaded. Skipped without lm-eval (the ``eval`` extra) or torch/tra
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +19,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from meshtron.cli import main  # noqa: E402
-from meshtron.config import MeshConfig  # noqa: E402
-from meshtron.huggingface import export_hf, import_hf  # noqa: E402
-from meshtron.pretrained import load_pretrained  # noqa: E402
+from meshtron.cli import main
+from meshtron.config import MeshConfig
+from meshtron.huggingface import export_hf, import_hf
+from meshtron.pretrained import load_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "fixtures" / "eval_tasks"
@@ -123,9 +124,10 @@ def test_eval_equals_lm_evals_hugging_face_backend_on_2x2x2(model, hflm, tmp_pat
 
 
 @pytest.mark.slow
-def test_batched_generation_equals_the_sampler_on_any_mesh(model, in_repo):
+def test_batched_generation_equals_the_sampler_on_any_mesh(model, hflm, in_repo):
     """generate_until, batched (prompts of different lengths, KV cache on 1 device; full window with
-    pipe=2, rows split over data), gives the one-sequence sampler's greedy text, cut at the stop string."""
+    pipe=2, rows split over data), gives the one-sequence sampler's greedy text, cut at the stop string,
+    and HFLM's."""
     from meshtron.evaluation import MeshtronLM
     from meshtron.generate import sample
 
@@ -137,6 +139,8 @@ def test_batched_generation_equals_the_sampler_on_any_mesh(model, in_repo):
     for prompt in prompts:
         text = sample(single, single.tokenizer.encode(prompt), max_new_tokens=6, stop=[]).continuation
         expected.append(text.split(".")[0].split(single.tokenizer.decode([single.tokenizer.eod]))[0])
+    assert hflm.generate_until(requests("generate_until", [(p, settings) for p in prompts])) == expected
+    assert len(set(map(len, expected))) > 1  # texts cut at different lengths
     for mesh in [(1, 1, 1), (2, 2, 2)]:
         ours = MeshtronLM(load_pretrained(checkpoint, MeshConfig(*mesh)), batch_size=4)
         assert ours.generate_until(requests("generate_until", [(p, settings) for p in prompts])) == expected
@@ -159,6 +163,14 @@ def test_generation_task_runs_and_results_are_written_new(model, tmp_path, in_re
     assert not list(tmp_path.glob(".*partial"))
 
 
+def test_the_adapter_is_registered_with_lm_eval():
+    from lm_eval.api.registry import get_model
+
+    from meshtron.evaluation import MeshtronLM
+
+    assert get_model("meshtron") is MeshtronLM
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--tasks", "no_such_task"], "--tasks: no_such_task: no such lm-eval task"),
     (["--tasks", CHOICE, "--include-path", "/nonexistent"], "--include-path: /nonexistent: no such directory"),
@@ -168,3 +180,9 @@ def test_bad_eval_arguments_are_one_line(model, extra, message, capsys, in_repo)
     assert main(["eval", str(model[0]), *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_without_the_extra_eval_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    assert main(["eval", str(tmp_path), "--tasks", CHOICE]) == 2
+    assert capsys.readouterr().err == "meshtron: error: meshtron eval needs lm-evaluation-harness: pip install meshtron[eval]\n"

@@ -131,43 +131,48 @@ class MeshtronLM(TemplateLM):
     # ---- generation -----------------------------------------------------------------------------
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        eos = None if self.tokenizer.eod is None else self.tok_decode([self.tokenizer.eod])
-        groups: dict[str, list[int]] = {}
+        groups: dict[str, list[int]] = {}  # requests with the same generation settings decode together
         for index, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(index)
         results: list[str] = [""] * len(requests)
         for indices in groups.values():
-            settings = dict(requests[indices[0]].args[1])
-            if settings.get("do_sample") or float(settings.get("temperature") or 0) > 0:
-                raise ConfigError(f"generation settings {settings}: meshtron eval decodes greedily; set the task's "
-                                  "generation_kwargs do_sample: false, temperature: 0")
-            until = settings.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            if eos and eos not in until:
-                until.append(eos)
-            new = int(settings.get("max_gen_toks", self.max_gen_toks))
-            if new >= self.max_length:
-                raise ConfigError(f"max_gen_toks: {new} new tokens leave no room for a prompt in the model's "
-                                  f"{self.max_length} positions; ask for fewer")
-            prompts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - new):] or [self.prefix_token_id]
-                       for i in indices}
-            order = sorted(indices, key=lambda i: (-len(prompts[i]), i))
-
-            def cut(tokens: list[int]) -> str:
-                text = self.tok_decode(tokens)
-                for stop in until:
-                    text = text.split(stop)[0] if stop else text
-                return text
-
-            for start in range(0, len(order), self.batch_size):
-                chosen = order[start: start + self.batch_size]
-                outs = self.decoder().decode(
-                    self.model.params, [prompts[i] for i in chosen], new,
-                    finished=lambda _, tokens: any(s and s in self.tok_decode(tokens) for s in until))
-                for i, tokens in zip(chosen, outs, strict=True):
-                    results[i] = cut(tokens)
-                    self.cache_hook.add_partial("generate_until", requests[i].args, results[i])
+            texts = self._generate([requests[i].args[0] for i in indices], dict(requests[indices[0]].args[1]))
+            for i, text in zip(indices, texts, strict=True):
+                results[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return results
+
+    def _generate(self, contexts: list[str], settings: dict[str, Any]) -> list[str]:
+        """Greedy continuations of ``contexts`` under one task's ``generation_kwargs``, cut at its stops."""
+        if settings.get("do_sample") or float(settings.get("temperature") or 0) > 0:
+            raise ConfigError(f"generation settings {settings}: meshtron eval decodes greedily; set the task's "
+                              "generation_kwargs do_sample: false, temperature: 0")
+        until = settings.get("until") or []
+        stops = [until] if isinstance(until, str) else [s for s in until if s]
+        eos = None if self.tokenizer.eod is None else self.tok_decode([self.tokenizer.eod])
+        if eos and eos not in stops:
+            stops.append(eos)
+        new = int(settings.get("max_gen_toks", self.max_gen_toks))
+        if new >= self.max_length:
+            raise ConfigError(f"max_gen_toks: {new} new tokens leave no room for a prompt in the model's "
+                              f"{self.max_length} positions; ask for fewer")
+        prompts = [self.tok_encode(c)[-(self.max_length - new):] or [self.prefix_token_id] for c in contexts]
+
+        def cut(tokens: list[int]) -> str:
+            text = self.tok_decode(tokens)
+            for stop in stops:
+                text = text.split(stop)[0]
+            return text
+
+        texts = [""] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+        for start in range(0, len(order), self.batch_size):
+            chosen = order[start: start + self.batch_size]
+            outs = self.decoder().decode(self.model.params, [prompts[i] for i in chosen], new,
+                                         finished=lambda _, tokens: cut(tokens) != self.tok_decode(tokens))
+            for i, tokens in zip(chosen, outs, strict=True):
+                texts[i] = cut(tokens)
+        return texts
 
     def decoder(self) -> GreedyBatchDecoder:
         """The batched greedy decoder of this model and mesh (compiled on first use)."""
