@@ -110,7 +110,8 @@ class MeshtronLM(TemplateLM):
                 span = slice(n - 1 - c, n - 1)  # the targets that are the continuation's tokens
                 result = (float(logprobs[k, span].sum()), bool(greedy[k, span].all()))
                 results[i] = result
-                self.cache_hook.add_partial("loglikelihood", requests[i][0], result)
+                if requests[i][0] is not None:  # (a rolling window has no text of its own)
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], result)
         return results
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
