@@ -61,6 +61,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hflm(model):
+    pytest.importorskip("accelerate")  # lm-eval's Hugging Face backend imports it (the hf extra)
     from lm_eval.models.huggingface import HFLM
 
     return HFLM(pretrained=str(model[1]), device="cpu", batch_size=8, dtype="float32")
@@ -147,6 +148,7 @@ def test_batched_generation_equals_the_sampler_on_any_mesh(model, hflm, in_repo)
         assert ours.decoder().use_cache == (mesh[1] == 1) and ours.decoder().traces == 2
 
 
+@pytest.mark.slow
 def test_generation_task_runs_and_results_are_written_new(model, tmp_path, in_repo, capsys):
     checkpoint, _ = model
     output = tmp_path / "results.json"
@@ -172,7 +174,8 @@ def test_the_adapter_is_registered_with_lm_eval():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--tasks", "no_such_task"], "--tasks: no_such_task: no such lm-eval task"),
+    pytest.param(["--tasks", "no_such_task"], "--tasks: no_such_task: no such lm-eval task",
+                 marks=pytest.mark.slow),  # indexes lm-eval's own tasks
     (["--tasks", CHOICE, "--include-path", "/nonexistent"], "--include-path: /nonexistent: no such directory"),
     (["--tasks", CHOICE, "--batch-size", "0"], "--batch-size: must be >= 1"),
 ])

@@ -94,8 +94,11 @@ class MeshtronLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
                               **_: Any) -> list[tuple[float, bool]]:
-        rows = [(context + continuation)[-(self.max_length + 1):] for _, context, continuation in requests]
         counts = [len(continuation) for _, _, continuation in requests]
+        if max(counts, default=0) > self.max_length:
+            raise ConfigError(f"a continuation of {max(counts)} tokens is longer than the model's {self.max_length} "
+                              "positions; lm-eval scores a continuation within one window (use a shorter one)")
+        rows = [(context + continuation)[-(self.max_length + 1):] for _, context, continuation in requests]
         order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]), rows[i]))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
         for start in range(0, len(order), self.batch_size):
