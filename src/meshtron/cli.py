@@ -1,4 +1,4 @@
-"""``meshtron train | describe | generate | launch | schedule | plan | configs | tokenizer | preprocess |
+"""``meshtron train | describe | generate | eval | launch | schedule | plan | configs | tokenizer | preprocess |
 plot | import-hf | export-hf``: the command line.
 
 The config is read and validated *before* JAX is imported, so that on a CPU-only machine the CLI
@@ -82,6 +82,22 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("overrides", nargs="*", metavar="mesh.key=value",
                      help="the mesh to sample on, e.g. parallel.tensor=4 (default: the mesh that trained it)")
+    ev = sub.add_parser("eval", help="score a checkpoint on lm-evaluation-harness tasks, on any mesh (the eval extra)")
+    ev.add_argument("checkpoint", nargs="?", metavar="CKPT",
+                    help="a run's checkpoint.dir or an import (newest intact step); or --checkpoint CKPT")
+    ev.add_argument("--checkpoint", dest="checkpoint_flag", metavar="CKPT", help="the same as CKPT")
+    ev.add_argument("--tasks", required=True, metavar="A,B", help="lm-eval task names, comma-separated")
+    ev.add_argument("--include-path", metavar="DIR", help="a directory of your own task YAMLs (searched too)")
+    ev.add_argument("--batch-size", type=int, default=8, metavar="N", help="requests per device call (default 8)")
+    ev.add_argument("--limit", type=float, metavar="N",
+                    help="score only the first N examples of each task (below 1: that fraction)")
+    ev.add_argument("--num-fewshot", type=int, metavar="K", help="examples in each prompt (default: the task's)")
+    ev.add_argument("--max-gen-tokens", type=int, default=256, metavar="N",
+                    help="new tokens of a generation task that does not say (default 256)")
+    ev.add_argument("--output", metavar="FILE.json", help="write lm-eval's results JSON there (a new file)")
+    ev.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    ev.add_argument("overrides", nargs="*", metavar="mesh.key=value",
+                    help="the mesh to evaluate on, e.g. parallel.tensor=4 (default: the mesh that trained it)")
     sub.add_parser("configs", help="list the bundled configs: names for --config, mesh and model size")
     tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (Hugging Face tokenizers) on text files")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
@@ -372,7 +388,7 @@ def _generation_mesh(args: argparse.Namespace) -> MeshConfig:
         if section == "mesh" and key not in old:  # the old spelling
             old.append(key)
         if not sep or section not in ("parallel", "mesh") or name not in ("data", "pipe", "tensor"):
-            raise ConfigError(f"override {item!r}: generate takes parallel.data=, parallel.pipe= or parallel.tensor= "
+            raise ConfigError(f"override {item!r}: {args.command} takes parallel.data=, parallel.pipe= or parallel.tensor= "
                               "only")
         try:
             setattr(mesh, name, int(value))
@@ -390,7 +406,8 @@ def _generation_checkpoint(args: argparse.Namespace) -> None:
         args.checkpoint = None
     given = [c for c in (args.checkpoint, args.checkpoint_flag) if c is not None]
     if len(given) != 1:
-        raise ConfigError("generate: give the checkpoint once, as meshtron generate CKPT --prompt TEXT (or "
+        usage = "--prompt TEXT" if args.command == "generate" else "--tasks A,B"
+        raise ConfigError(f"{args.command}: give the checkpoint once, as meshtron {args.command} CKPT {usage} (or "
                           f"--checkpoint CKPT){'' if not given else f'; got {given[0]!r} and {given[1]!r}'}")
     args.checkpoint_name = "--checkpoint" if args.checkpoint_flag is not None else "checkpoint"
     args.checkpoint = given[0]
@@ -418,6 +435,48 @@ def _generate(args: argparse.Namespace) -> None:
     print(f"meshtron: step {model.step} of {args.checkpoint}, mesh {shape}, {len(result.new_tokens)} new tokens "
           f"({ended})", file=sys.stderr)
     print(result.continuation if args.chat else result.text)
+
+
+def _eval(args: argparse.Namespace) -> None:
+    """``meshtron eval``: lm-eval's tasks on a checkpoint, its results JSON printed (or written)."""
+    _generation_checkpoint(args)
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size: must be >= 1, got {args.batch_size}")
+    if args.max_gen_tokens < 1:
+        raise ConfigError(f"--max-gen-tokens: must be >= 1, got {args.max_gen_tokens}")
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError(f"--limit: must be above 0 (examples, or a fraction below 1), got {args.limit}")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError("--tasks: name at least one lm-eval task, e.g. --tasks hellaswag,arc_easy")
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise ConfigError(f"--include-path: {args.include_path}: no such directory; give the directory of your "
+                          "task YAMLs")
+    if args.output and Path(args.output).exists() and not args.overwrite:
+        raise ConfigError(f"--output: {args.output} exists; give a new file (or --overwrite to replace it)")
+    try:
+        import lm_eval  # noqa: F401 -- the extra's presence, before any device starts
+    except ImportError:
+        raise ConfigError("meshtron eval needs lm-evaluation-harness: pip install meshtron[eval]") from None
+    mesh = _generation_mesh(args)
+    needed = devices_requested(mesh)
+    if needed <= MAX_SIMULATED_DEVICES:
+        ensure_cpu_devices(needed)
+    from meshtron.evaluation import MeshtronLM, evaluate, write_results
+    from meshtron.pretrained import load_pretrained
+
+    model = MeshtronLM(load_pretrained(args.checkpoint, mesh, argument=args.checkpoint_name),
+                       batch_size=args.batch_size, max_gen_toks=args.max_gen_tokens)
+    limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
+    results = evaluate(model, tasks, include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot)
+    shape = "x".join(str(model.model.mesh.shape[a]) for a in ("data", "pipe", "tensor"))
+    for task, metrics in results["results"].items():
+        shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()
+                          if isinstance(v, float) and "stderr" not in k)
+        print(f"{task}: {shown}")
+    if args.output:
+        print(f"meshtron: step {model.model.step} of {args.checkpoint}, mesh {shape}; results "
+              f"{write_results(results, args.output)}", file=sys.stderr)
 
 
 def _resolved(cfg: Config, program: bool = True) -> Run | None:
@@ -487,6 +546,7 @@ _OUTPUTS = {
     "plot": [("output", "--output", False)],
     "import-hf": [("output", "--output", True)],
     "export-hf": [("output", "--output", True)],
+    "eval": [("output", "--output", False)],
     "schedule": [("png", "--png", False), ("csv", "--csv", False)],
 }
 
@@ -543,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "generate":
             _generate(args)
+            return 0
+        if args.command == "eval":
+            _eval(args)
             return 0
         if args.command == "schedule":
             _schedule(args)

@@ -108,6 +108,15 @@ class Forward:
         mask = checked_mask(loss_mask, (ids.shape[0], ids.shape[1] - 1))
         return self._run("losses", params, ids, mask)
 
+    def scores(self, params: Params, tokens: Any) -> tuple[jax.Array, jax.Array]:
+        """Per target of ``tokens`` [batch, seq] (entry ``t``: ``tokens[:, t + 1]`` after ``tokens[:, :t + 1]``):
+        its float32 log-probability under a softmax over the real vocabulary, and whether it is the
+        argmax there (greedy decoding would pick it), both ``[batch, seq - 1]`` -- what an evaluation
+        harness scores continuations with, without bringing the logits to the host."""
+        longest = None if self.max_positions is None else self.max_positions + 1
+        ids = checked_tokens(tokens, self.model_def.vocab_size, longest, shortest=2)
+        return self._run("scores", params, ids)
+
     def _run(self, kind: str, params: Params, *rows: np.ndarray) -> jax.Array:
         """The ``kind`` program on ``rows`` (host arrays ``[batch, ...]``), padded to the row split and cut back."""
         batch = rows[0].shape[0]
@@ -116,12 +125,12 @@ class Forward:
         # Already-placed parameters stay put; host arrays (or another layout) are placed as compiled.
         params = jax.device_put(params, self.param_shardings)
         out = self._program(kind, params, placed)(params, *placed)
-        return out[:batch] if padded else out
+        return jax.tree.map(lambda o: o[:batch], out) if padded else out
 
     def _program(self, kind: str, params: Params, rows: list[jax.Array]) -> jax.stages.Compiled:
         key = (kind, *rows[0].shape[:2])
         if key not in self._programs:
-            fn = self._logits if kind == "logits" else self._losses
+            fn = {"logits": self._logits, "losses": self._losses, "scores": self._scores}[kind]
             program = jax.jit(self.model_def.traced(fn, self.execution), in_shardings=(self.param_shardings, *[self._rows] * len(rows)),
                               out_shardings=self._rows, compiler_options=self.compiler_options or None)
             with jax.set_mesh(self.mesh):
@@ -138,6 +147,14 @@ class Forward:
         logits, model = self._model_logits(params, tokens[:, :-1])
         losses = token_losses(model, logits, tokens[:, 1:]).astype(jnp.float32)
         return jnp.where(mask, losses, 0.0)
+
+    def _scores(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        self.traces += 1
+        logits = self._model_logits(params, tokens[:, :-1])[0][..., : self.model_def.vocab_size]
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        targets = tokens[:, 1:]
+        chosen = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]
+        return chosen, jnp.argmax(logits, axis=-1) == targets
 
     def _model_logits(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, Any]:
         """Logits over the padded vocabulary, and the bound model (its ``loss``, if any)."""

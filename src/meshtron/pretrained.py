@@ -64,6 +64,11 @@ class Pretrained:
         target)."""
         return self._forward_pass().losses(self.params, tokens, loss_mask)
 
+    def scores(self, tokens: Any) -> tuple[jax.Array, jax.Array]:
+        """Float32 log-probabilities ``[batch, seq - 1]`` of each next token of ``tokens`` under a softmax
+        over the real vocabulary, and whether each is the argmax (greedy) choice; rows as :meth:`loss`."""
+        return self._forward_pass().scores(self.params, tokens)
+
     @property
     def execution(self) -> Execution:
         """How the run that trained it executed the model (its attention implementation, its window:

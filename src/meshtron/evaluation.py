@@ -1,0 +1,216 @@
+"""lm-evaluation-harness on a meshtron checkpoint, on any mesh: the model adapter ``meshtron eval``
+runs (registered with lm-eval as ``"meshtron"``), and the run that writes lm-eval's results JSON.
+
+The adapter is a :class:`lm_eval.api.model.TemplateLM`, so contexts and continuations are split
+into tokens exactly as lm-eval's Hugging Face backend splits them (the whole text encoded, the
+context's tokens cut off), and it scores them the same way:
+
+* ``loglikelihood`` / ``loglikelihood_rolling``: rows ``(context + continuation)[-(max_length + 1):]``,
+  sorted longest first, ``batch_size`` per call of :meth:`meshtron.pretrained.Pretrained.scores` (a
+  softmax over the real vocabulary, on the device; only two numbers per token come back), padded on
+  the right to a power-of-two length so that few programs are compiled. Rolling windows are lm-eval's own
+  (:func:`lm_eval.utils.get_rolling_token_windows`).
+* ``generate_until``: greedy, with :class:`meshtron.batch_decode.GreedyBatchDecoder` (the KV cache
+  where the mesh allows it), ``batch_size`` prompts at a time sorted by length, each left-truncated
+  to ``max_length - max_gen_toks`` tokens; the text is cut at the first stop string (the task's
+  ``until`` and the end-of-text token's text). Sampling (``do_sample``/``temperature > 0``) is refused.
+
+The prefix token (the context of an empty context, and of a rolling window's first token) is the
+tokenizer's end-of-text id, as lm-eval's backends use when a tokenizer has no BOS token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from meshtron.batch_decode import GreedyBatchDecoder
+from meshtron.errors import ConfigError
+from meshtron.pretrained import Pretrained, load_pretrained
+from meshtron.xla_options import run_options
+
+SHORTEST_BUCKET = 16
+
+
+def bucket(length: int, longest: int) -> int:
+    """The padded length of a batch whose longest row holds ``length`` tokens: the next power of two
+    (at least :data:`SHORTEST_BUCKET`), within ``longest``."""
+    return min(longest, max(SHORTEST_BUCKET, 1 << math.ceil(math.log2(max(length, 1)))))
+
+
+@register_model("meshtron")
+class MeshtronLM(TemplateLM):
+    """A meshtron checkpoint as an lm-eval model (see the module's docstring).
+
+    ``pretrained``: what :func:`meshtron.load_pretrained` returned, or a checkpoint directory (loaded on
+    its training mesh). ``batch_size``: requests per device call. ``max_gen_toks``: the default number
+    of new tokens of a generation task that does not say. ``max_length``: the longest row (default: the
+    model's positions).
+    """
+
+    def __init__(self, pretrained: Pretrained | str, batch_size: int | str = 8, max_gen_toks: int = 256,
+                 max_length: int | None = None, **_: Any):
+        super().__init__()
+        self.model = pretrained if isinstance(pretrained, Pretrained) else load_pretrained(pretrained)
+        self.tokenizer = self.model.tokenizer
+        self.batch_size = int(batch_size)
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size: must be >= 1, got {batch_size}")
+        self.max_gen_toks = int(max_gen_toks)
+        self._max_length = int(max_length or self.model.max_positions)
+        self._decoder: GreedyBatchDecoder | None = None
+
+    # ---- tokens ---------------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        eod = self.tokenizer.eod
+        return 0 if eod is None else int(eod)
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "source", self.tokenizer.kind))
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **_: Any) -> list[int]:
+        return list(self.tokenizer.encode(string))
+
+    def tok_decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+    # ---- scoring --------------------------------------------------------------------------------
+
+    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
+                              **_: Any) -> list[tuple[float, bool]]:
+        counts = [len(continuation) for _, _, continuation in requests]
+        if max(counts, default=0) > self.max_length:
+            raise ConfigError(f"a continuation of {max(counts)} tokens is longer than the model's {self.max_length} "
+                              "positions; lm-eval scores a continuation within one window (use a shorter one)")
+        rows = [(context + continuation)[-(self.max_length + 1):] for _, context, continuation in requests]
+        order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]), rows[i]))
+        results: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
+        for start in range(0, len(order), self.batch_size):
+            chosen = order[start: start + self.batch_size]
+            width = bucket(max(len(rows[i]) for i in chosen), self.max_length + 1)
+            ids = np.zeros((self.batch_size, width), np.int32)
+            for k, i in enumerate(chosen):
+                ids[k, : len(rows[i])] = rows[i]
+            logprobs, greedy = (np.asarray(a) for a in self.model.scores(ids))
+            for k, i in enumerate(chosen):
+                n, c = len(rows[i]), counts[i]
+                span = slice(n - 1 - c, n - 1)  # the targets that are the continuation's tokens
+                result = (float(logprobs[k, span].sum()), bool(greedy[k, span].all()))
+                results[i] = result
+                if requests[i][0] is not None:  # (a rolling window has no text of its own)
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], result)
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for index, (text,) in enumerate(req.args for req in requests):
+            for window in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, *window))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=True):
+            totals[owner] += logprob
+        for req, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        groups: dict[str, list[int]] = {}  # requests with the same generation settings decode together
+        for index, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(index)
+        results: list[str] = [""] * len(requests)
+        for indices in groups.values():
+            texts = self._generate([requests[i].args[0] for i in indices], dict(requests[indices[0]].args[1]))
+            for i, text in zip(indices, texts, strict=True):
+                results[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return results
+
+    def _generate(self, contexts: list[str], settings: dict[str, Any]) -> list[str]:
+        """Greedy continuations of ``contexts`` under one task's ``generation_kwargs``, cut at its stops."""
+        if settings.get("do_sample") or float(settings.get("temperature") or 0) > 0:
+            raise ConfigError(f"generation settings {settings}: meshtron eval decodes greedily; set the task's "
+                              "generation_kwargs do_sample: false, temperature: 0")
+        until = settings.get("until") or []
+        stops = [until] if isinstance(until, str) else [s for s in until if s]
+        eos = None if self.tokenizer.eod is None else self.tok_decode([self.tokenizer.eod])
+        if eos and eos not in stops:
+            stops.append(eos)
+        new = int(settings.get("max_gen_toks", self.max_gen_toks))
+        if new >= self.max_length:
+            raise ConfigError(f"max_gen_toks: {new} new tokens leave no room for a prompt in the model's "
+                              f"{self.max_length} positions; ask for fewer")
+        prompts = [self.tok_encode(c)[-(self.max_length - new):] or [self.prefix_token_id] for c in contexts]
+
+        def cut(tokens: list[int]) -> str:
+            text = self.tok_decode(tokens)
+            for stop in stops:
+                text = text.split(stop)[0]
+            return text
+
+        texts = [""] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: (-len(prompts[i]), i))
+        for start in range(0, len(order), self.batch_size):
+            chosen = order[start: start + self.batch_size]
+            outs = self.decoder().decode(self.model.params, [prompts[i] for i in chosen], new,
+                                         finished=lambda _, tokens: cut(tokens) != self.tok_decode(tokens))
+            for i, tokens in zip(chosen, outs, strict=True):
+                texts[i] = cut(tokens)
+        return texts
+
+    def decoder(self) -> GreedyBatchDecoder:
+        """The batched greedy decoder of this model and mesh (compiled on first use)."""
+        if self._decoder is None:
+            model = self.model
+            self._decoder = GreedyBatchDecoder(
+                model.model_def, model.mesh, rows=self.batch_size, context=self.max_length,
+                execution=model.execution,
+                compiler_options=run_options(model.config.gpu.overlap, model.config.gpu.xla_flags))
+        return self._decoder
+
+
+def evaluate(model: MeshtronLM, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,
+             num_fewshot: int | None = None, log_samples: bool = False) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` of ``model`` on ``tasks`` (names, or YAML tasks found under
+    ``include_path``); an unknown task is one line naming it."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or under --include-path {include_path}" if include_path else "; give --include-path DIR for yours"
+        raise ConfigError(f"--tasks: {', '.join(unknown)}: no such lm-eval task (neither built in{where})")
+    return lm_eval.simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                   task_manager=manager, log_samples=log_samples)
+
+
+def write_results(results: dict[str, Any], output: str | Path) -> Path:
+    """``results`` as lm-eval's CLI writes them (JSON, its serializer for what JSON lacks), to a
+    temporary name renamed to ``output``."""
+    path = Path(output)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(results, indent=2, default=lm_utils.handle_non_serializable, ensure_ascii=False)
+                       + "\n")
+    os.replace(partial, path)
+    return path
