@@ -111,7 +111,9 @@ class Corpus:
         log_probs = np.log(counts / counts.sum())
         return float(-log_probs[self.heldout].mean())
 
-    def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0) -> BatchStream:
+    def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0,
+                     cursor: dict | None = None) -> BatchStream:
+        del cursor  # the stream's whole state is the batch index
         return BatchStream(self.train, batch_size=batch_size, seq_len=seq_len, seed=seed, position=position)
 
     def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> BatchStream:
@@ -149,6 +151,14 @@ class Batches(ABC):
 
     def state(self) -> dict[str, int]:
         return {"position": self.position}
+
+    def cursor(self) -> dict | None:
+        """More state than the batch index, saved in the checkpoint beside it (None: none; a streamed
+        source's read position, :mod:`meshtron.data.streaming`)."""
+        return None
+
+    def close(self) -> None:
+        """Stop whatever prepares batches ahead (nothing here)."""
 
 
 class BatchStream(Batches):

@@ -165,10 +165,12 @@ class Trainer:
                                       sharding=self.steps.batch_sharding)
         return params, opt_state, tokens
 
-    def train_stream(self, position: int = 0):
+    def train_stream(self, position: int = 0, cursor: dict | None = None):
+        """The training batches from batch ``position`` on (``cursor``: a streamed source's read
+        position there, from the checkpoint)."""
         t = self.cfg.train
         return self.corpus.train_stream(batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed,
-                                        position=position)
+                                        position=position, cursor=cursor)
 
     def evaluate(self, params) -> float:
         t = self.cfg.train
@@ -238,9 +240,10 @@ class Trainer:
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
         cadence, nonfinite = Cadence.of(self.cfg), NonFinitePolicy.of(t, store)
         record = RunRecord(position.updates, StageTiming.of(self.steps.stages, self.cfg), learning_rate_schedule(t))
+        stream = None
         try:
             progress.started(position.step, weights)
-            stream = self.train_stream(position.data_position)
+            stream = self.train_stream(position.data_position, position.data_cursor)
             unigram = self.corpus.unigram_loss()
             with progress:
                 record.timing.start()
@@ -266,7 +269,8 @@ class Trainer:
                                      unigram=unigram, bytes_per_token=self.corpus.heldout_bytes_per_token,
                                      step_seconds=interval, reported=reported)
                     if store is not None and cadence.saves(step, stop):
-                        self.save(store, params, opt_state, RunPosition(step, record.updates, stream.position))
+                        self.save(store, params, opt_state, RunPosition(step, record.updates, stream.position,
+                                                                                stream.cursor()))
                         on_event("saving", step)
                     progress.advance()
                     on_event("done", step)
@@ -276,6 +280,8 @@ class Trainer:
                 if record.stopped is None and not record.evaluations:  # resumed at the last step
                     record.evaluated(t.steps, self.evaluate(params))  # the held-out loss of what was restored
         finally:
+            if stream is not None:
+                stream.close()
             profiler.stop()
             progress.close()
             saved = finish_saving(store)
