@@ -27,9 +27,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # The tests also compare against Hugging Face's own models (the `hf` extra: transformers + a CPU torch,
-# about 1 GB, installed from this image's local torch wheel): `make test` only, not `make train`.
+# about 1 GB, installed from this image's local torch wheel) and read streamed data (the `hf-data` and
+# `grain` extras): `make test` only, not `make train`.
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,hf]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,hf,hf-data,grain]"
 	touch $(TEST_STAMP)
 
 train: $(STAMP)

@@ -15,12 +15,12 @@ pytest.importorskip("grain")
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")
 
-from meshtron.config import DataConfig, load_config  # noqa: E402
-from meshtron.data.blend import blend_indices  # noqa: E402
-from meshtron.data.streaming import Cursor, StreamBatches, load_streamed, require  # noqa: E402
-from meshtron.data.text import builtin_text  # noqa: E402
-from meshtron.data.tokenizers import load_tokenizer  # noqa: E402
-from meshtron.errors import ConfigError  # noqa: E402
+from meshtron.config import DataConfig, load_config
+from meshtron.data.blend import blend_indices
+from meshtron.data.streaming import Cursor, StreamBatches, load_streamed, require
+from meshtron.data.text import builtin_text
+from meshtron.data.tokenizers import load_tokenizer
+from meshtron.errors import ConfigError
 
 SEQ = 16
 

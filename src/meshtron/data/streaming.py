@@ -443,7 +443,7 @@ class StreamBatches(Batches):
             names = ", ".join(p.source.name for p in stream.packers)
             self._queue.put(ConfigError(f"data.path: the training examples of {names} hold no text; check "
                                         "data.text_field"))
-        except Exception as err:  # handed to the training thread, which raises it
+        except Exception as err:  # noqa: BLE001 - handed to the training thread, which raises it
             self._queue.put(err)
 
     def _take(self) -> StreamBatch:
@@ -479,17 +479,18 @@ class StreamBatches(Batches):
         self._stop.set()
 
 
-class FixedSamples:
-    """Held-out windows computed once: ``len`` and ``sample(i)``."""
+class FixedWindows(Batches):
+    """Batches of windows computed once (the held-out set): batch ``i`` is windows ``i·B .. i·B + B - 1``
+    (modulo their number), the same at every evaluation."""
 
-    def __init__(self, windows: np.ndarray):
+    def __init__(self, windows: np.ndarray, *, batch_size: int):
+        super().__init__(batch_size=batch_size, window=windows.shape[1], channels=windows.shape[2:])
         self.windows = windows
 
-    def __len__(self) -> int:
-        return len(self.windows)
-
-    def sample(self, index: int) -> np.ndarray:
-        return self.windows[index]
+    def rows(self, index: int, row_slice: slice) -> np.ndarray:
+        first = index * self.batch_size
+        picked = [(first + r) % len(self.windows) for r in range(self.batch_size)[row_slice]]
+        return self.windows[picked]
 
 
 @dataclass
@@ -521,10 +522,8 @@ class StreamedData:
                              position=position, state=cursor)
 
     def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> Batches:
-        from meshtron.data.sources import SampleStream
-
         del seq_len, seed
-        return SampleStream(FixedSamples(self.heldout), batch_size=batch_size)
+        return FixedWindows(self.heldout, batch_size=batch_size)
 
     def unigram_loss(self) -> float:
         """Held-out cross-entropy under the unigram frequencies of the first training windows."""

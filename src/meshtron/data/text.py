@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -159,6 +160,12 @@ class Batches(ABC):
 
     def close(self) -> None:
         """Stop whatever prepares batches ahead (nothing here)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class BatchStream(Batches):

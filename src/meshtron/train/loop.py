@@ -240,12 +240,11 @@ class Trainer:
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
         cadence, nonfinite = Cadence.of(self.cfg), NonFinitePolicy.of(t, store)
         record = RunRecord(position.updates, StageTiming.of(self.steps.stages, self.cfg), learning_rate_schedule(t))
-        stream = None
         try:
             progress.started(position.step, weights)
             stream = self.train_stream(position.data_position, position.data_cursor)
             unigram = self.corpus.unigram_loss()
-            with progress:
+            with progress, stream:
                 record.timing.start()
                 for step in range(position.step + 1, t.steps + 1):
                     stage = self.optimizer.stage_at(record.updates)
@@ -269,8 +268,7 @@ class Trainer:
                                      unigram=unigram, bytes_per_token=self.corpus.heldout_bytes_per_token,
                                      step_seconds=interval, reported=reported)
                     if store is not None and cadence.saves(step, stop):
-                        self.save(store, params, opt_state, RunPosition(step, record.updates, stream.position,
-                                                                                stream.cursor()))
+                        self.save(store, params, opt_state, _position(step, record.updates, stream))
                         on_event("saving", step)
                     progress.advance()
                     on_event("done", step)
@@ -280,8 +278,6 @@ class Trainer:
                 if record.stopped is None and not record.evaluations:  # resumed at the last step
                     record.evaluated(t.steps, self.evaluate(params))  # the held-out loss of what was restored
         finally:
-            if stream is not None:
-                stream.close()
             profiler.stop()
             progress.close()
             saved = finish_saving(store)
@@ -309,6 +305,11 @@ class Trainer:
                            peak_flops=t.peak_flops and t.peak_flops * self.mesh.size,
                            flops_per_token=model_flops_per_token(self.model_def.parameter_count(),
                                                                  self.model_def.layers, m.hidden, m.seq_len))
+
+
+def _position(step: int, updates: int, stream) -> RunPosition:
+    """Where the run stands after ``step``: the next batch, and a streamed source's read position there."""
+    return RunPosition(step, updates, stream.position, stream.cursor())
 
 
 def _stopped(stopper: RunStopper, step: int, code: int, t: TrainConfig, store: CheckpointStore | None,
