@@ -109,6 +109,20 @@ def test_grain_shuffles_each_epoch_and_reads_every_example_once(tmp_path):
     assert list(dict.fromkeys(seen)) == [int(j) for j in first if texts[int(j)]]
 
 
+def test_grain_reads_array_record_files(tmp_path):
+    writer_module = pytest.importorskip("array_record.python.array_record_module")
+    texts = documents(40)
+    path = tmp_path / "d.array_record"
+    writer = writer_module.ArrayRecordWriter(str(path), "group_size:1")
+    for k, text in enumerate(texts):  # JSON objects, and plain UTF-8 text
+        writer.write(json.dumps({"text": text}).encode() if k % 2 else text.encode())
+    writer.close()
+    source = opened(str(path), "grain").sources[0]
+    assert source.train_examples == 36
+    assert {i: t for i, t in source.texts(0, 0)} == dict(enumerate(texts[:36]))
+    assert [t for _, t in source.heldout_texts()] == texts[36:]
+
+
 def test_a_blend_draws_windows_by_weight_and_restarts(tmp_path):
     a = write_parquet(tmp_path / "a.parquet", documents(60))
     b = write_jsonl(tmp_path / "b.jsonl", documents(60, first=200))

@@ -510,6 +510,10 @@ class StreamedData:
 
     def windows(self, state: dict[str, Any] | None = None) -> WindowStream:
         cursors = state["cursors"] if state else [START] * len(self.sources)
+        if len(cursors) != len(self.sources):
+            raise ConfigError(f"data.blend: the checkpoint's read position is for {len(cursors)} source(s), this run "
+                              f"reads {len(self.sources)}; resume with the blend that wrote it, or use another "
+                              "checkpoint.dir")
         packers = [Packer(s, self.tokenizer, self.seq_len, self.documents, Cursor(*c))
                    for s, c in zip(self.sources, cursors)]
         return WindowStream(packers, self.weights, state["taken"] if state else None)
