@@ -17,7 +17,7 @@ pa = pytest.importorskip("pyarrow")
 
 from meshtron.config import DataConfig, load_config
 from meshtron.data.blend import blend_indices
-from meshtron.data.streaming import Cursor, StreamBatches, load_streamed, require
+from meshtron.data.streaming import Cursor, StreamBatches, load_streamed, record, require
 from meshtron.data.text import builtin_text
 from meshtron.data.tokenizers import load_tokenizer
 from meshtron.errors import ConfigError
@@ -119,8 +119,49 @@ def test_grain_reads_array_record_files(tmp_path):
     writer.close()
     source = opened(str(path), "grain").sources[0]
     assert source.train_examples == 36
-    assert {i: t for i, t in source.texts(0, 0)} == dict(enumerate(texts[:36]))
-    assert [t for _, t in source.heldout_texts()] == texts[36:]
+    text = lambda row: row if isinstance(row, str) else row["text"]
+    assert {i: text(record(r)) for i, r in source.rows(0, 0)} == dict(enumerate(texts[:36]))
+    assert [text(record(r)) for _, r in source.heldout_rows()] == texts[36:]
+
+
+def test_fine_tuning_examples_are_packed_whole_with_their_answers_loss_mask(tmp_path):
+    from meshtron.data.sft import ChatTemplate
+
+    rows = [{"prompt": f"question {k}?", "response": "answer " * (k % 4 + 1)} for k in range(40)]
+    rows[3] = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "hello"}]}
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seq = 64
+    template = ChatTemplate(load_tokenizer("bytes"))
+    cfg = DataConfig(path=str(path), source="hf", reset_per_document=True)
+    data = load_streamed(cfg, seq_len=seq, vocab_size=256, seed=0, eval_samples=2, tokenizer=load_tokenizer("bytes"),
+                         documents=True)
+    def rendered(k):
+        return template.render([{"role": "user", "content": rows[k]["prompt"]},
+                                {"role": "assistant", "content": rows[k]["response"]}]
+                               if "prompt" in rows[k] else rows[k]["messages"])
+
+    stream, k = data.windows(), 0
+    for _ in range(6):
+        _, w = stream.next_window()
+        filled = 0
+        for number, (_, example) in enumerate(w.examples, 1):  # whole examples, in order, each a document
+            assert example == k
+            ids, mask = rendered(k)
+            np.testing.assert_array_equal(w.tokens[filled:filled + len(ids)].T, [ids, [number] * len(ids), mask])
+            filled, k = filled + len(ids), k + 1
+        assert not w.tokens[filled:].any()  # padding: no document, no loss
+        assert filled + len(rendered(k)[0]) > seq + 1  # the next example did not fit
+    state = json.loads(json.dumps(stream.state()))
+    assert [w.examples for _, w in take(data.windows(state), 3)] == [w.examples for _, w in take(stream, 3)]
+    with pytest.raises(ConfigError, match="^data.reset_per_document: .* holds fine-tuning examples"):
+        opened(str(path))
+    grain = opened(str(tmp_path / "pairs.parquet"), "grain", documents_=True)
+    _, w = grain.windows().next_window()  # the epoch's first example, longer than a window of SEQ + 1: cut
+    (_, first), = w.examples
+    np.testing.assert_array_equal(w.tokens[:, 0], rendered(first)[0][: SEQ + 1])
 
 
 def test_a_blend_draws_windows_by_weight_and_restarts(tmp_path):
@@ -140,7 +181,7 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch):
     path = write_parquet(tmp_path / "d.parquet", documents(), field="body")
     with pytest.raises(ConfigError, match=r"^data.text_field: 'text' is not a field"):
         opened(path)
-    with pytest.raises(ConfigError, match=r"^data.text_field: 'text' is not a column"):
+    with pytest.raises(ConfigError, match=r"^data.text_field: 'text' is not a field"):
         opened(path, "grain")
     with pytest.raises(ConfigError, match=r"^data.path: .* holds no .parquet, .jsonl, .json files"):
         opened(str(tmp_path / "d.parquet").replace("parquet", "csv") if (tmp_path / "x.csv").write_text("a") else "",

@@ -87,14 +87,16 @@ class ExampleSource(Protocol):
     """A dataset's examples, split into training and held-out ones."""
 
     name: str
+    text_field: str
     train_examples: int
     heldout_examples: int
 
-    def texts(self, epoch: int, start: int) -> Iterator[tuple[int, str]]:
-        """``(example id, text)`` of the training examples of ``epoch`` from the ``start``-th on."""
+    def rows(self, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
+        """``(example id, row)`` of the training examples of ``epoch`` from the ``start``-th on: a row is
+        a dict of fields, or a plain text (:func:`record`)."""
 
-    def heldout_texts(self) -> Iterator[tuple[int, str]]:
-        """``(example id, text)`` of the held-out examples, in file order."""
+    def heldout_rows(self) -> Iterator[tuple[int, Any]]:
+        """``(example id, row)`` of the held-out examples, in file order."""
 
 
 def data_files(path: Path, suffixes: Sequence[str]) -> list[str]:
@@ -124,12 +126,19 @@ def holdout_split(n: int, fraction: float, name: str) -> tuple[int, int]:
     return n - held, held
 
 
-def _text_of(row: Any, text_field: str, name: str) -> str:
+def record(row: Any) -> dict | str:
+    """A row as a dict of fields, or a plain text: an ArrayRecord record or a JSON line (bytes) is a
+    JSON object when it starts with ``{``, else UTF-8 text."""
     if isinstance(row, bytes | bytearray):
         raw = bytes(row)
-        if not raw.lstrip().startswith(b"{"):
-            return raw.decode("utf-8", errors="replace")
-        row = json.loads(raw)
+        return json.loads(raw) if raw.lstrip().startswith(b"{") else raw.decode("utf-8", errors="replace")
+    return row
+
+
+def _text_of(row: Any, text_field: str, name: str) -> str:
+    row = record(row)
+    if isinstance(row, str):
+        return row
     if not isinstance(row, dict) or text_field not in row:
         columns = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
         raise ConfigError(f"data.text_field: {text_field!r} is not a field of {name}'s examples (they have: {columns}); "
@@ -164,16 +173,14 @@ class HuggingFaceSource:
             self._stream = datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
         self.train_examples, self.heldout_examples = holdout_split(count, holdout_fraction, self.name)
 
-    def texts(self, epoch: int, start: int) -> Iterator[tuple[int, str]]:
+    def rows(self, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
         del epoch  # a stream is read in file order every epoch
         rows = self._stream.skip(start).take(self.train_examples - start) if start else self._stream.take(
             self.train_examples)
-        for k, row in enumerate(rows, start):
-            yield k, _text_of(row, self.text_field, self.name)
+        yield from enumerate(rows, start)
 
-    def heldout_texts(self) -> Iterator[tuple[int, str]]:
-        for k, row in enumerate(self._stream.skip(self.train_examples), self.train_examples):
-            yield k, _text_of(row, self.text_field, self.name)
+    def heldout_rows(self) -> Iterator[tuple[int, Any]]:
+        yield from enumerate(self._stream.skip(self.train_examples), self.train_examples)
 
 
 def _parquet_rows(files: Sequence[str]) -> int:
@@ -190,27 +197,24 @@ def _json_lines(files: Sequence[str]) -> int:
     return count
 
 
-class _ParquetTexts:
-    """A random-access Grain data source over the text column of Parquet files (read once, the
-    column only): ``len`` and ``[i]``."""
+class _ParquetRows:
+    """A random-access Grain data source over the rows of Parquet files (read once; only
+    ``data.text_field`` when the files have it, else every column: supervised fine-tuning examples),
+    ``len`` and ``[i]``."""
 
-    def __init__(self, files: Sequence[str], text_field: str, name: str):
+    def __init__(self, files: Sequence[str], text_field: str):
         import pyarrow.parquet as pq
 
-        columns = []
+        self._rows: list[dict] = []
         for f in files:
-            schema = pq.read_schema(f)
-            if text_field not in schema.names:
-                raise ConfigError(f"data.text_field: {text_field!r} is not a column of {f} (it has: "
-                                  f"{', '.join(schema.names)}); set data.text_field to the one holding the text")
-            columns.extend(pq.read_table(f, columns=[text_field]).column(text_field).to_pylist())
-        self._texts = columns
+            columns = [text_field] if text_field in pq.read_schema(f).names else None
+            self._rows.extend(pq.read_table(f, columns=columns).to_pylist())
 
     def __len__(self) -> int:
-        return len(self._texts)
+        return len(self._rows)
 
-    def __getitem__(self, index: int) -> dict[str, str]:
-        return {"text": self._texts[index]}
+    def __getitem__(self, index: int) -> dict:
+        return self._rows[index]
 
 
 class _JsonLines:
@@ -244,7 +248,7 @@ class GrainSource:
         if kind == "array_record":
             source = grain.sources.ArrayRecordDataSource(files)
         elif kind == "parquet":
-            source, self.text_field = _ParquetTexts(files, text_field, self.name), "text"
+            source = _ParquetRows(files, text_field)
         else:
             source = _JsonLines(files)
         self._source = grain.MapDataset.source(source)
@@ -257,14 +261,14 @@ class GrainSource:
         """The training example ids of ``epoch`` in the order they are read (a ``grain.MapDataset``)."""
         return self._grain.MapDataset.range(self.train_examples).shuffle(seed=self._epoch_seed(epoch))
 
-    def texts(self, epoch: int, start: int) -> Iterator[tuple[int, str]]:
-        source, name, text_field = self._source, self.name, self.text_field
-        rows = self.order(epoch)[start:].map(lambda j: (int(j), _text_of(source[int(j)], text_field, name)))
+    def rows(self, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
+        source = self._source
+        rows = self.order(epoch)[start:].map(lambda j: (int(j), source[int(j)]))
         yield from rows.to_iter_dataset(self._grain.ReadOptions(num_threads=2, prefetch_buffer_size=64))
 
-    def heldout_texts(self) -> Iterator[tuple[int, str]]:
+    def heldout_rows(self) -> Iterator[tuple[int, Any]]:
         for j in range(self.train_examples, self.train_examples + self.heldout_examples):
-            yield j, _text_of(self._source[j], self.text_field, self.name)
+            yield j, self._source[j]
 
 
 def open_source(cfg: DataConfig, path: str, seed: int, field_name: str) -> ExampleSource:
@@ -319,8 +323,8 @@ class Packer:
         epoch, start, offset = cursor
         while True:
             found = False
-            for position, (example_id, text) in enumerate(self.source.texts(epoch, start), start):
-                tokens = encode(self.tokenizer, text)[offset:]
+            for position, (example_id, row) in enumerate(self.source.rows(epoch, start), start):
+                tokens = self.tokens(row)[offset:]
                 if len(tokens):
                     found = True
                     yield _Piece(Cursor(epoch, position, offset), example_id, tokens)
@@ -328,6 +332,10 @@ class Packer:
             if not found and start == 0:
                 return
             epoch, start = epoch + 1, 0
+
+    def tokens(self, row: Any) -> np.ndarray:
+        """An example's tokens: its text field's, with the end-of-document id."""
+        return encode(self.tokenizer, _text_of(row, self.source.text_field, self.source.name))
 
     def next_window(self) -> Window:
         """The window at :attr:`cursor`, which then moves ``seq_len`` tokens on."""
@@ -370,6 +378,74 @@ class Packer:
             self.cursor = self._pieces[0].cursor
         else:  # the next window starts at the next example (past an epoch's last: the next epoch's first)
             self.cursor = Cursor(self._last.epoch, self._last.example + 1, 0)
+
+
+class ExamplePacker(Packer):
+    """Supervised fine-tuning examples (``{"prompt", "response"}`` or ``{"messages": [...]}`` rows),
+    rendered with meshtron's chat template (:class:`meshtron.data.sft.ChatTemplate`: the loss on the
+    answers alone) and packed whole, as :class:`meshtron.data.sft.PackedExamples` packs them: a window
+    closes when the next example does not fit (the rest is padding, outside every document, its loss
+    masked), an example longer than a window is cut to it, and each example is its own document.
+    Windows are ``[seq_len + 1, 3]``: tokens, document number, loss mask. A cursor's offset is always 0."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        from meshtron.data.sft import ChatTemplate
+
+        super().__init__(*args, **kwargs)
+        self.template = ChatTemplate(self.tokenizer)
+        self._pending: _Piece | None = None
+
+    def tokens(self, row: Any) -> np.ndarray:
+        """``[n, 2]``: the example's ids and loss mask."""
+        from meshtron.data.sft import messages_of
+
+        try:
+            messages = messages_of(fields(row), f"an example of {self.source.name}")
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("--input: ", "data.path: ", 1)) from None
+        ids, mask = self.template.render(messages)
+        return np.stack([ids, mask], axis=-1).astype(np.int32)
+
+    def next_window(self) -> Window:
+        room = self.seq_len + 1
+        out = np.zeros((room, 3), np.int32)
+        filled, examples, start = 0, [], None
+        while filled < room:
+            if self._pending is None:
+                try:
+                    self._pending = next(self._examples)
+                except StopIteration:  # the held-out examples are used up: the last window is padded
+                    if filled:
+                        break
+                    raise
+            piece = self._pending
+            length = min(len(piece.tokens), room)
+            if filled + length > room:
+                break
+            out[filled:filled + length, 0] = piece.tokens[:length, 0]
+            out[filled:filled + length, 1] = len(examples) + 1
+            out[filled:filled + length, 2] = piece.tokens[:length, 1]
+            examples.append((piece.cursor.epoch, piece.example_id))
+            start = start or piece.cursor
+            filled += length
+            self._last, self._pending = piece.cursor, None
+        self.cursor = (self._pending.cursor if self._pending is not None else
+                       Cursor(self._last.epoch, self._last.example + 1, 0))
+        return Window(out, start, tuple(examples))
+
+
+def fields(row: Any) -> dict | str:
+    """A row's fields that hold a value (a table unifies its rows' fields, filling the others with None)."""
+    row = record(row)
+    return {k: v for k, v in row.items() if v is not None} if isinstance(row, dict) else row
+
+
+def is_sft(row: Any, text_field: str) -> bool:
+    """Whether a row is a supervised fine-tuning example rather than a text: no ``text_field``, and
+    ``messages`` or ``prompt`` and ``response``."""
+    row = fields(row)
+    return (isinstance(row, dict) and text_field not in row
+            and ("messages" in row or {"prompt", "response"} <= row.keys()))
 
 
 class WindowStream:
@@ -498,6 +574,7 @@ class StreamedData:
     """Streamed training data behind the interface of :mod:`meshtron.data.sources`."""
 
     sources: list[ExampleSource]
+    packers: list[type[Packer]]  # per source: Packer (texts) or ExamplePacker (fine-tuning examples)
     weights: list[float]
     tokenizer: Tokenizer
     seq_len: int
@@ -514,8 +591,8 @@ class StreamedData:
             raise ConfigError(f"data.blend: the checkpoint's read position is for {len(cursors)} source(s), this run "
                               f"reads {len(self.sources)}; resume with the blend that wrote it, or use another "
                               "checkpoint.dir")
-        packers = [Packer(s, self.tokenizer, self.seq_len, self.documents, Cursor(*c))
-                   for s, c in zip(self.sources, cursors)]
+        packers = [kind(s, self.tokenizer, self.seq_len, self.documents, Cursor(*c))
+                   for kind, s, c in zip(self.packers, self.sources, cursors)]
         return WindowStream(packers, self.weights, state["taken"] if state else None)
 
     def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0,
@@ -543,14 +620,13 @@ class StreamedData:
         return self._unigram
 
 
-def heldout_windows(sources: Sequence[ExampleSource], tokenizer: Tokenizer, seq_len: int, documents: bool,
-                    count: int) -> tuple[np.ndarray, float]:
+def heldout_windows(sources: Sequence[ExampleSource], kinds: Sequence[type[Packer]], tokenizer: Tokenizer,
+                    seq_len: int, documents: bool, count: int) -> tuple[np.ndarray, float]:
     """The first ``count`` windows of the held-out examples (the sources' in turn, each packed on its
     own), and the UTF-8 bytes per predicted token of their text."""
     windows: list[np.ndarray] = []
-    for source in sources:
-        held = _HeldOut(source)
-        packer = Packer(held, tokenizer, seq_len, documents)
+    for source, kind in zip(sources, kinds):
+        packer = kind(_HeldOut(source), tokenizer, seq_len, documents)
         share = -(-count // len(sources))
         for _ in range(share):
             try:
@@ -565,20 +641,22 @@ def heldout_windows(sources: Sequence[ExampleSource], tokenizer: Tokenizer, seq_
     if tokenizer.kind == BYTES:
         return stacked, 1.0
     ids = stacked if stacked.ndim == 2 else stacked[..., 0]
-    text = sum(len(tokenizer.decode(row[1:].tolist()).encode("utf-8")) for row in ids)
-    return stacked, text / max(ids[:, 1:].size, 1)
+    real = np.ones_like(ids, bool) if stacked.ndim == 2 else stacked[..., 1] > 0  # not a fine-tuning window's padding
+    predicted = [row[1:][keep[1:]] for row, keep in zip(ids, real)]
+    text = sum(len(tokenizer.decode(row.tolist()).encode("utf-8")) for row in predicted)
+    return stacked, text / max(sum(len(row) for row in predicted), 1)
 
 
 class _HeldOut:
     """A source's held-out examples, read once in file order (no epochs: packing stops at their end)."""
 
     def __init__(self, source: ExampleSource):
-        self.name, self._source = source.name, source
+        self.name, self.text_field, self._source = source.name, source.text_field, source
 
-    def texts(self, epoch: int, start: int) -> Iterator[tuple[int, str]]:
+    def rows(self, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
         if epoch:
             return iter(())
-        return self._source.heldout_texts()
+        return self._source.heldout_rows()
 
 
 def load_streamed(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int, eval_samples: int,
@@ -592,12 +670,20 @@ def load_streamed(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int, 
     else:
         weights, paths, field_name = [1.0], [str(cfg.path)], "data.path"
     sources = [open_source(cfg, path, seed, field_name) for path in paths]
-    heldout, per_token = heldout_windows(sources, tokenizer, seq_len, documents, eval_samples)
-    high = int(heldout.max())
+    kinds = []
+    for source in sources:
+        first = next(iter(source.rows(0, 0)), (0, ""))[1]
+        kinds.append(ExamplePacker if is_sft(first, cfg.text_field) else Packer)
+        if kinds[-1] is ExamplePacker and not documents:
+            raise ConfigError(f"data.reset_per_document: {source.name} holds fine-tuning examples (prompt/response or "
+                              "messages), which train packed as documents with their answers' loss mask; set "
+                              "data.reset_per_document=true")
+    heldout, per_token = heldout_windows(sources, kinds, tokenizer, seq_len, documents, eval_samples)
+    high = int((heldout if heldout.ndim == 2 else heldout[..., 0]).max())
     if high >= vocab_size:
         raise ConfigError(f"model.vocab_size: {tokenizer.source} gives token id {high}; set model.vocab_size={high + 1} "
                           "or more")
     name = (f"{cfg.source} {paths[0]}" if len(paths) == 1 else
             f"{cfg.source} blend " + ", ".join(f"{w:.3g} x {p}" for w, p in zip(weights, paths)))
-    return StreamedData(sources, list(weights), tokenizer, seq_len, documents, heldout,
+    return StreamedData(sources, kinds, list(weights), tokenizer, seq_len, documents, heldout,
                         f"{name}, tokenizer {tokenizer.source}", vocab_size, per_token)
