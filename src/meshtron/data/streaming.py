@@ -30,6 +30,10 @@ number of data-parallel devices: a run restored onto another data size continues
 windows, none repeated or skipped. A checkpoint without a cursor (written by a run on another
 ``data.source``) is replayed from the start: the same windows, found by tokenizing again.
 
+**Fine-tuning examples.** A source whose examples hold ``prompt`` and ``response`` or ``messages``
+(and no ``data.text_field``) is supervised fine-tuning data: :class:`ExamplePacker` renders each with
+the chat template and packs it whole, as :class:`meshtron.data.sft.PackedExamples` does.
+
 **Blends.** ``data.blend`` ``[w1, path1, w2, path2, ...]`` mixes sources by weight with Megatron's
 rule (:func:`meshtron.data.blend.blend_indices`, window by window); the cursor then holds each
 source's cursor and how many windows each has given.
