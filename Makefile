@@ -28,10 +28,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The tests also compare against Hugging Face's own models (the `hf` extra: transformers + a CPU torch,
 # about 1 GB, installed from this image's local torch wheel), run `meshtron eval` against lm-eval's Hugging
-# Face backend (the `eval` extra) and read back what the experiment trackers wrote (the `wandb` and
-# `mlflow` extras): `make test` only, not `make train`.
+# Face backend (the `eval` extra), read back what the experiment trackers wrote (the `wandb` and `mlflow`
+# extras) and read streamed data (the `hf-data` and `grain` extras): `make test` only, not `make train`.
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,hf,eval,wandb,mlflow]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,hf,eval,wandb,mlflow,hf-data,grain]"
 	touch $(TEST_STAMP)
 
 train: $(STAMP)

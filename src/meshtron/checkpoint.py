@@ -8,7 +8,8 @@ three items:
   (not the pipeline's stage order), each array a global array whatever mesh wrote it;
 * ``errors`` (optional): 1-bit LAMB's per-device error-feedback buffers, which only mean something
   on the mesh layout that wrote them;
-* ``meta`` (JSON): the run position (steps done, optimizer updates applied, next batch), the seed,
+* ``meta`` (JSON): the run position (steps done, optimizer updates applied, next batch, and a streamed data
+  source's read position at that batch), the seed,
   the whole config, the mesh layout, and a checksum of every saved tensor.
 
 Restoring onto another mesh needs no conversion step: the targets are ``jax.ShapeDtypeStruct`` s
@@ -64,6 +65,7 @@ class RunPosition:
     step: int  # training steps done (= batches consumed)
     updates: int  # optimizer updates applied (steps minus skipped non-finite steps)
     data_position: int  # index of the next training batch
+    data_cursor: dict[str, Any] | None = None  # a streamed source's read position at that batch (JSON)
 
 
 @dataclass
@@ -289,7 +291,7 @@ class CheckpointStore:
             raise FloatingPointError(f"step {position.step}: the state holds NaN/Inf; not saving a poisoned checkpoint")
         meta = {
             "format": FORMAT_VERSION, "step": position.step, "updates": position.updates,
-            "data_position": position.data_position, "has_errors": errors is not None, "checksums": sums,
+            "data_position": position.data_position, "data_cursor": position.data_cursor, "has_errors": errors is not None, "checksums": sums,
             "run": self.run_id, **extra_meta,
         }
         items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(meta)}
@@ -394,7 +396,7 @@ class CheckpointStore:
                 damaged.append((step, reason))
                 _warn(f"{where} is damaged or incomplete ({reason}); skipping it")
                 continue
-            position = RunPosition(meta["step"], meta["updates"], meta["data_position"])
+            position = RunPosition(meta["step"], meta["updates"], meta["data_position"], meta.get("data_cursor"))
             state = _resize_to(restored["state"], target_state, mesh)
             errors = restored["errors"] if with_errors else None
             if damaged:

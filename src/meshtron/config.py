@@ -322,6 +322,12 @@ class DataConfig:
     (Megatron-LM's ``--reset-attention-mask --reset-position-ids --eod-mask-loss``, from the indexed
     dataset's document boundaries); off by default (documents run into each other). Supervised
     fine-tuning data (``meshtron preprocess --sft``) is always packed that way, its loss on the answers.
+
+    ``source``: ``indexed`` (the above: a text file or indexed datasets), ``hf`` (``path`` is a local
+    Hugging Face dataset -- a Parquet or JSON-lines file or folder, or a ``save_to_disk`` folder -- read
+    as a stream) or ``grain`` (``path`` is Parquet or ArrayRecord files, read through a Grain data
+    source): the examples' ``text_field`` is tokenized with ``tokenizer`` while the run trains and
+    packed into windows; ``blend`` then mixes such paths by weight (:mod:`meshtron.data.streaming`).
     """
 
     path: str | None = None
@@ -329,6 +335,8 @@ class DataConfig:
     tokenizer: str = "bytes"
     blend: list[Any] | None = None
     reset_per_document: bool = False
+    source: str = "indexed"
+    text_field: str = "text"
 
 
 @dataclass
@@ -839,7 +847,19 @@ def validate(cfg: Config) -> None:
     _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
     _need(cfg.data.path is None or cfg.data.blend is None, "data.blend",
           "give either data.path or data.blend, not both (a blend names its datasets itself)")
-    if cfg.data.path is not None and indexed_prefix(cfg.data.path) is None:
+    _need(cfg.data.source in DATA_SOURCES, "data.source",
+          f"must be one of {', '.join(DATA_SOURCES)}, got {cfg.data.source!r}")
+    _need(isinstance(cfg.data.text_field, str) and bool(cfg.data.text_field), "data.text_field",
+          f"must be a column name, got {cfg.data.text_field!r}")
+    if cfg.data.source != "indexed":
+        _need(cfg.data.path is not None or cfg.data.blend is not None, "data.path",
+              f"data.source={cfg.data.source} reads a dataset: give its files or folder in data.path (or data.blend)")
+        blended = list(cfg.data.blend)[1::2] if isinstance(cfg.data.blend, list) else []
+        for path in ([cfg.data.path] if cfg.data.path is not None else blended):
+            _need(Path(str(path)).exists(), "data.path" if cfg.data.path is not None else "data.blend",
+                  f"{path!r} does not exist; give a local Parquet, JSON-lines{' or ArrayRecord' * (cfg.data.source == 'grain')} "
+                  f"file or folder{' or a save_to_disk folder' * (cfg.data.source == 'hf')}")
+    elif cfg.data.path is not None and indexed_prefix(cfg.data.path) is None:
         _need(not Path(cfg.data.path).is_dir(), "data.path",
               f"{cfg.data.path!r} is a directory; give a UTF-8 text file in it, or an indexed dataset's prefix")
         _need(
@@ -855,6 +875,9 @@ def validate_gpu(gpu: GpuConfig) -> None:
     _need(gpu.xla_flags is None or isinstance(gpu.xla_flags, str), "gpu.xla_flags",
           f"must be a string of flags ('--name=value ...'), got {gpu.xla_flags!r}")
     compiler_options(gpu.overlap, gpu.xla_flags)
+
+
+DATA_SOURCES = ("indexed", "hf", "grain")
 
 
 def indexed_prefix(path: str) -> str | None:

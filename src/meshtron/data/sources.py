@@ -70,8 +70,9 @@ class TokenDatasets:
     heldout_bytes_per_token: float = float("nan")
     _unigram: float | None = field(default=None, repr=False)
 
-    def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0) -> SampleStream:
-        del seq_len, seed  # fixed when the sample order was built
+    def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0,
+                     cursor: dict[str, Any] | None = None) -> SampleStream:
+        del seq_len, seed, cursor  # fixed when the sample order was built; the position is the batch index
         return SampleStream(self.train, batch_size=batch_size, position=position)
 
     def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> SampleStream:
@@ -110,6 +111,13 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
     origin = ModelOrigin.of(init_from)
     if origin is not None:
         origin.check_vocab_size(vocab_size if config_vocab_size is None else config_vocab_size)
+    if cfg.source != "indexed":
+        from meshtron.data.streaming import load_streamed
+
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        check_vocab(tokenizer, vocab_size, origin.vocab_fix() if origin is not None else None)
+        return load_streamed(cfg, seq_len=seq_len, vocab_size=vocab_size, seed=seed, eval_samples=eval_samples,
+                             tokenizer=tokenizer, documents=cfg.reset_per_document)
     if cfg.blend is None and (cfg.path is None or indexed_prefix(cfg.path) is None):
         if cfg.reset_per_document:
             raise ConfigError(f"data.reset_per_document: {cfg.path or 'the built-in corpus'} is one text, not "
@@ -242,6 +250,8 @@ def packs_documents(cfg: DataConfig) -> bool:
 
     if cfg.reset_per_document:
         return True
+    if cfg.source != "indexed":  # streamed text is documents without a loss mask
+        return False
     prefixes = parse_blend(list(cfg.blend)).prefixes if cfg.blend is not None else [cfg.path] if cfg.path else []
     return any(has_loss_mask(indexed_prefix(p) or p) for p in prefixes)
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -111,7 +112,9 @@ class Corpus:
         log_probs = np.log(counts / counts.sum())
         return float(-log_probs[self.heldout].mean())
 
-    def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0) -> BatchStream:
+    def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0,
+                     cursor: dict | None = None) -> BatchStream:
+        del cursor  # the stream's whole state is the batch index
         return BatchStream(self.train, batch_size=batch_size, seq_len=seq_len, seed=seed, position=position)
 
     def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> BatchStream:
@@ -149,6 +152,20 @@ class Batches(ABC):
 
     def state(self) -> dict[str, int]:
         return {"position": self.position}
+
+    def cursor(self) -> dict | None:
+        """More state than the batch index, saved in the checkpoint beside it (None: none; a streamed
+        source's read position, :mod:`meshtron.data.streaming`)."""
+        return None
+
+    def close(self) -> None:
+        """Stop whatever prepares batches ahead (nothing here)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class BatchStream(Batches):

@@ -166,10 +166,12 @@ class Trainer:
                                       sharding=self.steps.batch_sharding)
         return params, opt_state, tokens
 
-    def train_stream(self, position: int = 0):
+    def train_stream(self, position: int = 0, cursor: dict | None = None):
+        """The training batches from batch ``position`` on (``cursor``: a streamed source's read
+        position there, from the checkpoint)."""
         t = self.cfg.train
         return self.corpus.train_stream(batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed,
-                                        position=position)
+                                        position=position, cursor=cursor)
 
     def evaluate(self, params) -> float:
         t = self.cfg.train
@@ -242,9 +244,9 @@ class Trainer:
         outcome: Outcome = "failed"  # how the run ended, for the records' sinks: until the steps are done, an error
         try:
             progress.started(position.step, weights)
-            stream = self.train_stream(position.data_position)
+            stream = self.train_stream(position.data_position, position.data_cursor)
             unigram = self.corpus.unigram_loss()
-            with progress:
+            with progress, stream:
                 record.timing.start()
                 for step in range(position.step + 1, t.steps + 1):
                     stage = self.optimizer.stage_at(record.updates)
@@ -268,7 +270,7 @@ class Trainer:
                                      unigram=unigram, bytes_per_token=self.corpus.heldout_bytes_per_token,
                                      step_seconds=interval, reported=reported)
                     if store is not None and cadence.saves(step, stop):
-                        self.save(store, params, opt_state, RunPosition(step, record.updates, stream.position))
+                        self.save(store, params, opt_state, _position(step, record.updates, stream))
                         on_event("saving", step)
                     progress.advance()
                     on_event("done", step)
@@ -319,6 +321,11 @@ def _finish(store: CheckpointStore | None, profiler: StepProfiler, progress: Run
         raise
     finally:
         progress.close(outcome)
+
+
+def _position(step: int, updates: int, stream) -> RunPosition:
+    """Where the run stands after ``step``: the next batch, and a streamed source's read position there."""
+    return RunPosition(step, updates, stream.position, stream.cursor())
 
 
 def _stopped(stopper: RunStopper, step: int, code: int, t: TrainConfig, store: CheckpointStore | None,
