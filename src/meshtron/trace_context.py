@@ -36,6 +36,7 @@ class LayerView:
     view: Callable[[dict], dict] | None
     unsaved: str | None
     hook: Callable[[Any, Any], None] | None
+    adaptation: bool = False  # a model adaptation's (LoRA's adapters): left out where the frozen base runs alone
 
 
 @dataclasses.dataclass(frozen=True)

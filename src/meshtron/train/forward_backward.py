@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.contract import batch_reports
+from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.state import ModelDef, Params
 
 __all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "plain_forward_backward"]
@@ -41,13 +42,14 @@ def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
 
 
 def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, microbatches: int,
-                    execution: Execution = DEFAULT_EXECUTION):
+                    execution: Execution = DEFAULT_EXECUTION, objective: Objective | None = None):
     """Mean loss and gradient of this shard's ``tokens`` [rows, seq+1], accumulated over microbatches,
-    blocks recomputed as ``execution.remat`` says.
+    blocks recomputed as ``execution.remat`` says; the loss is ``objective``'s (default: the next-token loss).
 
     ``params`` must already be varying over ``data`` so the gradients stay local.
     """
-    grad_fn = jax.value_and_grad(functools.partial(model_def.loss, execution=execution))
+    objective = objective or LanguageModeling()
+    grad_fn = jax.value_and_grad(functools.partial(objective.loss, model_def, execution=execution))
     if microbatches == 1:
         return grad_fn(params, tokens)
     micro = as_microbatches(tokens, microbatches)
@@ -76,18 +78,19 @@ def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
-def plain_forward_backward(model_def: ModelDef, microbatches: int,
-                           execution: Execution = DEFAULT_EXECUTION) -> ForwardBackward:
+def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Execution = DEFAULT_EXECUTION,
+                           objective: Objective | None = None) -> ForwardBackward:
     """The whole model on every pipeline rank (``pipe`` = 1), microbatches accumulated in a scan; blocks
-    recomputed as ``execution.remat`` says."""
+    recomputed as ``execution.remat`` says; the loss is ``objective``'s (default: the next-token loss)."""
+    objective = objective or LanguageModeling()
 
     def reports(params: Params, tokens: jax.Array):
         found = jax.lax.map(lambda mb: batch_reports(model_def.bind(params), mb), as_microbatches(tokens, microbatches))
         return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
 
     return ForwardBackward(
-        gradients=lambda params, tokens: local_gradients(model_def, params, tokens, microbatches, execution),
-        loss=functools.partial(model_def.loss, execution=execution),
+        gradients=lambda params, tokens: local_gradients(model_def, params, tokens, microbatches, execution, objective),
+        loss=functools.partial(objective.loss, model_def, execution=execution),
         reports=reports,
         loss_groups=microbatches,
     )

@@ -39,6 +39,7 @@ from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, Stag
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
 from meshtron.train.state import ModelDef, Params, model_def_from_config
+from meshtron.train.objective import check_objective_data, objective_for
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
 from meshtron.train.trainable import Trainable
@@ -126,6 +127,9 @@ class Trainer:
         if run.zero.level and not zero.active:
             note(f"parallel.zero={run.zero.level}: the mesh has one data rank (parallel.data=1), so nothing is split over "
                  "it; this run is the same as parallel.zero=0")
+        objective = objective_for(cfg, model_def)
+        if corpus is not None:
+            check_objective_data(t.objective, getattr(corpus, "preference", False))
         trainable = Trainable.of_model(model_def)
         optimizer = optimizer_setup(cfg, trainable.part(model_def.logical_axes()), param_specs=trainable.part(specs),
                                     zero=zero)
@@ -134,7 +138,7 @@ class Trainer:
             microbatches=cfg.train.microbatches, pipeline=run.pipeline_on(devices[0].platform), stages=optimizer.stages, trainable=trainable,
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
             offload_optimizer=t.offload_optimizer,
-            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags),
+            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags), objective=objective,
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 
@@ -161,7 +165,8 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             opt_state = abstract_like(jax.eval_shape(self.steps.init_state_fn, params), self.steps.opt_shardings)
         channels = (3,) if packs_documents(self.cfg.data) else ()  # windows of packed documents
-        tokens = jax.ShapeDtypeStruct((self.cfg.train.batch_size, self.cfg.model.seq_len + 1, *channels), np.int32,
+        rows = self.cfg.train.batch_size * (2 if self.cfg.train.objective == "dpo" else 1)  # a pair is two rows
+        tokens = jax.ShapeDtypeStruct((rows, self.cfg.model.seq_len + 1, *channels), np.int32,
                                       sharding=self.steps.batch_sharding)
         return params, opt_state, tokens
 
@@ -293,6 +298,7 @@ class Trainer:
         reported = {}
         for found in self.steps.layer_reports(params, batch):
             reported.update(found.metrics(self.steps.report_groups))
+        reported.update(self.steps.objective_metrics(params, batch))
         return reported
 
     def _progress(self, step: int, console: Console, metrics_file: IO[str] | None) -> RunProgress:

@@ -39,6 +39,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtron.errors import ConfigError
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.hlo.collectives import collectives
 from meshtron.models.blocks import layer_parameters
@@ -48,7 +49,8 @@ from meshtron.optim.zero import ZeroPlan
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.trace_context import using
 from meshtron.train.data_shards import DATA, DataShards
-from meshtron.train.forward_backward import plain_forward_backward
+from meshtron.train.forward_backward import as_microbatches, plain_forward_backward
+from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.pipelined import pipelined_forward_backward
 from meshtron.train.probed_state import ProbedStates
 from meshtron.train.state import ModelDef, Params
@@ -104,6 +106,7 @@ def build_steps(
     skip_nonfinite: bool = False, zero: ZeroPlan | None = None, trainable: Trainable | None = None,
     seed: int = 0, execution: Execution = DEFAULT_EXECUTION,
     offload_optimizer: bool = False, compiler_options: Mapping[str, Any] | None = None,
+    objective: Objective | None = None,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -116,13 +119,18 @@ def build_steps(
     of what is random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not
     applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
     ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`). ``offload_optimizer``:
-    optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program."""
+    optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program.
+    ``objective``: what the step minimises (:mod:`meshtron.train.objective`; default the next-token loss;
+    another runs without a pipeline)."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.probed_state())
     trainable = trainable or Trainable.of_model(model_def)
     sync = gradient_sync(zero, reduction)
-    source = plain_forward_backward(model_def, microbatches, execution) if pipeline is None else \
+    objective = objective or LanguageModeling()
+    if pipeline is not None and not isinstance(objective, LanguageModeling):
+        raise ConfigError(f"train.objective: {type(objective).__name__} runs without a pipeline; set parallel.pipe=1")
+    source = plain_forward_backward(model_def, microbatches, execution, objective) if pipeline is None else \
         pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution)
     part, probed = trainable.part, ProbedStates(model_def, trainable.observed)
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
@@ -164,6 +172,11 @@ def build_steps(
             params, shards.laid_out(tokens))
 
     evaluate = whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())
+
+    def per_shard_metrics(params: Params, tokens: jax.Array):
+        found = jax.lax.map(lambda mb: objective.metrics(model_def, params, mb, execution),
+                            as_microbatches(tokens, microbatches))
+        return shards.mean(jax.tree.map(lambda v: jnp.mean(v, axis=0), found))
     scoped = partial(model_def.traced, execution=execution)
     return TrainSteps(
         mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages),
@@ -171,6 +184,8 @@ def build_steps(
         gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
+        objective_metrics=None if isinstance(objective, LanguageModeling) else
+        scoped(whole_params(per_shard_metrics, P())),
     )
 
 
@@ -255,7 +270,7 @@ class TrainSteps:
                  train, evaluate, gradients, init_state, zero: ZeroPlan | None = None,
                  trainable: Trainable | None = None, reports=None,
                  report_groups: int = 1, metrics_spec: P | None = None,
-                 compiler_options: Mapping[str, Any] | None = None):
+                 compiler_options: Mapping[str, Any] | None = None, objective_metrics=None):
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})  # XLA options of every program below
         jit = partial(jax.jit, compiler_options=self.compiler_options or None)
@@ -286,6 +301,8 @@ class TrainSteps:
         self._reports_jit = None if reports is None else jit(
             reports, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
         self._reports_compiled: Any = None
+        self._metrics_jit = None if objective_metrics is None else jit(
+            objective_metrics, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
 
     def init_opt_state(self, params: Params) -> OptState:
         """Fresh optimizer state, created sharded."""
@@ -340,6 +357,17 @@ class TrainSteps:
             if self._reports_compiled is False:
                 return ()
             return jax.device_get(self._reports_compiled(params, tokens))
+
+    def objective_metrics(self, params: Params, tokens: jax.Array) -> dict[str, float]:
+        """What the objective reports besides the loss (DPO's rewards and log-probabilities) for this step's
+        batch, from a forward pass with the parameters given, averaged as the step averages its loss;
+        ``{}`` for the next-token loss."""
+        if self._metrics_jit is None:
+            return {}
+        params = jax.device_put(params, self.param_shardings)
+        tokens = jax.device_put(tokens, self.batch_sharding)
+        with jax.set_mesh(self.mesh):
+            return {k: float(v) for k, v in jax.device_get(self._metrics_jit(params, tokens)).items()}
 
     def lower_reports(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered program of :meth:`layer_reports`, for compiled-program analysis."""

@@ -1,0 +1,94 @@
+"""What the train step minimises (``train.objective``): the next-token loss, or direct preference
+optimisation's loss over pairs with a frozen reference model.
+
+An objective is ``loss(model_def, params, tokens, execution) -> scalar``, the mean over one microbatch
+of one data rank, and ``metrics(...)`` of the same batch; the step averages both over microbatches and
+data ranks. Preference pairs sit side by side in every microbatch
+(:mod:`meshtron.data.preference`), so that mean is the batch's mean over its pairs.
+
+**The reference.** With a model adaptation (LoRA), the frozen base itself: the same parameters traced
+without the adaptation's layer view (:meth:`~meshtron.train.state.ModelDef.frozen_base`), so the step
+holds no second copy of the model; the reference forward is under ``stop_gradient`` and has no
+backward. Without one, training the whole model needs the reference's own weights, which this step
+does not hold: :func:`objective_for` refuses it in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+
+from meshtron.config import Config
+from meshtron.errors import ConfigError
+from meshtron.execution import Execution
+from meshtron.models.preference import PreferenceLoss, preference_metrics, sequence_logps
+from meshtron.train.state import ModelDef, Params
+
+__all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "objective_for"]
+
+
+class Objective(Protocol):
+    def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
+        """The mean loss of one microbatch ``tokens`` (as the step lays batches out)."""
+
+    def metrics(self, model_def: ModelDef, params: Params, tokens: jax.Array,
+                execution: Execution) -> dict[str, jax.Array]:
+        """What the run reports besides the loss, as means over the microbatch (``{}``: nothing)."""
+
+
+@dataclass(frozen=True)
+class LanguageModeling:
+    """The mean next-token loss (with a model's further loss in its gradient): ``train.objective: lm``."""
+
+    def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
+        return model_def.loss(params, tokens, execution)
+
+    def metrics(self, model_def: ModelDef, params: Params, tokens: jax.Array,
+                execution: Execution) -> dict[str, jax.Array]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Preference:
+    """DPO (``train.objective: dpo``) with the frozen base as its reference (module doc)."""
+
+    preference: PreferenceLoss
+
+    def logps(self, model_def: ModelDef, params: Params, tokens: jax.Array,
+              execution: Execution) -> tuple[jax.Array, jax.Array]:
+        """Per-row summed answer log-probabilities: the policy's, and the reference's (no gradient)."""
+        policy = sequence_logps(model_def.bind(params), tokens, remat=execution.remat)
+        with model_def.frozen_base():
+            reference = sequence_logps(model_def.bind(jax.lax.stop_gradient(params)), tokens)
+        return policy, jax.lax.stop_gradient(reference)
+
+    def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
+        return self.preference(*self.logps(model_def, params, tokens, execution))
+
+    def metrics(self, model_def: ModelDef, params: Params, tokens: jax.Array,
+                execution: Execution) -> dict[str, jax.Array]:
+        return preference_metrics(self.preference.beta, *self.logps(model_def, params, tokens, execution))
+
+
+def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
+    """``train.objective`` of ``cfg`` for ``model_def``; one line for what this step cannot train."""
+    t = cfg.train
+    if t.objective == "lm":
+        return LanguageModeling()
+    if model_def.adaptation is None:
+        raise ConfigError("train.objective: dpo needs a frozen reference model, which this step takes from the frozen "
+                          "base of LoRA's adapters; set train.lora.rank (e.g. train.lora.rank=16), with train.init_from "
+                          "the model to align")
+    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss))
+
+
+def check_objective_data(objective: str, preference: bool) -> None:
+    """``train.objective`` against the data: DPO trains on pairs, the next-token loss on anything else."""
+    if objective == "dpo" and not preference:
+        raise ConfigError("train.objective: dpo trains on preference pairs, and data.path is not a dataset of them; "
+                          "make one with meshtron preprocess --preference (JSON lines of prompt, chosen, rejected)")
+    if objective != "dpo" and preference:
+        raise ConfigError("data.path: holds preference pairs (meshtron preprocess --preference), which train with "
+                          "train.objective=dpo; set it, or give next-token data")
