@@ -80,13 +80,13 @@ def test_a_bad_line_is_one_line_naming_it_and_nothing_is_written(tmp_path, line,
 def test_a_batch_holds_whole_pairs_chosen_beside_rejected(tmp_path):
     src = write_jsonl(tmp_path / "p.jsonl", pairs(10))
     main(["preprocess", "--preference", "--input", src, "--tokenizer", "bytes", "--output", str(tmp_path / "p")])
-    train = PreferencePairs(tmp_path / "p", seq_len=63, seed=0, holdout_fraction=0.2)
+    train = PreferencePairs(tmp_path / "p", seq_len=127, seed=0, holdout_fraction=0.2)
     assert train.num_pairs == 8 and len(train) == 8
     seen = {tuple(train.sample(i)[0, :, 0]) for i in range(8)}
     assert len(seen) == 8  # every training pair once an epoch
     stream = PairStream(train, pairs=4)
     batch = stream.global_batch(0)
-    assert batch.shape == (8, 64, 3)
+    assert batch.shape == (8, 128, 3)
     for k in range(4):
         np.testing.assert_array_equal(batch[2 * k : 2 * k + 2], train.sample(k))
         chosen, rejected = batch[2 * k], batch[2 * k + 1]
