@@ -34,7 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
-from meshtron.data.indexed import IndexedDataset, WrittenTogether, best_dtype, meta_path, read_meta, strip_suffix
+from meshtron.data.indexed import (
+    IndexedDataset,
+    WrittenTogether,
+    best_dtype,
+    meta_path,
+    read_meta,
+    strip_suffix,
+)
 from meshtron.data.preprocess import PreprocessStats, dataset_meta, expand_inputs, refuse_empty
 from meshtron.data.samples import SPLITS, split_range
 from meshtron.data.sft import ROLES, ChatTemplate, answer_starts, mask_prefix

@@ -18,6 +18,7 @@ import numpy as np
 
 from meshtron.checkpoint_dirs import checkpoint_location, read_step_meta, step_directories
 from meshtron.config import DataConfig, indexed_prefix
+from meshtron.data.preference import PreferencePairs
 from meshtron.data.text import Batches, Corpus
 from meshtron.data.tokenizers import (
     BYTES,
@@ -29,7 +30,6 @@ from meshtron.data.tokenizers import (
     same_tokenizer,
     tokenizer_record,
 )
-from meshtron.data.preference import PreferencePairs
 from meshtron.errors import ConfigError
 
 _UNIGRAM_SAMPLE_TOKENS = 1 << 20  # training tokens the unigram baseline of an indexed dataset counts

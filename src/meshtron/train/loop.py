@@ -36,10 +36,10 @@ from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.pipeline.layout import StageLayout
 from meshtron.run import Run, check_features, run_for_model
 from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, StageTiming
+from meshtron.train.objective import check_objective_data, objective_for
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
 from meshtron.train.state import ModelDef, Params, model_def_from_config
-from meshtron.train.objective import check_objective_data, objective_for
 from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
 from meshtron.train.trainable import Trainable
@@ -246,7 +246,8 @@ class Trainer:
         try:
             progress.started(position.step, weights)
             stream = self.train_stream(position.data_position)
-            unigram = self.corpus.unigram_loss()
+            preference = t.objective == "dpo"  # a loss over pairs: no unigram baseline, no nats per byte
+            unigram = math.nan if preference else self.corpus.unigram_loss()
             with progress:
                 record.timing.start()
                 for step in range(position.step + 1, t.steps + 1):
@@ -268,7 +269,8 @@ class Trainer:
                     progress.stepped(step, loss=loss, grad_norm=grad_norm, tokens_per_s=record.timing.tokens_per_s,
                                      lr=record.lr(applied), stage=stage, data_bytes=stage_bytes,
                                      first_of_stage=first_of_stage, logged=cadence.logs(step, stop), heldout=held,
-                                     unigram=unigram, bytes_per_token=self.corpus.heldout_bytes_per_token,
+                                     unigram=unigram,
+                                     bytes_per_token=math.nan if preference else self.corpus.heldout_bytes_per_token,
                                      step_seconds=interval, reported=reported)
                     if store is not None and cadence.saves(step, stop):
                         self.save(store, params, opt_state, RunPosition(step, record.updates, stream.position))
@@ -325,15 +327,18 @@ def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
     mesh = shown_sizes(trainer.mesh.shape)
     margin = result.unigram_loss - result.heldout_loss
     per_byte = trainer.corpus.heldout_bytes_per_token
+    preference = trainer.cfg.train.objective == "dpo"
     lines = [
         "",
         (f"mesh {mesh}  model {trainer.model_def.describe()}  "
         f"steps {result.steps}  data {trainer.corpus.source}"),
+        f"held-out loss     {result.heldout_loss:.4f} (train.dpo.loss={trainer.cfg.train.dpo.loss}, a mean over pairs)"
+        if preference else
         f"held-out loss     {result.heldout_loss:.4f} nats/token" + (
             f", {result.heldout_loss / per_byte:.4f} nats/byte of text" if math.isfinite(per_byte) and per_byte != 1
             else ""),
-        (f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "
-         f"{'below' if margin > 0 else 'above'} it)"),
+        *([] if preference else [(f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "
+                                  f"{'below' if margin > 0 else 'above'} it)")]),
         f"throughput        {result.tokens_per_s:,.0f} tokens/s (after compilation)",
         (f"sent over data    {format_bytes(result.data_bytes)} per device in the run ("
          + ", ".join(f"{name}: {n} steps" for name, n in result.stage_steps.items()) + ")"),
