@@ -18,7 +18,7 @@ from meshtron.pretrained import load_pretrained
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB = 300
-LLAMA = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+LLAMA = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 64,
          "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0}
 BETA, SMOOTHING, RANK, ALPHA = 0.5, 0.1, 4, 8.0
@@ -72,35 +72,39 @@ def torch_logps(torch, model, batch: np.ndarray):
     return torch.where(counted, taken, torch.zeros_like(taken)).sum(-1)
 
 
-def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, tmp_path):
-    """Two DPO steps train the adapters (so they are not zero); then, at the trained weights, the step's
-    loss, the adapters' gradient and TRL's metrics equal PyTorch's on the exported (merged) policy
-    against the original model as the reference, within 1e-5 (loss) and 1e-4 (relative gradient)."""
+@pytest.fixture(scope="module")
+def trained(hf, case, tmp_path_factory):
+    """Two DPO steps on one device (so the adapters are not zero), logged to a metrics file; the run's
+    checkpoint, and its export (the adapters merged) as a PyTorch model: the policy."""
+    from transformers import AutoModelForCausalLM
+
     from meshtron.train.loop import Trainer
 
     torch, _ = hf
-    reference_model, imported, data = case
-    output = tmp_path / "run"
-    cfg = dpo_config(imported, data, output)
-    with open(tmp_path / "metrics.jsonl", "w") as metrics:
-        Trainer.from_config(cfg).run(metrics_file=metrics)
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in logged if "rewards/margins" in r]
-    assert len(steps) == 2 and {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
-                                "logps/rejected", "loss"} <= set(steps[0])
-    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
-    assert steps[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-5)
+    _, imported, data = case
+    root = tmp_path_factory.mktemp("trained")
+    with open(root / "metrics.jsonl", "w") as metrics:
+        Trainer.from_config(dpo_config(imported, data, root / "run")).run(metrics_file=metrics)
+    logged = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    policy = AutoModelForCausalLM.from_pretrained(export_hf(root / "run", root / "exported"), dtype=torch.float32)
+    return root / "run", policy.eval(), logged
 
-    trained = load_pretrained(output, MeshConfig(1, 1, 1))
-    policy = export_hf(output, tmp_path / "exported")
-    from transformers import AutoModelForCausalLM
 
-    policy_model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
-    trainer = Trainer.from_config(dpo_config(imported, data, tmp_path / "again"))
-    batch = trainer.train_stream().global_batch(0)
-    loss, grads = trainer.steps.gradients(trained.params, jax.numpy.asarray(batch))
-    found = trainer.steps.objective_metrics(trained.params, jax.numpy.asarray(batch))
+def check_parity(torch, trainer, params, batch, reference_model, policy_model):
+    """The step's DPO loss, its adapters' gradient (of the MLP's down projection) and its metrics at
+    ``params`` (canonical layer order) on ``batch`` against PyTorch's on the merged policy and the original
+    model: loss within 1e-5, gradients within 1e-4 of their largest entry, metrics within 1e-4."""
+    from meshtron.train.pipelined import to_canonical, to_stage_order
 
+    pipe, chunks = trainer.mesh.shape["pipe"], trainer.cfg.pipeline.chunks
+    layers = trainer.model_def.layers
+    held = to_stage_order(params, layers, pipe, chunks) if pipe > 1 else params
+    held = jax.device_put(held, trainer.steps.param_shardings)
+    loss, grads = trainer.steps.gradients(held, jax.numpy.asarray(batch))
+    grads = to_canonical(jax.device_get(grads), layers, pipe, chunks) if pipe > 1 else grads
+    found = trainer.steps.objective_metrics(held, jax.numpy.asarray(batch))
+
+    policy_model.zero_grad()
     pi = torch_logps(torch, policy_model, batch)
     with torch.no_grad():
         ref = torch_logps(torch, reference_model, batch)
@@ -109,7 +113,8 @@ def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, tmp_path):
     expected = (-fn(BETA * logits) * (1 - SMOOTHING) - fn(-BETA * logits) * SMOOTHING).mean()
     expected.backward()
     expected = float(expected.detach())
-    print(f"\nDPO loss {float(loss):.8f}, PyTorch {expected:.8f}: |delta| {abs(float(loss) - expected):.2e}")
+    mesh = "x".join(str(v) for v in trainer.mesh.shape.values())
+    print(f"\n{mesh}: DPO loss {float(loss):.8f}, PyTorch {expected:.8f}: |delta| {abs(float(loss) - expected):.2e}")
     assert abs(float(loss) - expected) <= 1e-5
     assert abs(expected - np.log(2.0)) > 1e-3  # the adapters moved the policy off the reference
 
@@ -121,7 +126,7 @@ def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, tmp_path):
         assert found[name] == pytest.approx(float(value.detach()), rel=1e-4, abs=1e-4), name
 
     scale = ALPHA / RANK
-    down = trained.params["blocks"]["mlp"]["down"]
+    down = params["blocks"]["mlp"]["down"]
     got = grads["blocks"]["mlp"]["down"]
     for layer in range(LLAMA["num_hidden_layers"]):
         merged_grad = policy_model.model.layers[layer].mlp.down_proj.weight.grad.double().numpy().T  # [mlp, hidden]
@@ -129,10 +134,43 @@ def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, tmp_path):
         for name, want_grad in (("kernel_lora_b", scale * a.T @ merged_grad), ("kernel_lora_a", scale * merged_grad @ b.T)):
             have = np.asarray(got[name][layer], np.float64)
             error = np.max(np.abs(have - want_grad)) / np.max(np.abs(want_grad))
-            print(f"layer {layer} {name}: max|gradient delta| / max|gradient| {error:.2e}")
+            print(f"  layer {layer} {name}: max|gradient delta| / max|gradient| {error:.2e}")
             assert error <= 1e-4, (layer, name, error)
-    frozen = grads["blocks"]["mlp"]["down"]["kernel"]
-    assert not np.any(np.asarray(frozen))  # the base trains nothing
+    assert not np.any(np.asarray(got["kernel"]))  # the base trains nothing
+
+
+def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, trained, tmp_path):
+    """On one device: the run logs TRL's metrics beside the loss (log 2 and no margin at the first step,
+    where the policy is the reference), and at the trained weights the step's loss, gradient and metrics
+    equal PyTorch's (:func:`check_parity`)."""
+    from meshtron.train.loop import Trainer
+
+    output, policy_model, logged = trained
+    steps = [r for r in logged if "rewards/margins" in r]
+    assert len(steps) == 2 and {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
+                                "logps/rejected", "loss"} <= set(steps[0])
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-5)
+    reference_model, imported, data = case
+    trainer = Trainer.from_config(dpo_config(imported, data, tmp_path / "again"))
+    params = load_pretrained(output, MeshConfig(1, 1, 1)).params
+    check_parity(hf[0], trainer, params, trainer.train_stream().global_batch(0), reference_model, policy_model)
+
+
+@pytest.mark.slow
+def test_lora_dpo_on_data_pipe_tensor_interleaved_equals_pytorch(hf, case, trained, tmp_path):
+    """The same on (data, pipe, tensor) = (2, 2, 2) with the interleaved schedule (2 chunks a stage) and 2
+    microbatches: a pair stays in one microbatch of one data shard, and the pipeline's last stage reads the
+    reference from rows of its own."""
+    from meshtron.train.loop import Trainer
+
+    output, policy_model, _ = trained
+    reference_model, imported, data = case
+    cfg = dpo_config(imported, data, tmp_path / "again", "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
+                     "parallel.schedule=interleaved", "parallel.chunks=2", "parallel.microbatches=2")
+    trainer = Trainer.from_config(cfg)
+    params = load_pretrained(output, MeshConfig(1, 1, 1)).params
+    check_parity(hf[0], trainer, params, trainer.train_stream().global_batch(0), reference_model, policy_model)
 
 
 def test_the_lora_reference_is_the_base_itself_no_second_copy(case, tmp_path):
@@ -155,7 +193,7 @@ def test_the_lora_reference_is_the_base_itself_no_second_copy(case, tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     (["train.lora.rank=0"], r"train.objective: dpo needs a frozen reference model, .* set train.lora.rank"),
-    (["parallel.pipe=2", "parallel.data=1"], r"train.objective: dpo's loss .* use parallel.pipe=1"),
+    (["parallel.context=2"], r"train.objective: dpo sums each answer's log-probabilities along the whole"),
     (["train.dpo.loss=ipo"], r"train.dpo.label_smoothing: applies to the sigmoid loss only"),
     (["train.dpo.beta=0"], r"train.dpo.beta: must be > 0"),
     (["train.objective=ppo"], r"train.objective: must be one of lm, dpo"),

@@ -182,10 +182,6 @@ def check_features(cfg: Config) -> None:
         _need(t.lora.rank > 0, "train.objective",
               "dpo needs a frozen reference model, which it takes from the frozen base of LoRA's adapters; set "
               "train.lora.rank (e.g. train.lora.rank=16), with train.init_from the model to align")
-        _need(cfg.mesh.pipe <= 1, "train.objective",
-              f"dpo's loss compares each pair's whole-answer log-probabilities, which this trainer computes without a "
-              f"pipeline; use parallel.pipe=1 (data and tensor parallelism and every zero level work), not "
-              f"{cfg.mesh.pipe}")
         _need(cfg.mesh.context <= 1, "train.objective",
               f"dpo sums each answer's log-probabilities along the whole sequence, which parallel.context="
               f"{cfg.mesh.context} splits over ranks; use parallel.context=1")

@@ -26,7 +26,7 @@ from meshtron.models import documents
 from meshtron.models.blocks import Context
 from meshtron.models.contract import final_hidden, token_losses
 
-__all__ = ["PreferenceLoss", "pairs", "preference_metrics", "sequence_logps"]
+__all__ = ["PreferenceLoss", "head_logps", "pairs", "preference_metrics", "sequence_logps"]
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -36,9 +36,14 @@ def sequence_logps(model: nnx.Module, tokens: jax.Array, *, remat: str = "none")
     """``[b]``: each row's summed log-probability of its counted targets (its answer), for a batch of
     packed-document features ``[b, s, 5]`` (:func:`meshtron.models.documents.document_features`)."""
     seen, ctx = documents.view(tokens), Context.for_tokens(tokens)
+    return head_logps(model, final_hidden(model, seen.inputs, ctx, remat=remat), tokens)
+
+
+def head_logps(model: nnx.Module, x: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``[b]``: :func:`sequence_logps` from the last block's output ``x`` [b, s, h] (a pipeline's last stage)."""
+    seen = documents.view(tokens)
     if seen.weights is None:
         raise ValueError("sequence_logps: needs packed-document features [b, s, 5] whose loss mask marks the answers")
-    x = final_hidden(model, seen.inputs, ctx, remat=remat)
     losses = token_losses(model, model.head(x), seen.targets).astype(jnp.float32)
     return -jnp.sum(jnp.where(seen.weights > 0, losses, 0.0), axis=-1)
 

@@ -1,29 +1,40 @@
 """What the train step minimises (``train.objective``): the next-token loss, or direct preference
 optimisation's loss over pairs with a frozen reference model.
 
-An objective is ``loss(model_def, params, tokens, execution) -> scalar``, the mean over one microbatch
-of one data rank, and ``metrics(...)`` of the same batch; the step averages both over microbatches and
-data ranks. Preference pairs sit side by side in every microbatch
-(:mod:`meshtron.data.preference`), so that mean is the batch's mean over its pairs.
+An objective is what the step's two gradient sources need of it: without a pipeline,
+``loss(model_def, params, tokens, execution)``, the mean over one microbatch of one data rank; in a
+pipeline, ``head_loss(model, y, tokens)``, the same from the last block's output at the last stage, of
+each microbatch as :meth:`~Objective.pipelined_rows` lays it out, traced in :meth:`~Objective.pipelined`.
+``metrics`` are what it reports besides the loss. The step averages all of them over microbatches and
+data ranks. Preference pairs sit side by side in every microbatch (:mod:`meshtron.data.preference`), so
+that mean is the batch's mean over its pairs.
 
-**The reference.** With a model adaptation (LoRA), the frozen base itself: the same parameters traced
-without the adaptation's layer view (:meth:`~meshtron.train.state.ModelDef.frozen_base`), so the step
-holds no second copy of the model; the reference forward is under ``stop_gradient`` and has no
-backward. Without one, training the whole model needs the reference's own weights, which this step
-does not hold: :func:`objective_for` refuses it in one line.
+**The reference** is the frozen base of a model adaptation (LoRA): the same parameters without the
+adapters, so the step holds no second copy of the model. Without a pipeline it is a second forward
+traced without the adaptation's layer view (:meth:`~meshtron.train.state.ModelDef.frozen_base`), under
+``stop_gradient``, with no backward. A pipeline's stages run one network over a microbatch, so there each
+microbatch's rows are doubled, the copies marked as the reference's (``reference_rows`` of the trace
+context: the adapters add nothing to them), and the last stage reads both halves' log-probabilities; the
+copies' backward carries zeros. Training the whole model needs the reference's own weights, which this
+step does not hold: the run refuses it in one line (:func:`meshtron.run.check_features`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
-from meshtron.models.preference import PreferenceLoss, preference_metrics, sequence_logps
+from meshtron.models.contract import head_loss
+from meshtron.models.preference import PreferenceLoss, head_logps, preference_metrics, sequence_logps
+from meshtron.trace_context import using
 from meshtron.train.state import ModelDef, Params
 
 __all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "objective_for"]
@@ -37,6 +48,15 @@ class Objective(Protocol):
                 execution: Execution) -> dict[str, jax.Array]:
         """What the run reports besides the loss, as means over the microbatch (``{}``: nothing)."""
 
+    def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        """A pipeline's last stage: the mean loss of a microbatch from the last block's output ``y``."""
+
+    def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
+        """Microbatches ``[m, rows, ...]`` as a pipeline runs them."""
+
+    def pipelined(self) -> contextlib.AbstractContextManager:
+        """What a pipeline's stages are traced in."""
+
 
 @dataclass(frozen=True)
 class LanguageModeling:
@@ -49,10 +69,19 @@ class LanguageModeling:
                 execution: Execution) -> dict[str, jax.Array]:
         return {}
 
+    def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        return head_loss(model, y, tokens)
+
+    def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
+        return tokens
+
+    def pipelined(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
 
 @dataclass(frozen=True)
 class Preference:
-    """DPO (``train.objective: dpo``) with the frozen base as its reference (module doc)."""
+    """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference (module doc)."""
 
     preference: PreferenceLoss
 
@@ -70,6 +99,17 @@ class Preference:
     def metrics(self, model_def: ModelDef, params: Params, tokens: jax.Array,
                 execution: Execution) -> dict[str, jax.Array]:
         return preference_metrics(self.preference.beta, *self.logps(model_def, params, tokens, execution))
+
+    def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        policy, reference = jnp.split(head_logps(model, y, tokens), 2)
+        return self.preference(policy, reference)
+
+    def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
+        """Each microbatch's rows, then the same rows again for the reference."""
+        return jnp.concatenate([tokens, tokens], axis=1)
+
+    def pipelined(self) -> contextlib.AbstractContextManager:
+        return using(reference_rows=True)
 
 
 def objective_for(cfg: Config, model_def: ModelDef) -> Objective:

@@ -39,7 +39,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron.errors import ConfigError
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.hlo.collectives import collectives
 from meshtron.models.blocks import layer_parameters
@@ -51,7 +50,7 @@ from meshtron.trace_context import using
 from meshtron.train.data_shards import DATA, DataShards
 from meshtron.train.forward_backward import as_microbatches, plain_forward_backward
 from meshtron.train.objective import LanguageModeling, Objective
-from meshtron.train.pipelined import pipelined_forward_backward
+from meshtron.train.pipelined import pipelined_forward_backward, to_canonical
 from meshtron.train.probed_state import ProbedStates
 from meshtron.train.state import ModelDef, Params
 from meshtron.train.trainable import Trainable
@@ -120,18 +119,18 @@ def build_steps(
     applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
     ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`). ``offload_optimizer``:
     optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program.
-    ``objective``: what the step minimises (:mod:`meshtron.train.objective`; default the next-token loss;
-    another runs without a pipeline)."""
+    ``objective``: what the step minimises (:mod:`meshtron.train.objective`; default the next-token loss).
+    Its metrics (:meth:`TrainSteps.objective_metrics`) come from a plain forward of the blocks in model
+    order, gathered over ``pipe`` in a pipeline."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.probed_state())
     trainable = trainable or Trainable.of_model(model_def)
     sync = gradient_sync(zero, reduction)
     objective = objective or LanguageModeling()
-    if pipeline is not None and not isinstance(objective, LanguageModeling):
-        raise ConfigError(f"train.objective: {type(objective).__name__} runs without a pipeline; set parallel.pipe=1")
     source = plain_forward_backward(model_def, microbatches, execution, objective) if pipeline is None else \
-        pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution)
+        pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution,
+                                   objective)
     part, probed = trainable.part, ProbedStates(model_def, trainable.observed)
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
 
@@ -174,6 +173,9 @@ def build_steps(
     evaluate = whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())
 
     def per_shard_metrics(params: Params, tokens: jax.Array):
+        if pipeline is not None:  # the blocks in model order (gathered over pipe): one plain forward per microbatch
+            sched = pipeline.program.schedule
+            params = to_canonical(params, model_def.layers, sched.stages, sched.chunks, pipeline.layout)
         found = jax.lax.map(lambda mb: objective.metrics(model_def, params, mb, execution),
                             as_microbatches(tokens, microbatches))
         return shards.mean(jax.tree.map(lambda v: jnp.mean(v, axis=0), found))
