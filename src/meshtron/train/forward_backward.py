@@ -20,7 +20,7 @@ from meshtron.models.contract import batch_reports
 from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.state import ModelDef, Params
 
-__all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "plain_forward_backward"]
+__all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "objective_metrics", "plain_forward_backward"]
 
 
 class ForwardBackward(NamedTuple):
@@ -29,12 +29,14 @@ class ForwardBackward(NamedTuple):
     experts' routing), stacked over the layers in model order, then a model's further loss
     (:class:`~meshtron.models.contract.ExtraLossReport`), summed over the microbatches.
     ``loss_groups``: how many microbatches' mean losses the backward seeds at full weight, each averaged
-    afterwards (its output gradients are that many times the whole batch's)."""
+    afterwards (its output gradients are that many times the whole batch's). ``metrics(params, tokens)``:
+    what the objective reports besides the loss, means over the microbatches (``None``: nothing)."""
 
     gradients: Callable[[Params, jax.Array], tuple[jax.Array, Params]]
     loss: Callable[[Params, jax.Array], jax.Array]
     reports: Callable[[Params, jax.Array], Any]
     loss_groups: int = 1
+    metrics: Callable[[Params, jax.Array], dict[str, jax.Array]] | None = None
 
 
 def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
@@ -78,6 +80,21 @@ def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
+def objective_metrics(model_def: ModelDef, objective: Objective, microbatches: int,
+                      execution: Execution = DEFAULT_EXECUTION):
+    """``(params, tokens) -> metrics``: ``objective``'s, each microbatch's from a plain forward, averaged
+    over them (``None`` for an objective that reports nothing besides its loss)."""
+    if not objective.METRICS:
+        return None
+
+    def metrics(params: Params, tokens: jax.Array) -> dict[str, jax.Array]:
+        found = jax.lax.map(lambda mb: objective.metrics(model_def, params, mb, execution),
+                            as_microbatches(tokens, microbatches))
+        return jax.tree.map(lambda v: jnp.mean(v, axis=0), found)
+
+    return metrics
+
+
 def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Execution = DEFAULT_EXECUTION,
                            objective: Objective | None = None) -> ForwardBackward:
     """The whole model on every pipeline rank (``pipe`` = 1), microbatches accumulated in a scan; blocks
@@ -93,4 +110,5 @@ def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Ex
         loss=functools.partial(objective.loss, model_def, execution=execution),
         reports=reports,
         loss_groups=microbatches,
+        metrics=objective_metrics(model_def, objective, microbatches, execution),
     )

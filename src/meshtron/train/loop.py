@@ -246,8 +246,7 @@ class Trainer:
         try:
             progress.started(position.step, weights)
             stream = self.train_stream(position.data_position)
-            preference = t.objective == "dpo"  # a loss over pairs: no unigram baseline, no nats per byte
-            unigram = math.nan if preference else self.corpus.unigram_loss()
+            unigram, per_byte = baselines(t.objective, self.corpus)
             with progress:
                 record.timing.start()
                 for step in range(position.step + 1, t.steps + 1):
@@ -269,8 +268,7 @@ class Trainer:
                     progress.stepped(step, loss=loss, grad_norm=grad_norm, tokens_per_s=record.timing.tokens_per_s,
                                      lr=record.lr(applied), stage=stage, data_bytes=stage_bytes,
                                      first_of_stage=first_of_stage, logged=cadence.logs(step, stop), heldout=held,
-                                     unigram=unigram,
-                                     bytes_per_token=math.nan if preference else self.corpus.heldout_bytes_per_token,
+                                     unigram=unigram, bytes_per_token=per_byte,
                                      step_seconds=interval, reported=reported)
                     if store is not None and cadence.saves(step, stop):
                         self.save(store, params, opt_state, RunPosition(step, record.updates, stream.position))
@@ -320,6 +318,14 @@ def _stopped(stopper: RunStopper, step: int, code: int, t: TrainConfig, store: C
     console.print(message, soft_wrap=True)
     return RunStopped(message, step=step, reason=STOP_REASONS[code],
                       checkpoint=f"{store.directory}/{step}" if store is not None else None)
+
+
+def baselines(objective: str, corpus: Any) -> tuple[float, float]:
+    """(unigram loss, held-out bytes per token) the progress compares the held-out loss with; none for DPO's
+    loss over pairs."""
+    if objective == "dpo":
+        return math.nan, math.nan
+    return corpus.unigram_loss(), corpus.heldout_bytes_per_token
 
 
 def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:

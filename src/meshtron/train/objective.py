@@ -33,7 +33,7 @@ from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
 from meshtron.models.contract import head_loss
-from meshtron.models.preference import PreferenceLoss, head_logps, preference_metrics, sequence_logps
+from meshtron.models.preference import METRICS, PreferenceLoss, head_logps, preference_metrics, sequence_logps
 from meshtron.trace_context import using
 from meshtron.train.state import ModelDef, Params
 
@@ -41,6 +41,8 @@ __all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data"
 
 
 class Objective(Protocol):
+    METRICS: tuple[str, ...]  # the names of what :meth:`metrics` reports
+
     def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
         """The mean loss of one microbatch ``tokens`` (as the step lays batches out)."""
 
@@ -61,6 +63,8 @@ class Objective(Protocol):
 @dataclass(frozen=True)
 class LanguageModeling:
     """The mean next-token loss (with a model's further loss in its gradient): ``train.objective: lm``."""
+
+    METRICS = ()
 
     def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
         return model_def.loss(params, tokens, execution)
@@ -84,6 +88,7 @@ class Preference:
     """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference (module doc)."""
 
     preference: PreferenceLoss
+    METRICS = METRICS
 
     def logps(self, model_def: ModelDef, params: Params, tokens: jax.Array,
               execution: Execution) -> tuple[jax.Array, jax.Array]:

@@ -32,7 +32,7 @@ from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.sharding import constrain, logical_to_spec
 from meshtron.trace_context import current
-from meshtron.train.forward_backward import ForwardBackward, as_microbatches
+from meshtron.train.forward_backward import ForwardBackward, as_microbatches, objective_metrics
 from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.state import ModelDef, Params
 
@@ -243,6 +243,16 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     return loss
 
 
+def in_model_order(metrics, model_def: ModelDef, plan: PipelinePlan):
+    """``metrics(params, tokens)`` of the plain model for stage-ordered parameters: the blocks brought back to
+    model order (gathered over ``pipe``: a whole model per device, on the steps that log metrics)."""
+    if metrics is None:
+        return None
+    sched = plan.program.schedule
+    return lambda params, tokens: metrics(
+        to_canonical(params, model_def.layers, sched.stages, sched.chunks, plan.layout), tokens)
+
+
 def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbatches: int,
                                execution: Execution = DEFAULT_EXECUTION,
                                objective: Objective | None = None) -> ForwardBackward:
@@ -280,4 +290,5 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
         loss=scoped(run_forward),
         reports=reports,
         loss_groups=1,  # the runtime seeds each microbatch's loss at 1/m
+        metrics=in_model_order(objective_metrics(model_def, objective, microbatches, execution), model_def, plan),
     )

@@ -48,9 +48,9 @@ from meshtron.optim.zero import ZeroPlan
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.trace_context import using
 from meshtron.train.data_shards import DATA, DataShards
-from meshtron.train.forward_backward import as_microbatches, plain_forward_backward
-from meshtron.train.objective import LanguageModeling, Objective
-from meshtron.train.pipelined import pipelined_forward_backward, to_canonical
+from meshtron.train.forward_backward import plain_forward_backward
+from meshtron.train.objective import Objective
+from meshtron.train.pipelined import pipelined_forward_backward
 from meshtron.train.probed_state import ProbedStates
 from meshtron.train.state import ModelDef, Params
 from meshtron.train.trainable import Trainable
@@ -103,34 +103,27 @@ def build_steps(
     pipeline: PipelinePlan | None = None,
     stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
     skip_nonfinite: bool = False, zero: ZeroPlan | None = None, trainable: Trainable | None = None,
-    seed: int = 0, execution: Execution = DEFAULT_EXECUTION,
+    seed: int = 0, execution: Execution = DEFAULT_EXECUTION, objective: Objective | None = None,
     offload_optimizer: bool = False, compiler_options: Mapping[str, Any] | None = None,
-    objective: Objective | None = None,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
-    ``pipeline`` (mesh ``pipe`` > 1): gradients come from the pipeline runtime executing its schedule over
-    the microbatches; block parameters are then in stage order (:mod:`meshtron.train.pipelined`), padded
-    as an uneven layout says. ``stages`` maps each optimizer stage name to the extra keyword arguments of
+    ``pipeline`` (mesh ``pipe`` > 1): gradients come from the pipeline runtime executing its schedule over the
+    microbatches; block parameters are then in stage order (:mod:`meshtron.train.pipelined`), padded as an
+    uneven layout says. ``stages`` maps each optimizer stage name to the extra keyword arguments of
     ``optimizer.update`` in it. ``zero``: how parameters and optimizer state are split over the data group
-    (:mod:`meshtron.optim.zero`; ``optimizer`` must have been built with the same plan, its norms summing
-    over the shares). ``trainable``: which parameters train (default: the model's own mask). ``seed``:
-    of what is random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not
-    applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
-    ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`). ``offload_optimizer``:
-    optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program.
-    ``objective``: what the step minimises (:mod:`meshtron.train.objective`; default the next-token loss).
-    Its metrics (:meth:`TrainSteps.objective_metrics`) come from a plain forward of the blocks in model
-    order, gathered over ``pipe`` in a pipeline."""
+    (:mod:`meshtron.optim.zero`; ``optimizer`` must have been built with the same plan, its norms summing over
+    the shares). ``trainable``: which parameters train (default: the model's own mask). ``seed``: of what is
+    random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not applied
+    (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on. ``execution``: how
+    the model's code runs (``Run.execution``); ``objective``: what the step minimises. ``offload_optimizer``:
+    optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.probed_state())
     trainable = trainable or Trainable.of_model(model_def)
     sync = gradient_sync(zero, reduction)
-    objective = objective or LanguageModeling()
-    source = plain_forward_backward(model_def, microbatches, execution, objective) if pipeline is None else \
-        pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution,
-                                   objective)
+    source = _gradient_source(model_def, pipeline, shards, microbatches, execution, objective)
     part, probed = trainable.part, ProbedStates(model_def, trainable.observed)
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
 
@@ -170,24 +163,15 @@ def build_steps(
         return lambda params, tokens: shards.shard_map(fn, (held.whole, shards.shard_batch), out_specs)(
             params, shards.laid_out(tokens))
 
-    evaluate = whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())
-
-    def per_shard_metrics(params: Params, tokens: jax.Array):
-        if pipeline is not None:  # the blocks in model order (gathered over pipe): one plain forward per microbatch
-            sched = pipeline.program.schedule
-            params = to_canonical(params, model_def.layers, sched.stages, sched.chunks, pipeline.layout)
-        found = jax.lax.map(lambda mb: objective.metrics(model_def, params, mb, execution),
-                            as_microbatches(tokens, microbatches))
-        return shards.mean(jax.tree.map(lambda v: jnp.mean(v, axis=0), found))
     scoped = partial(model_def.traced, execution=execution)
     return TrainSteps(
         mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages),
-        train=scoped(_state_on_host(train) if offload_optimizer else train), evaluate=scoped(evaluate),
+        train=scoped(_state_on_host(train) if offload_optimizer else train),
+        evaluate=scoped(whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())),
         gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
-        objective_metrics=None if isinstance(objective, LanguageModeling) else
-        scoped(whole_params(per_shard_metrics, P())),
+        objective_metrics=source.metrics and scoped(whole_params(partial(_group_mean, shards, source.metrics), P())),
     )
 
 
@@ -241,6 +225,20 @@ def _state_on_host(train):
 def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``applied``, else ``old`` (leaf by leaf): a skipped step changes nothing."""
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+
+def _group_mean(shards: DataShards, fn, params: Params, tokens: jax.Array) -> Any:
+    """``fn(params, tokens)`` averaged over the data group."""
+    return shards.mean(fn(params, tokens))
+
+
+def _gradient_source(model_def: ModelDef, pipeline: PipelinePlan | None, shards: DataShards, microbatches: int,
+                     execution: Execution, objective: Objective | None):
+    """Where the step's local loss and gradients come from: the plain model, or ``pipeline``'s runtime."""
+    if pipeline is None:
+        return plain_forward_backward(model_def, microbatches, execution, objective)
+    return pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution,
+                                      objective)
 
 
 def _for_region(pipeline: PipelinePlan, shards: DataShards, execution: Execution) -> PipelinePlan:
