@@ -158,16 +158,21 @@ def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, trained, tmp
 
 
 @pytest.mark.slow
-def test_lora_dpo_on_data_pipe_tensor_interleaved_equals_pytorch(hf, case, trained, tmp_path):
+@pytest.mark.parametrize("layout", [
+    ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+     "parallel.microbatches=2"),
+    ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
+], ids=["data-pipe-tensor-interleaved", "data-tensor-zero3"])
+def test_lora_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained, tmp_path, layout):
     """The same on (data, pipe, tensor) = (2, 2, 2) with the interleaved schedule (2 chunks a stage) and 2
-    microbatches: a pair stays in one microbatch of one data shard, and the pipeline's last stage reads the
-    reference from rows of its own."""
+    microbatches -- a pair stays in one microbatch of one data shard, and the pipeline's last stage reads the
+    reference from rows of its own -- and on 4 data shards x 2 tensor ranks under ZeRO-3 (the reference's
+    forward gathers each layer as the policy's does)."""
     from meshtron.train.loop import Trainer
 
     output, policy_model, _ = trained
     reference_model, imported, data = case
-    cfg = dpo_config(imported, data, tmp_path / "again", "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
-                     "parallel.schedule=interleaved", "parallel.chunks=2", "parallel.microbatches=2")
+    cfg = dpo_config(imported, data, tmp_path / "again", *layout)
     trainer = Trainer.from_config(cfg)
     params = load_pretrained(output, MeshConfig(1, 1, 1)).params
     check_parity(hf[0], trainer, params, trainer.train_stream().global_batch(0), reference_model, policy_model)
@@ -204,6 +209,27 @@ def test_what_dpo_cannot_run_is_one_line(case, tmp_path, override, message):
     _, imported, data = case
     with pytest.raises(ConfigError, match=message):
         check_features(dpo_config(imported, data, tmp_path / "x", *override))
+
+
+def test_the_losses_are_trl_formulas():
+    """DPO's sigmoid loss with label smoothing, and IPO's, pair by pair, against the formulas in NumPy."""
+    import jax.numpy as jnp
+
+    from meshtron.models.preference import PreferenceLoss
+
+    rng = np.random.default_rng(1)
+    policy, reference = rng.normal(size=8) * 3, rng.normal(size=8) * 3
+    logits = (policy[0::2] - policy[1::2]) - (reference[0::2] - reference[1::2])
+
+    def logsigmoid(x):
+        return -np.logaddexp(0.0, -x)
+
+    sigmoid = -logsigmoid(0.3 * logits) * 0.8 - logsigmoid(-0.3 * logits) * 0.2
+    ipo = (logits - 1 / (2 * 0.3)) ** 2
+    for loss, want in ((PreferenceLoss(0.3, 0.2, "sigmoid"), sigmoid), (PreferenceLoss(0.3, 0.0, "ipo"), ipo)):
+        got = loss.per_pair(jnp.asarray(policy, jnp.float32), jnp.asarray(reference, jnp.float32))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+        assert float(loss(jnp.asarray(policy), jnp.asarray(reference))) == pytest.approx(want.mean(), rel=1e-5)
 
 
 def test_dpo_needs_pairs_and_pairs_need_dpo(case, tmp_path):
