@@ -164,8 +164,9 @@ class Trainer:
         params = abstract_like(self.weights.training_shapes(self.model_def.shapes()), self.steps.param_shardings)
         with jax.set_mesh(self.mesh):
             opt_state = abstract_like(jax.eval_shape(self.steps.init_state_fn, params), self.steps.opt_shardings)
-        channels = (3,) if packs_documents(self.cfg.data) else ()  # windows of packed documents
-        rows = self.cfg.train.batch_size * (2 if self.cfg.train.objective == "dpo" else 1)  # a pair is two rows
+        dpo = self.cfg.train.objective == "dpo"  # pairs: two rows each, windows of one conversation
+        channels = (3,) if dpo or packs_documents(self.cfg.data) else ()  # windows of packed documents
+        rows = self.cfg.train.batch_size * (2 if dpo else 1)
         tokens = jax.ShapeDtypeStruct((rows, self.cfg.model.seq_len + 1, *channels), np.int32,
                                       sharding=self.steps.batch_sharding)
         return params, opt_state, tokens
