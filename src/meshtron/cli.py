@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--sft", action="store_true",
                      help="supervised fine-tuning examples: JSON lines of {prompt, response} or {messages: [...]}, "
                           "rendered with the chat template; also writes PREFIX.loss_mask.bin/.idx (answers only)")
+    pre.add_argument("--preference", action="store_true",
+                     help="preference pairs for train.objective=dpo: JSON lines of {prompt, chosen, rejected} "
+                          "(strings or chat messages), rendered with the chat template; two documents per pair "
+                          "and PREFIX.loss_mask.bin/.idx (answers only)")
     plot = sub.add_parser("plot", help="draw train and held-out loss curves of runs (--metrics files) into a PNG")
     plot.add_argument("metrics", nargs="+", metavar="METRICS.jsonl")
     plot.add_argument("--output", default="loss.png", metavar="FILE.png", help="(default loss.png)")
@@ -332,6 +336,13 @@ def _preprocess(args: argparse.Namespace) -> None:
 
     if args.workers < 1:
         raise ConfigError(f"--workers: must be >= 1, got {args.workers}")
+    if args.sft and args.preference:
+        raise ConfigError("--preference: and --sft are two kinds of data; give one (pairs for DPO: --preference)")
+    if args.preference:
+        from meshtron.data.preference import preprocess_preference
+
+        preprocess_preference(args.input, args.tokenizer, args.output, append_eod=not args.no_eod, progress=True)
+        return
     if args.sft:
         from meshtron.data.sft import preprocess_sft
 

@@ -234,6 +234,25 @@ class MlflowConfig:
 
 
 @dataclass
+class DpoConfig:
+    """Direct preference optimisation (``train.objective: dpo``, :mod:`meshtron.models.preference`):
+    ``beta`` scales the log-probability ratios (TRL's default 0.1); ``label_smoothing``: the share of
+    pairs assumed mislabelled (conservative DPO, in [0, 0.5)); ``loss``: ``sigmoid`` (DPO's logistic
+    loss) or ``ipo`` (IPO's squared one). The reference model is the frozen base with LoRA, else
+    ``train.init_from``'s weights, whose log-probabilities ``precompute_reference`` computes in one pass
+    over the data before training instead of keeping a second copy of the model."""
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    loss: str = "sigmoid"
+    precompute_reference: bool = False
+
+
+OBJECTIVES = ("lm", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+@dataclass
 class TrainConfig:
     """The optimisation: global batch (sequences), microbatches, optimizer and schedule.
 
@@ -280,6 +299,8 @@ class TrainConfig:
     gather_dtype: str | None = None  # zero=3: the dtype parameters are gathered in (null: model.dtype)
     reduce_dtype: str | None = None  # zero=3: the dtype their gradients are reduced in (null: model.param_dtype)
     lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters on a frozen model (rank 0: off)
+    objective: str = "lm"  # lm: next-token loss; dpo: preference pairs (data from meshtron preprocess --preference)
+    dpo: DpoConfig = field(default_factory=DpoConfig)  # with objective=dpo
 
 
 OPTIMIZERS = ("adamw", "lamb", "onebit_lamb")
@@ -826,6 +847,7 @@ def validate(cfg: Config) -> None:
     )
 
     validate_lora(t.lora)
+    validate_dpo(t)
     _need(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"must be 'stop' or 'skip', got {t.on_nonfinite!r}")
     _need(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}")
     _need(t.max_minutes is None or t.max_minutes > 0, "train.max_minutes",
@@ -921,6 +943,19 @@ def validate_trackers(t: TrainConfig) -> None:
         value = getattr(t.mlflow, name)
         _need(value is None or (isinstance(value, str) and value), f"train.mlflow.{name}",
               f"must be a non-empty string or null, got {value!r}")
+
+
+def validate_dpo(t: TrainConfig) -> None:
+    """``train.objective`` and ``train.dpo``'s settings, one line each."""
+    _need(t.objective in OBJECTIVES, "train.objective", f"must be one of {', '.join(OBJECTIVES)}, got {t.objective!r}")
+    d = t.dpo
+    _need(isinstance(d.beta, int | float) and not isinstance(d.beta, bool) and d.beta > 0, "train.dpo.beta",
+          f"must be > 0, got {d.beta!r}")
+    _need(isinstance(d.label_smoothing, int | float) and 0 <= d.label_smoothing < 0.5, "train.dpo.label_smoothing",
+          f"must be in [0, 0.5), got {d.label_smoothing!r}")
+    _need(d.loss in DPO_LOSSES, "train.dpo.loss", f"must be one of {', '.join(DPO_LOSSES)}, got {d.loss!r}")
+    _need(d.loss != "ipo" or d.label_smoothing == 0, "train.dpo.label_smoothing",
+          "applies to the sigmoid loss only; set it to 0 with train.dpo.loss=ipo")
 
 
 def validate_lora(lora: LoraConfig) -> None:

@@ -36,6 +36,7 @@ class LayerView:
     view: Callable[[dict], dict] | None
     unsaved: str | None
     hook: Callable[[Any, Any], None] | None
+    adaptation: bool = False  # a model adaptation's (LoRA's adapters): left out where the frozen base runs alone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,8 @@ class TraceContext:
     :class:`GatheredShard` (``None``: nothing is recorded).
     ``segments``: packed documents' segment ids that whole-sequence attention masks by.
     ``dropout``: adapter dropout's ``(rate, seed)``.
+    ``reference_rows``: the second half of every batch's rows repeats the first for a frozen reference
+    model (DPO's, in a pipeline): a model adaptation adds nothing to those rows.
     ``aux_scale``: what auxiliary losses' gradient seeds are multiplied by.
     ``reports``: where blocks' reports are collected (``None``: dropped).
     ``pins``: the logical axes each live value was last constrained to, by ``id`` (with a weak
@@ -96,6 +99,7 @@ class TraceContext:
     gathered: dict[int, tuple[Any, GatheredShard]] | None = None
     segments: Any = None
     dropout: tuple[float, int] = (0.0, 0)
+    reference_rows: bool = False
     aux_scale: float = 1.0
     reports: list[Any] | None = None
     pins: dict[int, tuple[Any, tuple[str | None, ...]]] = dataclasses.field(

@@ -109,11 +109,15 @@ def blend_indices(weights: Sequence[float], num_samples: int) -> tuple[np.ndarra
 
 def split_windows(prefix: str, *, documents: bool = False, **kwargs: Any) -> Any:
     """The windows of one split of the indexed dataset ``prefix``: whole examples packed
-    (:class:`~meshtron.data.sft.PackedExamples`) for supervised fine-tuning data, else windows over the
+    (:class:`~meshtron.data.sft.PackedExamples`) for supervised fine-tuning data, pairs
+    (:class:`~meshtron.data.preference.PreferencePairs`) for preference data, else windows over the
     document stream (:class:`TokenWindows`), as packed documents when ``documents``. ``kwargs``:
     ``seq_len``, ``seed``, ``split``, ``holdout_fraction``, ``num_samples``."""
+    from meshtron.data.preference import PreferencePairs, is_preference
     from meshtron.data.sft import PackedExamples, has_loss_mask
 
+    if is_preference(prefix):
+        return PreferencePairs(prefix, **kwargs)
     if has_loss_mask(prefix):
         return PackedExamples(prefix, **kwargs)
     return TokenWindows(prefix, reset_per_document=documents, **kwargs)

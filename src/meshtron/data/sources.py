@@ -18,6 +18,7 @@ import numpy as np
 
 from meshtron.checkpoint_dirs import checkpoint_location, read_step_meta, step_directories
 from meshtron.config import DataConfig, indexed_prefix
+from meshtron.data.preference import PreferencePairs
 from meshtron.data.text import Batches, Corpus
 from meshtron.data.tokenizers import (
     BYTES,
@@ -58,6 +59,30 @@ class SampleStream(Batches):
         return np.stack([self.samples.sample((first + r) % len(self.samples)) for r in rows]).astype(np.int32)
 
 
+class PairStream(SampleStream):
+    """Batches of ``pairs`` preference pairs as ``[2·pairs, seq_len + 1, 3]``: pair ``k``'s chosen row at
+    ``2k``, its rejected one at ``2k + 1``, so that any even split of the rows (data shards, microbatches)
+    keeps every pair whole (:mod:`meshtron.data.preference`)."""
+
+    def __init__(self, samples: Samples, *, pairs: int, position: int = 0):
+        first = samples.sample(0)
+        Batches.__init__(self, batch_size=2 * pairs, window=first.shape[1], position=position,
+                         channels=first.shape[2:])
+        self.samples, self.pairs = samples, pairs
+
+    def rows(self, index: int, row_slice: slice) -> np.ndarray:
+        rows = range(self.batch_size)[row_slice]
+        first = index * self.pairs
+        pairs = {p: self.samples.sample((first + p) % len(self.samples)) for p in sorted({r // 2 for r in rows})}
+        return np.stack([pairs[r // 2][r % 2] for r in rows]).astype(np.int32)
+
+
+def _stream(samples: Samples, batch_size: int, position: int = 0) -> SampleStream:
+    if isinstance(samples, PreferencePairs):
+        return PairStream(samples, pairs=batch_size, position=position)
+    return SampleStream(samples, batch_size=batch_size, position=position)
+
+
 @dataclass
 class TokenDatasets:
     """One indexed dataset or a blend of several: training and held-out samples."""
@@ -73,11 +98,16 @@ class TokenDatasets:
     def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0,
                      cursor: dict[str, Any] | None = None) -> SampleStream:
         del seq_len, seed, cursor  # fixed when the sample order was built; the position is the batch index
-        return SampleStream(self.train, batch_size=batch_size, position=position)
+        return _stream(self.train, batch_size, position)
 
     def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> SampleStream:
         del seq_len, seed
-        return SampleStream(self.heldout, batch_size=batch_size)
+        return _stream(self.heldout, batch_size)
+
+    @property
+    def preference(self) -> bool:
+        """Whether the samples are preference pairs (``batch_size`` counts pairs, two rows each)."""
+        return isinstance(self.train, PreferencePairs)
 
     def unigram_loss(self) -> float:
         """Held-out cross-entropy under the unigram frequencies of the first training samples (about
@@ -161,8 +191,14 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
             splits[split] = BlendedSamples.from_blend(blend, seq_len=seq_len, seed=seed, num_samples=count,
                                                       split=split, holdout_fraction=cfg.holdout_fraction,
                                                       documents=documents)
+    pairs = [isinstance(w, PreferencePairs) for w in splits.values()]
+    if any(pairs) and len(blend.prefixes) > 1:
+        raise ConfigError("data.blend: holds preference pairs (meshtron preprocess --preference), which train alone; "
+                          "give one such dataset as data.path")
     for split, windows in splits.items():
         check_answers(windows, seq_len=seq_len, field=field_name, split=split)
+        if isinstance(windows, PreferencePairs):
+            windows.check(field_name)
     source = (f"indexed {blend.prefixes[0]}" if len(blend.prefixes) == 1 else
               "blend " + ", ".join(f"{w:.3g} x {p}" for w, p in zip(blend.weights, blend.prefixes)))
     train_samples, heldout_samples = splits["train"], splits["heldout"]
@@ -257,8 +293,9 @@ def packs_documents(cfg: DataConfig) -> bool:
 
 
 def tokens_of(sample: np.ndarray) -> np.ndarray:
-    """A sample's tokens: the sample itself, or channel 0 of a window of packed documents."""
-    return sample if sample.ndim == 1 else sample[:, 0]
+    """A sample's tokens: the sample itself, or channel 0 of a window of packed documents (of both
+    windows of a preference pair)."""
+    return sample if sample.ndim == 1 else sample[..., 0].reshape(-1)
 
 
 def _max_token(dataset: Any, pieces: int = 256, size: int = 4096) -> int:

@@ -203,6 +203,12 @@ def adapter_hook(spec: LoraSpec) -> Callable[[nnx.Module, jax.Array | None], Non
                 w, a, b = (getattr(owner, n) for n in (name, attr, name + B_SUFFIX))
                 equation = _activation_equation(owner, name, a[...].ndim - 1)
                 if equation is None or not path:
+                    if current().reference_rows:
+                        where = ".".join(["blocks", *map(str, path), name])
+                        raise ConfigError(f"train.objective: dpo in a pipeline runs the frozen reference on rows of "
+                                          f"their own, and {where} is a matrix the model reads itself (its adapters "
+                                          "merged into it, for every row); use parallel.pipe=1 or narrow "
+                                          "train.lora.targets to the matrices of nnx.Linear or nnx.Einsum modules")
                     if rate > 0:
                         where = ".".join(["blocks", *map(str, path), name])
                         raise ConfigError(f"train.lora.dropout: is {rate}, and {where} is a matrix the model reads "
@@ -221,6 +227,16 @@ def adapter_hook(spec: LoraSpec) -> Callable[[nnx.Module, jax.Array | None], Non
                     object.__setattr__(parent, path[-1], adapted)  # (a plain object, not an NNX attribute)
 
     return hook
+
+
+def _policy_rows(added: jax.Array) -> jax.Array:
+    """What the adapters add, kept on the policy's rows alone: zero on the second half of the batch's rows
+    when those are a frozen reference's (``reference_rows`` of the trace context)."""
+    if not current().reference_rows:
+        return added
+    rows = added.shape[0]
+    keep = (jnp.arange(rows) < rows // 2).reshape(rows, *(1,) * (added.ndim - 1))
+    return jnp.where(keep, added, jnp.zeros((), added.dtype))
 
 
 class AdaptedProjection:
@@ -249,7 +265,7 @@ class AdaptedProjection:
             x = jnp.where(keep, x / (1.0 - self._rate), jnp.zeros((), x.dtype)).astype(x.dtype)
         into_rank, out_of_rank = self._equation
         low = jnp.einsum(into_rank, x.astype(dtype), self._a.astype(dtype))
-        return self._scale * jnp.einsum(out_of_rank, low, self._b.astype(dtype))
+        return _policy_rows(self._scale * jnp.einsum(out_of_rank, low, self._b.astype(dtype)))
 
     @property
     def fused_kernel(self) -> jax.Array:
@@ -260,6 +276,10 @@ class AdaptedProjection:
 
     def __getattr__(self, attr: str) -> Any:
         if attr == self.__dict__.get("_name"):
+            if current().reference_rows:
+                raise ConfigError(f"train.objective: dpo in a pipeline runs the frozen reference on rows of their "
+                                  f"own, and the model reads the adapted matrix {type(self._base).__name__}.{attr} "
+                                  "itself (the adapters merged into it, for every row); use parallel.pipe=1")
             if self._rate > 0:
                 raise ConfigError(f"train.lora.dropout: is {self._rate}, and the model reads the adapted matrix "
                                   f"{type(self._base).__name__}.{attr} itself instead of calling its module, which "

@@ -34,7 +34,8 @@ class StageTiming:
 
     @classmethod
     def of(cls, stages: Iterable[str], cfg: Config) -> StageTiming:
-        return cls({name: 0 for name in stages}, cfg.train.batch_size * cfg.model.seq_len)
+        rows = cfg.train.batch_size * (2 if cfg.train.objective == "dpo" else 1)  # a DPO pair is two sequences
+        return cls({name: 0 for name in stages}, rows * cfg.model.seq_len)
 
     def start(self) -> None:
         """The clock of the first step's interval starts now."""

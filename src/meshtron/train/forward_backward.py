@@ -17,9 +17,10 @@ import jax.numpy as jnp
 
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.contract import batch_reports
+from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.state import ModelDef, Params
 
-__all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "plain_forward_backward"]
+__all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "objective_metrics", "plain_forward_backward"]
 
 
 class ForwardBackward(NamedTuple):
@@ -28,12 +29,14 @@ class ForwardBackward(NamedTuple):
     experts' routing), stacked over the layers in model order, then a model's further loss
     (:class:`~meshtron.models.contract.ExtraLossReport`), summed over the microbatches.
     ``loss_groups``: how many microbatches' mean losses the backward seeds at full weight, each averaged
-    afterwards (its output gradients are that many times the whole batch's)."""
+    afterwards (its output gradients are that many times the whole batch's). ``metrics(params, tokens)``:
+    what the objective reports besides the loss, means over the microbatches (``None``: nothing)."""
 
     gradients: Callable[[Params, jax.Array], tuple[jax.Array, Params]]
     loss: Callable[[Params, jax.Array], jax.Array]
     reports: Callable[[Params, jax.Array], Any]
     loss_groups: int = 1
+    metrics: Callable[[Params, jax.Array], dict[str, jax.Array]] | None = None
 
 
 def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
@@ -41,13 +44,14 @@ def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
 
 
 def local_gradients(model_def: ModelDef, params: Params, tokens: jax.Array, microbatches: int,
-                    execution: Execution = DEFAULT_EXECUTION):
+                    execution: Execution = DEFAULT_EXECUTION, objective: Objective | None = None):
     """Mean loss and gradient of this shard's ``tokens`` [rows, seq+1], accumulated over microbatches,
-    blocks recomputed as ``execution.remat`` says.
+    blocks recomputed as ``execution.remat`` says; the loss is ``objective``'s (default: the next-token loss).
 
     ``params`` must already be varying over ``data`` so the gradients stay local.
     """
-    grad_fn = jax.value_and_grad(functools.partial(model_def.loss, execution=execution))
+    objective = objective or LanguageModeling()
+    grad_fn = jax.value_and_grad(functools.partial(objective.loss, model_def, execution=execution))
     if microbatches == 1:
         return grad_fn(params, tokens)
     micro = as_microbatches(tokens, microbatches)
@@ -76,18 +80,35 @@ def _zeros(like: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
-def plain_forward_backward(model_def: ModelDef, microbatches: int,
-                           execution: Execution = DEFAULT_EXECUTION) -> ForwardBackward:
+def objective_metrics(model_def: ModelDef, objective: Objective, microbatches: int,
+                      execution: Execution = DEFAULT_EXECUTION):
+    """``(params, tokens) -> metrics``: ``objective``'s, each microbatch's from a plain forward, averaged
+    over them (``None`` for an objective that reports nothing besides its loss)."""
+    if not objective.METRICS:
+        return None
+
+    def metrics(params: Params, tokens: jax.Array) -> dict[str, jax.Array]:
+        found = jax.lax.map(lambda mb: objective.metrics(model_def, params, mb, execution),
+                            as_microbatches(tokens, microbatches))
+        return jax.tree.map(lambda v: jnp.mean(v, axis=0), found)
+
+    return metrics
+
+
+def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Execution = DEFAULT_EXECUTION,
+                           objective: Objective | None = None) -> ForwardBackward:
     """The whole model on every pipeline rank (``pipe`` = 1), microbatches accumulated in a scan; blocks
-    recomputed as ``execution.remat`` says."""
+    recomputed as ``execution.remat`` says; the loss is ``objective``'s (default: the next-token loss)."""
+    objective = objective or LanguageModeling()
 
     def reports(params: Params, tokens: jax.Array):
         found = jax.lax.map(lambda mb: batch_reports(model_def.bind(params), mb), as_microbatches(tokens, microbatches))
         return jax.tree.map(lambda r: jnp.sum(r, axis=0), found)
 
     return ForwardBackward(
-        gradients=lambda params, tokens: local_gradients(model_def, params, tokens, microbatches, execution),
-        loss=functools.partial(model_def.loss, execution=execution),
+        gradients=lambda params, tokens: local_gradients(model_def, params, tokens, microbatches, execution, objective),
+        loss=functools.partial(objective.loss, model_def, execution=execution),
         reports=reports,
         loss_groups=microbatches,
+        metrics=objective_metrics(model_def, objective, microbatches, execution),
     )

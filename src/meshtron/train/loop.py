@@ -36,6 +36,7 @@ from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.pipeline.layout import StageLayout
 from meshtron.run import Run, check_features, run_for_model
 from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, StageTiming
+from meshtron.train.objective import check_objective_data, objective_for
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
 from meshtron.train.sinks import Outcome
@@ -127,6 +128,9 @@ class Trainer:
         if run.zero.level and not zero.active:
             note(f"parallel.zero={run.zero.level}: the mesh has one data rank (parallel.data=1), so nothing is split over "
                  "it; this run is the same as parallel.zero=0")
+        objective = objective_for(cfg, model_def)
+        if corpus is not None:
+            check_objective_data(t.objective, getattr(corpus, "preference", False))
         trainable = Trainable.of_model(model_def)
         optimizer = optimizer_setup(cfg, trainable.part(model_def.logical_axes()), param_specs=trainable.part(specs),
                                     zero=zero)
@@ -135,7 +139,7 @@ class Trainer:
             microbatches=cfg.train.microbatches, pipeline=run.pipeline_on(devices[0].platform), stages=optimizer.stages, trainable=trainable,
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
             offload_optimizer=t.offload_optimizer,
-            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags),
+            compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags), objective=objective,
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 
@@ -161,8 +165,10 @@ class Trainer:
         params = abstract_like(self.weights.training_shapes(self.model_def.shapes()), self.steps.param_shardings)
         with jax.set_mesh(self.mesh):
             opt_state = abstract_like(jax.eval_shape(self.steps.init_state_fn, params), self.steps.opt_shardings)
-        channels = (3,) if packs_documents(self.cfg.data) else ()  # windows of packed documents
-        tokens = jax.ShapeDtypeStruct((self.cfg.train.batch_size, self.cfg.model.seq_len + 1, *channels), np.int32,
+        dpo = self.cfg.train.objective == "dpo"  # pairs: two rows each, windows of one conversation
+        channels = (3,) if dpo or packs_documents(self.cfg.data) else ()  # windows of packed documents
+        rows = self.cfg.train.batch_size * (2 if dpo else 1)
+        tokens = jax.ShapeDtypeStruct((rows, self.cfg.model.seq_len + 1, *channels), np.int32,
                                       sharding=self.steps.batch_sharding)
         return params, opt_state, tokens
 
@@ -245,7 +251,7 @@ class Trainer:
         try:
             progress.started(position.step, weights)
             stream = self.train_stream(position.data_position, position.data_cursor)
-            unigram = self.corpus.unigram_loss()
+            unigram, per_byte = baselines(t.objective, self.corpus)
             with progress, stream:
                 record.timing.start()
                 for step in range(position.step + 1, t.steps + 1):
@@ -267,7 +273,7 @@ class Trainer:
                     progress.stepped(step, loss=loss, grad_norm=grad_norm, tokens_per_s=record.timing.tokens_per_s,
                                      lr=record.lr(applied), stage=stage, data_bytes=stage_bytes,
                                      first_of_stage=first_of_stage, logged=cadence.logs(step, stop), heldout=held,
-                                     unigram=unigram, bytes_per_token=self.corpus.heldout_bytes_per_token,
+                                     unigram=unigram, bytes_per_token=per_byte,
                                      step_seconds=interval, reported=reported)
                     if store is not None and cadence.saves(step, stop):
                         self.save(store, params, opt_state, _position(step, record.updates, stream))
@@ -296,6 +302,7 @@ class Trainer:
         reported = {}
         for found in self.steps.layer_reports(params, batch):
             reported.update(found.metrics(self.steps.report_groups))
+        reported.update(self.steps.objective_metrics(params, batch))
         return reported
 
     def _progress(self, step: int, console: Console, metrics_file: IO[str] | None) -> RunProgress:
@@ -337,20 +344,31 @@ def _stopped(stopper: RunStopper, step: int, code: int, t: TrainConfig, store: C
                       checkpoint=f"{store.directory}/{step}" if store is not None else None)
 
 
+def baselines(objective: str, corpus: Any) -> tuple[float, float]:
+    """(unigram loss, held-out bytes per token) the progress compares the held-out loss with; none for DPO's
+    loss over pairs."""
+    if objective == "dpo":
+        return math.nan, math.nan
+    return corpus.unigram_loss(), corpus.heldout_bytes_per_token
+
+
 def print_summary(result: TrainResult, trainer: Trainer, out=None) -> None:
     out = out or sys.stdout
     mesh = shown_sizes(trainer.mesh.shape)
     margin = result.unigram_loss - result.heldout_loss
     per_byte = trainer.corpus.heldout_bytes_per_token
+    preference = trainer.cfg.train.objective == "dpo"
     lines = [
         "",
         (f"mesh {mesh}  model {trainer.model_def.describe()}  "
         f"steps {result.steps}  data {trainer.corpus.source}"),
+        f"held-out loss     {result.heldout_loss:.4f} (train.dpo.loss={trainer.cfg.train.dpo.loss}, a mean over pairs)"
+        if preference else
         f"held-out loss     {result.heldout_loss:.4f} nats/token" + (
             f", {result.heldout_loss / per_byte:.4f} nats/byte of text" if math.isfinite(per_byte) and per_byte != 1
             else ""),
-        (f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "
-         f"{'below' if margin > 0 else 'above'} it)"),
+        *([] if preference else [(f"unigram baseline  {result.unigram_loss:.4f} nats/token  (model is {abs(margin):.4f} "
+                                  f"{'below' if margin > 0 else 'above'} it)")]),
         f"throughput        {result.tokens_per_s:,.0f} tokens/s (after compilation)",
         (f"sent over data    {format_bytes(result.data_bytes)} per device in the run ("
          + ", ".join(f"{name}: {n} steps" for name, n in result.stage_steps.items()) + ")"),

@@ -25,14 +25,15 @@ from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.blocks import RESIDUAL, Context, run_blocks, run_layer
-from meshtron.models.contract import ExtraLossReport, embed_tokens, extra_loss, head_loss, next_token_pairs
+from meshtron.models.contract import ExtraLossReport, embed_tokens, extra_loss, next_token_pairs
 from meshtron.models.fp8 import quantized_weights
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.sharding import constrain, logical_to_spec
 from meshtron.trace_context import current
-from meshtron.train.forward_backward import ForwardBackward, as_microbatches
+from meshtron.train.forward_backward import ForwardBackward, as_microbatches, objective_metrics
+from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.state import ModelDef, Params
 
 PIPE = "pipe"
@@ -98,7 +99,7 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
 
 
 def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execution = DEFAULT_EXECUTION,
-                    extra: list[str] | None = None) -> StageFunctions:
+                    extra: list[str] | None = None, objective: Objective | None = None) -> StageFunctions:
     """A contract model cut into embedding and its ``prefix`` if it has one (first virtual stage:
     :func:`~meshtron.models.contract.embed_tokens`, on parameters replicated over the stages), a chunk of blocks, and head + loss
     (last virtual stage: the objective of :func:`~meshtron.models.contract.head_loss`, a model's further
@@ -112,8 +113,10 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
 
     ``extra``: the last stage computes the model's further loss (unweighted) instead of the objective,
     and appends its metric name to ``extra`` when traced (without one: the objective, nothing appended):
-    what a forward-only pipeline reports."""
+    what a forward-only pipeline reports. ``objective``: what the last stage computes (its
+    ``head_loss``; default the next-token loss)."""
     aux_scale = 1.0 / microbatches
+    objective = objective or LanguageModeling()
 
     def embed(shared: Params, tokens: jax.Array) -> jax.Array:
         with auxiliary_loss_scale(aux_scale):
@@ -128,7 +131,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         with auxiliary_loss_scale(aux_scale):
-            return head_loss(model_def.bind(shared), y, tokens)
+            return objective.head_loss(model_def.bind(shared), y, tokens)
 
     def extra_value(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         found = extra_loss(model_def.bind(shared), y, tokens)
@@ -171,13 +174,14 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
                           chunk_specs=chunk_specs, reporting_stage=reporting_stage, prepare=prepare)
 
 
-def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan, execution: Execution = DEFAULT_EXECUTION):
+def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan, execution: Execution = DEFAULT_EXECUTION,
+                        objective: Objective | None = None):
     """``(params, tokens [m, rows, seq+1]) -> (loss, grads)`` running ``plan``'s program over ``pipe``.
 
     Called inside the trainer's data-parallel region; gradients are local to the data shard. With an
     uneven layout the parameters are padded as ``plan.layout`` says.
     """
-    fns = stage_functions(model_def, plan.program.schedule.microbatches, execution)
+    fns = stage_functions(model_def, plan.program.schedule.microbatches, execution, objective=objective)
     chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
@@ -205,7 +209,8 @@ def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan, execution: Exec
 
 
 def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = False,
-                   execution: Execution = DEFAULT_EXECUTION, extra: list[str] | None = None):
+                   execution: Execution = DEFAULT_EXECUTION, extra: list[str] | None = None,
+                   objective: Objective | None = None):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
     Same stages, layer placement and microbatches as training (``plan``'s), but a forward-only table:
@@ -217,7 +222,7 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     model's further loss instead, its name appended to ``extra`` when traced (:func:`stage_functions`).
     """
     forward = plan.forward_only()
-    fns = stage_functions(model_def, execution=execution, extra=extra)
+    fns = stage_functions(model_def, execution=execution, extra=extra, objective=objective)
     chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
@@ -238,14 +243,27 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     return loss
 
 
+def in_model_order(metrics, model_def: ModelDef, plan: PipelinePlan):
+    """``metrics(params, tokens)`` of the plain model for stage-ordered parameters: the blocks brought back to
+    model order (gathered over ``pipe``: a whole model per device, on the steps that log metrics)."""
+    if metrics is None:
+        return None
+    sched = plan.program.schedule
+    return lambda params, tokens: metrics(
+        to_canonical(params, model_def.layers, sched.stages, sched.chunks, plan.layout), tokens)
+
+
 def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbatches: int,
-                               execution: Execution = DEFAULT_EXECUTION) -> ForwardBackward:
+                               execution: Execution = DEFAULT_EXECUTION,
+                               objective: Objective | None = None) -> ForwardBackward:
     """The pipeline runtime as the step's gradient source: ``plan``'s schedule over the ``microbatches`` for
     gradients, its forward-only twin for the loss and the layers' reports (those brought back from stage
-    order to model order); layers recomputed as ``execution.remat`` says."""
+    order to model order); layers recomputed as ``execution.remat`` says; the loss ``objective``'s (its
+    microbatches laid out as it says, its stages traced in its scope; default the next-token loss)."""
+    objective = objective or LanguageModeling()
     sched = plan.program.schedule
-    run_schedule = pipelined_gradients(model_def, plan, execution)
-    run_forward = pipelined_loss(model_def, plan, execution=execution)
+    run_schedule = pipelined_gradients(model_def, plan, execution, objective)
+    run_forward = pipelined_loss(model_def, plan, execution=execution, objective=objective)
     extra: list[str] = []  # the name of the model's further loss, once a report is traced
     run_reporting = pipelined_loss(model_def, plan, reports=True, execution=execution, extra=extra)
     model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
@@ -261,9 +279,16 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
             return found
         return (*found, ExtraLossReport(extra_mean * microbatches, extra[0]))  # summed over the microbatches
 
+    def scoped(run):
+        def within(params: Params, tokens: jax.Array):
+            with objective.pipelined():
+                return run(params, objective.pipelined_rows(micro(tokens)))
+        return within
+
     return ForwardBackward(
-        gradients=lambda params, tokens: run_schedule(params, micro(tokens)),
-        loss=lambda params, tokens: run_forward(params, micro(tokens)),
+        gradients=scoped(run_schedule),
+        loss=scoped(run_forward),
         reports=reports,
         loss_groups=1,  # the runtime seeds each microbatch's loss at 1/m
+        metrics=in_model_order(objective_metrics(model_def, objective, microbatches, execution), model_def, plan),
     )

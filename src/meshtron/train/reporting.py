@@ -272,7 +272,8 @@ class RunProgress:
             per_byte = heldout / bytes_per_token
             if math.isfinite(per_byte):
                 record["heldout_loss_per_byte"] = per_byte
-            self.bar.console.print(f"step {step}: held-out loss {heldout:.4f} (unigram {unigram:.4f})"
+            baseline = f" (unigram {unigram:.4f})" if math.isfinite(unigram) else ""
+            self.bar.console.print(f"step {step}: held-out loss {heldout:.4f}{baseline}"
                                    + (f", {per_byte:.4f} nats/byte" if math.isfinite(per_byte) else ""))
         if logged:
             self.report.write(record)

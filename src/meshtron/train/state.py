@@ -16,6 +16,7 @@ implementation, the exchange over a split sequence, generation's window) is a se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -100,7 +101,7 @@ class ModelDef:
         over a split sequence, its exchange), cores recomputed under ``remat=selective``."""
         views = current().layer_views
         if self.adaptation is not None:
-            views = (*views, self.adaptation.layer_view())
+            views = (*views, self._adaptation_view())
         with execution.scope(), using(rules=tuple(self.rules), layer_views=views), \
                 nnx.logical_axis_rules(list(self.rules)):
             yield
@@ -110,7 +111,16 @@ class ModelDef:
         under scopes of its own rather than :meth:`scope` (generation)."""
         if self.adaptation is None:
             return contextlib.nullcontext()
-        return using(layer_views=(*current().layer_views, self.adaptation.layer_view()))
+        return using(layer_views=(*current().layer_views, self._adaptation_view()))
+
+    def frozen_base(self) -> contextlib.AbstractContextManager:
+        """Inside this (within :meth:`scope`), blocks run without the adaptation: the frozen base model
+        on the same parameters, no second copy of them (DPO's reference under LoRA). Other layer views
+        (ZeRO-3's gathers) stay."""
+        return using(layer_views=tuple(v for v in current().layer_views if not v.adaptation))
+
+    def _adaptation_view(self):
+        return dataclasses.replace(self.adaptation.layer_view(), adaptation=True)
 
     def training(self, seed: int) -> contextlib.AbstractContextManager:
         """Inside this, model code runs as in training: what is random only in training (an adaptation's

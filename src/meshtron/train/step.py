@@ -50,6 +50,7 @@ from meshtron.pipeline.execution import PipelinePlan
 from meshtron.trace_context import using
 from meshtron.train.data_shards import DATA, DataShards
 from meshtron.train.forward_backward import plain_forward_backward
+from meshtron.train.objective import Objective
 from meshtron.train.pipelined import pipelined_forward_backward
 from meshtron.train.probed_state import ProbedStates
 from meshtron.train.state import ModelDef, Params
@@ -103,28 +104,27 @@ def build_steps(
     pipeline: PipelinePlan | None = None,
     stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
     skip_nonfinite: bool = False, zero: ZeroPlan | None = None, trainable: Trainable | None = None,
-    seed: int = 0, execution: Execution = DEFAULT_EXECUTION,
+    seed: int = 0, execution: Execution = DEFAULT_EXECUTION, objective: Objective | None = None,
     offload_optimizer: bool = False, compiler_options: Mapping[str, Any] | None = None,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
-    ``pipeline`` (mesh ``pipe`` > 1): gradients come from the pipeline runtime executing its schedule over
-    the microbatches; block parameters are then in stage order (:mod:`meshtron.train.pipelined`), padded
-    as an uneven layout says. ``stages`` maps each optimizer stage name to the extra keyword arguments of
+    ``pipeline`` (mesh ``pipe`` > 1): gradients come from the pipeline runtime executing its schedule over the
+    microbatches; block parameters are then in stage order (:mod:`meshtron.train.pipelined`), padded as an
+    uneven layout says. ``stages`` maps each optimizer stage name to the extra keyword arguments of
     ``optimizer.update`` in it. ``zero``: how parameters and optimizer state are split over the data group
-    (:mod:`meshtron.optim.zero`; ``optimizer`` must have been built with the same plan, its norms summing
-    over the shares). ``trainable``: which parameters train (default: the model's own mask). ``seed``:
-    of what is random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not
-    applied (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on.
-    ``execution``: how the model's code runs (the run's :attr:`~meshtron.run.Run.execution`). ``offload_optimizer``:
+    (:mod:`meshtron.optim.zero`; ``optimizer`` must have been built with the same plan, its norms summing over
+    the shares). ``trainable``: which parameters train (default: the model's own mask). ``seed``: of what is
+    random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not applied
+    (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on. ``execution``: how
+    the model's code runs (``Run.execution``); ``objective``: what the step minimises. ``offload_optimizer``:
     optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.probed_state())
     trainable = trainable or Trainable.of_model(model_def)
     sync = gradient_sync(zero, reduction)
-    source = plain_forward_backward(model_def, microbatches, execution) if pipeline is None else \
-        pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution)
+    source = _gradient_source(model_def, pipeline, shards, microbatches, execution, objective)
     part, probed = trainable.part, ProbedStates(model_def, trainable.observed)
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
 
@@ -164,14 +164,15 @@ def build_steps(
         return lambda params, tokens: shards.shard_map(fn, (held.whole, shards.shard_batch), out_specs)(
             params, shards.laid_out(tokens))
 
-    evaluate = whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())
     scoped = partial(model_def.traced, execution=execution)
     return TrainSteps(
         mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages),
-        train=scoped(_state_on_host(train) if offload_optimizer else train), evaluate=scoped(evaluate),
+        train=scoped(_state_on_host(train) if offload_optimizer else train),
+        evaluate=scoped(whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())),
         gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
+        objective_metrics=source.metrics and scoped(whole_params(partial(_group_mean, shards, source.metrics), P())),
     )
 
 
@@ -227,6 +228,20 @@ def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
 
+def _group_mean(shards: DataShards, fn, params: Params, tokens: jax.Array) -> Any:
+    """``fn(params, tokens)`` averaged over the data group."""
+    return shards.mean(fn(params, tokens))
+
+
+def _gradient_source(model_def: ModelDef, pipeline: PipelinePlan | None, shards: DataShards, microbatches: int,
+                     execution: Execution, objective: Objective | None):
+    """Where the step's local loss and gradients come from: the plain model, or ``pipeline``'s runtime."""
+    if pipeline is None:
+        return plain_forward_backward(model_def, microbatches, execution, objective)
+    return pipelined_forward_backward(model_def, _for_region(pipeline, shards, execution), microbatches, execution,
+                                      objective)
+
+
 def _for_region(pipeline: PipelinePlan, shards: DataShards, execution: Execution) -> PipelinePlan:
     """``pipeline`` as the region runs it: a ring's collective-permutes (ring attention's, collective matmul's
     over the tensor ranks) are entered by every device of the mesh at once, so stages then run every tick's
@@ -256,7 +271,7 @@ class TrainSteps:
                  train, evaluate, gradients, init_state, zero: ZeroPlan | None = None,
                  trainable: Trainable | None = None, reports=None,
                  report_groups: int = 1, metrics_spec: P | None = None,
-                 compiler_options: Mapping[str, Any] | None = None):
+                 compiler_options: Mapping[str, Any] | None = None, objective_metrics=None):
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})  # XLA options of every program below
         jit = partial(jax.jit, compiler_options=self.compiler_options or None)
@@ -287,6 +302,8 @@ class TrainSteps:
         self._reports_jit = None if reports is None else jit(
             reports, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
         self._reports_compiled: Any = None
+        self._metrics_jit = None if objective_metrics is None else jit(
+            objective_metrics, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
 
     def init_opt_state(self, params: Params) -> OptState:
         """Fresh optimizer state, created sharded."""
@@ -348,6 +365,17 @@ class TrainSteps:
             if self._reports_compiled is False:
                 return ()
             return jax.device_get(self._reports_compiled(params, tokens))
+
+    def objective_metrics(self, params: Params, tokens: jax.Array) -> dict[str, float]:
+        """What the objective reports besides the loss (DPO's rewards and log-probabilities) for this step's
+        batch, from a forward pass with the parameters given, averaged as the step averages its loss;
+        ``{}`` for the next-token loss."""
+        if self._metrics_jit is None:
+            return {}
+        params = jax.device_put(params, self.param_shardings)
+        tokens = jax.device_put(tokens, self.batch_sharding)
+        with jax.set_mesh(self.mesh):
+            return {k: float(v) for k, v in jax.device_get(self._metrics_jit(params, tokens)).items()}
 
     def lower_reports(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered program of :meth:`layer_reports`, for compiled-program analysis."""

@@ -1,0 +1,139 @@
+"""What the train step minimises (``train.objective``): the next-token loss, or direct preference
+optimisation's loss over pairs with a frozen reference model.
+
+An objective is what the step's two gradient sources need of it: without a pipeline,
+``loss(model_def, params, tokens, execution)``, the mean over one microbatch of one data rank; in a
+pipeline, ``head_loss(model, y, tokens)``, the same from the last block's output at the last stage, of
+each microbatch as :meth:`~Objective.pipelined_rows` lays it out, traced in :meth:`~Objective.pipelined`.
+``metrics`` are what it reports besides the loss. The step averages all of them over microbatches and
+data ranks. Preference pairs sit side by side in every microbatch (:mod:`meshtron.data.preference`), so
+that mean is the batch's mean over its pairs.
+
+**The reference** is the frozen base of a model adaptation (LoRA): the same parameters without the
+adapters, so the step holds no second copy of the model. Without a pipeline it is a second forward
+traced without the adaptation's layer view (:meth:`~meshtron.train.state.ModelDef.frozen_base`), under
+``stop_gradient``, with no backward. A pipeline's stages run one network over a microbatch, so there each
+microbatch's rows are doubled, the copies marked as the reference's (``reference_rows`` of the trace
+context: the adapters add nothing to them), and the last stage reads both halves' log-probabilities; the
+copies' backward carries zeros. Training the whole model needs the reference's own weights, which this
+step does not hold: the run refuses it in one line (:func:`meshtron.run.check_features`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshtron.config import Config
+from meshtron.errors import ConfigError
+from meshtron.execution import Execution
+from meshtron.models.contract import head_loss
+from meshtron.models.preference import METRICS, PreferenceLoss, head_logps, preference_metrics, sequence_logps
+from meshtron.trace_context import using
+from meshtron.train.state import ModelDef, Params
+
+__all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "objective_for"]
+
+
+class Objective(Protocol):
+    METRICS: tuple[str, ...]  # the names of what :meth:`metrics` reports
+
+    def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
+        """The mean loss of one microbatch ``tokens`` (as the step lays batches out)."""
+
+    def metrics(self, model_def: ModelDef, params: Params, tokens: jax.Array,
+                execution: Execution) -> dict[str, jax.Array]:
+        """What the run reports besides the loss, as means over the microbatch (``{}``: nothing)."""
+
+    def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        """A pipeline's last stage: the mean loss of a microbatch from the last block's output ``y``."""
+
+    def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
+        """Microbatches ``[m, rows, ...]`` as a pipeline runs them."""
+
+    def pipelined(self) -> contextlib.AbstractContextManager:
+        """What a pipeline's stages are traced in."""
+
+
+@dataclass(frozen=True)
+class LanguageModeling:
+    """The mean next-token loss (with a model's further loss in its gradient): ``train.objective: lm``."""
+
+    METRICS = ()
+
+    def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
+        return model_def.loss(params, tokens, execution)
+
+    def metrics(self, model_def: ModelDef, params: Params, tokens: jax.Array,
+                execution: Execution) -> dict[str, jax.Array]:
+        return {}
+
+    def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        return head_loss(model, y, tokens)
+
+    def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
+        return tokens
+
+    def pipelined(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Preference:
+    """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference (module doc)."""
+
+    preference: PreferenceLoss
+    METRICS = METRICS
+
+    def logps(self, model_def: ModelDef, params: Params, tokens: jax.Array,
+              execution: Execution) -> tuple[jax.Array, jax.Array]:
+        """Per-row summed answer log-probabilities: the policy's, and the reference's (no gradient)."""
+        policy = sequence_logps(model_def.bind(params), tokens, remat=execution.remat)
+        with model_def.frozen_base():
+            reference = sequence_logps(model_def.bind(jax.lax.stop_gradient(params)), tokens)
+        return policy, jax.lax.stop_gradient(reference)
+
+    def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
+        return self.preference(*self.logps(model_def, params, tokens, execution))
+
+    def metrics(self, model_def: ModelDef, params: Params, tokens: jax.Array,
+                execution: Execution) -> dict[str, jax.Array]:
+        return preference_metrics(self.preference.beta, *self.logps(model_def, params, tokens, execution))
+
+    def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        policy, reference = jnp.split(head_logps(model, y, tokens), 2)
+        return self.preference(policy, reference)
+
+    def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
+        """Each microbatch's rows, then the same rows again for the reference."""
+        return jnp.concatenate([tokens, tokens], axis=1)
+
+    def pipelined(self) -> contextlib.AbstractContextManager:
+        return using(reference_rows=True)
+
+
+def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
+    """``train.objective`` of ``cfg`` for ``model_def``; one line for what this step cannot train."""
+    t = cfg.train
+    if t.objective == "lm":
+        return LanguageModeling()
+    if model_def.adaptation is None:
+        raise ConfigError("train.objective: dpo needs a frozen reference model, which this step takes from the frozen "
+                          "base of LoRA's adapters; set train.lora.rank (e.g. train.lora.rank=16), with train.init_from "
+                          "the model to align")
+    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss))
+
+
+def check_objective_data(objective: str, preference: bool) -> None:
+    """``train.objective`` against the data: DPO trains on pairs, the next-token loss on anything else."""
+    if objective == "dpo" and not preference:
+        raise ConfigError("train.objective: dpo trains on preference pairs, and data.path is not a dataset of them; "
+                          "make one with meshtron preprocess --preference (JSON lines of prompt, chosen, rejected)")
+    if objective != "dpo" and preference:
+        raise ConfigError("data.path: holds preference pairs (meshtron preprocess --preference), which train with "
+                          "train.objective=dpo; set it, or give next-token data")

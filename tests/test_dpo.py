@@ -1,0 +1,241 @@
+"""Direct preference optimisation (``train.objective: dpo``): its loss, gradient and metrics equal a plain
+PyTorch computation on the same Hugging Face Llama and pairs, with LoRA's frozen base as the reference
+(which adds no second copy of the model to the compiled step); what it cannot run is one line."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from meshtron.config import MeshConfig, load_config
+from meshtron.data.preference import preprocess_preference
+from meshtron.errors import ConfigError
+from meshtron.huggingface import CONFIG_FILE, export_hf, import_hf
+from meshtron.pretrained import load_pretrained
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 300
+LLAMA = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 64,
+         "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0}
+BETA, SMOOTHING, RANK, ALPHA = 0.5, 0.1, 4, 8.0
+
+
+@pytest.fixture(scope="module")
+def hf():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return torch, transformers
+
+
+@pytest.fixture(scope="module")
+def case(hf, tmp_path_factory):
+    """``(hf model, its import, preference data prefix)``: a random Llama with large weights."""
+    torch, transformers = hf
+    root = tmp_path_factory.mktemp("dpo")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.15 * torch.randn_like(p))
+    model.eval().save_pretrained(root / "hf")
+    imported = import_hf(root / "hf", root / "imported")
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(16):
+        word = "".join(rng.choice(list("abcdef"), size=int(rng.integers(2, 6))))
+        lines.append({"prompt": f"rev {word}", "chosen": word[::-1], "rejected": word + "q"})
+    (root / "pairs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    preprocess_preference(root / "pairs.jsonl", "bytes", root / "pairs", progress=False)
+    return model, imported, root / "pairs"
+
+
+def dpo_config(imported, data, output, *extra):
+    return load_config(imported / CONFIG_FILE, [
+        f"checkpoint.dir={output}", f"data.path={data}", "data.tokenizer=bytes", "data.holdout_fraction=0.25",
+        "model.seq_len=48", "train.steps=2", "train.batch_size=4", "train.eval_batches=1", "train.warmup_steps=0",
+        "train.lr=3e-2", "train.log_every=1", f"train.lora.rank={RANK}", f"train.lora.alpha={ALPHA}",
+        "train.objective=dpo", f"train.dpo.beta={BETA}", f"train.dpo.label_smoothing={SMOOTHING}", *extra])
+
+
+def torch_logps(torch, model, batch: np.ndarray):
+    """Per-row summed log-probabilities of the counted targets, as a plain PyTorch computation."""
+    ids = torch.tensor(batch[..., 0], dtype=torch.long)
+    segments, mask = batch[..., 1], batch[..., 2]
+    counted = torch.tensor((mask[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] != 0))
+    logp = torch.log_softmax(model(ids[:, :-1]).logits.double(), dim=-1)
+    taken = torch.gather(logp, -1, ids[:, 1:, None])[..., 0]
+    return torch.where(counted, taken, torch.zeros_like(taken)).sum(-1)
+
+
+@pytest.fixture(scope="module")
+def trained(hf, case, tmp_path_factory):
+    """Two DPO steps on one device (so the adapters are not zero), logged to a metrics file; the run's
+    checkpoint, and its export (the adapters merged) as a PyTorch model: the policy."""
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.train.loop import Trainer
+
+    torch, _ = hf
+    _, imported, data = case
+    root = tmp_path_factory.mktemp("trained")
+    with open(root / "metrics.jsonl", "w") as metrics:
+        Trainer.from_config(dpo_config(imported, data, root / "run")).run(metrics_file=metrics)
+    logged = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    policy = AutoModelForCausalLM.from_pretrained(export_hf(root / "run", root / "exported"), dtype=torch.float32)
+    return root / "run", policy.eval(), logged
+
+
+def check_parity(torch, trainer, params, batch, reference_model, policy_model):
+    """The step's DPO loss, its adapters' gradient (of the MLP's down projection) and its metrics at
+    ``params`` (canonical layer order) on ``batch`` against PyTorch's on the merged policy and the original
+    model: loss within 1e-5, gradients within 1e-4 of their largest entry, metrics within 1e-4."""
+    from meshtron.train.pipelined import to_canonical, to_stage_order
+
+    pipe, chunks = trainer.mesh.shape["pipe"], trainer.cfg.pipeline.chunks
+    layers = trainer.model_def.layers
+    held = to_stage_order(params, layers, pipe, chunks) if pipe > 1 else params
+    held = jax.device_put(held, trainer.steps.param_shardings)
+    loss, grads = trainer.steps.gradients(held, jax.numpy.asarray(batch))
+    grads = to_canonical(jax.device_get(grads), layers, pipe, chunks) if pipe > 1 else grads
+    found = trainer.steps.objective_metrics(held, jax.numpy.asarray(batch))
+
+    policy_model.zero_grad()
+    pi = torch_logps(torch, policy_model, batch)
+    with torch.no_grad():
+        ref = torch_logps(torch, reference_model, batch)
+    logits = (pi[0::2] - pi[1::2]) - (ref[0::2] - ref[1::2])
+    fn = torch.nn.functional.logsigmoid
+    expected = (-fn(BETA * logits) * (1 - SMOOTHING) - fn(-BETA * logits) * SMOOTHING).mean()
+    expected.backward()
+    expected = float(expected.detach())
+    mesh = "x".join(str(v) for v in trainer.mesh.shape.values())
+    print(f"\n{mesh}: DPO loss {float(loss):.8f}, PyTorch {expected:.8f}: |delta| {abs(float(loss) - expected):.2e}")
+    assert abs(float(loss) - expected) <= 1e-5
+    assert abs(expected - np.log(2.0)) > 1e-3  # the adapters moved the policy off the reference
+
+    chosen, rejected = BETA * (pi[0::2] - ref[0::2]), BETA * (pi[1::2] - ref[1::2])
+    want = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+            "rewards/accuracies": (chosen > rejected).double().mean(), "rewards/margins": (chosen - rejected).mean(),
+            "logps/chosen": pi[0::2].mean(), "logps/rejected": pi[1::2].mean()}
+    for name, value in want.items():
+        assert found[name] == pytest.approx(float(value.detach()), rel=1e-4, abs=1e-4), name
+
+    scale = ALPHA / RANK
+    down = params["blocks"]["mlp"]["down"]
+    got = grads["blocks"]["mlp"]["down"]
+    for layer in range(LLAMA["num_hidden_layers"]):
+        merged_grad = policy_model.model.layers[layer].mlp.down_proj.weight.grad.double().numpy().T  # [mlp, hidden]
+        a, b = (np.asarray(down[k][layer], np.float64) for k in ("kernel_lora_a", "kernel_lora_b"))
+        for name, want_grad in (("kernel_lora_b", scale * a.T @ merged_grad), ("kernel_lora_a", scale * merged_grad @ b.T)):
+            have = np.asarray(got[name][layer], np.float64)
+            error = np.max(np.abs(have - want_grad)) / np.max(np.abs(want_grad))
+            print(f"  layer {layer} {name}: max|gradient delta| / max|gradient| {error:.2e}")
+            assert error <= 1e-4, (layer, name, error)
+    assert not np.any(np.asarray(got["kernel"]))  # the base trains nothing
+
+
+def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, trained, tmp_path):
+    """On one device: the run logs TRL's metrics beside the loss (log 2 and no margin at the first step,
+    where the policy is the reference), and at the trained weights the step's loss, gradient and metrics
+    equal PyTorch's (:func:`check_parity`)."""
+    from meshtron.train.loop import Trainer
+
+    output, policy_model, logged = trained
+    steps = [r for r in logged if "rewards/margins" in r]
+    assert len(steps) == 2 and {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen",
+                                "logps/rejected", "loss"} <= set(steps[0])
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-5)
+    reference_model, imported, data = case
+    trainer = Trainer.from_config(dpo_config(imported, data, tmp_path / "again"))
+    params = load_pretrained(output, MeshConfig(1, 1, 1)).params
+    check_parity(hf[0], trainer, params, trainer.train_stream().global_batch(0), reference_model, policy_model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+     "parallel.microbatches=2"),
+    ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
+], ids=["data-pipe-tensor-interleaved", "data-tensor-zero3"])
+def test_lora_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained, tmp_path, layout):
+    """The same on (data, pipe, tensor) = (2, 2, 2) with the interleaved schedule (2 chunks a stage) and 2
+    microbatches -- a pair stays in one microbatch of one data shard, and the pipeline's last stage reads the
+    reference from rows of its own -- and on 4 data shards x 2 tensor ranks under ZeRO-3 (the reference's
+    forward gathers each layer as the policy's does)."""
+    from meshtron.train.loop import Trainer
+
+    output, policy_model, _ = trained
+    reference_model, imported, data = case
+    cfg = dpo_config(imported, data, tmp_path / "again", *layout)
+    trainer = Trainer.from_config(cfg)
+    params = load_pretrained(output, MeshConfig(1, 1, 1)).params
+    check_parity(hf[0], trainer, params, trainer.train_stream().global_batch(0), reference_model, policy_model)
+
+
+def test_the_lora_reference_is_the_base_itself_no_second_copy(case, tmp_path):
+    """The compiled DPO step takes exactly the parameter bytes of a plain LoRA step (the reference is the
+    same weights with the adapters off), and its outputs no more."""
+    from meshtron.train.loop import Trainer
+
+    _, imported, data = case
+    sizes = {}
+    for objective, batch in (("dpo", 4), ("lm", 8)):  # the same rows: 4 pairs are 8 sequences
+        cfg = dpo_config(imported, data, tmp_path / objective, f"train.objective={objective}",
+                         f"train.batch_size={batch}")
+        trainer = Trainer.from_config(cfg, read_data=False)
+        params, opt_state, tokens = trainer.abstract_step_arguments()
+        assert tokens.shape == (8, 49, 3)
+        memory = trainer.steps.compile(params, opt_state, tokens).memory_analysis()
+        sizes[objective] = (memory.argument_size_in_bytes, memory.output_size_in_bytes)
+    assert sizes["dpo"] == sizes["lm"]
+
+
+@pytest.mark.parametrize("override, message", [
+    (["train.lora.rank=0"], r"train.objective: dpo needs a frozen reference model, .* set train.lora.rank"),
+    (["parallel.context=2"], r"train.objective: dpo sums each answer's log-probabilities along the whole"),
+    (["train.dpo.loss=ipo"], r"train.dpo.label_smoothing: applies to the sigmoid loss only"),
+    (["train.dpo.beta=0"], r"train.dpo.beta: must be > 0"),
+    (["train.objective=ppo"], r"train.objective: must be one of lm, dpo"),
+])
+def test_what_dpo_cannot_run_is_one_line(case, tmp_path, override, message):
+    from meshtron.run import check_features
+
+    _, imported, data = case
+    with pytest.raises(ConfigError, match=message):
+        check_features(dpo_config(imported, data, tmp_path / "x", *override))
+
+
+def test_the_losses_are_trl_formulas():
+    """DPO's sigmoid loss with label smoothing, and IPO's, pair by pair, against the formulas in NumPy."""
+    import jax.numpy as jnp
+
+    from meshtron.models.preference import PreferenceLoss
+
+    rng = np.random.default_rng(1)
+    policy, reference = rng.normal(size=8) * 3, rng.normal(size=8) * 3
+    logits = (policy[0::2] - policy[1::2]) - (reference[0::2] - reference[1::2])
+
+    def logsigmoid(x):
+        return -np.logaddexp(0.0, -x)
+
+    sigmoid = -logsigmoid(0.3 * logits) * 0.8 - logsigmoid(-0.3 * logits) * 0.2
+    ipo = (logits - 1 / (2 * 0.3)) ** 2
+    for loss, want in ((PreferenceLoss(0.3, 0.2, "sigmoid"), sigmoid), (PreferenceLoss(0.3, 0.0, "ipo"), ipo)):
+        got = loss.per_pair(jnp.asarray(policy, jnp.float32), jnp.asarray(reference, jnp.float32))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+        assert float(loss(jnp.asarray(policy), jnp.asarray(reference))) == pytest.approx(want.mean(), rel=1e-5)
+
+
+def test_dpo_needs_pairs_and_pairs_need_dpo(case, tmp_path):
+    from meshtron.train.objective import check_objective_data
+
+    with pytest.raises(ConfigError, match=r"train.objective: dpo trains on preference pairs.*--preference"):
+        check_objective_data("dpo", False)
+    with pytest.raises(ConfigError, match=r"data.path: holds preference pairs .* train.objective=dpo"):
+        check_objective_data("lm", True)
