@@ -139,3 +139,53 @@ def test_cudnn_attention_with_packed_documents_compiles_into_the_fused_kernel(la
     """The document mask (a query sees its own document's earlier keys) goes to cuDNN as a bias."""
     text = compiled_step(layout, "cudnn", "data.reset_per_document=true", *overrides).as_text()
     assert FUSED in text
+
+
+def exchanged_around(text: str, kernel: str) -> list[tuple[bool, bool]]:
+    """For each call of the cuDNN kernel ``kernel`` (its custom-call target): whether an all-to-all feeds it
+    (through the reshapes, copies and fusions between) and whether its output reaches one, within the
+    computation that runs it."""
+    from meshtron.hlo.text import parse_hlo_module
+
+    def is_all_to_all(instruction) -> bool:
+        return "all-to-all" in instruction.opcode or (instruction.opcode.startswith("async")
+                                                      and "all-to-all" in instruction.attributes)
+
+    found = []
+    for computation in parse_hlo_module(text).computations.values():
+        by_name = {i.name: i for i in computation.instructions}
+        users: dict[str, list] = {}
+        for instruction in computation.instructions:
+            for operand in instruction.operands:
+                users.setdefault(operand, []).append(instruction)
+
+        def reaches(start, step) -> bool:
+            seen, todo = set(), list(step(start))
+            while todo:
+                instruction = todo.pop()
+                if instruction.name in seen:
+                    continue
+                seen.add(instruction.name)
+                if is_all_to_all(instruction):
+                    return True
+                todo.extend(step(instruction))
+            return False
+
+        for instruction in computation.instructions:
+            if instruction.opcode == "custom-call" and f'custom_call_target="{kernel}"' in instruction.attributes:
+                found.append((reaches(instruction, lambda i: [by_name[o] for o in i.operands if o in by_name]),
+                              reaches(instruction, lambda i: users.get(i.name, []))))
+    return found
+
+
+def test_cudnn_attention_runs_inside_the_ulysses_exchange():
+    """Ulysses turns the sequence split into a head split with all-to-alls, so each rank's attention is an
+    ordinary whole-sequence call: cuDNN's forward and backward kernels are each fed by an all-to-all over
+    context and feed one, on 8 ranks of one context group with 2 key/value heads repeated to 8."""
+    text = compiled_step("1x1x1", "cudnn", "parallel.context=8", "parallel.context_attention=ulysses",
+                         "model.kv_heads=2").as_text()
+    kernels = sorted(set(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)))
+    assert any("Backward" in k for k in kernels) and any("Backward" not in k for k in kernels), kernels
+    for kernel in kernels:
+        around = exchanged_around(text, kernel)
+        assert around and all(before and after for before, after in around), (kernel, around)

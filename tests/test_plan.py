@@ -500,7 +500,7 @@ def test_the_planner_prices_each_context_exchange_and_refuses_the_shapes_it_cann
     forward, backward = exchange_wire_bytes("ring", 4, 2 * 32768 // 8, 8 // 2, d, 2, heads=32 // 2)
     assert sent("hybrid", 8, u=2) == sent("ulysses", 2, dataclasses.replace(model, seq_len=32768 // 4)) \
         + forward + backward
-    # GQA: a rank's key/value heads fewer than c are repeated to c before the all-to-all
+    # GQA: a rank's key/value heads are repeated until c divides them (2 to 8) before the all-to-all
     few = dataclasses.replace(model, kv_heads=2)
     assert sent("ulysses", 8, few) == sent("ulysses", 8)
     assert Layout(1, 1, 1, 1, 8, context=8, context_attention="ulysses").problem(few) is None

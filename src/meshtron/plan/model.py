@@ -556,7 +556,8 @@ def exchange_wire_bytes(exchange: str, ranks: int, tokens: float, kv_heads: int,
     reduce-scattered backward. ``ring``: the same forward; backward the blocks again with their fp32
     gradients, and the gradients home. ``ulysses``: four all-to-alls each way, each sending ``(u−1)/u``
     of its array -- queries, keys, values in and the output back (backward: the output's gradient in,
-    the three gradients back), key/value heads fewer than ``u`` repeated to ``u``. ``hybrid``: Ulysses's
+    the three gradients back), key/value heads repeated to ``lcm(k, u)`` when ``u`` does not divide
+    them. ``hybrid``: Ulysses's
     over groups of ``u``, then the ring over ``c/u`` groups of the ``S/r`` tokens a group holds, for
     ``1/u`` of the key/value heads."""
     u = ulysses_ranks(exchange, ranks, ulysses_degree)
@@ -566,7 +567,7 @@ def exchange_wire_bytes(exchange: str, ranks: int, tokens: float, kv_heads: int,
             return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block
         gradients = 2 * tokens * kv_heads * head_dim * 4
         return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block + ranks * gradients
-    kv_sent = max(kv_heads, u)  # key/value heads repeated to u when fewer
+    kv_sent = kv_heads if kv_heads % u == 0 else math.lcm(kv_heads, u)  # repeated until u divides them
     all_to_all = (u - 1) / u * tokens * head_dim * itemsize * (2 * heads + 2 * kv_sent)
     if exchange == "ulysses":
         return all_to_all, all_to_all
