@@ -369,8 +369,10 @@ def finish_saving(store: CheckpointStore | None) -> list[int]:
 
 
 # What makes a checkpoint's tensors: a run that differs in these cannot resume another's checkpoints.
-# (parallel.sequence_parallel and parallel.context_attention were model.* keys, and are kept here with them.)
-_STATE_SETTINGS = ("model", "parallel.sequence_parallel", "parallel.context_attention", "train.optimizer",
+# (parallel.sequence_parallel and parallel.context_attention were model.* keys, and are kept here with them;
+# parallel.ulysses_degree is part of the same choice of exchange.)
+_STATE_SETTINGS = ("model", "parallel.sequence_parallel", "parallel.context_attention", "parallel.ulysses_degree",
+                   "train.optimizer",
                    "train.lora.rank", "train.lora.targets", "train.lora.save_base")
 
 
