@@ -175,14 +175,20 @@ def exchanges(lengths: list[int], ranks: list[int], compilers: list[str]) -> lis
                 temp = program.memory_analysis().temp_size_in_bytes
                 sent = sum(x.total_wire_bytes for x in collectives(program, mesh)
                            if x.axes == ("context",) and x.kind != "all-reduce") / SEVEN_B["layers"]
+                del program
+                jax.clear_caches()  # fifty 7B programs would not fit in the machine's memory together
                 forward, backward = exchange_bytes(exchange, c, seq // c, SEVEN_B["kv_heads"], SEVEN_B["head_dim"], 2,
                                                    heads=SEVEN_B["heads"],
                                                    ulysses_degree=u if exchange == "hybrid" else None)
                 formula = 2 * forward + backward  # full recomputation reruns the forward's exchange
+                wide = exchange_bytes(exchange, c, seq // c, SEVEN_B["kv_heads"], SEVEN_B["head_dim"], 4,
+                                      heads=SEVEN_B["heads"], ulysses_degree=u if exchange == "hybrid" else None)
                 flops = attention_flops(seq, c)
                 rows.append({"compiler": compiler, "attention": attention, "exchange": exchange, "c": c, "u": u,
                              "seq": seq, "activation_gb": temp / GB, "compiled_mb_per_layer": sent / 1e6,
-                             "formula_mb_per_layer": formula / 1e6, "attention_gflops": flops / 1e9,
+                             "formula_mb_per_layer": formula / 1e6,
+                             "formula_fp32_mb_per_layer": (2 * wide[0] + wide[1]) / 1e6,  # XLA:CPU widens 16 bits
+                             "attention_gflops": flops / 1e9,
                              "flops_per_byte": flops / formula, "compile_seconds": round(seconds, 1)})
                 print(f"  {compiler} {exchange:8s} c={c:2d} u={u:2d} seq={seq}: {temp / GB:.1f} GB, "
                       f"{sent / 1e6:.0f} MB/layer (formula {formula / 1e6:.0f}), {flops / formula:,.0f} FLOPs/byte, "
@@ -199,11 +205,12 @@ def exchange_rows(rows: list[dict]) -> list[list]:
              f"{r['activation_gb']:.1f}" if "error" not in r else "-",
              f"{r['compiled_mb_per_layer']:.0f}" if "error" not in r else "-",
              f"{r['formula_mb_per_layer']:.0f}" if "error" not in r else "-",
+             (f"{r['formula_fp32_mb_per_layer']:.0f}" if r["compiler"] == "cpu" else "") if "error" not in r else "-",
              f"{r['flops_per_byte']:,.0f}" if "error" not in r else r["error"][:60]] for r in rows]
 
 
 EXCHANGE_HEADER = ["compiler", "K tokens", "exchange", "c", "u", "GB/device", "MB/layer compiled", "MB/layer formula",
-                   "attention FLOPs/byte"]
+                   "as fp32 (XLA:CPU)", "attention FLOPs/byte"]
 
 
 def plot_exchanges(rows: list[dict]) -> None:

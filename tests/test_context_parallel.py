@@ -305,6 +305,52 @@ def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_
     assert abs(error) <= 30, f"modelled peak {error:+.1f}% off the compiled one"
 
 
+@pytest.mark.parametrize("exchange, mesh", [
+    ("ulysses", ["parallel.data=2", "parallel.context=4", "parallel.tensor=1"]),  # 2 key/value heads repeated to 4
+    pytest.param("hybrid", ["parallel.data=1", "parallel.context=4", "parallel.tensor=2", "parallel.ulysses_degree=2"],
+                 marks=pytest.mark.slow),
+])
+def test_describe_prices_the_ulysses_exchanges_as_the_compiled_step_sends_them(exchange, mesh):
+    """Ulysses's all-to-alls (and the hybrid's ring across its groups): describe's line per layer and
+    microbatch is the formula, the compiled step sends as much, and the step memory model, which counts
+    the whole sequence's scores for a c-th of the heads, is within the toy models' 30% of the compiled peak."""
+    import io
+
+    from meshtron.describe import describe
+    from meshtron.models.context_attention import exchange_bytes
+    from meshtron.units import format_bytes
+
+    out = io.StringIO()
+    describe(load_config(None, [*MODEL, *mesh, "parallel.pipe=1", f"parallel.context_attention={exchange}",
+                                "model.remat=none"]), out)
+    text = out.getvalue()
+    cfg = load_config(None, [*MODEL, *mesh, "parallel.pipe=1"])
+    ranks, tensor = cfg.mesh.context, cfg.mesh.tensor
+    tokens = 8 // cfg.mesh.data // 2 * SEQ // ranks
+    forward, backward = exchange_bytes(exchange, ranks, tokens, kv_heads=2 // tensor, head_dim=8, heads=4 // tensor,
+                                       ulysses_degree=2 if exchange == "hybrid" else None)
+    per_layer = forward + backward
+    assert f"{format_bytes(per_layer)} per device, layer and microbatch" in text, text
+    assert (f"{exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the compiled "
+            f"step, {format_bytes(per_layer)} by the formula (+0.0%)") in text, text
+    error = float(re.search(r"\(([-+][\d.]+)% against the compiled peak\)", text)[1])
+    assert abs(error) <= 30, f"modelled peak {error:+.1f}% off the compiled one"
+
+
+def test_the_planner_s_exchange_formula_is_the_models():
+    """:func:`meshtron.plan.model.exchange_wire_bytes` (pure Python, for the planner) equals
+    :func:`meshtron.models.context_attention.exchange_bytes` for every exchange, GQA repetition included."""
+    from meshtron.models.context_attention import exchange_bytes
+    from meshtron.plan.model import exchange_wire_bytes
+
+    for exchange, ranks, u in [("gathered", 8, None), ("ring", 8, None), ("ulysses", 4, None), ("ulysses", 8, None),
+                               ("hybrid", 8, 2), ("hybrid", 16, 4), ("hybrid", 32, 8)]:
+        for kv_heads in (1, 2, 6, 8, 32):
+            args = (exchange, ranks, 4096, kv_heads, 128, 2)
+            assert exchange_wire_bytes(*args, heads=32, ulysses_degree=u or 1) == pytest.approx(
+                exchange_bytes(*args, heads=32, ulysses_degree=u)), (exchange, ranks, u, kv_heads)
+
+
 def test_describe_plans_a_context_run_too_large_for_the_machine_on_all_its_devices():
     """Planning mode (more devices than the machine has) counts the context ranks: the devices the mesh
     needs, and the plan's layout, which then prices each GPU's share of the sequence."""

@@ -141,15 +141,30 @@ def test_cudnn_attention_with_packed_documents_compiles_into_the_fused_kernel(la
     assert FUSED in text
 
 
+def _is_all_to_all(instruction) -> bool:
+    return "all-to-all" in instruction.opcode or (instruction.opcode.startswith("async")
+                                                  and "all-to-all" in instruction.attributes)
+
+
+def _reaches_all_to_all(start, step) -> bool:
+    """Whether walking ``step`` (an instruction's operands, or its users) from ``start`` meets an all-to-all."""
+    seen, todo = set(), list(step(start))
+    while todo:
+        instruction = todo.pop()
+        if instruction.name in seen:
+            continue
+        seen.add(instruction.name)
+        if _is_all_to_all(instruction):
+            return True
+        todo.extend(step(instruction))
+    return False
+
+
 def exchanged_around(text: str, kernel: str) -> list[tuple[bool, bool]]:
     """For each call of the cuDNN kernel ``kernel`` (its custom-call target): whether an all-to-all feeds it
     (through the reshapes, copies and fusions between) and whether its output reaches one, within the
     computation that runs it."""
     from meshtron.hlo.text import parse_hlo_module
-
-    def is_all_to_all(instruction) -> bool:
-        return "all-to-all" in instruction.opcode or (instruction.opcode.startswith("async")
-                                                      and "all-to-all" in instruction.attributes)
 
     found = []
     for computation in parse_hlo_module(text).computations.values():
@@ -158,23 +173,11 @@ def exchanged_around(text: str, kernel: str) -> list[tuple[bool, bool]]:
         for instruction in computation.instructions:
             for operand in instruction.operands:
                 users.setdefault(operand, []).append(instruction)
-
-        def reaches(start, step) -> bool:
-            seen, todo = set(), list(step(start))
-            while todo:
-                instruction = todo.pop()
-                if instruction.name in seen:
-                    continue
-                seen.add(instruction.name)
-                if is_all_to_all(instruction):
-                    return True
-                todo.extend(step(instruction))
-            return False
-
+        operands = functools.partial(lambda table, i: [table[o] for o in i.operands if o in table], by_name)
+        readers = functools.partial(lambda table, i: table.get(i.name, []), users)
         for instruction in computation.instructions:
             if instruction.opcode == "custom-call" and f'custom_call_target="{kernel}"' in instruction.attributes:
-                found.append((reaches(instruction, lambda i: [by_name[o] for o in i.operands if o in by_name]),
-                              reaches(instruction, lambda i: users.get(i.name, []))))
+                found.append((_reaches_all_to_all(instruction, operands), _reaches_all_to_all(instruction, readers)))
     return found
 
 
