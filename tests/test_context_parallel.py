@@ -301,19 +301,19 @@ def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path)
      "parallel.context_attention: ring runs pipeline stages in lockstep"),
     (["parallel.context_attention=a2a"], "parallel.context_attention: must be one of gathered, ring, ulysses, hybrid"),
     (["parallel.context=8", "model.heads=4", "parallel.context_attention=ulysses"],
-     "parallel.context_attention: ulysses splits the 4 query heads of each tensor rank over parallel.context=8 "
-     "ranks, which must divide them; use parallel.context_attention=hybrid with a parallel.ulysses_degree"),
+     ("parallel.context_attention: ulysses splits the 4 query heads of each tensor rank over parallel.context=8 "
+     "ranks, which must divide them; use parallel.context_attention=hybrid with a parallel.ulysses_degree")),
     (["parallel.context=8", "parallel.context_attention=hybrid", "parallel.ulysses_degree=3"],
      "parallel.ulysses_degree: the hybrid exchange needs 1 < parallel.ulysses_degree < parallel.context=8, dividing it"),
     (["parallel.context=8", "parallel.context_attention=hybrid", "parallel.ulysses_degree=8", "model.heads=8"],
      "parallel.ulysses_degree: the hybrid exchange needs 1 < parallel.ulysses_degree < parallel.context=8"),
     (["parallel.context=4", "parallel.tensor=2", "model.heads=6", "model.hidden=96", "parallel.context_attention=hybrid",
       "parallel.ulysses_degree=2"],
-     "parallel.ulysses_degree: 2 must divide the 3 query heads of each tensor rank (the all-to-all splits them); use "
-     "a divisor of 3 that divides parallel.context=4"),
+     ("parallel.ulysses_degree: 2 must divide the 3 query heads of each tensor rank (the all-to-all splits them); use "
+     "a divisor of 3 that divides parallel.context=4")),
     (["parallel.context=2", "parallel.ulysses_degree=2"],
-     "parallel.ulysses_degree: 2 sets the hybrid exchange's all-to-all ranks, and this run has "
-     "parallel.context_attention=gathered"),
+     ("parallel.ulysses_degree: 2 sets the hybrid exchange's all-to-all ranks, and this run has "
+     "parallel.context_attention=gathered")),
     (["model.ulysses_degree=0"], "parallel.ulysses_degree: must be a whole number >= 1"),
     (["parallel.context=2", "parallel.pipe=2", "model.layers=4", "parallel.context_attention=hybrid",
       "parallel.context=4", "parallel.ulysses_degree=2", "parallel.layout=[1,3]", "parallel.microbatches=2",
