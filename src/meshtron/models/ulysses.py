@@ -34,11 +34,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from meshtron.errors import ConfigError
-from meshtron.models.fused_attention import _entry, _local_spec, _own_key_heads, _ranks
-from meshtron.sharding import LogicalAxes
+from meshtron.models.fused_attention import _entry, _local_spec, _ranks
+from meshtron.sharding import LogicalAxes, constrain
 
 TOKENS = ("batch", "seq")
 
@@ -55,7 +56,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
 
     ``attend``'s keys and values are laid out as the queries (``query_axes``): where ``k`` and ``v`` are
     whole on every tensor rank (``key_axes`` keep them so) while the queries are split, each device
-    first keeps the key/value heads its query heads read. ``exchange``: the setting named when the heads
+    first keeps the key/value heads its query heads read (:func:`_own_key_heads`). ``exchange``: the setting named when the heads
     do not split (``ulysses`` or ``hybrid``)."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
@@ -71,11 +72,12 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
                                                    for g in range(sizes[axis] // ulysses)]
     to_heads = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True,
                                  axis_index_groups=groups)
-    own_heads = heads_entry is not None and _entry(kv_spec, 2) is None
+    if heads_entry is not None and _entry(kv_spec, 2) is None:  # whole keys, split queries: each its own
+        k, v = (constrain(jnp.take(x, _own_key_heads(q.shape[2], x.shape[2], _ranks(heads_entry, sizes)), axis=2),
+                          tuple(query_axes)) for x in (k, v))
+        kv_spec = q_spec
 
-    def keys(x):  # this device's key/value heads, repeated so the ranks split them as they split the queries
-        if own_heads:
-            x = _own_key_heads(x, heads, heads * _ranks(heads_entry, sizes), heads_entry, sizes)
+    def keys(x):  # the key/value heads repeated so that the ranks split them as they split the queries
         kv = x.shape[2]
         if kv % ulysses:
             x = jnp.repeat(x, math.lcm(kv, ulysses) // kv, axis=2)
@@ -85,9 +87,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
         return jax.lax.all_to_all(jnp.broadcast_to(x[..., None], (*x.shape, ulysses)), axis, 2, 1, tiled=True,
                                   axis_index_groups=groups)[..., 0]
 
-    kv_out = q_spec if own_heads else kv_spec
-    q, k, v = (_manual(to_heads, q, q_spec, q_spec, auto), _manual(keys, k, kv_spec, kv_out, auto),
-               _manual(keys, v, kv_spec, kv_out, auto))
+    q, k, v = (_manual(to_heads, q, q_spec, q_spec, auto), _manual(keys, k, kv_spec, kv_spec, auto),
+               _manual(keys, v, kv_spec, kv_spec, auto))
     if segments is not None:
         token_spec = _local_spec(TOKENS, segments.shape, auto, sizes)
         segments = _manual(gathered, segments, token_spec, token_spec, auto)
@@ -95,6 +96,19 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
     to_sequence = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=1, concat_axis=2, tiled=True,
                                     axis_index_groups=groups)
     return _manual(to_sequence, out, q_spec, q_spec, auto)
+
+
+def _own_key_heads(heads: int, kv_heads: int, ranks: int) -> np.ndarray:
+    """The key/value heads each of ``ranks`` tensor ranks holding ``heads / ranks`` of the query heads reads,
+    rank after rank: grouped-query attention pairs query head ``n`` with key head ``n // (heads / kv_heads)``;
+    a contiguous run of them when a rank's heads read whole groups or lie in one, else one per query head.
+    Taken from keys whole on every rank (a static gather, which each device does locally), they are laid out
+    as the queries are, and the all-to-all sends each device's own only."""
+    group, local = heads // kv_heads, heads // ranks
+    if local % group == 0 or group % local == 0:
+        width = max(1, local // group)
+        return np.concatenate([np.arange(width) + t * local // group for t in range(ranks)])
+    return np.arange(heads) // group
 
 
 def _check_heads(heads: int, ulysses: int, ranks: int, exchange: str) -> None:
