@@ -141,7 +141,7 @@ EXCHANGES = ("gathered", "ring", "ulysses", "hybrid")
 def exchange_grid(ranks: list[int]) -> list[tuple[str, int, int]]:
     """``(exchange, c, u)``: gathered, ring and Ulysses at every c; the hybrid at every u with 1 < u < c."""
     grid = [(exchange, c, ulysses_ranks(exchange, c)) for exchange in EXCHANGES[:3] for c in ranks]
-    grid += [("hybrid", c, u) for c in ranks for u in ranks if 1 < u < c and c % u == 0]
+    grid += [("hybrid", c, u) for c in ranks for u in range(2, c) if c % u == 0]
     return grid
 
 
