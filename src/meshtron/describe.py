@@ -384,7 +384,8 @@ def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
     tokens = t.batch_size // mesh.data // t.microbatches * m.seq_len // mesh.context
     forwards = 1 + (m.remat in ("full", "selective", "offload")) + (mesh.pipe > 1 and cfg.pipeline.recompute)
     def per_layer(itemsize: int) -> tuple[float, float]:
-        return exchange_bytes(m.context_attention, mesh.context, tokens, kv_local, m.hidden // m.heads, itemsize)
+        return exchange_bytes(m.context_attention, mesh.context, tokens, kv_local, m.hidden // m.heads, itemsize,
+                              heads=m.heads // mesh.tensor, ulysses_degree=m.ulysses_degree)
 
     forward, backward = per_layer(np.dtype(m.dtype).itemsize)
     wide = per_layer(4)
