@@ -443,7 +443,7 @@ def test_rules_that_keep_the_sequence_whole_cannot_split_it(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange", ["gathered", "ring"])
+@pytest.mark.parametrize("exchange", ["gathered", "ring", "ulysses"])
 def test_sequence_parallelism_inside_a_context_rank_keeps_parity(exchange):
     # the residual stream split over context x tensor: sequence parallelism's rule on top of the split
     md = model_def_from_config(ModelConfig(family="llama", vocab_size=64, hidden=32, heads=4, kv_heads=2, layers=4,
