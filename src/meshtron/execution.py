@@ -75,10 +75,10 @@ class Execution:
     remat: str = "none"
     attention: str | None = None
     context_attention: str = "gathered"
-    ulysses_degree: int = 1
     window: int | None = None
     fp8: str = "off"
     collective_matmul: bool = False
+    ulysses_degree: int = 1
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:

@@ -65,6 +65,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
     kv_spec = _local_spec(tuple(key_axes), k.shape, auto, sizes)
     if kv_spec != _local_spec(tuple(value_axes), v.shape, auto, sizes):
         raise ValueError(f"ulysses_attention: keys {tuple(key_axes)} and values {tuple(value_axes)} must be laid out alike")
+    if ulysses < 1 or sizes[axis] % ulysses:
+        raise ValueError(f"ulysses_attention: {ulysses} ranks per all-to-all must divide the {sizes[axis]} of {axis!r}")
     heads_entry = _entry(q_spec, 2)
     heads = q.shape[2] // _ranks(heads_entry, sizes)
     _check_heads(heads, ulysses, sizes[axis], exchange)
