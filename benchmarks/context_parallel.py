@@ -372,12 +372,12 @@ def main() -> None:
     if args.exchanges:
         import json
 
-        path = _common.RESULTS / "context_parallel.json"
-        previous = json.loads(path.read_text()) if path.exists() else {}
-        previous.pop("machine", None)
         compilers = args.compilers.split(",")
         rows = exchanges([int(x) for x in args.exchange_lengths.split(",")], [int(x) for x in args.ranks.split(",")],
                          compilers)
+        path = _common.RESULTS / "context_parallel.json"  # read now: a run for another compiler may have written it
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        previous.pop("machine", None)
         kept = [r for r in previous.get("exchanges", []) if r["compiler"] not in compilers]  # another compiler's run
         previous["exchanges"] = kept + rows
         print("\nLlama-2 7B, one sequence: per device activations, bytes over context per layer and microbatch, "
