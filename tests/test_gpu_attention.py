@@ -62,6 +62,21 @@ def test_cudnn_over_a_split_sequence_with_gathered_keys_compiles_into_the_fused_
     assert FUSED in text
 
 
+@pytest.mark.parametrize(("layout", "overrides"), [
+    ("2x1x2", ("parallel.context=2", "parallel.context_attention=ulysses")),
+    ("2x1x2", ("parallel.context=2", "parallel.context_attention=ulysses", "model.kv_heads=2")),  # repeated
+    ("1x1x2", ("parallel.context=4", "parallel.context_attention=hybrid", "parallel.ulysses_degree=2")),
+], ids=["ulysses-context2-tensor2", "ulysses-context2-gqa", "hybrid-context4-u2"])
+def test_cudnn_inside_the_ulysses_exchange_compiles_into_the_fused_kernel(layout, overrides):
+    """Between the all-to-alls, the fused kernel: over the whole sequence for Ulysses (128 tokens, 8 heads
+    over 2 tensor x 2 context ranks: 2 per device), per ring block for the hybrid."""
+    text = compiled_step(layout, "cudnn", *overrides).as_text()
+    assert FUSED in text and "all-to-all" in text
+    if "parallel.context_attention=ulysses" in overrides:
+        calls = [line for line in text.splitlines() if 'custom_call_target="__cudnn$fmha' in line]
+        assert any(re.search(r"bf16\[\d+,128,2,8\]", line) for line in calls), calls[:2]
+
+
 def block_scores(text: str, tokens: int) -> list[str]:
     """The fp32 arrays of rank 4 or more whose last two dimensions are a ring's blocks of queries and keys
     (``tokens`` per rank, a block or its half): the ``[.., s_q, s_k]`` scores XLA's attention keeps."""

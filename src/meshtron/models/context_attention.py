@@ -15,8 +15,9 @@ then gives each rank its tokens' positions (:func:`local_positions`), and
 :func:`meshtron.models.attention.causal_attention` attends across the ranks with the exchange the run
 chose (:func:`context_exchange`, ``parallel.context_attention``).
 
-Two exchanges, both called inside ``shard_map`` manual over the sequence's mesh axis, with the mask
-built from the positions (which every rank knows from the layout: only keys and values travel):
+Four exchanges, all called inside ``shard_map`` manual over the sequence's mesh axis. Two move keys
+and values, with the mask built from the positions (which every rank knows from the layout: only keys
+and values travel):
 
 * :func:`gathered_kv_attention`: each rank all-gathers the keys and values (only the key/value heads
   under grouped-query attention) and attends for its own queries; it holds the whole sequence's
@@ -26,6 +27,13 @@ built from the positions (which every rank knows from the layout: only keys and 
   memory does not grow with the number of ranks (``tests/test_context_attention.py`` reads it from
   compiled programs). A pair of kernels attends each block (:mod:`meshtron.models.attention_blocks`):
   XLA's, or cuDNN's flash kernels with ``implementation="cudnn"``.
+
+Two trade the sequence split for a head split by all-to-alls (:mod:`meshtron.models.ulysses`):
+``ulysses`` over every rank, each then attending over the whole sequence, in order, with the run's
+kernel and its plain causal mask; ``hybrid``, over groups of ``ulysses_degree`` consecutive ranks, the
+groups then attending by the ring above (every ``ulysses_degree``-th rank one ring). The order a
+sequence is stored in follows the exchange (:func:`sequence_order`): the ranks an all-to-all joins
+hold consecutive parts of what their group attends for.
 """
 
 from __future__ import annotations

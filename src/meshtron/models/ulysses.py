@@ -15,8 +15,10 @@ all-to-all runs within each group of ``u`` consecutive ranks, and the ``c/u`` gr
 whole sequence by the load-balanced ring (:func:`meshtron.models.context_attention.ring_attention`, its
 ranks ``u`` apart). Both are one split of the one ``context`` mesh axis rather than two mesh axes: the
 mesh keeps its four axes, so rules tables, checkpoints and every other feature's view of ``context``
-stay as they are, and consecutive ranks of the axis -- those the all-to-all joins -- are the inner,
-closest devices (within a node), the ring going across.
+stay as they are; and consecutive ranks of the axis -- those the all-to-all joins -- are the axis's
+closest devices (the mesh's device order puts them in one node where ``pipe × tensor`` leave room),
+the ring going across the groups. A second mesh axis would buy nothing the groups do not give: XLA
+takes the groups as the all-to-all's replica groups, and the ring's permutes name its pairs.
 
 :func:`ulysses_attention` is the exchange around an attention given to it (``attend``), called inside
 ``shard_map`` manual over the sequence's axis. Grouped-query attention: a rank's key/value heads are
