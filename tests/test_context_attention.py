@@ -13,9 +13,12 @@ from meshtron.hlo.collectives import collectives
 from meshtron.models.attention import causal_attention
 from meshtron.models.context_attention import (
     balanced_order,
+    context_exchange,
     exchange_bytes,
     gathered_kv_attention,
     ring_attention,
+    sequence_order,
+    split_attention,
 )
 from meshtron.sharding import MEGATRON_RULES, axis_rules, constrain, extend_rules
 
@@ -109,7 +112,7 @@ def test_bytes_over_the_sequence_axis_are_the_formula(exchange, attention, ranks
     compiled, mesh = compiled_gradient(attention, ranks, local=64, heads=4, kv_heads=2, d=16)
     sent = sum(c.total_wire_bytes for c in collectives(compiled, mesh) if c.axes == ("context",))
     assert sent == pytest.approx(sum(exchange_bytes(exchange, ranks, tokens=64, kv_heads=2, head_dim=16)))
-    with pytest.raises(ValueError, match="exchange: must be gathered or ring, got 'a2a'"):
+    with pytest.raises(ValueError, match="exchange: must be one of gathered, ring, ulysses, hybrid, got 'a2a'"):
         exchange_bytes("a2a", ranks, 64, 2, 16)
 
 
@@ -153,3 +156,87 @@ def test_gathered_keys_keep_the_heads_each_tensor_rank_holds(kv_heads, pinned):
         np.testing.assert_allclose(jnp.take(g, np.argsort(order), axis=1), r, rtol=1e-5, atol=1e-5)
     assert sent == pytest.approx(sum(exchange_bytes("gathered", ranks, tokens=b * s // ranks, kv_heads=kv_heads,
                                                     head_dim=d)))
+
+
+def test_the_all_to_all_exchanges_store_the_sequence_in_the_order_their_groups_attend_it():
+    # Ulysses joins every rank: the sequence in order. The hybrid of 2 rings x 2: ranks 0, 1 hold ring rank 0's
+    # balanced part (chunks 0 and 3 of 4), one contiguous half each; ranks 2, 3 ring rank 1's.
+    assert sequence_order(16, 4, 4).tolist() == list(range(16))
+    assert sequence_order(16, 4, 2).reshape(4, 4).tolist() == [[0, 1, 2, 3], [12, 13, 14, 15], [4, 5, 6, 7],
+                                                                [8, 9, 10, 11]]
+    assert sequence_order(16, 4).tolist() == balanced_order(16, 4).tolist()
+    with pytest.raises(ValueError, match="ulysses=3 must divide ranks=4"):
+        sequence_order(16, 4, 3)
+
+
+def split_by(exchange: str, ranks: int, ulysses: int, mesh, segments: bool):
+    """Attention of a whole sequence split over ``ranks`` context ranks by ``exchange``, back in sequence order."""
+    order = sequence_order(32, ranks, ranks if exchange == "ulysses" else ulysses)
+
+    def split(q, k, v, seg):
+        inputs = [jnp.take(x, order, axis=1) for x in (q, k, v, seg)]
+        with context_exchange(exchange, ulysses):
+            out = jax.shard_map(lambda q, k, v, s: split_attention(q, k, v, segments=s if segments else None),
+                                mesh=mesh, in_specs=(P(None, "context"),) * 4, out_specs=P(None, "context"))(*inputs)
+        return jnp.take(out, np.argsort(order), axis=1)
+
+    return split
+
+
+@pytest.mark.parametrize("exchange, ranks, ulysses, heads, kv_heads, segments", [
+    ("ulysses", 4, 4, 8, 2, True),  # key/value heads fewer than the ranks: repeated
+    pytest.param("ulysses", 8, 8, 8, 8, False, marks=pytest.mark.slow),
+    pytest.param("ulysses", 4, 4, 12, 3, False, marks=pytest.mark.slow),  # 3 heads repeated to lcm(3, 4) = 12
+    ("hybrid", 8, 2, 8, 2, True),
+    pytest.param("hybrid", 8, 4, 8, 8, False, marks=pytest.mark.slow),
+])
+def test_ulysses_and_hybrid_equal_unsplit_attention_with_its_gradients(exchange, ranks, ulysses, heads, kv_heads,
+                                                                       segments):
+    b, s, d = 2, 32, 8
+    q, k, v, w = (jax.random.normal(key, shape) for key, shape in zip(
+        jax.random.split(jax.random.key(0), 4), [(b, s, heads, d), (b, s, kv_heads, d), (b, s, kv_heads, d),
+                                                  (b, s, heads, d)]))
+    documents = jnp.asarray([[0] * 10 + [1] * 22, [0] * 3 + [1] * 20 + [2] * 9], jnp.int32)
+    mesh = jax.make_mesh((ranks,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ranks])
+    split = split_by(exchange, ranks, ulysses, mesh, segments)
+
+    def whole(q, k, v, seg):
+        return causal_attention(q, k, v, segments=seg if segments else None)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v, documents) * w)
+
+    with jax.set_mesh(mesh), axis_rules(MEGATRON_RULES):
+        out = jax.jit(split)(q, k, v, documents)
+        got = jax.jit(jax.grad(loss(split), argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(out, whole(q, k, v, documents), rtol=1e-5, atol=1e-6)
+    want = jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("exchange, ranks, ulysses, kv_heads", [
+    ("ulysses", 4, 4, 2), ("hybrid", 8, 2, 4), pytest.param("ulysses", 4, 4, 4, marks=pytest.mark.slow)])
+def test_bytes_of_the_all_to_all_exchanges_are_the_formula(exchange, ranks, ulysses, kv_heads):
+    # one attention layer's forward and backward: the all-to-alls (and, hybrid, the ring's permutes) over context
+    heads, local, d = 8, 64, 16
+    mesh = jax.make_mesh((ranks,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:ranks])
+
+    def split(q, k, v):  # the tokens as the ranks hold them
+        with context_exchange(exchange, ulysses):
+            return jax.shard_map(lambda q, k, v: split_attention(q, k, v), mesh=mesh,
+                                 in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"))(q, k, v)
+
+    q = jax.ShapeDtypeStruct((1, ranks * local, heads, d), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, ranks * local, kv_heads, d), jnp.float32)
+    with jax.set_mesh(mesh), axis_rules(MEGATRON_RULES):
+        # (the loss kept, and weighted: the gradient of a plain sum is a constant, whose all-to-all XLA folds away)
+        loss = jax.value_and_grad(lambda q, k, v, w: jnp.sum(split(q, k, v) * w), argnums=(0, 1, 2))
+        compiled = jax.jit(loss).lower(q, kv, kv, q).compile()
+    exchanged = [c for c in collectives(compiled, mesh) if c.axes == ("context",) and c.kind != "all-reduce"]
+    sent = sum(c.total_wire_bytes for c in exchanged)  # (the all-reduce: the loss's sum)
+    kinds = {c.kind for c in exchanged}
+    assert "all-to-all" in kinds and ("collective-permute" in kinds) == (exchange == "hybrid"), kinds
+    want = sum(exchange_bytes(exchange, ranks, tokens=local, kv_heads=kv_heads, head_dim=d, heads=heads,
+                              ulysses_degree=ulysses))
+    assert sent == pytest.approx(want, rel=0.01)

@@ -67,6 +67,42 @@ def _params():
             yield pytest.param(name, keys, id=f"{name}-{'+'.join(keys)}", marks=[getattr(pytest.mark, m) for m in marks])
 
 
+# The all-to-all exchanges split each tensor rank's query heads over the ranks they join: 8 heads (of 4
+# dimensions), which 8 context ranks split; Llama's 2 key/value heads are fewer than the ranks (repeated).
+ULYSSES = {
+    "1x1x8x1-ulysses": Layout(1, 1, 1, context=8, context_attention="ulysses"),
+    "2x1x2x2-ulysses": Layout(2, 1, 2, context=2, context_attention="ulysses"),
+    "1x2x2x2-interleaved-ulysses": Layout(1, 2, 2, "interleaved", 2, context=2, context_attention="ulysses"),
+    "1x2x4x1-zbh1-ulysses": Layout(1, 2, 1, "zb-h1", microbatches=2, context=4, context_attention="ulysses"),
+    "1x1x8x1-hybrid-u2": Layout(1, 1, 1, context=8, context_attention="hybrid", ulysses_degree=2),
+    "1x1x8x1-hybrid-u4": Layout(1, 1, 1, context=8, context_attention="hybrid", ulysses_degree=4),
+}
+# (data x tensor with Ulysses runs fast in tests/test_packed_documents.py, with packed documents)
+ULYSSES_FAST = {("llama", "1x2x4x1-zbh1-ulysses"), ("user", "1x1x8x1-hybrid-u4")}
+
+
+def _ulysses_params():
+    """As :func:`_params`, for the all-to-all exchanges' layouts."""
+    for name in ("gpt", "llama", "user"):
+        groups: dict[tuple, list[str]] = {}
+        for key, layout in ULYSSES.items():
+            groups.setdefault((layout.tensor, (name, key) in ULYSSES_FAST), []).append(key)
+        for (_, fast), keys in groups.items():
+            yield pytest.param(name, keys, id=f"{name}-{'+'.join(keys)}", marks=[] if fast else [pytest.mark.slow])
+
+
+@pytest.mark.parametrize("name, keys", list(_ulysses_params()))
+def test_ulysses_and_hybrid_loss_and_gradients_equal_one_device(name, keys, monkeypatch):
+    monkeypatch.syspath_prepend("tests/models")
+    from families import small
+
+    layouts = [ULYSSES[key] for key in keys]
+    reports = check_parity(small(name, SEQ, layouts[0].tensor, heads=8), layouts, seq_len=SEQ)
+    assert len(reports) == len(keys)
+    for report in reports:
+        assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6), report
+
+
 @pytest.mark.parametrize("name, keys", list(_params()))
 def test_loss_and_gradients_equal_one_device(name, keys, monkeypatch):
     monkeypatch.syspath_prepend("tests/models")
@@ -129,10 +165,11 @@ def multi_query_model(kv_heads: int = 1) -> ModelDef:
                            rules=extend_rules(MEGATRON_RULES, {**parallel_lm.RULES, "kv_pair": None}))
 
 
-@pytest.mark.parametrize("exchange", ["gathered", pytest.param("ring", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("exchange", ["gathered", "ulysses", pytest.param("ring", marks=pytest.mark.slow)])
 def test_key_value_heads_kept_whole_on_every_tensor_rank_keep_parity(exchange, monkeypatch):
     """The gathered exchange keeps keys and values as the model laid them out: here whole on both
-    tensor ranks (one head, which two ranks cannot split), each device gathering all of them."""
+    tensor ranks (one head, which two ranks cannot split), each device gathering all of them. Ulysses's
+    all-to-all sends each device's own: the key/value head its query heads read."""
     monkeypatch.syspath_prepend("tests/models")
     [report] = check_parity(multi_query_model(), [Layout(1, 1, 2, context=2, context_attention=exchange)],
                             seq_len=SEQ)
@@ -168,6 +205,11 @@ def test_the_step_lays_tokens_out_as_each_rank_s_front_and_mirrored_back_chunk()
     # rank 0: chunks 0 and 3 of 4; rank 1: chunks 1 and 2
     assert pairs[0, :, 0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     assert (pairs[0, :, 1] == pairs[0, :, 0] + 1).all()
+    # Ulysses: the sequence in order (each rank a contiguous quarter); the hybrid of 2 x 2: the ring's
+    # balanced halves, each split over the two ranks of its all-to-all
+    assert np.asarray(context_layout(jax.numpy.asarray(tokens), 4, 4))[0, :, 0].tolist() == list(range(16))
+    hybrid = np.asarray(context_layout(jax.numpy.asarray(tokens), 4, 2))[0, :, 0]
+    assert hybrid.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
 
 
 # ---- training: the gradient group is data x context -------------------------------------------------
@@ -197,6 +239,17 @@ def test_context_parallel_training_equals_data_parallel_training_at_every_zero_l
         jax.tree.map(lambda a, b, o=overrides: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=str(o)),
                      jax.device_get(result.params), jax.device_get(reference.params))
         assert result.heldout_loss == pytest.approx(reference.heldout_loss, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ulysses_training_at_zero_3_equals_data_parallel_training():
+    # DeepSpeed's most-reported long-context failures are Ulysses under ZeRO-3: parameters split over data x
+    # context and gathered per layer, attention's all-to-alls over context in between
+    reference = trainer(2, 1, 1, 1, "train.steps=3").run()
+    result = trainer(2, 1, 2, 2, "train.steps=3", "parallel.context_attention=ulysses", "parallel.zero=3").run()
+    np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6),
+                 jax.device_get(result.params), jax.device_get(reference.params))
 
 
 @pytest.mark.slow
@@ -258,7 +311,25 @@ def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path)
     (["parallel.context=2", "parallel.pipe=2", "model.layers=4", "parallel.context_attention=ring", "parallel.layout=[1,3]",
       "parallel.microbatches=2", "train.batch_size=8"],
      "parallel.context_attention: ring runs pipeline stages in lockstep"),
-    (["parallel.context_attention=ulysses"], "parallel.context_attention: must be one of gathered, ring"),
+    (["parallel.context_attention=a2a"], "parallel.context_attention: must be one of gathered, ring, ulysses, hybrid"),
+    (["parallel.context=8", "model.heads=4", "parallel.context_attention=ulysses"],
+     ("parallel.context_attention: ulysses splits the 4 query heads of each tensor rank over parallel.context=8 "
+     "ranks, which must divide them; use parallel.context_attention=hybrid with a parallel.ulysses_degree")),
+    (["parallel.context=8", "parallel.context_attention=hybrid", "parallel.ulysses_degree=3"],
+     "parallel.ulysses_degree: the hybrid exchange needs 1 < parallel.ulysses_degree < parallel.context=8, dividing it"),
+    (["parallel.context=8", "parallel.context_attention=hybrid", "parallel.ulysses_degree=8", "model.heads=8"],
+     "parallel.ulysses_degree: the hybrid exchange needs 1 < parallel.ulysses_degree < parallel.context=8"),
+    (["parallel.context=4", "parallel.tensor=2", "model.heads=6", "model.hidden=96", "parallel.context_attention=hybrid",
+      "parallel.ulysses_degree=2"],
+     ("parallel.ulysses_degree: 2 must divide the 3 query heads of each tensor rank (the all-to-all splits them); use "
+     "a divisor of 3 that divides parallel.context=4")),
+    (["parallel.context=2", "parallel.ulysses_degree=2"],
+     ("parallel.ulysses_degree: 2 sets the hybrid exchange's all-to-all ranks, and this run has "
+     "parallel.context_attention=gathered")),
+    (["model.ulysses_degree=0"], "parallel.ulysses_degree: must be a whole number >= 1"),
+    (["parallel.context=2", "parallel.pipe=2", "model.layers=4", "parallel.context_attention=hybrid",
+      "parallel.context=4", "parallel.ulysses_degree=2", "parallel.layout=[1,3]", "parallel.microbatches=2",
+      "train.batch_size=8"], "parallel.context_attention: ring runs pipeline stages in lockstep"),
     (["parallel.context=2", "model.family=llama", "model.moe.experts=4"],
      "parallel.context: a mixture of experts is split over data ranks only"),
     (["parallel.context=0"], "parallel.context: must be a positive size or -1"),
@@ -303,6 +374,52 @@ def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_
     # 32-token toy models it is within 30% of the compiled peak (docs/memory.md: small models)
     error = float(re.search(r"\(([-+][\d.]+)% against the compiled peak\)", text)[1])
     assert abs(error) <= 30, f"modelled peak {error:+.1f}% off the compiled one"
+
+
+@pytest.mark.parametrize("exchange, mesh", [
+    ("ulysses", ["parallel.data=2", "parallel.context=4", "parallel.tensor=1"]),  # 2 key/value heads repeated to 4
+    pytest.param("hybrid", ["parallel.data=1", "parallel.context=4", "parallel.tensor=2", "parallel.ulysses_degree=2"],
+                 marks=pytest.mark.slow),
+])
+def test_describe_prices_the_ulysses_exchanges_as_the_compiled_step_sends_them(exchange, mesh):
+    """Ulysses's all-to-alls (and the hybrid's ring across its groups): describe's line per layer and
+    microbatch is the formula, the compiled step sends as much, and the step memory model, which counts
+    the whole sequence's scores for a c-th of the heads, is within the toy models' 30% of the compiled peak."""
+    import io
+
+    from meshtron.describe import describe
+    from meshtron.models.context_attention import exchange_bytes
+    from meshtron.units import format_bytes
+
+    out = io.StringIO()
+    describe(load_config(None, [*MODEL, *mesh, "parallel.pipe=1", f"parallel.context_attention={exchange}",
+                                "model.remat=none"]), out)
+    text = out.getvalue()
+    cfg = load_config(None, [*MODEL, *mesh, "parallel.pipe=1"])
+    ranks, tensor = cfg.mesh.context, cfg.mesh.tensor
+    tokens = 8 // cfg.mesh.data // 2 * SEQ // ranks
+    forward, backward = exchange_bytes(exchange, ranks, tokens, kv_heads=2 // tensor, head_dim=8, heads=4 // tensor,
+                                       ulysses_degree=2 if exchange == "hybrid" else None)
+    per_layer = forward + backward
+    assert f"{format_bytes(per_layer)} per device, layer and microbatch" in text, text
+    assert (f"{exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the compiled "
+            f"step, {format_bytes(per_layer)} by the formula (+0.0%)") in text, text
+    error = float(re.search(r"\(([-+][\d.]+)% against the compiled peak\)", text)[1])
+    assert abs(error) <= 30, f"modelled peak {error:+.1f}% off the compiled one"
+
+
+def test_the_planner_s_exchange_formula_is_the_models():
+    """:func:`meshtron.plan.model.exchange_wire_bytes` (pure Python, for the planner) equals
+    :func:`meshtron.models.context_attention.exchange_bytes` for every exchange, GQA repetition included."""
+    from meshtron.models.context_attention import exchange_bytes
+    from meshtron.plan.model import exchange_wire_bytes
+
+    for exchange, ranks, u in [("gathered", 8, None), ("ring", 8, None), ("ulysses", 4, None), ("ulysses", 8, None),
+                               ("hybrid", 8, 2), ("hybrid", 16, 4), ("hybrid", 32, 8)]:
+        for kv_heads in (1, 2, 6, 8, 32):
+            args = (exchange, ranks, 4096, kv_heads, 128, 2)
+            assert exchange_wire_bytes(*args, heads=32, ulysses_degree=u or 1) == pytest.approx(
+                exchange_bytes(*args, heads=32, ulysses_degree=u)), (exchange, ranks, u, kv_heads)
 
 
 def test_describe_plans_a_context_run_too_large_for_the_machine_on_all_its_devices():
@@ -373,7 +490,7 @@ def test_rules_that_keep_the_sequence_whole_cannot_split_it(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange", ["gathered", "ring"])
+@pytest.mark.parametrize("exchange", ["gathered", "ring", "ulysses"])
 def test_sequence_parallelism_inside_a_context_rank_keeps_parity(exchange):
     # the residual stream split over context x tensor: sequence parallelism's rule on top of the split
     md = model_def_from_config(ModelConfig(family="llama", vocab_size=64, hidden=32, heads=4, kv_heads=2, layers=4,

@@ -27,6 +27,8 @@ def test_the_scope_sets_what_model_code_reads_and_leaving_it_restores():
     with Execution(remat="selective", attention="cudnn", context_attention="ring").scope():
         inside = current()
         assert (inside.attention, inside.recompute_core, inside.exchange) == ("cudnn", True, "ring")
+    with Execution(context_attention="hybrid", ulysses_degree=4).scope():
+        assert (current().exchange, current().ulysses_degree) == ("hybrid", 4)
     assert current() == before
     with Execution(remat="full").scope():
         assert not current().recompute_core  # full recomputation is run_blocks', not the attention core's
@@ -44,7 +46,9 @@ def test_generations_default_context_is_the_window_within_the_models_limit():
 
 @pytest.mark.parametrize("switches, message", [
     ({"remat": "some"}, r"^model.remat: must be one of none, full, selective, offload, got 'some'$"),
-    ({"context_attention": "ulysses"}, r"^parallel.context_attention: must be one of gathered, ring, got 'ulysses'$"),
+    ({"context_attention": "a2a"},
+     r"^parallel.context_attention: must be one of gathered, ring, ulysses, hybrid, got 'a2a'$"),
+    ({"context_attention": "hybrid", "ulysses_degree": 0}, r"^parallel.ulysses_degree: must be a whole number >= 1, got 0$"),
 ])
 def test_an_unknown_switch_is_one_line(switches, message):
     with pytest.raises(ValueError, match=message):

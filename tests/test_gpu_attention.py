@@ -62,6 +62,21 @@ def test_cudnn_over_a_split_sequence_with_gathered_keys_compiles_into_the_fused_
     assert FUSED in text
 
 
+@pytest.mark.parametrize(("layout", "overrides"), [
+    ("2x1x2", ("parallel.context=2", "parallel.context_attention=ulysses")),
+    ("2x1x2", ("parallel.context=2", "parallel.context_attention=ulysses", "model.kv_heads=2")),  # repeated
+    ("1x1x2", ("parallel.context=4", "parallel.context_attention=hybrid", "parallel.ulysses_degree=2")),
+], ids=["ulysses-context2-tensor2", "ulysses-context2-gqa", "hybrid-context4-u2"])
+def test_cudnn_inside_the_ulysses_exchange_compiles_into_the_fused_kernel(layout, overrides):
+    """Between the all-to-alls, the fused kernel: over the whole sequence for Ulysses (128 tokens, 8 heads
+    over 2 tensor x 2 context ranks: 2 per device), per ring block for the hybrid."""
+    text = compiled_step(layout, "cudnn", *overrides).as_text()
+    assert FUSED in text and "all-to-all" in text
+    if "parallel.context_attention=ulysses" in overrides:
+        calls = [line for line in text.splitlines() if 'custom_call_target="__cudnn$fmha' in line]
+        assert any(re.search(r"bf16\[\d+,128,2,8\]", line) for line in calls), calls[:2]
+
+
 def block_scores(text: str, tokens: int) -> list[str]:
     """The fp32 arrays of rank 4 or more whose last two dimensions are a ring's blocks of queries and keys
     (``tokens`` per rank, a block or its half): the ``[.., s_q, s_k]`` scores XLA's attention keeps."""
@@ -139,3 +154,56 @@ def test_cudnn_attention_with_packed_documents_compiles_into_the_fused_kernel(la
     """The document mask (a query sees its own document's earlier keys) goes to cuDNN as a bias."""
     text = compiled_step(layout, "cudnn", "data.reset_per_document=true", *overrides).as_text()
     assert FUSED in text
+
+
+def _is_all_to_all(instruction) -> bool:
+    return "all-to-all" in instruction.opcode or (instruction.opcode.startswith("async")
+                                                  and "all-to-all" in instruction.attributes)
+
+
+def _reaches_all_to_all(start, step) -> bool:
+    """Whether walking ``step`` (an instruction's operands, or its users) from ``start`` meets an all-to-all."""
+    seen, todo = set(), list(step(start))
+    while todo:
+        instruction = todo.pop()
+        if instruction.name in seen:
+            continue
+        seen.add(instruction.name)
+        if _is_all_to_all(instruction):
+            return True
+        todo.extend(step(instruction))
+    return False
+
+
+def exchanged_around(text: str, kernel: str) -> list[tuple[bool, bool]]:
+    """For each call of the cuDNN kernel ``kernel`` (its custom-call target): whether an all-to-all feeds it
+    (through the reshapes, copies and fusions between) and whether its output reaches one, within the
+    computation that runs it."""
+    from meshtron.hlo.text import parse_hlo_module
+
+    found = []
+    for computation in parse_hlo_module(text).computations.values():
+        by_name = {i.name: i for i in computation.instructions}
+        users: dict[str, list] = {}
+        for instruction in computation.instructions:
+            for operand in instruction.operands:
+                users.setdefault(operand, []).append(instruction)
+        operands = functools.partial(lambda table, i: [table[o] for o in i.operands if o in table], by_name)
+        readers = functools.partial(lambda table, i: table.get(i.name, []), users)
+        for instruction in computation.instructions:
+            if instruction.opcode == "custom-call" and f'custom_call_target="{kernel}"' in instruction.attributes:
+                found.append((_reaches_all_to_all(instruction, operands), _reaches_all_to_all(instruction, readers)))
+    return found
+
+
+def test_cudnn_attention_runs_inside_the_ulysses_exchange():
+    """Ulysses turns the sequence split into a head split with all-to-alls, so each rank's attention is an
+    ordinary whole-sequence call: cuDNN's forward and backward kernels are each fed by an all-to-all over
+    context and feed one, on 8 ranks of one context group with 2 key/value heads repeated to 8."""
+    text = compiled_step("1x1x1", "cudnn", "parallel.context=8", "parallel.context_attention=ulysses",
+                         "model.kv_heads=2").as_text()
+    kernels = sorted(set(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)))
+    assert any("Backward" in k for k in kernels) and any("Backward" not in k for k in kernels), kernels
+    for kernel in kernels:
+        around = exchanged_around(text, kernel)
+        assert around and all(before and after for before, after in around), (kernel, around)

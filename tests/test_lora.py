@@ -98,6 +98,7 @@ LAYOUTS = {
     "2x2x2-interleaved": Layout(2, 2, 2, "interleaved", 2),
     "1x2x1-1f1b-kept": Layout(1, 2, 1, "1f1b", recompute=False),
     "2x1x1-context2": Layout(2, 1, 1, context=2),
+    "1x1x1-context4-ulysses": Layout(1, 1, 1, context=4, context_attention="ulysses"),
 }
 
 

@@ -103,8 +103,11 @@ LAYOUTS = {
     "2x1x2-context2": Layout(2, 1, 2, context=2),
     "1x1x1-context8-ring": Layout(1, 1, 1, context=8, context_attention="ring"),
     "1x2x1-context4-zbh1-ring": Layout(1, 2, 1, "zb-h1", microbatches=2, context=4, context_attention="ring"),
+    "2x1x2-context2-ulysses": Layout(2, 1, 2, context=2, context_attention="ulysses"),
+    "1x1x1-context4-hybrid-u2": Layout(1, 1, 1, context=4, context_attention="hybrid", ulysses_degree=2),
 }
-FAST = {("llama", "2x2x2-interleaved"), ("gpt", "1x2x4-zbh1"), ("user", "1x1x8"), ("llama", "1x1x1-context8-ring")}
+FAST = {("llama", "2x2x2-interleaved"), ("gpt", "1x2x4-zbh1"), ("user", "1x1x8"), ("llama", "1x1x1-context8-ring"),
+        ("llama", "2x1x2-context2-ulysses")}
 
 
 def _params_for_layouts():

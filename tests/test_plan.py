@@ -476,3 +476,40 @@ def test_describe_prices_a_large_preset_with_the_planners_functions():
     assert "counts                   Megatron-LM's mixed precision as the paper ran it" in text
     assert "memory per device, this run as configured (float32 parameters, gradients and optimizer state; " \
            "bfloat16 activations; meshtron's step as XLA compiles it" in text
+
+
+def test_the_planner_prices_each_context_exchange_and_refuses_the_shapes_it_cannot_run():
+    """Per rank and layer, Ulysses sends (c-1)/c of its queries, keys, values and output each way, so as
+    c grows with the sequence its bytes stay flat, while the gathered exchange's grow as c-1; the hybrid
+    adds a ring over c/u groups. Shapes Ulysses cannot split are one line naming the way out."""
+    from meshtron.plan.model import context_wire_bytes, exchange_wire_bytes
+
+    model = ModelShape(layers=32, hidden=4096, heads=32, seq_len=32768, vocab_size=32000, family="llama",
+                       kv_heads=8, mlp_dim=11008)
+    longer = dataclasses.replace(model, seq_len=2 * model.seq_len)
+
+    def sent(exchange: str, c: int, shape: ModelShape = model, u: int = 1) -> float:
+        return context_wire_bytes(shape, Layout(1, 1, 1, 1, 8, recompute="none", context=c,
+                                                context_attention=exchange, ulysses_degree=u))
+
+    tokens, d = 32768 // 4, 128
+    assert sent("ulysses", 4) == 2 * 3 / 4 * tokens * d * 2 * (2 * 32 + 2 * 8)  # q, k, v in, out back; each way
+    assert sent("ulysses", 8, longer) / sent("ulysses", 4) == pytest.approx((7 / 8) / (3 / 4))  # flat as c grows with s
+    assert sent("gathered", 8, longer) / sent("gathered", 4) == pytest.approx(7 / 3)
+    # the hybrid: Ulysses over u = 2, then the ring over 4 groups of 2 x the tokens for half the key/value heads
+    forward, backward = exchange_wire_bytes("ring", 4, 2 * 32768 // 8, 8 // 2, d, 2, heads=32 // 2)
+    assert sent("hybrid", 8, u=2) == sent("ulysses", 2, dataclasses.replace(model, seq_len=32768 // 4)) \
+        + forward + backward
+    # GQA: a rank's key/value heads are repeated until c divides them (2 to 8) before the all-to-all
+    few = dataclasses.replace(model, kv_heads=2)
+    assert sent("ulysses", 8, few) == sent("ulysses", 8)
+    assert Layout(1, 1, 1, 1, 8, context=8, context_attention="ulysses").problem(few) is None
+    # a tensor rank's heads not divisible by c: the hybrid is the way out
+    assert Layout(8, 1, 1, 1, 8, context=8, context_attention="ulysses").problem(model) == \
+        "ulysses needs the 4 heads per tensor rank divisible by 8; use hybrid with a ulysses_degree that divides them"
+    assert Layout(8, 1, 1, 1, 8, context=8, context_attention="hybrid", ulysses_degree=4).problem(model) is None
+    assert Layout(1, 1, 1, 1, 8, context=8, context_attention="hybrid", ulysses_degree=8).problem(model) == \
+        "hybrid needs ulysses_degree (got 8) between 1 and context=8, dividing it"
+    plan = make_plan(model, 64, 8, load_cluster("a100-80gb"), context=8, context_attention="hybrid", ulysses_degree=2)
+    assert all(e.layout.context_attention == "hybrid" for e in plan.result.ranked)
+    assert "(hybrid: Ulysses all-to-alls over 2 ranks, a ring over 4)" in render(plan, 2)

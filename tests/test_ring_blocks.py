@@ -141,10 +141,14 @@ def test_the_ring_with_per_device_block_kernels_equals_unsplit_attention(ranks, 
 @pytest.mark.parametrize("layout, documents", [
     (Layout(2, 1, 2, context=2, context_attention="ring"), False),
     (Layout(1, 1, 2, context=4, context_attention="ring"), True),
-], ids=["2x1x2x2", "1x1x4x2-documents"])
+    (Layout(2, 1, 2, context=2, context_attention="ulysses"), True),
+    pytest.param(Layout(1, 1, 2, context=4, context_attention="hybrid", ulysses_degree=2), True, marks=pytest.mark.slow),
+], ids=["2x1x2x2", "1x1x4x2-documents", "2x1x2x2-ulysses-documents", "1x1x4x2-hybrid-documents"])
 def test_cudnn_by_the_ring_keeps_parity_in_the_train_step(layout, documents, monkeypatch):
     """``model.attention=cudnn`` with the ring, its cuDNN kernels replaced by the reference pair (and the
-    one-device reference's cuDNN attention by XLA's): the loss and every gradient equal one device's."""
+    one-device reference's cuDNN attention by XLA's): the loss and every gradient equal one device's. With
+    Ulysses, the whole sequence's attention goes through the same nested map as cuDNN's call; with the
+    hybrid, the ring's blocks after the all-to-all."""
     monkeypatch.syspath_prepend("tests/models")
     from families import small
 

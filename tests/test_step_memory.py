@@ -101,6 +101,31 @@ def test_kept_residuals_under_full_recomputation_are_the_layer_inputs():
     assert layer_inputs.working == stage_input.working  # one layer recomputed at a time, either way
 
 
+def test_each_context_exchange_holds_the_scores_it_attends_at_once():
+    """The attention backward's working set (XLA's attention) is one score array per device: gathered's
+    s/c queries against every key and Ulysses's whole sequence for a c-th of the heads are as many elements;
+    the ring's s/c x s/c block is c times fewer, the hybrid's u times the ring's (one block of a group's
+    tokens for a u-th of the heads). cuDNN's fused attention holds none, whichever exchange."""
+    from meshtron.plan.step_memory import score_elements
+
+    shape = StepShape.from_config(load_config("llama2_7b", ["model.seq_len=32768", "model.max_position_embeddings=32768"]).model)
+    c, t, u = 8, 1, 2
+
+    def run(exchange: str, attention: str = "xla", **more) -> StepRun:
+        return StepRun(data=1, pipe=1, tensor=t, microbatch=1, context=c, context_attention=exchange,
+                       ulysses_degree=u if exchange == "hybrid" else 1, attention=attention, **more)
+
+    def working(exchange: str, attention: str = "xla") -> float:
+        return step_memory(shape, run(exchange, attention, remat="none"), "gpu").working
+
+    whole = 32 * 32768 * 32768
+    elements = {exchange: score_elements(shape, run(exchange)) for exchange in ("gathered", "ring", "ulysses", "hybrid")}
+    assert elements == {"gathered": whole / c, "ulysses": whole / c, "ring": whole / c**2, "hybrid": u * whole / c**2}
+    assert working("ulysses") == working("gathered") == c * working("ring") == c / u * working("hybrid") > 0
+    assert {working(exchange, "cudnn") for exchange in elements} == {0.0}
+    assert score_elements(shape, dataclasses.replace(run("ulysses"), context=1)) == whole  # one rank: no split
+
+
 def test_bad_inputs_get_one_line():
     shape = StepShape.from_config(load_config("cpu8").model)
     with pytest.raises(ConfigError, match="^backend: must be one of gpu, cpu, got 'tpu'$"):

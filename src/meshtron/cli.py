@@ -236,7 +236,7 @@ def _plan(args: argparse.Namespace) -> None:
     """``meshtron plan``: the paper's performance model over every layout; no devices, no JAX."""
     from meshtron.config import freeze_step
     from meshtron.plan import ModelShape, load_cluster
-    from meshtron.plan.model import GRADIENTS, RECOMPUTE
+    from meshtron.plan.model import GRADIENTS, RECOMPUTE, context_exchange_of
     from meshtron.plan.report import make_plan, render
 
     # The model and batch come from the config; its mesh is what the plan chooses, so it is reset
@@ -270,7 +270,8 @@ def _plan(args: argparse.Namespace) -> None:
     plan = make_plan(ModelShape.from_config(cfg.model), args.gpus, batch,
                      load_cluster(cluster), optimizer, modes,
                      freeze_fraction=min(1.0, freeze_step(cfg) / max(cfg.train.steps, 1)), gradients=gradients,
-                     context=context, sequence_parallel=configured.model.sequence_parallel)
+                     context=context, sequence_parallel=configured.model.sequence_parallel,
+                     **context_exchange_of(configured.model))
     print(render(plan, args.top))
     if args.target:
         from meshtron.plan_on_target import price_on_target, priced_json, render_priced

@@ -146,8 +146,8 @@ class ModelConfig:
 
     ``kv_heads`` (llama): key/value heads for grouped-query attention, null = ``heads``. ``rules``:
     additions to or overrides of the logical -> mesh axis table, e.g. ``{ffn: tensor}`` for a model's
-    own axis name, ``{kv_heads: null}`` to replicate one. ``sequence_parallel``, ``context_attention``
-    and ``collective_matmul`` are the copies code reads of their ``parallel.*`` fields, which users
+    own axis name, ``{kv_heads: null}`` to replicate one. ``sequence_parallel``, ``context_attention``,
+    ``ulysses_degree`` and ``collective_matmul`` are the copies code reads of their ``parallel.*`` fields, which users
     write (:class:`ParallelConfig`).
     """
 
@@ -175,9 +175,12 @@ class ModelConfig:
     # or by the largest amax of the last fp8_amax_history steps (delayed; models/fp8.py, models/fp8_scaling.py)
     fp8: str = "off"
     fp8_amax_history: int = 16
-    # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered) or ring
-    # (blocks passed around, two resident at a time). Ignored with parallel.context=1.
+    # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered), ring
+    # (blocks passed around, two resident at a time), ulysses (all-to-alls swap the sequence split for a head
+    # split: each rank attends over the whole sequence for heads/context heads) or hybrid (ulysses over
+    # ulysses_degree consecutive ranks, a ring across the groups). Ignored with parallel.context=1.
     context_attention: str = "gathered"
+    ulysses_degree: int = 1  # hybrid: the context ranks each all-to-all joins (1 < it < parallel.context, dividing it)
     rules: dict[str, str | None] = field(default_factory=dict)
     moe: MoEConfig = field(default_factory=MoEConfig)
     mla: MlaConfig = field(default_factory=MlaConfig)
@@ -467,9 +470,12 @@ class ParallelConfig:
     # projections as rings of collective-permutes, each step's GEMM overlapping the next transfer
     # (models/collective_matmul.py).
     collective_matmul: bool = False
-    # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered) or ring
-    # (blocks passed around, two resident at a time). Ignored with parallel.context=1.
+    # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered), ring
+    # (blocks passed around, two resident at a time), ulysses (all-to-alls swap the sequence split for a head
+    # split: each rank attends over the whole sequence for heads/context heads) or hybrid (ulysses over
+    # ulysses_degree consecutive ranks, a ring across the groups). Ignored with parallel.context=1.
     context_attention: str = "gathered"
+    ulysses_degree: int = 1  # hybrid: the context ranks each all-to-all joins (1 < it < parallel.context, dividing it)
 
 
 # The old spelling of each parallel.* key (where code still reads it) -> the new one.
@@ -478,7 +484,8 @@ ALIASES: dict[str, str] = {
     **{f"pipeline.{name}": f"parallel.{name}" for name in ("schedule", "chunks", "layout", "recompute")},
     **{f"train.{name}": f"parallel.{name}"
        for name in ("microbatches", "zero", "gather_once", "gather_dtype", "reduce_dtype")},
-    **{f"model.{name}": f"parallel.{name}" for name in ("sequence_parallel", "context_attention", "collective_matmul")},
+    **{f"model.{name}": f"parallel.{name}" for name in ("sequence_parallel", "context_attention", "ulysses_degree",
+                                                                "collective_matmul")},
 }
 
 
@@ -821,6 +828,9 @@ def validate(cfg: Config) -> None:
     _need(m.context_attention in CONTEXT_EXCHANGES, "parallel.context_attention",
           f"must be one of {', '.join(CONTEXT_EXCHANGES)} (how attention exchanges keys and values over "
           f"parallel.context), got {m.context_attention!r}")
+    _need(isinstance(m.ulysses_degree, int) and not isinstance(m.ulysses_degree, bool) and m.ulysses_degree >= 1,
+          "parallel.ulysses_degree", f"must be a whole number >= 1 (the context ranks the hybrid exchange's "
+          f"all-to-alls join), got {m.ulysses_degree!r}")
     for name, axis in m.rules.items():
         _need(axis is None or axis in ("data", "pipe", "context", "tensor"), f"model.rules.{name}",
               f"{axis!r} is not a mesh axis; use data, pipe, context, tensor or null (replicated)")

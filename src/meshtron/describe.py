@@ -183,14 +183,15 @@ def planned_step(run: Run, cluster: str = "a100-80gb") -> list[str]:
     time formulas ``meshtron plan`` ranks layouts with), or nothing when the planner's model does not
     cover the run (a mixture of experts, or a layout Megatron's schedules cannot run)."""
     from meshtron.plan import Layout, ModelShape, estimate, load_cluster
-    from meshtron.plan.model import MEMORY_MODEL
+    from meshtron.plan.model import MEMORY_MODEL, context_exchange_of
 
     cfg, sizes, t = run.cfg, run.sizes, run.cfg.train
     try:
         model = ModelShape.from_config(cfg.model)
         layout = Layout(sizes.tensor, sizes.pipe, sizes.data, t.batch_size // (sizes.data * t.microbatches),
                         t.batch_size, cfg.pipeline.chunks, megatron_remat(cfg.model.remat), sizes.context,
-                        sequence_parallel=cfg.model.sequence_parallel and sizes.tensor > 1)
+                        sequence_parallel=cfg.model.sequence_parallel and sizes.tensor > 1,
+                        **context_exchange_of(cfg.model))
         layout.check(model)
     except ConfigError as err:
         return [f"plan: not priced ({err})"]
@@ -339,7 +340,7 @@ class ContextExchange:
     """What attention sends over ``context`` per device, attention layer and microbatch, when sequences
     are split there (:func:`meshtron.models.context_attention.exchange_bytes`)."""
 
-    exchange: str  # parallel.context_attention: gathered or ring
+    exchange: str  # parallel.context_attention: gathered, ring, ulysses or hybrid
     ranks: int
     tokens: int  # a rank's tokens per microbatch: rows x seq_len / ranks
     kv_heads: int  # key/value heads on one device (split over tensor when it divides them)
@@ -349,15 +350,25 @@ class ContextExchange:
     forward: float  # the formula's bytes of one forward
     backward: float
     widened: float | None = None  # per layer, the formula with 16-bit values sent as fp32 (XLA:CPU's collectives)
+    ulysses_degree: int = 1  # the ranks of one all-to-all group: c for ulysses, parallel.ulysses_degree for hybrid
 
     @property
     def per_layer(self) -> float:
         return self.forwards * self.forward + self.backward
 
     def line(self) -> str:
-        how = "keys and values all-gathered" if self.exchange == "gathered" else "key/value blocks passed around a ring"
-        return (f"split over context ({self.ranks} ranks, {self.tokens} tokens each per microbatch: chunks r and "
-                f"{2 * self.ranks}-1-r of every sequence), {how}: {format_bytes(self.per_layer)} per device, layer and "
+        c, u = self.ranks, self.ulysses_degree
+        how = {"gathered": "keys and values all-gathered", "ring": "key/value blocks passed around a ring",
+               "ulysses": f"queries, keys and values all-to-all'd into {c} head groups (each rank attends over the "
+                          "whole sequence)",
+               "hybrid": f"all-to-alls over {u} ranks into head groups, their key/value blocks passed around a ring "
+                         f"of {c // u}"}[self.exchange]
+        ring = c // u  # the balanced layout's ranks: the ring's (one contiguous slice each under ulysses)
+        held = "a contiguous slice of every sequence" if ring == 1 else f"chunks r and {2 * ring}-1-r of every sequence"
+        if 1 < ring < c:
+            held = f"{u} ranks share chunks r and {2 * ring}-1-r of every sequence"
+        return (f"split over context ({c} ranks, {self.tokens} tokens each per microbatch: {held}), {how}: "
+                f"{format_bytes(self.per_layer)} per device, layer and "
                 f"microbatch ({self.forwards} x {format_bytes(self.forward)} forward, {format_bytes(self.backward)} "
                 "backward)")
 
@@ -376,21 +387,25 @@ class ContextExchange:
 def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
     """What ``cfg``'s attention exchanges over ``context`` (a resolved mesh with ``context`` > 1)."""
     from meshtron.models.context_attention import exchange_bytes
+    from meshtron.plan.model import context_exchange_of, ulysses_ranks
 
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
     family = FAMILIES.get(m.family)
     kv = family.load_counts().kv_heads(m) if family is not None else m.heads
     kv_local = kv // mesh.tensor if kv % mesh.tensor == 0 else kv
+    heads_local = m.heads // mesh.tensor
+    u = ulysses_ranks(**context_exchange_of(m), context=mesh.context)  # the all-to-alls' group
     tokens = t.batch_size // mesh.data // t.microbatches * m.seq_len // mesh.context
     forwards = 1 + (m.remat in ("full", "selective", "offload")) + (mesh.pipe > 1 and cfg.pipeline.recompute)
     def per_layer(itemsize: int) -> tuple[float, float]:
-        return exchange_bytes(m.context_attention, mesh.context, tokens, kv_local, m.hidden // m.heads, itemsize)
+        return exchange_bytes(m.context_attention, mesh.context, tokens, kv_local, m.hidden // m.heads, itemsize,
+                              heads=heads_local, ulysses_degree=u if m.context_attention == "hybrid" else None)
 
     forward, backward = per_layer(np.dtype(m.dtype).itemsize)
     wide = per_layer(4)
     widened = forwards * wide[0] + wide[1] if np.dtype(m.dtype).itemsize == 2 else None
     return ContextExchange(m.context_attention, mesh.context, tokens, kv_local, forwards, model_def.layers // mesh.pipe,
-                           t.microbatches, forward, backward, widened)
+                           t.microbatches, forward, backward, widened, u)
 
 
 def expert_exchange(cfg: Config, sizes: MeshSizes, model_def: ModelDef) -> ExpertExchange:

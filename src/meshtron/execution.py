@@ -33,7 +33,9 @@ REMAT_MODES = (*MEGATRON_REMAT_MODES, "offload")
 input) kept in pinned host memory instead of on the device."""
 FP8_RECIPES = ("off", "current", "delayed")  # model.fp8: projections in their own dtype, or FP8 GEMMs scaled per
 # tensor by its own amax now, or by an amax history (models/fp8.py, models/fp8_scaling.py)
-EXCHANGES = ("gathered", "ring")  # parallel.context_attention: keys and values all-gathered, or passed round a ring
+# parallel.context_attention: keys and values all-gathered, or passed round a ring; or heads and sequence swapped by
+# all-to-alls over every context rank (ulysses) or over parallel.ulysses_degree of them, a ring across (hybrid)
+EXCHANGES = ("gathered", "ring", "ulysses", "hybrid")
 
 
 class _RunModelSettings(Protocol):
@@ -46,6 +48,8 @@ class _RunModelSettings(Protocol):
     def attention(self) -> str | None: ...
     @property
     def context_attention(self) -> str: ...
+    @property
+    def ulysses_degree(self) -> int: ...
     @property
     def seq_len(self) -> int | None: ...
     @property
@@ -61,8 +65,8 @@ class Execution:
     ``remat``: ``none``, ``full`` (each block recomputed in the backward pass), ``selective`` (only
     attention cores recomputed) or ``offload`` (``full`` with each block's input kept in pinned host
     memory). ``attention``: ``jax.nn.dot_product_attention``'s implementation
-    (``None``: JAX's choice). ``context_attention``: the exchange over a split sequence (``gathered`` or
-    ``ring``). ``fp8``: the recipe the blocks' projections multiply by (:data:`FP8_RECIPES`,
+    (``None``: JAX's choice). ``context_attention``: the exchange over a split sequence (:data:`EXCHANGES`);
+    ``ulysses_degree``: the context ranks the hybrid's all-to-alls join. ``fp8``: the recipe the blocks' projections multiply by (:data:`FP8_RECIPES`,
     :mod:`meshtron.models.fp8`). ``window``: the run's ``model.seq_len``, the context generation sees by default
     (:meth:`context`; ``None``: the model's own limit). ``collective_matmul``: under sequence parallelism
     the blocks' projections gather and reduce-scatter the residual stream as rings overlapped with their
@@ -74,11 +78,14 @@ class Execution:
     window: int | None = None
     fp8: str = "off"
     collective_matmul: bool = False
+    ulysses_degree: int = 1
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
             raise ValueError(f"model.remat: must be one of {', '.join(REMAT_MODES)}, got {self.remat!r}")
         checked_exchange(self.context_attention)
+        if not isinstance(self.ulysses_degree, int) or self.ulysses_degree < 1:
+            raise ValueError(f"parallel.ulysses_degree: must be a whole number >= 1, got {self.ulysses_degree!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"model.fp8: must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
 
@@ -86,7 +93,7 @@ class Execution:
     def of_model_config(cls, model: _RunModelSettings) -> Execution:
         """The switches a run's ``model`` section (``cfg.model``) sets."""
         return cls(remat=model.remat, attention=model.attention, context_attention=model.context_attention,
-                   fp8=model.fp8, window=model.seq_len, collective_matmul=model.collective_matmul)
+                   ulysses_degree=model.ulysses_degree, fp8=model.fp8, window=model.seq_len, collective_matmul=model.collective_matmul)
 
     def scope(self) -> contextlib.AbstractContextManager[TraceContext]:
         """Inside this, traced model code runs as these switches say: attention through this
@@ -94,7 +101,8 @@ class Execution:
         for the backward under ``remat=selective`` (``full`` and ``offload`` are applied where blocks run:
         :func:`meshtron.models.blocks.run_blocks`)."""
         return using(attention=self.attention, recompute_core=self.remat == "selective",
-                     exchange=self.context_attention, fp8=self.fp8, collective_matmul=self.collective_matmul)
+                     exchange=self.context_attention,
+                     ulysses_degree=self.ulysses_degree, fp8=self.fp8, collective_matmul=self.collective_matmul)
 
     def context(self, max_len: int | None) -> int | None:
         """How many tokens generation sees by default: the training window, within the model's

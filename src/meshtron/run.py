@@ -26,7 +26,9 @@ __all__ = ["MeshSizes", "Run", "ZeroChoice", "check_features", "resolve_run", "r
 
 RING_IN_PIPELINE = (
     "ring runs pipeline stages in lockstep (XLA's collective-permute waits for every device of the mesh), which an "
-    "uneven parallel.layout's per-stage layer counts cannot; use an even layout or parallel.context_attention=gathered")
+    "uneven parallel.layout's per-stage layer counts cannot; use an even layout or parallel.context_attention=gathered "
+    "(or ulysses)")
+RING_EXCHANGES = ("ring", "hybrid")  # the exchanges that pass blocks round a ring of collective-permutes
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def resolve_run(cfg: Config, devices: int, *, layers: int | None = None, program
         raise ConfigError(f"parallel.schedule: {err}") from None
     # A ring attention runs the stages in lockstep: every stage computes every slot of every tick, so a
     # rerun hoisted into the tick before balances nothing there.
-    ring = cfg.mesh.context > 1 and cfg.model.context_attention == "ring"
+    ring = cfg.mesh.context > 1 and cfg.model.context_attention in RING_EXCHANGES
     compiled = compile_program(schedule, keep_residuals=not pl.recompute, hoist=not ring) if program else None
     return Run(cfg, layout, schedule, compiled)
 
@@ -253,6 +255,34 @@ def _check_context_split(m: ModelConfig, mesh: MeshConfig) -> None:
     _need(not m.moe.experts, "parallel.context",
           "a mixture of experts is split over data ranks only, not over a split sequence; use parallel.context=1 "
           "with model.moe.experts")
+    _check_ulysses(m, mesh)
+
+
+def _check_ulysses(m: ModelConfig, mesh: MeshConfig) -> None:
+    """The all-to-all exchanges: ``hybrid``'s groups of ``parallel.ulysses_degree`` ranks divide the context
+    ranks, leaving a ring of two or more; the query heads of a tensor rank (a built-in family's: a user's
+    model is checked when its attention is traced) split evenly over the ranks an all-to-all joins."""
+    c, u, exchange = mesh.context, m.ulysses_degree, m.context_attention
+    if exchange != "hybrid":
+        _need(u == 1, "parallel.ulysses_degree", f"{u} sets the hybrid exchange's all-to-all ranks, and this run has "
+              f"parallel.context_attention={exchange}; use parallel.context_attention=hybrid or drop it")
+    else:
+        _need(1 < u < c and c % u == 0, "parallel.ulysses_degree",
+              f"the hybrid exchange needs 1 < parallel.ulysses_degree < parallel.context={c}, dividing it (an "
+              f"all-to-all over each group of that many ranks, a ring across the groups), got {u}; use "
+              "parallel.context_attention=ulysses or ring for all-to-alls or a ring alone")
+    if m.factory is not None or exchange not in ("ulysses", "hybrid") or mesh.tensor < 1 or m.heads % mesh.tensor:
+        return
+    heads = m.heads // mesh.tensor
+    if exchange == "ulysses":
+        _need(heads % c == 0, "parallel.context_attention",
+              f"ulysses splits the {heads} query heads of each tensor rank over parallel.context={c} ranks, which must "
+              f"divide them; use parallel.context_attention=hybrid with a parallel.ulysses_degree that divides {heads} "
+              "(the rest of the ranks a ring)")
+    else:
+        _need(heads % u == 0, "parallel.ulysses_degree",
+              f"{u} must divide the {heads} query heads of each tensor rank (the all-to-all splits them); use a "
+              f"divisor of {heads} that divides parallel.context={c}")
 
 
 def check_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
@@ -334,7 +364,7 @@ def _check_pipeline(cfg: Config) -> StageLayout | None:
         raise ConfigError(f"{err} (the pipelined layers: model.layers={cfg.model.layers} less the "
                           f"model.first_k_dense_replace={cfg.model.first_k_dense_replace} dense ones, which run "
                           "with the embedding on the first stage)") from None
-    _need(cfg.mesh.context == 1 or cfg.model.context_attention != "ring" or layout.is_even,
+    _need(cfg.mesh.context == 1 or cfg.model.context_attention not in RING_EXCHANGES or layout.is_even,
           "parallel.context_attention", RING_IN_PIPELINE)
     _need(not cfg.model.collective_matmul or layout.is_even, "parallel.collective_matmul",
           "runs pipeline stages in lockstep (XLA's collective-permute waits for every device of the mesh), which an "

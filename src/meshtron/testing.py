@@ -52,7 +52,8 @@ class Layout:
     ``recompute=False``: the forward keeps the layers' residuals, ``parallel.recompute=false``;
     ``layer_layout``: an uneven ``parallel.layout``, counts per virtual stage or a Megatron string;
     ``context``: ranks each sequence is split over, their attention exchanging keys and values as
-    ``context_attention`` says, ``parallel.context_attention``)."""
+    ``context_attention`` says, ``parallel.context_attention``, the hybrid's all-to-alls over
+    ``ulysses_degree`` of them)."""
 
     data: int
     pipe: int
@@ -64,6 +65,7 @@ class Layout:
     layer_layout: tuple[int, ...] | str | None = None
     context: int = 1
     context_attention: str = "gathered"
+    ulysses_degree: int = 1
 
     @classmethod
     def of(cls, spec: Layout | Sequence) -> Layout:
@@ -73,6 +75,8 @@ class Layout:
         mesh = f"{self.data}x{self.pipe}x{self.tensor}"
         if self.context > 1:
             mesh += f" context={self.context} {self.context_attention}"
+            if self.context_attention == "hybrid":
+                mesh += f" u={self.ulysses_degree}"
         kept = "" if self.recompute else " no-recompute"
         uneven = "" if self.layer_layout is None else f" layout={self.layer_layout}"
         return mesh if self.pipe == 1 else f"{mesh} {self.schedule} v={self.chunks} m={self.m}{kept}{uneven}"
@@ -106,7 +110,7 @@ def _resolved(md: ModelDef, layout: Layout, batch: int, seq_len: int) -> Run:
     cfg = Config(
         mesh=MeshConfig(layout.data, layout.pipe, layout.tensor, layout.context),
         model=ModelConfig(factory="meshtron.testing:check_parity", layers=md.layers, seq_len=seq_len,
-                          context_attention=layout.context_attention),
+                          context_attention=layout.context_attention, ulysses_degree=layout.ulysses_degree),
         train=TrainConfig(batch_size=batch, microbatches=layout.m),
         pipeline=PipelineConfig(schedule=layout.schedule, chunks=layout.chunks, recompute=layout.recompute,
                                 layout=None if layout.layer_layout is None else layout.layer_layout),
@@ -120,7 +124,7 @@ def _gradients(md: ModelDef, layout: Layout, params: Params, tokens: np.ndarray,
     model executed as ``execution`` says with the layout's own exchange over a split sequence."""
     mesh = build_mesh(MeshConfig(layout.data, layout.pipe, layout.tensor, layout.context), devices[:layout.devices])
     run = _resolved(md, layout, tokens.shape[0], tokens.shape[1] - 1)
-    execution = replace(execution, context_attention=layout.context_attention)
+    execution = replace(execution, context_attention=layout.context_attention, ulysses_degree=layout.ulysses_degree)
     program, stages = run.program, run.stage_layout
     md.check_mesh(mesh, stages.padded_layers if stages is not None else None)
     steps = build_steps(md, mesh, data_parallel_mean(), optax.sgd(0.0), microbatches=layout.m, pipeline=run.pipeline,

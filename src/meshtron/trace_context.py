@@ -67,6 +67,7 @@ class TraceContext:
     each group's loss a mean of its own: a backward's output gradients are about that many times the
     whole batch's (delayed FP8 scaling records them in the whole batch's units).
     ``exchange``: how attention over a split sequence exchanges keys and values.
+    ``ulysses_degree``: under the ``hybrid`` exchange, how many consecutive context ranks its all-to-alls join.
     ``collective_matmul``: the tensor-parallel regions' projections gather and scatter a split residual
     stream themselves, overlapped with their GEMMs (:mod:`meshtron.models.collective_matmul`).
     ``layer_views``: the active layer views, outermost first.
@@ -93,6 +94,7 @@ class TraceContext:
     fp8_layer: Any = None
     loss_groups: int = 1
     exchange: str = "gathered"
+    ulysses_degree: int = 1
     collective_matmul: bool = False
     layer_views: tuple[LayerView, ...] = ()
     fp8_weights: Any = None

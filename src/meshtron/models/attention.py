@@ -23,8 +23,8 @@ fast paths:
   head sizes; it raises, at trace time, for what it does not support). The cached path's
   explicit mask is turned into an additive bias by the cuDNN path. cuDNN is called where every mesh
   axis is manual (:mod:`meshtron.models.fused_attention`: JAX's partitioner for it fails inside the
-  train step's partly manual ``shard_map``); over a sequence split on context ranks, by either
-  exchange (the gathered one as one call, the ring one call per block:
+  train step's partly manual ``shard_map``); over a sequence split on context ranks, by any
+  exchange (the gathered one and Ulysses's as one call, the ring and the hybrid one call per block:
   :mod:`meshtron.models.cudnn_blocks`).
 * **Tensor parallelism.** Nothing here names a mesh axis: with ``q`` split over heads (and ``k``/
   ``v`` split over ``kv_heads`` when ``tensor`` divides it, else replicated) every head's attention
@@ -45,7 +45,7 @@ from typing import Literal, overload
 import jax
 import jax.numpy as jnp
 
-from meshtron.models.context_attention import kv_axes, sequence_split, split_attention
+from meshtron.models.context_attention import kv_axes, query_axes, sequence_split, split_attention
 from meshtron.models.documents import active_segments, same_document
 from meshtron.models.fused_attention import dot_product_attention
 from meshtron.trace_context import current, using
@@ -215,7 +215,7 @@ def causal_attention(
         segments = active_segments() if segments is None else segments
         if sequence_split() is not None:  # k's and v's layouts read here: the core may retrace them
             return _split_core(q, k, v, implementation=implementation, segments=segments, key_axes=kv_axes(k),
-                               value_axes=kv_axes(v))
+                               value_axes=kv_axes(v), q_axes=query_axes(q))
         layouts = {"key_axes": kv_axes(k), "value_axes": kv_axes(v)}  # read before the core retraces k and v
         if segments is not None:
             return _documents_core(q, k, v, segments, scale=scale, implementation=implementation, **layouts)

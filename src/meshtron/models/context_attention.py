@@ -15,8 +15,9 @@ then gives each rank its tokens' positions (:func:`local_positions`), and
 :func:`meshtron.models.attention.causal_attention` attends across the ranks with the exchange the run
 chose (:func:`context_exchange`, ``parallel.context_attention``).
 
-Two exchanges, both called inside ``shard_map`` manual over the sequence's mesh axis, with the mask
-built from the positions (which every rank knows from the layout: only keys and values travel):
+Four exchanges, all called inside ``shard_map`` manual over the sequence's mesh axis. Two move keys
+and values, with the mask built from the positions (which every rank knows from the layout: only keys
+and values travel):
 
 * :func:`gathered_kv_attention`: each rank all-gathers the keys and values (only the key/value heads
   under grouped-query attention) and attends for its own queries; it holds the whole sequence's
@@ -26,6 +27,13 @@ built from the positions (which every rank knows from the layout: only keys and 
   memory does not grow with the number of ranks (``tests/test_context_attention.py`` reads it from
   compiled programs). A pair of kernels attends each block (:mod:`meshtron.models.attention_blocks`):
   XLA's, or cuDNN's flash kernels with ``implementation="cudnn"``.
+
+Two trade the sequence split for a head split by all-to-alls (:mod:`meshtron.models.ulysses`):
+``ulysses`` over every rank, each then attending over the whole sequence, in order, with the run's
+kernel and its plain causal mask; ``hybrid``, over groups of ``ulysses_degree`` consecutive ranks, the
+groups then attending by the ring above (every ``ulysses_degree``-th rank one ring). The order a
+sequence is stored in follows the exchange (:func:`sequence_order`): the ranks an all-to-all joins
+hold consecutive parts of what their group attends for.
 """
 
 from __future__ import annotations
@@ -44,16 +52,28 @@ from meshtron.models.attention_blocks import XLA_KERNELS, BlockKernels
 from meshtron.models.cudnn_blocks import cudnn_kernels
 from meshtron.models.documents import same_document
 from meshtron.models.fused_attention import dot_product_attention, manual_blocks
+from meshtron.models.ulysses import ulysses_attention
 from meshtron.sharding import LogicalAxes, constrain, logical_to_spec, manual_part, pinned_axes
 from meshtron.trace_context import current, using
 
 
 @contextlib.contextmanager
-def context_exchange(name: str) -> Iterator[None]:
+def context_exchange(name: str, ulysses_degree: int = 1) -> Iterator[None]:
     """Inside the block, attention over a split sequence exchanges keys and values as ``name`` says:
-    ``"gathered"`` (:func:`gathered_kv_attention`) or ``"ring"`` (:func:`ring_attention`)."""
-    with using(exchange=checked_exchange(name)):
+    ``"gathered"`` (:func:`gathered_kv_attention`), ``"ring"`` (:func:`ring_attention`), ``"ulysses"`` or
+    ``"hybrid"`` (:mod:`meshtron.models.ulysses`; the hybrid's all-to-alls over ``ulysses_degree`` ranks)."""
+    with using(exchange=checked_exchange(name), ulysses_degree=ulysses_degree):
         yield
+
+
+def ulysses_ranks(ranks: int) -> int:
+    """How many consecutive ranks of the ``ranks`` a sequence is split over join in the active exchange's
+    all-to-all: all of them (``ulysses``), ``ulysses_degree`` (``hybrid``), none but each itself (1:
+    ``gathered``, ``ring``)."""
+    exchange = current().exchange
+    if exchange == "ulysses":
+        return ranks
+    return current().ulysses_degree if exchange == "hybrid" else 1
 
 
 def sequence_split() -> tuple[str, int] | None:
@@ -72,17 +92,24 @@ def sequence_split() -> tuple[str, int] | None:
 
 def local_positions(tokens: int) -> jax.Array:
     """Positions ``[tokens]`` of this rank's tokens of a split sequence (:func:`sequence_split`), laid
-    out by :func:`balanced_order`; ``0 .. tokens-1`` when the sequence is whole."""
+    out by :func:`sequence_order` for the active exchange; ``0 .. tokens-1`` when the sequence is whole."""
     split = sequence_split()
     if split is None:
         return jnp.arange(tokens, dtype=jnp.int32)
     axis, ranks = split
-    return _rank_positions(balanced_order(tokens * ranks, ranks), axis)
+    return _rank_positions(sequence_order(tokens * ranks, ranks, ulysses_ranks(ranks)), axis)
 
 
 QUERIES = ("batch", "seq", "heads", "head_dim")
 KEYS = ("batch", "seq", "kv_heads", "head_dim")
 TOKENS = ("batch", "seq")
+
+
+def query_axes(x: jax.Array) -> tuple[str | None, ...]:
+    """The logical axes of queries ``x`` [b, s, heads, d]: those the model pinned it to, else :data:`QUERIES`
+    (read, as :func:`kv_axes`, before anything retraces ``x``)."""
+    axes = pinned_axes(x)
+    return axes if axes is not None and len(axes) == x.ndim else QUERIES
 
 
 def kv_axes(x: jax.Array) -> tuple[str | None, ...]:
@@ -96,23 +123,60 @@ def kv_axes(x: jax.Array) -> tuple[str | None, ...]:
 
 def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str | None = None,
                     segments: jax.Array | None = None, key_axes: LogicalAxes | None = None,
-                    value_axes: LogicalAxes | None = None) -> jax.Array:
+                    value_axes: LogicalAxes | None = None, q_axes: LogicalAxes | None = None) -> jax.Array:
     """Causal attention of this rank's tokens of a split sequence over the whole sequence, with the
     active :func:`context_exchange`. Call only where :func:`sequence_split` is not ``None``.
     ``segments`` [b, s]: this rank's tokens' documents, for packed windows (a query then sees keys of
-    its own document only). ``key_axes``, ``value_axes``: the logical layout of ``k`` and ``v``
-    (default :func:`kv_axes`), which the gathered exchange keeps and cuDNN's ring kernels are called
-    in. ``implementation="cudnn"``: the gathered exchange's one call, or each of the ring's blocks,
-    goes to cuDNN's flash attention."""
+    its own document only). ``key_axes``, ``value_axes``, ``q_axes``: the logical layout of ``k``,
+    ``v`` and ``q`` (default :func:`kv_axes`, :func:`query_axes`), which the gathered exchange keeps,
+    Ulysses's all-to-alls keep, and cuDNN's kernels are called in. ``implementation="cudnn"``: the
+    gathered exchange's one call, Ulysses's attention over the whole sequence, or each of the ring's
+    blocks, goes to cuDNN's flash attention."""
     axis, ranks = sequence_split()
+    exchange = current().exchange
+    key_axes = kv_axes(k) if key_axes is None else tuple(key_axes)
+    value_axes = kv_axes(v) if value_axes is None else tuple(value_axes)
+    if exchange in ("ulysses", "hybrid"):
+        u = ulysses_ranks(ranks)
+        layout = query_axes(q) if q_axes is None else tuple(q_axes)
+        ring = ranks // u
+        seq = q.shape[1] * ranks
+
+        def attend(q, k, v, segments):
+            if ring == 1:  # the whole sequence, in order: the kernel's own causal mask
+                mask = None if segments is None else same_document(segments, segments)
+                return dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]),
+                                             implementation=implementation, key_axes=layout, value_axes=layout)
+            kernels = XLA_KERNELS
+            if implementation == "cudnn":
+                kernels = manual_blocks(cudnn_kernels(), key_axes=layout, value_axes=layout)
+            return ring_attention(q, k, v, balanced_order(seq, ring), axis, segments=segments, kernels=kernels,
+                                  stride=u)
+
+        return ulysses_attention(q, k, v, axis, u, attend, segments=segments, query_axes=layout, key_axes=key_axes,
+                                 value_axes=value_axes, exchange=exchange)
     order = balanced_order(q.shape[1] * ranks, ranks)
-    if current().exchange == "ring":
+    if exchange == "ring":
         kernels = XLA_KERNELS
         if implementation == "cudnn":
             kernels = manual_blocks(cudnn_kernels(), key_axes=key_axes, value_axes=value_axes)
         return ring_attention(q, k, v, order, axis, segments=segments, kernels=kernels)
     return gathered_kv_attention(q, k, v, order, axis, implementation=implementation, segments=segments,
                                  key_axes=key_axes, value_axes=value_axes)
+
+
+def sequence_order(seq_len: int, ranks: int, ulysses: int = 1) -> np.ndarray:
+    """The order a sequence of ``seq_len`` tokens is stored in over ``ranks`` ranks whose exchange joins
+    groups of ``ulysses`` consecutive ranks by all-to-alls (:func:`ulysses_ranks`): the
+    :func:`balanced_order` of the ``ranks / ulysses`` groups, rank ``g·ulysses + i`` holding the ``i``-th
+    contiguous ``1/ulysses`` of group ``g``'s part. The all-to-all then gives each group its part in that
+    order: the whole sequence in order under ``ulysses`` (a plain causal mask), the ring's balanced
+    part under the hybrid; ``ulysses=1`` is the gathered and ring exchanges' :func:`balanced_order`."""
+    if ulysses < 1 or ranks % ulysses:
+        raise ValueError(f"sequence_order: ulysses={ulysses} must divide ranks={ranks}")
+    if seq_len % ranks:
+        raise ValueError(f"sequence_order: seq_len={seq_len} must be divisible by ranks={ranks}")
+    return balanced_order(seq_len, ranks // ulysses)
 
 
 def balanced_order(seq_len: int, ranks: int) -> np.ndarray:
@@ -127,7 +191,8 @@ def balanced_order(seq_len: int, ranks: int) -> np.ndarray:
 
 
 def exchange_bytes(exchange: str, ranks: int, tokens: int, kv_heads: int, head_dim: int,
-                   itemsize: int = 4) -> tuple[float, float]:
+                   itemsize: int = 4, *, heads: int | None = None,
+                   ulysses_degree: int | None = None) -> tuple[float, float]:
     """Bytes one rank sends over the sequence's axis per attention layer, ``(forward, backward)``, for
     ``tokens`` per rank (the rank's block of keys: ``tokens · kv_heads · head_dim · itemsize``).
 
@@ -135,22 +200,50 @@ def exchange_bytes(exchange: str, ranks: int, tokens: int, kv_heads: int, head_d
     of each); the backward reduce-scatters their gradients, as many bytes. ``"ring"``: the forward
     passes keys and values on ``n-1`` times; the backward too, with the keys' and values' fp32
     gradients travelling along, and moves the gradients once more to bring them home. Positions are
-    never sent: every rank knows the layout."""
+    never sent: every rank knows the layout.
+
+    ``"ulysses"`` (``heads``: the query heads per tensor rank): the forward's all-to-alls over the ``u =
+    ranks`` ranks send ``(u-1)/u`` of the queries, keys, values (``lcm(kv_heads, u)`` heads when ``u``
+    does not divide ``kv_heads``: :mod:`meshtron.models.ulysses`) and the output; the backward's, of the
+    output's gradient and the queries', keys' and values' gradients, as many. ``"hybrid"``: those
+    all-to-alls over ``u = ulysses_degree`` ranks, and the ring's bytes over the ``ranks / u`` groups,
+    each rank passing blocks of ``u · tokens`` tokens and ``lcm(kv_heads, u) / u`` heads. (A packed
+    window's segment ids, ``4 · tokens`` bytes gathered alike, are left out.)"""
     if exchange not in EXCHANGES:
-        raise ValueError(f"exchange: must be gathered or ring, got {exchange!r}")
+        raise ValueError(f"exchange: must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
     block = tokens * kv_heads * head_dim * itemsize
     if exchange == "gathered":
         return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block
-    gradients = 2 * tokens * kv_heads * head_dim * 4
-    return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block + ranks * gradients
+    if exchange == "ring":
+        gradients = 2 * tokens * kv_heads * head_dim * 4
+        return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block + ranks * gradients
+    if heads is None:
+        raise ValueError(f"exchange_bytes: {exchange} needs heads (the query heads per tensor rank)")
+    u = ranks if exchange == "ulysses" else ulysses_degree
+    if u is None or u < 1 or ranks % u:
+        raise ValueError(f"exchange_bytes: hybrid needs a ulysses_degree that divides ranks={ranks}, got {u}")
+    kv = kv_heads if kv_heads % u == 0 else math.lcm(kv_heads, u)
+    queries, keys = tokens * heads * head_dim * itemsize, tokens * kv * head_dim * itemsize
+    all_to_all = (u - 1) / u * (2 * queries + 2 * keys)  # q, k, v and the output; or their gradients
+    if exchange == "ulysses" or u == ranks:
+        return all_to_all, all_to_all
+    ring = exchange_bytes("ring", ranks // u, tokens * u, kv // u, head_dim, itemsize)
+    return all_to_all + ring[0], all_to_all + ring[1]
 
 
-def _rank_positions(order: np.ndarray, axis: str, behind: jax.Array | int = 0) -> jax.Array:
+def _rank_positions(order: np.ndarray, axis: str, behind: jax.Array | int = 0, stride: int = 1) -> jax.Array:
     """Positions ``[S/n]`` of the tokens rank ``(this rank - behind) mod n`` holds, in the layout
-    ``order`` [S] (positions of the tokens as stored, rank after rank)."""
-    n = jax.lax.axis_size(axis)
+    ``order`` [S] (positions of the tokens as stored, rank after rank), of a ring of ``n`` ranks: every
+    ``stride``-th rank of ``axis`` (:func:`_ring_index`)."""
+    n = jax.lax.axis_size(axis) // stride
     rows = jnp.asarray(np.asarray(order, np.int32).reshape(n, -1))
-    return rows[(jax.lax.axis_index(axis) - behind) % n]
+    return rows[(_ring_index(axis, stride) - behind) % n]
+
+
+def _ring_index(axis: str, stride: int) -> jax.Array:
+    """This rank's place in its ring: rank ``g·stride + i`` of ``axis`` is the ``g``-th of the ring of
+    ranks ``i, stride + i, ...``."""
+    return jax.lax.axis_index(axis) // stride
 
 
 def gathered_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str, *,
@@ -221,7 +314,8 @@ def _ranks(entry: str | tuple[str, ...] | None, mesh, auto: set[str]) -> int:
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, axis: str, *,
-                   segments: jax.Array | None = None, kernels: BlockKernels = XLA_KERNELS) -> jax.Array:
+                   segments: jax.Array | None = None, kernels: BlockKernels = XLA_KERNELS,
+                   stride: int = 1) -> jax.Array:
     """Causal attention of this rank's queries over the whole sequence, the keys and values passed
     around the ring of the manual mesh ``axis`` one block at a time (``ppermute``), each block's
     output folded into a running one by the log-sum-exps (the online softmax of flash attention).
@@ -235,9 +329,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, order: np.ndarray, 
     ``kernels``: what attends one block of queries to one block of keys, forward and backward
     (:mod:`meshtron.models.attention_blocks`): XLA's fp32 ops by default, cuDNN's flash kernels
     (:func:`meshtron.models.cudnn_blocks.cudnn_kernels`, called where every mesh axis is manual:
-    :func:`meshtron.models.fused_attention.manual_blocks`).
+    :func:`meshtron.models.fused_attention.manual_blocks`). ``stride``: the ring is every ``stride``-th
+    rank of ``axis``, ``order`` the layout over its ``n / stride`` ranks (ranks ``i, stride + i, ...``
+    form one ring, for each ``i``: the hybrid's, whose all-to-alls join ``stride`` consecutive ranks).
     """
-    return _ring(q, k, v, segments, tuple(int(p) for p in order), axis, kernels)
+    return _ring(q, k, v, segments, tuple(int(p) for p in order), axis, kernels, stride)
 
 
 def _documents(query_segments, key_segments):
@@ -254,9 +350,11 @@ def _both(mask, other):
     return mask & other
 
 
-def _shift(tree, axis: str):
-    n = jax.lax.axis_size(axis)
-    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % n) for i in range(n)])
+def _shift(tree, axis: str, stride: int = 1):
+    """``tree`` from each rank to the next of its ring (:func:`_ring_index`)."""
+    n = jax.lax.axis_size(axis) // stride
+    return jax.lax.ppermute(tree, axis, [(g * stride + i, (g + 1) % n * stride + i)
+                                         for g in range(n) for i in range(stride)])
 
 
 def _is_balanced(order, ranks: int) -> bool:
@@ -303,7 +401,7 @@ def _own_mask(seg, positions, ascending):
     return False, _both((positions[None, :] <= positions[:, None])[None, None], _documents(seg, seg))
 
 
-def _ring_forward(q, k, v, seg, order, axis, kernels):
+def _ring_forward(q, k, v, seg, order, axis, kernels, stride):
     """The ring's forward: ``(out, lse)``. Under the balanced layout (:func:`balanced_order`) every
     block after the rank's own is half hidden by the causal mask, in one of two ways: from an earlier
     rank, every query sees its front chunk and none of its back; from a later rank, only the back
@@ -312,19 +410,19 @@ def _ring_forward(q, k, v, seg, order, axis, kernels):
     rank instead of ``n``, the same on every rank. ``seg``: the rank's tokens' documents, or ``None``."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     attend = functools.partial(kernels.forward, scale=scale)
-    s, n = q.shape[1], jax.lax.axis_size(axis)
-    positions = _rank_positions(order, axis)
+    s, n = q.shape[1], jax.lax.axis_size(axis) // stride
+    positions = _rank_positions(order, axis, stride=stride)
     half, balanced = s // 2, _is_balanced(order, n)
     back = None if seg is None else seg[:, half:]
 
     def step(carry, behind):
         kb, vb, ks, stats = carry
-        kb, vb, ks = _shift((kb, vb, ks), axis)  # the previous rank's block: rank (this - behind) mod n's
+        kb, vb, ks = _shift((kb, vb, ks), axis, stride)  # the previous rank's block: rank (this - behind) mod n's
         if not balanced:
-            kpos = _rank_positions(order, axis, behind)
+            kpos = _rank_positions(order, axis, behind, stride)
             mask = _both((kpos[None, :] <= positions[:, None])[None, None], _documents(seg, ks))
             return (kb, vb, ks, _fold(stats, attend(q, kb, vb, causal=False, mask=mask))), None
-        earlier = behind <= jax.lax.axis_index(axis)  # the block comes from a rank before this one
+        earlier = behind <= _ring_index(axis, stride)  # the block comes from a rank before this one
         front = None if ks is None else ks[:, :half]
         stats = jax.lax.cond(
             earlier,  # every query, against the block's front chunk; or the back queries against all of it
@@ -340,22 +438,22 @@ def _ring_forward(q, k, v, seg, order, axis, kernels):
     return out.astype(v.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring(q, k, v, seg, order, axis, kernels):
-    return _ring_forward(q, k, v, seg, order, axis, kernels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q, k, v, seg, order, axis, kernels, stride):
+    return _ring_forward(q, k, v, seg, order, axis, kernels, stride)[0]
 
 
-def _ring_fwd(q, k, v, seg, order, axis, kernels):
-    out, lse = _ring_forward(q, k, v, seg, order, axis, kernels)
+def _ring_fwd(q, k, v, seg, order, axis, kernels, stride):
+    out, lse = _ring_forward(q, k, v, seg, order, axis, kernels, stride)
     return out, (q, k, v, seg, out, lse)
 
 
-def _ring_bwd(order, axis, kernels, residuals, d_out):
+def _ring_bwd(order, axis, kernels, stride, residuals, d_out):
     q, k, v, seg, out, lse = residuals
     d_out = d_out.astype(out.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    n = jax.lax.axis_size(axis)
-    positions = _rank_positions(order, axis)
+    n = jax.lax.axis_size(axis) // stride
+    positions = _rank_positions(order, axis, stride=stride)
     half, balanced = q.shape[1] // 2, _is_balanced(order, n)
     back = None if seg is None else seg[:, half:]
 
@@ -376,12 +474,12 @@ def _ring_bwd(order, axis, kernels, residuals, d_out):
     def step(carry, behind):
         kb, vb, ks, dk, dv, dq = carry
         # the next block arrives with the gradients it has gathered so far
-        kb, vb, ks, dk, dv = _shift((kb, vb, ks, dk, dv), axis)
+        kb, vb, ks, dk, dv = _shift((kb, vb, ks, dk, dv), axis, stride)
         if balanced:
-            dk, dv, dq = jax.lax.cond(behind <= jax.lax.axis_index(axis), earlier_block, later_block,
+            dk, dv, dq = jax.lax.cond(behind <= _ring_index(axis, stride), earlier_block, later_block,
                                       kb, vb, ks, dk, dv, dq)
         else:
-            kpos = _rank_positions(order, axis, behind)
+            kpos = _rank_positions(order, axis, behind, stride)
             mask = _both((kpos[None, :] <= positions[:, None])[None, None], _documents(seg, ks))
             gq, gk, gv = gradients(q, kb, vb, out, lse, d_out, mask=mask)
             dk, dv, dq = dk + gk, dv + gv, dq + gq
@@ -392,7 +490,7 @@ def _ring_bwd(order, axis, kernels, residuals, d_out):
     causal, mask = _own_mask(seg, positions, _ascending(order, n))
     dq, dk, dv = gradients(q, k, v, out, lse, d_out, causal=causal, mask=mask)
     (_, _, _, dk, dv, dq), _ = jax.lax.scan(step, (k, v, seg, dk, dv, dq), jnp.arange(1, n))
-    dk, dv = _shift((dk, dv), axis)
+    dk, dv = _shift((dk, dv), axis, stride)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

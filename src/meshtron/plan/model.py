@@ -200,7 +200,9 @@ class Layout:
     per pipeline stage (v; v > 1 is the interleaved schedule), microbatch size (b), global batch
     (B), the activation recomputation mode, and context ranks (c) each sequence is split over
     (every GPU then holds ``s/c`` of each of its microbatch's sequences, and attends over all ``s``
-    with keys and values all-gathered over the c ranks: ``parallel.context_attention=gathered``).
+    with the exchange ``context_attention`` names, ``parallel.context_attention``: keys and values
+    all-gathered over the c ranks, passed around a ring, all-to-all'd into a head split (``ulysses``),
+    or ``hybrid``: Ulysses over groups of ``ulysses_degree`` ranks, a ring across the groups).
     ``sequence_parallel`` (Korthikanti et al. 2022, §4.2.2; t > 1): outside the tensor-parallel regions
     (norms, residual adds, dropouts) every tensor rank holds and computes ``s/t`` of the sequence, and
     each all-reduce becomes a reduce-scatter and an all-gather of the same bytes."""
@@ -214,6 +216,8 @@ class Layout:
     recompute: str = "full"
     context: int = 1
     sequence_parallel: bool = False
+    context_attention: str = "gathered"
+    ulysses_degree: int = 1  # hybrid's Ulysses group (1 < u < c); ulysses is u = c
 
     @property
     def gpus(self) -> int:
@@ -250,6 +254,11 @@ class Layout:
             return f"the interleaved schedule needs pipe > 1 and microbatches ({self.microbatches}) a multiple of {p}"
         if self.context < 1 or model.seq_len % (2 * self.context):
             return f"context={self.context} needs seq_len ({model.seq_len}) divisible by 2 x context"
+        if self.context > 1:
+            exchange_problem = context_problem(self.context_attention, self.context, self.ulysses_degree,
+                                               model.heads // t)
+            if exchange_problem is not None:
+                return exchange_problem
         if self.sequence_parallel and t == 1:
             return "sequence_parallel splits over the tensor ranks and needs tensor > 1"
         if self.sequence_parallel and (model.seq_len // self.context) % t:
@@ -500,20 +509,90 @@ def memory_per_gpu(model: ModelShape, layout: Layout, optimizer: str = "adamw",
 # Communication volume per mesh axis and step, bytes one GPU sends
 
 
+CONTEXT_EXCHANGES = ("gathered", "ring", "ulysses", "hybrid")  # parallel.context_attention
+
+
+def ulysses_ranks(context_attention: str, context: int, ulysses_degree: int = 1) -> int:
+    """The ranks of one all-to-all group: ``c`` for ``ulysses``, ``ulysses_degree`` for ``hybrid``, 1 for the
+    gathered and ring exchanges (which have none)."""
+    return {"ulysses": context, "hybrid": ulysses_degree}.get(context_attention, 1)
+
+
+def context_problem(exchange: str, context: int, ulysses_degree: int, heads: int) -> str | None:
+    """Why ``exchange`` cannot split a sequence over ``context`` ranks holding ``heads`` query heads each
+    (a tensor rank's), or None. Ulysses gives each rank ``heads/u`` of them whole."""
+    if exchange not in CONTEXT_EXCHANGES:
+        return f"context_attention must be one of {', '.join(CONTEXT_EXCHANGES)}, got {exchange!r}"
+    if exchange == "hybrid" and not (1 < ulysses_degree < context and context % ulysses_degree == 0):
+        return f"hybrid needs ulysses_degree (got {ulysses_degree}) between 1 and context={context}, dividing it"
+    u = ulysses_ranks(exchange, context, ulysses_degree)
+    if heads % u:
+        fix = "; use hybrid with a ulysses_degree that divides them" if exchange == "ulysses" else ""
+        return f"{exchange} needs the {heads} heads per tensor rank divisible by {u}{fix}"
+    return None
+
+
+def context_exchange_of(model: ModelConfig) -> dict[str, str | int]:
+    """A config's ``context_attention`` and ``ulysses_degree`` (hybrid's alone), as :class:`Layout` takes them."""
+    hybrid = model.context_attention == "hybrid"
+    return {"context_attention": model.context_attention, "ulysses_degree": model.ulysses_degree if hybrid else 1}
+
+
+def exchange_words(layout: Layout) -> str:
+    """How the layout's context ranks exchange, in words (what ``meshtron plan`` prints)."""
+    c, u = layout.context, layout.ulysses_degree
+    return {"gathered": "keys and values all-gathered",
+            "ring": "key/value blocks passed around a ring",
+            "ulysses": f"Ulysses: all-to-alls into {c} head groups",
+            "hybrid": f"hybrid: Ulysses all-to-alls over {u} ranks, a ring over {c // u}"}[layout.context_attention]
+
+
+def exchange_wire_bytes(exchange: str, ranks: int, tokens: float, kv_heads: int, head_dim: int, itemsize: int,
+                        *, heads: int, ulysses_degree: int = 1) -> tuple[float, float]:
+    """``(forward, backward)`` bytes one rank sends over ``context`` per attention layer for ``tokens`` of
+    its own, ``heads`` query and ``kv_heads`` key/value heads on its tensor rank: the formula of
+    :func:`meshtron.models.context_attention.exchange_bytes` (which imports JAX; the tests hold the two
+    equal). ``gathered``: ``(c−1)`` key and value blocks all-gathered forward, their gradients
+    reduce-scattered backward. ``ring``: the same forward; backward the blocks again with their fp32
+    gradients, and the gradients home. ``ulysses``: four all-to-alls each way, each sending ``(u−1)/u``
+    of its array -- queries, keys, values in and the output back (backward: the output's gradient in,
+    the three gradients back), key/value heads repeated to ``lcm(k, u)`` when ``u`` does not divide
+    them. ``hybrid``: Ulysses's
+    over groups of ``u``, then the ring over ``c/u`` groups of the ``S/r`` tokens a group holds, for
+    ``1/u`` of the key/value heads."""
+    u = ulysses_ranks(exchange, ranks, ulysses_degree)
+    if exchange in ("gathered", "ring"):
+        block = tokens * kv_heads * head_dim * itemsize
+        if exchange == "gathered":
+            return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block
+        gradients = 2 * tokens * kv_heads * head_dim * 4
+        return (ranks - 1) * 2 * block, (ranks - 1) * 2 * block + ranks * gradients
+    kv_sent = kv_heads if kv_heads % u == 0 else math.lcm(kv_heads, u)  # repeated until u divides them
+    all_to_all = (u - 1) / u * tokens * head_dim * itemsize * (2 * heads + 2 * kv_sent)
+    if exchange == "ulysses":
+        return all_to_all, all_to_all
+    ring_forward, ring_backward = exchange_wire_bytes("ring", ranks // u, tokens * u, kv_sent // u, head_dim,
+                                                      itemsize, heads=heads // u)
+    return all_to_all + ring_forward, all_to_all + ring_backward
+
+
 def context_wire_bytes(model: ModelShape, layout: Layout) -> float:
-    """Bytes one GPU sends over ``context`` per layer and microbatch, keys and values all-gathered
-    (:func:`meshtron.models.context_attention.exchange_bytes`, ``gathered``, which the compiled step
-    matches): ``(c−1)`` blocks of keys and of values in every forward (twice with recomputation, which
-    reruns the attention), their gradients reduce-scattered backward; a block is the rank's
-    ``b·s/c`` tokens of the ``k·d/t`` key/value width (``h/t`` for the GPT), in 16 bits."""
+    """Bytes one GPU sends over ``context`` per layer and microbatch with the layout's exchange
+    (:func:`exchange_wire_bytes`, which the compiled step matches): one forward's (twice with
+    recomputation, which reruns the attention) and the backward's, for the rank's ``b·s/c`` tokens of
+    the ``k·d/t`` key/value width (``h/t`` for the GPT; key/value heads ``t`` does not divide are whole
+    on every rank), in 16 bits."""
     c = layout.context
     if c == 1:
         return 0.0
-    replicated = model.kv_heads % layout.tensor != 0  # heads t does not divide are whole on every rank
-    width = model.kv_heads * model.head_dim * (layout.tensor if replicated else 1)  # t x a rank's: h for the GPT
-    block = layout.microbatch * model.seq_len / c * width / layout.tensor * ACTIVATION_BYTES
+    t = layout.tensor
+    kv_local = model.kv_heads // t if model.kv_heads % t == 0 else model.kv_heads
+    tokens = layout.microbatch * model.seq_len / c
+    forward, backward = exchange_wire_bytes(layout.context_attention, c, tokens, kv_local, model.head_dim,
+                                            ACTIVATION_BYTES, heads=model.heads // t,
+                                            ulysses_degree=layout.ulysses_degree)
     forwards = 1 + (layout.recompute != "none")
-    return (c - 1) * 2 * block * (forwards + 1)
+    return forwards * forward + backward
 
 
 def tensor_wire_bytes(model: ModelShape, layout: Layout) -> float:

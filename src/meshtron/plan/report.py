@@ -26,6 +26,7 @@ from meshtron.plan.model import (
     RECOMPUTE,
     Gradients,
     ModelShape,
+    exchange_words,
     flops_per_iteration,
     parameter_count,
 )
@@ -69,8 +70,6 @@ class Plan:
         None where its schedule tables cannot run it, or where that function does not model the layout
         (it counts the paper's GPT without sequence parallelism)."""
         zero = 0 if self.optimizer == "onebit_lamb" else self.gradients.zero
-        if e.layout.context > 1:  # meshtron's step memory model counts whole sequences
-            return None
         if self.model.family != "gpt" or e.layout.sequence_parallel:
             return None
         memory = layout_step_memory(self.model, e.layout, self.optimizer, zero)
@@ -80,6 +79,7 @@ class Plan:
         def layout(e: Estimate) -> dict:
             lay = e.layout
             return {"tensor": lay.tensor, "pipe": lay.pipe, "data": lay.data, "context": lay.context,
+                    "context_attention": lay.context_attention, "ulysses_degree": lay.ulysses_degree,
                     "chunks": lay.chunks, "sequence_parallel": lay.sequence_parallel,
                     "microbatch": lay.microbatch, "microbatches": lay.microbatches, "recompute": lay.recompute,
                     "memory_gb": e.memory.total / 1e9, "meshtron_memory_gb": self.meshtron_gb(e),
@@ -107,16 +107,19 @@ class Plan:
 
 def make_plan(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
               recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
-              gradients: Gradients = FP32_GRADIENTS, context: int = 1, sequence_parallel: bool = False) -> Plan:
+              gradients: Gradients = FP32_GRADIENTS, context: int = 1, sequence_parallel: bool = False,
+              context_attention: str = "gathered", ulysses_degree: int = 1) -> Plan:
     """Search, explain the winner, and price every optimizer on its own best layout (``context``:
-    every layout splits each sequence over that many ranks; ``sequence_parallel``: every layout with
-    ``t > 1`` runs it)."""
+    every layout splits each sequence over that many ranks, exchanging as ``context_attention`` and
+    ``ulysses_degree`` say; ``sequence_parallel``: every layout with ``t > 1`` runs it)."""
     result = search(model, gpus, global_batch, cluster, optimizer, recompute,
                     freeze_fraction=freeze_fraction, gradients=gradients, context=context,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, context_attention=context_attention,
+                    ulysses_degree=ulysses_degree)
     rows = optimizer_rows(model, gpus, global_batch, cluster, recompute, freeze_fraction,
                           known={optimizer: result.best}, gradients=gradients, context=context,
-                          sequence_parallel=sequence_parallel)
+                          sequence_parallel=sequence_parallel, context_attention=context_attention,
+                          ulysses_degree=ulysses_degree)
     return Plan(model, gpus, global_batch, cluster, optimizer, result, rows,
                 reasons(model, result, cluster, freeze_fraction), freeze_fraction, gradients)
 
@@ -125,7 +128,8 @@ def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Clu
                    recompute: tuple[str, ...] = RECOMPUTE, freeze_fraction: float = 0.16,
                    known: dict[str, Estimate] | None = None,
                    gradients: Gradients = FP32_GRADIENTS, context: int = 1,
-                   sequence_parallel: bool = False) -> list[OptimizerRow]:
+                   sequence_parallel: bool = False, context_attention: str = "gathered",
+                   ulysses_degree: int = 1) -> list[OptimizerRow]:
     """AdamW, LAMB and 1-bit LAMB, each on the layout the search ranks first for it: 1-bit LAMB's
     extra state may force another layout, and its compressed exchange may favour more data
     parallelism, so comparing both on one layout would misstate the choice. 1-bit LAMB is ranked by
@@ -140,7 +144,8 @@ def optimizer_rows(model: ModelShape, gpus: int, global_batch: int, cluster: Clu
             try:
                 best = search(model, gpus, global_batch, cluster, name, recompute,
                               freeze_fraction=freeze_fraction, gradients=own, context=context,
-                              sequence_parallel=sequence_parallel).best
+                              sequence_parallel=sequence_parallel, context_attention=context_attention,
+                              ulysses_degree=ulysses_degree).best
             except ConfigError:  # nothing fits this optimizer's state
                 rows.append(OptimizerRow(name, None, math.inf, math.inf))
                 continue
@@ -318,7 +323,8 @@ def render(plan: Plan, top: int = 10) -> str:
         f"peak, {cluster.memory_gb:g} GB ({cluster.memory_gb - cluster.reserved_gb:g} usable), NVLink "
         f"{cluster.nvlink_gbps:g} GB/s, network {cluster.network_gbps:g} GB/s per node"),
         (f"searched  {result.tried} layouts, {result.too_big} do not fit; optimizer {plan.optimizer}; "
-         + (f"every sequence split over {result.best.layout.context} context ranks (keys and values all-gathered); "
+         + (f"every sequence split over {result.best.layout.context} context ranks "
+            f"({exchange_words(result.best.layout)}); "
             if result.best.layout.context > 1 else "")
          + ("sequence parallelism on every layout with t > 1; "
             if any(e.layout.sequence_parallel for e in result.ranked) else "")

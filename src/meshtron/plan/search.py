@@ -34,12 +34,15 @@ def divisors(n: int) -> list[int]:
 def candidate_layouts(model: ModelShape, gpus: int, global_batch: int, max_tensor: int | None,
                       recompute: tuple[str, ...] = RECOMPUTE, tensor: int | None = None,
                       pipe: int | None = None, node: int | None = None, context: int = 1,
-                      sequence_parallel: bool = False) -> Iterator[Layout]:
+                      sequence_parallel: bool = False, context_attention: str = "gathered",
+                      ulysses_degree: int = 1) -> Iterator[Layout]:
     """Every valid :class:`~meshtron.plan.model.Layout` with ``t ≤ max_tensor`` (None: no cap), and
     the given ``tensor`` and ``pipe`` sizes if they are given. With ``node`` (GPUs per node), tensor
     groups tile nodes: ``t`` divides ``node``, or is a multiple of it (Megatron places a tensor
     group on consecutive ranks, so any other size puts some group across two nodes). ``context``: the
-    context ranks every layout splits each sequence over (its GPUs are ``t·p·d·context``).
+    context ranks every layout splits each sequence over (its GPUs are ``t·p·d·context``), exchanging as
+    ``context_attention`` and ``ulysses_degree`` say (a tensor size that leaves Ulysses too few heads is
+    not a candidate).
     ``sequence_parallel``: every layout with ``t > 1`` runs it (those with ``t = 1`` have nothing to split)."""
     if gpus % context:
         return
@@ -62,7 +65,8 @@ def candidate_layouts(model: ModelShape, gpus: int, global_batch: int, max_tenso
                     if v > 1 and p <= 2:
                         continue  # Megatron's batched sends cannot tell a 2-stage ring's neighbours apart
                     for mode in recompute:
-                        layout = Layout(t, p, d, b, global_batch, v, mode, context, sequence_parallel and t > 1)
+                        layout = Layout(t, p, d, b, global_batch, v, mode, context, sequence_parallel and t > 1,
+                                        context_attention, ulysses_degree)
                         if layout.problem(model) is None:
                             yield layout
 
@@ -86,7 +90,8 @@ class SearchResult:
 def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, optimizer: str = "adamw",
            recompute: tuple[str, ...] = RECOMPUTE, tensor: int | None = None,
            pipe: int | None = None, freeze_fraction: float = 0.16, gradients: Gradients = FP32_GRADIENTS,
-           context: int = 1, sequence_parallel: bool = False) -> SearchResult:
+           context: int = 1, sequence_parallel: bool = False, context_attention: str = "gathered",
+           ulysses_degree: int = 1) -> SearchResult:
     """Rank every layout that fits ``cluster``'s usable memory by predicted time per step (for 1-bit
     LAMB the mean over a run, ``freeze_fraction`` of it in the uncompressed warmup); ``tensor`` and
     ``pipe`` pin those sizes (to price one (t, p) with its best chunks, microbatch and mode);
@@ -106,7 +111,7 @@ def search(model: ModelShape, gpus: int, global_batch: int, cluster: Cluster, op
         tried, too_big, dropped, fitting = 0, 0, Counter(), []
         node = cluster.gpus_per_node if gpus > cluster.gpus_per_node else None  # one node: any t is inside it
         for layout in candidate_layouts(model, gpus, global_batch, cap, recompute, tensor, pipe, node, context,
-                                        sequence_parallel):
+                                        sequence_parallel, context_attention, ulysses_degree):
             tried += 1
             memory = memory_per_gpu(model, layout, optimizer, gradients)
             if memory.total > cluster.usable_memory_bytes:

@@ -43,8 +43,10 @@ device, term by term:
   input for the activations it multiplies) in ``weight_slots`` B-to-W buffers.
 
 With context parallelism (``parallel.context`` = c) every activation term counts the device's ``s/c`` tokens
-of each sequence; the gathered exchange's scores span every key (``[b, heads/t, s/c, s]``), the ring's one
-block; gradients are reduced, and ``parallel.zero`` splits, over data x context.
+of each sequence; the scores are what the exchange attends at once (:func:`score_elements`): the gathered
+exchange's span every key (``[b, heads/t, s/c, s]``), the ring's one block, Ulysses's the whole sequence for
+``heads/(t·c)`` heads, the hybrid's one ring block of its groups' tokens for ``heads/(t·u)`` heads; gradients
+are reduced, and ``parallel.zero`` splits, over data x context.
 
 Two backends, because XLA's buffer assignment is the backend's: ``gpu`` (what a GPU pod's program
 holds) and ``cpu`` (XLA:CPU, the simulated mesh ``meshtron describe --compile`` compiles for). The
@@ -141,7 +143,8 @@ class StepRun:
     microbatch: int
     chunks: int = 1
     context: int = 1  # ranks each sequence is split over (parallel.context)
-    context_attention: str = "gathered"  # how they exchange keys and values: gathered or ring
+    context_attention: str = "gathered"  # how they exchange keys and values: gathered, ring, ulysses or hybrid
+    ulysses_degree: int = 1  # hybrid: the ranks of each Ulysses group (parallel.ulysses_degree)
     stash_slots: int = 0  # pipeline: stashed stage inputs (0 without a pipeline)
     weight_slots: int = 0  # split backward (zb-h1): B-to-W buffers
     residual_slots: int = 0  # parallel.recompute=false: in-flight chunks whose residuals are kept
@@ -172,6 +175,7 @@ class StepRun:
             data=mesh.data, pipe=mesh.pipe, tensor=mesh.tensor, microbatch=microbatch,
             chunks=cfg.pipeline.chunks if mesh.pipe > 1 else 1, context=mesh.context,
             context_attention=m.context_attention,
+            ulysses_degree=m.ulysses_degree if m.context_attention == "hybrid" else 1,
             stash_slots=program.stash_slots if program is not None else 0,
             weight_slots=program.weight_slots if program is not None else 0,
             residual_slots=program.residual_slots if program is not None else 0,
@@ -269,11 +273,9 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     if backend not in BACKENDS:
         raise ConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     # d: the ranks gradients are reduced and parallel.zero splits over (data x context); s: a device's tokens
-    # of each sequence, and s_keys the keys its queries attend to at once (all of them when gathered, one
-    # ring block otherwise)
+    # of each sequence (its attention's scores: score_elements)
     d, p, t, b = run.data * run.context, run.pipe, run.tensor, run.microbatch
     s, h, a = shape.seq_len // run.context, shape.hidden, shape.heads
-    s_keys = s if run.context == 1 or run.context_attention == "ring" else shape.seq_len
     if stage_bytes is None:
         stage_bytes = (block_parameters(shape, t) * run.param_bytes, other_parameters(shape, t) * run.param_bytes)
     layer_bytes, rest_bytes = stage_bytes
@@ -317,7 +319,7 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
         host += copies * chunk_layers * tokens * h * cb
     elif stage_recomputed or split:
         stash += chunk_layers * tokens * h * recompute_input
-    scores_one = b * (a / t) * s * s_keys  # one [b, heads/t, s, s_keys] array's elements
+    scores_one = b * score_elements(shape, run)  # one [b, heads, queries, keys] array's elements
     # fp32 probabilities (+ a bf16 copy); XLA:GPU also keeps the causal mask broadcast to them (a byte each)
     kept_scores = 0.0 if fused else scores_one * ((4 + cb if cb < 4 else 8) + (0 if cpu else GPU_KEPT_MASK_BYTES))
     kept_layer = megatron.layer_activation_bytes(
@@ -354,6 +356,27 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
                       weight_buffers, host, mtp)
 
 
+def score_elements(shape: StepShape, run: StepRun) -> float:
+    """Elements of one sequence's attention scores a device computes at once, ``heads x queries x
+    keys``, as the context exchange lays attention out (``S`` the sequence, ``c`` its ranks, ``t`` the
+    tensor ranks): a whole sequence ``a/t · S · S``; ``gathered``: the rank's ``S/c`` queries against
+    every key; ``ring``: one ``S/c x S/c`` block; ``ulysses``: the whole sequence for its ``a/(t·c)``
+    heads (as many elements as gathered's); ``hybrid`` with ``u`` Ulysses ranks: one ring block of the
+    ``S/r`` tokens a group of ``u`` holds, ``r = c/u``, for ``a/(t·u)`` heads (``u`` times the ring's)."""
+    c, heads, seq = run.context, shape.heads / run.tensor, shape.seq_len
+    exchange = run.context_attention if c > 1 else "gathered"
+    if exchange == "gathered":
+        return heads * (seq / c) * seq
+    if exchange == "ring":
+        return heads * (seq / c) ** 2
+    if exchange == "ulysses":
+        return heads / c * seq * seq
+    if exchange == "hybrid":
+        u = run.ulysses_degree
+        return heads / u * (seq * u / c) ** 2
+    raise ConfigError(f"parallel.context_attention: must be gathered, ring, ulysses or hybrid, got {exchange!r}")
+
+
 def _optimizer_bytes(run: StepRun, stage: float) -> float:
     """AdamW and LAMB keep two moments in the parameters' dtype; 1-bit LAMB three plus its fp32 worker
     and server error buffers (:func:`meshtron.plan.model.onebit_padded_length`); ``/d`` with zero >= 1
@@ -381,7 +404,8 @@ def layout_step_memory(model: ModelShape, layout: Layout, optimizer: str = "adam
                        schedule: str | None = None) -> StepMemory | None:
     """meshtron's step on a GPU for one of the planner's layouts of the paper's GPT: fp32 parameters and
     bf16 compute (meshtron's mixed precision), cuDNN's fused attention, no sequence parallelism, the
-    layout's schedule (1F1B, or interleaved when ``chunks > 1``) unless ``schedule`` names another.
+    layout's schedule (1F1B, or interleaved when ``chunks > 1``) unless ``schedule`` names another, each
+    sequence split over the layout's context ranks as its exchange lays attention out.
     None when meshtron's tables cannot run the layout (fewer microbatches than stages)."""
     p, m = layout.pipe, layout.microbatches
     schedule = schedule or layout.schedule
@@ -391,7 +415,8 @@ def layout_step_memory(model: ModelShape, layout: Layout, optimizer: str = "adam
     shape = StepShape("gpt", model.layers, model.hidden, model.heads, model.heads, 4 * model.hidden,
                       model.vocab_size, model.seq_len, model.seq_len)
     run = StepRun(data=layout.data, pipe=p, tensor=layout.tensor, microbatch=layout.microbatch, chunks=layout.chunks,
-                  stash_slots=stash, weight_slots=weights, remat=layout.recompute, zero=zero, optimizer=optimizer,
+                  context=layout.context, context_attention=layout.context_attention,
+                  ulysses_degree=layout.ulysses_degree, stash_slots=stash, weight_slots=weights, remat=layout.recompute, zero=zero, optimizer=optimizer,
                   attention="cudnn")
     return step_memory(shape, run, "gpu")
 

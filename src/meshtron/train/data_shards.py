@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtron.errors import ConfigError
-from meshtron.models.context_attention import balanced_order
+from meshtron.execution import DEFAULT_EXECUTION, Execution
+from meshtron.models.context_attention import sequence_order
 from meshtron.models.documents import document_features, is_document_windows
 from meshtron.optim.reduce import mean_over
 from meshtron.sharding import Rules, axis_names, gradient_axes, logical_to_spec
@@ -31,20 +32,25 @@ CONTEXT = "context"
 
 @dataclass(frozen=True)
 class DataShards:
-    """The data-parallel region of one mesh."""
+    """The data-parallel region of one mesh. ``ulysses``: how many consecutive context ranks the run's
+    exchange joins by all-to-alls (which decides the order a split sequence is stored in)."""
 
     mesh: Mesh
+    ulysses: int = 1
 
     @classmethod
-    def of(cls, mesh: Mesh, rules: Rules) -> DataShards:
-        """The region of ``mesh``; a sequence split over ``context`` needs the rules to place ``seq`` there."""
+    def of(cls, mesh: Mesh, rules: Rules, execution: Execution = DEFAULT_EXECUTION) -> DataShards:
+        """The region of ``mesh``; a sequence split over ``context`` needs the rules to place ``seq`` there.
+        ``execution``: the run's, whose exchange lays the split sequence out."""
         context = mesh.shape.get(CONTEXT, 1)
         placed = logical_to_spec(("seq",), rules)
         if context > 1 and placed[:1] != P(CONTEXT)[:1]:
             raise ConfigError(f"model.rules.seq: parallel.context={context} splits every sequence over {CONTEXT!r}, "
                               f"but the rules place the logical axis seq on {placed[0]!r}; map seq to context (the default "
                               "rule) or use parallel.context=1")
-        return cls(mesh)
+        exchange = execution.context_attention
+        ulysses = context if exchange == "ulysses" else execution.ulysses_degree if exchange == "hybrid" else 1
+        return cls(mesh, ulysses)
 
     @property
     def context(self) -> int:
@@ -107,17 +113,20 @@ class DataShards:
         return mean_over(value, self.group)
 
     def laid_out(self, tokens: jax.Array) -> jax.Array:
-        return context_layout(tokens, self.context)
+        return context_layout(tokens, self.context, self.ulysses)
 
 
-def context_layout(tokens: jax.Array, ranks: int) -> jax.Array:
+def context_layout(tokens: jax.Array, ranks: int, ulysses: int = 1) -> jax.Array:
     """A batch as the train step's shards see it.
 
     Plain windows ``tokens`` [b, seq + 1] stay as they are on one context rank. When sequences are split
     over ``ranks`` context-parallel ranks they become ``[b, seq, 2]`` (every input token stacked with
     the one it predicts, :func:`meshtron.models.contract.next_token_pairs`), the sequence in the
     load-balanced order (:func:`meshtron.models.context_attention.balanced_order`), so that context
-    rank ``r``'s equal share holds chunks ``r`` and ``2·ranks - 1 - r``. Windows of packed documents
+    rank ``r``'s equal share holds chunks ``r`` and ``2·ranks - 1 - r``; or, when the exchange joins
+    groups of ``ulysses`` consecutive ranks by all-to-alls, that order over the groups
+    (:func:`meshtron.models.context_attention.sequence_order`: under Ulysses alone, the sequence in
+    order). Windows of packed documents
     ``[b, seq + 1, 3]`` become their features ``[b, seq, 5]``
     (:func:`meshtron.models.documents.document_features`), in that order too when split."""
     if is_document_windows(tokens):
@@ -128,4 +137,4 @@ def context_layout(tokens: jax.Array, ranks: int) -> jax.Array:
         pairs = jnp.stack([tokens[:, :-1], tokens[:, 1:]], axis=-1)
     if ranks == 1:
         return pairs
-    return jnp.take(pairs, jnp.asarray(balanced_order(pairs.shape[1], ranks)), axis=1)
+    return jnp.take(pairs, jnp.asarray(sequence_order(pairs.shape[1], ranks, ulysses)), axis=1)

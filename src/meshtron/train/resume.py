@@ -369,7 +369,8 @@ def finish_saving(store: CheckpointStore | None) -> list[int]:
 
 
 # What makes a checkpoint's tensors: a run that differs in these cannot resume another's checkpoints.
-# (parallel.sequence_parallel and parallel.context_attention were model.* keys, and are kept here with them.)
+# (parallel.sequence_parallel and parallel.context_attention were model.* keys, and are kept here with them.
+# parallel.ulysses_degree, newer, is not: it changes no tensor, and checkpoints written before it record none.)
 _STATE_SETTINGS = ("model", "parallel.sequence_parallel", "parallel.context_attention", "train.optimizer",
                    "train.lora.rank", "train.lora.targets", "train.lora.save_base")
 

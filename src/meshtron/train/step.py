@@ -120,7 +120,7 @@ def build_steps(
     the model's code runs (``Run.execution``); ``objective``: what the step minimises. ``offload_optimizer``:
     optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
-    shards = DataShards.of(mesh, model_def.rules)
+    shards = DataShards.of(mesh, model_def.rules, execution)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.probed_state())
     trainable = trainable or Trainable.of_model(model_def)
     sync = gradient_sync(zero, reduction)
@@ -247,7 +247,7 @@ def _for_region(pipeline: PipelinePlan, shards: DataShards, execution: Execution
     over the tensor ranks) are entered by every device of the mesh at once, so stages then run every tick's
     work in lockstep instead of skipping idle ticks."""
     tensor_ring = execution.collective_matmul and shards.mesh.shape.get("tensor", 1) > 1
-    lockstep = (shards.context > 1 and execution.context_attention == "ring") or tensor_ring
+    lockstep = (shards.context > 1 and execution.context_attention in ("ring", "hybrid")) or tensor_ring
     return replace(pipeline, lockstep=lockstep, check_vma=shards.check_vma)
 
 
