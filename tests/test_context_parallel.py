@@ -103,6 +103,21 @@ def test_ulysses_and_hybrid_loss_and_gradients_equal_one_device(name, keys, monk
         assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6), report
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["selective", "full"])
+def test_ulysses_and_hybrid_under_recomputation_keep_parity(remat, monkeypatch):
+    """The all-to-alls rerun with the attention core (selective) or the block (full) in the backward."""
+    from meshtron.execution import Execution
+
+    monkeypatch.syspath_prepend("tests/models")
+    from families import small
+
+    layouts = [Layout(2, 1, 2, context=2, context_attention="ulysses"),
+               Layout(1, 1, 2, context=4, context_attention="hybrid", ulysses_degree=2)]
+    for report in check_parity(small("llama", SEQ, 2, heads=8), layouts, seq_len=SEQ, execution=Execution(remat=remat)):
+        assert report.ok and report.loss == pytest.approx(report.reference_loss, rel=1e-6), report
+
+
 @pytest.mark.parametrize("name, keys", list(_params()))
 def test_loss_and_gradients_equal_one_device(name, keys, monkeypatch):
     monkeypatch.syspath_prepend("tests/models")

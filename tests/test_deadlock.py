@@ -178,6 +178,10 @@ MOE_LAYOUTS = [
     ("llama_cpu8", ["parallel.sequence_parallel=true", "parallel.schedule=1f1b-p", "parallel.chunks=1"]),
     ("llama_cpu8", ["parallel.data=1", "parallel.context=2", "parallel.context_attention=ring",
                     "parallel.schedule=1f1b-p", "parallel.chunks=1"]),
+    # Ulysses: all-to-alls over `context` inside the stage `cond`-s; the hybrid's with its ring, in lockstep
+    ("llama_cpu8", ["parallel.data=1", "parallel.context=2", "parallel.context_attention=ulysses"]),
+    ("llama_cpu8", ["parallel.data=1", "parallel.tensor=1", "parallel.context=4", "parallel.context_attention=hybrid",
+                    "parallel.ulysses_degree=2"]),
 ]
 # The second stack checks two; the rest run on the first.
 _MOE_CASES = [pytest.param(c, o, id=f"{c} {' '.join(o)}", marks=() if i in (3, 7, 10) else pytest.mark.first_stack_only)
@@ -197,7 +201,8 @@ def test_expert_parallel_recomputed_and_sequence_parallel_steps_order_every_coll
     # (nothing is run, so no model is initialised)
     params, opt_state, batch = trainer.abstract_step_arguments()
     compiled = trainer.steps.lower(params, opt_state, batch).compile()
-    assert ("all-to-all" in compiled.as_text()) == ("mixtral" in config)
+    ulysses = any(o.endswith(("=ulysses", "=hybrid")) for o in overrides)
+    assert ("all-to-all" in compiled.as_text()) == ("mixtral" in config or ulysses)
     assert unordered_collectives(compiled) == []
     if "mixtral" in config:  # the forward-only pipeline that measures the routing on logged steps
         assert unordered_collectives(trainer.steps.lower_reports(params, batch).compile()) == []

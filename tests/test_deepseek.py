@@ -163,7 +163,8 @@ def test_deepseek_loss_and_gradients_equal_one_device():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, documents", [
     (Layout(2, 1, 2, context=2), False), (Layout(2, 1, 2, context=2, context_attention="ring"), False),
-    (Layout(2, 1, 2), True)], ids=["context gathered", "context ring", "packed documents"])
+    (Layout(2, 1, 2, context=2, context_attention="ulysses"), True),
+    (Layout(2, 1, 2), True)], ids=["context gathered", "context ring", "context ulysses documents", "packed documents"])
 def test_latent_attention_over_split_sequences_and_packed_documents_equals_one_device(layout, documents):
     # Without the load-balancing loss: over a sequence split on context ranks each rank routes (and
     # balances) its own tokens, so that loss's groups are not one device's -- the experts', not MLA's.

@@ -138,6 +138,9 @@ def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation:
     value_axes = kv_axes(v) if value_axes is None else tuple(value_axes)
     if exchange in ("ulysses", "hybrid"):
         u = ulysses_ranks(ranks)
+        if exchange == "hybrid" and not (1 < u < ranks and ranks % u == 0):
+            raise ValueError(f"parallel.ulysses_degree: the hybrid exchange needs 1 < parallel.ulysses_degree < "
+                             f"parallel.context={ranks}, dividing it, got {u}")
         layout = query_axes(q) if q_axes is None else tuple(q_axes)
         ring = ranks // u
         seq = q.shape[1] * ranks

@@ -58,8 +58,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
 
     ``attend``'s keys and values are laid out as the queries (``query_axes``): where ``k`` and ``v`` are
     whole on every tensor rank (``key_axes`` keep them so) while the queries are split, each device
-    first keeps the key/value heads its query heads read (:func:`_own_key_heads`). ``exchange``: the setting named when the heads
-    do not split (``ulysses`` or ``hybrid``)."""
+    first keeps the key/value heads its query heads read (:func:`_own_key_heads`). ``exchange``: the
+    setting named when the heads do not split (``ulysses`` or ``hybrid``)."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     sizes = dict(mesh.shape)
