@@ -288,3 +288,55 @@ def test_resumed_on_another_data_size_sees_exactly_the_examples_of_an_uninterrup
 
 def test_cursor_is_saved_as_json():
     assert json.loads(json.dumps(Cursor(1, 2, 3))) == [1, 2, 3]
+
+
+# ---- preference pairs ---------------------------------------------------------------------------
+
+
+def test_streamed_pairs_make_the_batches_of_the_same_pairs_preprocessed(tmp_path):
+    """The trainer's data for train.objective=dpo from a JSON-lines file of pairs, streamed (hf, grain)
+    and preprocessed (``meshtron preprocess --preference``): the same rows, tokens, documents and loss
+    masks, pair by pair, each pair's chosen row beside its rejected one; the cursor restarts the stream."""
+    import jax
+
+    from meshtron.cli import main
+    from meshtron.data.sources import PairStream, load_training_data
+    from tests.test_preference_data import pairs
+
+    records = pairs(30)
+    records[1] = {"prompt": "q " * 40, "chosen": "long answer " * 20, "rejected": "no"}  # cut by the window
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    main(["preprocess", "--preference", "--input", str(src), "--tokenizer", "bytes", "--output", str(tmp_path / "p")])
+    seq, batch = 127, 4
+
+    def load(source, path):
+        cfg = DataConfig(path=path, source=source, holdout_fraction=0.2)
+        return load_training_data(cfg, seq_len=seq, batch_size=batch, vocab_size=256, seed=0,
+                                  samples=8 * batch, eval_samples=batch)
+
+    indexed = load("indexed", str(tmp_path / "p"))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for source in ("hf", "grain"):
+        streamed = load(source, str(src))
+        assert streamed.preference and indexed.preference  # what train.objective=dpo asks of its data
+        with streamed.train_stream(batch_size=batch, seq_len=seq, seed=0) as stream:
+            for _ in range(3):
+                rows = np.asarray(stream.next(sharding))
+                ids = [i for _, w in stream.current.windows for _, i in w.examples]
+                assert rows.shape == (2 * batch, seq + 1, 3) and len(ids) == batch
+                np.testing.assert_array_equal(rows, np.concatenate([indexed.train.pair(i) for i in ids]))
+            state = json.loads(json.dumps(stream.cursor()))
+            after = np.asarray(stream.next(sharding))
+        with streamed.train_stream(batch_size=batch, seq_len=seq, seed=0, position=3, cursor=state) as again:
+            np.testing.assert_array_equal(np.asarray(again.next(sharding)), after)
+        if source == "hf":  # file order: the first batch is the first pairs
+            held = PairStream(indexed.heldout, pairs=batch)
+            held.samples.sample = held.samples.pair  # the indexed held-out pairs in file order
+            np.testing.assert_array_equal(streamed.heldout_stream(batch_size=batch, seq_len=seq, seed=0).global_batch(0),
+                                          held.global_batch(0))
+    with pytest.raises(ConfigError, match=r"^data.path: a pair of .*p.jsonl \(example \d+\) loses its chosen answer at "
+                                          r"model.seq_len=40 .*; use model.seq_len=\d+ or more, or shorter prompts$"):
+        cfg = DataConfig(path=str(src), source="hf", holdout_fraction=0.1)  # the held-out pairs, read first
+        load_streamed(cfg, seq_len=40, vocab_size=256, seed=0, eval_samples=1, tokenizer=load_tokenizer("bytes"),
+                      documents=False)

@@ -209,7 +209,10 @@ class PreferencePairs:
         if self._order[0] != epoch:
             rng = np.random.default_rng(np.random.SeedSequence([self.seed, SPLITS[self.split], epoch]))
             self._order = (epoch, rng.permutation(self.num_pairs))
-        pair = int(self._order[1][within])
+        return self.pair(int(self._order[1][within]))
+
+    def pair(self, pair: int) -> np.ndarray:
+        """The split's ``pair``-th pair (file order) as a sample, ``[2, seq_len + 1, 3]``."""
         out = np.zeros((2, self.seq_len + 1, 3), np.int32)
         for k in range(2):
             start, length = int(self._starts[pair, k]), min(int(self._lengths[pair, k]), self.seq_len + 1)

@@ -34,6 +34,13 @@ windows, none repeated or skipped. A checkpoint without a cursor (written by a r
 (and no ``data.text_field``) is supervised fine-tuning data: :class:`ExamplePacker` renders each with
 the chat template and packs it whole, as :class:`meshtron.data.sft.PackedExamples` does.
 
+**Preference pairs.** A source whose examples hold ``prompt``, ``chosen`` and ``rejected`` trains
+``train.objective: dpo``: :class:`PairPacker` renders each pair as ``meshtron preprocess --preference``
+does and gives it as one window ``[2, seq_len + 1, 3]`` laid out as
+:class:`meshtron.data.preference.PreferencePairs` lays out a sample; a batch of ``train.batch_size``
+pairs is ``[2·batch_size, seq_len + 1, 3]``, each pair's chosen row beside its rejected one, as
+:class:`meshtron.data.sources.PairStream` lays it out.
+
 **Blends.** ``data.blend`` ``[w1, path1, w2, path2, ...]`` mixes sources by weight with Megatron's
 rule (:func:`meshtron.data.blend.blend_indices`, window by window); the cursor then holds each
 source's cursor and how many windows each has given.
@@ -319,6 +326,7 @@ class Packer:
                  cursor: Cursor = START):
         self.source, self.tokenizer, self.seq_len, self.documents = source, tokenizer, seq_len, documents
         self.cursor = self._last = Cursor(*cursor)
+        self._reading: int | None = None  # the id of the example being tokenized, for messages
         self._pieces: deque[_Piece] = deque()
         self._buffered = 0
         self._examples = self._read(self.cursor)
@@ -328,6 +336,7 @@ class Packer:
         while True:
             found = False
             for position, (example_id, row) in enumerate(self.source.rows(epoch, start), start):
+                self._reading = example_id
                 tokens = self.tokens(row)[offset:]
                 if len(tokens):
                     found = True
@@ -438,10 +447,60 @@ class ExamplePacker(Packer):
         return Window(out, start, tuple(examples))
 
 
+class PairPacker(Packer):
+    """Preference pairs (``{"prompt", "chosen", "rejected"}`` rows, each a string or chat messages, as
+    ``meshtron preprocess --preference`` reads them), rendered as it renders them
+    (:func:`meshtron.data.preference.render_pair`) and laid out as
+    :class:`meshtron.data.preference.PreferencePairs` lays out a sample: a window is one pair,
+    ``[2, seq_len + 1, 3]`` -- the chosen conversation then the rejected one, each one document from
+    the window's start, cut to it, padding after it. A pair whose answer the window cuts off whole is
+    refused when it is read (the run's data thread hands the error to the step), as the indexed path
+    refuses it before the first step. A cursor's offset is always 0."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        from meshtron.data.sft import ChatTemplate
+
+        super().__init__(*args, **kwargs)
+        self.template = ChatTemplate(self.tokenizer)
+
+    def tokens(self, row: Any) -> np.ndarray:
+        """``[2, seq_len + 1, 3]``: the pair's window."""
+        from meshtron.data.preference import pair_of, render_pair
+
+        try:
+            messages = pair_of(fields(row), f"an example of {self.source.name}")
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("--input: ", "data.path: ", 1)) from None
+        room = self.seq_len + 1
+        out = np.zeros((2, room, 3), np.int32)
+        for k, (ids, mask) in enumerate(render_pair(self.template, *messages)):
+            starts = np.flatnonzero(mask[1:]) + 1
+            if not len(starts) or starts[0] > self.seq_len:
+                need = int(starts[0]) if len(starts) else len(ids)
+                raise ConfigError(f"data.path: a pair of {self.source.name} (example {self._reading}) loses its "
+                                  f"{('chosen', 'rejected')[k]} answer at model.seq_len={self.seq_len} (cut before its "
+                                  f"first counted token); use model.seq_len={need} or more, or shorter prompts")
+            length = min(len(ids), room)
+            out[k, :length, 0], out[k, :length, 1], out[k, :length, 2] = ids[:length], 1, mask[:length]
+        return out
+
+    def next_window(self) -> Window:
+        piece = next(self._examples)
+        self._last = piece.cursor
+        self.cursor = Cursor(piece.cursor.epoch, piece.cursor.example + 1, 0)
+        return Window(piece.tokens, piece.cursor, ((piece.cursor.epoch, piece.example_id),))
+
+
 def fields(row: Any) -> dict | str:
     """A row's fields that hold a value (a table unifies its rows' fields, filling the others with None)."""
     row = record(row)
     return {k: v for k, v in row.items() if v is not None} if isinstance(row, dict) else row
+
+
+def is_pair(row: Any, text_field: str) -> bool:
+    """Whether a row is a preference pair: no ``text_field``, and ``prompt``, ``chosen`` and ``rejected``."""
+    row = fields(row)
+    return isinstance(row, dict) and text_field not in row and {"prompt", "chosen", "rejected"} <= row.keys()
 
 
 def is_sft(row: Any, text_field: str) -> bool:
@@ -487,11 +546,14 @@ class StreamBatch(NamedTuple):
 class StreamBatches(Batches):
     """Global batches of windows from a :class:`WindowStream`, tokenized by a background thread
     :data:`PREFETCH_BATCHES` batches ahead. Batches come in order only (:meth:`next`); the state of
-    the batch at :attr:`position` is :meth:`cursor`."""
+    the batch at :attr:`position` is :meth:`cursor`. ``rows_per_window``: 2 for preference pairs (a
+    window is a pair, its chosen row then its rejected one, as :class:`meshtron.data.sources.PairStream`
+    lays them out), else 1."""
 
     def __init__(self, make_stream, *, batch_size: int, window: int, channels: tuple[int, ...], position: int,
-                 state: dict[str, Any] | None):
+                 state: dict[str, Any] | None, rows_per_window: int = 1):
         super().__init__(batch_size=batch_size, window=window, position=position, channels=channels)
+        self.rows_per_window = rows_per_window
         stream = make_stream(state)
         replay = position if state is None else 0  # no saved cursor: find the position by reading again
         self._state = stream.state()
@@ -503,8 +565,9 @@ class StreamBatches(Batches):
         self._thread.start()
 
     def _batch(self, stream: WindowStream) -> StreamBatch:
-        windows = [stream.next_window() for _ in range(self.batch_size)]
-        return StreamBatch(np.stack([w.tokens for _, w in windows]), windows, stream.state())
+        windows = [stream.next_window() for _ in range(self.batch_size // self.rows_per_window)]
+        tokens = np.stack([w.tokens for _, w in windows]).reshape(self.batch_size, self.window, *self.channels)
+        return StreamBatch(tokens, windows, stream.state())
 
     def _fill(self, stream: WindowStream, replay: int) -> None:
         try:
@@ -578,7 +641,7 @@ class StreamedData:
     """Streamed training data behind the interface of :mod:`meshtron.data.sources`."""
 
     sources: list[ExampleSource]
-    packers: list[type[Packer]]  # per source: Packer (texts) or ExamplePacker (fine-tuning examples)
+    packers: list[type[Packer]]  # per source: Packer (texts), ExamplePacker (fine-tuning examples), PairPacker
     weights: list[float]
     tokenizer: Tokenizer
     seq_len: int
@@ -599,16 +662,22 @@ class StreamedData:
                    for kind, s, c in zip(self.packers, self.sources, cursors)]
         return WindowStream(packers, self.weights, state["taken"] if state else None)
 
+    @property
+    def preference(self) -> bool:
+        """Whether the examples are preference pairs (``batch_size`` counts pairs, two rows each)."""
+        return PairPacker in self.packers
+
     def train_stream(self, *, batch_size: int, seq_len: int, seed: int, position: int = 0,
                      cursor: dict[str, Any] | None = None) -> StreamBatches:
         del seq_len, seed  # fixed when the data was opened
-        channels = (3,) if self.documents else ()
-        return StreamBatches(self.windows, batch_size=batch_size, window=self.seq_len + 1, channels=channels,
-                             position=position, state=cursor)
+        per = 2 if self.preference else 1
+        channels = (3,) if self.documents or self.preference else ()
+        return StreamBatches(self.windows, batch_size=per * batch_size, window=self.seq_len + 1, channels=channels,
+                             position=position, state=cursor, rows_per_window=per)
 
     def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> Batches:
         del seq_len, seed
-        return FixedWindows(self.heldout, batch_size=batch_size)
+        return FixedWindows(self.heldout, batch_size=(2 if self.preference else 1) * batch_size)
 
     def unigram_loss(self) -> float:
         """Held-out cross-entropy under the unigram frequencies of the first training windows."""
@@ -617,7 +686,8 @@ class StreamedData:
             counts = np.ones(self.vocab_size, np.float64)
             for _ in range(_UNIGRAM_WINDOWS):
                 tokens = stream.next_window()[1].tokens
-                counts += np.bincount(tokens if tokens.ndim == 1 else tokens[:, 0], minlength=self.vocab_size)
+                counts += np.bincount(tokens if tokens.ndim == 1 else tokens[..., 0].reshape(-1),
+                                      minlength=self.vocab_size)
             log_probs = np.log(counts / counts.sum())
             held = self.heldout if self.heldout.ndim == 2 else self.heldout[..., 0]
             self._unigram = float(-log_probs[np.minimum(held, self.vocab_size - 1)].mean())
@@ -642,6 +712,8 @@ def heldout_windows(sources: Sequence[ExampleSource], kinds: Sequence[type[Packe
                           f"give {len(windows)} windows of {seq_len + 1} tokens, fewer than the {count} an evaluation "
                           "reads (train.eval_batches x train.batch_size); raise data.holdout_fraction")
     stacked = np.stack(windows[:count])
+    if stacked.ndim == 4:  # preference pairs: each pair's chosen row then its rejected one
+        stacked = stacked.reshape(-1, *stacked.shape[2:])
     if tokenizer.kind == BYTES:
         return stacked, 1.0
     ids = stacked if stacked.ndim == 2 else stacked[..., 0]
@@ -677,7 +749,11 @@ def load_streamed(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int, 
     kinds = []
     for source in sources:
         first = next(iter(source.rows(0, 0)), (0, ""))[1]
-        kinds.append(ExamplePacker if is_sft(first, cfg.text_field) else Packer)
+        kinds.append(PairPacker if is_pair(first, cfg.text_field) else
+                     ExamplePacker if is_sft(first, cfg.text_field) else Packer)
+        if kinds[-1] is PairPacker and len(sources) > 1:
+            raise ConfigError(f"data.blend: {source.name} holds preference pairs (prompt, chosen, rejected), which "
+                              "train alone; give it as data.path")
         if kinds[-1] is ExamplePacker and not documents:
             raise ConfigError(f"data.reset_per_document: {source.name} holds fine-tuning examples (prompt/response or "
                               "messages), which train packed as documents with their answers' loss mask; set "
