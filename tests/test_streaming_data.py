@@ -130,7 +130,9 @@ def test_fine_tuning_examples_are_packed_whole_with_their_answers_loss_mask(tmp_
     rows = [{"prompt": f"question {k}?", "response": "answer " * (k % 4 + 1)} for k in range(40)]
     rows[3] = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                             {"role": "assistant", "content": "hello"}]}
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    # (from_pylist takes its columns from the first row: a messages row would have no field there)
+    in_parquet = [r for r in rows if "prompt" in r]
+    pq.write_table(pa.Table.from_pylist(in_parquet), tmp_path / "pairs.parquet")
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     seq = 64
@@ -158,10 +160,15 @@ def test_fine_tuning_examples_are_packed_whole_with_their_answers_loss_mask(tmp_
     assert [w.examples for _, w in take(data.windows(state), 3)] == [w.examples for _, w in take(stream, 3)]
     with pytest.raises(ConfigError, match="^data.reset_per_document: .* holds fine-tuning examples"):
         opened(str(path))
-    grain = opened(str(tmp_path / "pairs.parquet"), "grain", documents_=True)
-    _, w = grain.windows().next_window()  # the epoch's first example, longer than a window of SEQ + 1: cut
+    cut = 40  # every example is longer than a window of 41 tokens; its answer starts at token 36 at most
+    cfg = DataConfig(path=str(tmp_path / "pairs.parquet"), source="grain", reset_per_document=True)
+    grain = load_streamed(cfg, seq_len=cut, vocab_size=256, seed=0, eval_samples=2, tokenizer=load_tokenizer("bytes"),
+                          documents=True)
+    _, w = grain.windows().next_window()  # the epoch's first example: cut to the window
     (_, first), = w.examples
-    np.testing.assert_array_equal(w.tokens[:, 0], rendered(first)[0][: SEQ + 1])
+    ids, _ = template.render([{"role": "user", "content": in_parquet[first]["prompt"]},
+                              {"role": "assistant", "content": in_parquet[first]["response"]}])
+    np.testing.assert_array_equal(w.tokens[:, 0], ids[: cut + 1])
 
 
 def test_a_blend_draws_windows_by_weight_and_restarts(tmp_path):
@@ -340,3 +347,46 @@ def test_streamed_pairs_make_the_batches_of_the_same_pairs_preprocessed(tmp_path
         cfg = DataConfig(path=str(src), source="hf", holdout_fraction=0.1)  # the held-out pairs, read first
         load_streamed(cfg, seq_len=40, vocab_size=256, seed=0, eval_samples=1, tokenizer=load_tokenizer("bytes"),
                       documents=False)
+
+
+def test_streamed_fine_tuning_examples_whose_answer_the_window_cuts_off_are_counted(tmp_path, capsys, monkeypatch):
+    """The rule of the indexed path (tests/test_data_checks.py): none left is one line refusing the data,
+    some lost one line with the counts and the seq_len that keeps every answer -- over the first examples
+    when the data is opened, and over the first epoch when it holds more than those."""
+    from meshtron.data import streaming
+
+    def write(name, long, short):  # answers at token 24 + 40 = 64 (long) and 24 + 1 = 25 (short)
+        rows = [{"prompt": "x" * 40, "response": "ab"}] * long + [{"prompt": "y", "response": "cd"}] * short
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    def load(path, seq_len=32):
+        cfg = DataConfig(path=path, source="hf", reset_per_document=True, holdout_fraction=0.1)
+        return load_streamed(cfg, seq_len=seq_len, vocab_size=256, seed=0, eval_samples=1,
+                             tokenizer=load_tokenizer("bytes"), documents=True)
+
+    with pytest.raises(ConfigError, match=r"^data.path: every one of the 9 training examples of .*all.jsonl loses its "
+                                          r"answer at model.seq_len=32 .*; use a longer model.seq_len "
+                                          r"\(model.seq_len=64 keeps every answer\) or shorter examples$"):
+        load(write("all.jsonl", 10, 0))
+    some = write("some.jsonl", 3, 7)  # training: 3 long, 6 short; held out: 1 short
+    load(some)
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"meshtron: data.path: 3 of the 9 training examples of {some} lose their answer at model.seq_len=32 (cut "
+        "before their first counted token) and count for nothing; model.seq_len=64 keeps every answer, or shorten "
+        "those examples")]
+    load(some, seq_len=64)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(streaming, "ANSWER_PROBE", 2)  # more examples than are read when the data is opened
+    data = load(some)  # the first two lose their answers: read on to the first that keeps its answer
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"meshtron: data.path: 3 of the first 4 training examples of {some} lose their answer at model.seq_len=32 "
+        "(cut before their first counted token) and count for nothing; model.seq_len=64 keeps every answer, or "
+        "shorten those examples")]
+    with data.train_stream(batch_size=2, seq_len=32, seed=0) as stream:
+        for _ in range(5):  # 10 windows, one example each: past the first epoch's 9 (read in order)
+            stream._take()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"meshtron: data.path: 3 of the 9 training examples of {some} lose their answer at model.seq_len=32 (cut "
+        "before their first counted token) and count for nothing; model.seq_len=64 keeps every answer, or shorten "
+        "those examples")]

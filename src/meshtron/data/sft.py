@@ -345,12 +345,13 @@ def check_answers(samples: object, *, seq_len: int, field: str = "data.path", sp
                 f"{field}: every one of the {total} training examples of {windows.dataset.prefix} loses its answer at "
                 f"model.seq_len={seq_len} (cut to seq_len + 1 tokens before its first counted token), so the run "
                 f"would learn nothing; use a longer model.seq_len ({keeps_all}) or shorter examples")
-        _warn(f"{field}: {lost} of {total} {kind} examples of {windows.dataset.prefix} lose their answer at "
+        warn(f"{field}: {lost} of {total} {kind} examples of {windows.dataset.prefix} lose their answer at "
               f"model.seq_len={seq_len} (cut before their first counted token) and count for nothing; "
               f"{keeps_all}, or shorten those examples")
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
+    """One line on stderr, from the first process only."""
     import jax
 
     if jax.process_index() == 0:

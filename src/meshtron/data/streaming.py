@@ -55,6 +55,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -344,7 +345,11 @@ class Packer:
                 offset = 0
             if not found and start == 0:
                 return
+            self._epoch_read(epoch, start)
             epoch, start = epoch + 1, 0
+
+    def _epoch_read(self, epoch: int, start: int) -> None:
+        """The examples of ``epoch`` from the ``start``-th on have been read (tokenized)."""
 
     def tokens(self, row: Any) -> np.ndarray:
         """An example's tokens: its text field's, with the end-of-document id."""
@@ -407,6 +412,8 @@ class ExamplePacker(Packer):
         super().__init__(*args, **kwargs)
         self.template = ChatTemplate(self.tokenizer)
         self._pending: _Piece | None = None
+        self.answers = AnswerCount(self.seq_len)
+        self.report: str | None = None  # the field that named the data: count lost answers per first epoch
 
     def tokens(self, row: Any) -> np.ndarray:
         """``[n, 2]``: the example's ids and loss mask."""
@@ -417,7 +424,16 @@ class ExamplePacker(Packer):
         except ConfigError as err:
             raise ConfigError(str(err).replace("--input: ", "data.path: ", 1)) from None
         ids, mask = self.template.render(messages)
+        self.answers.add(mask)
         return np.stack([ids, mask], axis=-1).astype(np.int32)
+
+    def _epoch_read(self, epoch: int, start: int) -> None:
+        """After a whole epoch read from its start, the count of examples whose answer the window cut off
+        (one line; the examples :func:`check_streamed_answers` read when the data was opened are all of
+        them when the source is small, and then they were counted there)."""
+        if self.report is not None and start == 0 and self.answers.total > ANSWER_PROBE:
+            self.answers.check(self.report, self.source.name, "training", refuse=False)
+        self.report = None  # once: every epoch holds the same examples
 
     def next_window(self) -> Window:
         room = self.seq_len + 1
@@ -445,6 +461,64 @@ class ExamplePacker(Packer):
         self.cursor = (self._pending.cursor if self._pending is not None else
                        Cursor(self._last.epoch, self._last.example + 1, 0))
         return Window(out, start, tuple(examples))
+
+
+ANSWER_PROBE = 256  # fine-tuning examples of each split read when the data is opened, to check their answers
+
+
+class AnswerCount:
+    """How many fine-tuning examples a window of ``seq_len + 1`` tokens cuts before their first counted
+    target (``answer_starts`` of :mod:`meshtron.data.sft`: the first mask 1 after the first token), and
+    the window that keeps every answer: the rule :func:`meshtron.data.sft.check_answers` applies to an
+    indexed dataset, applied to the examples as they are read."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len, self.total, self.lost, self.need = seq_len, 0, 0, 0
+
+    def add(self, mask: np.ndarray) -> None:
+        counted = np.flatnonzero(np.asarray(mask)[1:])
+        if not len(counted):
+            return
+        start = int(counted[0]) + 1
+        self.total += 1
+        self.lost += start > self.seq_len
+        self.need = max(self.need, start)
+
+    def check(self, field_name: str, name: str, kind: str, *, refuse: bool, first: bool = False) -> None:
+        """Refuse (``refuse``: training examples) when every example counted lost its answer; one line on
+        stderr when some did. ``first``: the count is of the first examples only."""
+        from meshtron.data.sft import warn
+
+        if not self.lost:
+            return
+        some = f"the first {self.total}" if first else f"the {self.total}"
+        if refuse and self.lost == self.total:
+            raise ConfigError(f"{field_name}: every one of {some} {kind} examples of {name} loses its answer at "
+                              f"model.seq_len={self.seq_len} (cut to seq_len + 1 tokens before its first counted "
+                              f"token), so the run would learn nothing; use a longer model.seq_len "
+                              f"(model.seq_len={self.need} keeps every answer) or shorter examples")
+        warn(f"{field_name}: {self.lost} of {some} {kind} examples of {name} lose their answer at "
+              f"model.seq_len={self.seq_len} (cut before their first counted token) and count for nothing; "
+              f"model.seq_len={self.need} keeps every answer, or shorten those examples")
+
+
+def check_streamed_answers(source: ExampleSource, tokenizer: Tokenizer, seq_len: int, field_name: str) -> None:
+    """Read the first :data:`ANSWER_PROBE` training and held-out fine-tuning examples of ``source`` (the
+    training ones on until one keeps its answer, so that a refusal is only for data none of whose
+    answers fits) and apply :meth:`AnswerCount.check`: refused when every training example loses its
+    answer at ``seq_len``, one line when some of those read do (the count over a whole epoch follows at
+    its end)."""
+    splits = (("training", source.rows(0, 0), source.train_examples),
+              ("held-out", source.heldout_rows(), source.heldout_examples))
+    for kind, rows, count in splits:
+        packer, read = ExamplePacker(source, tokenizer, seq_len, True), 0
+        for _, row in rows:
+            packer.tokens(row)
+            read += 1
+            answers = packer.answers
+            if read >= ANSWER_PROBE and (kind == "held-out" or answers.lost < answers.total):
+                break
+        packer.answers.check(field_name, source.name, kind, refuse=kind == "training", first=read < count)
 
 
 class PairPacker(Packer):
@@ -650,9 +724,12 @@ class StreamedData:
     source: str
     vocab_size: int
     heldout_bytes_per_token: float = 1.0
+    field_name: str = "data.path"  # the setting that named the data (data.path or data.blend), for messages
     _unigram: float | None = field(default=None, repr=False)
 
-    def windows(self, state: dict[str, Any] | None = None) -> WindowStream:
+    def windows(self, state: dict[str, Any] | None = None, report: str | None = None) -> WindowStream:
+        """The training windows from ``state`` on (None: the start); ``report``: the field that named the
+        data, for the count of fine-tuning answers the window cuts off over the first epoch read whole."""
         cursors = state["cursors"] if state else [START] * len(self.sources)
         if len(cursors) != len(self.sources):
             raise ConfigError(f"data.blend: the checkpoint's read position is for {len(cursors)} source(s), this run "
@@ -660,6 +737,9 @@ class StreamedData:
                               "checkpoint.dir")
         packers = [kind(s, self.tokenizer, self.seq_len, self.documents, Cursor(*c))
                    for kind, s, c in zip(self.packers, self.sources, cursors)]
+        for packer in packers:
+            if isinstance(packer, ExamplePacker):
+                packer.report = report
         return WindowStream(packers, self.weights, state["taken"] if state else None)
 
     @property
@@ -672,7 +752,7 @@ class StreamedData:
         del seq_len, seed  # fixed when the data was opened
         per = 2 if self.preference else 1
         channels = (3,) if self.documents or self.preference else ()
-        return StreamBatches(self.windows, batch_size=per * batch_size, window=self.seq_len + 1, channels=channels,
+        return StreamBatches(partial(self.windows, report=self.field_name), batch_size=per * batch_size, window=self.seq_len + 1, channels=channels,
                              position=position, state=cursor, rows_per_window=per)
 
     def heldout_stream(self, *, batch_size: int, seq_len: int, seed: int) -> Batches:
@@ -758,6 +838,8 @@ def load_streamed(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int, 
             raise ConfigError(f"data.reset_per_document: {source.name} holds fine-tuning examples (prompt/response or "
                               "messages), which train packed as documents with their answers' loss mask; set "
                               "data.reset_per_document=true")
+        if kinds[-1] is ExamplePacker:
+            check_streamed_answers(source, tokenizer, seq_len, field_name)
     heldout, per_token = heldout_windows(sources, kinds, tokenizer, seq_len, documents, eval_samples)
     high = int((heldout if heldout.ndim == 2 else heldout[..., 0]).max())
     if high >= vocab_size:
@@ -766,4 +848,4 @@ def load_streamed(cfg: DataConfig, *, seq_len: int, vocab_size: int, seed: int, 
     name = (f"{cfg.source} {paths[0]}" if len(paths) == 1 else
             f"{cfg.source} blend " + ", ".join(f"{w:.3g} x {p}" for w, p in zip(weights, paths)))
     return StreamedData(sources, kinds, list(weights), tokenizer, seq_len, documents, heldout,
-                        f"{name}, tokenizer {tokenizer.source}", vocab_size, per_token)
+                        f"{name}, tokenizer {tokenizer.source}", vocab_size, per_token, field_name)
