@@ -212,3 +212,45 @@ def test_tracker_names_are_checked():
         load_config(None, ["train.trackers=[wandb,wandb]"])
     with pytest.raises(ConfigError, match="train.wandb.projct .*valid keys: project, entity, name, tags"):
         load_config(None, ["train.wandb.projct=x"])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch):
+    """Two steps, then the same command resumed to four from the checkpoint directory: one W&B run (the
+    resumed part's offline log carries the first part's run id) and one MLflow run, with steps 1..4; the
+    runs' ids are recorded beside the checkpoints."""
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    from meshtron.checkpoint_dirs import TRACKER_RUNS
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    saved = [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=2", "checkpoint.async_save=false"]
+    trainer = Trainer.from_config(load_config(None, [*MODEL, *RUN, *saved, "train.steps=2"]), devices=jax.devices()[:1])
+    trainer.run()
+    recorded = json.loads((tmp_path / "ck" / TRACKER_RUNS).read_text())
+    assert set(recorded) == {"wandb", "mlflow"}
+    monkeypatch.setattr(trainer.cfg.train, "steps", 4)  # the same run, asked for two more steps
+    trainer.run()
+    assert json.loads((tmp_path / "ck" / TRACKER_RUNS).read_text()) == recorded
+
+    logs = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 2 and all(log.name == f"run-{recorded['wandb']}.wandb" for log in logs)
+    steps = []
+    for log in logs:
+        shown = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
+                               capture_output=True, text=True, check=True, timeout=120)
+        records = [json.loads(line) for line in shown.stdout.splitlines() if line.startswith("{")]
+        assert {r["run"]["run_id"] for r in records if r["type"] == "run"} == {recorded["wandb"]}
+        steps += [r["history"]["step"]["num"] for r in records if r["type"] == "history"]
+    assert steps == [1, 2, 3, 4]
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("meshtron-tests")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == recorded["mlflow"] and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4]
+    assert run.data.params["train.steps"] == "2"  # MLflow's parameters keep their first values

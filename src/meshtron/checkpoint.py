@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron.checkpoint_dirs import read_step_meta
+from meshtron.checkpoint_dirs import TRACKER_RUNS, read_step_meta, step_directories
 from meshtron.errors import CheckpointError
 from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.trees import leaf_names
@@ -311,6 +311,8 @@ class CheckpointStore:
         """Remove the directory this store created, with the parents it created, if nothing was saved
         in it (a run that failed before its first checkpoint); a directory that existed stays."""
         if self.created is not None and jax.process_index() == 0:
+            if not step_directories(self.directory):
+                (self.directory / TRACKER_RUNS).unlink(missing_ok=True)
             remove_if_empty(self.directory, self.created)
 
     def _set_aside(self, steps: list[int]) -> None:

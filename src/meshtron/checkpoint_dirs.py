@@ -8,7 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["checkpoint_location", "imported_step", "is_import", "read_step_meta", "step_directories"]
+__all__ = ["TRACKER_RUNS", "checkpoint_location", "imported_step", "is_import", "read_step_meta", "step_directories"]
+
+
+TRACKER_RUNS = "tracker_runs.json"
+"""The file beside a run's checkpoints naming its experiment trackers' runs (W&B run id, MLflow run id),
+so that a resumed run continues them (:mod:`meshtron.train.trackers`). It does not make a checkpoint
+directory used: a run that fails before its first checkpoint removes it with the directory."""
 
 
 def step_directories(directory: str | Path) -> list[int]:

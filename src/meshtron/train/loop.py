@@ -309,7 +309,7 @@ class Trainer:
         """Where the run's numbers go (bar, metrics lines, TensorBoard, trackers), from ``step`` on."""
         t, m = self.cfg.train, self.cfg.model
         return RunProgress(t.steps, step, console=console, lead=jax.process_index() == 0, metrics_file=metrics_file,
-                           train=t, config=to_dict(self.cfg), memory=self.steps.memory,
+                           train=t, config=to_dict(self.cfg), memory=self.steps.memory, run_dir=self.cfg.checkpoint.dir,
                            staged=len(self.steps.stages) > 1,
                            peak_flops=t.peak_flops and t.peak_flops * self.mesh.size,
                            flops_per_token=model_flops_per_token(self.model_def.parameter_count(),

@@ -34,7 +34,7 @@ from meshtron.errors import ConfigError
 from meshtron.hlo.summary import MemoryFigures
 from meshtron.plotting import pyplot, save
 from meshtron.train.sinks import JsonLines, MetricSink, Outcome, TensorBoard
-from meshtron.train.trackers import open_trackers
+from meshtron.train.trackers import Tracker, open_trackers, read_tracker_runs, save_tracker_runs
 from meshtron.units import format_bytes
 
 
@@ -117,10 +117,14 @@ def reported_summary(record: dict[str, Any]) -> str:
 class RunReport:
     """The records of one run, written to every sink (:mod:`meshtron.train.sinks`): the metrics JSON lines
     (``--metrics``), TensorBoard (``train.tensorboard``) and the experiment trackers (``train.trackers``),
-    by process 0 only (``lead``); the other processes hold none."""
+    by process 0 only (``lead``); the other processes hold none. ``run_dir``: the checkpoint directory,
+    where the trackers' runs are recorded so that a resumed run continues them
+    (:func:`meshtron.train.trackers.save_tracker_runs`)."""
 
-    def __init__(self, metrics_file: IO[str] | None, train: TrainConfig, *, lead: bool):
+    def __init__(self, metrics_file: IO[str] | None, train: TrainConfig, *, lead: bool,
+                 run_dir: str | Path | None = None):
         self.sinks: list[MetricSink] = []
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         if not lead:
             return
         trackers = open_trackers(train)  # first: a missing library leaves no event file open
@@ -132,13 +136,21 @@ class RunReport:
 
     def start(self, step: int, weights: str, config: dict[str, Any]) -> None:
         """The run's first record: where its weights came from, at the step it starts after, and its
-        resolved config. A sink that cannot start (a tracker's login) ends the others, as failed."""
+        resolved config. A sink that cannot start (a tracker's login) ends the others, as failed. A run
+        resumed after ``step`` > 0 continues the trackers' runs recorded in :attr:`run_dir`."""
+        trackers = [sink for sink in self.sinks if isinstance(sink, Tracker)]
+        recorded = read_tracker_runs(self.run_dir) if self.run_dir is not None and step > 0 else {}
+        for tracker in trackers:
+            tracker.resume = recorded.get(tracker.name)
         for sink in self.sinks:
             try:
                 sink.start(step, weights, config)
             except BaseException:
                 self.close("failed")
                 raise
+        runs = {tracker.name: tracker.run_ref for tracker in trackers if tracker.run_ref is not None}
+        if runs and self.run_dir is not None and self.run_dir.is_dir():
+            save_tracker_runs(self.run_dir, runs)
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -180,8 +192,10 @@ class RunProgress:
 
     def __init__(self, total: int, completed: int, *, console: Console, lead: bool, metrics_file: IO[str] | None,
                  train: TrainConfig, config: dict[str, Any], staged: bool, flops_per_token: float,
-                 peak_flops: float | None, memory: Callable[[str], MemoryFigures | None] = lambda stage: None):
+                 peak_flops: float | None, memory: Callable[[str], MemoryFigures | None] = lambda stage: None,
+                 run_dir: str | None = None):
         self.total, self.completed, self.console, self.lead = total, completed, console, lead
+        self.run_dir = run_dir  # checkpoint.dir: where the trackers' runs are recorded (RunReport)
         self.metrics_file = metrics_file if lead else None
         self.staged, self.flops_per_token, self.peak_flops = staged, flops_per_token, peak_flops
         self.report: RunReport | None = None
@@ -211,7 +225,7 @@ class RunProgress:
         self.console.print(weights, soft_wrap=True)
         if self.metrics_file is not None:
             keep_records_up_to(self.metrics_file, step)
-        self.report = RunReport(self.metrics_file, self.train, lead=self.lead)
+        self.report = RunReport(self.metrics_file, self.train, lead=self.lead, run_dir=self.run_dir)
         self.report.start(step, weights.removeprefix("weights: "), self.config)
 
     def __enter__(self) -> Self:
