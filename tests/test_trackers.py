@@ -215,14 +215,17 @@ def test_tracker_names_are_checked():
 
 
 @pytest.mark.slow
-def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch):
+def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch, request):
     """Two steps, then the same command resumed to four from the checkpoint directory: one W&B run (the
     resumed part's offline log carries the first part's run id) and one MLflow run, with steps 1..4; the
     runs' ids are recorded beside the checkpoints."""
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     from mlflow.tracking import MlflowClient
 
     from meshtron.checkpoint_dirs import TRACKER_RUNS
+
+    wandb.teardown()  # W&B reads WANDB_DIR once a process: forget the earlier tests' (it starts again below)
+    request.addfinalizer(wandb.teardown)  # and this test's, for the tests after it
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
