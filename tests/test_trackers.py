@@ -257,3 +257,18 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path, monkeypatch, re
     assert run.info.run_id == recorded["mlflow"] and run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3, 4]
     assert run.data.params["train.steps"] == "2"  # MLflow's parameters keep their first values
+
+
+def test_the_tracker_runs_file_is_read_back_and_goes_with_an_unused_checkpoint_directory(tmp_path):
+    from meshtron.checkpoint import CheckpointStore
+    from meshtron.checkpoint_dirs import TRACKER_RUNS
+    from meshtron.train.trackers import read_tracker_runs, save_tracker_runs
+
+    store = CheckpointStore(tmp_path / "runs" / "ck", async_save=False)
+    save_tracker_runs(store.directory, {"wandb": "abc123", "mlflow": "0f1e"})
+    assert read_tracker_runs(store.directory) == {"wandb": "abc123", "mlflow": "0f1e"}
+    assert sorted(p.name for p in store.directory.iterdir()) == [TRACKER_RUNS]  # no temporary left
+    (store.directory / TRACKER_RUNS).write_text("{not json")
+    assert read_tracker_runs(store.directory) == {}  # an unreadable record: new runs
+    store.discard_if_unused()  # a run that failed before its first checkpoint
+    assert list(tmp_path.iterdir()) == []
