@@ -102,6 +102,13 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
     return _manual(to_sequence, out, q_spec, q_spec, auto)
 
 
+def key_heads_per_rank(heads: int, kv_heads: int, ranks: int) -> int:
+    """How many key/value heads each of ``ranks`` tensor ranks sends through the all-to-all when the model
+    keeps its ``kv_heads`` whole on every rank while its ``heads`` query heads split: those its own query
+    heads read (:func:`_own_key_heads`), before any repetition to the all-to-all's ranks."""
+    return len(_own_key_heads(heads, kv_heads, ranks)) // ranks
+
+
 def _own_key_heads(heads: int, kv_heads: int, ranks: int) -> np.ndarray:
     """The key/value heads each of ``ranks`` tensor ranks holding ``heads / ranks`` of the query heads reads,
     rank after rank: grouped-query attention pairs query head ``n`` with key head ``n // (heads / kv_heads)``;
