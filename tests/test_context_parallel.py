@@ -498,6 +498,40 @@ def test_the_planner_splits_work_activations_and_tensor_traffic_over_context_ran
     assert PlanLayout(1, 1, 1, 1, 8, context=3).problem(model) == "context=3 needs seq_len (32768) divisible by 2 x context"
 
 
+def test_the_planner_s_activations_count_the_scores_each_exchange_holds_as_the_step_memory_model_does():
+    """Without recomputation the scores are kept: the gathered exchange and Ulysses hold a c-th of a whole
+    sequence's (s/c queries against every key, every query for a c-th of the heads), the ring one s/c x s/c
+    block, the hybrid a group's block for a u-th of the heads -- the step memory model's score elements."""
+    from meshtron.plan.model import Layout as PlanLayout
+    from meshtron.plan.model import (
+        ModelShape,
+        activation_bytes,
+        in_flight_chunks,
+        layer_score_bytes,
+        score_share,
+    )
+    from meshtron.plan.step_memory import StepRun, StepShape, score_elements
+
+    model = ModelShape(layers=24, hidden=2304, heads=24, seq_len=32768, vocab_size=51200)
+    whole = PlanLayout(2, 2, 4, 1, 64, recompute="none")
+    gathered = replace(whole, context=8)
+    assert activation_bytes(model, gathered) == pytest.approx(activation_bytes(model, whole) / 8)
+    kept_layers = in_flight_chunks(2, gathered.microbatches, 1) * 24 // 2
+    scores = layer_score_bytes(model, whole, "none")  # one layer's, of whole sequences
+    shape = StepShape("gpt", 24, 2304, 24, 24, 4 * 2304, 51200, 32768, 32768)
+    for exchange, u, share in [("ulysses", 8, 1 / 8), ("ring", 1, 1 / 64), ("hybrid", 2, 2 / 64), ("hybrid", 4, 4 / 64)]:
+        layout = replace(gathered, context_attention=exchange, ulysses_degree=u if exchange == "hybrid" else 1)
+        assert score_share(layout) == pytest.approx(share)
+        run = StepRun(1, 2, 2, 1, context=8, context_attention=exchange, ulysses_degree=layout.ulysses_degree)
+        assert share == pytest.approx(score_elements(shape, run) / (24 / 2 * 32768**2)), exchange
+        assert activation_bytes(model, layout) - activation_bytes(model, gathered) == pytest.approx(
+            kept_layers * scores * (share - 1 / 8)), exchange
+    # selective recomputation keeps no scores: every exchange holds a c-th of the layer's activations
+    selective = [activation_bytes(model, replace(gathered, recompute="selective", context_attention=e, ulysses_degree=u))
+                 for e, u in [("gathered", 1), ("ring", 1), ("ulysses", 1), ("hybrid", 2)]]
+    assert selective == pytest.approx([selective[0]] * 4)
+
+
 def test_plan_takes_a_context_size():
     import contextlib
     import io
