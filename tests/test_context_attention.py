@@ -106,12 +106,18 @@ def test_the_ring_holds_the_same_memory_whatever_the_ring_size_and_gathering_gro
 
 
 @pytest.mark.parametrize("exchange, attention", [("gathered", gathered_kv_attention), ("ring", ring_attention)])
-@pytest.mark.parametrize("ranks", [3, 4])  # (on 2, one layer alone, XLA shares the first move of forward and backward)
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_bytes_over_the_sequence_axis_are_the_formula(exchange, attention, ranks):
     # one attention layer's forward and backward, grouped-query heads (4 query heads over 2 key/value heads)
     compiled, mesh = compiled_gradient(attention, ranks, local=64, heads=4, kv_heads=2, d=16)
     sent = sum(c.total_wire_bytes for c in collectives(compiled, mesh) if c.axes == ("context",))
-    assert sent == pytest.approx(sum(exchange_bytes(exchange, ranks, tokens=64, kv_heads=2, head_dim=16)))
+    formula = sum(exchange_bytes(exchange, ranks, tokens=64, kv_heads=2, head_dim=16))
+    if exchange == "ring" and ranks == 2:
+        # A ring of 2 runs one step each way: XLA drops both one-trip loops, and the backward's first move (the
+        # rank's own keys and values to the other) is the forward's, computed once -- one key/value block pair
+        # less than the formula wherever a layer's forward (or its recomputation) and backward are one program
+        formula -= 2 * 64 * 2 * 16 * 4
+    assert sent == pytest.approx(formula)
     with pytest.raises(ValueError, match="exchange: must be one of gathered, ring, ulysses, hybrid, got 'a2a'"):
         exchange_bytes("a2a", ranks, 64, 2, 16)
 

@@ -257,20 +257,23 @@ def test_context_parallel_training_equals_data_parallel_training_at_every_zero_l
 
 
 @pytest.mark.slow
-def test_ulysses_training_at_zero_3_equals_data_parallel_training():
+def test_ulysses_training_at_every_zero_level_equals_data_parallel_training():
     # DeepSpeed's most-reported long-context failures are Ulysses under ZeRO-3: parameters split over data x
-    # context and gathered per layer, attention's all-to-alls over context in between
+    # context and gathered per layer, attention's all-to-alls over context in between; then the optimizer
+    # state alone split (zero=1), and zero=3's parameters gathered once per step instead of per layer
     reference = trainer(2, 1, 1, 1, "train.steps=3").run()
-    result = trainer(2, 1, 2, 2, "train.steps=3", "parallel.context_attention=ulysses", "parallel.zero=3").run()
-    np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6),
-                 jax.device_get(result.params), jax.device_get(reference.params))
+    for overrides in (["parallel.zero=3"], ["parallel.zero=1"], ["parallel.zero=3", "parallel.gather_once=true"]):
+        result = trainer(2, 1, 2, 2, "train.steps=3", "parallel.context_attention=ulysses", *overrides).run()
+        np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5, err_msg=str(overrides))
+        jax.tree.map(lambda a, b, o=overrides: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6, err_msg=str(o)),
+                     jax.device_get(result.params), jax.device_get(reference.params))
 
 
 @pytest.mark.slow
-def test_onebit_lamb_compresses_over_data_and_context_together():
+@pytest.mark.parametrize("exchange", ["gathered", "ulysses"])
+def test_onebit_lamb_compresses_over_data_and_context_together(exchange):
     steps = ["train.optimizer=onebit_lamb", "optim.freeze_step=2", "train.steps=3"]
-    split = trainer(2, 1, 2, 1, *steps)
+    split = trainer(2, 1, 2, 1, *steps, f"parallel.context_attention={exchange}")
     reference = trainer(2, 1, 1, 1, *steps).run()
     result = split.run()
     # the warmup (uncompressed LAMB) equals data parallelism's; compression then runs over 4 workers
@@ -284,8 +287,10 @@ def test_onebit_lamb_compresses_over_data_and_context_together():
 
 
 @pytest.mark.slow
-def test_checkpoints_resume_bitwise_and_restore_without_the_split(tmp_path):
-    run = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=5", f"checkpoint.dir={tmp_path}"]
+@pytest.mark.parametrize("exchange", ["gathered", "ulysses"])
+def test_checkpoints_resume_bitwise_and_restore_without_the_split(exchange, tmp_path):
+    run = ["train.steps=4", "checkpoint.every=2", "checkpoint.keep=5", f"checkpoint.dir={tmp_path}",
+           f"parallel.context_attention={exchange}"]
     saving = trainer(1, 2, 2, 2, *run)
     # the uninterrupted reference: the same trainer (compiled steps shared) with checkpointing off
     straight = replace(saving, resolved=replace(saving.resolved, cfg=replace(
@@ -296,20 +301,26 @@ def test_checkpoints_resume_bitwise_and_restore_without_the_split(tmp_path):
         shutil.rmtree(tmp_path / str(step), ignore_errors=True)
     resumed = trainer(1, 2, 2, 2, *run).run()
     assert resumed.first_step == 3 and resumed.losses == straight.losses[2:]
-    # onto a mesh that does not split sequences: the same canonical parameters
-    other = trainer(2, 1, 1, 2, *run)
-    params, _, position = other.restore(CheckpointStore(tmp_path, keep=5))
-    assert position.step == 4
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(other.canonical_params(params)),
-                 jax.device_get(first.params))
+    # onto a mesh that does not split sequences, and (Ulysses's) onto the ring: the same canonical parameters
+    others = [trainer(2, 1, 1, 2, *run[:-1])]
+    if exchange == "ulysses":
+        others.append(trainer(1, 1, 4, 2, *run[:-1], "parallel.context_attention=ring"))
+    for other in others:
+        params, _, position = other.restore(CheckpointStore(tmp_path, keep=5))
+        assert position.step == 4
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(other.canonical_params(params)),
+                     jax.device_get(first.params))
 
 
 @pytest.mark.slow
-def test_generation_from_a_context_parallel_checkpoint_drops_the_split(tmp_path):
+@pytest.mark.parametrize("exchange", ["gathered", "ulysses"])
+def test_generation_from_a_context_parallel_checkpoint_drops_the_split(exchange, tmp_path):
     from meshtron.generate import sample
     from meshtron.pretrained import load_pretrained
 
-    trainer(1, 1, 4, 2, "train.steps=1", "checkpoint.every=1", f"checkpoint.dir={tmp_path}").run()
+    context = 4 if exchange == "gathered" else 2  # Ulysses: 2 query heads per tensor rank split over 2 ranks
+    trainer(1, 1, context, 2, "train.steps=1", "checkpoint.every=1", f"checkpoint.dir={tmp_path}",
+            f"parallel.context_attention={exchange}").run()
     model = load_pretrained(tmp_path)
     assert model.mesh.shape["context"] == 1 and model.mesh.shape["tensor"] == 2
     assert sample(model, "ab", max_new_tokens=4, temperature=0).text
@@ -391,12 +402,15 @@ def test_describe_prints_the_exchange_per_layer_and_microbatch_and_the_compiled_
     assert abs(error) <= 30, f"modelled peak {error:+.1f}% off the compiled one"
 
 
-@pytest.mark.parametrize("exchange, mesh", [
-    ("ulysses", ["parallel.data=2", "parallel.context=4", "parallel.tensor=1"]),  # 2 key/value heads repeated to 4
+@pytest.mark.parametrize("exchange, mesh, kv_heads, heads", [
+    ("ulysses", ["parallel.data=2", "parallel.context=4", "parallel.tensor=1"], 2, 4),  # 2 kv heads repeated to 4
+    # 8 query heads, 2 per tensor rank, reading 2 key/value heads that 4 tensor ranks keep whole: each device
+    # sends its own one (repeated to the 2 ranks of the all-to-all), not both
+    ("ulysses", ["parallel.data=1", "parallel.context=2", "parallel.tensor=4", "model.heads=8"], 1, 2),
     pytest.param("hybrid", ["parallel.data=1", "parallel.context=4", "parallel.tensor=2", "parallel.ulysses_degree=2"],
-                 marks=pytest.mark.slow),
+                 1, 2, marks=pytest.mark.slow),
 ])
-def test_describe_prices_the_ulysses_exchanges_as_the_compiled_step_sends_them(exchange, mesh):
+def test_describe_prices_the_ulysses_exchanges_as_the_compiled_step_sends_them(exchange, mesh, kv_heads, heads):
     """Ulysses's all-to-alls (and the hybrid's ring across its groups): describe's line per layer and
     microbatch is the formula, the compiled step sends as much, and the step memory model, which counts
     the whole sequence's scores for a c-th of the heads, is within the toy models' 30% of the compiled peak."""
@@ -411,11 +425,15 @@ def test_describe_prices_the_ulysses_exchanges_as_the_compiled_step_sends_them(e
                                 "model.remat=none"]), out)
     text = out.getvalue()
     cfg = load_config(None, [*MODEL, *mesh, "parallel.pipe=1"])
-    ranks, tensor = cfg.mesh.context, cfg.mesh.tensor
+    ranks = cfg.mesh.context
     tokens = 8 // cfg.mesh.data // 2 * SEQ // ranks
-    forward, backward = exchange_bytes(exchange, ranks, tokens, kv_heads=2 // tensor, head_dim=8, heads=4 // tensor,
-                                       ulysses_degree=2 if exchange == "hybrid" else None)
+    forward, backward = exchange_bytes(exchange, ranks, tokens, kv_heads=kv_heads, head_dim=32 // cfg.model.heads,
+                                       heads=heads, ulysses_degree=2 if exchange == "hybrid" else None)
     per_layer = forward + backward
+    said = {"ulysses": f"rank r holds the r-th of {ranks} contiguous slices of every sequence), an all-to-all turns "
+                       f"queries, keys and values into the whole sequence for 1/{ranks} of the heads",
+            "hybrid": "whose key/value blocks pass around a ring of the 2 groups (ranks 2 apart)"}[exchange]
+    assert said in text, text
     assert f"{format_bytes(per_layer)} per device, layer and microbatch" in text, text
     assert (f"{exchange} exchange over context: {format_bytes(per_layer)} per layer and microbatch in the compiled "
             f"step, {format_bytes(per_layer)} by the formula (+0.0%)") in text, text
@@ -478,6 +496,40 @@ def test_the_planner_splits_work_activations_and_tensor_traffic_over_context_ran
     assert context_wire_bytes(model, split) == pytest.approx(2 * forward + backward)
     assert context_wire_bytes(model, whole) == 0
     assert PlanLayout(1, 1, 1, 1, 8, context=3).problem(model) == "context=3 needs seq_len (32768) divisible by 2 x context"
+
+
+def test_the_planner_s_activations_count_the_scores_each_exchange_holds_as_the_step_memory_model_does():
+    """Without recomputation the scores are kept: the gathered exchange and Ulysses hold a c-th of a whole
+    sequence's (s/c queries against every key, every query for a c-th of the heads), the ring one s/c x s/c
+    block, the hybrid a group's block for a u-th of the heads -- the step memory model's score elements."""
+    from meshtron.plan.model import Layout as PlanLayout
+    from meshtron.plan.model import (
+        ModelShape,
+        activation_bytes,
+        in_flight_chunks,
+        layer_score_bytes,
+        score_share,
+    )
+    from meshtron.plan.step_memory import StepRun, StepShape, score_elements
+
+    model = ModelShape(layers=24, hidden=2304, heads=24, seq_len=32768, vocab_size=51200)
+    whole = PlanLayout(2, 2, 4, 1, 64, recompute="none")
+    gathered = replace(whole, context=8)
+    assert activation_bytes(model, gathered) == pytest.approx(activation_bytes(model, whole) / 8)
+    kept_layers = in_flight_chunks(2, gathered.microbatches, 1) * 24 // 2
+    scores = layer_score_bytes(model, whole, "none")  # one layer's, of whole sequences
+    shape = StepShape("gpt", 24, 2304, 24, 24, 4 * 2304, 51200, 32768, 32768)
+    for exchange, u, share in [("ulysses", 8, 1 / 8), ("ring", 1, 1 / 64), ("hybrid", 2, 2 / 64), ("hybrid", 4, 4 / 64)]:
+        layout = replace(gathered, context_attention=exchange, ulysses_degree=u if exchange == "hybrid" else 1)
+        assert score_share(layout) == pytest.approx(share)
+        run = StepRun(1, 2, 2, 1, context=8, context_attention=exchange, ulysses_degree=layout.ulysses_degree)
+        assert share == pytest.approx(score_elements(shape, run) / (24 / 2 * 32768**2)), exchange
+        assert activation_bytes(model, layout) - activation_bytes(model, gathered) == pytest.approx(
+            kept_layers * scores * (share - 1 / 8)), exchange
+    # selective recomputation keeps no scores: every exchange holds a c-th of the layer's activations
+    selective = [activation_bytes(model, replace(gathered, recompute="selective", context_attention=e, ulysses_degree=u))
+                 for e, u in [("gathered", 1), ("ring", 1), ("ulysses", 1), ("hybrid", 2)]]
+    assert selective == pytest.approx([selective[0]] * 4)
 
 
 def test_plan_takes_a_context_size():

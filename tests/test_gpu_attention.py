@@ -62,21 +62,6 @@ def test_cudnn_over_a_split_sequence_with_gathered_keys_compiles_into_the_fused_
     assert FUSED in text
 
 
-@pytest.mark.parametrize(("layout", "overrides"), [
-    ("2x1x2", ("parallel.context=2", "parallel.context_attention=ulysses")),
-    ("2x1x2", ("parallel.context=2", "parallel.context_attention=ulysses", "model.kv_heads=2")),  # repeated
-    ("1x1x2", ("parallel.context=4", "parallel.context_attention=hybrid", "parallel.ulysses_degree=2")),
-], ids=["ulysses-context2-tensor2", "ulysses-context2-gqa", "hybrid-context4-u2"])
-def test_cudnn_inside_the_ulysses_exchange_compiles_into_the_fused_kernel(layout, overrides):
-    """Between the all-to-alls, the fused kernel: over the whole sequence for Ulysses (128 tokens, 8 heads
-    over 2 tensor x 2 context ranks: 2 per device), per ring block for the hybrid."""
-    text = compiled_step(layout, "cudnn", *overrides).as_text()
-    assert FUSED in text and "all-to-all" in text
-    if "parallel.context_attention=ulysses" in overrides:
-        calls = [line for line in text.splitlines() if 'custom_call_target="__cudnn$fmha' in line]
-        assert any(re.search(r"bf16\[\d+,128,2,8\]", line) for line in calls), calls[:2]
-
-
 def block_scores(text: str, tokens: int) -> list[str]:
     """The fp32 arrays of rank 4 or more whose last two dimensions are a ring's blocks of queries and keys
     (``tokens`` per rank, a block or its half): the ``[.., s_q, s_k]`` scores XLA's attention keeps."""
@@ -199,11 +184,27 @@ def exchanged_around(text: str, kernel: str) -> list[tuple[bool, bool]]:
 def test_cudnn_attention_runs_inside_the_ulysses_exchange():
     """Ulysses turns the sequence split into a head split with all-to-alls, so each rank's attention is an
     ordinary whole-sequence call: cuDNN's forward and backward kernels are each fed by an all-to-all over
-    context and feed one, on 8 ranks of one context group with 2 key/value heads repeated to 8."""
-    text = compiled_step("1x1x1", "cudnn", "parallel.context=8", "parallel.context_attention=ulysses",
+    context and feed one, on 4 context ranks x 2 tensor ranks, each tensor rank's one key/value head
+    repeated to the 4 ranks' (8 query heads: 1 per device, over all 128 tokens)."""
+    text = compiled_step("1x1x2", "cudnn", "parallel.context=4", "parallel.context_attention=ulysses",
                          "model.kv_heads=2").as_text()
     kernels = sorted(set(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)))
     assert any("Backward" in k for k in kernels) and any("Backward" not in k for k in kernels), kernels
     for kernel in kernels:
         around = exchanged_around(text, kernel)
         assert around and all(before and after for before, after in around), (kernel, around)
+    calls = [line for line in text.splitlines() if 'custom_call_target="__cudnn$fmha' in line]
+    assert any(re.search(r"bf16\[\d+,128,1,8\]", line) for line in calls), calls[:2]
+
+
+def test_cudnn_runs_each_ring_block_of_the_hybrid_between_its_all_to_alls():
+    """The hybrid over 4 context ranks, u = 2, on 2 tensor ranks: the all-to-alls give each group's 96 tokens
+    for 2 heads, whose ring of 2 groups runs each block in cuDNN's forward and backward kernels, no block's
+    fp32 scores kept (XLA's ring keeps them: test_cudnn_by_the_ring_compiles_each_block_into_the_fused_kernels).
+    192 tokens: no block (96, or a half of 48) is as long as the hidden size (64)."""
+    text = compiled_step("1x1x2", "cudnn", "parallel.context=4", "parallel.context_attention=hybrid",
+                         "parallel.ulysses_degree=2", "model.seq_len=192").as_text()
+    assert "all-to-all" in text and "collective-permute" in text
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
+    assert any("Backward" in c for c in calls) and any("Backward" not in c for c in calls), sorted(set(calls))
+    assert block_scores(text, 96) == []

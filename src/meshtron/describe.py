@@ -358,15 +358,19 @@ class ContextExchange:
 
     def line(self) -> str:
         c, u = self.ranks, self.ulysses_degree
-        how = {"gathered": "keys and values all-gathered", "ring": "key/value blocks passed around a ring",
-               "ulysses": f"queries, keys and values all-to-all'd into {c} head groups (each rank attends over the "
-                          "whole sequence)",
-               "hybrid": f"all-to-alls over {u} ranks into head groups, their key/value blocks passed around a ring "
-                         f"of {c // u}"}[self.exchange]
-        ring = c // u  # the balanced layout's ranks: the ring's (one contiguous slice each under ulysses)
-        held = "a contiguous slice of every sequence" if ring == 1 else f"chunks r and {2 * ring}-1-r of every sequence"
-        if 1 < ring < c:
-            held = f"{u} ranks share chunks r and {2 * ring}-1-r of every sequence"
+        ring = c // u  # the ring's ranks: the groups of u under the hybrid
+        balanced = f"rank r holds chunks r and {2 * c - 1}-r of {2 * c} of every sequence"
+        held = {"gathered": balanced, "ring": balanced,
+                "ulysses": f"rank r holds the r-th of {c} contiguous slices of every sequence",
+                "hybrid": (f"group g of {u} consecutive ranks holds chunks g and {2 * ring - 1}-g of {2 * ring} of every "
+                           f"sequence, each of its ranks 1/{u} of them in order")}[self.exchange]
+        how = {"gathered": "keys and values all-gathered",
+               "ring": "key/value blocks passed around a ring of the ranks",
+               "ulysses": (f"an all-to-all turns queries, keys and values into the whole sequence for 1/{c} of the "
+                           "heads (each rank attends over all of it), a second brings the output back"),
+               "hybrid": (f"an all-to-all within each group turns queries, keys and values into the group's tokens "
+                          f"for 1/{u} of the heads, whose key/value blocks pass around a ring of the {ring} groups "
+                          f"(ranks {u} apart), and a second brings the output back")}[self.exchange]
         return (f"split over context ({c} ranks, {self.tokens} tokens each per microbatch: {held}), {how}: "
                 f"{format_bytes(self.per_layer)} per device, layer and "
                 f"microbatch ({self.forwards} x {format_bytes(self.forward)} forward, {format_bytes(self.backward)} "
@@ -387,13 +391,16 @@ class ContextExchange:
 def context_exchange(cfg: Config, model_def: ModelDef) -> ContextExchange:
     """What ``cfg``'s attention exchanges over ``context`` (a resolved mesh with ``context`` > 1)."""
     from meshtron.models.context_attention import exchange_bytes
+    from meshtron.models.ulysses import key_heads_per_rank
     from meshtron.plan.model import context_exchange_of, ulysses_ranks
 
     m, t, mesh = cfg.model, cfg.train, cfg.mesh
     family = FAMILIES.get(m.family)
     kv = family.load_counts().kv_heads(m) if family is not None else m.heads
-    kv_local = kv // mesh.tensor if kv % mesh.tensor == 0 else kv
     heads_local = m.heads // mesh.tensor
+    kv_local = kv // mesh.tensor if kv % mesh.tensor == 0 else kv  # gathered, ring: the keys as laid out
+    if kv % mesh.tensor and m.context_attention in ("ulysses", "hybrid"):  # each device's own key heads only
+        kv_local = key_heads_per_rank(m.heads, kv, mesh.tensor)
     u = ulysses_ranks(**context_exchange_of(m), context=mesh.context)  # the all-to-alls' group
     tokens = t.batch_size // mesh.data // t.microbatches * m.seq_len // mesh.context
     forwards = 1 + (m.remat in ("full", "selective", "offload")) + (mesh.pipe > 1 and cfg.pipeline.recompute)

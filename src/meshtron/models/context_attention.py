@@ -211,7 +211,11 @@ def exchange_bytes(exchange: str, ranks: int, tokens: int, kv_heads: int, head_d
     output's gradient and the queries', keys' and values' gradients, as many. ``"hybrid"``: those
     all-to-alls over ``u = ulysses_degree`` ranks, and the ring's bytes over the ``ranks / u`` groups,
     each rank passing blocks of ``u · tokens`` tokens and ``lcm(kv_heads, u) / u`` heads. (A packed
-    window's segment ids, ``4 · tokens`` bytes gathered alike, are left out.)"""
+    window's segment ids, ``4 · tokens`` bytes gathered alike, are left out.)
+
+    The ring's figure is an upper bound where XLA sends less (docs/context-parallel.md): a ring of 2 ranks
+    shares its backward's first move with the (recomputed) forward's where both are one program, and
+    XLA:GPU sends the gradients' last move in the compute dtype."""
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
     block = tokens * kv_heads * head_dim * itemsize

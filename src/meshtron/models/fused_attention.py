@@ -63,23 +63,23 @@ def manual_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, 
     mesh = jax.sharding.get_abstract_mesh()
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     sizes = dict(mesh.shape)
-    q_spec = _local_spec(QUERIES, q.shape, auto, sizes)
-    k_spec = _local_spec(KEYS if key_axes is None else tuple(key_axes), k.shape, auto, sizes)
-    v_spec = _local_spec(KEYS if value_axes is None else tuple(value_axes), v.shape, auto, sizes)
+    q_spec = local_spec(QUERIES, q.shape, auto, sizes)
+    k_spec = local_spec(KEYS if key_axes is None else tuple(key_axes), k.shape, auto, sizes)
+    v_spec = local_spec(KEYS if value_axes is None else tuple(value_axes), v.shape, auto, sizes)
     if k_spec != v_spec:  # one layout for both, so that a device's key and value heads are the same ones
         k_spec = v_spec = _common(k_spec, v_spec)
     mask_spec = None
     if mask is not None:
-        batch = _entry(q_spec, 0) if mask.shape[0] == q.shape[0] else None
+        batch = spec_entry(q_spec, 0) if mask.shape[0] == q.shape[0] else None
         mask_spec = PartitionSpec(batch)
-    heads_entry, kv_entry = _entry(q_spec, 2), _entry(k_spec, 2)
+    heads_entry, kv_entry = spec_entry(q_spec, 2), spec_entry(k_spec, 2)
 
     def local(q, k, v, mask):
         # A device holding a share of the query heads but every key/value head (fewer key/value heads
         # than ranks) keeps the key/value heads its query heads read: grouped-query attention pairs
         # query head i with key head i // (heads / kv_heads).
         if heads_entry is not None and kv_entry is None:
-            k, v = (_own_key_heads(x, q.shape[2], q.shape[2] * _ranks(heads_entry, sizes), heads_entry, sizes)
+            k, v = (_own_key_heads(x, q.shape[2], q.shape[2] * entry_ranks(heads_entry, sizes), heads_entry, sizes)
                     for x in (k, v))
         return attend(q, k, v, mask)
 
@@ -147,22 +147,22 @@ def manual_blocks(kernels: BlockKernels, *, key_axes: LogicalAxes | None = None,
         if mesh.empty or not auto:
             return None
         sizes = dict(mesh.shape)
-        q_spec = _local_spec(QUERIES, q.shape, auto, sizes)
-        k_spec = _local_spec(KEYS if key_axes is None else tuple(key_axes), k.shape, auto, sizes)
-        v_spec = _local_spec(KEYS if value_axes is None else tuple(value_axes), v.shape, auto, sizes)
+        q_spec = local_spec(QUERIES, q.shape, auto, sizes)
+        k_spec = local_spec(KEYS if key_axes is None else tuple(key_axes), k.shape, auto, sizes)
+        v_spec = local_spec(KEYS if value_axes is None else tuple(value_axes), v.shape, auto, sizes)
         kv_spec = k_spec if k_spec == v_spec else _common(k_spec, v_spec)
-        heads_entry, kv_entry = _entry(q_spec, 2), _entry(kv_spec, 2)
+        heads_entry, kv_entry = spec_entry(q_spec, 2), spec_entry(kv_spec, 2)
 
         def own(x, local_heads):  # the key/value heads a device's query heads read (manual_attention's)
             if heads_entry is None or kv_entry is not None:
                 return x
-            return _own_key_heads(x, local_heads, local_heads * _ranks(heads_entry, sizes), heads_entry, sizes)
+            return _own_key_heads(x, local_heads, local_heads * entry_ranks(heads_entry, sizes), heads_entry, sizes)
 
         def mask_spec(mask):
-            return None if mask is None else PartitionSpec(_entry(q_spec, 0) if mask.shape[0] == q.shape[0] else None)
+            return None if mask is None else PartitionSpec(spec_entry(q_spec, 0) if mask.shape[0] == q.shape[0] else None)
 
         shard = functools.partial(jax.shard_map, mesh=mesh, axis_names=set(auto), check_vma=False)
-        lse_spec = PartitionSpec(_entry(q_spec, 0), heads_entry)
+        lse_spec = PartitionSpec(spec_entry(q_spec, 0), heads_entry)
         summed = tuple(sorted(_axes(q_spec) - _axes(kv_spec)))  # the axes that split the queries, not the keys
         return shard, q_spec, kv_spec, lse_spec, mask_spec, own, summed
 
@@ -215,15 +215,15 @@ def _own_key_heads(x: jax.Array, local_heads: int, heads: int, entry, sizes: dic
     return jnp.take(x, (rank * local_heads + jnp.arange(local_heads)) // group, axis=2)
 
 
-def _local_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], auto: frozenset[str],
+def local_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], auto: frozenset[str],
                 sizes: dict[str, int]) -> PartitionSpec:
     """The layout of an array of ``logical`` axes over the ``auto`` mesh axes only, each dimension the
     rules would split unevenly kept whole (``shard_map`` takes even splits only), and the sequence kept
     whole: causal attention of a sequence's part over that part alone would be wrong (a split sequence
     is manual here already, its exchange done by :mod:`meshtron.models.context_attention`)."""
     spec = manual_part(logical_to_spec(tuple(None if name == "seq" else name for name in logical)), auto)
-    entries = [_entry(spec, i) for i in range(len(shape))]
-    entries = [e if e is None or size % _ranks(e, sizes) == 0 else None for e, size in zip(entries, shape, strict=True)]
+    entries = [spec_entry(spec, i) for i in range(len(shape))]
+    entries = [e if e is None or size % entry_ranks(e, sizes) == 0 else None for e, size in zip(entries, shape, strict=True)]
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
@@ -231,13 +231,14 @@ def _local_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], auto: f
 
 def _common(a: PartitionSpec, b: PartitionSpec) -> PartitionSpec:
     """The entries ``a`` and ``b`` agree on; the others whole."""
-    entries = [_entry(a, i) if _entry(a, i) == _entry(b, i) else None for i in range(max(len(a), len(b)))]
+    entries = [spec_entry(a, i) if spec_entry(a, i) == spec_entry(b, i) else None for i in range(max(len(a), len(b)))]
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
 
 
-def _entry(spec: PartitionSpec, i: int):
+def spec_entry(spec: PartitionSpec, i: int) -> str | tuple[str, ...] | None:
+    """The mesh axes ``spec`` splits dimension ``i`` over (``None``: whole, as for the dimensions past its end)."""
     return spec[i] if i < len(spec) else None
 
 
@@ -266,6 +267,7 @@ def _vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, tuple(sorted(_varying(like) - _varying(x))), to="varying")
 
 
-def _ranks(entry, sizes: dict[str, int]) -> int:
+def entry_ranks(entry: str | tuple[str, ...] | None, sizes: dict[str, int]) -> int:
+    """How many ranks a spec entry (:func:`spec_entry`) splits its dimension over on a mesh of ``sizes``."""
     names = () if entry is None else (entry,) if isinstance(entry, str) else entry
     return math.prod(sizes[n] for n in names)

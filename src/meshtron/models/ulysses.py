@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from meshtron.errors import ConfigError
-from meshtron.models.fused_attention import _entry, _local_spec, _ranks
+from meshtron.models.fused_attention import entry_ranks, local_spec, spec_entry
 from meshtron.sharding import LogicalAxes, constrain
 
 TOKENS = ("batch", "seq")
@@ -63,21 +63,21 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
     mesh = jax.sharding.get_abstract_mesh()
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     sizes = dict(mesh.shape)
-    q_spec = _local_spec(tuple(query_axes), q.shape, auto, sizes)
-    kv_spec = _local_spec(tuple(key_axes), k.shape, auto, sizes)
-    if kv_spec != _local_spec(tuple(value_axes), v.shape, auto, sizes):
+    q_spec = local_spec(tuple(query_axes), q.shape, auto, sizes)
+    kv_spec = local_spec(tuple(key_axes), k.shape, auto, sizes)
+    if kv_spec != local_spec(tuple(value_axes), v.shape, auto, sizes):
         raise ValueError(f"ulysses_attention: keys {tuple(key_axes)} and values {tuple(value_axes)} must be laid out alike")
     if ulysses < 1 or sizes[axis] % ulysses:
         raise ValueError(f"ulysses_attention: {ulysses} ranks per all-to-all must divide the {sizes[axis]} of {axis!r}")
-    heads_entry = _entry(q_spec, 2)
-    heads = q.shape[2] // _ranks(heads_entry, sizes)
+    heads_entry = spec_entry(q_spec, 2)
+    heads = q.shape[2] // entry_ranks(heads_entry, sizes)
     _check_heads(heads, ulysses, sizes[axis], exchange)
     groups = None if ulysses == sizes[axis] else [list(range(g * ulysses, (g + 1) * ulysses))
                                                    for g in range(sizes[axis] // ulysses)]
     to_heads = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=2, concat_axis=1, tiled=True,
                                  axis_index_groups=groups)
-    if heads_entry is not None and _entry(kv_spec, 2) is None:  # whole keys, split queries: each its own
-        k, v = (constrain(jnp.take(x, _own_key_heads(q.shape[2], x.shape[2], _ranks(heads_entry, sizes)), axis=2),
+    if heads_entry is not None and spec_entry(kv_spec, 2) is None:  # whole keys, split queries: each its own
+        k, v = (constrain(jnp.take(x, _own_key_heads(q.shape[2], x.shape[2], entry_ranks(heads_entry, sizes)), axis=2),
                           tuple(query_axes)) for x in (k, v))
         kv_spec = q_spec
 
@@ -94,12 +94,19 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, ulyss
     q, k, v = (_manual(to_heads, q, q_spec, q_spec, auto), _manual(keys, k, kv_spec, kv_spec, auto),
                _manual(keys, v, kv_spec, kv_spec, auto))
     if segments is not None:
-        token_spec = _local_spec(TOKENS, segments.shape, auto, sizes)
+        token_spec = local_spec(TOKENS, segments.shape, auto, sizes)
         segments = _manual(gathered, segments, token_spec, token_spec, auto)
     out = attend(q, k, v, segments)
     to_sequence = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=1, concat_axis=2, tiled=True,
                                     axis_index_groups=groups)
     return _manual(to_sequence, out, q_spec, q_spec, auto)
+
+
+def key_heads_per_rank(heads: int, kv_heads: int, ranks: int) -> int:
+    """How many key/value heads each of ``ranks`` tensor ranks sends through the all-to-all when the model
+    keeps its ``kv_heads`` whole on every rank while its ``heads`` query heads split: those its own query
+    heads read (:func:`_own_key_heads`), before any repetition to the all-to-all's ranks."""
+    return len(_own_key_heads(heads, kv_heads, ranks)) // ranks
 
 
 def _own_key_heads(heads: int, kv_heads: int, ranks: int) -> np.ndarray:

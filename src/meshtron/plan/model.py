@@ -47,11 +47,13 @@ __all__ = [
     "layer_activation_bytes",
     "layer_matrix_parameters",
     "layer_parameters_per_gpu",
+    "layer_score_bytes",
     "memory_per_gpu",
     "onebit_padded_length",
     "optimizer_bytes_per_parameter",
     "parameter_count",
     "pipe_wire_bytes",
+    "score_share",
     "stage_parameters_per_gpu",
     "tensor_wire_bytes",
     "transformer_flops",
@@ -418,19 +420,46 @@ def activation_bytes(model: ModelShape, layout: Layout) -> float:
     recomputation Table 2's per-layer figures (:func:`meshtron.megatron.paper_layer_activation_bytes`).
     The last stage's logits, ``b·s·V/t`` in 16 bits and again in fp32 for the loss, are added: a
     bound for stages that hold both."""
-    s, b, t = model.seq_len, layout.microbatch, layout.tensor
-    per_layer = layer_activation_bytes(model, layout, layout.recompute)
+    s, b, t, c = model.seq_len, layout.microbatch, layout.tensor, layout.context
+    share = score_share(layout)
+
+    def on_rank(remat: str) -> float:
+        # A context rank holds s/c of every sequence: each term is linear in its own tokens, so divides by c,
+        # except the scores, which are what the exchange attends at once (score_share)
+        return (layer_activation_bytes(model, layout, remat) / c
+                + layer_score_bytes(model, layout, remat) * (share - 1 / c))
+
     chunk_layers = model.layers // (layout.pipe * layout.chunks)
     kept = megatron.megatron_stage_activation_bytes(
-        layer_bytes=per_layer, layers_per_stage=chunk_layers,
+        layer_bytes=on_rank(layout.recompute), layers_per_stage=chunk_layers,
         in_flight=in_flight_chunks(layout.pipe, layout.microbatches, layout.chunks))
-    working = 0.0
-    if layout.recompute == "full":
-        working = layer_activation_bytes(model, layout, "none")
+    working = on_rank("none") if layout.recompute == "full" else 0.0
     logits = b * s * model.vocab_size / t * (ACTIVATION_BYTES + 4)
-    # A context rank holds s/c of every sequence: each term is linear in its own tokens (the scores too,
-    # s/c queries against s keys), so all of it divides by c.
-    return (kept + working + logits) / layout.context
+    return kept + working + logits / c
+
+
+def score_share(layout: Layout) -> float:
+    """The part of a whole sequence's attention scores (``a/t · s · s``) a context rank holds at once, as
+    its exchange lays attention out (:func:`meshtron.plan.step_memory.score_elements`, which the step memory
+    model counts): ``1/c`` for the gathered exchange (``s/c`` queries against every key) and Ulysses (the
+    whole sequence for ``1/c`` of the heads); the ring's one ``s/c x s/c`` block, ``1/c²``; the hybrid's
+    block of a group's ``u·s/c`` tokens for ``1/u`` of the heads, ``u/c²``."""
+    c = layout.context
+    if c == 1:
+        return 1.0
+    if layout.context_attention == "gathered":
+        return 1 / c
+    return ulysses_ranks(layout.context_attention, c, layout.ulysses_degree) / c**2
+
+
+def layer_score_bytes(model: ModelShape, layout: Layout, remat: str) -> float:
+    """The attention scores' part of :func:`layer_activation_bytes` (whole sequences): Table 2's
+    ``5·a·s²·b/t`` for the GPT (softmax output, dropout mask and output), the Llama block's softmax output
+    ``2·a·s²·b/t``; nothing when recomputation drops them (``selective``, ``full``)."""
+    if remat != "none":
+        return 0.0
+    per_score = 5 if model.family == "gpt" else 2
+    return per_score * model.heads * model.seq_len**2 * layout.microbatch / layout.tensor
 
 
 def layer_activation_bytes(model: ModelShape, layout: Layout, remat: str) -> float:
