@@ -37,6 +37,7 @@ from meshtron.pipeline.layout import StageLayout
 from meshtron.run import Run, check_features, run_for_model
 from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, StageTiming
 from meshtron.train.objective import check_objective_data, objective_for
+from meshtron.train.reference_pass import attach_reference, discard_reference
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
 from meshtron.train.sinks import Outcome
@@ -231,6 +232,7 @@ class Trainer:
                 return self._run(stopper, store, metrics_file, console, on_event or (lambda event, step: None))
         except BaseException:
             if store is not None:  # a run that failed before its first checkpoint leaves no empty directory
+                discard_reference(store)
                 store.discard_if_unused()
             raise
 
@@ -250,6 +252,10 @@ class Trainer:
         outcome: Outcome = "failed"  # how the run ended, for the records' sinks: until the steps are done, an error
         try:
             progress.started(position.step, weights)
+            if t.objective == "dpo" and t.dpo.precompute_reference:
+                splits = {"train": self.corpus.train, "heldout": self.corpus.heldout}
+                console.print(attach_reference(self.cfg, self.steps, params, splits, store, position.step > 0),
+                              soft_wrap=True)
             stream = self.train_stream(position.data_position, position.data_cursor)
             unigram, per_byte = baselines(t.objective, self.corpus)
             with progress, stream:

@@ -15,8 +15,14 @@ traced without the adaptation's layer view (:meth:`~meshtron.train.state.ModelDe
 ``stop_gradient``, with no backward. A pipeline's stages run one network over a microbatch, so there each
 microbatch's rows are doubled, the copies marked as the reference's (``reference_rows`` of the trace
 context: the adapters add nothing to them), and the last stage reads both halves' log-probabilities; the
-copies' backward carries zeros. Training the whole model needs the reference's own weights, which this
-step does not hold: the run refuses it in one line (:func:`meshtron.run.check_features`).
+copies' backward carries zeros.
+
+**A precomputed reference** (``train.dpo.precompute_reference``): the reference's log-probabilities of
+every pair, computed with the starting (``train.init_from``) weights in one pass before training
+(:mod:`meshtron.train.reference_pass`), ride in the batch (a sixth feature,
+:func:`~meshtron.models.preference.precomputed_reference`), so the step runs no reference at all and
+holds no second copy of the model: this is how the whole model trains by DPO, and with LoRA it saves
+the reference's forward (and, in a pipeline, the doubled rows).
 """
 
 from __future__ import annotations
@@ -33,7 +39,14 @@ from meshtron.config import Config
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
 from meshtron.models.contract import head_loss
-from meshtron.models.preference import METRICS, PreferenceLoss, head_logps, preference_metrics, sequence_logps
+from meshtron.models.preference import (
+    METRICS,
+    PreferenceLoss,
+    head_logps,
+    precomputed_reference,
+    preference_metrics,
+    sequence_logps,
+)
 from meshtron.trace_context import using
 from meshtron.train.state import ModelDef, Params
 
@@ -85,15 +98,19 @@ class LanguageModeling:
 
 @dataclass(frozen=True)
 class Preference:
-    """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference (module doc)."""
+    """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference, or
+    (``precomputed``) the reference's log-probabilities that the batch carries (module doc)."""
 
     preference: PreferenceLoss
+    precomputed: bool = False
     METRICS = METRICS
 
     def logps(self, model_def: ModelDef, params: Params, tokens: jax.Array,
               execution: Execution) -> tuple[jax.Array, jax.Array]:
         """Per-row summed answer log-probabilities: the policy's, and the reference's (no gradient)."""
         policy = sequence_logps(model_def.bind(params), tokens, remat=execution.remat)
+        if self.precomputed:
+            return policy, precomputed_reference(tokens)
         with model_def.frozen_base():
             reference = sequence_logps(model_def.bind(jax.lax.stop_gradient(params)), tokens)
         return policy, jax.lax.stop_gradient(reference)
@@ -106,15 +123,17 @@ class Preference:
         return preference_metrics(self.preference.beta, *self.logps(model_def, params, tokens, execution))
 
     def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        if self.precomputed:
+            return self.preference(head_logps(model, y, tokens), precomputed_reference(tokens))
         policy, reference = jnp.split(head_logps(model, y, tokens), 2)
         return self.preference(policy, reference)
 
     def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
-        """Each microbatch's rows, then the same rows again for the reference."""
-        return jnp.concatenate([tokens, tokens], axis=1)
+        """Each microbatch's rows, then (a reference that runs) the same rows again for the reference."""
+        return tokens if self.precomputed else jnp.concatenate([tokens, tokens], axis=1)
 
     def pipelined(self) -> contextlib.AbstractContextManager:
-        return using(reference_rows=True)
+        return contextlib.nullcontext() if self.precomputed else using(reference_rows=True)
 
 
 def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
@@ -122,11 +141,14 @@ def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
     t = cfg.train
     if t.objective == "lm":
         return LanguageModeling()
-    if model_def.adaptation is None:
-        raise ConfigError("train.objective: dpo needs a frozen reference model, which this step takes from the frozen "
-                          "base of LoRA's adapters; set train.lora.rank (e.g. train.lora.rank=16), with train.init_from "
-                          "the model to align")
-    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss))
+    if model_def.adaptation is None and not t.dpo.precompute_reference:
+        raise ConfigError(REFERENCE_NEEDED)
+    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), t.dpo.precompute_reference)
+
+
+REFERENCE_NEEDED = ("train.objective: dpo needs a frozen reference model: the frozen base of LoRA's adapters (set "
+                    "train.lora.rank, e.g. 16) or, to train the whole model, the train.init_from weights' "
+                    "log-probabilities computed before training (set train.dpo.precompute_reference=true)")
 
 
 def check_objective_data(objective: str, preference: bool) -> None:

@@ -39,6 +39,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtron.errors import ConfigError
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.hlo.collectives import collectives
 from meshtron.hlo.summary import MemoryFigures, memory_figures
@@ -173,6 +174,7 @@ def build_steps(
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
         objective_metrics=source.metrics and scoped(whole_params(partial(_group_mean, shards, source.metrics), P())),
+        row_logps=scoped(whole_params(source.row_logps, P(DATA))) if shards.context == 1 else None,
     )
 
 
@@ -271,7 +273,7 @@ class TrainSteps:
                  train, evaluate, gradients, init_state, zero: ZeroPlan | None = None,
                  trainable: Trainable | None = None, reports=None,
                  report_groups: int = 1, metrics_spec: P | None = None,
-                 compiler_options: Mapping[str, Any] | None = None, objective_metrics=None):
+                 compiler_options: Mapping[str, Any] | None = None, objective_metrics=None, row_logps=None):
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})  # XLA options of every program below
         jit = partial(jax.jit, compiler_options=self.compiler_options or None)
@@ -304,6 +306,8 @@ class TrainSteps:
         self._reports_compiled: Any = None
         self._metrics_jit = None if objective_metrics is None else jit(
             objective_metrics, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+        self._row_logps_jit = None if row_logps is None else jit(
+            row_logps, in_shardings=(param_shardings, batch_sharding), out_shardings=NamedSharding(mesh, P(DATA)))
 
     def init_opt_state(self, params: Params) -> OptState:
         """Fresh optimizer state, created sharded."""
@@ -376,6 +380,17 @@ class TrainSteps:
         tokens = jax.device_put(tokens, self.batch_sharding)
         with jax.set_mesh(self.mesh):
             return {k: float(v) for k, v in jax.device_get(self._metrics_jit(params, tokens)).items()}
+
+    def row_logps(self, params: Params, tokens: jax.Array) -> np.ndarray:
+        """Each row's summed log-probability of its counted targets under ``params`` (a forward pass): what a
+        precomputed DPO reference holds (:mod:`meshtron.train.reference_pass`)."""
+        if self._row_logps_jit is None:
+            raise ConfigError("train.dpo.precompute_reference: sums each answer's log-probabilities along the "
+                              "whole sequence, which parallel.context splits over ranks; use parallel.context=1")
+        params = jax.device_put(params, self.param_shardings)
+        tokens = jax.device_put(tokens, self.batch_sharding)
+        with jax.set_mesh(self.mesh):
+            return np.asarray(jax.device_get(self._row_logps_jit(params, tokens)))
 
     def lower_reports(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered program of :meth:`layer_reports`, for compiled-program analysis."""
