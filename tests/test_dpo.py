@@ -197,8 +197,6 @@ def test_the_lora_reference_is_the_base_itself_no_second_copy(case, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    (["train.lora.rank=0"], (r"train.objective: dpo needs a frozen reference model: .*set train.lora.rank.*"
-                             r"set train.dpo.precompute_reference=true")),
     (["parallel.context=2"], r"train.objective: dpo sums each answer's log-probabilities along the whole"),
     (["train.dpo.loss=ipo"], r"train.dpo.label_smoothing: applies to the sigmoid loss only"),
     (["train.dpo.beta=0"], r"train.dpo.beta: must be > 0"),
@@ -242,9 +240,10 @@ def test_dpo_needs_pairs_and_pairs_need_dpo(case, tmp_path):
         check_objective_data("lm", True)
 
 
-def full_config(imported, data, output, *extra):
-    """The whole model trains by DPO against the init_from weights' precomputed log-probabilities."""
-    return dpo_config(imported, data, output, "train.lora.rank=0", "train.dpo.precompute_reference=true",
+def full_config(imported, data, output, *extra, precompute=True):
+    """The whole model trains by DPO against the init_from weights: their log-probabilities precomputed, or
+    (``precompute=False``) a frozen copy of them."""
+    return dpo_config(imported, data, output, "train.lora.rank=0", f"train.dpo.precompute_reference={precompute}",
                       "train.lr=1e-3", *extra)
 
 
@@ -373,3 +372,31 @@ def stage_ordered(cfg, params):
 
     pipe = cfg.mesh.pipe
     return to_stage_order(params, LLAMA["num_hidden_layers"], pipe, cfg.pipeline.chunks) if pipe > 1 else params
+
+
+def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, case, trained_full, tmp_path):
+    """With a frozen copy of the init_from weights as the reference (run on every batch before its step) the
+    run logs the precomputed run's losses and metrics step by step, and at the trained weights the step's
+    loss and gradient equal PyTorch's."""
+    from meshtron.train.loop import Trainer
+
+    output, policy_model, precomputed = trained_full
+    reference_model, imported, data = case
+    root = tmp_path / "frozen"
+    root.mkdir()
+    with open(root / "metrics.jsonl", "w") as metrics:
+        Trainer.from_config(full_config(imported, data, root / "run", precompute=False)).run(metrics_file=metrics)
+    logged = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == len(precomputed)
+    for mine, theirs in zip(logged, precomputed):
+        for name in ("loss", "heldout_loss", "rewards/margins", "rewards/chosen", "logps/rejected"):
+            if name in theirs:
+                assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
+
+    trainer = Trainer.from_config(full_config(imported, data, tmp_path / "again", precompute=False))
+    trainer.reference = jax.device_put(load_pretrained(imported, MeshConfig(1, 1, 1)).params,
+                                       trainer.steps.param_shardings)
+    batch = np.asarray(trainer.with_reference(trainer.train_stream().global_batch(0)))
+    assert batch.shape == (8, 49, 4)
+    check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
+                      policy_model)

@@ -181,10 +181,6 @@ def check_features(cfg: Config) -> None:
     _need(not t.lora.rank or cfg.model.moe.experts == 0, "train.lora",
           "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
     if t.objective == "dpo":
-        _need(t.lora.rank > 0 or t.dpo.precompute_reference, "train.objective",
-              "dpo needs a frozen reference model: the frozen base of LoRA's adapters (set train.lora.rank, e.g. 16) "
-              "or, to train the whole model, the train.init_from weights' log-probabilities computed before "
-              "training (set train.dpo.precompute_reference=true)")
         _need(cfg.mesh.context <= 1, "train.objective",
               f"dpo sums each answer's log-probabilities along the whole sequence, which parallel.context="
               f"{cfg.mesh.context} splits over ranks; use parallel.context=1")

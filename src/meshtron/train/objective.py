@@ -17,12 +17,14 @@ microbatch's rows are doubled, the copies marked as the reference's (``reference
 context: the adapters add nothing to them), and the last stage reads both halves' log-probabilities; the
 copies' backward carries zeros.
 
-**A precomputed reference** (``train.dpo.precompute_reference``): the reference's log-probabilities of
-every pair, computed with the starting (``train.init_from``) weights in one pass before training
-(:mod:`meshtron.train.reference_pass`), ride in the batch (a sixth feature,
-:func:`~meshtron.models.preference.precomputed_reference`), so the step runs no reference at all and
-holds no second copy of the model: this is how the whole model trains by DPO, and with LoRA it saves
-the reference's forward (and, in a pipeline, the doubled rows).
+**The whole model** trains against the starting (``train.init_from``) weights, whose log-probabilities
+ride in the batch (a sixth feature, :func:`~meshtron.models.preference.precomputed_reference`), so the
+step itself runs no reference (``carried``): either a frozen copy of those weights, held beside the
+policy without optimizer state, runs a forward over each batch before the step
+(:meth:`meshtron.train.step.TrainSteps.with_reference`), or, with ``train.dpo.precompute_reference``, one
+pass before training computes every pair's (:mod:`meshtron.train.reference_pass`) and no second copy of
+the model is held at all (with LoRA that also saves the reference's forward and, in a pipeline, the
+doubled rows).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from meshtron.models.preference import (
 from meshtron.trace_context import using
 from meshtron.train.state import ModelDef, Params
 
-__all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "objective_for"]
+__all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "frozen_copy", "objective_for"]
 
 
 class Objective(Protocol):
@@ -99,17 +101,17 @@ class LanguageModeling:
 @dataclass(frozen=True)
 class Preference:
     """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference, or
-    (``precomputed``) the reference's log-probabilities that the batch carries (module doc)."""
+    (``carried``) the reference's log-probabilities that the batch carries (module doc)."""
 
     preference: PreferenceLoss
-    precomputed: bool = False
+    carried: bool = False
     METRICS = METRICS
 
     def logps(self, model_def: ModelDef, params: Params, tokens: jax.Array,
               execution: Execution) -> tuple[jax.Array, jax.Array]:
         """Per-row summed answer log-probabilities: the policy's, and the reference's (no gradient)."""
         policy = sequence_logps(model_def.bind(params), tokens, remat=execution.remat)
-        if self.precomputed:
+        if self.carried:
             return policy, precomputed_reference(tokens)
         with model_def.frozen_base():
             reference = sequence_logps(model_def.bind(jax.lax.stop_gradient(params)), tokens)
@@ -123,17 +125,17 @@ class Preference:
         return preference_metrics(self.preference.beta, *self.logps(model_def, params, tokens, execution))
 
     def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
-        if self.precomputed:
+        if self.carried:
             return self.preference(head_logps(model, y, tokens), precomputed_reference(tokens))
         policy, reference = jnp.split(head_logps(model, y, tokens), 2)
         return self.preference(policy, reference)
 
     def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
         """Each microbatch's rows, then (a reference that runs) the same rows again for the reference."""
-        return tokens if self.precomputed else jnp.concatenate([tokens, tokens], axis=1)
+        return tokens if self.carried else jnp.concatenate([tokens, tokens], axis=1)
 
     def pipelined(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if self.precomputed else using(reference_rows=True)
+        return contextlib.nullcontext() if self.carried else using(reference_rows=True)
 
 
 def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
@@ -141,14 +143,15 @@ def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
     t = cfg.train
     if t.objective == "lm":
         return LanguageModeling()
-    if model_def.adaptation is None and not t.dpo.precompute_reference:
-        raise ConfigError(REFERENCE_NEEDED)
-    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), t.dpo.precompute_reference)
+    carried = model_def.adaptation is None or t.dpo.precompute_reference
+    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), carried)
 
 
-REFERENCE_NEEDED = ("train.objective: dpo needs a frozen reference model: the frozen base of LoRA's adapters (set "
-                    "train.lora.rank, e.g. 16) or, to train the whole model, the train.init_from weights' "
-                    "log-probabilities computed before training (set train.dpo.precompute_reference=true)")
+def frozen_copy(cfg: Config) -> bool:
+    """Whether ``cfg``'s run holds a frozen copy of its starting weights as DPO's reference (the whole model
+    trains, and the reference's log-probabilities are not precomputed)."""
+    t = cfg.train
+    return t.objective == "dpo" and not t.lora.rank and not t.dpo.precompute_reference
 
 
 def check_objective_data(objective: str, preference: bool) -> None:

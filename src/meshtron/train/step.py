@@ -225,6 +225,12 @@ def _state_on_host(train):
     return offloaded
 
 
+def _with_reference(row_logps, reference: Params, tokens: jax.Array) -> jax.Array:
+    """``tokens`` [b, s + 1, 3] with each row's ``row_logps`` under ``reference`` as fp32 bits on every position."""
+    bits = jax.lax.bitcast_convert_type(row_logps(reference, tokens).astype(jnp.float32), jnp.int32)
+    return jnp.concatenate([tokens, jnp.broadcast_to(bits[:, None, None], (*tokens.shape[:2], 1))], axis=-1)
+
+
 def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``applied``, else ``old`` (leaf by leaf): a skipped step changes nothing."""
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
@@ -308,6 +314,9 @@ class TrainSteps:
             objective_metrics, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
         self._row_logps_jit = None if row_logps is None else jit(
             row_logps, in_shardings=(param_shardings, batch_sharding), out_shardings=NamedSharding(mesh, P(DATA)))
+        self._with_reference_jit = None if row_logps is None else jit(
+            partial(_with_reference, row_logps), in_shardings=(param_shardings, batch_sharding),
+            out_shardings=batch_sharding)
 
     def init_opt_state(self, params: Params) -> OptState:
         """Fresh optimizer state, created sharded."""
@@ -391,6 +400,15 @@ class TrainSteps:
         tokens = jax.device_put(tokens, self.batch_sharding)
         with jax.set_mesh(self.mesh):
             return np.asarray(jax.device_get(self._row_logps_jit(params, tokens)))
+
+    def with_reference(self, reference: Params, tokens: jax.Array) -> jax.Array:
+        """Preference windows ``tokens`` with a fourth channel: each row's summed answer log-probability
+        under the frozen ``reference`` weights (held as the parameters are), which the step reads instead of
+        running a reference (:mod:`meshtron.train.objective`)."""
+        if self._with_reference_jit is None:
+            self.row_logps(reference, tokens)  # says why in one line
+        with jax.set_mesh(self.mesh):
+            return self._with_reference_jit(reference, jax.device_put(tokens, self.batch_sharding))
 
     def lower_reports(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered program of :meth:`layer_reports`, for compiled-program analysis."""
