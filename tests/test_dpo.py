@@ -162,12 +162,17 @@ def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, trained, tmp
     ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
      "parallel.microbatches=2"),
     ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
-], ids=["data-pipe-tensor-interleaved", "data-tensor-zero3"])
+    ("parallel.pipe=2", "parallel.schedule=1f1b", "parallel.microbatches=2"),
+    ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
+    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+], ids=["data-pipe-tensor-interleaved", "data-tensor-zero3", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor"])
 def test_lora_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained, tmp_path, layout):
     """The same on (data, pipe, tensor) = (2, 2, 2) with the interleaved schedule (2 chunks a stage) and 2
     microbatches -- a pair stays in one microbatch of one data shard, and the pipeline's last stage reads the
     reference from rows of its own -- and on 4 data shards x 2 tensor ranks under ZeRO-3 (the reference's
-    forward gathers each layer as the policy's does)."""
+    forward gathers each layer as the policy's does); on 2 stages under 1F1B and ZB-H1 (the reference's rows
+    through the split backward), and on (data, context, tensor) = (2, 2, 2) (log-probabilities summed over the
+    context ranks)."""
     from meshtron.train.loop import Trainer
 
     output, policy_model, _ = trained
@@ -197,7 +202,6 @@ def test_the_lora_reference_is_the_base_itself_no_second_copy(case, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    (["parallel.context=2"], r"train.objective: dpo sums each answer's log-probabilities along the whole"),
     (["train.dpo.loss=ipo"], r"train.dpo.label_smoothing: applies to the sigmoid loss only"),
     (["train.dpo.beta=0"], r"train.dpo.beta: must be > 0"),
     (["train.objective=ppo"], r"train.objective: must be one of lm, dpo"),
@@ -353,11 +357,13 @@ def test_full_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained_
      "parallel.microbatches=2"),
     ("parallel.pipe=2", "parallel.schedule=1f1b", "parallel.microbatches=2"),
     ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
-], ids=["data-pipe-tensor-interleaved", "pipe-1f1b", "pipe-zb-h1"])
-def test_full_dpo_on_pipelines_equals_pytorch(hf, case, trained_full, tmp_path, layout):
-    """The same on (data, pipe, tensor) = (2, 2, 2) interleaved, and on 2 stages under 1F1B and ZB-H1 (whose
-    split backward sees the precomputed reference in the last stage's rows); the reference pass itself runs
-    on that mesh (pipelined parameters brought back to model order)."""
+    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+], ids=["data-pipe-tensor-interleaved", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor"])
+def test_full_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
+    """The same on (data, pipe, tensor) = (2, 2, 2) interleaved, on 2 stages under 1F1B and ZB-H1 (whose
+    split backward sees the precomputed reference in the last stage's rows), and on (data, context, tensor)
+    = (2, 2, 2) (each answer's log-probability summed over the context ranks its sequence is split over);
+    the reference pass itself runs on that mesh (pipelined parameters brought back to model order)."""
     output, policy_model, _ = trained_full
     reference_model, imported, data = case
     cfg = full_config(imported, data, tmp_path / "again", *layout)
@@ -400,3 +406,14 @@ def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, 
     assert batch.shape == (8, 49, 4)
     check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
                       policy_model)
+
+
+def test_full_dpo_over_context_ranks_equals_pytorch(hf, case, trained_full, tmp_path):
+    """Each sequence split over 2 context ranks: every answer's log-probability is summed over them (the
+    reference pass's too), and the step's loss and gradient equal PyTorch's."""
+    output, policy_model, _ = trained_full
+    reference_model, imported, data = case
+    cfg = full_config(imported, data, tmp_path / "again", "parallel.context=2")
+    trainer = precomputed_trainer(cfg, load_pretrained(imported, MeshConfig(1, 1, 1)).params)
+    check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params,
+                      trainer.train_stream().global_batch(0), reference_model, policy_model)

@@ -180,10 +180,6 @@ def check_features(cfg: Config) -> None:
           "reduce-scatters per layer (zero=3); use parallel.zero=0 with onebit_lamb, or adamw/lamb with parallel.zero")
     _need(not t.lora.rank or cfg.model.moe.experts == 0, "train.lora",
           "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
-    if t.objective == "dpo":
-        _need(cfg.mesh.context <= 1, "train.objective",
-              f"dpo sums each answer's log-probabilities along the whole sequence, which parallel.context="
-              f"{cfg.mesh.context} splits over ranks; use parallel.context=1")
     m = cfg.model
     _need(not m.mtp.layers or cfg.mesh.context <= 1, "model.mtp.layers",
           f"multi-token prediction reads each position's tokens k places on, which a sequence split over "

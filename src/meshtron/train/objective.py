@@ -50,6 +50,7 @@ from meshtron.models.preference import (
     sequence_logps,
 )
 from meshtron.trace_context import using
+from meshtron.train.data_shards import CONTEXT
 from meshtron.train.state import ModelDef, Params
 
 __all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "frozen_copy", "objective_for"]
@@ -105,17 +106,18 @@ class Preference:
 
     preference: PreferenceLoss
     carried: bool = False
+    context: int = 1  # the context ranks each sequence is split over
     METRICS = METRICS
 
     def logps(self, model_def: ModelDef, params: Params, tokens: jax.Array,
               execution: Execution) -> tuple[jax.Array, jax.Array]:
         """Per-row summed answer log-probabilities: the policy's, and the reference's (no gradient)."""
-        policy = sequence_logps(model_def.bind(params), tokens, remat=execution.remat)
+        policy = self.whole(sequence_logps(model_def.bind(params), tokens, remat=execution.remat))
         if self.carried:
             return policy, precomputed_reference(tokens)
         with model_def.frozen_base():
             reference = sequence_logps(model_def.bind(jax.lax.stop_gradient(params)), tokens)
-        return policy, jax.lax.stop_gradient(reference)
+        return policy, jax.lax.stop_gradient(self.summed(reference))
 
     def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
         return self.preference(*self.logps(model_def, params, tokens, execution))
@@ -126,9 +128,23 @@ class Preference:
 
     def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
         if self.carried:
-            return self.preference(head_logps(model, y, tokens), precomputed_reference(tokens))
+            return self.preference(self.whole(head_logps(model, y, tokens)), precomputed_reference(tokens))
         policy, reference = jnp.split(head_logps(model, y, tokens), 2)
-        return self.preference(policy, reference)
+        return self.preference(self.whole(policy), self.summed(reference))
+
+    def summed(self, local: jax.Array) -> jax.Array:
+        """Per-row sums over a sequence split over ``context`` ranks: each rank's share summed over them."""
+        return local if self.context == 1 else jax.lax.psum(local, CONTEXT)
+
+    def whole(self, local: jax.Array) -> jax.Array:
+        """:meth:`summed` of the policy's shares, whose gradient reaches each rank's own positions at
+        ``context`` times their weight: the step averages every rank's loss and gradient over the context
+        ranks (as it does the next-token loss's per-rank means), which brings the rank's share of the
+        gradient back to its own, and their sum to the whole sequence's."""
+        if self.context == 1:
+            return local
+        scaled = self.context * local
+        return scaled + jax.lax.stop_gradient(self.summed(local) - scaled)
 
     def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
         """Each microbatch's rows, then (a reference that runs) the same rows again for the reference."""
@@ -144,7 +160,7 @@ def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
     if t.objective == "lm":
         return LanguageModeling()
     carried = model_def.adaptation is None or t.dpo.precompute_reference
-    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), carried)
+    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), carried, cfg.mesh.context)
 
 
 def frozen_copy(cfg: Config) -> bool:

@@ -39,7 +39,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtron.errors import ConfigError
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.hlo.collectives import collectives
 from meshtron.hlo.summary import MemoryFigures, memory_figures
@@ -49,7 +48,7 @@ from meshtron.optim.sync import gradient_sync
 from meshtron.optim.zero import ZeroPlan
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.trace_context import using
-from meshtron.train.data_shards import DATA, DataShards
+from meshtron.train.data_shards import CONTEXT, DATA, DataShards
 from meshtron.train.forward_backward import plain_forward_backward
 from meshtron.train.objective import Objective
 from meshtron.train.pipelined import pipelined_forward_backward
@@ -174,7 +173,7 @@ def build_steps(
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
         objective_metrics=source.metrics and scoped(whole_params(partial(_group_mean, shards, source.metrics), P())),
-        row_logps=scoped(whole_params(source.row_logps, P(DATA))) if shards.context == 1 else None,
+        row_logps=scoped(whole_params(partial(_summed_rows, shards, source.row_logps), P(DATA))),
     )
 
 
@@ -234,6 +233,12 @@ def _with_reference(row_logps, reference: Params, tokens: jax.Array) -> jax.Arra
 def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``applied``, else ``old`` (leaf by leaf): a skipped step changes nothing."""
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+
+def _summed_rows(shards: DataShards, fn, params: Params, tokens: jax.Array) -> jax.Array:
+    """``fn(params, tokens)``'s per-row sums of a rank's positions, summed over a sequence's context ranks."""
+    rows = fn(params, tokens)
+    return rows if shards.context == 1 else jax.lax.psum(rows, CONTEXT)
 
 
 def _group_mean(shards: DataShards, fn, params: Params, tokens: jax.Array) -> Any:
@@ -393,9 +398,6 @@ class TrainSteps:
     def row_logps(self, params: Params, tokens: jax.Array) -> np.ndarray:
         """Each row's summed log-probability of its counted targets under ``params`` (a forward pass): what a
         precomputed DPO reference holds (:mod:`meshtron.train.reference_pass`)."""
-        if self._row_logps_jit is None:
-            raise ConfigError("train.dpo.precompute_reference: sums each answer's log-probabilities along the "
-                              "whole sequence, which parallel.context splits over ranks; use parallel.context=1")
         params = jax.device_put(params, self.param_shardings)
         tokens = jax.device_put(tokens, self.batch_sharding)
         with jax.set_mesh(self.mesh):
@@ -405,8 +407,6 @@ class TrainSteps:
         """Preference windows ``tokens`` with a fourth channel: each row's summed answer log-probability
         under the frozen ``reference`` weights (held as the parameters are), which the step reads instead of
         running a reference (:mod:`meshtron.train.objective`)."""
-        if self._with_reference_jit is None:
-            self.row_logps(reference, tokens)  # says why in one line
         with jax.set_mesh(self.mesh):
             return self._with_reference_jit(reference, jax.device_put(tokens, self.batch_sharding))
 
