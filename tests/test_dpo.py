@@ -417,3 +417,24 @@ def test_full_dpo_over_context_ranks_equals_pytorch(hf, case, trained_full, tmp_
     trainer = precomputed_trainer(cfg, load_pretrained(imported, MeshConfig(1, 1, 1)).params)
     check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params,
                       trainer.train_stream().global_batch(0), reference_model, policy_model)
+
+
+def test_describe_says_what_the_reference_adds(case, tmp_path):
+    """describe's memory section names the reference: a frozen copy's bytes (the parameters' again), LoRA's
+    base (nothing held; in a pipeline the copied rows the step-memory model counts), a precomputed
+    reference (nothing held); the model counts 2 rows a pair, 4 with copies."""
+    from meshtron.describe import dpo_reference_line
+    from meshtron.plan.step_memory import dpo_rows_per_pair
+
+    _, imported, data = case
+    frozen = full_config(imported, data, tmp_path, precompute=False)
+    assert dpo_reference_line(frozen, 3 * 2**20, 5 * 2**20).startswith(
+        "DPO reference: a frozen copy of the starting weights, 3.0 MiB more")
+    assert "8.0 MiB" in dpo_reference_line(frozen, 3 * 2**20, 5 * 2**20)
+    assert "no weights held" in dpo_reference_line(full_config(imported, data, tmp_path), 1, 1)
+    lora = dpo_config(imported, data, tmp_path)
+    assert "no second copy" in dpo_reference_line(lora, 1, 1)
+    assert dpo_reference_line(dpo_config(imported, data, tmp_path, "train.objective=lm"), 1, 1) is None
+    piped = dpo_config(imported, data, tmp_path, "parallel.pipe=2")
+    assert [dpo_rows_per_pair(c) for c in (lora, piped, frozen)] == [2, 4, 2]
+    assert dpo_rows_per_pair(dpo_config(imported, data, tmp_path, "train.objective=lm")) == 1
