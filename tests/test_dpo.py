@@ -400,9 +400,8 @@ def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, 
                 assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
 
     trainer = Trainer.from_config(full_config(imported, data, tmp_path / "again", precompute=False))
-    trainer.reference = jax.device_put(load_pretrained(imported, MeshConfig(1, 1, 1)).params,
-                                       trainer.steps.param_shardings)
-    batch = np.asarray(trainer.with_reference(trainer.train_stream().global_batch(0)))
+    reference = jax.device_put(load_pretrained(imported, MeshConfig(1, 1, 1)).params, trainer.steps.param_shardings)
+    batch = np.asarray(trainer.steps.with_reference(reference, trainer.train_stream().global_batch(0)))
     assert batch.shape == (8, 49, 4)
     check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
                       policy_model)

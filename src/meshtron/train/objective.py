@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtron.config import Config
+from meshtron.config import Config, TrainConfig
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
 from meshtron.models.contract import head_loss
@@ -53,7 +53,8 @@ from meshtron.trace_context import using
 from meshtron.train.data_shards import CONTEXT
 from meshtron.train.state import ModelDef, Params
 
-__all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "frozen_copy", "objective_for"]
+__all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "frozen_copy", "objective_for",
+           "window_channels"]
 
 
 class Objective(Protocol):
@@ -161,6 +162,15 @@ def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
         return LanguageModeling()
     carried = model_def.adaptation is None or t.dpo.precompute_reference
     return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), carried, cfg.mesh.context)
+
+
+def window_channels(t: TrainConfig, documents: bool) -> tuple[int, ...]:
+    """The channels of a batch's windows the step takes: none for plain windows, 3 for packed documents
+    (``documents``) and preference pairs (one conversation a window), 4 where the batch carries the
+    reference's log-probabilities (:class:`Preference`'s ``carried``)."""
+    if t.objective == "dpo":
+        return (4,) if not t.lora.rank or t.dpo.precompute_reference else (3,)
+    return (3,) if documents else ()
 
 
 def frozen_copy(cfg: Config) -> bool:

@@ -1,5 +1,6 @@
-"""DPO's precomputed reference (``train.dpo.precompute_reference``): the reference model's summed answer
-log-probabilities of every pair, computed once before training, so that the step runs no reference.
+"""DPO's reference outside the step: the precomputed one (``train.dpo.precompute_reference``), the reference
+model's summed answer log-probabilities of every pair computed once before training, and the frozen copy's
+forward over each batch (:func:`prepare_reference`), so that the step runs no reference.
 
 **When and with what.** At the start of a run (step 0), with the weights the run starts from (those of
 ``train.init_from``: the model being aligned is its own reference), one forward pass over each distinct
@@ -12,13 +13,16 @@ temporary name and renamed), beside the checkpoints: a resumed run, whose weight
 reference, reads them from there instead of recomputing. The file records what it was computed for (the
 dataset, ``model.seq_len``, the split's pair counts, ``train.init_from``); a resumed run whose file is
 missing or was computed for other data refuses in one line. A run that fails before its first
-checkpoint removes the file with the directory it created.
+checkpoint removes the file with the directory it created
+(:meth:`meshtron.checkpoint.CheckpointStore.discard_if_unused`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +32,10 @@ import numpy as np
 from meshtron.checkpoint import CheckpointStore
 from meshtron.data.preference import PreferencePairs
 from meshtron.errors import ConfigError
+from meshtron.train.objective import frozen_copy
 from meshtron.train.state import Params
 
-__all__ = ["REFERENCE_FILE", "attach_reference", "discard_reference", "reference_logps"]
+__all__ = ["REFERENCE_FILE", "as_is", "attach_reference", "prepare_reference", "reference_logps"]
 
 REFERENCE_FILE = "reference_logps.npz"
 SPLITS = ("train", "heldout")
@@ -85,11 +90,27 @@ def attach_reference(cfg: Any, steps: Any, params: Params, splits: dict[str, Pre
     return f"reference: log-probabilities of {key['pairs']['train']} pairs computed, saved to {path}"
 
 
-def discard_reference(store: CheckpointStore) -> None:
-    """Remove the reference file from a store that holds no checkpoint (a run that failed before its first)."""
-    path = Path(store.directory) / REFERENCE_FILE
-    if store.created is not None and not store.steps() and path.exists():
-        path.unlink()
+def prepare_reference(trainer: Any, params: Params, store: CheckpointStore | None, resumed: bool,
+                      say: Callable[..., None]) -> Callable[[Any], Any]:
+    """What a run needs of DPO's reference before its first step, and what it does to each batch: the frozen
+    copy of the starting weights (read with ``weights``,
+    :meth:`meshtron.train.resume.WeightsIO.reference_params`) puts its log-probabilities into every batch
+    (:meth:`meshtron.train.step.TrainSteps.with_reference`); the precomputed reference is given to the pairs
+    (:func:`attach_reference`, with ``params``) and batches stay as they are, as they do without either.
+    ``trainer``: a :class:`meshtron.train.loop.Trainer`; ``say`` prints one line of which."""
+    cfg, steps = trainer.cfg, trainer.steps
+    if frozen_copy(cfg):
+        say("reference: a frozen copy of the starting weights, run on every batch before its step", soft_wrap=True)
+        return functools.partial(steps.with_reference, trainer.weights.reference_params())
+    if cfg.train.objective == "dpo" and cfg.train.dpo.precompute_reference:
+        splits = {"train": trainer.corpus.train, "heldout": trainer.corpus.heldout}
+        say(attach_reference(cfg, steps, params, splits, store, resumed), soft_wrap=True)
+    return as_is
+
+
+def as_is(batch: Any) -> Any:
+    """A batch that needs nothing added."""
+    return batch
 
 
 def _read(path: Path | None, key: dict[str, Any]) -> dict[str, np.ndarray] | None:

@@ -173,8 +173,7 @@ def build_steps(
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
         objective_metrics=source.metrics and scoped(whole_params(partial(_group_mean, shards, source.metrics), P())),
-        row_logps=scoped(whole_params(partial(_summed_rows, shards, source.row_logps), P(DATA))),
-    )
+        row_logps=scoped(whole_params(partial(_summed_rows, shards, source.row_logps), P(DATA))))
 
 
 class _HeldLayout(NamedTuple):
