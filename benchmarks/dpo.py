@@ -102,6 +102,8 @@ doc_to_target: 0
 target_delimiter: ""
 metric_list:
   - metric: acc
+    aggregation: mean
+    higher_is_better: true
 """
 
 
