@@ -437,3 +437,20 @@ def test_describe_says_what_the_reference_adds(case, tmp_path):
     piped = dpo_config(imported, data, tmp_path, "parallel.pipe=2")
     assert [dpo_rows_per_pair(c) for c in (lora, piped, frozen)] == [2, 4, 2]
     assert dpo_rows_per_pair(dpo_config(imported, data, tmp_path, "train.objective=lm")) == 1
+
+
+def test_lora_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained, tmp_path):
+    """LoRA with ``train.dpo.precompute_reference``: the pass runs the starting weights (the adapters at zero:
+    the base) and the step reads its values instead of running the frozen base; the trained LoRA run's loss,
+    adapters' gradients and metrics equal PyTorch's as with the frozen base."""
+    output, policy_model, _ = trained
+    reference_model, imported, data = case
+    cfg = dpo_config(imported, data, tmp_path / "again", "train.dpo.precompute_reference=true")
+    from meshtron.train.loop import Trainer
+
+    starting = Trainer.from_config(cfg).starting_state(None)[0]  # the base with its adapters at zero
+    trainer = precomputed_trainer(cfg, jax.device_get(starting))
+    batch = trainer.train_stream().global_batch(0)
+    assert batch.shape == (8, 49, 4)
+    check_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
+                 policy_model)
