@@ -25,6 +25,10 @@ policy without optimizer state, runs a forward over each batch before the step
 pass before training computes every pair's (:mod:`meshtron.train.reference_pass`) and no second copy of
 the model is held at all (with LoRA that also saves the reference's forward and, in a pipeline, the
 doubled rows).
+
+**Over context ranks** each rank holds a share of every sequence, so an answer's log-probability is the
+ranks' shares summed (:meth:`Preference.summed`); the policy's is summed so that the step's mean over the
+ranks gives each rank's positions their own gradient (:meth:`Preference.whole`).
 """
 
 from __future__ import annotations
