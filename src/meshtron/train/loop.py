@@ -239,7 +239,7 @@ class Trainer:
     def _run(self, stopper: RunStopper, store: CheckpointStore | None, metrics_file: IO[str] | None,
              console: Console, on_event: Callable[[str, int], None]) -> TrainResult:
         t = self.cfg.train
-        params, opt_state, position, weights = _start(self, store, console)
+        params, opt_state, position, weights = _start(self, store)
         progress = self._progress(position.step, console, metrics_file)
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
         cadence, nonfinite = Cadence.of(self.cfg), NonFinitePolicy.of(t, store)
@@ -247,6 +247,7 @@ class Trainer:
         outcome: Outcome = "failed"  # how the run ended, for the records' sinks: until the steps are done, an error
         try:
             progress.started(position.step, weights)
+            self.referenced = prepare_reference(self, params, store, position.step > 0, console.print)
             stream = self.train_stream(position.data_position, position.data_cursor)
             unigram, per_byte = baselines(t.objective, self.corpus)
             with progress, stream:
@@ -313,17 +314,14 @@ class Trainer:
                                                                  self.model_def.layers, m.hidden, m.seq_len))
 
 
-def _start(trainer: Trainer, store: CheckpointStore | None, console: Console) -> tuple[Params, Any, RunPosition, str]:
-    """The run's starting state (:meth:`Trainer.starting_state`; the store closed when it cannot be had), with
-    DPO's reference prepared for it (:func:`meshtron.train.reference_pass.prepare_reference`)."""
+def _start(trainer: Trainer, store: CheckpointStore | None) -> tuple[Params, Any, RunPosition, str]:
+    """The run's starting state (:meth:`Trainer.starting_state`), the store closed when it cannot be had."""
     try:
-        params, opt_state, position, weights = trainer.starting_state(store)
+        return trainer.starting_state(store)
     except BaseException:
         if store is not None:
             store.close()
         raise
-    trainer.referenced = prepare_reference(trainer, params, store, position.step > 0, console.print)
-    return params, opt_state, position, weights
 
 
 def _finish(store: CheckpointStore | None, profiler: StepProfiler, progress: RunProgress, outcome: Outcome) -> list[int]:
