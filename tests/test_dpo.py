@@ -162,12 +162,17 @@ def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, trained, tmp
     ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
      "parallel.microbatches=2"),
     ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
-], ids=["data-pipe-tensor-interleaved", "data-tensor-zero3"])
+    ("parallel.pipe=2", "parallel.schedule=1f1b", "parallel.microbatches=2"),
+    ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
+    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+], ids=["data-pipe-tensor-interleaved", "data-tensor-zero3", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor"])
 def test_lora_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained, tmp_path, layout):
     """The same on (data, pipe, tensor) = (2, 2, 2) with the interleaved schedule (2 chunks a stage) and 2
     microbatches -- a pair stays in one microbatch of one data shard, and the pipeline's last stage reads the
     reference from rows of its own -- and on 4 data shards x 2 tensor ranks under ZeRO-3 (the reference's
-    forward gathers each layer as the policy's does)."""
+    forward gathers each layer as the policy's does); on 2 stages under 1F1B and ZB-H1 (the reference's rows
+    through the split backward), and on (data, context, tensor) = (2, 2, 2) (log-probabilities summed over the
+    context ranks)."""
     from meshtron.train.loop import Trainer
 
     output, policy_model, _ = trained
@@ -197,8 +202,6 @@ def test_the_lora_reference_is_the_base_itself_no_second_copy(case, tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    (["train.lora.rank=0"], r"train.objective: dpo needs a frozen reference model, .* set train.lora.rank"),
-    (["parallel.context=2"], r"train.objective: dpo sums each answer's log-probabilities along the whole"),
     (["train.dpo.loss=ipo"], r"train.dpo.label_smoothing: applies to the sigmoid loss only"),
     (["train.dpo.beta=0"], r"train.dpo.beta: must be > 0"),
     (["train.objective=ppo"], r"train.objective: must be one of lm, dpo"),
@@ -209,6 +212,17 @@ def test_what_dpo_cannot_run_is_one_line(case, tmp_path, override, message):
     _, imported, data = case
     with pytest.raises(ConfigError, match=message):
         check_features(dpo_config(imported, data, tmp_path / "x", *override))
+
+
+def test_a_precomputed_reference_needs_pairs_with_an_index(case, tmp_path):
+    """Precomputed log-probabilities are keyed by a pair's index in an indexed dataset; a stream has none."""
+    from meshtron.run import check_features
+
+    _, imported, data = case
+    cfg = dpo_config(imported, data, tmp_path / "x", "train.dpo.precompute_reference=true")
+    cfg.data.source = "hf"
+    with pytest.raises(ConfigError, match=r"train.dpo.precompute_reference: .*data.source=hf streams pairs"):
+        check_features(cfg)
 
 
 def test_the_losses_are_trl_formulas():
@@ -239,3 +253,215 @@ def test_dpo_needs_pairs_and_pairs_need_dpo(case, tmp_path):
         check_objective_data("dpo", False)
     with pytest.raises(ConfigError, match=r"data.path: holds preference pairs .* train.objective=dpo"):
         check_objective_data("lm", True)
+
+
+def full_config(imported, data, output, *extra, precompute=True):
+    """The whole model trains by DPO against the init_from weights: their log-probabilities precomputed, or
+    (``precompute=False``) a frozen copy of them."""
+    return dpo_config(imported, data, output, "train.lora.rank=0", f"train.dpo.precompute_reference={precompute}",
+                      "train.lr=1e-3", *extra)
+
+
+@pytest.fixture(scope="module")
+def trained_full(hf, case, tmp_path_factory):
+    """Two full-parameter DPO steps on one device with a precomputed reference; the run's directory and its
+    export as a PyTorch model (the policy)."""
+    from transformers import AutoModelForCausalLM
+
+    from meshtron.train.loop import Trainer
+
+    torch, _ = hf
+    _, imported, data = case
+    root = tmp_path_factory.mktemp("trained-full")
+    with open(root / "metrics.jsonl", "w") as metrics:
+        Trainer.from_config(full_config(imported, data, root / "run")).run(metrics_file=metrics)
+    logged = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    policy = AutoModelForCausalLM.from_pretrained(export_hf(root / "run", root / "exported"), dtype=torch.float32)
+    return root / "run", policy.eval(), logged
+
+
+def precomputed_trainer(cfg, params):
+    """A trainer for ``cfg`` whose pairs carry the reference log-probabilities computed with ``params``."""
+    from meshtron.train.loop import Trainer
+    from meshtron.train.reference_pass import attach_reference
+
+    trainer = Trainer.from_config(cfg)
+    splits = {"train": trainer.corpus.train, "heldout": trainer.corpus.heldout}
+    attach_reference(trainer.cfg, trainer.steps, jax.device_put(params, trainer.steps.param_shardings), splits,
+                     None, resumed=False)
+    return trainer
+
+
+def check_full_parity(torch, trainer, params, batch, reference_model, policy_model):
+    """The step's loss and the whole model's gradient (the MLP's down projection, every layer) at ``params``
+    on ``batch``, whose reference log-probabilities were precomputed, against PyTorch's with the original
+    model as the reference: loss within 1e-5, gradients within 1e-4 of their largest entry."""
+    from meshtron.train.pipelined import to_canonical, to_stage_order
+
+    pipe, chunks = trainer.mesh.shape["pipe"], trainer.cfg.pipeline.chunks
+    layers = trainer.model_def.layers
+    held = to_stage_order(params, layers, pipe, chunks) if pipe > 1 else params
+    held = jax.device_put(held, trainer.steps.param_shardings)
+    loss, grads = trainer.steps.gradients(held, jax.numpy.asarray(batch))
+    grads = to_canonical(jax.device_get(grads), layers, pipe, chunks) if pipe > 1 else grads
+
+    plain = batch[..., :3]
+    precomputed = batch[:, 0, 3].astype(np.int32).view(np.float32)
+    with torch.no_grad():
+        ref = torch_logps(torch, reference_model, plain)
+    np.testing.assert_allclose(precomputed, ref.numpy(), rtol=1e-5, atol=1e-4)  # the pass's values: the reference's
+    policy_model.zero_grad()
+    pi = torch_logps(torch, policy_model, plain)
+    logits = (pi[0::2] - pi[1::2]) - (ref[0::2] - ref[1::2])
+    fn = torch.nn.functional.logsigmoid
+    expected = (-fn(BETA * logits) * (1 - SMOOTHING) - fn(-BETA * logits) * SMOOTHING).mean()
+    expected.backward()
+    expected = float(expected.detach())
+    mesh = "x".join(str(v) for v in trainer.mesh.shape.values())
+    print(f"\n{mesh}: full DPO loss {float(loss):.8f}, PyTorch {expected:.8f}: |delta| {abs(float(loss) - expected):.2e}")
+    assert abs(float(loss) - expected) <= 1e-5
+    assert abs(expected - np.log(2.0)) > 1e-3  # training moved the policy off the reference
+    got = grads["blocks"]["mlp"]["down"]["kernel"]
+    for layer in range(LLAMA["num_hidden_layers"]):
+        want = policy_model.model.layers[layer].mlp.down_proj.weight.grad.double().numpy().T  # [mlp, hidden]
+        error = np.max(np.abs(np.asarray(got[layer], np.float64) - want)) / np.max(np.abs(want))
+        print(f"  layer {layer} down kernel: max|gradient delta| / max|gradient| {error:.2e}")
+        assert error <= 1e-4, (layer, error)
+
+
+def test_full_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained_full, tmp_path):
+    """Without LoRA the whole model trains against the init_from weights' log-probabilities, computed in
+    one pass before training and saved beside the checkpoints: the first step's loss is log 2, the saved
+    values are the original model's, and at the trained weights the step's loss and gradient equal
+    PyTorch's (:func:`check_full_parity`). A resumed run reads the saved values."""
+    from meshtron.train.reference_pass import REFERENCE_FILE, attach_reference
+
+    output, policy_model, logged = trained_full
+    steps = [r for r in logged if "rewards/margins" in r]
+    assert len(steps) == 2 and steps[0]["loss"] == pytest.approx(np.log(2.0), abs=1e-5)
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    assert (output / REFERENCE_FILE).exists()
+    reference_model, imported, data = case
+    trainer = precomputed_trainer(full_config(imported, data, tmp_path / "again"),
+                                  load_pretrained(imported, MeshConfig(1, 1, 1)).params)
+    batch = trainer.train_stream().global_batch(0)
+    assert batch.shape == (8, 49, 4)
+    check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
+                      policy_model)
+
+    class Store:  # what a resumed run's store tells the pass
+        directory = output
+
+    splits = {"train": trainer.corpus.train, "heldout": trainer.corpus.heldout}
+    saved = {name: s.reference.copy() for name, s in splits.items()}
+    line = attach_reference(trainer.cfg, None, None, splits, Store(), resumed=True)
+    assert line.startswith("reference: log-probabilities of 12 pairs read from")
+    for name, s in splits.items():
+        np.testing.assert_allclose(s.reference, saved[name], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"checkpoint.dir: resumes a DPO run with train.dpo.precompute_reference"):
+        attach_reference(trainer.cfg, None, None, splits, type("Empty", (), {"directory": tmp_path})(), resumed=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+     "parallel.microbatches=2"),
+    ("parallel.pipe=2", "parallel.schedule=1f1b", "parallel.microbatches=2"),
+    ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
+    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+], ids=["data-pipe-tensor-interleaved", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor"])
+def test_full_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
+    """The same on (data, pipe, tensor) = (2, 2, 2) interleaved, on 2 stages under 1F1B and ZB-H1 (whose
+    split backward sees the precomputed reference in the last stage's rows), and on (data, context, tensor)
+    = (2, 2, 2) (each answer's log-probability summed over the context ranks its sequence is split over);
+    the reference pass itself runs on that mesh (pipelined parameters brought back to model order)."""
+    output, policy_model, _ = trained_full
+    reference_model, imported, data = case
+    cfg = full_config(imported, data, tmp_path / "again", *layout)
+    trainer = precomputed_trainer(cfg, stage_ordered(cfg, load_pretrained(imported, MeshConfig(1, 1, 1)).params))
+    check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params,
+                      trainer.train_stream().global_batch(0), reference_model, policy_model)
+
+
+def stage_ordered(cfg, params):
+    """``params`` (model order) as a run on ``cfg``'s mesh holds them."""
+    from meshtron.train.pipelined import to_stage_order
+
+    pipe = cfg.mesh.pipe
+    return to_stage_order(params, LLAMA["num_hidden_layers"], pipe, cfg.pipeline.chunks) if pipe > 1 else params
+
+
+def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, case, trained_full, tmp_path):
+    """With a frozen copy of the init_from weights as the reference (run on every batch before its step) the
+    run logs the precomputed run's losses and metrics step by step, and at the trained weights the step's
+    loss and gradient equal PyTorch's."""
+    from meshtron.train.loop import Trainer
+
+    output, policy_model, precomputed = trained_full
+    reference_model, imported, data = case
+    root = tmp_path / "frozen"
+    root.mkdir()
+    with open(root / "metrics.jsonl", "w") as metrics:
+        Trainer.from_config(full_config(imported, data, root / "run", precompute=False)).run(metrics_file=metrics)
+    logged = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == len(precomputed)
+    for mine, theirs in zip(logged, precomputed):
+        for name in ("loss", "heldout_loss", "rewards/margins", "rewards/chosen", "logps/rejected"):
+            if name in theirs:
+                assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
+
+    trainer = Trainer.from_config(full_config(imported, data, tmp_path / "again", precompute=False))
+    reference = jax.device_put(load_pretrained(imported, MeshConfig(1, 1, 1)).params, trainer.steps.param_shardings)
+    batch = np.asarray(trainer.steps.with_reference(reference, trainer.train_stream().global_batch(0)))
+    assert batch.shape == (8, 49, 4)
+    check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
+                      policy_model)
+
+
+def test_full_dpo_over_context_ranks_equals_pytorch(hf, case, trained_full, tmp_path):
+    """Each sequence split over 2 context ranks: every answer's log-probability is summed over them (the
+    reference pass's too), and the step's loss and gradient equal PyTorch's."""
+    output, policy_model, _ = trained_full
+    reference_model, imported, data = case
+    cfg = full_config(imported, data, tmp_path / "again", "parallel.context=2")
+    trainer = precomputed_trainer(cfg, load_pretrained(imported, MeshConfig(1, 1, 1)).params)
+    check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params,
+                      trainer.train_stream().global_batch(0), reference_model, policy_model)
+
+
+def test_describe_says_what_the_reference_adds(case, tmp_path):
+    """describe's memory section names the reference: a frozen copy's bytes (the parameters' again), LoRA's
+    base (nothing held; in a pipeline the copied rows the step-memory model counts), a precomputed
+    reference (nothing held); the model counts 2 rows a pair, 4 with copies."""
+    from meshtron.describe import dpo_reference_line
+    from meshtron.plan.step_memory import dpo_rows_per_pair
+
+    _, imported, data = case
+    frozen = full_config(imported, data, tmp_path, precompute=False)
+    assert dpo_reference_line(frozen, 3 * 2**20, 5 * 2**20).startswith(
+        "DPO reference: a frozen copy of the starting weights, 3.0 MiB more")
+    assert "8.0 MiB" in dpo_reference_line(frozen, 3 * 2**20, 5 * 2**20)
+    assert "no weights held" in dpo_reference_line(full_config(imported, data, tmp_path), 1, 1)
+    lora = dpo_config(imported, data, tmp_path)
+    assert "no second copy" in dpo_reference_line(lora, 1, 1)
+    assert dpo_reference_line(dpo_config(imported, data, tmp_path, "train.objective=lm"), 1, 1) is None
+    piped = dpo_config(imported, data, tmp_path, "parallel.pipe=2")
+    assert [dpo_rows_per_pair(c) for c in (lora, piped, frozen)] == [2, 4, 2]
+    assert dpo_rows_per_pair(dpo_config(imported, data, tmp_path, "train.objective=lm")) == 1
+
+
+def test_lora_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained, tmp_path):
+    """LoRA with ``train.dpo.precompute_reference``: the pass runs the starting weights (the adapters at zero:
+    the base) and the step reads its values instead of running the frozen base; the trained LoRA run's loss,
+    adapters' gradients and metrics equal PyTorch's as with the frozen base."""
+    output, policy_model, _ = trained
+    reference_model, imported, data = case
+    cfg = dpo_config(imported, data, tmp_path / "again", "train.dpo.precompute_reference=true")
+    from meshtron.train.loop import Trainer
+
+    starting = Trainer.from_config(cfg).starting_state(None)[0]  # the base with its adapters at zero
+    trainer = precomputed_trainer(cfg, jax.device_get(starting))
+    batch = trainer.train_stream().global_batch(0)
+    assert batch.shape == (8, 49, 4)
+    check_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
+                 policy_model)

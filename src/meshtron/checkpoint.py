@@ -307,12 +307,14 @@ class CheckpointStore:
     def close(self) -> None:
         self._manager.close()
 
-    def discard_if_unused(self) -> None:
+    def discard_if_unused(self, leftovers: Sequence[str] = ()) -> None:
         """Remove the directory this store created, with the parents it created, if nothing was saved
-        in it (a run that failed before its first checkpoint); a directory that existed stays."""
+        in it (a run that failed before its first checkpoint); a directory that existed stays.
+        ``leftovers``: files the run wrote there beside the checkpoints, removed with it."""
         if self.created is not None and jax.process_index() == 0:
             if not step_directories(self.directory):
-                (self.directory / TRACKER_RUNS).unlink(missing_ok=True)
+                for name in (TRACKER_RUNS, *leftovers):
+                    (self.directory / name).unlink(missing_ok=True)
             remove_if_empty(self.directory, self.created)
 
     def _set_aside(self, steps: list[int]) -> None:

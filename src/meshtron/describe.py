@@ -166,6 +166,25 @@ def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemor
                        stage_bytes=per_layer_and_rest(rows), trainable_bytes=trainable)
 
 
+def dpo_reference_line(cfg: Config, param_bytes: float, peak: float) -> str | None:
+    """What DPO's reference model adds to a device's memory (``param_bytes``: the parameters' per device;
+    ``peak``: the step's modelled GPU peak); ``None`` for the next-token loss. The terms above count its rows (two a pair, four where a pipeline
+    runs LoRA's frozen base on copies of them)."""
+    t = cfg.train
+    if t.objective != "dpo":
+        return None
+    if t.dpo.precompute_reference:
+        return ("DPO reference: no weights held (each pair's log-probabilities computed before training, "
+                "8 bytes a pair on the host); the terms count 2 rows a pair")
+    if t.lora.rank:
+        return ("DPO reference: LoRA's frozen base, the same weights (no second copy); its forward runs under no "
+                "gradient" + (" on copies of each microbatch's rows, counted in the terms (4 rows a pair)"
+                              if cfg.mesh.pipe > 1 else "; the terms count 2 rows a pair"))
+    return (f"DPO reference: a frozen copy of the starting weights, {format_bytes(param_bytes)} more, held beside the "
+            f"step (no gradient or optimizer state; GPU peak with it {format_bytes(peak + param_bytes)}), its forward "
+            "run before each step")
+
+
 def available_host_memory() -> int:
     """Bytes of memory this machine can still give (Linux's MemAvailable; else its physical memory)."""
     try:
@@ -517,6 +536,9 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
                  [(label, fmt(getattr(modelled["gpu"], name)), fmt(getattr(modelled["cpu"], name)))
                   for name, label in STEP_TERMS if getattr(modelled["cpu"], name) or getattr(modelled["gpu"], name)]),
           file=out)
+    reference = dpo_reference_line(cfg, sum(r[4] for r in rows), modelled["gpu"].peak)
+    if reference:
+        print(f"  {reference}", file=out)
     if m.attention == "xla":
         fused = modelled_step_memory(dataclasses.replace(run, cfg=dataclasses.replace(
             cfg, model=dataclasses.replace(m, attention="cudnn"))), rows, "gpu")

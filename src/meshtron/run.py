@@ -180,13 +180,10 @@ def check_features(cfg: Config) -> None:
           "reduce-scatters per layer (zero=3); use parallel.zero=0 with onebit_lamb, or adamw/lamb with parallel.zero")
     _need(not t.lora.rank or cfg.model.moe.experts == 0, "train.lora",
           "adapts the matrices of dense blocks; a mixture of experts (model.moe.experts > 0) is not supported")
-    if t.objective == "dpo":
-        _need(t.lora.rank > 0, "train.objective",
-              "dpo needs a frozen reference model, which it takes from the frozen base of LoRA's adapters; set "
-              "train.lora.rank (e.g. train.lora.rank=16), with train.init_from the model to align")
-        _need(cfg.mesh.context <= 1, "train.objective",
-              f"dpo sums each answer's log-probabilities along the whole sequence, which parallel.context="
-              f"{cfg.mesh.context} splits over ranks; use parallel.context=1")
+    _need(t.objective != "dpo" or not t.dpo.precompute_reference or cfg.data.source == "indexed",
+          "train.dpo.precompute_reference", f"keys each pair's reference log-probabilities by its index in an indexed "
+          f"dataset, and data.source={cfg.data.source} streams pairs without one; use the frozen copy "
+          "(train.dpo.precompute_reference=false), or preprocess the pairs with meshtron preprocess --preference")
     m = cfg.model
     _need(not m.mtp.layers or cfg.mesh.context <= 1, "model.mtp.layers",
           f"multi-token prediction reads each position's tokens k places on, which a sequence split over "

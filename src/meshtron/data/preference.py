@@ -22,6 +22,10 @@ rejected; token, segment, loss mask: each answer one document of its own window,
 an order shuffled every epoch. A batch of ``B`` samples is ``B`` pairs, which the train step lays side by
 side on the batch axis (``[2B, seq_len + 1, 3]``, chosen and rejected adjacent), so that a pair never
 straddles two microbatches or two data shards.
+
+**A precomputed reference** (``train.dpo.precompute_reference``): once :attr:`PreferencePairs.reference`
+holds each pair's reference log-probabilities (chosen, rejected), samples carry a fourth channel, the
+row's value as fp32 bits on every position (:mod:`meshtron.models.documents`).
 """
 
 from __future__ import annotations
@@ -183,6 +187,7 @@ class PreferencePairs:
         self.seq_len, self.seed, self.split = int(seq_len), int(seed), split
         self.num_samples = len(self._starts) if num_samples is None else int(num_samples)
         self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))  # the last epoch's shuffled pairs
+        self.reference: np.ndarray | None = None  # [num_pairs, 2] fp32, once computed (module doc)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -212,11 +217,14 @@ class PreferencePairs:
         return self.pair(int(self._order[1][within]))
 
     def pair(self, pair: int) -> np.ndarray:
-        """The split's ``pair``-th pair (file order) as a sample, ``[2, seq_len + 1, 3]``."""
-        out = np.zeros((2, self.seq_len + 1, 3), np.int32)
+        """The windows of pair ``pair`` of the split (in the dataset's order), as :meth:`sample` gives them."""
+        channels = 3 if self.reference is None else 4
+        out = np.zeros((2, self.seq_len + 1, channels), np.int32)
         for k in range(2):
             start, length = int(self._starts[pair, k]), min(int(self._lengths[pair, k]), self.seq_len + 1)
             out[k, :length, 0] = self.dataset.read(start, length)
             out[k, :length, 1] = 1
             out[k, :length, 2] = self.masks.read(start, length)
+        if self.reference is not None:
+            out[:, :, 3] = self.reference[pair].astype(np.float32).view(np.int32)[:, None]
         return out

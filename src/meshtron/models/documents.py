@@ -23,6 +23,11 @@ stage and context-parallel rank reads what it needs from its own tokens:
   per-device means the step already averages come to the batch's mean over its counted targets,
   whatever the microbatches, data shards and context ranks (Megatron-LM's loss over the global
   number of tokens).
+
+Preference pairs whose reference log-probabilities were computed before training
+(``train.dpo.precompute_reference``) carry a fourth window channel and a sixth feature, ``reference``:
+the row's reference log-probability as fp32 bits on every position, so that every data shard, pipeline
+stage and context rank reads it from its own tokens, as it reads the weights.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from meshtron.trace_context import current, using
 WINDOW_CHANNELS = 3  # token, segment, loss mask
 FEATURES = 5  # input, target, position, segment, weight
 INPUT, TARGET, POSITION, SEGMENT, WEIGHT = range(FEATURES)
+REFERENCE = FEATURES  # a sixth feature (fourth window channel): a row's precomputed reference log-probability
 
 
 class TokenView(NamedTuple):
@@ -52,11 +58,13 @@ class TokenView(NamedTuple):
     positions: jax.Array | None = None
     segments: jax.Array | None = None
     weights: jax.Array | None = None
+    reference: jax.Array | None = None  # [b, s] fp32: the row's precomputed reference log-probability
 
 
 def is_document_windows(tokens: jax.Array) -> bool:
-    """Whether a host batch is document windows ``[b, s + 1, 3]`` (else plain ``[b, s + 1]``)."""
-    return tokens.ndim == 3 and tokens.shape[-1] == WINDOW_CHANNELS
+    """Whether a host batch is document windows ``[b, s + 1, 3]`` (or ``4`` with a reference channel;
+    else plain ``[b, s + 1]``)."""
+    return tokens.ndim == 3 and tokens.shape[-1] in (WINDOW_CHANNELS, WINDOW_CHANNELS + 1)
 
 
 def view(tokens: jax.Array) -> TokenView:
@@ -65,10 +73,13 @@ def view(tokens: jax.Array) -> TokenView:
         return TokenView(tokens[:, :-1], tokens[:, 1:])
     if tokens.shape[-1] == 2:
         return TokenView(tokens[..., 0], tokens[..., 1])
-    if tokens.shape[-1] != FEATURES:
+    if tokens.shape[-1] not in (FEATURES, FEATURES + 1):
         raise ValueError(f"tokens: expected [b, s+1], [b, s, 2] or [b, s, {FEATURES}] features, got {tokens.shape}")
     weights = jax.lax.bitcast_convert_type(tokens[..., WEIGHT], jnp.float32)
-    return TokenView(tokens[..., INPUT], tokens[..., TARGET], tokens[..., POSITION], tokens[..., SEGMENT], weights)
+    reference = (jax.lax.bitcast_convert_type(tokens[..., REFERENCE], jnp.float32)
+                 if tokens.shape[-1] > FEATURES else None)
+    return TokenView(tokens[..., INPUT], tokens[..., TARGET], tokens[..., POSITION], tokens[..., SEGMENT], weights,
+                     reference)
 
 
 def document_positions(segments: jax.Array) -> jax.Array:
@@ -81,7 +92,8 @@ def document_positions(segments: jax.Array) -> jax.Array:
 
 def document_features(windows: jax.Array) -> jax.Array:
     """Document windows ``[b, s + 1, 3]`` (token, segment, loss mask) as features ``[b, s, 5]``
-    (module doc): the whole batch at once, so the loss weights are normalised over all of it."""
+    (module doc): the whole batch at once, so the loss weights are normalised over all of it. A fourth
+    channel (a precomputed reference log-probability's bits) becomes a sixth feature."""
     tokens, segments, mask = (windows[..., i].astype(jnp.int32) for i in range(WINDOW_CHANNELS))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     own = segments[:, :-1]
@@ -89,7 +101,8 @@ def document_features(windows: jax.Array) -> jax.Array:
     count = jnp.sum(counted.astype(jnp.float32))
     weights = jnp.where(counted, counted.size / jnp.maximum(count, 1.0), 0.0).astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(weights, jnp.int32)
-    return jnp.stack([inputs, targets, document_positions(own), own, bits], axis=-1)
+    reference = [windows[:, :-1, WINDOW_CHANNELS].astype(jnp.int32)] if windows.shape[-1] > WINDOW_CHANNELS else []
+    return jnp.stack([inputs, targets, document_positions(own), own, bits, *reference], axis=-1)
 
 
 def weighted_mean(losses: jax.Array, weights: jax.Array | None) -> jax.Array:

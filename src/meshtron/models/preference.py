@@ -26,7 +26,7 @@ from meshtron.models import documents
 from meshtron.models.blocks import Context
 from meshtron.models.contract import final_hidden, token_losses
 
-__all__ = ["PreferenceLoss", "head_logps", "pairs", "preference_metrics", "sequence_logps"]
+__all__ = ["PreferenceLoss", "head_logps", "pairs", "precomputed_reference", "preference_metrics", "sequence_logps"]
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -46,6 +46,15 @@ def head_logps(model: nnx.Module, x: jax.Array, tokens: jax.Array) -> jax.Array:
         raise ValueError("sequence_logps: needs packed-document features [b, s, 5] whose loss mask marks the answers")
     losses = token_losses(model, model.head(x), seen.targets).astype(jnp.float32)
     return -jnp.sum(jnp.where(seen.weights > 0, losses, 0.0), axis=-1)
+
+
+def precomputed_reference(tokens: jax.Array) -> jax.Array:
+    """``[b]``: each row's reference log-probability computed before training, which features carry
+    (:data:`meshtron.models.documents.REFERENCE`) on every position."""
+    reference = documents.view(tokens).reference
+    if reference is None:
+        raise ValueError("precomputed_reference: the features [b, s, 6] carry no reference log-probabilities")
+    return reference[:, 0]
 
 
 def pairs(logps: jax.Array) -> tuple[jax.Array, jax.Array]:

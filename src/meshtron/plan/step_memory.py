@@ -165,7 +165,7 @@ class StepRun:
     def from_config(cls, cfg: Config, program=None) -> StepRun:
         """``cfg`` with its resolved mesh; ``program``: its pipeline's compiled schedule (the slot counts)."""
         m, t, mesh = cfg.model, cfg.train, cfg.mesh
-        microbatch = t.batch_size // (mesh.data * t.microbatches)
+        microbatch = t.batch_size // (mesh.data * t.microbatches) * dpo_rows_per_pair(cfg)
         segments = 1
         if program is not None and m.remat == "offload":
             from meshtron.pipeline.runtime import segments as tick_segments  # imports JAX: the runtime's own
@@ -185,6 +185,18 @@ class StepRun:
             gather_once=t.gather_once, optimizer=t.optimizer, param_bytes=_itemsize(m.param_dtype),
             compute_bytes=_itemsize(m.dtype), gather_bytes=_itemsize(t.gather_dtype or m.dtype),
             reduce_bytes=_itemsize(t.reduce_dtype or m.param_dtype), attention=m.attention)
+
+
+def dpo_rows_per_pair(cfg: Config) -> int:
+    """Sequences the step runs per ``train.batch_size`` unit: 1 for the next-token loss; 2 for a DPO pair
+    (chosen and rejected), 4 where a pipeline runs LoRA's frozen-base reference on copies of the rows
+    (stashed through the stages like the policy's). A frozen copy's or a precomputed reference runs
+    nothing in the step."""
+    t = cfg.train
+    if t.objective != "dpo":
+        return 1
+    doubled = t.lora.rank and not t.dpo.precompute_reference and cfg.mesh.pipe > 1
+    return 4 if doubled else 2
 
 
 def _itemsize(dtype: str) -> int:

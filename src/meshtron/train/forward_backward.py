@@ -17,10 +17,12 @@ import jax.numpy as jnp
 
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models.contract import batch_reports
+from meshtron.models.preference import sequence_logps
 from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.state import ModelDef, Params
 
-__all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "objective_metrics", "plain_forward_backward"]
+__all__ = ["ForwardBackward", "as_microbatches", "local_gradients", "objective_metrics", "plain_forward_backward",
+           "row_logps"]
 
 
 class ForwardBackward(NamedTuple):
@@ -30,13 +32,16 @@ class ForwardBackward(NamedTuple):
     (:class:`~meshtron.models.contract.ExtraLossReport`), summed over the microbatches.
     ``loss_groups``: how many microbatches' mean losses the backward seeds at full weight, each averaged
     afterwards (its output gradients are that many times the whole batch's). ``metrics(params, tokens)``:
-    what the objective reports besides the loss, means over the microbatches (``None``: nothing)."""
+    what the objective reports besides the loss, means over the microbatches (``None``: nothing).
+    ``row_logps(params, tokens)``: each row's summed log-probability of its counted targets, from a plain
+    forward (a precomputed DPO reference's pass, :mod:`meshtron.train.reference_pass`)."""
 
     gradients: Callable[[Params, jax.Array], tuple[jax.Array, Params]]
     loss: Callable[[Params, jax.Array], jax.Array]
     reports: Callable[[Params, jax.Array], Any]
     loss_groups: int = 1
     metrics: Callable[[Params, jax.Array], dict[str, jax.Array]] | None = None
+    row_logps: Callable[[Params, jax.Array], jax.Array] | None = None
 
 
 def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
@@ -95,6 +100,11 @@ def objective_metrics(model_def: ModelDef, objective: Objective, microbatches: i
     return metrics
 
 
+def row_logps(model_def: ModelDef) -> Callable[[Params, jax.Array], jax.Array]:
+    """``(params, tokens) -> [rows]``: each row's summed counted-target log-probability (plain forward)."""
+    return lambda params, tokens: sequence_logps(model_def.bind(params), tokens)
+
+
 def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Execution = DEFAULT_EXECUTION,
                            objective: Objective | None = None) -> ForwardBackward:
     """The whole model on every pipeline rank (``pipe`` = 1), microbatches accumulated in a scan; blocks
@@ -111,4 +121,5 @@ def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Ex
         reports=reports,
         loss_groups=microbatches,
         metrics=objective_metrics(model_def, objective, microbatches, execution),
+        row_logps=row_logps(model_def),
     )

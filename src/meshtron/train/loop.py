@@ -36,7 +36,8 @@ from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.pipeline.layout import StageLayout
 from meshtron.run import Run, check_features, run_for_model
 from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, StageTiming
-from meshtron.train.objective import check_objective_data, objective_for
+from meshtron.train.objective import check_objective_data, objective_for, window_channels
+from meshtron.train.reference_pass import REFERENCE_FILE, as_is, prepare_reference
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
 from meshtron.train.sinks import Outcome
@@ -77,6 +78,7 @@ class Trainer:
     corpus: Corpus | TokenDatasets | None  # the training data (a text, an indexed dataset or a blend); None: not read
     optimizer: OptimizerSetup
     weights: WeightsIO = field(init=False, repr=False)  # where the weights come from and go
+    referenced: Callable[[Any], Any] = field(default=as_is, init=False, repr=False)  # + DPO's frozen copy's values
 
     def __post_init__(self) -> None:
         self.weights = WeightsIO(self.resolved, self.mesh, self.model_def, self.steps, self.optimizer.freeze_step)
@@ -166,7 +168,7 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             opt_state = abstract_like(jax.eval_shape(self.steps.init_state_fn, params), self.steps.opt_shardings)
         dpo = self.cfg.train.objective == "dpo"  # pairs: two rows each, windows of one conversation
-        channels = (3,) if dpo or packs_documents(self.cfg.data) else ()  # windows of packed documents
+        channels = window_channels(self.cfg.train, packs_documents(self.cfg.data))
         rows = self.cfg.train.batch_size * (2 if dpo else 1)
         tokens = jax.ShapeDtypeStruct((rows, self.cfg.model.seq_len + 1, *channels), np.int32,
                                       sharding=self.steps.batch_sharding)
@@ -182,7 +184,7 @@ class Trainer:
     def evaluate(self, params) -> float:
         t = self.cfg.train
         stream = self.corpus.heldout_stream(batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed)
-        losses = [self.steps.eval(params, stream.batch(i, self.steps.batch_sharding)) for i in range(t.eval_batches)]
+        losses = [self.steps.eval(params, self.referenced(stream.batch(i, self.steps.batch_sharding))) for i in range(t.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 
     # ---- weights in and out (WeightsIO), for callers that hold the trainer ---------------------
@@ -231,18 +233,13 @@ class Trainer:
                 return self._run(stopper, store, metrics_file, console, on_event or (lambda event, step: None))
         except BaseException:
             if store is not None:  # a run that failed before its first checkpoint leaves no empty directory
-                store.discard_if_unused()
+                store.discard_if_unused(leftovers=(REFERENCE_FILE,))
             raise
 
     def _run(self, stopper: RunStopper, store: CheckpointStore | None, metrics_file: IO[str] | None,
              console: Console, on_event: Callable[[str, int], None]) -> TrainResult:
         t = self.cfg.train
-        try:
-            params, opt_state, position, weights = self.starting_state(store)
-        except BaseException:
-            if store is not None:
-                store.close()
-            raise
+        params, opt_state, position, weights = _start(self, store)
         progress = self._progress(position.step, console, metrics_file)
         profiler = StepProfiler(parse_profile_steps(t.profile_steps), t.profile_dir)
         cadence, nonfinite = Cadence.of(self.cfg), NonFinitePolicy.of(t, store)
@@ -250,6 +247,7 @@ class Trainer:
         outcome: Outcome = "failed"  # how the run ended, for the records' sinks: until the steps are done, an error
         try:
             progress.started(position.step, weights)
+            self.referenced = prepare_reference(self, params, store, position.step > 0, console.print)
             stream = self.train_stream(position.data_position, position.data_cursor)
             unigram, per_byte = baselines(t.objective, self.corpus)
             with progress, stream:
@@ -257,7 +255,7 @@ class Trainer:
                 for step in range(position.step + 1, t.steps + 1):
                     stage = self.optimizer.stage_at(record.updates)
                     profiler.before(step)
-                    batch = stream.next(self.steps.batch_sharding)
+                    batch = self.referenced(stream.next(self.steps.batch_sharding))
                     reported = self._layer_reports(params, batch) if cadence.logs(step) else {}
                     tick = time.perf_counter()
                     params, opt_state, metrics = self.steps.train(params, opt_state, batch, stage)
@@ -314,6 +312,16 @@ class Trainer:
                            peak_flops=t.peak_flops and t.peak_flops * self.mesh.size,
                            flops_per_token=model_flops_per_token(self.model_def.parameter_count(),
                                                                  self.model_def.layers, m.hidden, m.seq_len))
+
+
+def _start(trainer: Trainer, store: CheckpointStore | None) -> tuple[Params, Any, RunPosition, str]:
+    """The run's starting state (:meth:`Trainer.starting_state`), the store closed when it cannot be had."""
+    try:
+        return trainer.starting_state(store)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
 
 
 def _finish(store: CheckpointStore | None, profiler: StepProfiler, progress: RunProgress, outcome: Outcome) -> list[int]:

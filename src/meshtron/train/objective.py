@@ -15,8 +15,20 @@ traced without the adaptation's layer view (:meth:`~meshtron.train.state.ModelDe
 ``stop_gradient``, with no backward. A pipeline's stages run one network over a microbatch, so there each
 microbatch's rows are doubled, the copies marked as the reference's (``reference_rows`` of the trace
 context: the adapters add nothing to them), and the last stage reads both halves' log-probabilities; the
-copies' backward carries zeros. Training the whole model needs the reference's own weights, which this
-step does not hold: the run refuses it in one line (:func:`meshtron.run.check_features`).
+copies' backward carries zeros.
+
+**The whole model** trains against the starting (``train.init_from``) weights, whose log-probabilities
+ride in the batch (a sixth feature, :func:`~meshtron.models.preference.precomputed_reference`), so the
+step itself runs no reference (``carried``): either a frozen copy of those weights, held beside the
+policy without optimizer state, runs a forward over each batch before the step
+(:meth:`meshtron.train.step.TrainSteps.with_reference`), or, with ``train.dpo.precompute_reference``, one
+pass before training computes every pair's (:mod:`meshtron.train.reference_pass`) and no second copy of
+the model is held at all (with LoRA that also saves the reference's forward and, in a pipeline, the
+doubled rows).
+
+**Over context ranks** each rank holds a share of every sequence, so an answer's log-probability is the
+ranks' shares summed (:meth:`Preference.summed`); the policy's is summed so that the step's mean over the
+ranks gives each rank's positions their own gradient (:meth:`Preference.whole`).
 """
 
 from __future__ import annotations
@@ -29,15 +41,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshtron.config import Config
+from meshtron.config import Config, TrainConfig
 from meshtron.errors import ConfigError
 from meshtron.execution import Execution
 from meshtron.models.contract import head_loss
-from meshtron.models.preference import METRICS, PreferenceLoss, head_logps, preference_metrics, sequence_logps
+from meshtron.models.preference import (
+    METRICS,
+    PreferenceLoss,
+    head_logps,
+    precomputed_reference,
+    preference_metrics,
+    sequence_logps,
+)
 from meshtron.trace_context import using
+from meshtron.train.data_shards import CONTEXT
 from meshtron.train.state import ModelDef, Params
 
-__all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "objective_for"]
+__all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data", "frozen_copy", "objective_for",
+           "window_channels"]
 
 
 class Objective(Protocol):
@@ -85,18 +106,23 @@ class LanguageModeling:
 
 @dataclass(frozen=True)
 class Preference:
-    """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference (module doc)."""
+    """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference, or
+    (``carried``) the reference's log-probabilities that the batch carries (module doc)."""
 
     preference: PreferenceLoss
+    carried: bool = False
+    context: int = 1  # the context ranks each sequence is split over
     METRICS = METRICS
 
     def logps(self, model_def: ModelDef, params: Params, tokens: jax.Array,
               execution: Execution) -> tuple[jax.Array, jax.Array]:
         """Per-row summed answer log-probabilities: the policy's, and the reference's (no gradient)."""
-        policy = sequence_logps(model_def.bind(params), tokens, remat=execution.remat)
+        policy = self.whole(sequence_logps(model_def.bind(params), tokens, remat=execution.remat))
+        if self.carried:
+            return policy, precomputed_reference(tokens)
         with model_def.frozen_base():
             reference = sequence_logps(model_def.bind(jax.lax.stop_gradient(params)), tokens)
-        return policy, jax.lax.stop_gradient(reference)
+        return policy, jax.lax.stop_gradient(self.summed(reference))
 
     def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
         return self.preference(*self.logps(model_def, params, tokens, execution))
@@ -106,15 +132,31 @@ class Preference:
         return preference_metrics(self.preference.beta, *self.logps(model_def, params, tokens, execution))
 
     def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
+        if self.carried:
+            return self.preference(self.whole(head_logps(model, y, tokens)), precomputed_reference(tokens))
         policy, reference = jnp.split(head_logps(model, y, tokens), 2)
-        return self.preference(policy, reference)
+        return self.preference(self.whole(policy), self.summed(reference))
+
+    def summed(self, local: jax.Array) -> jax.Array:
+        """Per-row sums over a sequence split over ``context`` ranks: each rank's share summed over them."""
+        return local if self.context == 1 else jax.lax.psum(local, CONTEXT)
+
+    def whole(self, local: jax.Array) -> jax.Array:
+        """:meth:`summed` of the policy's shares, whose gradient reaches each rank's own positions at
+        ``context`` times their weight: the step averages every rank's loss and gradient over the context
+        ranks (as it does the next-token loss's per-rank means), which brings the rank's share of the
+        gradient back to its own, and their sum to the whole sequence's."""
+        if self.context == 1:
+            return local
+        scaled = self.context * local
+        return scaled + jax.lax.stop_gradient(self.summed(local) - scaled)
 
     def pipelined_rows(self, tokens: jax.Array) -> jax.Array:
-        """Each microbatch's rows, then the same rows again for the reference."""
-        return jnp.concatenate([tokens, tokens], axis=1)
+        """Each microbatch's rows, then (a reference that runs) the same rows again for the reference."""
+        return tokens if self.carried else jnp.concatenate([tokens, tokens], axis=1)
 
     def pipelined(self) -> contextlib.AbstractContextManager:
-        return using(reference_rows=True)
+        return contextlib.nullcontext() if self.carried else using(reference_rows=True)
 
 
 def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
@@ -122,11 +164,24 @@ def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
     t = cfg.train
     if t.objective == "lm":
         return LanguageModeling()
-    if model_def.adaptation is None:
-        raise ConfigError("train.objective: dpo needs a frozen reference model, which this step takes from the frozen "
-                          "base of LoRA's adapters; set train.lora.rank (e.g. train.lora.rank=16), with train.init_from "
-                          "the model to align")
-    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss))
+    carried = model_def.adaptation is None or t.dpo.precompute_reference
+    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), carried, cfg.mesh.context)
+
+
+def window_channels(t: TrainConfig, documents: bool) -> tuple[int, ...]:
+    """The channels of a batch's windows the step takes: none for plain windows, 3 for packed documents
+    (``documents``) and preference pairs (one conversation a window), 4 where the batch carries the
+    reference's log-probabilities (:class:`Preference`'s ``carried``)."""
+    if t.objective == "dpo":
+        return (4,) if not t.lora.rank or t.dpo.precompute_reference else (3,)
+    return (3,) if documents else ()
+
+
+def frozen_copy(cfg: Config) -> bool:
+    """Whether ``cfg``'s run holds a frozen copy of its starting weights as DPO's reference (the whole model
+    trains, and the reference's log-probabilities are not precomputed)."""
+    t = cfg.train
+    return t.objective == "dpo" and not t.lora.rank and not t.dpo.precompute_reference
 
 
 def check_objective_data(objective: str, preference: bool) -> None:

@@ -32,7 +32,7 @@ from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.sharding import constrain, logical_to_spec
 from meshtron.trace_context import current
-from meshtron.train.forward_backward import ForwardBackward, as_microbatches, objective_metrics
+from meshtron.train.forward_backward import ForwardBackward, as_microbatches, objective_metrics, row_logps
 from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.state import ModelDef, Params
 
@@ -291,4 +291,5 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
         reports=reports,
         loss_groups=1,  # the runtime seeds each microbatch's loss at 1/m
         metrics=in_model_order(objective_metrics(model_def, objective, microbatches, execution), model_def, plan),
+        row_logps=in_model_order(row_logps(model_def), model_def, plan),
     )

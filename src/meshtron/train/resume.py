@@ -89,6 +89,20 @@ class WeightsIO:
                           layout=self.run.stage_layout)
         return self.model_def.init(self.mesh, self.cfg.train.seed, into=reorder, shardings=shardings)
 
+    def reference_params(self) -> Params:
+        """The weights the run starts from (``train.init_from``'s parameters, else the new model of
+        ``train.seed``), read afresh in the training layout: DPO's frozen reference copy, the same on a
+        resumed run as on its first."""
+        t = self.cfg.train
+        if t.init_from is None:
+            return self.init_params()
+        directory, step = checkpoint_location(t.init_from)
+        source = CheckpointStore(directory, read_only=True)
+        try:
+            return self._read_params(source, step, "train.init_from")[0]
+        finally:
+            source.close()
+
     def _canonical_shardings(self, shardings):
         """Where the model-order (checkpoint) state lives: as in training, except that with an uneven
         ``parallel.layout`` the layer axis -- unpadded there, and maybe not divisible by ``pipe`` -- is

@@ -48,7 +48,7 @@ from meshtron.optim.sync import gradient_sync
 from meshtron.optim.zero import ZeroPlan
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.trace_context import using
-from meshtron.train.data_shards import DATA, DataShards
+from meshtron.train.data_shards import CONTEXT, DATA, DataShards
 from meshtron.train.forward_backward import plain_forward_backward
 from meshtron.train.objective import Objective
 from meshtron.train.pipelined import pipelined_forward_backward
@@ -173,7 +173,7 @@ def build_steps(
         init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
         objective_metrics=source.metrics and scoped(whole_params(partial(_group_mean, shards, source.metrics), P())),
-    )
+        row_logps=scoped(whole_params(partial(_summed_rows, shards, source.row_logps), P(DATA))))
 
 
 class _HeldLayout(NamedTuple):
@@ -223,9 +223,21 @@ def _state_on_host(train):
     return offloaded
 
 
+def _with_reference(row_logps, reference: Params, tokens: jax.Array) -> jax.Array:
+    """``tokens`` [b, s + 1, 3] with each row's ``row_logps`` under ``reference`` as fp32 bits on every position."""
+    bits = jax.lax.bitcast_convert_type(row_logps(reference, tokens).astype(jnp.float32), jnp.int32)
+    return jnp.concatenate([tokens, jnp.broadcast_to(bits[:, None, None], (*tokens.shape[:2], 1))], axis=-1)
+
+
 def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``applied``, else ``old`` (leaf by leaf): a skipped step changes nothing."""
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+
+def _summed_rows(shards: DataShards, fn, params: Params, tokens: jax.Array) -> jax.Array:
+    """``fn(params, tokens)``'s per-row sums of a rank's positions, summed over a sequence's context ranks."""
+    rows = fn(params, tokens)
+    return rows if shards.context == 1 else jax.lax.psum(rows, CONTEXT)
 
 
 def _group_mean(shards: DataShards, fn, params: Params, tokens: jax.Array) -> Any:
@@ -271,7 +283,7 @@ class TrainSteps:
                  train, evaluate, gradients, init_state, zero: ZeroPlan | None = None,
                  trainable: Trainable | None = None, reports=None,
                  report_groups: int = 1, metrics_spec: P | None = None,
-                 compiler_options: Mapping[str, Any] | None = None, objective_metrics=None):
+                 compiler_options: Mapping[str, Any] | None = None, objective_metrics=None, row_logps=None):
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})  # XLA options of every program below
         jit = partial(jax.jit, compiler_options=self.compiler_options or None)
@@ -304,6 +316,11 @@ class TrainSteps:
         self._reports_compiled: Any = None
         self._metrics_jit = None if objective_metrics is None else jit(
             objective_metrics, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+        self._row_logps_jit = None if row_logps is None else jit(
+            row_logps, in_shardings=(param_shardings, batch_sharding), out_shardings=NamedSharding(mesh, P(DATA)))
+        self._with_reference_jit = None if row_logps is None else jit(
+            partial(_with_reference, row_logps), in_shardings=(param_shardings, batch_sharding),
+            out_shardings=batch_sharding)
 
     def init_opt_state(self, params: Params) -> OptState:
         """Fresh optimizer state, created sharded."""
@@ -376,6 +393,21 @@ class TrainSteps:
         tokens = jax.device_put(tokens, self.batch_sharding)
         with jax.set_mesh(self.mesh):
             return {k: float(v) for k, v in jax.device_get(self._metrics_jit(params, tokens)).items()}
+
+    def row_logps(self, params: Params, tokens: jax.Array) -> np.ndarray:
+        """Each row's summed log-probability of its counted targets under ``params`` (a forward pass): what a
+        precomputed DPO reference holds (:mod:`meshtron.train.reference_pass`)."""
+        params = jax.device_put(params, self.param_shardings)
+        tokens = jax.device_put(tokens, self.batch_sharding)
+        with jax.set_mesh(self.mesh):
+            return np.asarray(jax.device_get(self._row_logps_jit(params, tokens)))
+
+    def with_reference(self, reference: Params, tokens: jax.Array) -> jax.Array:
+        """Preference windows ``tokens`` with a fourth channel: each row's summed answer log-probability
+        under the frozen ``reference`` weights (held as the parameters are), which the step reads instead of
+        running a reference (:mod:`meshtron.train.objective`)."""
+        with jax.set_mesh(self.mesh):
+            return self._with_reference_jit(reference, jax.device_put(tokens, self.batch_sharding))
 
     def lower_reports(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered program of :meth:`layer_reports`, for compiled-program analysis."""
