@@ -196,10 +196,12 @@ def _prepared(page_dir: Path, assumed: Path, commands: list[Command]) -> None:
 
 
 def _run_heavy(command: Command) -> bool:
-    """A mixture of experts' training: its steps' grouped expert GEMMs take longer at the tests' level
-    than LLVM's first level spends more on compiling them, so it runs at that level (:data:`RUNNING`)."""
+    """A mixture of many experts' training (``model.moe.experts=64``): its steps' grouped expert GEMMs take
+    longer at the tests' level than LLVM's first level spends more on compiling them, so it runs at that
+    level (:data:`RUNNING`). ``mixtral_cpu8``'s 8 experts do not: with :data:`BUDGET`'s two steps of 64
+    tokens its run (and a DeepSeek's on it) costs about 15% less CPU time at the tests' level."""
     words = command.text.split()
-    return words[:2] == ["meshtron", "train"] and any("mixtral" in w or w.startswith("model.moe.experts=") for w in words)
+    return words[:2] == ["meshtron", "train"] and any(w.startswith("model.moe.experts=") for w in words)
 
 
 def _environment(page_dir: Path, optimisation: str | None = None) -> dict[str, str]:
