@@ -78,10 +78,12 @@ class Trainer:
     corpus: Corpus | TokenDatasets | None  # the training data (a text, an indexed dataset or a blend); None: not read
     optimizer: OptimizerSetup
     weights: WeightsIO = field(init=False, repr=False)  # where the weights come from and go
-    referenced: Callable[[Any], Any] = field(default=as_is, init=False, repr=False)  # + DPO's frozen copy's values
+    referenced: Callable[[Any], Any] = field(init=False, repr=False)  # + DPO's frozen copy's values
 
     def __post_init__(self) -> None:
         self.weights = WeightsIO(self.resolved, self.mesh, self.model_def, self.steps, self.optimizer.freeze_step)
+        # an instance attribute: a function kept on the class would be called as a method (with the trainer)
+        self.referenced = as_is
 
     @classmethod
     def from_config(cls, cfg: Config | str | os.PathLike, devices=None, *, verbose: bool = False,
