@@ -39,11 +39,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtron.execution import DEFAULT_EXECUTION, Execution
-from meshtron.generate import CACHE_AXES
-from meshtron.models.attention import KVCache, attention_implementation
+from meshtron.generate import CACHE_AXES, pinned_caches
+from meshtron.models.attention import attention_implementation
 from meshtron.models.blocks import Context
 from meshtron.models.contract import final_hidden
-from meshtron.sharding import axis_names, axis_rules, constrain, logical_to_spec
+from meshtron.sharding import axis_names, axis_rules, logical_to_spec
 from meshtron.train.state import ModelDef, Params
 
 DEFAULT_CHUNK = 16
@@ -129,17 +129,7 @@ class GreedyBatchDecoder:
         return self._laid_out(self.model_def.bind(params).init_cache(self.rows, self.context))
 
     def _laid_out(self, caches: Any) -> Any:
-        """Stacked :class:`KVCache` arrays pinned by logical names (rows over ``data``, heads over
-        ``tensor`` as the keys' and values'); other caches are left to the compiler."""
-        if not self._cache_layout:
-            return caches
-
-        def pin(cache: Any) -> Any:
-            if isinstance(cache, KVCache) and cache.k.ndim == len(CACHE_AXES):
-                return KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES))
-            return cache
-
-        return jax.tree.map(pin, caches, is_leaf=lambda x: isinstance(x, KVCache))
+        return pinned_caches(caches) if self._cache_layout else caches
 
     def _window_logits(self, model: Any, window: jax.Array, position: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
         """The whole buffer through the model (writing the cache, if any); float32 logits ``[rows, vocab]``

@@ -76,6 +76,19 @@ if TYPE_CHECKING:
 
 DEFAULT_CHUNK = 64
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # logical layout of a stacked KVCache
+
+
+def pinned_caches(caches: Any) -> Any:
+    """Stacked :class:`KVCache` arrays ``[layers, batch, seq, kv_heads, head_dim]`` pinned by logical names,
+    so the cache's rows follow ``data`` and its head axis the keys' and values' tensor split; other caches
+    (a user's model's own) are left to the compiler."""
+
+    def pin(cache: Any) -> Any:
+        if isinstance(cache, KVCache) and cache.k.ndim == len(CACHE_AXES):
+            return KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES))
+        return cache
+
+    return jax.tree.map(pin, caches, is_leaf=lambda x: isinstance(x, KVCache))
 _REPLACEMENT = "\ufffd"
 
 
@@ -365,18 +378,7 @@ class Sampler:
         return self._laid_out(self.model_def.bind(params).init_cache(1, self.context))
 
     def _laid_out(self, caches: Any) -> Any:
-        """Pin stacked :class:`KVCache` arrays ``[layers, batch, seq, kv_heads, head_dim]`` by logical
-        names, so the cache's head axis follows the keys' and values' tensor split; other caches (a
-        user's model's own) are left to the compiler."""
-        if not self._cache_layout:
-            return caches
-
-        def pin(cache: Any) -> Any:
-            if isinstance(cache, KVCache) and cache.k.ndim == len(CACHE_AXES):
-                return KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES))
-            return cache
-
-        return jax.tree.map(pin, caches, is_leaf=lambda x: isinstance(x, KVCache))
+        return pinned_caches(caches) if self._cache_layout else caches
 
     def _decode_chunk(
         self,

@@ -48,7 +48,7 @@ from meshtron.data.indexed import (
 )
 from meshtron.data.preprocess import PreprocessStats, dataset_meta, expand_inputs, refuse_empty
 from meshtron.data.samples import SPLITS, split_range
-from meshtron.data.sft import ROLES, ChatTemplate, answer_starts, mask_prefix
+from meshtron.data.sft import ROLES, ChatTemplate, answer_starts, json_records, mask_prefix
 from meshtron.data.tokenizers import Tokenizer, load_tokenizer
 from meshtron.errors import ConfigError
 
@@ -147,17 +147,8 @@ def preprocess_preference(inputs: str | Path | Sequence[str | Path], tokenizer: 
 
 
 def _pairs(path: Path, template: ChatTemplate):
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line}"
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise ConfigError(f"--input: {where} is not a UTF-8 JSON object ({err}); write one pair per "
-                                  "line") from None
-            yield render_pair(template, *pair_of(record, where))
+    for record, where in json_records(path, "pair"):
+        yield render_pair(template, *pair_of(record, where))
 
 
 class PreferencePairs:

@@ -185,17 +185,23 @@ def preprocess_sft(inputs: str | Path | Sequence[str | Path], tokenizer: str | P
 
 def _rendered(path: Path, template: ChatTemplate):
     """``(ids, mask)`` of each example in the JSON lines file ``path`` (blank lines skipped)."""
+    for record, where in json_records(path, "example"):
+        yield template.render(messages_of(record, where))
+
+
+def json_records(path: Path, item: str):
+    """``(record, "path:line")`` of each line of the JSON lines file ``path`` (blank lines skipped); a line
+    that is not a UTF-8 JSON value is one line naming it and one ``item`` per line as the fix."""
     with open(path, "rb") as f:
         for line, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
             where = f"{path}:{line}"
             try:
-                record = json.loads(raw.decode("utf-8"))
+                yield json.loads(raw.decode("utf-8")), where
             except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise ConfigError(f"--input: {where} is not a UTF-8 JSON object ({err}); write one example "
+                raise ConfigError(f"--input: {where} is not a UTF-8 JSON object ({err}); write one {item} "
                                   "per line") from None
-            yield template.render(messages_of(record, where))
 
 
 class PackedExamples:
