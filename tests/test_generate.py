@@ -6,6 +6,7 @@ parallel meshes, compiles one program, and is chosen (or refused) according to t
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -231,6 +232,8 @@ def test_window_slides_past_seq_len(setup):
         ("ok", {"temperature": float("nan")}, "temperature"),
         ("ok", {"top_k": 0}, "top_k"),
         ("ok", {"top_k": VOCAB + 1}, "top_k"),
+        ("ok", {"top_p": 0.0}, "top_p"),
+        ("ok", {"top_p": 1.5}, "top_p"),
     ],
 )
 def test_bad_arguments_name_the_argument(setup, prompt, kwargs, argument):
@@ -357,3 +360,46 @@ def test_a_tokenizers_end_of_text_id_ends_generation_by_default(tmp_path):
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
     tokenizer = train_bpe([text], 280, tmp_path / "tokenizer.json", min_frequency=1)
     assert default_stops(tokenizer) == ((tokenizer.eod,),)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 0.9), (0.5, 7, 1.0), (2.0, 20, 0.6), (0.7, 3, 0.3),
+                                                      (1.3, 0, 0.05)])
+def test_sampling_logits_are_hugging_faces_warped_logits(temperature, top_k, top_p):
+    """temperature, then top-k, then top-p, as transformers' generate warps the logits before sampling."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from meshtron.generate import sampling_logits
+
+    logits = np.random.default_rng(int(temperature * 10 + top_k)).normal(0, 2, (4, 50)).astype(np.float32)
+    theirs = torch.from_numpy(logits)
+    for warper in [TemperatureLogitsWarper(temperature), *([TopKLogitsWarper(top_k)] if top_k else []),
+                   *([TopPLogitsWarper(top_p)] if top_p < 1 else [])]:
+        theirs = warper(None, theirs)
+    ours = np.asarray(sampling_logits(jnp.asarray(logits), jnp.float32(temperature), jnp.int32(top_k or 50),
+                                      jnp.float32(top_p)))
+    assert (np.isfinite(ours) == np.isfinite(theirs.numpy())).all()
+    assert 1 <= np.isfinite(ours).sum(axis=-1).min() and np.isfinite(ours).sum() < ours.size  # something was cut
+    kept = np.isfinite(ours)
+    np.testing.assert_allclose(ours[kept], theirs.numpy()[kept], rtol=1e-6)
+
+
+def test_sampled_tokens_come_from_the_kept_set_in_proportion():
+    """Drawn tokens (choose_token, many keys) cover exactly the top-k / top-p set, with the renormalised
+    probabilities of the warped logits."""
+    from meshtron.generate import choose_token, sampling_logits
+
+    probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32)
+    logits = jnp.asarray(np.log(probs))
+    keys = jax.random.split(jax.random.key(3), 4000)
+    for top_k, top_p, support in [(6, 0.6, {0, 1}), (6, 0.7, {0, 1, 2}), (2, 1.0, {0, 1}), (6, 1.0, set(range(6)))]:
+        drawn = np.asarray(jax.vmap(lambda k, top_k=top_k, top_p=top_p: choose_token(
+            logits, k, jnp.float32(1.0), jnp.int32(top_k), 6, jnp.float32(top_p)))(keys))
+        assert set(drawn.tolist()) == support
+        expected = np.asarray(jax.nn.softmax(sampling_logits(logits, jnp.float32(1.0), jnp.int32(top_k),
+                                                             jnp.float32(top_p))))
+        np.testing.assert_allclose(np.bincount(drawn, minlength=6) / len(drawn), expected, atol=0.03)

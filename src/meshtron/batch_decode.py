@@ -1,4 +1,4 @@
-"""Greedy decoding of a batch of prompts of different lengths at once, on any mesh: what
+"""Greedy or sampled decoding of a batch of prompts of different lengths at once, on any mesh: what
 ``meshtron eval`` runs for generation tasks.
 
 :class:`~meshtron.generate.Sampler` decodes one sequence; this decodes ``rows`` of them in one
@@ -13,9 +13,15 @@ model's cached attention writes all rows at the same position):
   the shortest prompt's last position.
 * Each step moves the shared position on by one: a row still inside its prompt takes its own next
   prompt token there (teacher forcing: its cache entry is overwritten with the real token's, which
-  a causal query at that position would have computed anyway), a row past its prompt takes the
-  argmax of its logits. So every row sees exactly its own tokens at their own positions, and a
-  batch of prompts sorted by length wastes few steps.
+  a causal query at that position would have computed anyway), a row past its prompt chooses its
+  next token: the argmax of its logits, or a draw (temperature / top-k / top-p, the rule of
+  :func:`meshtron.generate.choose_token`). So every row sees exactly its own tokens at their own
+  positions, and a batch of prompts sorted by length wastes few steps.
+* **Sampling** is per row: row ``r`` draws its ``j``-th new token from ``fold_in(key(seeds[r]), j)``,
+  the key :class:`~meshtron.generate.Sampler` uses for step ``j`` of ``seed=seeds[r]``. A row's
+  tokens therefore depend only on its prompt, its seed and the settings, not on the other rows, the
+  batch size or the row it lands in (up to floating-point rounding of the logits between batch
+  shapes), and equal the one-sequence sampler's. Greedy calls skip the sampling work (a ``lax.cond``).
 * **KV cache** (models with ``init_cache`` on a mesh with ``pipe=1``): a step is one token's forward
   pass against the cache. **Full window** otherwise: a step re-runs the whole buffer and reads the
   logits at the position (attention is causal, so the zeros after it change nothing).
@@ -23,7 +29,8 @@ model's cached attention writes all rows at the same position):
 No window slides: a prompt and its new tokens must fit ``context`` (the caller truncates prompts
 from the left, as lm-evaluation-harness does). Steps run in chunks of a compiled ``fori_loop``;
 between chunks the host asks whether every row is finished (a stop string found, or its token
-budget spent), so stopping changes no program. Padded vocabulary ids are never chosen.
+budget spent), so stopping changes no program; nor do the sampling settings, which are run-time
+values. Padded vocabulary ids are never chosen.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtron.execution import DEFAULT_EXECUTION, Execution
-from meshtron.generate import CACHE_AXES, pinned_caches
+from meshtron.generate import CACHE_AXES, choose_token, pinned_caches, validate_sampling
 from meshtron.models.attention import attention_implementation
 from meshtron.models.blocks import Context
 from meshtron.models.contract import final_hidden
@@ -49,9 +56,9 @@ from meshtron.train.state import ModelDef, Params
 DEFAULT_CHUNK = 16
 
 
-class GreedyBatchDecoder:
-    """Greedy continuations of up to ``rows`` prompts per call (see the module's docstring), compiled
-    once per decoder: every call pads its prompts to ``rows`` rows of ``context`` tokens.
+class BatchDecoder:
+    """Greedy or sampled continuations of up to ``rows`` prompts per call (see the module's docstring),
+    compiled once per decoder: every call pads its prompts to ``rows`` rows of ``context`` tokens.
 
     ``use_cache``: ``None`` (default) decodes with a KV cache when the model has ``init_cache`` and
     the mesh has ``pipe=1``, else re-runs the full window each step; both give the same tokens.
@@ -84,17 +91,30 @@ class GreedyBatchDecoder:
         self.traces = 0  # programs traced (tests: one of each per decoder)
 
     def decode(self, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-               finished: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
-        """Each prompt's ``max_new_tokens`` greedy tokens, or fewer where ``finished(row, tokens)`` said
-        True after a chunk (the tokens past that point are dropped by the caller's own check)."""
+               finished: Callable[[int, list[int]], bool] | None = None, *, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float = 1.0, seeds: Sequence[int] | None = None) -> list[list[int]]:
+        """Each prompt's ``max_new_tokens`` new tokens, or fewer where ``finished(row, tokens)`` said
+        True after a chunk (the tokens past that point are dropped by the caller's own check).
+
+        ``temperature`` 0 is greedy; above 0 each row samples with ``top_k`` / ``top_p``
+        (:func:`meshtron.generate.sampling_logits`) from its own seed, ``seeds[r]`` (default: 0 for
+        every row), as :class:`~meshtron.generate.Sampler` would with that seed."""
         if not 0 < len(prompts) <= self.rows:
             raise ValueError(f"prompts: {len(prompts)} given; pass 1 to {self.rows} per call")
+        vocab_size = self.model_def.vocab_size
+        validate_sampling(vocab_size, temperature, top_k, top_p)
+        seeds = [0] * len(prompts) if seeds is None else [int(s) for s in seeds]
+        if len(seeds) != len(prompts) or not all(0 <= s < 2**31 for s in seeds):
+            raise ValueError(f"seeds: give one integer in [0, 2**31) per prompt ({len(prompts)}), got {seeds}")
         lengths = [len(p) for p in prompts]
         if min(lengths) < 1 or max(lengths) + max_new_tokens > self.context:
             raise ValueError(f"prompts: lengths {min(lengths)}..{max(lengths)} plus {max_new_tokens} new tokens must "
                              f"fit the context of {self.context} (and be at least 1 token)")
         window = np.zeros((self.rows, self.context), np.int32)
         length = np.full(self.rows, lengths[0], np.int32)  # pad rows repeat the first prompt
+        row_seeds = np.array(seeds + [seeds[0]] * (self.rows - len(prompts)), np.uint32)
+        settings = [jax.device_put(v, self._replicated)
+                    for v in (np.float32(temperature), np.int32(top_k or vocab_size), np.float32(top_p))]
         for row in range(self.rows):
             prompt = prompts[row] if row < len(prompts) else prompts[0]
             window[row, : len(prompt)] = prompt
@@ -104,6 +124,7 @@ class GreedyBatchDecoder:
         params = jax.device_put(params, self.param_shardings)
         window_d = jax.device_put(window, self._rows)
         length_d = jax.device_put(length, self._rows)
+        seeds_d = jax.device_put(row_seeds, self._rows)
         with jax.set_mesh(self.mesh), axis_rules(self._rules), attention_implementation(self.execution.attention), \
                 self.model_def.adapted():
             cache = self._empty_cache(params) if self.use_cache else None
@@ -111,7 +132,7 @@ class GreedyBatchDecoder:
             while position < end:
                 steps = min(self.chunk, end - position)
                 window_d, logits, cache = self._steps(
-                    params, window_d, length_d, logits, cache,
+                    params, window_d, length_d, logits, cache, seeds_d, *settings,
                     *(jax.device_put(np.int32(v), self._replicated) for v in (position, steps)))
                 position += steps
                 if finished is not None and position < end:
@@ -149,17 +170,29 @@ class GreedyBatchDecoder:
         return logits, None if cache is None else self._laid_out(cache)
 
     def _decode_chunk(self, params: Params, window: jax.Array, length: jax.Array, logits: jax.Array, cache: Any,
+                      seeds: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                       position: jax.Array, steps: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
         """``steps`` (<= chunk) steps from ``position``: the new buffer, the logits at its last position
         and the cache."""
         self.traces += 1
         model = self.model_def.bind(params)
+        keys = jax.vmap(jax.random.key)(seeds)
+        vocab_size = self.model_def.vocab_size
+
+        def sampled(logits, at):
+            # row r's j-th new token (j = at - length[r]) uses the key Sampler uses for step j of its seed
+            row_keys = jax.vmap(jax.random.fold_in)(keys, jnp.maximum(at - length, 0))
+            return jax.vmap(lambda row, key: choose_token(row, key, temperature, top_k, vocab_size, top_p))(
+                logits, row_keys)
+
+        def greedy(logits, at):
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
         def step(i, carry):
             window, logits, cache = carry
             at = position + i + 1
             own = jax.lax.dynamic_slice_in_dim(window, at, 1, axis=1)[:, 0]
-            token = jnp.where(at < length, own, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            token = jnp.where(at < length, own, jax.lax.cond(temperature > 0, sampled, greedy, logits, at))
             window = jax.lax.dynamic_update_slice_in_dim(window, token[:, None], at, axis=1)
             if cache is None:
                 logits, _ = self._window_logits(model, window, at, None)

@@ -10,10 +10,15 @@ context's tokens cut off), and it scores them the same way:
   softmax over the real vocabulary, on the device; only two numbers per token come back), padded on
   the right to a power-of-two length so that few programs are compiled. Rolling windows are lm-eval's own
   (:func:`lm_eval.utils.get_rolling_token_windows`).
-* ``generate_until``: greedy, with :class:`meshtron.batch_decode.GreedyBatchDecoder` (the KV cache
-  where the mesh allows it), ``batch_size`` prompts at a time sorted by length, each left-truncated
-  to ``max_length - max_gen_toks`` tokens; the text is cut at the first stop string (the task's
-  ``until`` and the end-of-text token's text). Sampling (``do_sample``/``temperature > 0``) is refused.
+* ``generate_until``: with :class:`meshtron.batch_decode.BatchDecoder` (the KV cache where the mesh
+  allows it), ``batch_size`` prompts at a time sorted by length, each left-truncated to
+  ``max_length - max_gen_toks`` tokens; the text is cut at the first stop string (the task's
+  ``until`` and the end-of-text token's text). The task's ``generation_kwargs`` are read as lm-eval's
+  Hugging Face backend reads them (:func:`lm_eval.models.utils.normalize_gen_kwargs`, then
+  temperature, top-k, top-p as ``generate`` applies them): greedy unless ``do_sample`` is not false
+  and ``temperature > 0``; ``top_k`` 0 or absent and ``top_p`` 1 or absent set no limit. Any other
+  key is refused in one line. Request ``i`` of a call samples from its own seed,
+  :func:`request_seed` ``(seed, i)``, so its text does not depend on the batch it decodes in.
 
 The prefix token (the context of an empty context, and of a rolling window's first token) is the
 tokenizer's end-of-text id, as lm-eval's backends use when a tokenizer has no BOS token.
@@ -33,12 +38,49 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from meshtron.batch_decode import GreedyBatchDecoder
+from meshtron.batch_decode import BatchDecoder
 from meshtron.errors import ConfigError
+from meshtron.generate import validate_sampling
 from meshtron.pretrained import Pretrained, load_pretrained
 from meshtron.xla_options import run_options
 
 SHORTEST_BUCKET = 16
+DEFAULT_SEED = 1234  # lm-eval's default for the seeds after Python's (numpy, torch -- what HFLM samples with)
+GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The sampling seed of request ``index`` of a run seeded ``seed``: independent streams for every
+    request (NumPy's ``SeedSequence``), within ``[0, 2**31)``."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)
+
+
+def generation_settings(settings: dict[str, Any], default_max_gen_toks: int, vocab_size: int) -> dict[str, Any]:
+    """A task's ``generation_kwargs`` as the decoder's arguments: ``until`` (a list of strings),
+    ``max_gen_toks``, ``temperature`` (0: greedy), ``top_k`` (None: no limit) and ``top_p``; read as
+    lm-eval's Hugging Face backend reads them. Unsupported keys and bad values are one line."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    unknown = sorted(set(settings) - set(GENERATION_KEYS) - {"max_new_tokens", "max_tokens", "max_completion_tokens"})
+    if unknown:
+        raise ConfigError(f"generation_kwargs: {', '.join(map(str, unknown))} not supported by meshtron eval (it reads "
+                          f"{', '.join(GENERATION_KEYS)}); remove them from the task's generation_kwargs")
+    try:
+        kwargs = dict(normalize_gen_kwargs(dict(settings), default_max_gen_toks))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"generation_kwargs {settings}: {e}; give numbers for temperature and max_gen_toks") from None
+    temperature = float(kwargs["temperature"]) if kwargs["do_sample"] else 0.0
+    top_k = kwargs.get("top_k") or None  # 0 or absent: no limit (as Hugging Face's generate reads 0)
+    top_p = 1.0 if kwargs.get("top_p") is None else kwargs["top_p"]
+    try:
+        validate_sampling(vocab_size, temperature, top_k, top_p)
+    except ValueError as e:
+        raise ConfigError(f"generation_kwargs: {e}") from None
+    until = kwargs["until"]
+    if not all(isinstance(u, str) for u in until):
+        raise ConfigError(f"generation_kwargs: until: expected strings, got {until!r}")
+    return {"until": [u for u in until if u], "max_gen_toks": kwargs["max_gen_toks"], "temperature": temperature,
+            "top_k": top_k, "top_p": float(top_p)}
 
 
 def bucket(length: int, longest: int) -> int:
@@ -54,11 +96,13 @@ class MeshtronLM(TemplateLM):
     ``pretrained``: what :func:`meshtron.load_pretrained` returned, or a checkpoint directory (loaded on
     its training mesh). ``batch_size``: requests per device call. ``max_gen_toks``: the default number
     of new tokens of a generation task that does not say. ``max_length``: the longest row (default: the
-    model's positions).
+    model's positions). ``seed``: what sampled generation draws from (request ``i`` from
+    :func:`request_seed` ``(seed, i)``); ``None``: a fresh seed from the system's entropy, recorded in
+    :attr:`seed`.
     """
 
     def __init__(self, pretrained: Pretrained | str, batch_size: int | str = 8, max_gen_toks: int = 256,
-                 max_length: int | None = None, **_: Any):
+                 max_length: int | None = None, seed: int | str | None = DEFAULT_SEED, **_: Any):
         super().__init__()
         self.model = pretrained if isinstance(pretrained, Pretrained) else load_pretrained(pretrained)
         self.tokenizer = self.model.tokenizer
@@ -67,7 +111,10 @@ class MeshtronLM(TemplateLM):
             raise ConfigError(f"--batch-size: must be >= 1, got {batch_size}")
         self.max_gen_toks = int(max_gen_toks)
         self._max_length = int(max_length or self.model.max_positions)
-        self._decoder: GreedyBatchDecoder | None = None
+        if seed is not None and (not str(seed).isdigit()):
+            raise ConfigError(f"seed: must be an integer >= 0 (or None for a fresh one), got {seed!r}")
+        self.seed = int(np.random.SeedSequence().generate_state(1)[0] >> 1) if seed is None else int(seed)
+        self._decoder: BatchDecoder | None = None
 
     # ---- tokens ---------------------------------------------------------------------------------
 
@@ -140,23 +187,24 @@ class MeshtronLM(TemplateLM):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(index)
         results: list[str] = [""] * len(requests)
         for indices in groups.values():
-            texts = self._generate([requests[i].args[0] for i in indices], dict(requests[indices[0]].args[1]))
+            texts = self._generate([requests[i].args[0] for i in indices], dict(requests[indices[0]].args[1]),
+                                   [request_seed(self.seed, i) for i in indices])
             for i, text in zip(indices, texts, strict=True):
                 results[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return results
 
-    def _generate(self, contexts: list[str], settings: dict[str, Any]) -> list[str]:
-        """Greedy continuations of ``contexts`` under one task's ``generation_kwargs``, cut at its stops."""
-        if settings.get("do_sample") or float(settings.get("temperature") or 0) > 0:
-            raise ConfigError(f"generation settings {settings}: meshtron eval decodes greedily; set the task's "
-                              "generation_kwargs do_sample: false, temperature: 0")
-        until = settings.get("until") or []
-        stops = [until] if isinstance(until, str) else [s for s in until if s]
+    def _generate(self, contexts: list[str], settings: dict[str, Any], seeds: list[int]) -> list[str]:
+        """Continuations of ``contexts`` under one task's ``generation_kwargs``, cut at its stops; a sampled
+        context ``i`` draws from ``seeds[i]``."""
+        chosen_settings = generation_settings(settings, self.max_gen_toks, self.model.model_def.vocab_size)
+        stops = chosen_settings["until"]
         eos = None if self.tokenizer.eod is None else self.tok_decode([self.tokenizer.eod])
         if eos and eos not in stops:
             stops.append(eos)
-        new = int(settings.get("max_gen_toks", self.max_gen_toks))
+        new = chosen_settings["max_gen_toks"]
+        if new < 1:
+            raise ConfigError(f"max_gen_toks: must be >= 1, got {new}")
         if new >= self.max_length:
             raise ConfigError(f"max_gen_toks: {new} new tokens leave no room for a prompt in the model's "
                               f"{self.max_length} positions; ask for fewer")
@@ -173,26 +221,45 @@ class MeshtronLM(TemplateLM):
         for start in range(0, len(order), self.batch_size):
             chosen = order[start: start + self.batch_size]
             outs = self.decoder().decode(self.model.params, [prompts[i] for i in chosen], new,
-                                         finished=lambda _, tokens: cut(tokens) != self.tok_decode(tokens))
+                                         finished=lambda _, tokens: cut(tokens) != self.tok_decode(tokens),
+                                         temperature=chosen_settings["temperature"], top_k=chosen_settings["top_k"],
+                                         top_p=chosen_settings["top_p"], seeds=[seeds[i] for i in chosen])
             for i, tokens in zip(chosen, outs, strict=True):
                 texts[i] = cut(tokens)
         return texts
 
-    def decoder(self) -> GreedyBatchDecoder:
-        """The batched greedy decoder of this model and mesh (compiled on first use)."""
+    def decoder(self) -> BatchDecoder:
+        """The batched decoder of this model and mesh (compiled on first use)."""
         if self._decoder is None:
             model = self.model
-            self._decoder = GreedyBatchDecoder(
+            self._decoder = BatchDecoder(
                 model.model_def, model.mesh, rows=self.batch_size, context=self.max_length,
                 execution=model.execution,
                 compiler_options=run_options(model.config.gpu.overlap, model.config.gpu.xla_flags))
         return self._decoder
 
 
+def parse_seeds(value: str) -> tuple[int | None, int | None, int | None, int | None]:
+    """lm-eval's ``--seed``: one integer for all four seeds (Python's ``random``, NumPy, torch -- for
+    meshtron, the sampling seed -- and the few-shot sampler's), or four comma-separated values where
+    ``None`` leaves that one unset (fewer than four: lm-eval's defaults ``0,1234,1234,1234`` fill the rest)."""
+    items = [v.strip() for v in value.split(",")]
+    if len(items) > 4 or not all(v.lower() == "none" or v.isdigit() for v in items):
+        raise ConfigError(f"--seed: {value!r}: give one integer >= 0 (e.g. --seed 42) or four comma-separated "
+                          "integers or None (python,numpy,sampling,fewshot, e.g. 0,None,8,52)")
+    seeds = [None if v.lower() == "none" else int(v) for v in items]
+    if len(seeds) == 1:
+        seeds *= 4
+    defaults = [0, DEFAULT_SEED, DEFAULT_SEED, DEFAULT_SEED]
+    return tuple(seeds + defaults[len(seeds):])  # type: ignore[return-value]
+
+
 def evaluate(model: MeshtronLM, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,
-             num_fewshot: int | None = None, log_samples: bool = False) -> dict[str, Any]:
+             num_fewshot: int | None = None, log_samples: bool = False,
+             seeds: Sequence[int | None] = (0, DEFAULT_SEED, DEFAULT_SEED, DEFAULT_SEED)) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` of ``model`` on ``tasks`` (names, or YAML tasks found under
-    ``include_path``); an unknown task is one line naming it."""
+    ``include_path``); an unknown task is one line naming it. ``seeds``: lm-eval's Python, NumPy, torch
+    and few-shot seeds (:func:`parse_seeds`; the model's sampling seed is its own, :attr:`MeshtronLM.seed`)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -201,8 +268,10 @@ def evaluate(model: MeshtronLM, tasks: Sequence[str], *, include_path: str | Non
     if unknown:
         where = f" or under --include-path {include_path}" if include_path else "; give --include-path DIR for yours"
         raise ConfigError(f"--tasks: {', '.join(unknown)}: no such lm-eval task (neither built in{where})")
+    python, numpy, torch, fewshot = seeds
     return lm_eval.simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                   task_manager=manager, log_samples=log_samples)
+                                   task_manager=manager, log_samples=log_samples, random_seed=python,
+                                   numpy_random_seed=numpy, torch_random_seed=torch, fewshot_random_seed=fewshot)
 
 
 def write_results(results: dict[str, Any], output: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""Text generation from a trained model: greedy or temperature / top-k sampling on any mesh.
+"""Text generation from a trained model: greedy or temperature / top-k / top-p sampling on any mesh.
 
 Decoding runs as one compiled program per (model, mesh), whatever the prompt, the number of new
 tokens or the sampling settings:
@@ -27,7 +27,7 @@ tokens or the sampling settings:
   change the logits at the current position: every step runs the forward pass over the whole
   buffer, unused slots included, and reads the logits at the last filled position.
 * Steps run in a ``lax.fori_loop`` over a fixed-size chunk of output slots; the number of steps,
-  the prompt length, the temperature and top-k are run-time values, so none of them recompiles.
+  the prompt length, the temperature, top-k and top-p are run-time values, so none of them recompiles.
   Step ``i`` draws from ``fold_in(key(seed), i)``: a seed gives the same text whatever the chunk
   size, with or without the cache, and on another mesh layout too (up to floating-point rounding
   of the logits, as JAX's default random bits do not depend on sharding).
@@ -197,7 +197,8 @@ def _check_stops(stops: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
 
 
 def validate_request(
-    prompt_ids: Sequence[int], vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None
+    prompt_ids: Sequence[int], vocab_size: int, max_new_tokens: int, temperature: float, top_k: int | None,
+    top_p: float = 1.0,
 ) -> None:
     """Reject impossible requests up front, naming the argument and the fix."""
     if not prompt_ids:
@@ -210,7 +211,12 @@ def validate_request(
         )
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float, np.floating, np.integer)) or not math.isfinite(temperature):
+    validate_sampling(vocab_size, temperature, top_k, top_p)
+
+
+def validate_sampling(vocab_size: int, temperature: float, top_k: int | None, top_p: float = 1.0) -> None:
+    """Reject impossible sampling settings up front, naming the argument and the fix."""
+    if not _is_number(temperature):
         raise ValueError(f"temperature: must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0 (0 = greedy, e.g. 0.8 to sample), got {temperature}")
@@ -219,24 +225,50 @@ def validate_request(
             f"top_k: must be an integer in [1, {vocab_size}] (the vocabulary size) or None for no limit, "
             f"got {top_k!r}"
         )
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p: must be a number in (0, 1] (1 = no limit, e.g. 0.9), got {top_p!r}")
+
+
+def _is_number(value: Any) -> bool:
+    """A finite Python or NumPy real (``True`` is not a temperature)."""
+    return (isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def sampling_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The logits ``[..., vocab]`` a sampled token is drawn from, as Hugging Face's ``generate`` warps them
+    (temperature, then top-k, then top-p): divided by ``temperature``; those below the ``top_k``-th largest
+    set to ``-inf``; then only the most likely tokens whose probabilities, summed from the likeliest down,
+    first reach ``top_p`` are kept (at least one). Ties at either cut are kept, so the result does not depend
+    on how a sort orders equal values. ``top_k`` = vocabulary size and ``top_p`` = 1 keep everything."""
+    vocab = logits.shape[-1]
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    ordered = jnp.sort(scaled, axis=-1)[..., ::-1]  # descending
+    kth_largest = jnp.take(ordered, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)[..., None]
+    ordered = jnp.where(ordered >= kth_largest, ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # the probability of the tokens likelier than each
+    kept = jnp.sum((before < top_p) & (probs > 0), axis=-1, keepdims=True)
+    smallest_kept = jnp.take_along_axis(ordered, jnp.maximum(kept - 1, 0), axis=-1)
+    cut = jnp.where(top_p >= 1, kth_largest, jnp.maximum(smallest_kept, kth_largest))
+    return jnp.where(scaled >= cut, scaled, -jnp.inf)
 
 
 def choose_token(
-    logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, vocab_size: int
+    logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, vocab_size: int,
+    top_p: jax.Array | float = 1.0,
 ) -> jax.Array:
     """One token id from logits over the padded vocabulary.
 
     Padded ids get ``-inf`` first, so neither argmax nor sampling can pick them. ``temperature``
-    0 is greedy. Otherwise the logits outside the ``top_k`` largest (ties at the k-th value are
-    kept) are dropped and the rest sampled at ``temperature``. Both paths are computed and one is
-    selected, so greedy and sampling share one compiled program.
+    0 is greedy. Otherwise the token is drawn from :func:`sampling_logits` (``temperature``, ``top_k``,
+    ``top_p``). Both paths are computed and one is selected, so greedy and sampling share one compiled
+    program.
     """
     ids = jnp.arange(logits.shape[-1])
     logits = jnp.where(ids < vocab_size, logits.astype(jnp.float32), -jnp.inf)
     greedy = jnp.argmax(logits)
-    kth_largest = jnp.sort(logits)[logits.shape[-1] - top_k]
-    kept = jnp.where(logits >= kth_largest, logits, -jnp.inf)
-    sampled = jax.random.categorical(key, kept / jnp.maximum(temperature, 1e-6))
+    sampled = jax.random.categorical(key, sampling_logits(logits, temperature, top_k, top_p))
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
@@ -328,6 +360,7 @@ class Sampler:
         max_new_tokens: int,
         temperature: float = 0.0,
         top_k: int | None = None,
+        top_p: float = 1.0,
         seed: int = 0,
         tokenizer: Tokenizer | None = None,
         stop: Sequence[Sequence[int]] | None = None,
@@ -336,7 +369,7 @@ class Sampler:
         (see :func:`sample`)."""
         vocab_size = self.model_def.vocab_size
         prompt_ids = encode_prompt(prompt, tokenizer)
-        validate_request(prompt_ids, vocab_size, max_new_tokens, temperature, top_k)
+        validate_request(prompt_ids, vocab_size, max_new_tokens, temperature, top_k, top_p)
         stops = default_stops(tokenizer) if stop is None else _check_stops(stop)
         # Already-placed parameters stay put; host arrays (e.g. a restored checkpoint) are placed.
         params = jax.device_put(params, self.param_shardings)
@@ -344,7 +377,7 @@ class Sampler:
         # ``fresh``: the cache holds the window's positions 0 .. length - 2 (False: prefill first).
         fresh = self._put((np.bool_(False),))[0]
         settings = self._put(
-            (jax.random.key(seed), np.float32(temperature), np.int32(top_k or vocab_size))
+            (jax.random.key(seed), np.float32(temperature), np.int32(top_k or vocab_size), np.float32(top_p))
         )
         new: list[int] = []
         # Each chunk is one call of the compiled loop; a stop sequence is looked for between chunks (a
@@ -390,6 +423,7 @@ class Sampler:
         key: jax.Array,
         temperature: jax.Array,
         top_k: jax.Array,
+        top_p: jax.Array,
         start: jax.Array,
         steps: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array]:
@@ -423,7 +457,7 @@ class Sampler:
             else:
                 logits, cache = jax.lax.cond(fresh, token_logits, window_logits, window, length, cache)
                 cache = self._laid_out(cache)
-            token = choose_token(logits, jax.random.fold_in(key, start + i), temperature, top_k, vocab_size)
+            token = choose_token(logits, jax.random.fold_in(key, start + i), temperature, top_k, vocab_size, top_p)
             # Growing keeps the cache valid (it holds positions 0 .. length - 1, the new token comes
             # next); sliding moves every token to a new position, so the next step prefills again.
             fresh = length < context
@@ -440,6 +474,7 @@ def sample(
     max_new_tokens: int,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float = 1.0,
     seed: int = 0,
     context: int | None = None,
     use_cache: bool | None = None,
@@ -458,7 +493,8 @@ def sample(
 
     ``prompt`` is text or a list of token ids. ``temperature`` 0 is greedy decoding; above 0 tokens
     are drawn from ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely when
-    given. ``seed`` makes sampling reproducible. ``stop``: token-id sequences that end the text (left
+    given, and then to the most likely whose probabilities first sum to ``top_p`` (below 1; see
+    :func:`sampling_logits`). ``seed`` makes sampling reproducible. ``stop``: token-id sequences that end the text (left
     out of it); by default the tokenizer's end-of-text id and the chat template's end of an answer
     (:func:`default_stops`), ``[]`` to always produce ``max_new_tokens``. ``context`` and ``use_cache``: see :class:`Sampler`
     (by default a KV cache whenever the model has one and the mesh has ``pipe=1``). ``execution``: how
@@ -484,6 +520,6 @@ def sample(
         options = run_options(model.config.gpu.overlap, model.config.gpu.xla_flags)
     return Sampler(model_def, mesh, execution=execution or DEFAULT_EXECUTION, context=context, use_cache=use_cache,
                    compiler_options=options).sample(
-        params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+        params, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         tokenizer=tokenizer, stop=stop,
     )
