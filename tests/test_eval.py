@@ -108,9 +108,12 @@ def check_against_hflm(model, hflm, mesh: tuple[int, int, int], tmp_path) -> Non
 
     output = tmp_path / "results.json"
     args = ["eval", str(checkpoint), "--tasks", CHOICE, "--include-path", str(TASKS), "--batch-size", "4",
-            "--output", str(output), *(f"parallel.{a}={n}" for a, n in zip(("data", "pipe", "tensor"), mesh))]
+            "--seed", "5,None", "--output", str(output),
+            *(f"parallel.{a}={n}" for a, n in zip(("data", "pipe", "tensor"), mesh))]
     assert main(args) == 0
     written = json.loads(output.read_text())
+    seeds = [written["config"][f"{k}_seed"] for k in ("random", "numpy", "torch", "fewshot")]
+    assert seeds == [5, None, 1234, 1234]  # lm-eval's --seed: missing values are its defaults
     assert written["results"][CHOICE]["alias"] == CHOICE and written["n-samples"][CHOICE]["effective"] == EXAMPLES
     assert abs(accuracy(written) - hf_accuracy(hflm)) <= 1 / EXAMPLES + 1e-9
 
@@ -148,6 +151,57 @@ def test_batched_generation_equals_the_sampler_on_any_mesh(model, hflm, in_repo)
         assert ours.decoder().use_cache == (mesh[1] == 1) and ours.decoder().traces == 2
 
 
+def test_sampled_generation_is_seeded_whatever_the_batch_and_the_samplers(model, in_repo):
+    """generate_until with do_sample / temperature / top_k / top_p: request i gives the one-sequence
+    sampler's text for seed request_seed(seed, i), the same again and with another batch size; another
+    seed gives other text; temperature 0 or do_sample false is greedy; top_k 1 is greedy."""
+    from meshtron.evaluation import MeshtronLM, request_seed
+    from meshtron.generate import Sampler
+
+    checkpoint, _ = model
+    single = load_pretrained(checkpoint, MeshConfig(1, 1, 1))
+    prompts = [json.loads(line)["prompt"] for line in (TASKS / "continue.jsonl").open()]
+    sampled = {"until": ["."], "max_gen_toks": 6, "do_sample": True, "temperature": 1.5, "top_k": 60, "top_p": 0.95}
+    eos = single.tokenizer.decode([single.tokenizer.eod])
+    sampler = Sampler(single.model_def, single.mesh, execution=single.execution)
+
+    def reference(seed, **settings):
+        return [sampler.sample(single.params, single.tokenizer.encode(p), max_new_tokens=6, stop=[], seed=seed(i),
+                               tokenizer=single.tokenizer,
+                               **settings).continuation.split(".")[0].split(eos)[0] for i, p in enumerate(prompts)]
+
+    def run(lm, settings):
+        return lm.generate_until(requests("generate_until", [(p, settings) for p in prompts]))
+
+    ours = MeshtronLM(single, batch_size=4, seed=7)
+    expected = reference(lambda i: request_seed(7, i), temperature=1.5, top_k=60, top_p=0.95)
+    greedy = reference(lambda i: 0)
+    assert expected != greedy
+    assert run(ours, sampled) == expected and run(ours, sampled) == expected
+    assert run(MeshtronLM(single, batch_size=3, seed=7), sampled) == expected  # other batches, other rows
+    assert run(MeshtronLM(single, batch_size=4, seed=8), sampled) != expected
+    assert run(ours, {**sampled, "temperature": 0.0}) == greedy
+    assert run(ours, {**sampled, "do_sample": False}) == greedy  # lm-eval: do_sample false means greedy
+    assert run(ours, {**sampled, "top_k": 1}) == greedy
+    assert ours.decoder().traces == 2
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"until": ["."], "num_beams": 4}, "generation_kwargs: num_beams not supported by meshtron eval"),
+    ({"do_sample": True, "temperature": 1.0, "top_p": 2}, "generation_kwargs: top_p: must be a number in (0, 1]"),
+    ({"do_sample": True, "temperature": -1}, "generation_kwargs: temperature: must be >= 0"),
+    ({"do_sample": True, "temperature": 1, "top_k": 2.5}, "generation_kwargs: top_k: must be an integer"),
+])
+def test_bad_generation_kwargs_are_one_line(model, settings, message):
+    from meshtron.errors import ConfigError
+    from meshtron.evaluation import MeshtronLM
+
+    ours = MeshtronLM(load_pretrained(model[0], MeshConfig(1, 1, 1)), batch_size=2)
+    with pytest.raises(ConfigError) as caught:
+        ours.generate_until(requests("generate_until", [("the dog", settings)]))
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
 @pytest.mark.slow
 def test_generation_task_runs_and_results_are_written_new(model, tmp_path, in_repo, capsys):
     checkpoint, _ = model
@@ -178,6 +232,7 @@ def test_the_adapter_is_registered_with_lm_eval():
                  marks=pytest.mark.slow),  # indexes lm-eval's own tasks
     (["--tasks", CHOICE, "--include-path", "/nonexistent"], "--include-path: /nonexistent: no such directory"),
     (["--tasks", CHOICE, "--batch-size", "0"], "--batch-size: must be >= 1"),
+    (["--tasks", CHOICE, "--seed", "1,x"], "--seed: '1,x': give one integer >= 0"),
 ])
 def test_bad_eval_arguments_are_one_line(model, extra, message, capsys, in_repo):
     assert main(["eval", str(model[0]), *extra]) == 2
