@@ -61,11 +61,14 @@ def test_stopping_early_and_what_does_not_fit():
         decoder.decode(params, PROMPTS[:3], NEW)
 
 
-def test_sampled_rows_are_the_samplers_whatever_the_batch():
-    md = model_def_from_config(FAMILIES["gpt"], tensor=1)
-    mesh = mesh_of((1, 1, 1))
-    params = distinctive_any(md, md.init(mesh, seed=1))
-    sampler = Sampler(md, mesh, context=CONTEXT, chunk=16)
+@pytest.mark.parametrize("family, shape", [("gpt", (1, 1, 1)),
+                                           pytest.param("llama", (2, 1, 2), marks=pytest.mark.slow)])
+def test_sampled_rows_are_the_samplers_whatever_the_batch(family, shape):
+    md = model_def_from_config(FAMILIES[family], tensor=4)
+    single = mesh_of((1, 1, 1))
+    params = distinctive_any(md, md.init(single, seed=1))
+    sampler = Sampler(md, single, context=CONTEXT, chunk=16)
+    mesh = mesh_of(shape)  # rows split over data, weights over tensor, with their keys
     decoder = BatchDecoder(md, mesh, rows=4, context=CONTEXT, chunk=4)
     seeds = [11, 22, 33, 44, 55]
     settings = {"temperature": 1.5, "top_k": 40, "top_p": 0.9}
