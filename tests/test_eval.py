@@ -217,6 +217,16 @@ def test_generation_task_runs_and_results_are_written_new(model, tmp_path, in_re
     assert main(args) == 2
     assert "exists; give a new file (or --overwrite" in capsys.readouterr().err
     assert not list(tmp_path.glob(".*partial"))
+    # sampling a greedy task (lm-eval's --gen_kwargs), seeded: the same results again
+    sampled = [*args[:-2], "--tasks", CONTINUE, "--gen-kwargs", "do_sample=True,temperature=2.0,top_k=40", "--seed",
+               "3", "--output"]
+    runs = []
+    for name in ("a.json", "b.json"):
+        assert main([*sampled, str(tmp_path / name)]) == 0
+        runs.append(json.loads((tmp_path / name).read_text()))
+    assert runs[0]["results"] == runs[1]["results"] and runs[0]["config"]["torch_seed"] == 3
+    assert runs[0]["configs"][CONTINUE]["generation_kwargs"]["temperature"] == 2.0
+
 
 
 def test_the_adapter_is_registered_with_lm_eval():
@@ -233,6 +243,8 @@ def test_the_adapter_is_registered_with_lm_eval():
     (["--tasks", CHOICE, "--include-path", "/nonexistent"], "--include-path: /nonexistent: no such directory"),
     (["--tasks", CHOICE, "--batch-size", "0"], "--batch-size: must be >= 1"),
     (["--tasks", CHOICE, "--seed", "1,x"], "--seed: '1,x': give one integer >= 0"),
+    (["--tasks", CHOICE, "--gen-kwargs", "num_beams=2"], "--gen-kwargs: num_beams not supported by meshtron eval"),
+    (["--tasks", CHOICE, "--gen-kwargs", "temperature"], "--gen-kwargs: 'temperature': give key=value pairs"),
 ])
 def test_bad_eval_arguments_are_one_line(model, extra, message, capsys, in_repo):
     assert main(["eval", str(model[0]), *extra]) == 2

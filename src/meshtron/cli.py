@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-fewshot", type=int, metavar="K", help="examples in each prompt (default: the task's)")
     ev.add_argument("--max-gen-tokens", type=int, default=256, metavar="N",
                     help="new tokens of a generation task that does not say (default 256)")
+    ev.add_argument("--gen-kwargs", metavar="K=V,K=V",
+                    help="override every generation task's generation_kwargs, as lm-eval's --gen_kwargs "
+                         "(e.g. do_sample=True,temperature=0.8,top_p=0.95)")
     ev.add_argument("--seed", default="0,1234,1234,1234", metavar="S|P,N,T,F",
                     help="lm-eval's seeds: one for all, or python,numpy,sampling,fewshot (None: unset; sampling "
                          "unset: a fresh seed); sampled generation draws from the third (default 0,1234,1234,1234)")
@@ -477,15 +480,16 @@ def _eval(args: argparse.Namespace) -> None:
     needed = devices_requested(mesh)
     if needed <= MAX_SIMULATED_DEVICES:
         ensure_cpu_devices(needed)
-    from meshtron.evaluation import MeshtronLM, evaluate, parse_seeds, write_results
+    from meshtron.evaluation import MeshtronLM, evaluate, parse_gen_kwargs, parse_seeds, write_results
     from meshtron.pretrained import load_pretrained
 
     seeds = parse_seeds(args.seed)
+    gen_kwargs = None if args.gen_kwargs is None else parse_gen_kwargs(args.gen_kwargs)
     model = MeshtronLM(load_pretrained(args.checkpoint, mesh, argument=args.checkpoint_name),
                        batch_size=args.batch_size, max_gen_toks=args.max_gen_tokens, seed=seeds[2])
     limit = None if args.limit is None else (args.limit if args.limit < 1 else int(args.limit))
     results = evaluate(model, tasks, include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
-                       seeds=seeds)
+                       seeds=seeds, gen_kwargs=gen_kwargs)
     shape = "x".join(str(model.model.mesh.shape[a]) for a in ("data", "pipe", "tensor"))
     for task, metrics in results["results"].items():
         shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items()

@@ -55,16 +55,37 @@ def request_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)
 
 
+def check_generation_keys(settings: dict[str, Any], where: str, fix: str) -> None:
+    """One line naming the ``generation_kwargs`` keys meshtron eval does not read (``where``: the field)."""
+    aliases = {"max_new_tokens", "max_tokens", "max_completion_tokens"}  # lm-eval's names for max_gen_toks
+    unknown = sorted(set(map(str, settings)) - set(GENERATION_KEYS) - aliases)
+    if unknown:
+        raise ConfigError(f"{where}: {', '.join(unknown)} not supported by meshtron eval (it reads "
+                          f"{', '.join(GENERATION_KEYS)}); remove them from {fix}")
+
+
+def parse_gen_kwargs(text: str) -> dict[str, Any]:
+    """lm-eval's ``--gen_kwargs`` string (``k=v,k=v``, values read as lm-eval reads them), its keys checked."""
+    settings = None
+    if text.strip() and all("=" in pair for pair in text.split(",")):
+        try:
+            settings = lm_utils.simple_parse_args_string(text)
+        except (TypeError, ValueError):
+            settings = None
+    if not settings:
+        raise ConfigError(f"--gen-kwargs: {text!r}: give key=value pairs separated by commas, e.g. "
+                          "do_sample=True,temperature=0.8")
+    check_generation_keys(settings, "--gen-kwargs", "--gen-kwargs")
+    return settings
+
+
 def generation_settings(settings: dict[str, Any], default_max_gen_toks: int, vocab_size: int) -> dict[str, Any]:
     """A task's ``generation_kwargs`` as the decoder's arguments: ``until`` (a list of strings),
     ``max_gen_toks``, ``temperature`` (0: greedy), ``top_k`` (None: no limit) and ``top_p``; read as
     lm-eval's Hugging Face backend reads them. Unsupported keys and bad values are one line."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
-    unknown = sorted(set(settings) - set(GENERATION_KEYS) - {"max_new_tokens", "max_tokens", "max_completion_tokens"})
-    if unknown:
-        raise ConfigError(f"generation_kwargs: {', '.join(map(str, unknown))} not supported by meshtron eval (it reads "
-                          f"{', '.join(GENERATION_KEYS)}); remove them from the task's generation_kwargs")
+    check_generation_keys(settings, "generation_kwargs", "the task's generation_kwargs")
     try:
         kwargs = dict(normalize_gen_kwargs(dict(settings), default_max_gen_toks))
     except (TypeError, ValueError) as e:
@@ -256,10 +277,13 @@ def parse_seeds(value: str) -> tuple[int | None, int | None, int | None, int | N
 
 def evaluate(model: MeshtronLM, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,
              num_fewshot: int | None = None, log_samples: bool = False,
-             seeds: Sequence[int | None] = (0, DEFAULT_SEED, DEFAULT_SEED, DEFAULT_SEED)) -> dict[str, Any]:
+             seeds: Sequence[int | None] = (0, DEFAULT_SEED, DEFAULT_SEED, DEFAULT_SEED),
+             gen_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` of ``model`` on ``tasks`` (names, or YAML tasks found under
     ``include_path``); an unknown task is one line naming it. ``seeds``: lm-eval's Python, NumPy, torch
-    and few-shot seeds (:func:`parse_seeds`; the model's sampling seed is its own, :attr:`MeshtronLM.seed`)."""
+    and few-shot seeds (:func:`parse_seeds`; the model's sampling seed is its own, :attr:`MeshtronLM.seed`).
+    ``gen_kwargs``: lm-eval's ``--gen_kwargs`` (:func:`parse_gen_kwargs`), set in every generation task's
+    ``generation_kwargs``."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -270,7 +294,8 @@ def evaluate(model: MeshtronLM, tasks: Sequence[str], *, include_path: str | Non
         raise ConfigError(f"--tasks: {', '.join(unknown)}: no such lm-eval task (neither built in{where})")
     python, numpy, torch, fewshot = seeds
     return lm_eval.simple_evaluate(model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                   task_manager=manager, log_samples=log_samples, random_seed=python,
+                                   task_manager=manager, log_samples=log_samples, gen_kwargs=gen_kwargs or None,
+                                   random_seed=python,
                                    numpy_random_seed=numpy, torch_random_seed=torch, fewshot_random_seed=fewshot)
 
 
