@@ -108,12 +108,12 @@ def check_against_hflm(model, hflm, mesh: tuple[int, int, int], tmp_path) -> Non
 
     output = tmp_path / "results.json"
     args = ["eval", str(checkpoint), "--tasks", CHOICE, "--include-path", str(TASKS), "--batch-size", "4",
-            "--seed", "5,None", "--output", str(output),
+            "--seed", "5,None,9", "--output", str(output),
             *(f"parallel.{a}={n}" for a, n in zip(("data", "pipe", "tensor"), mesh))]
     assert main(args) == 0
     written = json.loads(output.read_text())
     seeds = [written["config"][f"{k}_seed"] for k in ("random", "numpy", "torch", "fewshot")]
-    assert seeds == [5, None, 1234, 1234]  # lm-eval's --seed: missing values are its defaults
+    assert seeds == [5, None, 9, 1234]  # lm-eval's --seed: a missing fourth is its default
     assert written["results"][CHOICE]["alias"] == CHOICE and written["n-samples"][CHOICE]["effective"] == EXAMPLES
     assert abs(accuracy(written) - hf_accuracy(hflm)) <= 1 / EXAMPLES + 1e-9
 
@@ -152,9 +152,10 @@ def test_batched_generation_equals_the_sampler_on_any_mesh(model, hflm, in_repo)
 
 
 def test_sampled_generation_is_seeded_whatever_the_batch_and_the_samplers(model, in_repo):
-    """generate_until with do_sample / temperature / top_k / top_p: request i gives the one-sequence
-    sampler's text for seed request_seed(seed, i), the same again and with another batch size; another
-    seed gives other text; temperature 0 or do_sample false is greedy; top_k 1 is greedy."""
+    """generate_until with do_sample / temperature / top_k / top_p: each request gives the one-sequence
+    sampler's text for its request_seed, the same again, with another batch size and among other requests
+    (another order, a repeated copy); another seed gives other text; temperature 0, do_sample false and
+    top_k 1 are greedy."""
     from meshtron.evaluation import MeshtronLM, request_seed
     from meshtron.generate import Sampler
 
@@ -174,11 +175,15 @@ def test_sampled_generation_is_seeded_whatever_the_batch_and_the_samplers(model,
         return lm.generate_until(requests("generate_until", [(p, settings) for p in prompts]))
 
     ours = MeshtronLM(single, batch_size=4, seed=7)
-    expected = reference(lambda i: request_seed(7, i), temperature=1.5, top_k=60, top_p=0.95)
+    reqs = requests("generate_until", [(p, sampled) for p in prompts])
+    expected = reference(lambda i: request_seed(7, reqs[i]), temperature=1.5, top_k=60, top_p=0.95)
     greedy = reference(lambda i: 0)
     assert expected != greedy
     assert run(ours, sampled) == expected and run(ours, sampled) == expected
     assert run(MeshtronLM(single, batch_size=3, seed=7), sampled) == expected  # other batches, other rows
+    # fewer requests, in another order, the first one twice (lm-eval's repeats): the copy draws anew
+    again = ours.generate_until([reqs[3], reqs[0], reqs[1], reqs[0]])
+    assert again[:3] == [expected[3], expected[0], expected[1]] and again[3] != expected[0]
     assert run(MeshtronLM(single, batch_size=4, seed=8), sampled) != expected
     assert run(ours, {**sampled, "temperature": 0.0}) == greedy
     assert run(ours, {**sampled, "do_sample": False}) == greedy  # lm-eval: do_sample false means greedy
@@ -242,7 +247,8 @@ def test_the_adapter_is_registered_with_lm_eval():
                  marks=pytest.mark.slow),  # indexes lm-eval's own tasks
     (["--tasks", CHOICE, "--include-path", "/nonexistent"], "--include-path: /nonexistent: no such directory"),
     (["--tasks", CHOICE, "--batch-size", "0"], "--batch-size: must be >= 1"),
-    (["--tasks", CHOICE, "--seed", "1,x"], "--seed: '1,x': give one integer >= 0"),
+    (["--tasks", CHOICE, "--seed", "1,x,3"], "--seed: '1,x,3': give one integer >= 0"),
+    (["--tasks", CHOICE, "--seed", "1,2"], "--seed: '1,2': give one integer >= 0"),
     (["--tasks", CHOICE, "--gen-kwargs", "num_beams=2"], "--gen-kwargs: num_beams not supported by meshtron eval"),
     (["--tasks", CHOICE, "--gen-kwargs", "temperature"], "--gen-kwargs: 'temperature': give key=value pairs"),
 ])

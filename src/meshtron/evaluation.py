@@ -17,8 +17,9 @@ context's tokens cut off), and it scores them the same way:
   Hugging Face backend reads them (:func:`lm_eval.models.utils.normalize_gen_kwargs`, then
   temperature, top-k, top-p as ``generate`` applies them): greedy unless ``do_sample`` is not false
   and ``temperature > 0``; ``top_k`` 0 or absent and ``top_p`` 1 or absent set no limit. Any other
-  key is refused in one line. Request ``i`` of a call samples from its own seed,
-  :func:`request_seed` ``(seed, i)``, so its text does not depend on the batch it decodes in.
+  key is refused in one line. Each request samples from its own seed (:func:`request_seed`: the run's
+  seed, its task, document, index and copy), so its text depends neither on the batch it decodes in
+  nor on the rest of the run.
 
 The prefix token (the context of an empty context, and of a rolling window's first token) is the
 tokenizer's end-of-text id, as lm-eval's backends use when a tokenizer has no BOS token.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,10 +51,15 @@ DEFAULT_SEED = 1234  # lm-eval's default for the seeds after Python's (numpy, to
 GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 
 
-def request_seed(seed: int, index: int) -> int:
-    """The sampling seed of request ``index`` of a run seeded ``seed``: independent streams for every
-    request (NumPy's ``SeedSequence``), within ``[0, 2**31)``."""
-    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0] >> 1)
+def request_seed(seed: int, request: Any, repeat: int = 0) -> int:
+    """The sampling seed, within ``[0, 2**31)``, of an lm-eval request (an ``Instance``) in a run seeded
+    ``seed``: drawn (NumPy's ``SeedSequence``) from its task's name, its document's id, its index among
+    that document's requests and ``repeat``, which copy of it this is (a task's ``repeats``). So a
+    request samples the same text whatever else the run evaluates (other tasks, ``--limit``), and its
+    copies sample different ones."""
+    task = zlib.crc32(str(request.task_name).encode())
+    doc = -1 if request.doc_id is None else int(request.doc_id)
+    return int(np.random.SeedSequence([seed, task, doc + 1, int(request.idx), repeat]).generate_state(1)[0] >> 1)
 
 
 def check_generation_keys(settings: dict[str, Any], where: str, fix: str) -> None:
@@ -117,9 +124,8 @@ class MeshtronLM(TemplateLM):
     ``pretrained``: what :func:`meshtron.load_pretrained` returned, or a checkpoint directory (loaded on
     its training mesh). ``batch_size``: requests per device call. ``max_gen_toks``: the default number
     of new tokens of a generation task that does not say. ``max_length``: the longest row (default: the
-    model's positions). ``seed``: what sampled generation draws from (request ``i`` from
-    :func:`request_seed` ``(seed, i)``); ``None``: a fresh seed from the system's entropy, recorded in
-    :attr:`seed`.
+    model's positions). ``seed``: what sampled generation draws from (each request from its own
+    :func:`request_seed`); ``None``: a fresh seed from the system's entropy, recorded in :attr:`seed`.
     """
 
     def __init__(self, pretrained: Pretrained | str, batch_size: int | str = 8, max_gen_toks: int = 256,
@@ -207,9 +213,15 @@ class MeshtronLM(TemplateLM):
         for index, req in enumerate(requests):
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(index)
         results: list[str] = [""] * len(requests)
+        copies: dict[tuple[Any, ...], int] = {}  # lm-eval repeats a request by passing it again
+        seeds = []
+        for req in requests:
+            identity = (req.task_name, req.doc_id, req.idx)
+            copies[identity] = copies.get(identity, -1) + 1
+            seeds.append(request_seed(self.seed, req, copies[identity]))
         for indices in groups.values():
             texts = self._generate([requests[i].args[0] for i in indices], dict(requests[indices[0]].args[1]),
-                                   [request_seed(self.seed, i) for i in indices])
+                                   [seeds[i] for i in indices])
             for i, text in zip(indices, texts, strict=True):
                 results[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -263,9 +275,9 @@ class MeshtronLM(TemplateLM):
 def parse_seeds(value: str) -> tuple[int | None, int | None, int | None, int | None]:
     """lm-eval's ``--seed``: one integer for all four seeds (Python's ``random``, NumPy, torch -- for
     meshtron, the sampling seed -- and the few-shot sampler's), or four comma-separated values where
-    ``None`` leaves that one unset (fewer than four: lm-eval's defaults ``0,1234,1234,1234`` fill the rest)."""
+    ``None`` leaves that one unset (three: lm-eval's default ``1234`` is the few-shot seed)."""
     items = [v.strip() for v in value.split(",")]
-    if len(items) > 4 or not all(v.lower() == "none" or v.isdigit() for v in items):
+    if len(items) not in (1, 3, 4) or not all(v.lower() == "none" or v.isdigit() for v in items):
         raise ConfigError(f"--seed: {value!r}: give one integer >= 0 (e.g. --seed 42) or four comma-separated "
                           "integers or None (python,numpy,sampling,fewshot, e.g. 0,None,8,52)")
     seeds = [None if v.lower() == "none" else int(v) for v in items]
