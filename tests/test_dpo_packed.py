@@ -13,9 +13,11 @@ from meshtron.data.preference import PackedPairs, PreferencePairs
 from meshtron.errors import ConfigError
 from meshtron.pretrained import load_pretrained
 
-# Conversations of the test pairs are 39 to 46 tokens: a 96-token window holds exactly 2 pairs, a 128-token
+# Conversations of the test pairs are 39 to 46 tokens: a 96-token window holds exactly 2 pairs, a 129-token
 # one 2 or 3.
-TWO_A_WINDOW, TWO_OR_THREE = "model.seq_len=95", "model.seq_len=127"
+# (Positions restart at every document; the window itself must fit the model's positions.)
+TWO_A_WINDOW = ("model.seq_len=95", "model.max_position_embeddings=128")
+TWO_OR_THREE = ("model.seq_len=128", "model.max_position_embeddings=128")
 
 
 def with_adapters(params, seed=0):
@@ -54,13 +56,14 @@ def step_values(trainer, params, batch):
 
 
 def check_same(packed, unpacked, *, trained: str):
-    """Packed and unpacked loss within 1e-6, every ``trained`` leaf's gradient within 1e-5 of its largest
-    entry, metrics within 1e-5."""
+    """Packed and unpacked loss within 4e-6 (fp32 sums of log-probabilities near -70, in another order),
+    every ``trained`` leaf's gradient within 1e-5 of its largest
+    entry, metrics within 1e-5 (or 1e-6 of their size)."""
     import jax
 
     (loss, grads, metrics), (want, want_grads, want_metrics) = packed, unpacked
     print(f"\npacked DPO loss {loss:.8f}, one pair a window {want:.8f}: |delta| {abs(loss - want):.2e}")
-    assert abs(loss - want) <= 1e-6
+    assert abs(loss - want) <= 4e-6
     assert abs(want - np.log(2.0)) > 1e-3  # the policy is off the reference
     checked = 0
     for (path, have), wanted in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
@@ -72,7 +75,7 @@ def check_same(packed, unpacked, *, trained: str):
         checked += 1
     assert checked
     for name, value in want_metrics.items():
-        assert metrics[name] == pytest.approx(value, abs=1e-5), name
+        assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-5), name
 
 
 def packed_trainer(cfg):
@@ -87,31 +90,35 @@ def test_packed_lora_dpo_equals_one_pair_a_window(case, tmp_path):
     """On one device, 4 window pairs of 2 or 3 pairs each (up to 4 slots, the rest masked): the packed
     step's loss, adapters' gradients and metrics equal the unpacked step's over the same pairs."""
     _, imported, data = case
-    packed = packed_trainer(dpo_config(imported, data, tmp_path / "p", TWO_OR_THREE, "data.pairs_per_window=4"))
+    packed = packed_trainer(dpo_config(imported, data, tmp_path / "p", *TWO_OR_THREE, "data.pairs_per_window=4"))
     held = [len(packed.corpus.train.window_pairs(i)) for i in range(4)]
     assert set(held) == {2, 3}, held  # windows of different fill: the padding slots are masked
     batch = packed.train_stream().global_batch(0)
-    assert batch.shape == (8, 128, 3) and set(np.unique(batch[..., 1])) <= {0, 1, 2, 3}
+    assert batch.shape == (8, 129, 3) and set(np.unique(batch[..., 1])) <= {0, 1, 2, 3}
     params = with_adapters(packed.starting_state(None)[0])
 
     from meshtron.train.loop import Trainer
 
-    plain = Trainer.from_config(dpo_config(imported, data, tmp_path / "u", TWO_OR_THREE,
+    plain = Trainer.from_config(dpo_config(imported, data, tmp_path / "u", *TWO_OR_THREE,
                                            f"train.batch_size={sum(held)}"))
     check_same(step_values(packed, params, batch),
                step_values(plain, params, unpacked_batch(packed.corpus.train, range(4))), trained="kernel_lora_b")
 
 
-def test_packed_full_dpo_with_a_precomputed_reference_equals_one_pair_a_window(case, tmp_path):
+@pytest.mark.parametrize("layout", [(), pytest.param(("parallel.context=2",), marks=pytest.mark.slow)],
+                         ids=["one-device", "context-2"])
+def test_packed_full_dpo_with_a_precomputed_reference_equals_one_pair_a_window(case, tmp_path, layout):
     """The whole model against precomputed reference values, each position of a packed window carrying its
-    own conversation's: the same loss, gradient and metrics as one pair a window."""
+    own conversation's: the same loss, gradient and metrics as one pair a window (on one device), also
+    with each window split over 2 context ranks (a conversation's sums, and its reference, taken over
+    them)."""
     _, imported, data = case
-    cfg = full_config(imported, data, tmp_path / "p", TWO_OR_THREE, "data.pairs_per_window=4")
+    cfg = full_config(imported, data, tmp_path / "p", *TWO_OR_THREE, "data.pairs_per_window=4", *layout)
     starting = load_pretrained(imported, MeshConfig(1, 1, 1)).params
     packed = precomputed_trainer(cfg, starting)
     pairs = packed.corpus.train
     batch = packed.train_stream().global_batch(0)
-    assert batch.shape == (8, 128, 4)
+    assert batch.shape == (8, 129, 4)
     first = pairs.window_pairs(0)
     for segment, pair in enumerate(first.tolist(), 1):  # each document carries its own pair's values
         for row in range(2):
@@ -124,7 +131,7 @@ def test_packed_full_dpo_with_a_precomputed_reference_equals_one_pair_a_window(c
     from meshtron.train.loop import Trainer
 
     held = sum(len(pairs.window_pairs(i)) for i in range(4))
-    plain = Trainer.from_config(full_config(imported, data, tmp_path / "u", TWO_OR_THREE,
+    plain = Trainer.from_config(full_config(imported, data, tmp_path / "u", *TWO_OR_THREE,
                                             f"train.batch_size={held}"))
     check_same(step_values(packed, params, batch), step_values(plain, params, unpacked_batch(pairs, range(4))),
                trained="kernel")
@@ -141,11 +148,11 @@ def test_packed_lora_dpo_in_a_pipeline_equals_one_pair_a_window(case, tmp_path):
     _, imported, data = case
     layout = ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved",
               "parallel.chunks=2", "parallel.microbatches=2")
-    packed = packed_trainer(dpo_config(imported, data, tmp_path / "p", TWO_A_WINDOW, "data.pairs_per_window=3",
+    packed = packed_trainer(dpo_config(imported, data, tmp_path / "p", *TWO_A_WINDOW, "data.pairs_per_window=3",
                                        *layout))
     assert [len(packed.corpus.train.window_pairs(i)) for i in range(4)] == [2, 2, 2, 2]
     params = with_adapters(Trainer.from_config(dpo_config(imported, data, tmp_path / "s")).starting_state(None)[0])
-    plain = Trainer.from_config(dpo_config(imported, data, tmp_path / "u", TWO_A_WINDOW, "train.batch_size=8"))
+    plain = Trainer.from_config(dpo_config(imported, data, tmp_path / "u", *TWO_A_WINDOW, "train.batch_size=8"))
     check_same(step_values(packed, params, packed.train_stream().global_batch(0)),
                step_values(plain, params, unpacked_batch(packed.corpus.train, range(4))), trained="kernel_lora_b")
 
