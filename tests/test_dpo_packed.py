@@ -6,12 +6,15 @@ epoch, whole, and are built the same every time; what packing cannot run is one 
 
 import numpy as np
 import pytest
-from test_dpo import LLAMA, case, dpo_config, full_config, hf, precomputed_trainer  # noqa: F401 (fixtures)
+import test_dpo
+from test_dpo import dpo_config, full_config, precomputed_trainer
 
 from meshtron.config import MeshConfig
 from meshtron.data.preference import PackedPairs, PreferencePairs
 from meshtron.errors import ConfigError
 from meshtron.pretrained import load_pretrained
+
+case, hf = test_dpo.case, test_dpo.hf  # test_dpo's fixtures: its model and pairs
 
 # Conversations of the test pairs are 39 to 46 tokens: a 96-token window holds exactly 2 pairs, a 129-token
 # one 2 or 3.
@@ -189,10 +192,10 @@ def test_windows_hold_every_pair_once_an_epoch_whole_and_the_same_every_time(cas
 
 @pytest.mark.parametrize("override, message", [
     (["data.pairs_per_window=0"], r"data.pairs_per_window: must be a whole number >= 1"),
-    (["data.pairs_per_window=2", "train.objective=lm"], r"data.pairs_per_window: packs preference pairs, and "
-                                                        r"train.objective=lm"),
-    (["data.pairs_per_window=2", "train.lora.rank=0"], r"data.pairs_per_window: packed pairs need their reference "
-                                                       r"per conversation.*precompute_reference=true"),
+    (["data.pairs_per_window=2", "train.objective=lm"], (r"data.pairs_per_window: packs preference pairs, and "
+                                                         r"train.objective=lm")),
+    (["data.pairs_per_window=2", "train.lora.rank=0"], (r"data.pairs_per_window: packed pairs need their "
+                                                        r"reference per conversation.*precompute_reference=true")),
 ])
 def test_what_packing_cannot_run_is_one_line(case, tmp_path, override, message):
     from meshtron.run import check_features

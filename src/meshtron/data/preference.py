@@ -45,8 +45,8 @@ from __future__ import annotations
 import json
 import operator
 import time
-from collections.abc import Sequence
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
