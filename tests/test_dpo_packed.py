@@ -245,3 +245,25 @@ def test_a_packed_run_trains_logs_and_resumes(case, tmp_path):
                         pairs_per_window=4)
     np.testing.assert_array_equal(resumed.train_stream().global_batch(2)[..., :3],
                                   np.stack([fresh.sample(8 + i)[k] for i in range(4) for k in range(2)]))
+
+
+@pytest.mark.slow
+def test_packed_full_dpo_in_a_pipeline_with_a_precomputed_reference_equals_one_pair_a_window(case, tmp_path):
+    """2 stages under 1F1B, 2 microbatches of 2 window pairs of 2 pairs each (a third slot masked): the last
+    stage reads each conversation's precomputed reference from its own positions; the step's loss, gradient
+    and metrics equal one device's over the same pairs one a window."""
+    import jax
+
+    from meshtron.train.loop import Trainer
+
+    _, imported, data = case
+    cfg = full_config(imported, data, tmp_path / "p", *TWO_A_WINDOW, "data.pairs_per_window=3", "parallel.pipe=2",
+                      "parallel.schedule=1f1b", "parallel.microbatches=2")
+    starting = load_pretrained(imported, MeshConfig(1, 1, 1)).params
+    packed = precomputed_trainer(cfg, test_dpo.stage_ordered(cfg, starting))
+    pairs = packed.corpus.train
+    assert [len(pairs.window_pairs(i)) for i in range(4)] == [2, 2, 2, 2]
+    params = jax.tree.map(lambda x: np.asarray(x) * np.float32(1.05 if x.ndim == 3 else 1.0), starting)
+    plain = Trainer.from_config(full_config(imported, data, tmp_path / "u", *TWO_A_WINDOW, "train.batch_size=8"))
+    check_same(step_values(packed, params, packed.train_stream().global_batch(0)),
+               step_values(plain, params, unpacked_batch(pairs, range(4))), trained="kernel")
