@@ -352,6 +352,11 @@ class DataConfig:
     as a stream) or ``grain`` (``path`` is Parquet or ArrayRecord files, read through a Grain data
     source): the examples' ``text_field`` is tokenized with ``tokenizer`` while the run trains and
     packed into windows; ``blend`` then mixes such paths by weight (:mod:`meshtron.data.streaming`).
+
+    ``pairs_per_window``: preference pairs (``train.objective: dpo``) packed into one chosen window and
+    its rejected window, at most this many, each conversation a document of its own (TRL's
+    ``padding_free``); 1: one pair a window pair, padded to ``model.seq_len``. When above 1,
+    ``train.batch_size`` counts window pairs, not pairs (:mod:`meshtron.data.preference`).
     """
 
     path: str | None = None
@@ -361,6 +366,7 @@ class DataConfig:
     reset_per_document: bool = False
     source: str = "indexed"
     text_field: str = "text"
+    pairs_per_window: int = 1
 
 
 @dataclass
@@ -877,6 +883,9 @@ def validate(cfg: Config) -> None:
     validate_distributed(cfg.distributed)
     validate_gpu(cfg.gpu)
     _need(0 < cfg.data.holdout_fraction < 1, "data.holdout_fraction", "must be between 0 and 1")
+    _need(isinstance(cfg.data.pairs_per_window, int) and not isinstance(cfg.data.pairs_per_window, bool)
+          and cfg.data.pairs_per_window >= 1, "data.pairs_per_window",
+          f"must be a whole number >= 1 (1: one preference pair a window), got {cfg.data.pairs_per_window!r}")
     _need(cfg.data.path is None or cfg.data.blend is None, "data.blend",
           "give either data.path or data.blend, not both (a blend names its datasets itself)")
     _need(cfg.data.source in DATA_SOURCES, "data.source",

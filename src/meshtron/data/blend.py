@@ -107,16 +107,19 @@ def blend_indices(weights: Sequence[float], num_samples: int) -> tuple[np.ndarra
     return dataset_index, sample_index
 
 
-def split_windows(prefix: str, *, documents: bool = False, **kwargs: Any) -> Any:
+def split_windows(prefix: str, *, documents: bool = False, pairs_per_window: int = 1, **kwargs: Any) -> Any:
     """The windows of one split of the indexed dataset ``prefix``: whole examples packed
     (:class:`~meshtron.data.sft.PackedExamples`) for supervised fine-tuning data, pairs
     (:class:`~meshtron.data.preference.PreferencePairs`) for preference data, else windows over the
-    document stream (:class:`TokenWindows`), as packed documents when ``documents``. ``kwargs``:
-    ``seq_len``, ``seed``, ``split``, ``holdout_fraction``, ``num_samples``."""
-    from meshtron.data.preference import PreferencePairs, is_preference
+    document stream (:class:`TokenWindows`), as packed documents when ``documents``; pairs packed up to
+    ``pairs_per_window`` a window pair (:class:`~meshtron.data.preference.PackedPairs`) when above 1.
+    ``kwargs``: ``seq_len``, ``seed``, ``split``, ``holdout_fraction``, ``num_samples``."""
+    from meshtron.data.preference import PackedPairs, PreferencePairs, is_preference
     from meshtron.data.sft import PackedExamples, has_loss_mask
 
     if is_preference(prefix):
+        if pairs_per_window > 1:
+            return PackedPairs(prefix, pairs_per_window=pairs_per_window, **kwargs)
         return PreferencePairs(prefix, **kwargs)
     if has_loss_mask(prefix):
         return PackedExamples(prefix, **kwargs)

@@ -23,9 +23,21 @@ an order shuffled every epoch. A batch of ``B`` samples is ``B`` pairs, which th
 side on the batch axis (``[2B, seq_len + 1, 3]``, chosen and rejected adjacent), so that a pair never
 straddles two microbatches or two data shards.
 
+**Packed pairs** (``data.pairs_per_window`` = ``K`` > 1, :class:`PackedPairs`): sample ``i`` is a window
+pair ``[2, seq_len + 1, 3]`` holding up to ``K`` pairs: the first row their chosen conversations end to
+end, the second their rejected ones in the same order, pair ``j`` of the window the document with segment
+id ``j + 1`` in both rows (so its chosen and rejected answers stay in one row pair, one microbatch and one
+data shard). Each epoch's pairs, shuffled as above, are packed greedily in that order: a pair joins the
+window pair while both its conversations fit in their rows and fewer than ``K`` pairs are there, else it
+starts the next one (a pair longer than the window is cut to it and sits alone). ``train.batch_size`` then
+counts window pairs (sequences, as packed data counts them), and an epoch is as many window pairs as its
+packing makes; all of it depends only on ``(seed, seq_len, K, split, holdout_fraction, the data)``, so a
+resumed run reads the same windows.
+
 **A precomputed reference** (``train.dpo.precompute_reference``): once :attr:`PreferencePairs.reference`
 holds each pair's reference log-probabilities (chosen, rejected), samples carry a fourth channel, the
-row's value as fp32 bits on every position (:mod:`meshtron.models.documents`).
+row's value as fp32 bits on every position (packed: each position its own conversation's value;
+:mod:`meshtron.models.documents`). It is keyed by pair, so packing leaves it as it is.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from __future__ import annotations
 import json
 import operator
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -218,4 +231,77 @@ class PreferencePairs:
             out[k, :length, 2] = self.masks.read(start, length)
         if self.reference is not None:
             out[:, :, 3] = self.reference[pair].astype(np.float32).view(np.int32)[:, None]
+        return out
+
+
+_CACHED_EPOCHS = 2  # packed epochs kept built (a run reads them in order)
+
+
+class PackedPairs(PreferencePairs):
+    """Window pairs ``[2, seq_len + 1, 3]`` of up to ``pairs_per_window`` preference pairs each, packed as
+    the module doc says; :meth:`pair` (what the reference pass reads) still gives one pair's windows.
+    ``num_samples`` (default: the first epoch's window pairs) is how many the run draws."""
+
+    def __init__(self, prefix: str | Path, *, seq_len: int, seed: int, split: str = "train",
+                 holdout_fraction: float = 0.1, num_samples: int | None = None, pairs_per_window: int = 2):
+        super().__init__(prefix, seq_len=seq_len, seed=seed, split=split, holdout_fraction=holdout_fraction,
+                         num_samples=0)
+        if pairs_per_window < 1:
+            raise ConfigError(f"data.pairs_per_window: must be >= 1, got {pairs_per_window}")
+        self.pairs_per_window = int(pairs_per_window)
+        self._fits = np.minimum(self._lengths, self.seq_len + 1)  # [pairs, 2]: each conversation as a window holds it
+        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._first_window = [0]  # window pair number each built epoch starts at (epochs are built in order)
+        self.samples_per_epoch = len(self._epoch(0)[1]) - 1
+        self.num_samples = self.samples_per_epoch if num_samples is None else int(num_samples)
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order: pairs in the epoch's order, bounds: window pair k holds ``order[bounds[k]:bounds[k+1]]``)."""
+        cached = self._epochs.get(epoch)
+        if cached is not None:
+            return cached
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, SPLITS[self.split], epoch]))
+        order = rng.permutation(self.num_pairs)
+        bounds, chosen, rejected, held, room = [0], 0, 0, 0, self.seq_len + 1
+        for k, (c, r) in enumerate(self._fits[order].tolist()):
+            if held == self.pairs_per_window or chosen + c > room or rejected + r > room:
+                bounds.append(k)
+                chosen, rejected, held = 0, 0, 0
+            chosen, rejected, held = chosen + c, rejected + r, held + 1
+        bounds.append(len(order))
+        self._epochs[epoch] = built = (order, np.asarray(bounds))
+        while len(self._epochs) > _CACHED_EPOCHS:
+            self._epochs.popitem(last=False)
+        return built
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(epoch, window pair within it) of sample ``index``: epochs differ in their number of windows."""
+        while len(self._first_window) <= 1 or self._first_window[-1] <= index:
+            epoch = len(self._first_window) - 1
+            self._first_window.append(self._first_window[-1] + len(self._epoch(epoch)[1]) - 1)
+        epoch = int(np.searchsorted(self._first_window, index, side="right")) - 1
+        return epoch, index - self._first_window[epoch]
+
+    def window_pairs(self, index: int) -> np.ndarray:
+        """The pairs (indices in the split) that sample ``index`` holds, in the order it holds them."""
+        epoch, window = self._locate(operator.index(index))
+        order, bounds = self._epoch(epoch)
+        return order[bounds[window] : bounds[window + 1]]
+
+    def sample(self, index: int) -> np.ndarray:
+        index = operator.index(index)
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} is outside [0, {self.num_samples})")
+        channels = 3 if self.reference is None else 4
+        out = np.zeros((2, self.seq_len + 1, channels), np.int32)
+        filled = [0, 0]
+        for segment, pair in enumerate(self.window_pairs(index).tolist(), 1):
+            for k in range(2):
+                start, length, at = int(self._starts[pair, k]), int(self._fits[pair, k]), filled[k]
+                out[k, at : at + length, 0] = self.dataset.read(start, length)
+                out[k, at : at + length, 1] = segment
+                out[k, at : at + length, 2] = self.masks.read(start, length)
+                if self.reference is not None:
+                    out[k, at : at + length, 3] = self.reference[pair, k : k + 1].astype(np.float32).view(np.int32)
+                filled[k] += length
         return out

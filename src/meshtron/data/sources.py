@@ -186,7 +186,7 @@ def load_training_data(cfg: DataConfig, *, seq_len: int, batch_size: int, vocab_
         if len(blend.prefixes) == 1:
             splits[split] = split_windows(blend.prefixes[0], seq_len=seq_len, seed=seed, split=split,
                                           holdout_fraction=cfg.holdout_fraction, num_samples=count,
-                                          documents=documents)
+                                          documents=documents, pairs_per_window=cfg.pairs_per_window)
         else:  # each dataset sized to its share of the samples
             splits[split] = BlendedSamples.from_blend(blend, seq_len=seq_len, seed=seed, num_samples=count,
                                                       split=split, holdout_fraction=cfg.holdout_fraction,

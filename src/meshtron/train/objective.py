@@ -29,6 +29,9 @@ doubled rows).
 **Over context ranks** each rank holds a share of every sequence, so an answer's log-probability is the
 ranks' shares summed (:meth:`Preference.summed`); the policy's is summed so that the step's mean over the
 ranks gives each rank's positions their own gradient (:meth:`Preference.whole`).
+
+**Packed pairs** (``data.pairs_per_window`` > 1): every value above is per document of a row rather than
+per row, and the loss and metrics are means over the microbatch's real pairs (:meth:`Preference.real`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ from meshtron.models.contract import head_loss
 from meshtron.models.preference import (
     METRICS,
     PreferenceLoss,
+    document_targets,
     head_logps,
+    pairs,
     precomputed_reference,
     preference_metrics,
     sequence_logps,
@@ -107,35 +112,58 @@ class LanguageModeling:
 @dataclass(frozen=True)
 class Preference:
     """DPO (``train.objective: dpo``) with the frozen base of a model adaptation as its reference, or
-    (``carried``) the reference's log-probabilities that the batch carries (module doc)."""
+    (``carried``) the reference's log-probabilities that the batch carries (module doc); ``packed``: up to
+    that many pairs a window pair, each answer's values per document (0: one pair a window pair;
+    :mod:`meshtron.models.preference`)."""
 
     preference: PreferenceLoss
     carried: bool = False
     context: int = 1  # the context ranks each sequence is split over
+    packed: int = 0
     METRICS = METRICS
 
     def logps(self, model_def: ModelDef, params: Params, tokens: jax.Array,
               execution: Execution) -> tuple[jax.Array, jax.Array]:
-        """Per-row summed answer log-probabilities: the policy's, and the reference's (no gradient)."""
-        policy = self.whole(sequence_logps(model_def.bind(params), tokens, remat=execution.remat))
+        """Per-row (``packed``: per-document) summed answer log-probabilities: the policy's, and the
+        reference's (no gradient)."""
+        policy = self.whole(sequence_logps(model_def.bind(params), tokens, remat=execution.remat, packed=self.packed))
         if self.carried:
-            return policy, precomputed_reference(tokens)
+            return policy, self.carried_reference(tokens)
         with model_def.frozen_base():
-            reference = sequence_logps(model_def.bind(jax.lax.stop_gradient(params)), tokens)
+            reference = sequence_logps(model_def.bind(jax.lax.stop_gradient(params)), tokens, packed=self.packed)
         return policy, jax.lax.stop_gradient(self.summed(reference))
 
     def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
-        return self.preference(*self.logps(model_def, params, tokens, execution))
+        return self.preference(*self.logps(model_def, params, tokens, execution), self.real(tokens))
 
     def metrics(self, model_def: ModelDef, params: Params, tokens: jax.Array,
                 execution: Execution) -> dict[str, jax.Array]:
-        return preference_metrics(self.preference.beta, *self.logps(model_def, params, tokens, execution))
+        return preference_metrics(self.preference.beta, *self.logps(model_def, params, tokens, execution),
+                                  self.real(tokens))
 
     def head_loss(self, model: nnx.Module, y: jax.Array, tokens: jax.Array) -> jax.Array:
         if self.carried:
-            return self.preference(self.whole(head_logps(model, y, tokens)), precomputed_reference(tokens))
-        policy, reference = jnp.split(head_logps(model, y, tokens), 2)
-        return self.preference(self.whole(policy), self.summed(reference))
+            return self.preference(self.whole(head_logps(model, y, tokens, packed=self.packed)),
+                                   self.carried_reference(tokens), self.real(tokens))
+        policy, reference = jnp.split(head_logps(model, y, tokens, packed=self.packed), 2)
+        return self.preference(self.whole(policy), self.summed(reference), self.real(jnp.split(tokens, 2)[0]))
+
+    def carried_reference(self, tokens: jax.Array) -> jax.Array:
+        """The reference's values the batch carries: a row's, or (``packed``) each document's, taken over
+        the context ranks (a document may lie on some of them only); 0 where no document is."""
+        if not self.packed:
+            return precomputed_reference(tokens)
+        found = precomputed_reference(tokens, self.packed)
+        found = found if self.context == 1 else jax.lax.pmax(found, CONTEXT)
+        return jnp.where(jnp.isfinite(found), found, 0.0)
+
+    def real(self, tokens: jax.Array) -> jax.Array | None:
+        """``packed``: ``[pairs, packed]``, which slots of each window pair hold a pair (its answers have
+        counted targets, summed over the context ranks); ``None``: every pair is one."""
+        if not self.packed:
+            return None
+        chosen, rejected = pairs(self.summed(document_targets(tokens, self.packed)))
+        return (chosen > 0) & (rejected > 0)
 
     def summed(self, local: jax.Array) -> jax.Array:
         """Per-row sums over a sequence split over ``context`` ranks: each rank's share summed over them."""
@@ -165,7 +193,9 @@ def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
     if t.objective == "lm":
         return LanguageModeling()
     carried = model_def.adaptation is None or t.dpo.precompute_reference
-    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), carried, cfg.mesh.context)
+    packed = cfg.data.pairs_per_window if cfg.data.pairs_per_window > 1 else 0
+    return Preference(PreferenceLoss(t.dpo.beta, t.dpo.label_smoothing, t.dpo.loss), carried, cfg.mesh.context,
+                      packed)
 
 
 def window_channels(t: TrainConfig, documents: bool) -> tuple[int, ...]:
