@@ -292,21 +292,27 @@ def precomputed_trainer(cfg, params):
     return trainer
 
 
-def check_full_parity(torch, trainer, params, batch, reference_model, policy_model):
+def check_full_parity(torch, trainer, params, batch, reference_model, policy_model, reference=None):
     """The step's loss and the whole model's gradient (the MLP's down projection, every layer) at ``params``
     on ``batch``, whose reference log-probabilities were precomputed, against PyTorch's with the original
-    model as the reference: loss within 1e-5, gradients within 1e-4 of their largest entry."""
+    model as the reference: loss within 1e-5, gradients within 1e-4 of their largest entry. ``reference``
+    (stage-ordered like ``params``): the frozen copy's weights, which the step takes beside ``batch`` and runs
+    itself; the row log-probabilities of its forward (``steps.row_logps``) are the reference model's too."""
     from meshtron.train.pipelined import to_canonical, to_stage_order
 
     pipe, chunks = trainer.mesh.shape["pipe"], trainer.cfg.pipeline.chunks
     layers = trainer.model_def.layers
     held = to_stage_order(params, layers, pipe, chunks) if pipe > 1 else params
     held = jax.device_put(held, trainer.steps.param_shardings)
-    loss, grads = trainer.steps.gradients(held, jax.numpy.asarray(batch))
+    inputs = trainer.steps.inputs(jax.numpy.asarray(batch), reference)
+    loss, grads = trainer.steps.gradients(held, inputs)
     grads = to_canonical(jax.device_get(grads), layers, pipe, chunks) if pipe > 1 else grads
 
     plain = batch[..., :3]
-    precomputed = batch[:, 0, 3].astype(np.int32).view(np.float32)
+    if reference is None:
+        precomputed = batch[:, 0, 3].astype(np.int32).view(np.float32)
+    else:
+        precomputed = trainer.steps.row_logps(reference, jax.numpy.asarray(plain))
     with torch.no_grad():
         ref = torch_logps(torch, reference_model, plain)
     np.testing.assert_allclose(precomputed, ref.numpy(), rtol=1e-5, atol=1e-4)  # the pass's values: the reference's
@@ -392,9 +398,9 @@ def stage_ordered(cfg, params):
 
 
 def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, case, trained_full, tmp_path):
-    """With a frozen copy of the init_from weights as the reference (run on every batch before its step) the
-    run logs the precomputed run's losses and metrics step by step, and at the trained weights the step's
-    loss and gradient equal PyTorch's."""
+    """With a frozen copy of the init_from weights as the reference (an argument of the step, which runs its
+    forward) the run logs the precomputed run's losses and metrics step by step, and at the trained weights
+    the step's loss and gradient equal PyTorch's."""
     from meshtron.train.loop import Trainer
 
     output, policy_model, precomputed = trained_full
@@ -411,11 +417,33 @@ def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, 
                 assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
 
     trainer = Trainer.from_config(full_config(imported, data, tmp_path / "again", precompute=False))
-    reference = jax.device_put(load_pretrained(imported, MeshConfig(1, 1, 1)).params, trainer.steps.param_shardings)
-    batch = np.asarray(trainer.steps.with_reference(reference, trainer.train_stream().global_batch(0)))
-    assert batch.shape == (8, 49, 4)
+    reference = load_pretrained(imported, MeshConfig(1, 1, 1)).params
+    batch = trainer.train_stream().global_batch(0)
+    assert batch.shape == (8, 49, 3)  # the step adds the reference's values itself
     check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
-                      policy_model)
+                      policy_model, reference=reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+     "parallel.microbatches=2"),
+    ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
+    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+], ids=["data-pipe-tensor-interleaved", "pipe-zb-h1", "data-context-tensor"])
+def test_full_dpo_with_a_frozen_copy_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
+    """The frozen copy's forward inside the step on (data, pipe, tensor) = (2, 2, 2) interleaved and on 2
+    stages under ZB-H1 (the forward-only pipeline schedule over the reference's stages) and over context
+    ranks (its rows' sums over them): loss and gradient equal PyTorch's."""
+    from meshtron.train.loop import Trainer
+
+    output, policy_model, _ = trained_full
+    reference_model, imported, data = case
+    cfg = full_config(imported, data, tmp_path / "again", *layout, precompute=False)
+    trainer = Trainer.from_config(cfg)
+    reference = stage_ordered(trainer.cfg, load_pretrained(imported, MeshConfig(1, 1, 1)).params)
+    check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params,
+                      trainer.train_stream().global_batch(0), reference_model, policy_model, reference=reference)
 
 
 def test_full_dpo_over_context_ranks_equals_pytorch(hf, case, trained_full, tmp_path):
