@@ -466,13 +466,12 @@ def test_describe_says_what_the_reference_adds(case, tmp_path):
 
     _, imported, data = case
     frozen = full_config(imported, data, tmp_path, precompute=False)
-    assert dpo_reference_line(frozen, 3 * 2**20, 5 * 2**20).startswith(
-        "DPO reference: a frozen copy of the starting weights, 3.0 MiB more")
-    assert "8.0 MiB" in dpo_reference_line(frozen, 3 * 2**20, 5 * 2**20)
-    assert "no weights held" in dpo_reference_line(full_config(imported, data, tmp_path), 1, 1)
+    assert dpo_reference_line(frozen, 3 * 2**20).startswith(
+        "DPO reference: a frozen copy of the starting weights, 3.0 MiB more, an argument of the step")
+    assert "no weights held" in dpo_reference_line(full_config(imported, data, tmp_path), 1)
     lora = dpo_config(imported, data, tmp_path)
-    assert "no second copy" in dpo_reference_line(lora, 1, 1)
-    assert dpo_reference_line(dpo_config(imported, data, tmp_path, "train.objective=lm"), 1, 1) is None
+    assert "no second copy" in dpo_reference_line(lora, 1)
+    assert dpo_reference_line(dpo_config(imported, data, tmp_path, "train.objective=lm"), 1) is None
     piped = dpo_config(imported, data, tmp_path, "parallel.pipe=2")
     assert [dpo_rows_per_pair(c) for c in (lora, piped, frozen)] == [2, 4, 2]
     assert dpo_rows_per_pair(dpo_config(imported, data, tmp_path, "train.objective=lm")) == 1
@@ -493,3 +492,67 @@ def test_lora_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained,
     assert batch.shape == (8, 49, 4)
     check_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
                  policy_model)
+
+
+TWO_STAGES = ("parallel.data=1", "parallel.tensor=1", "parallel.schedule=1f1b", "parallel.chunks=1",
+              "parallel.microbatches=4", "model.seq_len=64", "train.batch_size=4", "train.objective=dpo")
+
+
+def two_stage_trainer(*extra):
+    """A small Llama on 2 pipeline stages (1F1B, 4 microbatches of one pair), DPO over 4 pairs: nothing read."""
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config("llama_cpu8", [*TWO_STAGES, *extra])
+    return Trainer.from_config(cfg, jax.devices()[:2], read_data=False)
+
+
+def test_the_frozen_copy_is_an_argument_of_the_step():
+    """The compiled step with a frozen copy takes the precomputed reference's step's arguments, less the batch's
+    fourth channel (the step adds the copy's values itself), plus the copy's bytes per device as describe prints
+    them: one stage's parameters. Its forward runs through the forward-only pipeline schedule: the temporaries
+    grow by no parameter-sized buffer and nothing is gathered over ``pipe``. The step-memory model counts the copy
+    among the arguments, by the same bytes."""
+    from meshtron.describe import bytes_per_device, modelled_step_memory, parameter_rows
+    from meshtron.hlo.collectives import collectives
+    from meshtron.mesh import AXES
+    from meshtron.train.step import StepInputs
+
+    found = {}
+    for precompute in (True, False):
+        trainer = two_stage_trainer(f"train.dpo.precompute_reference={precompute}")
+        params, opt_state, inputs = trainer.abstract_step_arguments()
+        program = trainer.steps.compile(params, opt_state, inputs)
+        memory = program.memory_analysis()
+        rows = parameter_rows(trainer.model_def, dict(zip(AXES, trainer.resolved.mesh_shape)))
+        found[precompute] = (memory, modelled_step_memory(trainer.resolved, rows, "cpu"), inputs, trainer,
+                             collectives(program, trainer.mesh))
+    (pre, pre_model, tokens, _, _), (frozen, frozen_model, inputs, trainer, moved) = found[True], found[False]
+    assert isinstance(inputs, StepInputs) and inputs.tokens.shape == (*tokens.shape[:2], 3)
+    reference = bytes_per_device(inputs.reference, trainer.steps.reference_shardings)
+    assert reference == bytes_per_device(inputs.reference, trainer.steps.param_shardings)  # one stage's, as held
+    channel = tokens.shape[0] * tokens.shape[1] * 4  # the precomputed values' channel (one data rank: all rows)
+    assert frozen.argument_size_in_bytes == pre.argument_size_in_bytes - channel + reference
+    assert abs(frozen.temp_size_in_bytes - pre.temp_size_in_bytes) < reference / 100
+    assert not [c for c in moved if "pipe" in c.axes and c.kind == "all-gather"]
+    assert frozen_model.reference == reference
+    assert frozen_model.arguments - pre_model.arguments == reference
+    assert frozen_model.peak - pre_model.peak == reference
+
+
+def test_pipelined_row_logps_move_activations_not_parameters():
+    """The per-row log-probability program (the precomputed reference's pass) runs the forward-only pipeline
+    schedule: each device takes its stage's parameters, and over ``pipe`` it sends one microbatch's activation a
+    tick and sums the rows' values once -- no parameter is gathered (a whole model per device)."""
+    from meshtron.describe import bytes_per_device
+    from meshtron.hlo.collectives import collectives
+
+    trainer = two_stage_trainer("train.dpo.precompute_reference=true")
+    params, _, tokens = trainer.abstract_step_arguments()
+    plain = jax.ShapeDtypeStruct((*tokens.shape[:2], 3), np.int32, sharding=trainer.steps.batch_sharding)
+    program = trainer.steps.lower_row_logps(params, plain).compile()
+    held = bytes_per_device(params, trainer.steps.param_shardings)
+    assert held < 0.6 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))  # one stage's share
+    assert program.memory_analysis().argument_size_in_bytes == held + plain.size * 4
+    rows, seq, hidden, m = plain.shape[0], plain.shape[1] - 1, trainer.cfg.model.hidden, 4
+    moved = {(c.kind, c.bytes) for c in collectives(program, trainer.mesh) if "pipe" in c.axes}
+    assert moved == {("collective-permute", rows // m * seq * hidden * 4), ("all-reduce", rows * 4)}
