@@ -42,7 +42,7 @@ from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
 from meshtron.train.sinks import Outcome
 from meshtron.train.state import ModelDef, Params, model_def_from_config
-from meshtron.train.step import StepInputs, TrainSteps, build_steps
+from meshtron.train.step import TrainSteps, build_steps
 from meshtron.train.stopping import STOP_REASONS, RunStopper
 from meshtron.train.trainable import Trainable
 from meshtron.units import format_bytes
@@ -176,11 +176,7 @@ class Trainer:
         rows = self.cfg.train.batch_size * (2 if dpo else 1)
         tokens = jax.ShapeDtypeStruct((rows, self.cfg.model.seq_len + 1, *channels), np.int32,
                                       sharding=self.steps.batch_sharding)
-        if self.steps.reference_shardings is not None:
-            reference = abstract_like(self.weights.training_shapes(self.model_def.shapes()),
-                                      self.steps.reference_shardings)
-            return params, opt_state, StepInputs(tokens, reference)
-        return params, opt_state, tokens
+        return params, opt_state, self.steps.abstract_inputs(tokens, self.weights.training_shapes(self.model_def.shapes()))
 
     def train_stream(self, position: int = 0, cursor: dict | None = None):
         """The training batches from batch ``position`` on (``cursor``: a streamed source's read

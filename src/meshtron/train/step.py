@@ -121,8 +121,7 @@ def build_steps(
     stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
     skip_nonfinite: bool = False, zero: ZeroPlan | None = None, trainable: Trainable | None = None,
     seed: int = 0, execution: Execution = DEFAULT_EXECUTION, objective: Objective | None = None,
-    offload_optimizer: bool = False, compiler_options: Mapping[str, Any] | None = None,
-    frozen_reference: bool = False,
+    offload_optimizer: bool = False, compiler_options: Mapping[str, Any] | None = None, frozen_reference: bool = False,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -136,8 +135,7 @@ def build_steps(
     (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on. ``execution``: how
     the model's code runs (``Run.execution``); ``objective``: what the step minimises. ``offload_optimizer``:
     optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program.
-    ``frozen_reference``: the train step, evaluation and the objective's metrics take :class:`StepInputs`,
-    DPO's frozen reference weights beside the batch (module doc)."""
+    ``frozen_reference``: the programs take DPO's frozen reference beside the batch (:class:`StepInputs`)."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules, execution)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.probed_state())
@@ -146,20 +144,9 @@ def build_steps(
     source = _gradient_source(model_def, pipeline, shards, microbatches, execution, objective)
     part, probed = trainable.part, ProbedStates(model_def, trainable.observed)
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
-    inputs_spec = StepInputs(shards.shard_batch, held.whole) if frozen_reference else shards.shard_batch
+    given = _Inputs(shards, held.whole, source.row_logps if frozen_reference else None)
 
-    def laid_out(inputs):
-        return inputs._replace(tokens=shards.laid_out(inputs.tokens)) if frozen_reference else shards.laid_out(inputs)
-
-    def local_tokens(inputs) -> jax.Array:
-        """A rank's tokens, with the frozen reference's per-row log-probabilities added where it has one."""
-        if not frozen_reference:
-            return inputs
-        reference = jax.lax.stop_gradient(inputs.reference)
-        return _with_reference(_summed_rows(shards, source.row_logps, reference, inputs.tokens), inputs.tokens)
-
-    def per_shard_train(params: Params, opt_state: OptState, inputs: Any, stage: str):
-        tokens = local_tokens(inputs)  # (the reference's forward: no dropout, no gradient)
+    def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         observed = []  # the probes' gradients (models/probed_state.py), read before frozen leaves leave the tree
         def differentiate(view: Params, local_leaves: Any, layer_view: Any = None):
             with layer_parameters(layer_view) if layer_view is not None else contextlib.nullcontext():
@@ -181,36 +168,61 @@ def build_steps(
     def per_shard_gradients(params: Params, tokens: jax.Array):
         return sync.averaged(*source.gradients(shards.local(trainable.stopped(params), sync.local_leaves), tokens))
 
-    def per_shard_reports(params: Params, tokens: jax.Array):
-        found = source.reports(params, tokens)
-        return jax.lax.psum(found, shards.group) if shards.check_vma else found
-
     def train(params: Params, opt_state: OptState, inputs: Any, stage: str):
         metrics = StepMetrics(*[shards.per_replica] * 3)
-        return shards.shard_map(partial(per_shard_train, stage=stage), (held.params, held.state, inputs_spec),
-                                (held.params, held.state, metrics))(params, opt_state, laid_out(inputs))
+        return shards.shard_map(given.over(partial(per_shard_train, stage=stage)), (held.params, held.state, given.spec),
+                                (held.params, held.state, metrics))(params, opt_state, given.laid_out(inputs))
 
-    def whole_params(fn, out_specs, inputs: bool = True):
-        """``fn(params, tokens)`` over the region with every parameter whole (evaluation and analysis);
-        ``inputs``: taking what the train step takes (a frozen reference's rows added), else a plain batch."""
-        if not inputs:
-            return lambda params, tokens: shards.shard_map(fn, (held.whole, shards.shard_batch), out_specs)(
-                params, shards.laid_out(tokens))
-        return lambda params, given: shards.shard_map(lambda p, i: fn(p, local_tokens(i)), (held.whole, inputs_spec),
-                                                      out_specs)(params, laid_out(given))
+    def whole_params(fn, out_specs, inputs: _Inputs = given):
+        """``fn(params, tokens)`` of ``inputs`` over the region with every parameter whole (evaluation, analysis)."""
+        return lambda params, tokens: shards.shard_map(inputs.over(fn), (held.whole, inputs.spec), out_specs)(
+            params, inputs.laid_out(tokens))
 
     scoped = partial(model_def.traced, execution=execution)
-    reference_shardings = model_def.shardings(mesh) if frozen_reference else None
     return TrainSteps(
         mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages),
-        reference_shardings=reference_shardings,
+        reference_shardings=model_specs if frozen_reference else None,
         train=scoped(_state_on_host(train) if offload_optimizer else train),
         evaluate=scoped(whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())),
         gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
-        init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
+        init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(partial(_reports, shards, source), P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
         objective_metrics=source.metrics and scoped(whole_params(partial(_group_mean, shards, source.metrics), P())),
-        row_logps=scoped(whole_params(partial(_summed_rows, shards, source.row_logps), P(DATA), inputs=False)))
+        row_logps=scoped(whole_params(partial(_summed_rows, shards, source.row_logps), P(DATA), given.plain())))
+
+
+class _Inputs(NamedTuple):
+    """What the region's programs take beside the parameters: a batch, or, with a frozen DPO reference's
+    ``row_logps`` (its weights laid out ``whole`` in the region), :class:`StepInputs`."""
+
+    shards: DataShards
+    whole: Any
+    row_logps: Any = None
+
+    @property
+    def spec(self) -> Any:
+        return self.shards.shard_batch if self.row_logps is None else StepInputs(self.shards.shard_batch, self.whole)
+
+    def plain(self) -> _Inputs:
+        """A batch alone."""
+        return self._replace(row_logps=None)
+
+    def laid_out(self, inputs: Any) -> Any:
+        if self.row_logps is None:
+            return self.shards.laid_out(inputs)
+        return inputs._replace(tokens=self.shards.laid_out(inputs.tokens))
+
+    def over(self, fn):
+        """``fn(..., tokens)`` as a function of these inputs last (the reference's forward: outside ``fn``'s
+        training scope, so no dropout, and under ``stop_gradient``)."""
+        return lambda *args: fn(*args[:-1], self.local(args[-1]))
+
+    def local(self, inputs: Any) -> jax.Array:
+        """A rank's tokens, with the frozen reference's per-row log-probabilities added where it has one."""
+        if self.row_logps is None:
+            return inputs
+        rows = _summed_rows(self.shards, self.row_logps, jax.lax.stop_gradient(inputs.reference), inputs.tokens)
+        return _with_reference(rows, inputs.tokens)
 
 
 class _HeldLayout(NamedTuple):
@@ -276,6 +288,12 @@ def _summed_rows(shards: DataShards, fn, params: Params, tokens: jax.Array) -> j
     """``fn(params, tokens)``'s per-row sums of a rank's positions, summed over a sequence's context ranks."""
     rows = fn(params, tokens)
     return rows if shards.context == 1 else jax.lax.psum(rows, CONTEXT)
+
+
+def _reports(shards: DataShards, source, params: Params, tokens: jax.Array) -> Any:
+    """What the layers report, summed over the data group where the region checks varying types."""
+    found = source.reports(params, tokens)
+    return jax.lax.psum(found, shards.group) if shards.check_vma else found
 
 
 def _group_mean(shards: DataShards, fn, params: Params, tokens: jax.Array) -> Any:
@@ -376,6 +394,13 @@ class TrainSteps:
         if reference is None:
             raise ValueError("reference: this run's step takes DPO's frozen reference weights beside the batch")
         return StepInputs(tokens, jax.device_put(reference, self.reference_shardings))
+
+    def abstract_inputs(self, tokens: jax.ShapeDtypeStruct, shapes: Params) -> Any:
+        """:meth:`inputs` as abstract arrays, the reference's shaped like ``shapes`` (compiling without data)."""
+        if self.reference_shardings is None:
+            return tokens
+        return StepInputs(tokens, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                               shapes, self.reference_shardings))
 
     def train(self, params: Params, opt_state: OptState, tokens: Any, stage: str | None = None):
         """One optimizer step in ``stage`` (default: the only one); ``params`` and ``opt_state`` are
