@@ -78,7 +78,7 @@ class Trainer:
     corpus: Corpus | TokenDatasets | None  # the training data (a text, an indexed dataset or a blend); None: not read
     optimizer: OptimizerSetup
     weights: WeightsIO = field(init=False, repr=False)  # where the weights come from and go
-    referenced: Callable[[Any], Any] = field(init=False, repr=False)  # + DPO's frozen copy's values
+    referenced: Callable[[Any], Any] = field(init=False, repr=False)  # a batch as the step takes it (+ DPO's frozen copy)
 
     def __post_init__(self) -> None:
         self.weights = WeightsIO(self.resolved, self.mesh, self.model_def, self.steps, self.optimizer.freeze_step)
