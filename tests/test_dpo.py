@@ -292,21 +292,27 @@ def precomputed_trainer(cfg, params):
     return trainer
 
 
-def check_full_parity(torch, trainer, params, batch, reference_model, policy_model):
+def check_full_parity(torch, trainer, params, batch, reference_model, policy_model, reference=None):
     """The step's loss and the whole model's gradient (the MLP's down projection, every layer) at ``params``
     on ``batch``, whose reference log-probabilities were precomputed, against PyTorch's with the original
-    model as the reference: loss within 1e-5, gradients within 1e-4 of their largest entry."""
+    model as the reference: loss within 1e-5, gradients within 1e-4 of their largest entry. ``reference``
+    (stage-ordered like ``params``): the frozen copy's weights, which the step takes beside ``batch`` and runs
+    itself; the row log-probabilities of its forward (``steps.row_logps``) are the reference model's too."""
     from meshtron.train.pipelined import to_canonical, to_stage_order
 
     pipe, chunks = trainer.mesh.shape["pipe"], trainer.cfg.pipeline.chunks
     layers = trainer.model_def.layers
     held = to_stage_order(params, layers, pipe, chunks) if pipe > 1 else params
     held = jax.device_put(held, trainer.steps.param_shardings)
-    loss, grads = trainer.steps.gradients(held, jax.numpy.asarray(batch))
+    inputs = trainer.steps.inputs(jax.numpy.asarray(batch), reference)
+    loss, grads = trainer.steps.gradients(held, inputs)
     grads = to_canonical(jax.device_get(grads), layers, pipe, chunks) if pipe > 1 else grads
 
     plain = batch[..., :3]
-    precomputed = batch[:, 0, 3].astype(np.int32).view(np.float32)
+    if reference is None:
+        precomputed = batch[:, 0, 3].astype(np.int32).view(np.float32)
+    else:
+        precomputed = trainer.steps.row_logps(reference, jax.numpy.asarray(plain))
     with torch.no_grad():
         ref = torch_logps(torch, reference_model, plain)
     np.testing.assert_allclose(precomputed, ref.numpy(), rtol=1e-5, atol=1e-4)  # the pass's values: the reference's
@@ -392,9 +398,9 @@ def stage_ordered(cfg, params):
 
 
 def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, case, trained_full, tmp_path):
-    """With a frozen copy of the init_from weights as the reference (run on every batch before its step) the
-    run logs the precomputed run's losses and metrics step by step, and at the trained weights the step's
-    loss and gradient equal PyTorch's."""
+    """With a frozen copy of the init_from weights as the reference (an argument of the step, which runs its
+    forward) the run logs the precomputed run's losses and metrics step by step, and at the trained weights
+    the step's loss and gradient equal PyTorch's."""
     from meshtron.train.loop import Trainer
 
     output, policy_model, precomputed = trained_full
@@ -411,11 +417,33 @@ def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, 
                 assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
 
     trainer = Trainer.from_config(full_config(imported, data, tmp_path / "again", precompute=False))
-    reference = jax.device_put(load_pretrained(imported, MeshConfig(1, 1, 1)).params, trainer.steps.param_shardings)
-    batch = np.asarray(trainer.steps.with_reference(reference, trainer.train_stream().global_batch(0)))
-    assert batch.shape == (8, 49, 4)
+    reference = load_pretrained(imported, MeshConfig(1, 1, 1)).params
+    batch = trainer.train_stream().global_batch(0)
+    assert batch.shape == (8, 49, 3)  # the step adds the reference's values itself
     check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
-                      policy_model)
+                      policy_model, reference=reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+     "parallel.microbatches=2"),
+    ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
+    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+], ids=["data-pipe-tensor-interleaved", "pipe-zb-h1", "data-context-tensor"])
+def test_full_dpo_with_a_frozen_copy_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
+    """The frozen copy's forward inside the step on (data, pipe, tensor) = (2, 2, 2) interleaved and on 2
+    stages under ZB-H1 (the forward-only pipeline schedule over the reference's stages) and over context
+    ranks (its rows' sums over them): loss and gradient equal PyTorch's."""
+    from meshtron.train.loop import Trainer
+
+    output, policy_model, _ = trained_full
+    reference_model, imported, data = case
+    cfg = full_config(imported, data, tmp_path / "again", *layout, precompute=False)
+    trainer = Trainer.from_config(cfg)
+    reference = stage_ordered(trainer.cfg, load_pretrained(imported, MeshConfig(1, 1, 1)).params)
+    check_full_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params,
+                      trainer.train_stream().global_batch(0), reference_model, policy_model, reference=reference)
 
 
 def test_full_dpo_over_context_ranks_equals_pytorch(hf, case, trained_full, tmp_path):
@@ -438,13 +466,12 @@ def test_describe_says_what_the_reference_adds(case, tmp_path):
 
     _, imported, data = case
     frozen = full_config(imported, data, tmp_path, precompute=False)
-    assert dpo_reference_line(frozen, 3 * 2**20, 5 * 2**20).startswith(
-        "DPO reference: a frozen copy of the starting weights, 3.0 MiB more")
-    assert "8.0 MiB" in dpo_reference_line(frozen, 3 * 2**20, 5 * 2**20)
-    assert "no weights held" in dpo_reference_line(full_config(imported, data, tmp_path), 1, 1)
+    assert dpo_reference_line(frozen, 3 * 2**20).startswith(
+        "DPO reference: a frozen copy of the starting weights, 3.0 MiB more, an argument of the step")
+    assert "no weights held" in dpo_reference_line(full_config(imported, data, tmp_path), 1)
     lora = dpo_config(imported, data, tmp_path)
-    assert "no second copy" in dpo_reference_line(lora, 1, 1)
-    assert dpo_reference_line(dpo_config(imported, data, tmp_path, "train.objective=lm"), 1, 1) is None
+    assert "no second copy" in dpo_reference_line(lora, 1)
+    assert dpo_reference_line(dpo_config(imported, data, tmp_path, "train.objective=lm"), 1) is None
     piped = dpo_config(imported, data, tmp_path, "parallel.pipe=2")
     assert [dpo_rows_per_pair(c) for c in (lora, piped, frozen)] == [2, 4, 2]
     assert dpo_rows_per_pair(dpo_config(imported, data, tmp_path, "train.objective=lm")) == 1
@@ -465,3 +492,67 @@ def test_lora_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained,
     assert batch.shape == (8, 49, 4)
     check_parity(hf[0], trainer, load_pretrained(output, MeshConfig(1, 1, 1)).params, batch, reference_model,
                  policy_model)
+
+
+TWO_STAGES = ("parallel.data=1", "parallel.tensor=1", "parallel.schedule=1f1b", "parallel.chunks=1",
+              "parallel.microbatches=4", "model.seq_len=64", "train.batch_size=4", "train.objective=dpo")
+
+
+def two_stage_trainer(*extra):
+    """A small Llama on 2 pipeline stages (1F1B, 4 microbatches of one pair), DPO over 4 pairs: nothing read."""
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config("llama_cpu8", [*TWO_STAGES, *extra])
+    return Trainer.from_config(cfg, jax.devices()[:2], read_data=False)
+
+
+def test_the_frozen_copy_is_an_argument_of_the_step():
+    """The compiled step with a frozen copy takes the precomputed reference's step's arguments, less the batch's
+    fourth channel (the step adds the copy's values itself), plus the copy's bytes per device as describe prints
+    them: one stage's parameters. Its forward runs through the forward-only pipeline schedule: the temporaries
+    grow by no parameter-sized buffer and nothing is gathered over ``pipe``. The step-memory model counts the copy
+    among the arguments, by the same bytes."""
+    from meshtron.describe import bytes_per_device, modelled_step_memory, parameter_rows
+    from meshtron.hlo.collectives import collectives
+    from meshtron.mesh import AXES
+    from meshtron.train.step import StepInputs
+
+    found = {}
+    for precompute in (True, False):
+        trainer = two_stage_trainer(f"train.dpo.precompute_reference={precompute}")
+        params, opt_state, inputs = trainer.abstract_step_arguments()
+        program = trainer.steps.compile(params, opt_state, inputs)
+        memory = program.memory_analysis()
+        rows = parameter_rows(trainer.model_def, dict(zip(AXES, trainer.resolved.mesh_shape)))
+        found[precompute] = (memory, modelled_step_memory(trainer.resolved, rows, "cpu"), inputs, trainer,
+                             collectives(program, trainer.mesh))
+    (pre, pre_model, tokens, _, _), (frozen, frozen_model, inputs, trainer, moved) = found[True], found[False]
+    assert isinstance(inputs, StepInputs) and inputs.tokens.shape == (*tokens.shape[:2], 3)
+    reference = bytes_per_device(inputs.reference, trainer.steps.reference_shardings)
+    assert reference == bytes_per_device(inputs.reference, trainer.steps.param_shardings)  # one stage's, as held
+    channel = tokens.shape[0] * tokens.shape[1] * 4  # the precomputed values' channel (one data rank: all rows)
+    assert frozen.argument_size_in_bytes == pre.argument_size_in_bytes - channel + reference
+    assert abs(frozen.temp_size_in_bytes - pre.temp_size_in_bytes) < reference / 100
+    assert not [c for c in moved if "pipe" in c.axes and c.kind == "all-gather"]
+    assert frozen_model.reference == reference
+    assert frozen_model.arguments - pre_model.arguments == reference
+    assert frozen_model.peak - pre_model.peak == reference
+
+
+def test_pipelined_row_logps_move_activations_not_parameters():
+    """The per-row log-probability program (the precomputed reference's pass) runs the forward-only pipeline
+    schedule: each device takes its stage's parameters, and over ``pipe`` it sends one microbatch's activation a
+    tick and sums the rows' values once -- no parameter is gathered (a whole model per device)."""
+    from meshtron.describe import bytes_per_device
+    from meshtron.hlo.collectives import collectives
+
+    trainer = two_stage_trainer("train.dpo.precompute_reference=true")
+    params, _, tokens = trainer.abstract_step_arguments()
+    plain = jax.ShapeDtypeStruct((*tokens.shape[:2], 3), np.int32, sharding=trainer.steps.batch_sharding)
+    program = trainer.steps.lower_row_logps(params, plain).compile()
+    held = bytes_per_device(params, trainer.steps.param_shardings)
+    assert held < 0.6 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))  # one stage's share
+    assert program.memory_analysis().argument_size_in_bytes == held + plain.size * 4
+    rows, seq, hidden, m = plain.shape[0], plain.shape[1] - 1, trainer.cfg.model.hidden, 4
+    moved = {(c.kind, c.bytes) for c in collectives(program, trainer.mesh) if "pipe" in c.axes}
+    assert moved == {("collective-permute", rows // m * seq * hidden * 4), ("all-reduce", rows * 4)}

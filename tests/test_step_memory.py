@@ -174,6 +174,7 @@ REAL = [  # the bundled real-size configs on their own meshes, and the paper's G
     ("llama2_7b", ["train.lora.rank=16"]),  # LoRA: gradients and optimizer state of the adapters alone
     ("llama2_7b", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8", "parallel.sequence_parallel=true", "train.lora.rank=16",
                    "parallel.zero=3"]),  # ... and the frozen base split over data
+    ("llama2_7b", ["train.objective=dpo", "train.batch_size=256"]),  # DPO: a frozen copy of the weights, an argument
 ]
 
 
@@ -181,7 +182,7 @@ REAL = [  # the bundled real-size configs on their own meshes, and the paper's G
 def test_the_model_agrees_with_compiled_steps_of_real_models_within_ten_percent():
     """Compiled from abstract arrays on 64 simulated devices (nothing allocated); with the two configs
     ``tests/test_cli.py`` compiles through ``describe --compile`` (7B on 8x1x8, 70B on 2x4x8 zero=3),
-    ten real configurations."""
+    eleven real configurations."""
     env = subprocess_env()
     run = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(REAL)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900, check=False)

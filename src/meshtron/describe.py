@@ -136,7 +136,7 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
 STEP_TERMS = (("parameters", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),
               ("stash", "stash"), ("layers_kept", "layers kept"), ("working", "one layer's backward"),
               ("logits", "logits"), ("mtp", "multi-token prediction"), ("weight_buffers", "B-to-W buffers"),
-              ("peak", "peak"),
+              ("reference", "DPO frozen reference"), ("peak", "peak"),
               ("host", "host (pinned, not in peak)"))
 """:class:`meshtron.plan.step_memory.StepMemory`'s terms as describe prints them."""
 
@@ -166,10 +166,10 @@ def modelled_step_memory(run: Run, rows: list[tuple], backend: str) -> StepMemor
                        stage_bytes=per_layer_and_rest(rows), trainable_bytes=trainable)
 
 
-def dpo_reference_line(cfg: Config, param_bytes: float, peak: float) -> str | None:
-    """What DPO's reference model adds to a device's memory (``param_bytes``: the parameters' per device;
-    ``peak``: the step's modelled GPU peak); ``None`` for the next-token loss. The terms above count its rows (two a pair, four where a pipeline
-    runs LoRA's frozen base on copies of them)."""
+def dpo_reference_line(cfg: Config, param_bytes: float) -> str | None:
+    """What DPO's reference model adds to a device's memory (``param_bytes``: the frozen copy's per device,
+    which the terms above count); ``None`` for the next-token loss. The terms above count its rows (two a
+    pair, four where a pipeline runs LoRA's frozen base on copies of them)."""
     t = cfg.train
     if t.objective != "dpo":
         return None
@@ -180,9 +180,9 @@ def dpo_reference_line(cfg: Config, param_bytes: float, peak: float) -> str | No
         return ("DPO reference: LoRA's frozen base, the same weights (no second copy); its forward runs under no "
                 "gradient" + (" on copies of each microbatch's rows, counted in the terms (4 rows a pair)"
                               if cfg.mesh.pipe > 1 else "; the terms count 2 rows a pair"))
-    return (f"DPO reference: a frozen copy of the starting weights, {format_bytes(param_bytes)} more, held beside the "
-            f"step (no gradient or optimizer state; GPU peak with it {format_bytes(peak + param_bytes)}), its forward "
-            "run before each step")
+    return (f"DPO reference: a frozen copy of the starting weights, {format_bytes(param_bytes)} more, an argument of "
+            "the step (no gradient or optimizer state; its term above, in the peak), whose forward runs inside the step"
+            + (", through the forward-only pipeline schedule" if cfg.mesh.pipe > 1 else ""))
 
 
 def available_host_memory() -> int:
@@ -282,10 +282,11 @@ def compiler_name(device) -> str:
 
 
 def print_compiled_memory(program, params, opt_state, seconds: float, trainer, out,
-                          model: StepMemory | None = None, compiler: str = "XLA:CPU") -> None:
+                          model: StepMemory | None = None, compiler: str = "XLA:CPU", reference=None) -> None:
     """Memory per device of the compiled train step: what its arguments hold (read from the shardings
-    the program takes), its temporaries, and the peak of the two -- next to ``model``'s (the step
-    memory model for the same compiler), when given. What the program keeps in host memory
+    the program takes; ``reference``: DPO's frozen reference weights, where the step takes them), its
+    temporaries, and the peak of the two -- next to ``model``'s (the step memory model for the same
+    compiler), when given. What the program keeps in host memory
     (``model.remat=offload``, ``train.offload_optimizer``) is on a ``host`` line of its own, apart
     from the device's arguments, temporaries and peak."""
     param_in, opt_in = program.input_shardings[0][:2]
@@ -298,6 +299,9 @@ def print_compiled_memory(program, params, opt_state, seconds: float, trainer, o
     offloaded = trainer.cfg.train.offload_optimizer
     print(f"  {'optimizer state':24s} {fmt(bytes_per_device(opt_state, opt_in))}"
           + (" (held in pinned host memory between steps)" if offloaded else ""), file=out)
+    if reference is not None:
+        print(f"  {'DPO frozen reference':24s} {fmt(bytes_per_device(reference, program.input_shardings[0][2].reference))}"
+              " (an argument of the step, not donated)", file=out)
     if memory is not None:
         peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes
         print(f"  {'temporaries':24s} {fmt(memory.temp_size_in_bytes)} (activations, gradients, communication "
@@ -536,7 +540,7 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
                  [(label, fmt(getattr(modelled["gpu"], name)), fmt(getattr(modelled["cpu"], name)))
                   for name, label in STEP_TERMS if getattr(modelled["cpu"], name) or getattr(modelled["gpu"], name)]),
           file=out)
-    reference = dpo_reference_line(cfg, sum(r[4] for r in rows), modelled["gpu"].peak)
+    reference = dpo_reference_line(cfg, modelled["gpu"].reference)
     if reference:
         print(f"  {reference}", file=out)
     if m.attention == "xla":
@@ -575,7 +579,8 @@ def describe(cfg: Config, out=None, *, memory_budget: float | None = None, run: 
         program = trainer.steps.compile(params, opt_state, tokens, stage)
         if stage == trainer.steps.stages[0]:
             print_compiled_memory(program, params, opt_state, time.perf_counter() - started, trainer, out,
-                                  modelled["cpu" if target is None else "gpu"], compiler=compiler_name(devices[0]))
+                                  modelled["cpu" if target is None else "gpu"], compiler=compiler_name(devices[0]),
+                                  reference=getattr(tokens, "reference", None))
         step = analyze(program, trainer.mesh)
         label = f" ({stage} stage)" if staged else ""
         print(f"\ncompiled train step{label}: collectives per mesh axis (bytes = per device, per step)", file=out)

@@ -262,6 +262,7 @@ def run_pipeline_forward(
     *,
     axis: str = "pipe",
     reports: bool = False,
+    per_row: bool = False,
 ) -> jax.Array | tuple[jax.Array, PyTree]:
     """Mean loss over the microbatches, computed stage by stage: held-out evaluation with pipe > 1.
 
@@ -274,6 +275,10 @@ def run_pipeline_forward(
     ``reports=True`` (needs ``StageFunctions.reporting_stage``) returns ``(loss, reports)``: what this
     stage's layers reported, summed over the microbatches, stacked ``[chunks, layers_per_chunk, ...]``
     like ``stage_params`` (zeros in an uneven layout's padding slots).
+
+    ``per_row=True``: ``fns.loss`` returns one value per row of its microbatch (``[rows]``: DPO's summed
+    answer log-probabilities), and the result is those of every microbatch, ``[microbatches, rows]``, from
+    the last stage (summed over ``axis``, where the other stages hold zeros) instead of a mean.
     """
     if not plan.program.schedule.forward_only:
         raise ValueError(
@@ -282,7 +287,7 @@ def run_pipeline_forward(
         )
     if reports and fns.reporting_stage is None:
         raise ValueError("run_pipeline_forward: reports=True needs StageFunctions.reporting_stage")
-    loop = _TickLoop(plan, fns, stage_params, shared_params, tokens, axis, collect=reports)
+    loop = _TickLoop(plan, fns, stage_params, shared_params, tokens, axis, collect=reports, per_row=per_row)
     loss, _, _ = loop.run()
     return (loss, loop.reports) if reports else loss
 
@@ -314,7 +319,7 @@ class _TickLoop:
     gradient-sized state and runs no ``vjp``."""
 
     def __init__(self, plan: PipelinePlan, fns: StageFunctions, stage_params: PyTree, shared_params: PyTree,
-                 tokens: jax.Array, axis: str, collect: bool = False):
+                 tokens: jax.Array, axis: str, collect: bool = False, per_row: bool = False):
         program, check_vma, layer_counts = plan.program, plan.check_vma, plan.layer_counts
         schedule = program.schedule
         self.lockstep = plan.lockstep
@@ -350,6 +355,10 @@ class _TickLoop:
             fns.chunk_specs(), is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.zeros_act = self.pin(self.zeros(self.act))
         self.zero_loss = self.zeros(jax.ShapeDtypeStruct((), jnp.float32))
+        # What the last stage computes of a microbatch: its loss, or (per_row) one value per row; summed over
+        # the microbatches, or (per_row) kept by microbatch.
+        self.per_row = per_row
+        self.zero_head = self.zeros(jax.ShapeDtypeStruct((tokens.shape[1],), jnp.float32)) if per_row else self.zero_loss
         self.keep = program.keeps_residuals
         self.hoist = program.hoists_recompute
         # The example microbatch's tokens vary like those a tick reads (picked by the stage's own row).
@@ -408,7 +417,7 @@ class _TickLoop:
             y, found = self.run_stage(chunk_params, x, chunk, tok), None
         y = pin(y)
         loss = jax.lax.cond(virtual == self.last_virtual,
-                            lambda: fns.loss(shared, y, tok).astype(jnp.float32), lambda: self.zero_loss)
+                            lambda: fns.loss(shared, y, tok).astype(jnp.float32), lambda: self.zero_head)
         return y, loss, found
 
     def forward(self, row, stash, seq, reports=None):
@@ -433,7 +442,7 @@ class _TickLoop:
                                    row["fwd_res_slot"])
         loss = jax.lax.cond(chunk * self.p + self.stage_index == self.last_virtual,
                             lambda: self.fns.loss(self.shared_params, y, tok).astype(jnp.float32),
-                            lambda: self.zero_loss)
+                            lambda: self.zero_head)
         return y, loss, rbuf, seq + token(loss) + self.token(y)
 
     def stage_input(self, chunk, tok, stash, stash_slot, seq):
@@ -610,7 +619,7 @@ class _TickLoop:
 
     def tick_of(self, seg: _Segment):
         """The body of the ``scan`` over one segment's ticks: receive, forward, backward (B), W, send."""
-        zeros_act, zero_loss = self.zeros_act, self.zero_loss
+        zeros_act, zero_head = self.zeros_act, self.zero_head
 
         early = self.early_sends
         send_forward, send_backward = self.send_forward, self.send_backward
@@ -641,16 +650,16 @@ class _TickLoop:
                 y_out, loss, rbuf, seq = self.branch(
                     "forward", row["fwd_mb"] >= 0,
                     lambda: self.forward_keeping(row, stash, rbuf, seq),
-                    lambda: (zeros_act, zero_loss, rbuf, seq),
+                    lambda: (zeros_act, zero_head, rbuf, seq),
                 )
-                loss_sum = loss_sum + loss
+                loss_sum = self.added(loss_sum, loss, row)
             elif seg.forward:
                 y_out, loss, reports, seq = self.branch(
                     "forward", row["fwd_mb"] >= 0,
                     lambda: self.forward(row, stash, seq, reports),
-                    lambda: (zeros_act, zero_loss, reports, seq),
+                    lambda: (zeros_act, zero_head, reports, seq),
                 )
-                loss_sum = loss_sum + loss
+                loss_sum = self.added(loss_sum, loss, row)
             if self.train and early:  # the backward reads what the last tick sent
                 gbuf, seq = receive_backward(gbuf, b_msg, row, seq)
             if early and seg.send_forward:
@@ -692,6 +701,15 @@ class _TickLoop:
                              hbuf, b_out), None
 
         return tick
+
+    def added(self, loss_sum: jax.Array, loss: jax.Array, row) -> jax.Array:
+        """``loss_sum`` with a tick's head value added: the sum of the losses, or (``per_row``) the rows'
+        values at their microbatch (an idle tick's are zeros, added to the first)."""
+        if not self.per_row:
+            return loss_sum + loss
+        return jax.lax.dynamic_update_index_in_dim(
+            loss_sum, jax.lax.dynamic_index_in_dim(loss_sum, jnp.maximum(row["fwd_mb"], 0), keepdims=False) + loss,
+            jnp.maximum(row["fwd_mb"], 0), axis=0)
 
     def send(self, x: jax.Array, seq: jax.Array, step: int) -> jax.Array:
         """``x`` (read after ``seq``) sent ``step`` stages along the ring: one ``ppermute`` over the pipeline
@@ -751,7 +769,8 @@ class _TickLoop:
             b_msg=self.zeros_act if train else None,
             g_stage=self.zeros(self.stage_params) if train else None,
             g_shared=self.zeros(self.shared_params) if train else None,
-            loss_sum=self.zero_loss,
+            loss_sum=(self.zeros(jax.ShapeDtypeStruct((self.schedule.microbatches, *self.zero_head.shape), jnp.float32))
+                      if self.per_row else self.zero_loss),
             seq=self.prepared_token(),
             reports=self.zero_reports() if self.collect else None,
             recomputed=self.filled(self.layers.residual_buffers(program.recompute_slots)) if self.hoist else None,
@@ -793,6 +812,7 @@ class _TickLoop:
         seq = state.seq + self.token(state.f_msg)
         if self.train:
             seq = seq + self.token(state.b_msg) + token(state.g_stage)
-        loss, g_shared = jax.lax.psum(after((state.loss_sum * self.inv_m, state.g_shared), seq), self.axis)
+        head = state.loss_sum if self.per_row else state.loss_sum * self.inv_m
+        loss, g_shared = jax.lax.psum(after((head, state.g_shared), seq), self.axis)
         self.reports = state.reports
         return loss, state.g_stage, g_shared

@@ -6,7 +6,9 @@ attention, SwiGLU, untied head) or for the parameter bytes of any contract model
 device, term by term:
 
 * **arguments**: the parameters and the optimizer state as ``parallel.zero`` splits them over ``data``
-  (parameters at rest ``/d`` with zero=3, optimizer state ``/d`` with zero >= 1);
+  (parameters at rest ``/d`` with zero=3, optimizer state ``/d`` with zero >= 1), and DPO's frozen
+  reference copy of the starting weights where the run holds one (the stage's parameters, whole over
+  ``data``: the step runs its forward; its activations are a forward's, freed before the backward's);
 * **gradients**: the step accumulates a stage's gradients over the microbatches in the parameters'
   dtype, and while a microbatch's backward runs its own gradients are a second copy (they are added
   to the accumulator when it ends): ``2·G``. With zero=3 the accumulator is the device's ``1/d``
@@ -160,6 +162,7 @@ class StepRun:
     gather_bytes: int = 4  # zero=3: a gathered parameter's bytes (parallel.gather_dtype)
     reduce_bytes: int = 4  # zero=3: a gathered parameter's gradient's bytes as it is reduced (parallel.reduce_dtype)
     attention: str = "xla"
+    frozen_reference: bool = False  # DPO's frozen copy of the starting weights: an argument of the step
 
     @classmethod
     def from_config(cls, cfg: Config, program=None) -> StepRun:
@@ -184,7 +187,8 @@ class StepRun:
             sequence_parallel=m.sequence_parallel and mesh.tensor > 1, zero=t.zero,
             gather_once=t.gather_once, optimizer=t.optimizer, param_bytes=_itemsize(m.param_dtype),
             compute_bytes=_itemsize(m.dtype), gather_bytes=_itemsize(t.gather_dtype or m.dtype),
-            reduce_bytes=_itemsize(t.reduce_dtype or m.param_dtype), attention=m.attention)
+            reduce_bytes=_itemsize(t.reduce_dtype or m.param_dtype), attention=m.attention,
+            frozen_reference=t.objective == "dpo" and not t.lora.rank and not t.dpo.precompute_reference)
 
 
 def dpo_rows_per_pair(cfg: Config) -> int:
@@ -218,11 +222,13 @@ class StepMemory:
     weight_buffers: float
     host: float = 0.0  # pinned host memory: offloaded layer inputs and optimizer state (not in the peak)
     mtp: float = 0.0  # deepseek: the multi-token prediction modules' residuals and logits (the last stage's)
+    reference: float = 0.0  # DPO's frozen reference weights (an argument, not donated)
 
     @property
     def arguments(self) -> float:
-        """What the step takes and returns (donated): parameters and optimizer state."""
-        return self.parameters + self.optimizer
+        """What the step takes: parameters and optimizer state (donated: the outputs reuse them), and a
+        frozen DPO reference's weights."""
+        return self.parameters + self.optimizer + self.reference
 
     @property
     def temporaries(self) -> float:
@@ -364,8 +370,9 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
     else:
         module = kept_layer + (kept_scores if run.remat == "none" else 0.0)
     mtp = shape.mtp_layers * (module + logits)
+    reference = stage if run.frozen_reference else 0.0
     return StepMemory(backend, parameters, optimizer, gradients, stash, layers_kept, working, logits,
-                      weight_buffers, host, mtp)
+                      weight_buffers, host, mtp, reference)
 
 
 def score_elements(shape: StepShape, run: StepRun) -> float:

@@ -33,8 +33,9 @@ class ForwardBackward(NamedTuple):
     ``loss_groups``: how many microbatches' mean losses the backward seeds at full weight, each averaged
     afterwards (its output gradients are that many times the whole batch's). ``metrics(params, tokens)``:
     what the objective reports besides the loss, means over the microbatches (``None``: nothing).
-    ``row_logps(params, tokens)``: each row's summed log-probability of its counted targets, from a plain
-    forward (a precomputed DPO reference's pass, :mod:`meshtron.train.reference_pass`)."""
+    ``row_logps(params, tokens)``: each row's summed log-probability of its counted targets, from a forward
+    over the microbatches (DPO's reference: a frozen copy's inside the step, a precomputed one's pass,
+    :mod:`meshtron.train.reference_pass`)."""
 
     gradients: Callable[[Params, jax.Array], tuple[jax.Array, Params]]
     loss: Callable[[Params, jax.Array], jax.Array]
@@ -100,9 +101,14 @@ def objective_metrics(model_def: ModelDef, objective: Objective, microbatches: i
     return metrics
 
 
-def row_logps(model_def: ModelDef) -> Callable[[Params, jax.Array], jax.Array]:
-    """``(params, tokens) -> [rows]``: each row's summed counted-target log-probability (plain forward)."""
-    return lambda params, tokens: sequence_logps(model_def.bind(params), tokens)
+def row_logps(model_def: ModelDef, microbatches: int = 1) -> Callable[[Params, jax.Array], jax.Array]:
+    """``(params, tokens) -> [rows]``: each row's summed counted-target log-probability, a plain forward
+    of one microbatch at a time (what it holds at once is one microbatch's, as in the step's own forward)."""
+    def rows(params: Params, tokens: jax.Array) -> jax.Array:
+        found = jax.lax.map(lambda mb: sequence_logps(model_def.bind(params), mb), as_microbatches(tokens, microbatches))
+        return found.reshape(-1)
+
+    return rows
 
 
 def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Execution = DEFAULT_EXECUTION,
@@ -121,5 +127,5 @@ def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Ex
         reports=reports,
         loss_groups=microbatches,
         metrics=objective_metrics(model_def, objective, microbatches, execution),
-        row_logps=row_logps(model_def),
+        row_logps=row_logps(model_def, microbatches),
     )

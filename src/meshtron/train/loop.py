@@ -36,8 +36,8 @@ from meshtron.outputs import first_missing, remove_if_empty
 from meshtron.pipeline.layout import StageLayout
 from meshtron.run import Run, check_features, run_for_model
 from meshtron.train.bookkeeping import Cadence, NonFinitePolicy, RunRecord, StageTiming
-from meshtron.train.objective import check_objective_data, objective_for, window_channels
-from meshtron.train.reference_pass import REFERENCE_FILE, as_is, prepare_reference
+from meshtron.train.objective import check_objective_data, frozen_copy, objective_for, window_channels
+from meshtron.train.reference_pass import REFERENCE_FILE, as_is, frozen_reference, prepare_reference
 from meshtron.train.reporting import RunProgress, StepProfiler
 from meshtron.train.resume import WeightsIO, finish_saving, note
 from meshtron.train.sinks import Outcome
@@ -78,7 +78,7 @@ class Trainer:
     corpus: Corpus | TokenDatasets | None  # the training data (a text, an indexed dataset or a blend); None: not read
     optimizer: OptimizerSetup
     weights: WeightsIO = field(init=False, repr=False)  # where the weights come from and go
-    referenced: Callable[[Any], Any] = field(init=False, repr=False)  # + DPO's frozen copy's values
+    referenced: Callable[[Any], Any] = field(init=False, repr=False)  # a batch as the step takes it (+ DPO's frozen copy)
 
     def __post_init__(self) -> None:
         self.weights = WeightsIO(self.resolved, self.mesh, self.model_def, self.steps, self.optimizer.freeze_step)
@@ -144,6 +144,7 @@ class Trainer:
             skip_nonfinite=cfg.train.on_nonfinite == "skip", zero=zero, seed=t.seed, execution=run.execution,
             offload_optimizer=t.offload_optimizer,
             compiler_options=run_options(cfg.gpu.overlap, cfg.gpu.xla_flags), objective=objective,
+            frozen_reference=frozen_copy(cfg),
         )
         return cls(run, mesh, model_def, steps, corpus, optimizer)
 
@@ -162,10 +163,11 @@ class Trainer:
         """Layers per virtual stage (``parallel.layout``, else even); None without a pipeline."""
         return self.resolved.stage_layout
 
-    def abstract_step_arguments(self) -> tuple[Any, Any, jax.ShapeDtypeStruct]:
-        """The train step's arguments -- parameters, optimizer state, a batch of tokens -- as abstract
-        arrays laid out as this run lays them out: what compiles the step for a mesh without allocating
-        a model (``meshtron describe --compile``)."""
+    def abstract_step_arguments(self) -> tuple[Any, Any, Any]:
+        """The train step's arguments -- parameters, optimizer state, a batch of tokens (with DPO's frozen
+        reference weights beside it, :class:`~meshtron.train.step.StepInputs`, where the run holds them) --
+        as abstract arrays laid out as this run lays them out: what compiles the step for a mesh without
+        allocating a model (``meshtron describe --compile``)."""
         params = abstract_like(self.weights.training_shapes(self.model_def.shapes()), self.steps.param_shardings)
         with jax.set_mesh(self.mesh):
             opt_state = abstract_like(jax.eval_shape(self.steps.init_state_fn, params), self.steps.opt_shardings)
@@ -174,7 +176,7 @@ class Trainer:
         rows = self.cfg.train.batch_size * (2 if dpo else 1)
         tokens = jax.ShapeDtypeStruct((rows, self.cfg.model.seq_len + 1, *channels), np.int32,
                                       sharding=self.steps.batch_sharding)
-        return params, opt_state, tokens
+        return params, opt_state, self.steps.abstract_inputs(tokens, self.weights.training_shapes(self.model_def.shapes()))
 
     def train_stream(self, position: int = 0, cursor: dict | None = None):
         """The training batches from batch ``position`` on (``cursor``: a streamed source's read
@@ -186,6 +188,8 @@ class Trainer:
     def evaluate(self, params) -> float:
         t = self.cfg.train
         stream = self.corpus.heldout_stream(batch_size=t.batch_size, seq_len=self.cfg.model.seq_len, seed=t.seed)
+        if self.steps.reference_shardings is not None and self.referenced is as_is:  # evaluated before a run
+            self.referenced = frozen_reference(self)
         losses = [self.steps.eval(params, self.referenced(stream.batch(i, self.steps.batch_sharding))) for i in range(t.eval_batches)]
         return float(np.mean(jax.device_get(losses)))
 

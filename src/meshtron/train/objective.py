@@ -18,10 +18,11 @@ context: the adapters add nothing to them), and the last stage reads both halves
 copies' backward carries zeros.
 
 **The whole model** trains against the starting (``train.init_from``) weights, whose log-probabilities
-ride in the batch (a sixth feature, :func:`~meshtron.models.preference.precomputed_reference`), so the
-step itself runs no reference (``carried``): either a frozen copy of those weights, held beside the
-policy without optimizer state, runs a forward over each batch before the step
-(:meth:`meshtron.train.step.TrainSteps.with_reference`), or, with ``train.dpo.precompute_reference``, one
+the loss reads from the batch (a sixth feature, :func:`~meshtron.models.preference.precomputed_reference`;
+``carried``): either a frozen copy of those weights, an argument of the train step held in the
+parameters' layout without gradient or optimizer state, runs a forward over the step's batch inside the
+step and adds them there (:class:`meshtron.train.step.StepInputs`; in a pipeline the forward-only
+schedule, each stage's layers on their own devices), or, with ``train.dpo.precompute_reference``, one
 pass before training computes every pair's (:mod:`meshtron.train.reference_pass`) and no second copy of
 the model is held at all (with LoRA that also saves the reference's forward and, in a pipeline, the
 doubled rows).
@@ -85,6 +86,10 @@ class Objective(Protocol):
     def pipelined(self) -> contextlib.AbstractContextManager:
         """What a pipeline's stages are traced in."""
 
+    def head_metrics(self, rows: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
+        """:meth:`metrics` of microbatches ``tokens`` [m, rows, ...] from their rows' summed log-probabilities
+        ``rows`` [m, ...] as a pipeline's last stage computes them, of the rows :meth:`pipelined_rows` lays out."""
+
 
 @dataclass(frozen=True)
 class LanguageModeling:
@@ -107,6 +112,9 @@ class LanguageModeling:
 
     def pipelined(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def head_metrics(self, rows: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
+        return {}
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,16 @@ class Preference:
         chosen, rejected = pairs(self.summed(document_targets(tokens, self.packed)))
         return (chosen > 0) & (rejected > 0)
 
+    def head_metrics(self, rows: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
+        """The batch's metrics from a pipeline's per-row sums (every microbatch holds whole pairs, so the mean
+        over all pairs is the mean of the microbatches' means)."""
+        if self.carried:
+            policy, reference = rows, precomputed_reference(tokens.reshape(-1, *tokens.shape[2:]))
+        else:
+            policy, reference = jnp.split(rows, 2, axis=1)
+        return preference_metrics(self.preference.beta, self.summed(policy.reshape(-1)),
+                                  self.summed(reference.reshape(-1)))
+
     def summed(self, local: jax.Array) -> jax.Array:
         """Per-row sums over a sequence split over ``context`` ranks: each rank's share summed over them."""
         return local if self.context == 1 else jax.lax.psum(local, CONTEXT)
@@ -201,9 +219,9 @@ def objective_for(cfg: Config, model_def: ModelDef) -> Objective:
 def window_channels(t: TrainConfig, documents: bool) -> tuple[int, ...]:
     """The channels of a batch's windows the step takes: none for plain windows, 3 for packed documents
     (``documents``) and preference pairs (one conversation a window), 4 where the batch carries the
-    reference's log-probabilities (:class:`Preference`'s ``carried``)."""
+    precomputed reference's log-probabilities (a frozen copy's the step adds itself)."""
     if t.objective == "dpo":
-        return (4,) if not t.lora.rank or t.dpo.precompute_reference else (3,)
+        return (4,) if t.dpo.precompute_reference else (3,)
     return (3,) if documents else ()
 
 

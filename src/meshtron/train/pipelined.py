@@ -27,12 +27,13 @@ from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.blocks import RESIDUAL, Context, run_blocks, run_layer
 from meshtron.models.contract import ExtraLossReport, embed_tokens, extra_loss, next_token_pairs
 from meshtron.models.fp8 import quantized_weights
+from meshtron.models.preference import head_logps
 from meshtron.pipeline.execution import PipelinePlan
 from meshtron.pipeline.layout import StageLayout
 from meshtron.pipeline.runtime import StageFunctions, run_pipeline, run_pipeline_forward
 from meshtron.sharding import constrain, logical_to_spec
 from meshtron.trace_context import current
-from meshtron.train.forward_backward import ForwardBackward, as_microbatches, objective_metrics, row_logps
+from meshtron.train.forward_backward import ForwardBackward, as_microbatches
 from meshtron.train.objective import LanguageModeling, Objective
 from meshtron.train.state import ModelDef, Params
 
@@ -99,7 +100,8 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
 
 
 def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execution = DEFAULT_EXECUTION,
-                    extra: list[str] | None = None, objective: Objective | None = None) -> StageFunctions:
+                    extra: list[str] | None = None, objective: Objective | None = None,
+                    per_row: bool = False) -> StageFunctions:
     """A contract model cut into embedding and its ``prefix`` if it has one (first virtual stage:
     :func:`~meshtron.models.contract.embed_tokens`, on parameters replicated over the stages), a chunk of blocks, and head + loss
     (last virtual stage: the objective of :func:`~meshtron.models.contract.head_loss`, a model's further
@@ -114,7 +116,8 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
     ``extra``: the last stage computes the model's further loss (unweighted) instead of the objective,
     and appends its metric name to ``extra`` when traced (without one: the objective, nothing appended):
     what a forward-only pipeline reports. ``objective``: what the last stage computes (its
-    ``head_loss``; default the next-token loss)."""
+    ``head_loss``; default the next-token loss). ``per_row``: the last stage computes each row's summed
+    counted-target log-probability instead (:func:`~meshtron.models.preference.head_logps`), ``[rows]``."""
     aux_scale = 1.0 / microbatches
     objective = objective or LanguageModeling()
 
@@ -131,6 +134,8 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
 
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         with auxiliary_loss_scale(aux_scale):
+            if per_row:
+                return head_logps(model_def.bind(shared), y, tokens)
             return objective.head_loss(model_def.bind(shared), y, tokens)
 
     def extra_value(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -210,7 +215,7 @@ def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan, execution: Exec
 
 def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = False,
                    execution: Execution = DEFAULT_EXECUTION, extra: list[str] | None = None,
-                   objective: Objective | None = None):
+                   objective: Objective | None = None, per_row: bool = False):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
     Same stages, layer placement and microbatches as training (``plan``'s), but a forward-only table:
@@ -220,14 +225,16 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     ``reports=True``: ``-> (loss, reports)``, what the layers reported summed over the microbatches,
     stacked over the stage-ordered layer axis (as the block parameters are). ``extra``: the loss is the
     model's further loss instead, its name appended to ``extra`` when traced (:func:`stage_functions`).
+    ``per_row=True``: ``-> [m, rows]``, each row's summed counted-target log-probability (DPO's, of the
+    policy and of a frozen reference), from the last stage.
     """
     forward = plan.forward_only()
-    fns = stage_functions(model_def, execution=execution, extra=extra, objective=objective)
+    fns = stage_functions(model_def, execution=execution, extra=extra, objective=objective, per_row=per_row)
     chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
-        out = run_pipeline_forward(forward, fns, by_chunk, shared, tokens, axis=PIPE, reports=reports)
+        out = run_pipeline_forward(forward, fns, by_chunk, shared, tokens, axis=PIPE, reports=reports, per_row=per_row)
         if not reports:
             return out
         loss, found = out
@@ -243,22 +250,13 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     return loss
 
 
-def in_model_order(metrics, model_def: ModelDef, plan: PipelinePlan):
-    """``metrics(params, tokens)`` of the plain model for stage-ordered parameters: the blocks brought back to
-    model order (gathered over ``pipe``: a whole model per device, on the steps that log metrics)."""
-    if metrics is None:
-        return None
-    sched = plan.program.schedule
-    return lambda params, tokens: metrics(
-        to_canonical(params, model_def.layers, sched.stages, sched.chunks, plan.layout), tokens)
-
-
 def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbatches: int,
                                execution: Execution = DEFAULT_EXECUTION,
                                objective: Objective | None = None) -> ForwardBackward:
     """The pipeline runtime as the step's gradient source: ``plan``'s schedule over the ``microbatches`` for
-    gradients, its forward-only twin for the loss and the layers' reports (those brought back from stage
-    order to model order); layers recomputed as ``execution.remat`` says; the loss ``objective``'s (its
+    gradients, its forward-only twin for the loss, the layers' reports (those brought back from stage
+    order to model order) and each row's summed log-probability (DPO's reference and metrics: every stage
+    keeps its own layers); layers recomputed as ``execution.remat`` says; the loss ``objective``'s (its
     microbatches laid out as it says, its stages traced in its scope; default the next-token loss)."""
     objective = objective or LanguageModeling()
     sched = plan.program.schedule
@@ -266,6 +264,7 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
     run_forward = pipelined_loss(model_def, plan, execution=execution, objective=objective)
     extra: list[str] = []  # the name of the model's further loss, once a report is traced
     run_reporting = pipelined_loss(model_def, plan, reports=True, execution=execution, extra=extra)
+    run_rows = pipelined_loss(model_def, plan, execution=execution, per_row=True)
     model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
                                                               plan.layout)))
 
@@ -285,11 +284,19 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
                 return run(params, objective.pipelined_rows(micro(tokens)))
         return within
 
+    def row_logps(params: Params, tokens: jax.Array) -> jax.Array:
+        return run_rows(params, micro(tokens)).reshape(-1)
+
+    def metrics(params: Params, tokens: jax.Array) -> dict[str, jax.Array]:
+        with objective.pipelined():
+            rows = run_rows(params, objective.pipelined_rows(micro(tokens)))
+        return objective.head_metrics(rows, micro(tokens))
+
     return ForwardBackward(
         gradients=scoped(run_schedule),
         loss=scoped(run_forward),
         reports=reports,
         loss_groups=1,  # the runtime seeds each microbatch's loss at 1/m
-        metrics=in_model_order(objective_metrics(model_def, objective, microbatches, execution), model_def, plan),
-        row_logps=in_model_order(row_logps(model_def), model_def, plan),
+        metrics=metrics if objective.METRICS else None,
+        row_logps=row_logps,
     )

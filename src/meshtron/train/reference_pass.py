@@ -1,6 +1,6 @@
-"""DPO's reference outside the step: the precomputed one (``train.dpo.precompute_reference``), the reference
-model's summed answer log-probabilities of every pair computed once before training, and the frozen copy's
-forward over each batch (:func:`prepare_reference`), so that the step runs no reference.
+"""DPO's reference before the first step: the precomputed one (``train.dpo.precompute_reference``), the
+reference model's summed answer log-probabilities of every pair computed once before training, or the frozen
+copy's weights, which every step then takes beside its batch (:func:`prepare_reference`).
 
 **When and with what.** At the start of a run (step 0), with the weights the run starts from (those of
 ``train.init_from``: the model being aligned is its own reference), one forward pass over each distinct
@@ -35,7 +35,7 @@ from meshtron.errors import ConfigError
 from meshtron.train.objective import frozen_copy
 from meshtron.train.state import Params
 
-__all__ = ["REFERENCE_FILE", "as_is", "attach_reference", "prepare_reference", "reference_logps"]
+__all__ = ["REFERENCE_FILE", "as_is", "attach_reference", "frozen_reference", "prepare_reference", "reference_logps"]
 
 REFERENCE_FILE = "reference_logps.npz"
 SPLITS = ("train", "heldout")
@@ -44,7 +44,8 @@ SPLITS = ("train", "heldout")
 def reference_logps(steps: Any, params: Params, pairs: PreferencePairs, batch_pairs: int) -> np.ndarray:
     """``[num_pairs, 2]`` fp32: the (chosen, rejected) summed answer log-probabilities of every pair of
     ``pairs`` under ``params``, ``batch_pairs`` pairs a forward (the last batch padded with its last pair)
-    through ``steps.row_logps`` (:class:`meshtron.train.step.TrainSteps`)."""
+    through ``steps.row_logps`` (:class:`meshtron.train.step.TrainSteps`; in a pipeline its forward-only
+    schedule, each stage's layers on their own devices)."""
     n = pairs.num_pairs
     found = np.empty((n, 2), np.float32)
     for first in range(0, n, batch_pairs):
@@ -93,19 +94,27 @@ def attach_reference(cfg: Any, steps: Any, params: Params, splits: dict[str, Pre
 def prepare_reference(trainer: Any, params: Params, store: CheckpointStore | None, resumed: bool,
                       say: Callable[..., None]) -> Callable[[Any], Any]:
     """What a run needs of DPO's reference before its first step, and what it does to each batch: the frozen
-    copy of the starting weights (read with ``weights``,
-    :meth:`meshtron.train.resume.WeightsIO.reference_params`) puts its log-probabilities into every batch
-    (:meth:`meshtron.train.step.TrainSteps.with_reference`); the precomputed reference is given to the pairs
-    (:func:`attach_reference`, with ``params``) and batches stay as they are, as they do without either.
-    ``trainer``: a :class:`meshtron.train.loop.Trainer`; ``say`` prints one line of which."""
+    copy of the starting weights goes beside every batch (:func:`frozen_reference`); the precomputed reference
+    is given to the pairs (:func:`attach_reference`, with ``params``) and batches stay as they are, as they do
+    without either. ``trainer``: a :class:`meshtron.train.loop.Trainer`; ``say`` prints one line of which."""
     cfg, steps = trainer.cfg, trainer.steps
     if frozen_copy(cfg):
-        say("reference: a frozen copy of the starting weights, run on every batch before its step", soft_wrap=True)
-        return functools.partial(steps.with_reference, trainer.weights.reference_params())
+        say("reference: a frozen copy of the starting weights, an argument of every step, which runs its forward",
+            soft_wrap=True)
+        return frozen_reference(trainer)
     if cfg.train.objective == "dpo" and cfg.train.dpo.precompute_reference:
         splits = {"train": trainer.corpus.train, "heldout": trainer.corpus.heldout}
         say(attach_reference(cfg, steps, params, splits, store, resumed), soft_wrap=True)
     return as_is
+
+
+def frozen_reference(trainer: Any) -> Callable[[Any], Any]:
+    """Each batch with the frozen copy of the starting weights beside it, what the step takes
+    (:meth:`meshtron.train.step.TrainSteps.inputs`): the weights read once (with ``trainer.weights``,
+    :meth:`meshtron.train.resume.WeightsIO.reference_params`) and laid out for the step."""
+    steps = trainer.steps
+    reference = jax.device_put(trainer.weights.reference_params(), steps.reference_shardings)
+    return functools.partial(steps.inputs, reference=reference)
 
 
 def as_is(batch: Any) -> Any:

@@ -22,6 +22,14 @@ One train step is
 compression) get one compiled program per stage: the stage is a static argument whose extra ``update``
 arguments come from ``stages``, and the host picks the stage each step. Metrics (loss, gradient norm) come
 back per rank of the group and are averaged on the host, so they add no collective to the step.
+
+DPO's frozen copy of the starting weights (``frozen_reference``) is an argument of the step beside the
+batch (:class:`StepInputs`): held in the parameters' layout (tensor- and pipe-split; whole over the data
+group), never donated, without gradient or optimizer state. Before the gradients, the step runs its
+forward over the rank's batch -- one microbatch at a time, or in a pipeline the forward-only schedule, each
+stage's layers on their own devices -- and adds each row's summed answer log-probability to the batch, where
+the objective reads it (:mod:`meshtron.train.objective`). The held-out loss and the logged metrics take the
+same inputs and do the same.
 """
 
 from __future__ import annotations
@@ -87,6 +95,14 @@ def _host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+class StepInputs(NamedTuple):
+    """What a step reads besides the state it updates, where the run holds DPO's frozen reference: the
+    batch ``tokens`` and the ``reference`` weights (laid out as :attr:`TrainSteps.reference_shardings`)."""
+
+    tokens: jax.Array
+    reference: Params
+
+
 class OptState(NamedTuple):
     """State of the reduction transform and of the optimizer proper."""
 
@@ -105,7 +121,7 @@ def build_steps(
     stages: Mapping[str, Mapping[str, Any]] = SINGLE_STAGE,
     skip_nonfinite: bool = False, zero: ZeroPlan | None = None, trainable: Trainable | None = None,
     seed: int = 0, execution: Execution = DEFAULT_EXECUTION, objective: Objective | None = None,
-    offload_optimizer: bool = False, compiler_options: Mapping[str, Any] | None = None,
+    offload_optimizer: bool = False, compiler_options: Mapping[str, Any] | None = None, frozen_reference: bool = False,
 ) -> TrainSteps:
     """Compile-ready train/eval steps for ``model_def`` on ``mesh``.
 
@@ -118,7 +134,8 @@ def build_steps(
     random in training only (dropout). With ``skip_nonfinite`` a non-finite update is not applied
     (``StepMetrics.applied`` false); the test is on the update, which every rank agrees on. ``execution``: how
     the model's code runs (``Run.execution``); ``objective``: what the step minimises. ``offload_optimizer``:
-    optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program."""
+    optimizer state in pinned host memory between steps. ``compiler_options``: XLA's, for every program.
+    ``frozen_reference``: the programs take DPO's frozen reference beside the batch (:class:`StepInputs`)."""
     shapes, model_specs = model_def.shapes(), model_def.shardings(mesh)
     shards = DataShards.of(mesh, model_def.rules, execution)
     zero = zero or ZeroPlan.for_mesh(0, shapes, model_specs, model_def.stacked(), mesh, whole=model_def.probed_state())
@@ -127,6 +144,7 @@ def build_steps(
     source = _gradient_source(model_def, pipeline, shards, microbatches, execution, objective)
     part, probed = trainable.part, ProbedStates(model_def, trainable.observed)
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
+    given = _Inputs(shards, held.whole, source.row_logps if frozen_reference else None)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         observed = []  # the probes' gradients (models/probed_state.py), read before frozen leaves leave the tree
@@ -150,30 +168,61 @@ def build_steps(
     def per_shard_gradients(params: Params, tokens: jax.Array):
         return sync.averaged(*source.gradients(shards.local(trainable.stopped(params), sync.local_leaves), tokens))
 
-    def per_shard_reports(params: Params, tokens: jax.Array):
-        found = source.reports(params, tokens)
-        return jax.lax.psum(found, shards.group) if shards.check_vma else found
-
-    def train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
+    def train(params: Params, opt_state: OptState, inputs: Any, stage: str):
         metrics = StepMetrics(*[shards.per_replica] * 3)
-        return shards.shard_map(partial(per_shard_train, stage=stage), (held.params, held.state, shards.shard_batch),
-                                (held.params, held.state, metrics))(params, opt_state, shards.laid_out(tokens))
+        return shards.shard_map(given.over(partial(per_shard_train, stage=stage)), (held.params, held.state, given.spec),
+                                (held.params, held.state, metrics))(params, opt_state, given.laid_out(inputs))
 
-    def whole_params(fn, out_specs):
-        """``fn(params, tokens)`` over the region with every parameter whole (evaluation and analysis)."""
-        return lambda params, tokens: shards.shard_map(fn, (held.whole, shards.shard_batch), out_specs)(
-            params, shards.laid_out(tokens))
+    def whole_params(fn, out_specs, inputs: _Inputs = given):
+        """``fn(params, tokens)`` of ``inputs`` over the region with every parameter whole (evaluation, analysis)."""
+        return lambda params, tokens: shards.shard_map(inputs.over(fn), (held.whole, inputs.spec), out_specs)(
+            params, inputs.laid_out(tokens))
 
     scoped = partial(model_def.traced, execution=execution)
     return TrainSteps(
         mesh, held.param_shardings, held.opt_shardings, shards.batch_sharding, tuple(stages),
+        reference_shardings=model_specs if frozen_reference else None,
         train=scoped(_state_on_host(train) if offload_optimizer else train),
         evaluate=scoped(whole_params(lambda p, t: shards.mean(source.loss(p, t)), P())),
         gradients=scoped(whole_params(per_shard_gradients, (P(), held.whole))),
-        init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(per_shard_reports, P())),
+        init_state=held.init_state, zero=zero, trainable=trainable, reports=scoped(whole_params(partial(_reports, shards, source), P())),
         report_groups=microbatches * shards.replicas, metrics_spec=shards.per_replica, compiler_options=compiler_options,
         objective_metrics=source.metrics and scoped(whole_params(partial(_group_mean, shards, source.metrics), P())),
-        row_logps=scoped(whole_params(partial(_summed_rows, shards, source.row_logps), P(DATA))))
+        row_logps=scoped(whole_params(partial(_summed_rows, shards, source.row_logps), P(DATA), given.plain())))
+
+
+class _Inputs(NamedTuple):
+    """What the region's programs take beside the parameters: a batch, or, with a frozen DPO reference's
+    ``row_logps`` (its weights laid out ``whole`` in the region), :class:`StepInputs`."""
+
+    shards: DataShards
+    whole: Any
+    row_logps: Any = None
+
+    @property
+    def spec(self) -> Any:
+        return self.shards.shard_batch if self.row_logps is None else StepInputs(self.shards.shard_batch, self.whole)
+
+    def plain(self) -> _Inputs:
+        """A batch alone."""
+        return self._replace(row_logps=None)
+
+    def laid_out(self, inputs: Any) -> Any:
+        if self.row_logps is None:
+            return self.shards.laid_out(inputs)
+        return inputs._replace(tokens=self.shards.laid_out(inputs.tokens))
+
+    def over(self, fn):
+        """``fn(..., tokens)`` as a function of these inputs last (the reference's forward: outside ``fn``'s
+        training scope, so no dropout, and under ``stop_gradient``)."""
+        return lambda *args: fn(*args[:-1], self.local(args[-1]))
+
+    def local(self, inputs: Any) -> jax.Array:
+        """A rank's tokens, with the frozen reference's per-row log-probabilities added where it has one."""
+        if self.row_logps is None:
+            return inputs
+        rows = _summed_rows(self.shards, self.row_logps, jax.lax.stop_gradient(inputs.reference), inputs.tokens)
+        return _with_reference(rows, inputs.tokens)
 
 
 class _HeldLayout(NamedTuple):
@@ -223,9 +272,10 @@ def _state_on_host(train):
     return offloaded
 
 
-def _with_reference(row_logps, reference: Params, tokens: jax.Array) -> jax.Array:
-    """``tokens`` [b, s + 1, 3] with each row's ``row_logps`` under ``reference`` as fp32 bits on every position."""
-    bits = jax.lax.bitcast_convert_type(row_logps(reference, tokens).astype(jnp.float32), jnp.int32)
+def _with_reference(rows: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``tokens`` [b, s + 1, 3] with each row's reference log-probability ``rows`` [b] as fp32 bits on every
+    position (:func:`meshtron.models.preference.precomputed_reference` reads them)."""
+    bits = jax.lax.bitcast_convert_type(rows.astype(jnp.float32), jnp.int32)
     return jnp.concatenate([tokens, jnp.broadcast_to(bits[:, None, None], (*tokens.shape[:2], 1))], axis=-1)
 
 
@@ -238,6 +288,12 @@ def _summed_rows(shards: DataShards, fn, params: Params, tokens: jax.Array) -> j
     """``fn(params, tokens)``'s per-row sums of a rank's positions, summed over a sequence's context ranks."""
     rows = fn(params, tokens)
     return rows if shards.context == 1 else jax.lax.psum(rows, CONTEXT)
+
+
+def _reports(shards: DataShards, source, params: Params, tokens: jax.Array) -> Any:
+    """What the layers report, summed over the data group where the region checks varying types."""
+    found = source.reports(params, tokens)
+    return jax.lax.psum(found, shards.group) if shards.check_vma else found
 
 
 def _group_mean(shards: DataShards, fn, params: Params, tokens: jax.Array) -> Any:
@@ -283,7 +339,8 @@ class TrainSteps:
                  train, evaluate, gradients, init_state, zero: ZeroPlan | None = None,
                  trainable: Trainable | None = None, reports=None,
                  report_groups: int = 1, metrics_spec: P | None = None,
-                 compiler_options: Mapping[str, Any] | None = None, objective_metrics=None, row_logps=None):
+                 compiler_options: Mapping[str, Any] | None = None, objective_metrics=None, row_logps=None,
+                 reference_shardings=None):
         self.mesh = mesh
         self.compiler_options = dict(compiler_options or {})  # XLA options of every program below
         jit = partial(jax.jit, compiler_options=self.compiler_options or None)
@@ -293,6 +350,10 @@ class TrainSteps:
         self.param_shardings = param_shardings
         self.opt_shardings = opt_shardings
         self.batch_sharding = batch_sharding
+        # DPO's frozen reference weights, where the programs take them beside the batch (StepInputs); None without
+        self.reference_shardings = reference_shardings
+        self.input_sharding = (batch_sharding if reference_shardings is None
+                               else StepInputs(batch_sharding, reference_shardings))
         self.stages = stages
         replicated = NamedSharding(mesh, P())
         per_shard = NamedSharding(mesh, P(DATA) if metrics_spec is None else metrics_spec)
@@ -300,43 +361,58 @@ class TrainSteps:
         self._init_jit = jit(init_state, in_shardings=(param_shardings,), out_shardings=opt_shardings)
         self._train_jit = jit(
             train,
-            in_shardings=(param_shardings, opt_shardings, batch_sharding),
+            in_shardings=(param_shardings, opt_shardings, self.input_sharding),
             out_shardings=(param_shardings, opt_shardings, StepMetrics(per_shard, per_shard, per_shard)),
             donate_argnums=(0, 1),
             static_argnums=3,
         )
         self._compiled: dict[str, jax.stages.Compiled] = {}
         self._data_bytes: dict[str, float] = {}
-        self._eval_jit = jit(evaluate, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+        inputs = self.input_sharding
+        self._eval_jit = jit(evaluate, in_shardings=(param_shardings, inputs), out_shardings=replicated)
         self._gradients_jit = jit(
-            gradients, in_shardings=(param_shardings, batch_sharding), out_shardings=(replicated, param_shardings)
+            gradients, in_shardings=(param_shardings, inputs), out_shardings=(replicated, param_shardings)
         )
         self._reports_jit = None if reports is None else jit(
-            reports, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+            reports, in_shardings=(param_shardings, inputs), out_shardings=replicated)
         self._reports_compiled: Any = None
         self._metrics_jit = None if objective_metrics is None else jit(
-            objective_metrics, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+            objective_metrics, in_shardings=(param_shardings, inputs), out_shardings=replicated)
         self._row_logps_jit = None if row_logps is None else jit(
             row_logps, in_shardings=(param_shardings, batch_sharding), out_shardings=NamedSharding(mesh, P(DATA)))
-        self._with_reference_jit = None if row_logps is None else jit(
-            partial(_with_reference, row_logps), in_shardings=(param_shardings, batch_sharding),
-            out_shardings=batch_sharding)
 
     def init_opt_state(self, params: Params) -> OptState:
         """Fresh optimizer state, created sharded."""
         with jax.set_mesh(self.mesh):
             return self._init_jit(params)
 
-    def train(self, params: Params, opt_state: OptState, tokens: jax.Array, stage: str | None = None):
+    def inputs(self, tokens: jax.Array, reference: Params | None = None) -> Any:
+        """What the step and the programs beside it take for batch ``tokens``: the batch, or, where the run
+        holds DPO's frozen ``reference`` weights, :class:`StepInputs` of both (laid out for the step)."""
+        if self.reference_shardings is None:
+            return tokens
+        if reference is None:
+            raise ValueError("reference: this run's step takes DPO's frozen reference weights beside the batch")
+        return StepInputs(tokens, jax.device_put(reference, self.reference_shardings))
+
+    def abstract_inputs(self, tokens: jax.ShapeDtypeStruct, shapes: Params) -> Any:
+        """:meth:`inputs` as abstract arrays, the reference's shaped like ``shapes`` (compiling without data)."""
+        if self.reference_shardings is None:
+            return tokens
+        return StepInputs(tokens, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                               shapes, self.reference_shardings))
+
+    def train(self, params: Params, opt_state: OptState, tokens: Any, stage: str | None = None):
         """One optimizer step in ``stage`` (default: the only one); ``params`` and ``opt_state`` are
-        donated (do not reuse them). Returns ``(params, opt_state, StepMetrics)``."""
+        donated (do not reuse them); ``tokens``: the batch, or (a frozen DPO reference) :meth:`inputs`.
+        Returns ``(params, opt_state, StepMetrics)``."""
         stage = self._stage(stage)
         compiled = self.compile(params, opt_state, tokens, stage)
         # Inputs that are laid out differently (e.g. placed by hand) are moved first; a compiled
         # program, unlike jit, does not reshard its arguments.
         params = jax.device_put(params, self.param_shardings)
         opt_state = jax.device_put(opt_state, self.opt_shardings)
-        tokens = jax.device_put(tokens, self.batch_sharding)
+        tokens = jax.device_put(tokens, self.input_sharding)
         with jax.set_mesh(self.mesh):
             return compiled(params, opt_state, tokens)
 
@@ -374,7 +450,7 @@ class TrainSteps:
         microbatches and data shards: each field stacked over the layers in model order and summed
         over the :attr:`report_groups` routing groups. ``()`` when no layer reports anything."""
         params = jax.device_put(params, self.param_shardings)
-        tokens = jax.device_put(tokens, self.batch_sharding)
+        tokens = jax.device_put(tokens, self.input_sharding)
         with jax.set_mesh(self.mesh):
             if self._reports_compiled is None:  # compiled only for a model whose layers report something
                 lowered = self.lower_reports(params, tokens)
@@ -390,7 +466,7 @@ class TrainSteps:
         if self._metrics_jit is None:
             return {}
         params = jax.device_put(params, self.param_shardings)
-        tokens = jax.device_put(tokens, self.batch_sharding)
+        tokens = jax.device_put(tokens, self.input_sharding)
         with jax.set_mesh(self.mesh):
             return {k: float(v) for k, v in jax.device_get(self._metrics_jit(params, tokens)).items()}
 
@@ -402,12 +478,10 @@ class TrainSteps:
         with jax.set_mesh(self.mesh):
             return np.asarray(jax.device_get(self._row_logps_jit(params, tokens)))
 
-    def with_reference(self, reference: Params, tokens: jax.Array) -> jax.Array:
-        """Preference windows ``tokens`` with a fourth channel: each row's summed answer log-probability
-        under the frozen ``reference`` weights (held as the parameters are), which the step reads instead of
-        running a reference (:mod:`meshtron.train.objective`)."""
+    def lower_row_logps(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
+        """The lowered program of :meth:`row_logps`, for compiled-program analysis."""
         with jax.set_mesh(self.mesh):
-            return self._with_reference_jit(reference, jax.device_put(tokens, self.batch_sharding))
+            return self._row_logps_jit.lower(params, tokens)
 
     def lower_reports(self, params: Params, tokens: jax.Array) -> jax.stages.Lowered:
         """The lowered program of :meth:`layer_reports`, for compiled-program analysis."""
