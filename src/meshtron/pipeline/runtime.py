@@ -263,6 +263,7 @@ def run_pipeline_forward(
     axis: str = "pipe",
     reports: bool = False,
     per_row: bool = False,
+    row_shape: tuple[int, ...] = (),
 ) -> jax.Array | tuple[jax.Array, PyTree]:
     """Mean loss over the microbatches, computed stage by stage: held-out evaluation with pipe > 1.
 
@@ -276,9 +277,10 @@ def run_pipeline_forward(
     stage's layers reported, summed over the microbatches, stacked ``[chunks, layers_per_chunk, ...]``
     like ``stage_params`` (zeros in an uneven layout's padding slots).
 
-    ``per_row=True``: ``fns.loss`` returns one value per row of its microbatch (``[rows]``: DPO's summed
-    answer log-probabilities), and the result is those of every microbatch, ``[microbatches, rows]``, from
-    the last stage (summed over ``axis``, where the other stages hold zeros) instead of a mean.
+    ``per_row=True``: ``fns.loss`` returns values per row of its microbatch (``[rows, *row_shape]``: DPO's
+    summed answer log-probabilities, or of packed pairs one per document), and the result is those of every
+    microbatch, ``[microbatches, rows, *row_shape]``, from the last stage (summed over ``axis``, where the
+    other stages hold zeros) instead of a mean.
     """
     if not plan.program.schedule.forward_only:
         raise ValueError(
@@ -287,7 +289,8 @@ def run_pipeline_forward(
         )
     if reports and fns.reporting_stage is None:
         raise ValueError("run_pipeline_forward: reports=True needs StageFunctions.reporting_stage")
-    loop = _TickLoop(plan, fns, stage_params, shared_params, tokens, axis, collect=reports, per_row=per_row)
+    loop = _TickLoop(plan, fns, stage_params, shared_params, tokens, axis, collect=reports, per_row=per_row,
+                     row_shape=row_shape)
     loss, _, _ = loop.run()
     return (loss, loop.reports) if reports else loss
 
@@ -319,7 +322,8 @@ class _TickLoop:
     gradient-sized state and runs no ``vjp``."""
 
     def __init__(self, plan: PipelinePlan, fns: StageFunctions, stage_params: PyTree, shared_params: PyTree,
-                 tokens: jax.Array, axis: str, collect: bool = False, per_row: bool = False):
+                 tokens: jax.Array, axis: str, collect: bool = False, per_row: bool = False,
+                 row_shape: tuple[int, ...] = ()):
         program, check_vma, layer_counts = plan.program, plan.check_vma, plan.layer_counts
         schedule = program.schedule
         self.lockstep = plan.lockstep
@@ -358,7 +362,8 @@ class _TickLoop:
         # What the last stage computes of a microbatch: its loss, or (per_row) one value per row; summed over
         # the microbatches, or (per_row) kept by microbatch.
         self.per_row = per_row
-        self.zero_head = self.zeros(jax.ShapeDtypeStruct((tokens.shape[1],), jnp.float32)) if per_row else self.zero_loss
+        self.zero_head = (self.zeros(jax.ShapeDtypeStruct((tokens.shape[1], *row_shape), jnp.float32)) if per_row
+                          else self.zero_loss)
         self.keep = program.keeps_residuals
         self.hoist = program.hoists_recompute
         # The example microbatch's tokens vary like those a tick reads (picked by the stage's own row).

@@ -69,6 +69,7 @@ __all__ = ["LanguageModeling", "Objective", "Preference", "check_objective_data"
 
 class Objective(Protocol):
     METRICS: tuple[str, ...]  # the names of what :meth:`metrics` reports
+    packed: int  # rows hold up to this many packed pairs, each document's values apart (0: one a window pair)
 
     def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
         """The mean loss of one microbatch ``tokens`` (as the step lays batches out)."""
@@ -96,6 +97,7 @@ class LanguageModeling:
     """The mean next-token loss (with a model's further loss in its gradient): ``train.objective: lm``."""
 
     METRICS = ()
+    packed = 0
 
     def loss(self, model_def: ModelDef, params: Params, tokens: jax.Array, execution: Execution) -> jax.Array:
         return model_def.loss(params, tokens, execution)
@@ -174,14 +176,16 @@ class Preference:
         return (chosen > 0) & (rejected > 0)
 
     def head_metrics(self, rows: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
-        """The batch's metrics from a pipeline's per-row sums (every microbatch holds whole pairs, so the mean
-        over all pairs is the mean of the microbatches' means)."""
+        """The batch's metrics from a pipeline's per-row (``packed``: per-document) sums ``rows``
+        ``[m, rows, ...]``, each a mean over the batch's (real) pairs, which lie whole in every microbatch."""
+        flat = tokens.reshape(-1, *tokens.shape[2:])
         if self.carried:
-            policy, reference = rows, precomputed_reference(tokens.reshape(-1, *tokens.shape[2:]))
+            policy, reference = rows, self.carried_reference(flat)
         else:
             policy, reference = jnp.split(rows, 2, axis=1)
-        return preference_metrics(self.preference.beta, self.summed(policy.reshape(-1)),
-                                  self.summed(reference.reshape(-1)))
+            reference = self.summed(reference.reshape(-1, *rows.shape[2:]))
+        return preference_metrics(self.preference.beta, self.summed(policy.reshape(-1, *rows.shape[2:])),
+                                  reference, self.real(flat))
 
     def summed(self, local: jax.Array) -> jax.Array:
         """Per-row sums over a sequence split over ``context`` ranks: each rank's share summed over them."""

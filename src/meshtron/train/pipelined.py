@@ -101,7 +101,7 @@ def permute_state_layers(tree, params_treedef, perm: np.ndarray):
 
 def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execution = DEFAULT_EXECUTION,
                     extra: list[str] | None = None, objective: Objective | None = None,
-                    per_row: bool = False) -> StageFunctions:
+                    per_row: bool = False, packed: int = 0) -> StageFunctions:
     """A contract model cut into embedding and its ``prefix`` if it has one (first virtual stage:
     :func:`~meshtron.models.contract.embed_tokens`, on parameters replicated over the stages), a chunk of blocks, and head + loss
     (last virtual stage: the objective of :func:`~meshtron.models.contract.head_loss`, a model's further
@@ -117,7 +117,8 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
     and appends its metric name to ``extra`` when traced (without one: the objective, nothing appended):
     what a forward-only pipeline reports. ``objective``: what the last stage computes (its
     ``head_loss``; default the next-token loss). ``per_row``: the last stage computes each row's summed
-    counted-target log-probability instead (:func:`~meshtron.models.preference.head_logps`), ``[rows]``."""
+    counted-target log-probability instead (:func:`~meshtron.models.preference.head_logps`), ``[rows]``, or
+    (``packed``: rows of up to that many packed pairs) each document's, ``[rows, packed]``."""
     aux_scale = 1.0 / microbatches
     objective = objective or LanguageModeling()
 
@@ -135,7 +136,7 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
     def loss(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
         with auxiliary_loss_scale(aux_scale):
             if per_row:
-                return head_logps(model_def.bind(shared), y, tokens)
+                return head_logps(model_def.bind(shared), y, tokens, packed=packed)
             return objective.head_loss(model_def.bind(shared), y, tokens)
 
     def extra_value(shared: Params, y: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -215,7 +216,7 @@ def pipelined_gradients(model_def: ModelDef, plan: PipelinePlan, execution: Exec
 
 def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = False,
                    execution: Execution = DEFAULT_EXECUTION, extra: list[str] | None = None,
-                   objective: Objective | None = None, per_row: bool = False):
+                   objective: Objective | None = None, per_row: bool = False, packed: int = 0):
     """``(params, tokens [m, rows, seq+1]) -> loss``: the forward-only pipeline (held-out evaluation).
 
     Same stages, layer placement and microbatches as training (``plan``'s), but a forward-only table:
@@ -226,15 +227,18 @@ def pipelined_loss(model_def: ModelDef, plan: PipelinePlan, reports: bool = Fals
     stacked over the stage-ordered layer axis (as the block parameters are). ``extra``: the loss is the
     model's further loss instead, its name appended to ``extra`` when traced (:func:`stage_functions`).
     ``per_row=True``: ``-> [m, rows]``, each row's summed counted-target log-probability (DPO's, of the
-    policy and of a frozen reference), from the last stage.
+    policy and of a frozen reference), from the last stage; with ``packed``, ``[m, rows, packed]``, each
+    packed document's.
     """
     forward = plan.forward_only()
-    fns = stage_functions(model_def, execution=execution, extra=extra, objective=objective, per_row=per_row)
+    fns = stage_functions(model_def, execution=execution, extra=extra, objective=objective, per_row=per_row,
+                          packed=packed)
     chunks = plan.chunks
 
     def per_stage(blocks: Params, shared: Params, tokens: jax.Array):
         by_chunk = jax.tree.map(lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:]), blocks)
-        out = run_pipeline_forward(forward, fns, by_chunk, shared, tokens, axis=PIPE, reports=reports, per_row=per_row)
+        out = run_pipeline_forward(forward, fns, by_chunk, shared, tokens, axis=PIPE, reports=reports, per_row=per_row,
+                                   row_shape=(packed,) if packed else ())
         if not reports:
             return out
         loss, found = out
@@ -265,6 +269,10 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
     extra: list[str] = []  # the name of the model's further loss, once a report is traced
     run_reporting = pipelined_loss(model_def, plan, reports=True, execution=execution, extra=extra)
     run_rows = pipelined_loss(model_def, plan, execution=execution, per_row=True)
+    # The metrics read packed pairs' values document by document; the reference's rows (a frozen copy's, the
+    # precomputed pass's) are one pair a window pair.
+    run_metric_rows = (pipelined_loss(model_def, plan, execution=execution, per_row=True, packed=objective.packed)
+                       if objective.packed else run_rows)
     model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
                                                               plan.layout)))
 
@@ -289,7 +297,7 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
 
     def metrics(params: Params, tokens: jax.Array) -> dict[str, jax.Array]:
         with objective.pipelined():
-            rows = run_rows(params, objective.pipelined_rows(micro(tokens)))
+            rows = run_metric_rows(params, objective.pipelined_rows(micro(tokens)))
         return objective.head_metrics(rows, micro(tokens))
 
     return ForwardBackward(
