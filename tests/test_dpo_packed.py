@@ -1,8 +1,9 @@
 """DPO over packed pairs (``data.pairs_per_window`` > 1): several pairs' chosen conversations in one
 window and their rejected ones in the matching window, each a document of its own. The step's loss,
 gradient and metrics equal those of the same pairs one a window (per-pair losses averaged alike), with
-LoRA's frozen base, with a precomputed reference, and in a pipeline; the windows hold every pair once an
-epoch, whole, and are built the same every time; what packing cannot run is one line."""
+LoRA's frozen base, with a precomputed reference, with a frozen copy of the starting weights, and in a
+pipeline; the windows hold every pair once an epoch, whole, and are built the same every time; what
+packing cannot run is one line."""
 
 import numpy as np
 import pytest
@@ -43,19 +44,24 @@ def unpacked_batch(packed: PackedPairs, samples: range) -> np.ndarray:
     return np.concatenate([packed.pair(int(p)) for p in held])
 
 
-def step_values(trainer, params, batch):
-    """The step's loss, gradient (model layer order) and metrics at ``params`` (model layer order)."""
+def step_values(trainer, params, batch, reference=None):
+    """The step's loss, gradient (model layer order) and metrics at ``params`` (model layer order);
+    ``reference``: the frozen copy's weights (model layer order), which the step takes beside ``batch``."""
     import jax
 
     from meshtron.train.pipelined import to_canonical, to_stage_order
 
     pipe, chunks = trainer.mesh.shape["pipe"], trainer.cfg.pipeline.chunks
     layers = trainer.model_def.layers
-    held = to_stage_order(params, layers, pipe, chunks) if pipe > 1 else params
-    held = jax.device_put(held, trainer.steps.param_shardings)
-    loss, grads = trainer.steps.gradients(held, jax.numpy.asarray(batch))
+
+    def held(tree):
+        return to_stage_order(tree, layers, pipe, chunks) if pipe > 1 else tree
+
+    weights = jax.device_put(held(params), trainer.steps.param_shardings)
+    inputs = trainer.steps.inputs(jax.numpy.asarray(batch), None if reference is None else held(reference))
+    loss, grads = trainer.steps.gradients(weights, inputs)
     grads = to_canonical(jax.device_get(grads), layers, pipe, chunks) if pipe > 1 else jax.device_get(grads)
-    return float(loss), grads, trainer.steps.objective_metrics(held, jax.numpy.asarray(batch))
+    return float(loss), grads, trainer.steps.objective_metrics(weights, inputs)
 
 
 def check_same(packed, unpacked, *, trained: str):
@@ -140,6 +146,34 @@ def test_packed_full_dpo_with_a_precomputed_reference_equals_one_pair_a_window(c
                trained="kernel")
 
 
+@pytest.mark.parametrize("layout", [(), pytest.param(("parallel.pipe=2", "parallel.schedule=1f1b",
+                                                      "parallel.microbatches=2"), marks=pytest.mark.slow)],
+                         ids=["one-device", "pipe-1f1b"])
+def test_packed_full_dpo_with_a_frozen_copy_equals_one_pair_a_window(case, tmp_path, layout):
+    """The frozen copy of the starting weights, its forward inside the step, sums each conversation of a
+    packed window apart and writes each sum onto its own conversation's positions: the step's loss, gradient
+    and metrics equal the frozen copy's one pair a window on one device over the same pairs, also in a
+    pipeline of 2 stages under 1F1B (the copy's per-document sums from the forward-only schedule's last
+    stage), 2 microbatches of 2 window pairs of 2 pairs each (a third slot masked)."""
+    import jax
+
+    from meshtron.train.loop import Trainer
+
+    _, imported, data = case
+    packed = packed_trainer(full_config(imported, data, tmp_path / "p", *TWO_A_WINDOW, "data.pairs_per_window=3",
+                                        *layout, precompute=False))
+    pairs = packed.corpus.train
+    assert [len(pairs.window_pairs(i)) for i in range(4)] == [2, 2, 2, 2]
+    batch = packed.train_stream().global_batch(0)
+    assert batch.shape == (8, 96, 3)  # the step adds the copy's values itself
+    starting = load_pretrained(imported, MeshConfig(1, 1, 1)).params
+    params = jax.tree.map(lambda x: np.asarray(x) * np.float32(1.05 if x.ndim == 3 else 1.0), starting)
+    plain = Trainer.from_config(full_config(imported, data, tmp_path / "u", *TWO_A_WINDOW, "train.batch_size=8",
+                                            precompute=False))
+    check_same(step_values(packed, params, batch, starting),
+               step_values(plain, params, unpacked_batch(pairs, range(4)), starting), trained="kernel")
+
+
 @pytest.mark.slow
 def test_packed_lora_dpo_in_a_pipeline_equals_one_pair_a_window(case, tmp_path):
     """(data, pipe, tensor) = (2, 2, 2), interleaved (2 chunks a stage), 2 microbatches: each microbatch
@@ -194,8 +228,6 @@ def test_windows_hold_every_pair_once_an_epoch_whole_and_the_same_every_time(cas
     (["data.pairs_per_window=0"], r"data.pairs_per_window: must be a whole number >= 1"),
     (["data.pairs_per_window=2", "train.objective=lm"], (r"data.pairs_per_window: packs preference pairs, and "
                                                          r"train.objective=lm")),
-    (["data.pairs_per_window=2", "train.lora.rank=0"], (r"data.pairs_per_window: packed pairs need their "
-                                                        r"reference per conversation.*precompute_reference=true")),
 ])
 def test_what_packing_cannot_run_is_one_line(case, tmp_path, override, message):
     from meshtron.run import check_features
@@ -203,6 +235,14 @@ def test_what_packing_cannot_run_is_one_line(case, tmp_path, override, message):
     _, imported, data = case
     with pytest.raises(ConfigError, match=message):
         check_features(dpo_config(imported, data, tmp_path / "x", *override))
+
+
+def test_packing_runs_with_a_frozen_copy(case, tmp_path):
+    """The whole model against a frozen copy of its starting weights packs pairs (nothing refused)."""
+    from meshtron.run import check_features
+
+    _, imported, data = case
+    check_features(full_config(imported, data, tmp_path / "x", "data.pairs_per_window=2", precompute=False))
 
 
 def test_packing_needs_an_indexed_dataset(case, tmp_path):

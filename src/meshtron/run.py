@@ -191,9 +191,6 @@ def check_features(cfg: Config) -> None:
         _need(cfg.data.source == "indexed", "data.pairs_per_window",
               f"packs the pairs of an indexed dataset, and data.source={cfg.data.source} streams them one a window; "
               "set it to 1, or preprocess the pairs with meshtron preprocess --preference")
-        _need(bool(t.lora.rank) or t.dpo.precompute_reference, "data.pairs_per_window",
-              "packed pairs need their reference per conversation, which the frozen copy of the whole model gives "
-              "per window; set train.dpo.precompute_reference=true (or train LoRA adapters), or set it to 1")
     m = cfg.model
     _need(not m.mtp.layers or cfg.mesh.context <= 1, "model.mtp.layers",
           f"multi-token prediction reads each position's tokens k places on, which a sequence split over "

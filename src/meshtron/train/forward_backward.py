@@ -34,8 +34,10 @@ class ForwardBackward(NamedTuple):
     afterwards (its output gradients are that many times the whole batch's). ``metrics(params, tokens)``:
     what the objective reports besides the loss, means over the microbatches (``None``: nothing).
     ``row_logps(params, tokens)``: each row's summed log-probability of its counted targets, from a forward
-    over the microbatches (DPO's reference: a frozen copy's inside the step, a precomputed one's pass,
-    :mod:`meshtron.train.reference_pass`)."""
+    over the microbatches (a precomputed DPO reference's pass, :mod:`meshtron.train.reference_pass`, on
+    one pair a window pair). ``reference_logps(params, tokens)``: what a frozen copy inside the step gives
+    DPO's reference, the same sums ``[rows]``, or for packed pairs (``objective.packed`` = ``K``) each
+    document's, ``[rows, K]``."""
 
     gradients: Callable[[Params, jax.Array], tuple[jax.Array, Params]]
     loss: Callable[[Params, jax.Array], jax.Array]
@@ -43,6 +45,7 @@ class ForwardBackward(NamedTuple):
     loss_groups: int = 1
     metrics: Callable[[Params, jax.Array], dict[str, jax.Array]] | None = None
     row_logps: Callable[[Params, jax.Array], jax.Array] | None = None
+    reference_logps: Callable[[Params, jax.Array], jax.Array] | None = None
 
 
 def as_microbatches(tokens: jax.Array, microbatches: int) -> jax.Array:
@@ -101,12 +104,15 @@ def objective_metrics(model_def: ModelDef, objective: Objective, microbatches: i
     return metrics
 
 
-def row_logps(model_def: ModelDef, microbatches: int = 1) -> Callable[[Params, jax.Array], jax.Array]:
+def row_logps(model_def: ModelDef, microbatches: int = 1,
+              packed: int = 0) -> Callable[[Params, jax.Array], jax.Array]:
     """``(params, tokens) -> [rows]``: each row's summed counted-target log-probability, a plain forward
-    of one microbatch at a time (what it holds at once is one microbatch's, as in the step's own forward)."""
+    of one microbatch at a time (what it holds at once is one microbatch's, as in the step's own forward);
+    ``[rows, packed]``, each document's, for rows of up to ``packed`` documents."""
     def rows(params: Params, tokens: jax.Array) -> jax.Array:
-        found = jax.lax.map(lambda mb: sequence_logps(model_def.bind(params), mb), as_microbatches(tokens, microbatches))
-        return found.reshape(-1)
+        found = jax.lax.map(lambda mb: sequence_logps(model_def.bind(params), mb, packed=packed),
+                            as_microbatches(tokens, microbatches))
+        return found.reshape(-1, *found.shape[2:])
 
     return rows
 
@@ -128,4 +134,5 @@ def plain_forward_backward(model_def: ModelDef, microbatches: int, execution: Ex
         loss_groups=microbatches,
         metrics=objective_metrics(model_def, objective, microbatches, execution),
         row_logps=row_logps(model_def, microbatches),
+        reference_logps=row_logps(model_def, microbatches, objective.packed),
     )

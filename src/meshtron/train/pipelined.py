@@ -269,10 +269,10 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
     extra: list[str] = []  # the name of the model's further loss, once a report is traced
     run_reporting = pipelined_loss(model_def, plan, reports=True, execution=execution, extra=extra)
     run_rows = pipelined_loss(model_def, plan, execution=execution, per_row=True)
-    # The metrics read packed pairs' values document by document; the reference's rows (a frozen copy's, the
-    # precomputed pass's) are one pair a window pair.
-    run_metric_rows = (pipelined_loss(model_def, plan, execution=execution, per_row=True, packed=objective.packed)
-                       if objective.packed else run_rows)
+    # The metrics and a frozen copy's reference read packed pairs' values document by document; the
+    # precomputed pass's rows are one pair a window pair.
+    run_document_rows = (pipelined_loss(model_def, plan, execution=execution, per_row=True, packed=objective.packed)
+                         if objective.packed else run_rows)
     model_order = jnp.asarray(canonical_positions(stage_order(model_def.layers, sched.stages, sched.chunks,
                                                               plan.layout)))
 
@@ -295,9 +295,13 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
     def row_logps(params: Params, tokens: jax.Array) -> jax.Array:
         return run_rows(params, micro(tokens)).reshape(-1)
 
+    def reference_logps(params: Params, tokens: jax.Array) -> jax.Array:
+        found = run_document_rows(params, micro(tokens))
+        return found.reshape(-1, *found.shape[2:])
+
     def metrics(params: Params, tokens: jax.Array) -> dict[str, jax.Array]:
         with objective.pipelined():
-            rows = run_metric_rows(params, objective.pipelined_rows(micro(tokens)))
+            rows = run_document_rows(params, objective.pipelined_rows(micro(tokens)))
         return objective.head_metrics(rows, micro(tokens))
 
     return ForwardBackward(
@@ -307,4 +311,5 @@ def pipelined_forward_backward(model_def: ModelDef, plan: PipelinePlan, microbat
         loss_groups=1,  # the runtime seeds each microbatch's loss at 1/m
         metrics=metrics if objective.METRICS else None,
         row_logps=row_logps,
+        reference_logps=reference_logps,
     )

@@ -27,8 +27,9 @@ DPO's frozen copy of the starting weights (``frozen_reference``) is an argument 
 batch (:class:`StepInputs`): held in the parameters' layout (tensor- and pipe-split; whole over the data
 group), never donated, without gradient or optimizer state. Before the gradients, the step runs its
 forward over the rank's batch -- one microbatch at a time, or in a pipeline the forward-only schedule, each
-stage's layers on their own devices -- and adds each row's summed answer log-probability to the batch, where
-the objective reads it (:mod:`meshtron.train.objective`). The held-out loss and the logged metrics take the
+stage's layers on their own devices -- and adds each row's summed answer log-probability to the batch (of
+packed pairs, each conversation's on its own positions), where the objective reads it
+(:mod:`meshtron.train.objective`). The held-out loss and the logged metrics take the
 same inputs and do the same.
 """
 
@@ -50,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.hlo.collectives import collectives
 from meshtron.hlo.summary import MemoryFigures, memory_figures
+from meshtron.models import documents
 from meshtron.models.blocks import layer_parameters
 from meshtron.optim.layout import manual_part, opt_state_specs
 from meshtron.optim.sync import gradient_sync
@@ -144,7 +146,7 @@ def build_steps(
     source = _gradient_source(model_def, pipeline, shards, microbatches, execution, objective)
     part, probed = trainable.part, ProbedStates(model_def, trainable.observed)
     held = _held_layout(model_def, mesh, shards, zero, part, reduction, optimizer, offload_optimizer)
-    given = _Inputs(shards, held.whole, source.row_logps if frozen_reference else None)
+    given = _Inputs(shards, held.whole, source.reference_logps if frozen_reference else None)
 
     def per_shard_train(params: Params, opt_state: OptState, tokens: jax.Array, stage: str):
         observed = []  # the probes' gradients (models/probed_state.py), read before frozen leaves leave the tree
@@ -193,7 +195,8 @@ def build_steps(
 
 class _Inputs(NamedTuple):
     """What the region's programs take beside the parameters: a batch, or, with a frozen DPO reference's
-    ``row_logps`` (its weights laid out ``whole`` in the region), :class:`StepInputs`."""
+    ``row_logps`` (its per-row, or packed pairs' per-document, sums; its weights laid out ``whole`` in the
+    region), :class:`StepInputs`."""
 
     shards: DataShards
     whole: Any
@@ -218,7 +221,8 @@ class _Inputs(NamedTuple):
         return lambda *args: fn(*args[:-1], self.local(args[-1]))
 
     def local(self, inputs: Any) -> jax.Array:
-        """A rank's tokens, with the frozen reference's per-row log-probabilities added where it has one."""
+        """A rank's tokens, with the frozen reference's per-row (per-document) log-probabilities added where
+        it has one."""
         if self.row_logps is None:
             return inputs
         rows = _summed_rows(self.shards, self.row_logps, jax.lax.stop_gradient(inputs.reference), inputs.tokens)
@@ -273,10 +277,20 @@ def _state_on_host(train):
 
 
 def _with_reference(rows: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``tokens`` [b, s + 1, 3] with each row's reference log-probability ``rows`` [b] as fp32 bits on every
-    position (:func:`meshtron.models.preference.precomputed_reference` reads them)."""
-    bits = jax.lax.bitcast_convert_type(rows.astype(jnp.float32), jnp.int32)
-    return jnp.concatenate([tokens, jnp.broadcast_to(bits[:, None, None], (*tokens.shape[:2], 1))], axis=-1)
+    """Features ``tokens`` [b, s, 5] with a sixth, the reference log-probabilities as fp32 bits: each row's
+    ``rows`` [b] on every position, or of packed documents ``rows`` [b, K] each document's on its own
+    positions (segment id ``k`` holds ``rows[:, k - 1]``; 0 where no document is), as
+    :func:`meshtron.models.preference.precomputed_reference` reads them."""
+    values = rows.astype(jnp.float32)
+    if values.ndim == 1:
+        per_position = jnp.broadcast_to(values[:, None], tokens.shape[:2])
+    else:
+        segments = documents.view(tokens).segments
+        slot = jnp.clip(segments - 1, 0, values.shape[1] - 1)
+        found = jnp.take_along_axis(values, slot, axis=1)
+        per_position = jnp.where((segments >= 1) & (segments <= values.shape[1]), found, 0.0)
+    bits = jax.lax.bitcast_convert_type(per_position, jnp.int32)
+    return jnp.concatenate([tokens, bits[..., None]], axis=-1)
 
 
 def _chosen(applied: jax.Array, new: Any, old: Any) -> Any:
