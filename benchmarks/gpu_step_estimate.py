@@ -3,6 +3,10 @@
 seconds printed (``meshtron describe --compile --target`` prints the same estimate, not the program).
 
     python benchmarks/gpu_step_estimate.py --config llama2_7b --target h100 --hlo step.hlo.txt KEY=VALUE...
+
+``--cpu-pullback`` traces a pipeline's per-layer pullback with XLA:CPU's GEMM operand layouts, as
+compile-only GPU programs were traced before the pullback followed the mesh's platform (for comparing
+with figures measured then; benchmarks/2026-12-01-gradient-accumulation-fusion.md).
 """
 
 from __future__ import annotations
