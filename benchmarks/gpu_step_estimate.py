@@ -4,9 +4,10 @@ seconds printed (``meshtron describe --compile --target`` prints the same estima
 
     python benchmarks/gpu_step_estimate.py --config llama2_7b --target h100 --hlo step.hlo.txt KEY=VALUE...
 
-``--cpu-pullback`` traces a pipeline's per-layer pullback with XLA:CPU's GEMM operand layouts, as
-compile-only GPU programs were traced before the pullback followed the mesh's platform (for comparing
-with figures measured then; benchmarks/2026-12-01-gradient-accumulation-fusion.md).
+``--cpu-pullback`` traces a pipeline's per-layer pullback as for XLA:CPU (weight-gradient products
+behind optimization barriers), as compile-only GPU programs were traced before the pullback followed
+the mesh's platform (for comparing with figures measured then;
+benchmarks/2026-12-01-gradient-accumulation-fusion.md).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def main() -> None:
     parser.add_argument("--target", default="h100")
     parser.add_argument("--hlo", required=True, help="where the compiled program's HLO text goes")
     parser.add_argument("--cpu-pullback", action="store_true",
-                        help="trace the pipeline's per-layer pullback with XLA:CPU's GEMM layouts (barriers), as "
+                        help="trace the pipeline's per-layer pullback as for XLA:CPU (products behind barriers), as "
                              "compile-only GPU programs were traced before the pullback read the mesh's platform")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -42,7 +43,7 @@ def main() -> None:
         plain = split_backward.SplitPullback.__init__
 
         def as_on_cpu(self, *a, **k):
-            plain(self, *a, **{**k, "contiguous_weight_matmuls": True})
+            plain(self, *a, **{**k, "contiguous_weight_matmuls": True, "weight_product_barrier": True})
 
         split_backward.SplitPullback.__init__ = as_on_cpu
     cfg = load_config(args.config, args.overrides)

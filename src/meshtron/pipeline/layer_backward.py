@@ -27,9 +27,11 @@ __all__ = ["LayerBackward"]
 
 def _compiling_for() -> str:
     """The platform of the devices the program being traced is for: the current mesh's (``jax.set_mesh``:
-    compile-only GPU devices on a CPU machine are GPUs), else JAX's default backend. The CPU-only GEMM
-    layouts of :class:`SplitPullback` (``contiguous_weight_matmuls``) must not reach a GPU program: their
-    optimization barriers keep XLA:GPU from fusing a weight gradient's accumulation into its GEMM."""
+    compile-only GPU devices on a CPU machine are GPUs), else JAX's default backend. Weight gradients
+    run on operands laid out as a plain GEMM reads them on CPUs and GPUs (:class:`SplitPullback`'s
+    ``contiguous_weight_matmuls``: XLA:CPU's fast GEMM; on H100 programs the estimated step is shorter,
+    benchmarks/2026-12-01-gradient-accumulation-fusion.md), with the product behind a barrier on CPUs
+    only: on GPUs the barrier would keep XLA from adding the product into its accumulator in the GEMM."""
     from jax._src import mesh as mesh_lib  # no public accessor for the concrete mesh set by jax.set_mesh
 
     mesh = mesh_lib.get_concrete_mesh()
@@ -98,9 +100,11 @@ class LayerBackward:
         # operands XLA's fast GEMM accepts (W 15% faster at width 256) and produce the gradient in
         # the weight's own layout where that copies less (16% more at width 256, 43% at 1024); GPU
         # GEMMs read transposed operands as they are, so elsewhere the pullback is JAX's own.
+        platform = _compiling_for()
         self._pullback = SplitPullback(treedef, self._slots, stored, self._read(first, first_weights), y,
                                        weight_reads_residuals=True,
-                                       contiguous_weight_matmuls=_compiling_for() == "cpu")
+                                       contiguous_weight_matmuls=platform in ("cpu", "gpu"),
+                                       weight_product_barrier=platform == "cpu")
         # A boundary value with a home (a residual of its shape that only B reads) is written over
         # that residual in the microbatch's residual slot, which lives until W anyway; the B-to-W
         # buffers hold the others. GPT: the QKV cotangent takes the QKV output's place (9 -> 6 s·b·h).
