@@ -164,6 +164,7 @@ class ModelConfig:
     remat: str = "none"  # none | full (keep block inputs only) | selective (recompute the attention core) | offload (full, block inputs in host memory)
     sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
     collective_matmul: bool = False  # sequence parallelism's gathers and reduce-scatters as rings overlapped with the GEMMs
+    gradient_accumulation_fusion: bool = False  # weight gradients leave their GEMMs in float32 (models/master_weight_gemm.py)
     kv_heads: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5  # epsilon of every LayerNorm (gpt) / RMSNorm (llama)
@@ -476,6 +477,10 @@ class ParallelConfig:
     # projections as rings of collective-permutes, each step's GEMM overlapping the next transfer
     # (models/collective_matmul.py).
     collective_matmul: bool = False
+    # Each projection's weight gradient computed by a GEMM with a float32 result, handed to the float32
+    # gradient without a round trip through the compute dtype; the accumulation over microbatches then
+    # adds a GEMM's output (models/master_weight_gemm.py; Megatron's --gradient-accumulation-fusion).
+    gradient_accumulation_fusion: bool = False
     # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered), ring
     # (blocks passed around, two resident at a time), ulysses (all-to-alls swap the sequence split for a head
     # split: each rank attends over the whole sequence for heads/context heads) or hybrid (ulysses over
@@ -491,7 +496,7 @@ ALIASES: dict[str, str] = {
     **{f"train.{name}": f"parallel.{name}"
        for name in ("microbatches", "zero", "gather_once", "gather_dtype", "reduce_dtype")},
     **{f"model.{name}": f"parallel.{name}" for name in ("sequence_parallel", "context_attention", "ulysses_degree",
-                                                                "collective_matmul")},
+                                                                "collective_matmul", "gradient_accumulation_fusion")},
 }
 
 
@@ -809,6 +814,8 @@ def validate(cfg: Config) -> None:
           f"must be true or false, got {m.sequence_parallel!r}")
     _need(isinstance(m.collective_matmul, bool), "parallel.collective_matmul",
           f"must be true or false, got {m.collective_matmul!r}")
+    _need(isinstance(m.gradient_accumulation_fusion, bool), "parallel.gradient_accumulation_fusion",
+          f"must be true or false, got {m.gradient_accumulation_fusion!r}")
     _need(m.factory is not None or m.family in FAMILIES, "model.family",
           f"must be one of {', '.join(FAMILIES)} (or set model.factory=package.module:function), got {m.family!r}")
     if m.kv_heads is not None:

@@ -56,6 +56,8 @@ class _RunModelSettings(Protocol):
     def fp8(self) -> str: ...
     @property
     def collective_matmul(self) -> bool: ...
+    @property
+    def gradient_accumulation_fusion(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class Execution:
     fp8: str = "off"
     collective_matmul: bool = False
     ulysses_degree: int = 1
+    gradient_accumulation_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
@@ -93,7 +96,8 @@ class Execution:
     def of_model_config(cls, model: _RunModelSettings) -> Execution:
         """The switches a run's ``model`` section (``cfg.model``) sets."""
         return cls(remat=model.remat, attention=model.attention, context_attention=model.context_attention,
-                   ulysses_degree=model.ulysses_degree, fp8=model.fp8, window=model.seq_len, collective_matmul=model.collective_matmul)
+                   ulysses_degree=model.ulysses_degree, fp8=model.fp8, window=model.seq_len, collective_matmul=model.collective_matmul,
+                   gradient_accumulation_fusion=model.gradient_accumulation_fusion)
 
     def scope(self) -> contextlib.AbstractContextManager[TraceContext]:
         """Inside this, traced model code runs as these switches say: attention through this
@@ -102,7 +106,8 @@ class Execution:
         :func:`meshtron.models.blocks.run_blocks`)."""
         return using(attention=self.attention, recompute_core=self.remat == "selective",
                      exchange=self.context_attention,
-                     ulysses_degree=self.ulysses_degree, fp8=self.fp8, collective_matmul=self.collective_matmul)
+                     ulysses_degree=self.ulysses_degree, fp8=self.fp8, collective_matmul=self.collective_matmul,
+                     gradient_accumulation_fusion=self.gradient_accumulation_fusion)
 
     def context(self, max_len: int | None) -> int | None:
         """How many tokens generation sees by default: the training window, within the model's

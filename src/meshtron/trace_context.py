@@ -96,6 +96,7 @@ class TraceContext:
     exchange: str = "gathered"
     ulysses_degree: int = 1
     collective_matmul: bool = False
+    gradient_accumulation_fusion: bool = False
     layer_views: tuple[LayerView, ...] = ()
     fp8_weights: Any = None
     gathered: dict[int, tuple[Any, GatheredShard]] | None = None

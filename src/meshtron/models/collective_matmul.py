@@ -49,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from meshtron.models.fp8 import projection_einsum
+from meshtron.models.master_weight_gemm import fusing, master_weight_einsum
 from meshtron.sharding import LogicalAxes, logical_to_spec, manual_part
 from meshtron.trace_context import current, using
 
@@ -410,6 +411,8 @@ class _ProjectionEinsum:
             y = primitive(spec, x, w.astype(x.dtype), self.axes)
         if y is not None:
             return y
+        if w.dtype != x.dtype and fusing():  # the master weight, kept by keep_master_weight
+            return master_weight_einsum(spec, x, w)
         return projection_einsum(spec, x, w, **options)
 
 

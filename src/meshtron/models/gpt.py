@@ -36,6 +36,7 @@ from meshtron.models.blocks import (
 from meshtron.models.collective_matmul import column_parallel, row_parallel
 from meshtron.models.contract import logits_of
 from meshtron.models.layers import INIT_STD, normal, ones, padded_vocab_init, pre_norm_block, zeros
+from meshtron.models.master_weight_gemm import keep_master_weight
 from meshtron.sharding import constrain
 
 
@@ -77,7 +78,7 @@ class Attention(nnx.Module):
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         h, n, d = dims.hidden, dims.heads, dims.head_dim
         out_std = INIT_STD / math.sqrt(2 * dims.layers)
-        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "rngs": rngs}
+        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "promote_dtype": keep_master_weight, "rngs": rngs}
         self.qkv = nnx.Einsum(
             "bse,ethd->bsthd",
             (h, 3, n, d),
@@ -113,7 +114,7 @@ class MLP(nnx.Module):
 
     def __init__(self, dims: GPTDims, *, rngs: nnx.Rngs):
         out_std = INIT_STD / math.sqrt(2 * dims.layers)
-        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "rngs": rngs}
+        common = {"dtype": dims.dtype, "param_dtype": dims.param_dtype, "promote_dtype": keep_master_weight, "rngs": rngs}
         self.fc1 = nnx.Einsum(
             "bse,em->bsm",
             (dims.hidden, dims.mlp_dim),

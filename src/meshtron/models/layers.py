@@ -3,7 +3,7 @@ and the pre-norm residual block body."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -13,6 +13,7 @@ from flax import nnx
 from meshtron.models.blocks import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
 from meshtron.models.collective_matmul import GATHERED_INPUT, column_parallel
 from meshtron.models.fp8 import joined_weight, projection_einsum
+from meshtron.models.master_weight_gemm import fusing, joined_master_einsum, master_weight_einsum
 from meshtron.sharding import LogicalAxes, constrain
 from meshtron.trace_context import current
 
@@ -47,7 +48,8 @@ def padded_vocab_init(vocab_size: int, std: float = INIT_STD):
 
 
 def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *kernels: jax.Array,
-                     axes: LogicalAxes | None = None) -> jax.Array:
+                     axes: LogicalAxes | None = None,
+                     parts: tuple[Callable[[jax.Array], Sequence[jax.Array]], Sequence[str]] | None = None) -> jax.Array:
     """``einsum(spec, x, fuse(*kernels))`` whose backward pass rebuilds the fused kernel instead of keeping it.
 
     Fusing kernels (query/key/value, gate/up) makes one matmul, so the backward pass all-reduces one
@@ -65,6 +67,11 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
     ``axes``: the joined kernel's logical axes, for a column-parallel projection in a tensor-parallel
     region: under collective matmul it then gathers a sequence-split ``x`` itself
     (:func:`meshtron.models.collective_matmul.column_parallel`).
+
+    ``parts``: ``(split, specs)``, how the joined output cuts into the kernels' own outputs (``split(y)[i]
+    = einsum(specs[i], x, kernels[i])``). Under ``parallel.gradient_accumulation_fusion`` each kernel's
+    float32 weight gradient is then a GEMM of its own (:func:`~meshtron.models.master_weight_gemm.
+    joined_master_einsum`), which XLA adds into that kernel's accumulator.
     """
     if current().fp8 != "off":
         return projection_einsum(spec, x, joined_weight(fuse, kernels, x.dtype), projections=len(kernels))
@@ -73,6 +80,11 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
     policy = jax.checkpoint_policies.save_only_these_names(GATHERED_INPUT)
 
     def project(x, *kernels):
+        if fusing() and not current().collective_matmul:
+            # float32 weight gradients, one GEMM per kernel where ``parts`` says how to cut the output
+            if parts is not None:
+                return joined_master_einsum(spec, x, fuse, kernels, *parts)
+            return master_weight_einsum(spec, x, fuse(*kernels))
         return product(spec, x, fuse(*kernels).astype(x.dtype), projections=len(kernels))
 
     return jax.checkpoint(project, policy=policy, prevent_cse=False)(x, *kernels)

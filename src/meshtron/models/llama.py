@@ -45,6 +45,7 @@ from meshtron.models.layers import (
     projection_kernel,
     with_added_output,
 )
+from meshtron.models.master_weight_gemm import keep_master_weight
 from meshtron.models.moe import MoE, MoEDims, moe_dims_from_config
 from meshtron.sharding import constrain, divides, same_layout
 
@@ -92,7 +93,7 @@ def _projection(spec: str, shape: tuple[int, ...], axes: tuple[str, ...], dims: 
     """A column-parallel projection into a tensor-parallel region, or (``row``) a row-parallel one out of it."""
     einsum_op = row_parallel(axes) if row else column_parallel(axes)
     return nnx.Einsum(spec, shape, kernel_init=normal(INIT_STD, axes), dtype=dims.dtype,
-                      param_dtype=dims.param_dtype, einsum_op=einsum_op, rngs=rngs)
+                      param_dtype=dims.param_dtype, einsum_op=einsum_op, promote_dtype=keep_master_weight, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -117,11 +118,15 @@ class Attention(nnx.Module):
         wq, wk, wv = projection_kernel(self.wq), projection_kernel(self.wk), projection_kernel(self.wv)
         e, n, d = wq.shape
         kv = wk.shape[1]
+        b, s = x.shape[:2]
+
+        def split(y):
+            return y[:, :, :, :-2].reshape(b, s, n, d), y[:, :, :, -2], y[:, :, :, -1]
+
         y = fused_projection("bse,ekgd->bskgd", x, lambda wq, wk, wv: jnp.concatenate(
             [wq.reshape(e, kv, n // kv, d), wk[:, :, None], wv[:, :, None]], axis=2), wq, wk, wv,
-            axes=("embed", "kv_heads", None, "head_dim"))
-        b, s = x.shape[:2]
-        q, k, v = y[:, :, :, :-2].reshape(b, s, n, d), y[:, :, :, -2], y[:, :, :, -1]
+            axes=("embed", "kv_heads", None, "head_dim"), parts=(split, ("bse,end->bsnd",) * 3))
+        q, k, v = split(y)
         return with_added_output(self.wq, x, q), with_added_output(self.wk, x, k), with_added_output(self.wv, x, v)
 
     def __call__(self, x: jax.Array, ctx: Context):
@@ -133,6 +138,11 @@ class Attention(nnx.Module):
             return self.wo(causal_attention(q, k, v))
         context, cache = causal_attention(q, k, v, positions=ctx.positions, cache=ctx.cache)
         return self.wo(context), cache
+
+
+def _gate_and_up(y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The gate's and the up projection's outputs in their joined output ``[b, s, 2, f]``."""
+    return y[:, :, 0], y[:, :, 1]
 
 
 class MLP(nnx.Module):
@@ -152,7 +162,8 @@ class MLP(nnx.Module):
         # stack), so the backward pass all-reduces one input gradient, as Megatron's fused projection;
         # what a layer hook adds to either output (LoRA's rank-r terms) is added beside it.
         y = fused_projection("bse,etf->bstf", x, lambda gate, up: jnp.stack([gate, up], axis=1),
-                             projection_kernel(self.gate), projection_kernel(self.up), axes=("embed", None, "mlp"))
+                             projection_kernel(self.gate), projection_kernel(self.up), axes=("embed", None, "mlp"),
+                             parts=(_gate_and_up, ("bse,ef->bsf",) * 2))
         gate, up = with_added_output(self.gate, x, y[:, :, 0]), with_added_output(self.up, x, y[:, :, 1])
         hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
         return self.down(hidden)

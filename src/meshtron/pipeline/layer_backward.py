@@ -25,6 +25,22 @@ from meshtron.pipeline.stage import PyTree, StageFunctions
 __all__ = ["LayerBackward"]
 
 
+def _compiling_for() -> str:
+    """The platform of the devices the program being traced is for: the current mesh's (``jax.set_mesh``:
+    compile-only GPU devices on a CPU machine are GPUs), else JAX's default backend. Weight gradients
+    run on operands laid out as a plain GEMM reads them on CPUs and GPUs (:class:`SplitPullback`'s
+    ``contiguous_weight_matmuls``: XLA:CPU's fast GEMM; on H100 programs the estimated step is shorter,
+    benchmarks/2026-12-01-gradient-accumulation-fusion.md), with the product behind a barrier on CPUs
+    only: on GPUs the barrier would keep XLA from adding the product into its accumulator in the GEMM."""
+    from jax._src import mesh as mesh_lib  # no public accessor for the concrete mesh set by jax.set_mesh
+
+    mesh = mesh_lib.get_concrete_mesh()
+    if mesh is None or mesh.empty:
+        return jax.default_backend()
+    platform = mesh.devices.flat[0].platform
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
 class LayerBackward:
     """A stage's backward taken one layer at a time, from each layer's ``jax.vjp`` residuals.
 
@@ -84,9 +100,11 @@ class LayerBackward:
         # operands XLA's fast GEMM accepts (W 15% faster at width 256) and produce the gradient in
         # the weight's own layout where that copies less (16% more at width 256, 43% at 1024); GPU
         # GEMMs read transposed operands as they are, so elsewhere the pullback is JAX's own.
+        platform = _compiling_for()
         self._pullback = SplitPullback(treedef, self._slots, stored, self._read(first, first_weights), y,
                                        weight_reads_residuals=True,
-                                       contiguous_weight_matmuls=jax.default_backend() == "cpu")
+                                       contiguous_weight_matmuls=platform in ("cpu", "gpu"),
+                                       weight_product_barrier=platform == "cpu")
         # A boundary value with a home (a residual of its shape that only B reads) is written over
         # that residual in the microbatch's residual slot, which lives until W anyway; the B-to-W
         # buffers hold the others. GPT: the QKV cotangent takes the QKV output's place (9 -> 6 s·b·h).
@@ -145,15 +163,23 @@ class LayerBackward:
         """``carry = step(carry, i, layer_params, layer_weights)`` for each layer slot ``i`` of a chunk (the
         last first with ``reverse``); with ``active``, slots from ``active`` on (an uneven chunk's padding)
         are skipped. What a layer produces goes into buffers the carry holds, so a skipped slot costs
-        nothing (no zeros to output)."""
-        def body(c, xs):
-            i, lp, lw = xs
-            if active is None:
-                return step(c, i, lp, lw), None
-            return jax.lax.cond(i < active, lambda: step(c, i, lp, lw), lambda: c), None
+        nothing (no zeros to output).
 
-        xs = (jnp.arange(self._layers), chunk_params, self._chunk_weights(chunk))
-        return jax.lax.scan(body, carry, xs, reverse=reverse)[0]
+        The slot index is a counter the loop carries (XLA sees an induction variable), not an element
+        of a scanned ``arange``: XLA:GPU then reads and writes a slot of the carried buffers in place
+        around a GEMM (a dynamic-slice fusion), which lets a weight gradient's GEMM add itself into its
+        slot of the accumulator (``parallel.gradient_accumulation_fusion``)."""
+        def body(c, xs):
+            c, i = c
+            lp, lw = xs
+            following = i - 1 if reverse else i + 1
+            if active is None:
+                return (step(c, i, lp, lw), following), None
+            return (jax.lax.cond(i < active, lambda: step(c, i, lp, lw), lambda: c), following), None
+
+        first = jnp.asarray(self._layers - 1 if reverse else 0, jnp.int32)
+        xs = (chunk_params, self._chunk_weights(chunk))
+        return jax.lax.scan(body, (carry, first), xs, reverse=reverse)[0][0]
 
     def forward_into(self, chunk_params: PyTree, x: jax.Array, tokens: jax.Array, active: jax.Array | None,
                      buffers: list[jax.Array], slot: jax.Array, chunk: jax.Array) -> tuple[jax.Array, list[jax.Array]]:

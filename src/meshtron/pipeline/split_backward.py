@@ -148,10 +148,12 @@ def _slice(ops: Sequence[_Op], roots: Sequence[Any], exclude: set[int]) -> set[i
     return picked
 
 
-def _evaluate(ops: Sequence[_Op], env: dict, contiguous: Mapping[int, bool] | None = None) -> None:
+def _evaluate(ops: Sequence[_Op], env: dict, contiguous: Mapping[int, bool] | None = None,
+              product_barrier: bool = True) -> None:
     """Run ``ops`` in order, reading and writing values in ``env`` (keyed by ``id(variable)``); the
     matmuls whose ``id`` is in ``contiguous`` run on operands laid out as a plain GEMM reads them
-    (:func:`_contiguous_matmul`, with ``swap`` the value ``contiguous`` maps them to)."""
+    (:func:`_contiguous_matmul`, with ``swap`` the value ``contiguous`` maps them to, and the product behind
+    a barrier with ``product_barrier``)."""
     contiguous = contiguous or {}
 
     read = _reader(env)
@@ -162,7 +164,8 @@ def _evaluate(ops: Sequence[_Op], env: dict, contiguous: Mapping[int, bool] | No
             subfuns, bind_params = bind_params
         with op.context.manager:
             if id(op) in contiguous:
-                out = _contiguous_matmul(*map(read, op.inputs), swap=contiguous[id(op)], **bind_params)
+                out = _contiguous_matmul(*map(read, op.inputs), swap=contiguous[id(op)], barrier=product_barrier,
+                                         **bind_params)
             else:
                 out = op.primitive.bind(*subfuns, *map(read, op.inputs), **bind_params)
         outs = out if op.primitive.multiple_results else (out,)
@@ -178,7 +181,7 @@ def _gemm_orders(lhs_ndim: int, lhs_contract: Sequence[int], rhs_ndim: int,
 
 
 def _contiguous_matmul(lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any, swap: bool = False,
-                       **params: Any) -> jax.Array:
+                       barrier: bool = True, **params: Any) -> jax.Array:
     """``dot_general(lhs, rhs)`` with the contracted dimensions last in the left operand and first in
     the right one.
 
@@ -201,12 +204,17 @@ def _contiguous_matmul(lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any
     the MLP's first matrix, four times for its second, so :func:`_swap_is_cheaper` decides by the
     elements copied (W 43% faster at width 1024 and 256 tokens, 16% at width 256 and 512 tokens,
     where the MLP's second matrix keeps the traced orientation).
+
+    ``barrier=False`` leaves the product itself without a barrier (the operands keep theirs): what XLA:GPU
+    needs to add a weight gradient into its accumulator in the GEMM (``parallel.gradient_accumulation_fusion``),
+    while the transposed operands still spare the rest of the backward layout copies.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     if lhs_batch or rhs_batch:
         return jax.lax.dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers, **params)
     if swap:
-        product = _contiguous_matmul(rhs, lhs, dimension_numbers=((rhs_contract, lhs_contract), ((), ())), **params)
+        product = _contiguous_matmul(rhs, lhs, dimension_numbers=((rhs_contract, lhs_contract), ((), ())),
+                                     barrier=barrier, **params)
         free_rhs = rhs.ndim - len(rhs_contract)  # leading in ``product``, trailing in the result
         return jax.lax.transpose(product, (*range(free_rhs, product.ndim), *range(free_rhs)))
     lhs_order, rhs_order = _gemm_orders(lhs.ndim, lhs_contract, rhs.ndim, rhs_contract)
@@ -218,7 +226,8 @@ def _contiguous_matmul(lhs: jax.Array, rhs: jax.Array, *, dimension_numbers: Any
         rhs = jax.lax.optimization_barrier(jax.lax.transpose(rhs, rhs_order))
     k = len(lhs_contract)
     contiguous = ((tuple(range(lhs.ndim - k, lhs.ndim)), tuple(range(k))), ((), ()))
-    return jax.lax.optimization_barrier(jax.lax.dot_general_p.bind(lhs, rhs, dimension_numbers=contiguous, **params))
+    product = jax.lax.dot_general_p.bind(lhs, rhs, dimension_numbers=contiguous, **params)
+    return jax.lax.optimization_barrier(product) if barrier else product
 
 
 class SplitPullback:
@@ -236,15 +245,17 @@ class SplitPullback:
     them (:func:`_contiguous_matmul`: what XLA's CPU backend needs to use its fast GEMM for a weight
     gradient), and :meth:`pullback` runs the same equations with the same layouts instead of JAX's
     own pullback, so B + W still equals it bit for bit; both then differ from ``jax.vjp``'s pullback
-    by rounding.
+    by rounding. ``weight_product_barrier=False``: the products themselves without a barrier
+    (:func:`_contiguous_matmul`'s ``barrier``), for XLA:GPU.
     """
 
     def __init__(self, treedef: Any, param_slots: Sequence[int | None], example_res: Sequence[jax.Array],
                  example_params: Sequence[jax.Array], example_dy: jax.Array, weight_reads_residuals: bool = False,
-                 contiguous_weight_matmuls: bool = False):
+                 contiguous_weight_matmuls: bool = False, weight_product_barrier: bool = True):
         self._treedef = treedef
         self.weight_reads_residuals = weight_reads_residuals
         self.contiguous_weight_matmuls = contiguous_weight_matmuls
+        self._product_barrier = weight_product_barrier
         self._param_slots = tuple(param_slots)  # for each pullback residual: params index, or None
 
         def full(res, params, dy):
@@ -376,7 +387,7 @@ class SplitPullback:
             return dparams, dx
         env = self._env(res, params)
         env[id(self._dy_var)] = dy
-        _evaluate(self._ops, env, self._contiguous)
+        _evaluate(self._ops, env, self._contiguous, self._product_barrier)
         read = _reader(env)
         return [read(a) for a in self._dparam_atoms], read(self._dx_atom)
 
@@ -399,7 +410,7 @@ class SplitPullback:
         env = self._env(res, params) if self.weight_reads_residuals else {
             id(v): x for v, x in zip(self._param_vars, params)}
         env.update({id(a): x for a, x in zip(self._boundary, boundary) if x is not None})
-        _evaluate(self._w_ops, env, self._contiguous)
+        _evaluate(self._w_ops, env, self._contiguous, self._product_barrier)
         read = _reader(env)
         early = {id(self._dparam_atoms[k]) for k in self.early}
         return [None if id(a) in early and id(a) not in env else read(a) for a in self._dparam_atoms]
