@@ -220,7 +220,7 @@ def test_windows_hold_every_pair_once_an_epoch_whole_and_the_same_every_time(cas
             lengths = packed._fits
             fits = all(lengths[held, k].sum() + lengths[nxt, k] <= 128 for k in range(2))
             assert len(held) == 4 or not fits
-    second = np.concatenate([packed.window_pairs(first_epoch + i) for i in range(packed._locate(39)[1])])
+    second = np.concatenate([packed.window_pairs(first_epoch + i) for i in range(packed._windows.locate(39)[1])])
     assert len(set(second.tolist())) == len(second)  # the next epoch draws each pair once again
 
 

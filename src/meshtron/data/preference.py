@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import operator
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,6 +58,7 @@ from meshtron.data.indexed import (
     read_meta,
     strip_suffix,
 )
+from meshtron.data.packed_windows import PackedWindows
 from meshtron.data.preprocess import PreprocessStats, dataset_meta, expand_inputs, refuse_empty
 from meshtron.data.samples import SPLITS, split_range
 from meshtron.data.sft import ROLES, ChatTemplate, answer_starts, json_records, mask_prefix
@@ -234,9 +234,6 @@ class PreferencePairs:
         return out
 
 
-_CACHED_EPOCHS = 2  # packed epochs kept built (a run reads them in order)
-
-
 class PackedPairs(PreferencePairs):
     """Window pairs ``[2, seq_len + 1, 3]`` of up to ``pairs_per_window`` preference pairs each, packed as
     the module doc says; :meth:`pair` (what the reference pass reads) still gives one pair's windows.
@@ -250,43 +247,24 @@ class PackedPairs(PreferencePairs):
             raise ConfigError(f"data.pairs_per_window: must be >= 1, got {pairs_per_window}")
         self.pairs_per_window = int(pairs_per_window)
         self._fits = np.minimum(self._lengths, self.seq_len + 1)  # [pairs, 2]: each conversation as a window holds it
-        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._first_window = [0]  # window pair number each built epoch starts at (epochs are built in order)
-        self.samples_per_epoch = len(self._epoch(0)[1]) - 1
+        self._windows = PackedWindows(self.num_pairs, self.seed, split, self._window_starts)
+        self.samples_per_epoch = self._windows.per_epoch
         self.num_samples = self.samples_per_epoch if num_samples is None else int(num_samples)
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(order: pairs in the epoch's order, bounds: window pair k holds ``order[bounds[k]:bounds[k+1]]``)."""
-        cached = self._epochs.get(epoch)
-        if cached is not None:
-            return cached
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, SPLITS[self.split], epoch]))
-        order = rng.permutation(self.num_pairs)
-        bounds, chosen, rejected, held, room = [0], 0, 0, 0, self.seq_len + 1
+    def _window_starts(self, order: np.ndarray) -> list[int]:
+        """Where in ``order`` a new window pair starts: at each pair either conversation of which the
+        windows so far have no room for, or once ``pairs_per_window`` pairs are held."""
+        starts, chosen, rejected, held, room = [], 0, 0, 0, self.seq_len + 1
         for k, (c, r) in enumerate(self._fits[order].tolist()):
             if held == self.pairs_per_window or chosen + c > room or rejected + r > room:
-                bounds.append(k)
+                starts.append(k)
                 chosen, rejected, held = 0, 0, 0
             chosen, rejected, held = chosen + c, rejected + r, held + 1
-        bounds.append(len(order))
-        self._epochs[epoch] = built = (order, np.asarray(bounds))
-        while len(self._epochs) > _CACHED_EPOCHS:
-            self._epochs.popitem(last=False)
-        return built
-
-    def _locate(self, index: int) -> tuple[int, int]:
-        """(epoch, window pair within it) of sample ``index``: epochs differ in their number of windows."""
-        while len(self._first_window) <= 1 or self._first_window[-1] <= index:
-            epoch = len(self._first_window) - 1
-            self._first_window.append(self._first_window[-1] + len(self._epoch(epoch)[1]) - 1)
-        epoch = int(np.searchsorted(self._first_window, index, side="right")) - 1
-        return epoch, index - self._first_window[epoch]
+        return starts
 
     def window_pairs(self, index: int) -> np.ndarray:
         """The pairs (indices in the split) that sample ``index`` holds, in the order it holds them."""
-        epoch, window = self._locate(operator.index(index))
-        order, bounds = self._epoch(epoch)
-        return order[bounds[window] : bounds[window + 1]]
+        return self._windows.items(operator.index(index))
 
     def sample(self, index: int) -> np.ndarray:
         index = operator.index(index)

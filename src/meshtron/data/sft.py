@@ -38,7 +38,6 @@ import json
 import operator
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ import numpy as np
 
 from meshtron.data import indexed
 from meshtron.data.indexed import IndexedDataset, WrittenTogether, best_dtype, meta_path, strip_suffix
+from meshtron.data.packed_windows import PackedWindows
 from meshtron.data.preprocess import PreprocessStats, dataset_meta, expand_inputs, refuse_empty
 from meshtron.data.samples import SPLITS, split_range
 from meshtron.data.tokenizers import Tokenizer, load_tokenizer
@@ -55,7 +55,6 @@ from meshtron.errors import ConfigError
 MASK_SUFFIX = ".loss_mask"
 ROLES = ("system", "user", "assistant")
 END_TEXT = "<|end|>"
-_CACHED_EPOCHS = 2
 NO_ANSWER = np.iinfo(np.int64).max  # answer_starts of an example with no counted target at all
 _ANSWER_READ = 1 << 24  # mask bytes read at a time by answer_starts
 
@@ -234,9 +233,8 @@ class PackedExamples:
             raise ConfigError(f"data.path: the {split} split of {name!r} has no example of two tokens or more")
         self.answer_starts = answer_starts(self.masks, self._starts, lengths[keep])
         self.seq_len, self.seed, self.split = int(seq_len), int(seed), split
-        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._first_window = [0]  # window number each built epoch starts at (epochs are built in order)
-        self.samples_per_epoch = len(self._epoch(0)[1]) - 1
+        self._windows = PackedWindows(len(self._lengths), self.seed, split, self._window_starts)
+        self.samples_per_epoch = self._windows.per_epoch
         self.num_samples = self.samples_per_epoch if num_samples is None else int(num_samples)
 
     def __len__(self) -> int:
@@ -257,42 +255,23 @@ class PackedExamples:
         return (f"PackedExamples({self.dataset.prefix!r}, split={self.split}, seq_len={self.seq_len}: "
                 f"{self.num_samples} samples, {self.samples_per_epoch} in the first epoch)")
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(order: examples in the epoch's order, bounds: window k holds ``order[bounds[k]:bounds[k+1]]``)."""
-        cached = self._epochs.get(epoch)
-        if cached is not None:
-            return cached
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, SPLITS[self.split], epoch]))
-        order = rng.permutation(len(self._lengths))
-        bounds, fill, room = [0], 0, self.seq_len + 1
+    def _window_starts(self, order: np.ndarray) -> list[int]:
+        """Where in ``order`` a new window starts: at each example the window so far has no room for."""
+        starts, fill, room = [], 0, self.seq_len + 1
         for k, length in enumerate(self._lengths[order].tolist()):
             if fill + length > room:
-                bounds.append(k)
+                starts.append(k)
                 fill = 0
             fill += length
-        bounds.append(len(order))
-        self._epochs[epoch] = built = (order, np.asarray(bounds))
-        while len(self._epochs) > _CACHED_EPOCHS:
-            self._epochs.popitem(last=False)
-        return built
-
-    def _locate(self, index: int) -> tuple[int, int]:
-        """(epoch, window within it) of sample ``index``: epochs differ in their number of windows."""
-        while len(self._first_window) <= 1 or self._first_window[-1] <= index:
-            epoch = len(self._first_window) - 1
-            self._first_window.append(self._first_window[-1] + len(self._epoch(epoch)[1]) - 1)
-        epoch = int(np.searchsorted(self._first_window, index, side="right")) - 1
-        return epoch, index - self._first_window[epoch]
+        return starts
 
     def sample(self, index: int) -> np.ndarray:
         index = operator.index(index)
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} is outside [0, {self.num_samples})")
-        epoch, window = self._locate(index)
-        order, bounds = self._epoch(epoch)
         out = np.zeros((self.seq_len + 1, 3), np.int32)
         filled = 0
-        for segment, example in enumerate(order[bounds[window] : bounds[window + 1]].tolist(), 1):
+        for segment, example in enumerate(self._windows.items(index).tolist(), 1):
             start, length = int(self._starts[example]), int(self._lengths[example])
             out[filled : filled + length, 0] = self.dataset.read(start, length)
             out[filled : filled + length, 1] = segment
