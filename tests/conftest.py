@@ -10,6 +10,9 @@
   before that stage -- the HLO program, its collectives and their order, buffer assignment and so the
   compiled memory -- and numbers are compared to references within tolerances or between runs of the
   same program. Users' runs keep XLA's default.
+* XLA:CPU's element-wise IR emitters instead of its MLIR fusion emitters, where the jaxlib has the switch
+  (``subprocess_env.EMITTERS``: jaxlib 0.10; 0.12 has only the fusion emitters): the same optimised HLO
+  program, turned into LLVM IR another way, which compiles the tests' programs in about half the CPU time.
 * JAX's CUDA plugin allowed to load without CUDA (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``): the
   ``gpu_compile`` tests compile for compile-only GPU targets (:mod:`meshtron.gpu.targets`); the
   ``gpu_target`` fixture skips them where the plugin (the ``gpu-compile`` extra) is not installed.
