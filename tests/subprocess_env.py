@@ -14,9 +14,10 @@ from importlib.metadata import PackageNotFoundError, version
 def _emitters() -> str:
     """XLA:CPU's element-wise IR emitters instead of its MLIR fusion emitters, where the jaxlib has the
     switch (jaxlib 0.10's XLA does; 0.12's has only the fusion emitters, and an unknown flag in
-    ``XLA_FLAGS`` aborts the process). Both emit the same optimised HLO program -- the choice is how a
-    fusion becomes LLVM IR -- and the element-wise emitters compile the tests' programs in about half
-    the CPU time (a Mixtral-sized multi-token parity test's three compiles: 12.7 -> 6.0 CPU seconds)."""
+    ``XLA_FLAGS`` aborts the process). The choice is how a fusion becomes LLVM IR, after XLA's HLO passes
+    (the same collectives and buffer sizes; the fusion emitters only wrap lone instructions as fusions
+    of one), and the element-wise emitters compile them faster: the tests of the costliest files take
+    about a quarter fewer CPU seconds (docs/testing.md has the figures)."""
     try:
         major, minor = (int(part) for part in version("jaxlib").split(".")[:2])
     except (PackageNotFoundError, ValueError):
