@@ -24,6 +24,21 @@ LLAMA = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_h
 BETA, SMOOTHING, RANK, ALPHA = 0.5, 0.1, 4, 8.0
 
 
+LAYOUTS = {  # the parallel layouts DPO is held to PyTorch on
+    "data-pipe-tensor-interleaved": ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
+                                     "parallel.schedule=interleaved", "parallel.chunks=2", "parallel.microbatches=2"),
+    "data-tensor-zero3": ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
+    "pipe-1f1b": ("parallel.pipe=2", "parallel.schedule=1f1b", "parallel.microbatches=2"),
+    "pipe-zb-h1": ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
+    "data-context-tensor": ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
+}
+
+
+def on_layouts(*names: str):
+    """The test run on each of the named :data:`LAYOUTS`."""
+    return pytest.mark.parametrize("layout", [LAYOUTS[n] for n in names], ids=list(names))
+
+
 @pytest.fixture(scope="module")
 def hf():
     torch = pytest.importorskip("torch")
@@ -158,14 +173,7 @@ def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, trained, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
-     "parallel.microbatches=2"),
-    ("parallel.data=4", "parallel.tensor=2", "parallel.zero=3"),
-    ("parallel.pipe=2", "parallel.schedule=1f1b", "parallel.microbatches=2"),
-    ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
-    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
-], ids=["data-pipe-tensor-interleaved", "data-tensor-zero3", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor"])
+@on_layouts("data-pipe-tensor-interleaved", "data-tensor-zero3", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor")
 def test_lora_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained, tmp_path, layout):
     """The same on (data, pipe, tensor) = (2, 2, 2) with the interleaved schedule (2 chunks a stage) and 2
     microbatches -- a pair stays in one microbatch of one data shard, and the pipeline's last stage reads the
@@ -369,13 +377,7 @@ def test_full_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
-     "parallel.microbatches=2"),
-    ("parallel.pipe=2", "parallel.schedule=1f1b", "parallel.microbatches=2"),
-    ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
-    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
-], ids=["data-pipe-tensor-interleaved", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor"])
+@on_layouts("data-pipe-tensor-interleaved", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor")
 def test_full_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
     """The same on (data, pipe, tensor) = (2, 2, 2) interleaved, on 2 stages under 1F1B and ZB-H1 (whose
     split backward sees the precomputed reference in the last stage's rows), and on (data, context, tensor)
@@ -425,12 +427,7 @@ def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    ("parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=interleaved", "parallel.chunks=2",
-     "parallel.microbatches=2"),
-    ("parallel.pipe=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"),
-    ("parallel.data=2", "parallel.context=2", "parallel.tensor=2"),
-], ids=["data-pipe-tensor-interleaved", "pipe-zb-h1", "data-context-tensor"])
+@on_layouts("data-pipe-tensor-interleaved", "pipe-zb-h1", "data-context-tensor")
 def test_full_dpo_with_a_frozen_copy_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
     """The frozen copy's forward inside the step on (data, pipe, tensor) = (2, 2, 2) interleaved and on 2
     stages under ZB-H1 (the forward-only pipeline schedule over the reference's stages) and over context
