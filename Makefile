@@ -21,10 +21,10 @@ PY312_TESTS ?= -m "(both_stacks and not first_stack_only) or gpu_compile" tests
 
 .PHONY: train test test-fast test-py312 bench lint clean
 
-# pip byte-compiles what it installs (about 40 CPU seconds for the test environment's 22,000 .py files)
-# and that stays: where PYTHONDONTWRITEBYTECODE is set (as in this project's machine image) Python writes no .pyc at
-# import, so every process -- each test worker and each CLI run a test starts -- would compile the
-# modules it imports again (jax, torch, transformers and the trackers: 15 CPU seconds instead of 6).
+# pip byte-compiles what it installs (about 40 CPU seconds for the test environment's 22,000 .py files),
+# and that stays: where PYTHONDONTWRITEBYTECODE is set (as in this project's machine image) Python writes
+# no .pyc at import, so every process -- each test worker, each CLI run a test starts -- would compile
+# the modules it imports again (jax, torch, transformers and the trackers: 15 CPU seconds, not 6).
 PIP_INSTALL := -m pip install --quiet --disable-pip-version-check
 
 $(STAMP): pyproject.toml constraints.txt
