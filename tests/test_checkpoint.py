@@ -211,6 +211,9 @@ def test_checksums_do_not_depend_on_the_layout():
     assert checksums({"x": jax.device_put(x * np.nan, replicated)}, b)[1] is False
 
 
+# Saving and restoring run on both stacks above; what this adds -- stopping at the step and keeping the
+# newest checkpoint -- is meshtron's own bookkeeping, the same whatever the JAX version.
+@pytest.mark.first_stack_only
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(tmp_path):
     t = trainer(*mesh(4, 1, 2), "train.lr=1e12", "train.warmup_steps=0", "train.steps=30",
                 f"checkpoint.dir={tmp_path}", "checkpoint.every=1", "checkpoint.async_save=false")
@@ -235,6 +238,8 @@ def test_nonfinite_steps_can_be_skipped(tmp_path):
         t.run()
 
 
+# A killed run's resumption runs on both stacks above; the metrics file's redone lines are meshtron's own.
+@pytest.mark.first_stack_only
 def test_metrics_of_redone_steps_are_replaced(tmp_path):
     metrics = tmp_path / "m.jsonl"
     common = [*mesh(8, 1, 1), "train.steps=4", "train.log_every=1", f"checkpoint.dir={tmp_path / 'c'}",
