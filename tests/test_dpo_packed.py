@@ -307,3 +307,48 @@ def test_packed_full_dpo_in_a_pipeline_with_a_precomputed_reference_equals_one_p
     plain = Trainer.from_config(full_config(imported, data, tmp_path / "u", *TWO_A_WINDOW, "train.batch_size=8"))
     check_same(step_values(packed, params, packed.train_stream().global_batch(0)),
                step_values(plain, params, unpacked_batch(pairs, range(4))), trained="kernel")
+
+
+def test_pipelined_metrics_average_each_microbatchs_real_pairs():
+    """A pipeline's DPO metrics of packed pairs (from the last stage's per-document sums) are each
+    microbatch's means over its real pairs, averaged over the microbatches, as outside a pipeline: here
+    one microbatch holds 1 pair and the other 3, so the mean over the batch's 4 pairs would differ."""
+    import jax.numpy as jnp
+
+    from meshtron.models.documents import document_features
+    from meshtron.models.preference import PreferenceLoss
+    from meshtron.train.objective import Preference
+
+    beta, slots, window = 0.5, 3, 12
+    rng = np.random.default_rng(0)
+
+    def window_pair(held: int, reference: np.ndarray) -> np.ndarray:
+        """Two rows [window + 1, 4] of ``held`` conversations of 4 tokens (the last 2 counted) each."""
+        out = np.zeros((2, window + 1, 4), np.int32)
+        for row in range(2):
+            for j in range(held):
+                at = slice(4 * j, 4 * j + 4)
+                out[row, at, 0] = rng.integers(1, 50, 4)
+                out[row, at, 1] = j + 1
+                out[row, at, 2] = [0, 0, 1, 1]
+                out[row, at, 3] = np.float32(reference[j, row]).view(np.int32)
+        return out
+
+    held = (1, 3)
+    references = [rng.normal(-20, 3, (slots, 2)).astype(np.float32) for _ in held]
+    tokens = np.stack([np.asarray(document_features(jnp.asarray(window_pair(h, r)))) for h, r in zip(held, references)])
+    rows = rng.normal(-20, 3, (len(held), 2, slots)).astype(np.float32)  # [m, rows, K]: policy sums
+
+    found = Preference(PreferenceLoss(beta), carried=True, packed=slots).head_metrics(jnp.asarray(rows),
+                                                                                      jnp.asarray(tokens))
+    per_microbatch = []
+    for m, h in enumerate(held):
+        chosen = beta * (rows[m, 0, :h] - references[m][:h, 0])
+        rejected = beta * (rows[m, 1, :h] - references[m][:h, 1])
+        per_microbatch.append({"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+                               "rewards/accuracies": (chosen > rejected).mean(),
+                               "rewards/margins": (chosen - rejected).mean(), "logps/chosen": rows[m, 0, :h].mean(),
+                               "logps/rejected": rows[m, 1, :h].mean()})
+    for name, values in found.items():
+        want = np.mean([mb[name] for mb in per_microbatch])
+        assert float(values) == pytest.approx(want, rel=1e-5, abs=1e-5), name

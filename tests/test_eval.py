@@ -191,6 +191,17 @@ def test_sampled_generation_is_seeded_whatever_the_batch_and_the_samplers(model,
     assert ours.decoder().traces == 2
 
 
+def test_do_sample_without_a_temperature_is_greedy_as_lm_evals():
+    """lm-eval reads an absent temperature as 0 whatever ``do_sample`` says (its ``normalize_gen_kwargs``,
+    HFLM's generate): greedy, not an error."""
+    pytest.importorskip("lm_eval")
+    from meshtron.evaluation import generation_settings
+
+    assert generation_settings({"do_sample": True, "until": "."}, 16, 300) == {
+        "until": ["."], "max_gen_toks": 16, "temperature": 0.0, "top_k": None, "top_p": 1.0}
+    assert generation_settings({"do_sample": True, "temperature": 0.7, "top_k": 0}, 16, 300)["temperature"] == 0.7
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"until": ["."], "num_beams": 4}, "generation_kwargs: num_beams not supported by meshtron eval"),
     ({"do_sample": True, "temperature": 1.0, "top_p": 2}, "generation_kwargs: top_p: must be a number in (0, 1]"),

@@ -97,7 +97,8 @@ def generation_settings(settings: dict[str, Any], default_max_gen_toks: int, voc
         kwargs = dict(normalize_gen_kwargs(dict(settings), default_max_gen_toks))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"generation_kwargs {settings}: {e}; give numbers for temperature and max_gen_toks") from None
-    temperature = float(kwargs["temperature"]) if kwargs["do_sample"] else 0.0
+    # lm-eval reads an absent temperature as 0 (greedy), do_sample true or not (HFLM's generate too)
+    temperature = float(kwargs.get("temperature", 0.0)) if kwargs["do_sample"] else 0.0
     top_k = kwargs.get("top_k") or None  # 0 or absent: no limit (as Hugging Face's generate reads 0)
     top_p = 1.0 if kwargs.get("top_p") is None else kwargs["top_p"]
     try:

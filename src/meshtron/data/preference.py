@@ -1,6 +1,6 @@
 """Preference data for direct preference optimisation: a prompt with a chosen and a rejected answer,
 rendered with the chat template of supervised fine-tuning, written as an indexed dataset of pairs, and
-served one pair a sample.
+served one pair a sample, or several packed into one window pair (``data.pairs_per_window``).
 
 **Input.** JSON lines, one pair each: ``{"prompt": ..., "chosen": ..., "rejected": ...}``. The prompt is
 a string (one user turn) or a list of chat messages (``{"role": "system" | "user" | "assistant",

@@ -177,15 +177,19 @@ class Preference:
 
     def head_metrics(self, rows: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
         """The batch's metrics from a pipeline's per-row (``packed``: per-document) sums ``rows``
-        ``[m, rows, ...]``, each a mean over the batch's (real) pairs, which lie whole in every microbatch."""
-        flat = tokens.reshape(-1, *tokens.shape[2:])
-        if self.carried:
-            policy, reference = rows, self.carried_reference(flat)
-        else:
-            policy, reference = jnp.split(rows, 2, axis=1)
-            reference = self.summed(reference.reshape(-1, *rows.shape[2:]))
-        return preference_metrics(self.preference.beta, self.summed(policy.reshape(-1, *rows.shape[2:])),
-                                  reference, self.real(flat))
+        ``[m, rows, ...]``: each microbatch's means over its (real) pairs, which lie whole in it, averaged
+        over the microbatches, as :meth:`metrics` is averaged outside a pipeline (packed microbatches hold
+        different numbers of real pairs, so this is not the mean over the batch's pairs)."""
+        def of_microbatch(found: tuple[jax.Array, jax.Array]) -> dict[str, jax.Array]:
+            mb_rows, mb_tokens = found
+            if self.carried:
+                policy, reference = mb_rows, self.carried_reference(mb_tokens)
+            else:
+                policy, reference = jnp.split(mb_rows, 2)
+                reference = self.summed(reference)
+            return preference_metrics(self.preference.beta, self.summed(policy), reference, self.real(mb_tokens))
+
+        return jax.tree.map(lambda v: jnp.mean(v, axis=0), jax.lax.map(of_microbatch, (rows, tokens)))
 
     def summed(self, local: jax.Array) -> jax.Array:
         """Per-row sums over a sequence split over ``context`` ranks: each rank's share summed over them."""
