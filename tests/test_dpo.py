@@ -213,6 +213,7 @@ def test_the_lora_reference_is_the_base_itself_no_second_copy(case, tmp_path):
     (["train.dpo.loss=ipo"], r"train.dpo.label_smoothing: applies to the sigmoid loss only"),
     (["train.dpo.beta=0"], r"train.dpo.beta: must be > 0"),
     (["train.objective=ppo"], r"train.objective: must be one of lm, dpo"),
+    (["parallel.data=2", "train.batch_size=3"], r"^train.batch_size: 3 pairs cannot be split over parallel.data=2"),
 ])
 def test_what_dpo_cannot_run_is_one_line(case, tmp_path, override, message):
     from meshtron.run import check_features

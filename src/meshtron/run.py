@@ -319,10 +319,11 @@ def check_tensor_split(m: ModelConfig, mesh: MeshConfig) -> None:
 def _check_batch_divisible(cfg: Config, data: int) -> None:
     """The global batch splits into ``data`` shards of ``microbatches`` equal microbatches."""
     t = cfg.train
+    unit = "pairs" if t.objective == "dpo" else "sequences"  # DPO's batch counts pairs (window pairs if packed)
     _need(
         t.batch_size % (data * t.microbatches) == 0,
         "train.batch_size",
-        f"{t.batch_size} sequences cannot be split over parallel.data={data} x parallel.microbatches={t.microbatches}; "
+        f"{t.batch_size} {unit} cannot be split over parallel.data={data} x parallel.microbatches={t.microbatches}; "
         f"use a multiple of {data * t.microbatches}",
     )
 
