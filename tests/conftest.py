@@ -10,11 +10,6 @@
   before that stage -- the HLO program, its collectives and their order, buffer assignment and so the
   compiled memory -- and numbers are compared to references within tolerances or between runs of the
   same program. Users' runs keep XLA's default.
-* XLA:CPU's element-wise IR emitters instead of its MLIR fusion emitters, where the jaxlib has the switch
-  (``subprocess_env.EMITTERS``: jaxlib 0.10; 0.12 has only the fusion emitters): the switch acts after
-  XLA's HLO passes (the same collectives and the same buffer sizes; the optimised HLO differs only where
-  the fusion emitters wrap a lone instruction as a fusion of one), and the element-wise emitters compile
-  them faster: about a quarter fewer CPU seconds for the costliest files' tests (docs/testing.md).
 * JAX's CUDA plugin allowed to load without CUDA (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``): the
   ``gpu_compile`` tests compile for compile-only GPU targets (:mod:`meshtron.gpu.targets`); the
   ``gpu_target`` fixture skips them where the plugin (the ``gpu-compile`` extra) is not installed.

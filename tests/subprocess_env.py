@@ -2,36 +2,18 @@
 
 Such a process sets its own device count (the CLI adds the flag itself, and tests check that it
 does), so the session's ``--xla_force_host_platform_device_count`` is left out; the session's XLA
-code-generation flags (optimisation level and emitters) are passed on, so that a run in a subprocess
-computes with the same machine code as the in-process run it is compared with bit for bit (see
-``conftest.py``).
+optimisation level is passed on, so that a run in a subprocess computes with the same machine code
+as the in-process run it is compared with bit for bit (see ``conftest.py``).
 """
 
 import os
-from importlib.metadata import PackageNotFoundError, version
 
-
-def _emitters() -> str:
-    """XLA:CPU's element-wise IR emitters instead of its MLIR fusion emitters, where the jaxlib has the
-    switch (jaxlib 0.10's XLA does; 0.12's has only the fusion emitters, and an unknown flag in
-    ``XLA_FLAGS`` aborts the process). The choice is how a fusion becomes LLVM IR, after XLA's HLO passes
-    (the same collectives and buffer sizes; the fusion emitters only wrap lone instructions as fusions
-    of one), and the element-wise emitters compile them faster: the tests of the costliest files take
-    about a quarter fewer CPU seconds (docs/testing.md has the figures)."""
-    try:
-        major, minor = (int(part) for part in version("jaxlib").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return ""
-    return "--xla_cpu_use_fusion_emitters=false" if (major, minor) < (0, 11) else ""
-
-
-EMITTERS = _emitters()
-OPTIMISATION = f"--xla_backend_optimization_level=0 {EMITTERS}".strip()
+OPTIMISATION = "--xla_backend_optimization_level=0"
 
 # For a process that runs many more steps than it compiles programs, and is compared with no in-process
 # run: LLVM's first level compiles about a quarter slower than level 0 but runs a step two to three times
 # faster (the README's quick start, twenty steps of the default model: 38 -> 26 CPU seconds).
-RUNNING = f"--xla_backend_optimization_level=1 {EMITTERS}".strip()
+RUNNING = "--xla_backend_optimization_level=1"
 
 
 def subprocess_env(xla_flags: str = "", optimisation: str = OPTIMISATION) -> dict[str, str]:
