@@ -249,7 +249,7 @@ def test_generation_with_a_kv_cache(gpu_target):
 
     params = abstract_like(tr.model_def.shapes(), sampler.param_shardings)
     window = jax.ShapeDtypeStruct((sampler.context,), np.int32, sharding=replicated)
-    settings = (scalar(jax.random.key(0)), scalar(np.float32(0)), scalar(np.int32(1)))
+    settings = (scalar(jax.random.key(0)), scalar(np.float32(0)), scalar(np.int32(1)), scalar(np.float32(1)))  # key, temperature, top-k, top-p
     with jax.set_mesh(tr.mesh), axis_rules(sampler._rules), attention_implementation(tr.execution.attention), \
             tr.model_def.adapted():
         cache = sampler._empty_cache.lower(params).out_info
