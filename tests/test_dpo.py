@@ -214,6 +214,9 @@ def test_the_lora_reference_is_the_base_itself_no_second_copy(case, tmp_path):
     (["train.dpo.beta=0"], r"train.dpo.beta: must be > 0"),
     (["train.objective=ppo"], r"train.objective: must be one of lm, dpo"),
     (["parallel.data=2", "train.batch_size=3"], r"^train.batch_size: 3 pairs cannot be split over parallel.data=2"),
+    (["data.pairs_per_window=0"], r"data.pairs_per_window: must be a whole number >= 1"),
+    (["data.pairs_per_window=2", "train.objective=lm"],
+     r"data.pairs_per_window: packs preference pairs, and train.objective=lm"),
 ])
 def test_what_dpo_cannot_run_is_one_line(case, tmp_path, override, message):
     from meshtron.run import check_features

@@ -224,19 +224,6 @@ def test_windows_hold_every_pair_once_an_epoch_whole_and_the_same_every_time(cas
     assert len(set(second.tolist())) == len(second)  # the next epoch draws each pair once again
 
 
-@pytest.mark.parametrize("override, message", [
-    (["data.pairs_per_window=0"], r"data.pairs_per_window: must be a whole number >= 1"),
-    (["data.pairs_per_window=2", "train.objective=lm"], (r"data.pairs_per_window: packs preference pairs, and "
-                                                         r"train.objective=lm")),
-])
-def test_what_packing_cannot_run_is_one_line(case, tmp_path, override, message):
-    from meshtron.run import check_features
-
-    _, imported, data = case
-    with pytest.raises(ConfigError, match=message):
-        check_features(dpo_config(imported, data, tmp_path / "x", *override))
-
-
 def test_packing_runs_with_a_frozen_copy(case, tmp_path):
     """The whole model against a frozen copy of its starting weights packs pairs (nothing refused)."""
     from meshtron.run import check_features
