@@ -95,6 +95,45 @@ def test_a_restarted_stream_continues_with_the_next_window(tmp_path, source):
             assert a.examples == b.examples
 
 
+@pytest.mark.parametrize("saved", [False, True], ids=["parquet", "save_to_disk"])
+def test_reads_started_while_another_runs_get_the_rows_they_ask_for(tmp_path, saved):
+    """A training run reads a source from two threads at once: the prefetching thread from the
+    checkpoint's cursor, the main thread from the start (the unigram baseline). Each read must start
+    where it asks, whatever the other is doing."""
+    import threading
+
+    from meshtron.data.streaming import HuggingFaceSource
+
+    texts = [f"row {i}" for i in range(2000)]
+    path = write_parquet(tmp_path / "d.parquet", texts)
+    if saved:
+        import datasets
+
+        datasets.Dataset.from_parquet(path).save_to_disk(str(tmp_path / "saved"))
+        path = str(tmp_path / "saved")
+    source = HuggingFaceSource(path, "text", 0.01)
+    stop = threading.Event()
+
+    def read_all_the_time():
+        while not stop.is_set():
+            for _ in source.rows(0, 0):
+                if stop.is_set():
+                    break
+
+    reader = threading.Thread(target=read_all_the_time, daemon=True)
+    reader.start()
+    try:
+        wrong = []
+        for k in range(40):
+            position, row = next(source.rows(0, 7 + k % 50))
+            if row["text"] != texts[position]:
+                wrong.append((position, row["text"]))
+    finally:
+        stop.set()
+        reader.join()
+    assert not wrong, wrong[:3]
+
+
 def test_grain_shuffles_each_epoch_and_reads_every_example_once(tmp_path):
     texts = documents(60)
     data = opened(write_parquet(tmp_path / "d.parquet", texts), "grain")

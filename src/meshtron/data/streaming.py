@@ -166,7 +166,12 @@ class HuggingFaceSource:
     """A local Hugging Face dataset read with ``datasets``: Parquet or JSON-lines files through
     ``load_dataset(..., streaming=True)``, a ``save_to_disk`` folder through ``load_from_disk`` (as an
     iterable dataset). The example count comes from the files' metadata (Parquet), their lines
-    (JSON lines) or the Arrow table, never from tokenizing."""
+    (JSON lines) or the Arrow table, never from tokenizing.
+
+    Every read (:meth:`rows`, :meth:`heldout_rows`) opens a dataset object of its own: a
+    ``datasets`` iterable dataset keeps its read position in state its ``skip``/``take`` views share,
+    and an iteration starting while another runs (the prefetching thread and the main thread's
+    baseline) could start from the other's position -- rows then carry the wrong example numbers."""
 
     def __init__(self, path: str, text_field: str, holdout_fraction: float, field_name: str = "data.path"):
         datasets = require("hf")
@@ -178,21 +183,27 @@ class HuggingFaceSource:
                 raise ConfigError(f"{field_name}: {path!r} holds the splits {', '.join(loaded)}; give one split's "
                                   "folder (e.g. PATH/train)")
             count = len(loaded)
-            self._stream = loaded.to_iterable_dataset()
+            self._open = loaded.to_iterable_dataset
         else:
             kind, files = _kind(root, {"parquet": PARQUET, "json": JSON_LINES}, field_name, "hf")
             count = _parquet_rows(files) if kind == "parquet" else _json_lines(files)
-            self._stream = datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+            self._open = partial(datasets.load_dataset, kind, data_files=files, split="train", streaming=True)
         self.train_examples, self.heldout_examples = holdout_split(count, holdout_fraction, self.name)
+        self._opening = threading.Lock()
 
     def rows(self, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
         del epoch  # a stream is read in file order every epoch
-        rows = self._stream.skip(start).take(self.train_examples - start) if start else self._stream.take(
-            self.train_examples)
+        stream = self._fresh()
+        rows = stream.skip(start).take(self.train_examples - start) if start else stream.take(self.train_examples)
         yield from enumerate(rows, start)
 
     def heldout_rows(self) -> Iterator[tuple[int, Any]]:
-        yield from enumerate(self._stream.skip(self.train_examples), self.train_examples)
+        yield from enumerate(self._fresh().skip(self.train_examples), self.train_examples)
+
+    def _fresh(self) -> Any:
+        """The dataset opened anew, its read position its own (opened one at a time)."""
+        with self._opening:
+            return self._open()
 
 
 def _parquet_rows(files: Sequence[str]) -> int:
