@@ -97,7 +97,8 @@ def trainer(dispatch, *overrides):
 
 @pytest.mark.parametrize("layout", [
     ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2"],
-    pytest.param(["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1"], marks=pytest.mark.slow),
+    pytest.param(["parallel.data=8", "parallel.pipe=1", "parallel.tensor=1"], marks=[pytest.mark.slow,
+                                                                                   pytest.mark.extended]),
     pytest.param(["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.schedule=1f1b",
                   "parallel.microbatches=4", "model.remat=full"], marks=pytest.mark.slow),
 ], ids=["data4-tensor2", "data8", "1f1b-remat"])

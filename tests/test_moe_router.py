@@ -178,44 +178,64 @@ def test_one_step_moves_the_bias_by_the_rate_against_the_whole_batchs_load(tmp_p
     assert record["moe/bias_min"] == 0.0 and record["moe/bias_max"] == 0.0  # the bias the step started from
 
 
+@pytest.fixture(scope="module")
+def unpipelined_bias():
+    """The bias after two unpipelined steps (2 microbatches, 2 data ranks, tensor 2)."""
+    return balanced_run("train.steps=2", "parallel.pipe=1", "parallel.tensor=2", "parallel.schedule=1f1b",
+                        "parallel.chunks=1", "parallel.microbatches=2")[1]
+
+
+# CI keeps interleaved 2x2 virtual stages with tensor parallelism and ZB-H1 over an uneven layout.
 @pytest.mark.slow
-def test_a_pipelined_run_updates_the_bias_as_the_unpipelined_one():
+@pytest.mark.parametrize("layout", [
+    pytest.param(["parallel.tensor=1", "parallel.data=4", "parallel.schedule=1f1b", "parallel.chunks=1",
+                  "parallel.microbatches=2"], marks=pytest.mark.extended, id="1f1b"),
+    pytest.param([], id="interleaved"),
+    pytest.param(["parallel.tensor=1", "parallel.data=4", "parallel.schedule=zb-h1", "parallel.chunks=1",
+                  "parallel.microbatches=2", "parallel.layout=[1,3]"], id="zb-h1 uneven"),
+])
+def test_a_pipelined_run_updates_the_bias_as_the_unpipelined_one(layout, unpipelined_bias):
     """The bias after two steps is the same whether the layers run unpipelined (2 microbatches, 2 data ranks)
     or as two stages of 1F1B (4 data ranks, 2 microbatches), interleaved over 2x2 virtual stages (with
     tensor parallelism), or zero-bubble ZB-H1 (its weight gradients, the probe's among them, in passes of
     their own) over an uneven layout of 1 and 3 layers."""
-    plain = balanced_run("train.steps=2", "parallel.pipe=1", "parallel.tensor=2", "parallel.schedule=1f1b",
-                         "parallel.chunks=1", "parallel.microbatches=2")[1]
-    assert np.any(plain != 0)
-    one_f_one_b = balanced_run("train.steps=2", "parallel.tensor=1", "parallel.data=4", "parallel.schedule=1f1b",
-                               "parallel.chunks=1", "parallel.microbatches=2")[1]
-    interleaved = balanced_run("train.steps=2")[1]
-    zero_bubble = balanced_run("train.steps=2", "parallel.tensor=1", "parallel.data=4", "parallel.schedule=zb-h1",
-                               "parallel.chunks=1", "parallel.microbatches=2", "parallel.layout=[1,3]")[1]
-    np.testing.assert_array_equal(one_f_one_b, plain)
-    np.testing.assert_array_equal(interleaved, plain)
-    np.testing.assert_array_equal(zero_bubble, plain)
+    assert np.any(unpipelined_bias != 0)
+    np.testing.assert_array_equal(balanced_run("train.steps=2", *layout)[1], unpipelined_bias)
 
 
+@pytest.fixture(scope="module")
+def saved_balanced_run(tmp_path_factory):
+    """Three steps on 2x2x2 interleaved, saved at step 2 (and 3): the run every resumption continues."""
+    saved = tmp_path_factory.mktemp("balanced") / "saved"
+    straight, bias, _ = balanced_run("train.steps=3", f"checkpoint.dir={saved}", "checkpoint.every=2",
+                                     "checkpoint.keep=5")
+    return saved, straight, bias
+
+
+# CI keeps the bit-exact resumption on the same layout and the restore onto 4x1x2 with zero=3.
 @pytest.mark.slow
-def test_the_bias_is_checkpointed_resumed_bit_exactly_and_restored_onto_another_mesh(tmp_path):
+@pytest.mark.parametrize("layouts", [
+    pytest.param((("same", []),
+                  ("4x1x2", ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.zero=3",
+                             "parallel.microbatches=2"])), id="same, 4x1x2 zero 3"),
+    pytest.param((("1x4x2", ["parallel.data=1", "parallel.pipe=4", "parallel.tensor=2", "parallel.schedule=1f1b",
+                             "parallel.chunks=1", "parallel.microbatches=4"]),), marks=pytest.mark.extended,
+                 id="1x4x2 1f1b"),
+])
+def test_the_bias_is_checkpointed_resumed_bit_exactly_and_restored_onto_another_mesh(layouts, saved_balanced_run,
+                                                                                       tmp_path):
     """Saved at step 2 on 2x2x2 interleaved, resumed for step 3 on the same layout (bias and loss bit-exact
     with the straight run's), on 4x1x2 with zero=3 (every other parameter split over data, the bias whole)
     and on 1x4x2 1F1B: the restored bias moves on by one step of the rate."""
     import shutil
 
-    straight, bias, _ = balanced_run("train.steps=3", f"checkpoint.dir={tmp_path / 'saved'}", "checkpoint.every=2",
-                                     "checkpoint.keep=5")
+    saved, straight, bias = saved_balanced_run
     steps = bias / RATE  # three steps of -1, 0 or +1 each
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
     assert np.any(steps) and np.abs(steps).max() <= 3 + 1e-4
-    for name, layout in (("same", []),
-                         ("4x1x2", ["parallel.data=4", "parallel.pipe=1", "parallel.tensor=2", "parallel.zero=3",
-                                    "parallel.microbatches=2"]),
-                         ("1x4x2", ["parallel.data=1", "parallel.pipe=4", "parallel.tensor=2",
-                                    "parallel.schedule=1f1b", "parallel.chunks=1", "parallel.microbatches=4"])):
+    for name, layout in layouts:
         directory = tmp_path / name
-        shutil.copytree(tmp_path / "saved", directory)
+        shutil.copytree(saved, directory)
         shutil.rmtree(directory / "3")  # resume from step 2
         resumed, moved_on, _ = balanced_run("train.steps=3", f"checkpoint.dir={directory}", "checkpoint.every=100",
                                             *layout)

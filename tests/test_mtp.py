@@ -109,8 +109,9 @@ def with_params(model, params):
     return nnx.merge(graphdef, state)
 
 
-@pytest.mark.parametrize("mtp_layers, experts, docs", [(1, 8, False), (2, 0, False), (2, 8, True)],
-                         ids=["1 depth experts", "2 depths dense", "2 depths documents"])
+@pytest.mark.parametrize("mtp_layers, experts, docs", [
+    pytest.param(1, 8, False, marks=pytest.mark.extended, id="1 depth experts"),
+    pytest.param(2, 0, False, id="2 depths dense"), pytest.param(2, 8, True, id="2 depths documents")])
 def test_mtp_loss_and_its_report_equal_the_explicit_computation(mtp_layers, experts, docs):
     model = built(small(mtp_layers, experts))
     if docs:
@@ -131,7 +132,8 @@ def test_mtp_loss_and_its_report_equal_the_explicit_computation(mtp_layers, expe
     assert report.metrics(1) == {"mtp/loss": pytest.approx(float(want), rel=2e-6)}
 
 
-@pytest.mark.parametrize("experts, docs", [(0, False), (8, True)], ids=["dense", "experts documents"])
+@pytest.mark.parametrize("experts, docs", [pytest.param(0, False, marks=pytest.mark.extended, id="dense"),
+                                           pytest.param(8, True, id="experts documents")])
 def test_gradient_is_the_main_loss_plus_the_weighted_explicit_mtp_loss(experts, docs):
     model = built(small(2, experts, loss_weight=0.25))
     windows, tokens = document_batch() if docs else (plain_tokens(),) * 2
@@ -211,11 +213,13 @@ def test_mtp_over_a_sequence_split_on_context_ranks_is_refused():
 
 # One check_parity call per model: its one-device references (over 1 and over 8 groups of rows) are computed
 # once for every layout of the call. Tensor 1 and 2 pad the vocabulary alike (to 256), so the pipelined
-# layouts share one model; tensor 8 pads it to 1,024.
+# layouts could share one model; tensor 8 pads it to 1,024. CI keeps 2×2×2 interleaved (data, pipeline
+# chunks and tensor at once); 1F1B stays in CI under packed documents below.
 @pytest.mark.slow
 @pytest.mark.parametrize("layouts", [
-    [Layout(1, 1, 8)],
-    [Layout(2, 2, 2, "1f1b"), Layout(2, 2, 2, "interleaved", 2), Layout(4, 2, 1, "zb-h1", microbatches=2)],
+    pytest.param([Layout(1, 1, 8)], marks=pytest.mark.extended),
+    [Layout(2, 2, 2, "interleaved", 2)],
+    pytest.param([Layout(2, 2, 2, "1f1b"), Layout(4, 2, 1, "zb-h1", microbatches=2)], marks=pytest.mark.extended),
 ], ids=lambda layouts: ", ".join(map(str, layouts)))
 def test_mtp_loss_and_gradients_equal_one_device(layouts):
     md = model_def_from_config(small(1, layers=5), layouts[0].tensor)
@@ -266,22 +270,33 @@ def test_the_reported_mtp_loss_of_a_pipelined_step_equals_one_devices():
     assert got["moe/aux_loss"] == pytest.approx(want["moe/aux_loss"], rel=1e-5)
 
 
-@pytest.mark.slow
-def test_mtp_trains_alike_at_every_zero_level_and_is_recorded():
+ZERO_LAYOUT = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=2", "train.steps=2",
+               "train.log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def unsharded_mtp_run():
+    """The 2×2×2 run at zero level 0 and its metrics records: the reference of every zero level's case."""
     import io
     import json
 
-    layout = ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=2", "train.steps=2",
-              "train.log_every=1"]
     records = io.StringIO()
-    reference = deepseek_trainer(*layout).run(metrics_file=records)
-    logged = [json.loads(line) for line in records.getvalue().splitlines()]
+    reference = deepseek_trainer(*ZERO_LAYOUT).run(metrics_file=records)
+    return reference, [json.loads(line) for line in records.getvalue().splitlines()]
+
+
+# CI keeps level 3 (parameters, gradients and optimizer state split); tests/test_moe.py keeps both levels
+# in CI for the experts.
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [pytest.param("parallel.zero=1", marks=pytest.mark.extended, id="zero 1"),
+                                  pytest.param("parallel.zero=3", id="zero 3")])
+def test_mtp_trains_alike_at_every_zero_level_and_is_recorded(zero, unsharded_mtp_run):
+    reference, logged = unsharded_mtp_run
     assert [r["step"] for r in logged if "mtp/loss" in r] == [1, 2]
-    for zero in (["parallel.zero=1"], ["parallel.zero=3"]):
-        result = deepseek_trainer(*layout, *zero).run()
-        np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5, err_msg=str(zero))
-        jax.tree.map(lambda a, b, zero=zero: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=str(zero)),
-                     jax.device_get(result.params["mtp"]), jax.device_get(reference.params["mtp"]))
+    result = deepseek_trainer(*ZERO_LAYOUT, zero).run()
+    np.testing.assert_allclose(result.losses, reference.losses, rtol=1e-5, err_msg=zero)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=zero),
+                 jax.device_get(result.params["mtp"]), jax.device_get(reference.params["mtp"]))
 
 
 @pytest.mark.slow
