@@ -49,8 +49,10 @@ FAST = {("llama", "2x1x2x2-ring"), ("gpt", "1x2x4x1-zbh1"), ("user", "1x1x8x1-ga
 
 
 def _marks(name: str, key: str) -> tuple[str, ...]:
-    """The names of the tiers one family's layout runs in."""
-    marks = () if (name, key) in FAST else ("slow",)
+    """The names of the tiers one family's layout runs in. CI runs every layout on the Llama (grouped-query
+    attention, rotary positions) and one on each other family; the other families' further layouts are
+    ``extended``."""
+    marks = () if (name, key) in FAST else ("slow",) if name == "llama" else ("slow", "extended")
     if (name, key) in {("llama", "2x1x2x2-ring"), ("llama", "1x2x2x2-interleaved"), ("llama", "1x2x2x2-interleaved-ring")}:
         marks += ("both_stacks",)
     return marks
@@ -82,13 +84,14 @@ ULYSSES_FAST = {("llama", "1x2x4x1-zbh1-ulysses"), ("user", "1x1x8x1-hybrid-u4")
 
 
 def _ulysses_params():
-    """As :func:`_params`, for the all-to-all exchanges' layouts."""
+    """As :func:`_params`, for the all-to-all exchanges' layouts (the same tiers)."""
     for name in ("gpt", "llama", "user"):
         groups: dict[tuple, list[str]] = {}
         for key, layout in ULYSSES.items():
             groups.setdefault((layout.tensor, (name, key) in ULYSSES_FAST), []).append(key)
         for (_, fast), keys in groups.items():
-            yield pytest.param(name, keys, id=f"{name}-{'+'.join(keys)}", marks=[] if fast else [pytest.mark.slow])
+            marks = [] if fast else [pytest.mark.slow] if name == "llama" else [pytest.mark.slow, pytest.mark.extended]
+            yield pytest.param(name, keys, id=f"{name}-{'+'.join(keys)}", marks=marks)
 
 
 @pytest.mark.parametrize("name, keys", list(_ulysses_params()))
@@ -104,7 +107,7 @@ def test_ulysses_and_hybrid_loss_and_gradients_equal_one_device(name, keys, monk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["selective", "full"])
+@pytest.mark.parametrize("remat", ["selective", pytest.param("full", marks=pytest.mark.extended)])
 def test_ulysses_and_hybrid_under_recomputation_keep_parity(remat, monkeypatch):
     """The all-to-alls rerun with the attention core (selective) or the block (full) in the backward."""
     from meshtron.execution import Execution
@@ -257,6 +260,7 @@ def test_context_parallel_training_equals_data_parallel_training_at_every_zero_l
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # every zero level with an exchange: the test above, in CI
 def test_ulysses_training_at_every_zero_level_equals_data_parallel_training():
     # DeepSpeed's most-reported long-context failures are Ulysses under ZeRO-3: parameters split over data x
     # context and gathered per layer, attention's all-to-alls over context in between; then the optimizer
@@ -270,7 +274,7 @@ def test_ulysses_training_at_every_zero_level_equals_data_parallel_training():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange", ["gathered", "ulysses"])
+@pytest.mark.parametrize("exchange", ["gathered", pytest.param("ulysses", marks=pytest.mark.extended)])
 def test_onebit_lamb_compresses_over_data_and_context_together(exchange):
     steps = ["train.optimizer=onebit_lamb", "optim.freeze_step=2", "train.steps=3"]
     split = trainer(2, 1, 2, 1, *steps, f"parallel.context_attention={exchange}")
@@ -313,7 +317,7 @@ def test_checkpoints_resume_bitwise_and_restore_without_the_split(exchange, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exchange", ["gathered", "ulysses"])
+@pytest.mark.parametrize("exchange", ["gathered", pytest.param("ulysses", marks=pytest.mark.extended)])
 def test_generation_from_a_context_parallel_checkpoint_drops_the_split(exchange, tmp_path):
     from meshtron.generate import sample
     from meshtron.pretrained import load_pretrained

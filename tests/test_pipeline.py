@@ -104,22 +104,40 @@ def assert_matches_reference(reference, md, mesh_shape, schedule, chunks, microb
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads)
 
 
-def _representative_on_both(cases, on_both=((2, 2, 2),)):
+def _representative_on_both(cases, on_both=((2, 2, 2),), in_ci=None):
     """``cases`` (tuples whose third item is the mesh) as pytest params; those on a mesh outside
-    ``on_both`` are marked ``first_stack_only``: every schedule still runs on both stacks, on (2,2,2)."""
-    return [pytest.param(*case, marks=() if case[2] in on_both else pytest.mark.first_stack_only) for case in cases]
+    ``on_both`` are marked ``first_stack_only``: every schedule still runs on both stacks, on (2,2,2).
+    With ``in_ci`` (a predicate of the case), the cases it rejects are also marked ``extended``: further
+    meshes of a claim whose representative cases stay in CI."""
+    def marks(case):
+        return ((() if case[2] in on_both else (pytest.mark.first_stack_only,))
+                + (() if in_ci is None or in_ci(case) else (pytest.mark.extended,)))
+
+    return [pytest.param(*case, marks=marks(case)) for case in cases]
+
+
+def _every_schedule_in_ci(case) -> bool:
+    """CI's cases of the every-schedule grid: each schedule on (2,2,2) (data, pipe and tensor at once),
+    and 1F1B on (1,4,2) for four stages (the rest of the grid is ``extended``). Keeping residuals, CI runs
+    the interleaved backward on (1,2,4); the fused one on (2,2,2) is ``extended`` (the full-recomputation
+    test below keeps residuals with 1F1B on (2,2,2) in CI)."""
+    schedule, _, mesh = case[:3]
+    return mesh == (2, 2, 2) or (schedule, mesh) == ("1f1b", (1, 4, 2))
 
 
 @pytest.mark.parametrize("schedule, chunks, mesh_shape, recompute",
-                         _representative_on_both([(*case, True) for case in SCHEDULE_MESHES])
-                         + _representative_on_both([(*case, False) for case in NO_RECOMPUTE]))
+                         _representative_on_both([(*case, True) for case in SCHEDULE_MESHES],
+                                                 in_ci=_every_schedule_in_ci)
+                         + _representative_on_both([(*case, False) for case in NO_RECOMPUTE],
+                                                   in_ci=lambda case: case[0] == "interleaved"))
 def test_every_schedule_matches_the_unpipelined_model(reference, mesh_shape, schedule, chunks, recompute):
     p = mesh_shape[1]
     microbatches = 2 * p if p * 2 * mesh_shape[0] <= BATCH else p
     assert_matches_reference(reference, reference[0], mesh_shape, schedule, chunks, microbatches, recompute)
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
+# CI: with model.remat=full too (the reruns recompute each layer again); model.remat=none is ``extended``.
+@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.extended), "full"])
 def test_zb_h1_recomputing_in_w_matches_the_unpipelined_llama(remat):
     # parallel.recompute=true: B reruns the chunk's forward from the stashed input and leaves W only the
     # projections' cotangents; W reruns it again for the activations it multiplies (Llama's gated MLP,
@@ -135,7 +153,8 @@ def test_zb_h1_recomputing_in_w_matches_the_unpipelined_llama(remat):
 
 
 @pytest.mark.parametrize("schedule, chunks, mesh_shape", _representative_on_both(
-    [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4)), ("zb-h1", 1, (1, 2, 4))]))
+    [("1f1b", 1, (2, 2, 2)), ("interleaved", 2, (1, 2, 4)), ("zb-h1", 1, (1, 2, 4))],
+    in_ci=lambda case: case[0] != "interleaved"))
 def test_full_recomputation_from_kept_layer_inputs_matches_the_unpipelined_model(reference, schedule, chunks,
                                                                                  mesh_shape):
     # model.remat=full with parallel.recompute=false: each layer's input kept, each layer recomputed once
@@ -235,7 +254,11 @@ def compiled(md, mesh_shape, schedule, chunks, microbatches, rows_per_microbatch
     return steps.lower(params, opt_state, jax.device_put(batch, steps.batch_sharding)).compile(), steps.mesh
 
 
-@pytest.mark.parametrize("schedule, chunks", SCHEDULES)
+# CI checks the interleaved schedule's traffic (v = 2 boundaries per microbatch); GPipe's and 1F1B's are
+# ``extended``.
+@pytest.mark.parametrize("schedule, chunks", [schedule if schedule[0] == "interleaved"
+                                              else pytest.param(*schedule, marks=pytest.mark.extended)
+                                              for schedule in SCHEDULES])
 def test_pipe_traffic_is_activations_forward_and_gradients_backward(schedule, chunks):
     md = model_def()
     p, m, b = 2, 4, 1
@@ -266,8 +289,8 @@ def temp_bytes(schedule, chunks, microbatches, recompute=True):
     return exe.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("schedule, chunks, recompute", [("1f1b", 1, True), ("interleaved", 2, True),
-                                                         ("1f1b", 1, False)])
+@pytest.mark.parametrize("schedule, chunks, recompute", [
+    ("1f1b", 1, True), pytest.param("interleaved", 2, True, marks=pytest.mark.extended), ("1f1b", 1, False)])
 def test_1f1b_memory_does_not_grow_with_microbatches(schedule, chunks, recompute):
     # Also when the forward keeps every layer's residuals (parallel.recompute=false): the residual
     # buffers have as many slots as microbatches in flight, bounded by p whatever m.

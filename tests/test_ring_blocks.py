@@ -139,7 +139,8 @@ def test_the_ring_with_per_device_block_kernels_equals_unsplit_attention(ranks, 
 
 
 @pytest.mark.parametrize("layout, documents", [
-    (Layout(2, 1, 2, context=2, context_attention="ring"), False),
+    # CI: the ring with documents on 4 context ranks; without documents on data x context x tensor, ``extended``
+    pytest.param(Layout(2, 1, 2, context=2, context_attention="ring"), False, marks=pytest.mark.extended),
     (Layout(1, 1, 2, context=4, context_attention="ring"), True),
     (Layout(2, 1, 2, context=2, context_attention="ulysses"), True),
     pytest.param(Layout(1, 1, 2, context=4, context_attention="hybrid", ulysses_degree=2), True, marks=pytest.mark.slow),

@@ -113,7 +113,9 @@ LAYOUTS = [Layout(1, 1, 8), Layout(2, 2, 2, "interleaved", 2), Layout(1, 2, 4, "
 # Both families on every layout without recomputation; each recomputation on one family: what it changes
 # is where the block's backward starts (the whole block rerun, or attention's shared checkpoints kept), not
 # the families' layers (Llama with selective recomputation: the zero-bubble cut below).
-@pytest.mark.parametrize("family, remat", [("gpt", "none"), ("llama", "none"), ("gpt", "selective"), ("llama", "full")])
+# CI: the Llama without and with full recomputation, GPT with selective; GPT without recomputation is ``extended``.
+@pytest.mark.parametrize("family, remat", [pytest.param("gpt", "none", marks=pytest.mark.extended), ("llama", "none"),
+                                           ("gpt", "selective"), ("llama", "full")])
 def test_loss_and_gradients_equal_one_device_on_every_layout(family, remat):
     # The oracle compares each layout with one device, where sequence parallelism has nothing to split.
     cfg = config(family, layers=4, sequence_parallel=True, remat=remat)
@@ -126,7 +128,9 @@ def test_loss_and_gradients_equal_one_device_on_every_layout(family, remat):
 # Each family cut once, each way of starting B once: GPT's block recomputed from the stage input;
 # Llama's (gated MLP, grouped-query attention, more of sequence parallelism's collectives) with selective
 # recomputation's checkpoint and from the residuals the forward kept.
-@pytest.mark.parametrize("family, remat, recompute", [("gpt", "none", True), ("llama", "selective", True),
+# CI: the Llama recomputing (selective) and keeping residuals; GPT recomputing is ``extended``.
+@pytest.mark.parametrize("family, remat, recompute", [pytest.param("gpt", "none", True, marks=pytest.mark.extended),
+                                                      ("llama", "selective", True),
                                                       ("llama", "none", False)])
 def test_zero_bubble_splits_the_backward_of_a_sequence_parallel_model(family, remat, recompute):
     # B and W are cut from the layer's own pullback: the reduce-scatters and all-gathers of sequence
@@ -184,8 +188,11 @@ def test_block_constants_are_what_autodiff_keeps(family, remat):
     assert saved_per_layer(family, remat) == predicted
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("remat", ["none", "selective", "full"])
+# CI: every recomputation level with sequence parallelism, and none without; selective and full without
+# it are ``extended``.
+@pytest.mark.parametrize("remat, sequence_parallel", [
+    (remat, sp) if sp or remat == "none" else pytest.param(remat, sp, marks=pytest.mark.extended, id=f"{remat}-{sp}")
+    for remat in ("none", "selective", "full") for sp in (False, True)])
 def test_compiled_memory_per_layer_is_the_models(remat, sequence_parallel):
     # What one more layer adds to XLA's temporary memory: the layer's activations, nothing else.
     # Layers far apart, so buffer-assignment noise is small next to full recomputation's small stash.

@@ -192,7 +192,11 @@ RUNS = [
 ]
 
 
-@pytest.mark.parametrize("layout", RUNS, ids=str)
+# CI runs both orders on (2,2,2), recomputing; interleaved zero bubble keeping residuals on (1,2,4) is
+# ``extended`` (a split backward keeping residuals stays in CI in tests/test_stage_layout.py and
+# tests/test_deadlock.py).
+@pytest.mark.parametrize("layout", [layout if layout.recompute else pytest.param(layout, marks=pytest.mark.extended)
+                                    for layout in RUNS], ids=str)
 def test_torchs_schedules_match_the_unpipelined_model(layout):
     [report] = check_parity(model_def_from_config(SMALL, layout.tensor), [layout], seq_len=16)
     assert report.ok
