@@ -102,6 +102,13 @@ LAYOUTS = {
 }
 
 
+# CI runs one case per family and every schedule: llama on 2x2x2 interleaved (with 2x1x2) and on 1x2x4 zb-h1,
+# gpt on 2x1x2, the user's model on 1f1b with recomputation kept, context ring and Ulysses; make test the rest.
+EXTENDED_LORA_LAYOUTS = {"gpt-1x2x4-zbh1", "user-1x2x4-zbh1", "gpt-2x2x2-interleaved", "user-2x1x2+2x2x2-interleaved",
+                         "gpt-1x2x1-1f1b-kept+2x1x1-context2+1x1x1-context4-ulysses",
+                         "llama-1x2x1-1f1b-kept+2x1x1-context2+1x1x1-context4-ulysses"}
+
+
 def _lora_marks(name: str, key: str) -> tuple[str, ...]:
     """The names of the tiers one family's layout runs in."""
     marks = () if (name, key) in {("llama", "1x2x4-zbh1"), ("gpt", "2x1x2")} else ("slow",)
@@ -116,7 +123,9 @@ def _lora_layouts():
         for k, layout in LAYOUTS.items():
             groups.setdefault((layout.tensor, _lora_marks(n, k)), []).append(k)
         for (_, marks), keys in groups.items():
-            yield pytest.param(n, keys, id=f"{n}-{'+'.join(keys)}", marks=[getattr(pytest.mark, m) for m in marks])
+            case = f"{n}-{'+'.join(keys)}"
+            extended = [pytest.mark.extended] if case in EXTENDED_LORA_LAYOUTS else []
+            yield pytest.param(n, keys, id=case, marks=[getattr(pytest.mark, m) for m in marks] + extended)
 
 
 @pytest.mark.parametrize("name, keys", list(_lora_layouts()))

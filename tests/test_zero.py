@@ -88,8 +88,10 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [pytest.param(v, marks=pytest.mark.both_stacks) if "interleaved" in k else v
-                                    for k, v in LAYOUTS.items()], ids=list(LAYOUTS))
+# CI runs every level on 2x2x2 interleaved, the case that checks the most at once; make test the other layouts
+@pytest.mark.parametrize("layout", [pytest.param(v, marks=pytest.mark.both_stacks) if "interleaved" in k
+                                    else pytest.param(v, marks=pytest.mark.extended) for k, v in LAYOUTS.items()],
+                         ids=list(LAYOUTS))
 def test_zero_levels_train_like_replicated_state(layout):
     """The same losses and parameters at every zero level; on the interleaved pipeline, which runs every level,
     the compiled steps that trained also hold and send what :func:`assert_state_and_traffic` says."""
@@ -117,6 +119,7 @@ def test_zero_levels_train_like_replicated_state(layout):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the levels on the models meshtron ships: test_zero_levels_train_like_replicated_state
 def test_a_users_model_trains_alike_at_every_zero_level(monkeypatch):
     monkeypatch.syspath_prepend("tests/models")
     import parallel_lm
@@ -192,6 +195,7 @@ def assert_state_and_traffic(zero0: Trainer, zero1: Trainer, zero3: Trainer, zer
 
 
 @pytest.mark.slow  # on the interleaved pipeline: the compiled steps of test_zero_levels_train_like_replicated_state
+@pytest.mark.extended  # (which CI runs) assert the same bytes
 def test_compiled_state_and_traffic_bytes_per_device():
     layout = mesh(8, 1, 1, microbatches=2)
     assert_state_and_traffic(*(trainer(*layout, *zero, read_data=False) for zero in (
@@ -281,7 +285,8 @@ def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [mesh(1, 4, 2, "1f1b", 1, 8), mesh(1, 4, 2, "zb-h1", 1, 8),
+@pytest.mark.parametrize("layout", [pytest.param(mesh(1, 4, 2, "1f1b", 1, 8), marks=pytest.mark.extended),
+                                    mesh(1, 4, 2, "zb-h1", 1, 8),
                                     [*mesh(2, 2, 2, "interleaved", 2, 4), "parallel.zero=3"]],
                          ids=["1x4x2-1f1b", "1x4x2-zbh1", "2x2x2-interleaved-zero3"])
 def test_the_pipelined_step_holds_no_gradient_buffer_beyond_one_stage(layout):
