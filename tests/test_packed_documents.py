@@ -108,12 +108,17 @@ LAYOUTS = {
 }
 FAST = {("llama", "2x2x2-interleaved"), ("gpt", "1x2x4-zbh1"), ("user", "1x1x8"), ("llama", "1x1x1-context8-ring"),
         ("llama", "2x1x2-context2-ulysses")}
+# CI runs every layout once, on one family each (every family on several); make test runs the other families.
+CI = FAST | {("user", "1x2x4-zbh1-kept"), ("gpt", "2x1x2-context2"), ("user", "1x2x1-context4-zbh1-ring"),
+             ("user", "1x1x1-context4-hybrid-u2")}
 
 
 def _params_for_layouts():
     for name in ("gpt", "llama", "user"):
         for key, layout in LAYOUTS.items():
             marks = [] if (name, key) in FAST else [pytest.mark.slow]
+            if (name, key) not in CI:
+                marks.append(pytest.mark.extended)
             if (name, key) in {("llama", "2x2x2-interleaved"), ("llama", "1x1x1-context8-ring")}:
                 marks.append(pytest.mark.both_stacks)
             yield pytest.param(name, layout, id=f"{name}-{key}", marks=marks)
