@@ -36,7 +36,8 @@ LAYOUTS = {  # the parallel layouts DPO is held to PyTorch on
 
 def on_layouts(*names: str, extended: tuple[str, ...] = ()):
     """The test run on each of the named :data:`LAYOUTS`; those in ``extended`` only in make test's tier
-    (CI runs every layout under at least one of DPO's references, and every reference on 2x2x2 interleaved)."""
+    (CI runs every reference on 2x2x2 interleaved, and ZeRO-3, ZB-H1 and context x tensor under one reference each;
+    1F1B: tests/test_dpo_packed.py)."""
     return pytest.mark.parametrize("layout", [pytest.param(LAYOUTS[n], marks=pytest.mark.extended) if n in extended
                                               else LAYOUTS[n] for n in names], ids=list(names))
 
@@ -385,7 +386,7 @@ def test_full_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained_
 
 @pytest.mark.slow
 @on_layouts("data-pipe-tensor-interleaved", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor",
-            extended=("pipe-zb-h1", "data-context-tensor"))
+            extended=("pipe-1f1b", "pipe-zb-h1", "data-context-tensor"))
 def test_full_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
     """The same on (data, pipe, tensor) = (2, 2, 2) interleaved, on 2 stages under 1F1B and ZB-H1 (whose
     split backward sees the precomputed reference in the last stage's rows), and on (data, context, tensor)

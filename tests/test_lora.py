@@ -54,7 +54,8 @@ def test_a_matrix_reads_as_inputs_by_outputs_beside_the_residual_width():
     assert input_axes(("layers", "qkv", "heads", "head_dim")) is None
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "user"])
+# GPT's and Llama's projections are the same nnx.Einsum modules: CI runs Llama and the user's model
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.extended), "llama", "user"])
 def test_adapters_sit_beside_every_block_matrix_laid_out_like_it_and_start_as_the_base(name, monkeypatch):
     monkeypatch.syspath_prepend("tests/models")
     md, base = family(name), family(name, lora=None)
@@ -199,7 +200,8 @@ def with_random_b(params, seed=1):
     return jax.tree.unflatten(treedef, out)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "user"])
+# CI: Llama's Einsum projections (GPT's are the same modules) and the user's merged matrices
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.extended), "llama", "user"])
 def test_adapters_on_activations_equal_the_merged_matrices(name, monkeypatch):
     """GPT's and Llama's projections are nnx.Einsum modules: their adapters run on the activations; the user's
     model reads its matrices itself: merged. Either way the loss is the merged model's, and the adapters'

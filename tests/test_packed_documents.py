@@ -41,7 +41,8 @@ def test_features_restart_positions_and_count_each_document_s_own_next_tokens():
     assert np.asarray(seen.weights).tolist() == [[2.0, 2.0, 0.0, 0.0, 2.0, 0.0]]
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "user"])
+# CI runs Llama and the user's model; make test GPT too
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.extended), "llama", "user"])
 def test_a_document_s_logits_in_a_packed_window_equal_its_logits_alone(name, monkeypatch):
     monkeypatch.syspath_prepend("tests/models")
     md = family(name)
