@@ -6,6 +6,7 @@ lm-eval's JSON, written new. The tasks are local YAMLs with local data (tests/fi
 nothing is downloaded. Skipped without lm-eval (the ``eval`` extra) or torch/transformers.
 """
 
+import functools
 import json
 import os
 import sys
@@ -86,6 +87,7 @@ def accuracy(results: dict) -> float:
     return results["results"][CHOICE]["acc,none"]
 
 
+@functools.cache  # once for the one-device and the 2x2x2 test: the same model (the module's HFLM), the same task
 def hf_accuracy(hflm) -> float:
     from lm_eval.tasks import TaskManager
 
