@@ -31,6 +31,26 @@ CHOICE, CONTINUE = "meshtron_tiny_choice", "meshtron_tiny_continue"
 EXAMPLES = sum(1 for _ in (TASKS / "choice.jsonl").open())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def task_index_once():
+    """lm-eval's task index built once per include path for this module's tests: a ``TaskManager`` indexes
+    lm-eval's ~15,000 built-in task YAMLs as it is made (seconds each time) and ``meshtron eval`` makes one
+    a run; what it finds is the same for every run here."""
+    import lm_eval.tasks
+
+    made, make = {}, lm_eval.tasks.TaskManager
+
+    def once(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = make(*args, **kwargs)
+        return made[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lm_eval.tasks, "TaskManager", once)
+        yield
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A random tiny Llama with a BPE tokenizer: imported into meshtron, and exported back (what HFLM reads)."""
