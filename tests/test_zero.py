@@ -134,20 +134,32 @@ def test_a_users_model_trains_alike_at_every_zero_level(monkeypatch):
         np.testing.assert_allclose(run(*zero).losses, reference.losses, rtol=1e-5)
 
 
+BF16 = [*mesh(4, 1, 2), "model.family=llama", "model.kv_heads=4", "model.dtype=bfloat16", "train.steps=3"]
+
+
+def assert_trains_like_bf16_reference(reference, *zero: str) -> None:
+    """A run of the bf16 model at ``zero``: ``reference``'s losses to bf16's precision, its parameters' dtypes."""
+    result = trainer(*BF16, *zero).run()
+    np.testing.assert_allclose(result.losses, reference.losses, rtol=2e-2, err_msg=str(zero))
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype, result.params, reference.params)))
+
+
 @pytest.mark.slow
 def test_zero3_of_a_bf16_model_gathers_in_bf16_and_trains_like_replicated_state():
     """A bf16 model held in fp32 computes with bf16 weights at every zero level, so gathering them in
     bf16 (the default at zero=3) changes no matrix product: the losses agree to bf16's precision;
     ``parallel.gather_dtype=float32`` gathers the parameters as held, like zero=0 to fp32 rounding."""
-    layout = [*mesh(4, 1, 2), "model.family=llama", "model.kv_heads=4", "model.dtype=bfloat16", "train.steps=3"]
-    reference = trainer(*layout).run()
-    as_held = trainer(*layout, "parallel.zero=3", "parallel.gather_dtype=float32").run()
+    reference = trainer(*BF16).run()
+    as_held = trainer(*BF16, "parallel.zero=3", "parallel.gather_dtype=float32").run()
     np.testing.assert_allclose(as_held.losses, reference.losses, rtol=1e-5)
-    for zero in (["parallel.zero=3"], ["parallel.zero=3", "parallel.gather_once=true"],
-                 ["parallel.zero=3", "parallel.reduce_dtype=bfloat16"]):
-        result = trainer(*layout, *zero).run()
-        np.testing.assert_allclose(result.losses, reference.losses, rtol=2e-2, err_msg=str(zero))
-        assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype, result.params, reference.params)))
+    for zero in (["parallel.zero=3"], ["parallel.zero=3", "parallel.reduce_dtype=bfloat16"]):
+        assert_trains_like_bf16_reference(reference, *zero)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # gathering once per step: CI runs it in fp32 (test_zero_levels_train_like_replicated_state)
+def test_zero3_of_a_bf16_model_gathering_once_trains_like_replicated_state():
+    assert_trains_like_bf16_reference(trainer(*BF16).run(), "parallel.zero=3", "parallel.gather_once=true")
 
 
 # ---- memory and traffic of the compiled step ----------------------------------------------------------
