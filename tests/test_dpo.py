@@ -36,8 +36,8 @@ LAYOUTS = {  # the parallel layouts DPO is held to PyTorch on
 
 def on_layouts(*names: str, extended: tuple[str, ...] = ()):
     """The test run on each of the named :data:`LAYOUTS`; those in ``extended`` only in make test's tier
-    (CI runs every reference on 2x2x2 interleaved, and ZeRO-3, ZB-H1 and context x tensor under one reference each;
-    1F1B: tests/test_dpo_packed.py)."""
+    (CI runs every reference on 2x2x2 interleaved, and the LoRA base under ZeRO-3; packed DPO in a 1F1B pipeline
+    in tests/test_dpo_packed.py, the precomputed reference over context ranks below)."""
     return pytest.mark.parametrize("layout", [pytest.param(LAYOUTS[n], marks=pytest.mark.extended) if n in extended
                                               else LAYOUTS[n] for n in names], ids=list(names))
 
@@ -436,7 +436,8 @@ def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, 
 
 
 @pytest.mark.slow
-@on_layouts("data-pipe-tensor-interleaved", "pipe-zb-h1", "data-context-tensor")
+@on_layouts("data-pipe-tensor-interleaved", "pipe-zb-h1", "data-context-tensor",
+            extended=("pipe-zb-h1", "data-context-tensor"))
 def test_full_dpo_with_a_frozen_copy_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
     """The frozen copy's forward inside the step on (data, pipe, tensor) = (2, 2, 2) interleaved and on 2
     stages under ZB-H1 (the forward-only pipeline schedule over the reference's stages) and over context
