@@ -112,8 +112,10 @@ def test_describe_plans_a_real_model_on_a_mesh_this_machine_simulates_without_bu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, overrides", [("llama2_7b", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8"]),
-                                               ("llama2_70b", [])])
+# CI compiles 70B (a pipeline and zero=3 at once); make test 7B on data x tensor too
+@pytest.mark.parametrize("config, overrides", [
+    pytest.param("llama2_7b", ["parallel.data=8", "parallel.pipe=1", "parallel.tensor=8"], marks=pytest.mark.extended),
+    ("llama2_70b", [])])
 def test_describe_compile_compiles_a_real_model_for_its_mesh_without_allocating_it(config, overrides):
     """Llama-2 7B on 8x1x8 (64 devices) and 70B on 2x4x8 with zero=3: the real step compiled from
     abstract arrays, its memory per device printed, in well under the memory of one device's state."""

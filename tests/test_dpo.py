@@ -34,9 +34,12 @@ LAYOUTS = {  # the parallel layouts DPO is held to PyTorch on
 }
 
 
-def on_layouts(*names: str):
-    """The test run on each of the named :data:`LAYOUTS`."""
-    return pytest.mark.parametrize("layout", [LAYOUTS[n] for n in names], ids=list(names))
+def on_layouts(*names: str, extended: tuple[str, ...] = ()):
+    """The test run on each of the named :data:`LAYOUTS`; those in ``extended`` only in make test's tier
+    (CI runs every reference on 2x2x2 interleaved, and the LoRA base under ZeRO-3; packed DPO in a 1F1B pipeline
+    in tests/test_dpo_packed.py, the precomputed reference over context ranks below)."""
+    return pytest.mark.parametrize("layout", [pytest.param(LAYOUTS[n], marks=pytest.mark.extended) if n in extended
+                                              else LAYOUTS[n] for n in names], ids=list(names))
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +176,8 @@ def test_lora_dpo_loss_gradient_and_metrics_equal_pytorch(hf, case, trained, tmp
 
 
 @pytest.mark.slow
-@on_layouts("data-pipe-tensor-interleaved", "data-tensor-zero3", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor")
+@on_layouts("data-pipe-tensor-interleaved", "data-tensor-zero3", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor",
+            extended=("pipe-1f1b", "pipe-zb-h1", "data-context-tensor"))
 def test_lora_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained, tmp_path, layout):
     """The same on (data, pipe, tensor) = (2, 2, 2) with the interleaved schedule (2 chunks a stage) and 2
     microbatches -- a pair stays in one microbatch of one data shard, and the pipeline's last stage reads the
@@ -381,7 +385,8 @@ def test_full_dpo_with_a_precomputed_reference_equals_pytorch(hf, case, trained_
 
 
 @pytest.mark.slow
-@on_layouts("data-pipe-tensor-interleaved", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor")
+@on_layouts("data-pipe-tensor-interleaved", "pipe-1f1b", "pipe-zb-h1", "data-context-tensor",
+            extended=("pipe-1f1b", "pipe-zb-h1", "data-context-tensor"))
 def test_full_dpo_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
     """The same on (data, pipe, tensor) = (2, 2, 2) interleaved, on 2 stages under 1F1B and ZB-H1 (whose
     split backward sees the precomputed reference in the last stage's rows), and on (data, context, tensor)
@@ -431,7 +436,8 @@ def test_full_dpo_with_a_frozen_copy_equals_pytorch_and_the_precomputed_run(hf, 
 
 
 @pytest.mark.slow
-@on_layouts("data-pipe-tensor-interleaved", "pipe-zb-h1", "data-context-tensor")
+@on_layouts("data-pipe-tensor-interleaved", "pipe-zb-h1", "data-context-tensor",
+            extended=("pipe-zb-h1", "data-context-tensor"))
 def test_full_dpo_with_a_frozen_copy_on_parallel_layouts_equals_pytorch(hf, case, trained_full, tmp_path, layout):
     """The frozen copy's forward inside the step on (data, pipe, tensor) = (2, 2, 2) interleaved and on 2
     stages under ZB-H1 (the forward-only pipeline schedule over the reference's stages) and over context

@@ -114,7 +114,9 @@ def test_packed_lora_dpo_equals_one_pair_a_window(case, tmp_path):
                step_values(plain, params, unpacked_batch(packed.corpus.train, range(4))), trained="kernel_lora_b")
 
 
-@pytest.mark.parametrize("layout", [(), pytest.param(("parallel.context=2",), marks=pytest.mark.slow)],
+# CI runs the context split (the same assertions, each window over 2 ranks); make test one device too
+@pytest.mark.parametrize("layout", [pytest.param((), marks=pytest.mark.extended),
+                                    pytest.param(("parallel.context=2",), marks=pytest.mark.slow)],
                          ids=["one-device", "context-2"])
 def test_packed_full_dpo_with_a_precomputed_reference_equals_one_pair_a_window(case, tmp_path, layout):
     """The whole model against precomputed reference values, each position of a packed window carrying its
@@ -146,7 +148,9 @@ def test_packed_full_dpo_with_a_precomputed_reference_equals_one_pair_a_window(c
                trained="kernel")
 
 
-@pytest.mark.parametrize("layout", [(), pytest.param(("parallel.pipe=2", "parallel.schedule=1f1b",
+# CI runs the pipeline (the same assertions on 2 stages); make test one device too
+@pytest.mark.parametrize("layout", [pytest.param((), marks=pytest.mark.extended),
+                                    pytest.param(("parallel.pipe=2", "parallel.schedule=1f1b",
                                                       "parallel.microbatches=2"), marks=pytest.mark.slow)],
                          ids=["one-device", "pipe-1f1b"])
 def test_packed_full_dpo_with_a_frozen_copy_equals_one_pair_a_window(case, tmp_path, layout):

@@ -6,6 +6,7 @@ lm-eval's JSON, written new. The tasks are local YAMLs with local data (tests/fi
 nothing is downloaded. Skipped without lm-eval (the ``eval`` extra) or torch/transformers.
 """
 
+import functools
 import json
 import os
 import sys
@@ -28,6 +29,26 @@ ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tests" / "fixtures" / "eval_tasks"
 CHOICE, CONTINUE = "meshtron_tiny_choice", "meshtron_tiny_continue"
 EXAMPLES = sum(1 for _ in (TASKS / "choice.jsonl").open())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def task_index_once():
+    """lm-eval's task index built once per include path for this module's tests: a ``TaskManager`` indexes
+    lm-eval's ~15,000 built-in task YAMLs as it is made (seconds each time) and ``meshtron eval`` makes one
+    a run; what it finds is the same for every run here."""
+    import lm_eval.tasks
+
+    made, make = {}, lm_eval.tasks.TaskManager
+
+    def once(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = make(*args, **kwargs)
+        return made[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lm_eval.tasks, "TaskManager", once)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +107,7 @@ def accuracy(results: dict) -> float:
     return results["results"][CHOICE]["acc,none"]
 
 
+@functools.cache  # once for the one-device and the 2x2x2 test: the same model (the module's HFLM), the same task
 def hf_accuracy(hflm) -> float:
     from lm_eval.tasks import TaskManager
 

@@ -54,7 +54,8 @@ def test_a_matrix_reads_as_inputs_by_outputs_beside_the_residual_width():
     assert input_axes(("layers", "qkv", "heads", "head_dim")) is None
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "user"])
+# GPT's and Llama's projections are the same nnx.Einsum modules: CI runs Llama and the user's model
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.extended), "llama", "user"])
 def test_adapters_sit_beside_every_block_matrix_laid_out_like_it_and_start_as_the_base(name, monkeypatch):
     monkeypatch.syspath_prepend("tests/models")
     md, base = family(name), family(name, lora=None)
@@ -102,6 +103,13 @@ LAYOUTS = {
 }
 
 
+# CI runs one case per family and every schedule: llama on 2x2x2 interleaved (with 2x1x2) and on 1x2x4 zb-h1,
+# gpt on 2x1x2, the user's model on 1f1b with recomputation kept, context ring and Ulysses; make test the rest.
+EXTENDED_LORA_LAYOUTS = {"gpt-1x2x4-zbh1", "user-1x2x4-zbh1", "gpt-2x2x2-interleaved", "user-2x1x2+2x2x2-interleaved",
+                         "gpt-1x2x1-1f1b-kept+2x1x1-context2+1x1x1-context4-ulysses",
+                         "llama-1x2x1-1f1b-kept+2x1x1-context2+1x1x1-context4-ulysses"}
+
+
 def _lora_marks(name: str, key: str) -> tuple[str, ...]:
     """The names of the tiers one family's layout runs in."""
     marks = () if (name, key) in {("llama", "1x2x4-zbh1"), ("gpt", "2x1x2")} else ("slow",)
@@ -116,7 +124,9 @@ def _lora_layouts():
         for k, layout in LAYOUTS.items():
             groups.setdefault((layout.tensor, _lora_marks(n, k)), []).append(k)
         for (_, marks), keys in groups.items():
-            yield pytest.param(n, keys, id=f"{n}-{'+'.join(keys)}", marks=[getattr(pytest.mark, m) for m in marks])
+            case = f"{n}-{'+'.join(keys)}"
+            extended = [pytest.mark.extended] if case in EXTENDED_LORA_LAYOUTS else []
+            yield pytest.param(n, keys, id=case, marks=[getattr(pytest.mark, m) for m in marks] + extended)
 
 
 @pytest.mark.parametrize("name, keys", list(_lora_layouts()))
@@ -190,7 +200,8 @@ def with_random_b(params, seed=1):
     return jax.tree.unflatten(treedef, out)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "user"])
+# CI: Llama's Einsum projections (GPT's are the same modules) and the user's merged matrices
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.extended), "llama", "user"])
 def test_adapters_on_activations_equal_the_merged_matrices(name, monkeypatch):
     """GPT's and Llama's projections are nnx.Einsum modules: their adapters run on the activations; the user's
     model reads its matrices itself: merged. Either way the loss is the merged model's, and the adapters'

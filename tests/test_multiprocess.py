@@ -63,6 +63,7 @@ def test_two_processes_train_and_resume_like_one(tmp_path):
 
 
 @pytest.mark.first_stack_only
+@pytest.mark.extended  # two processes training like one in CI: test_two_processes_train_and_resume_like_one
 def test_a_context_group_across_two_processes_trains_like_one(tmp_path):
     # (data, context, pipe, tensor) = (1, 4, 1, 2): context ranks 0-1 in one process, 2-3 in the other, so
     # the key/value all-gathers and the gradient reduction over data x context cross the boundary

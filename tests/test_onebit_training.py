@@ -114,6 +114,7 @@ def test_tensor_and_pipeline_parallel_reduce_only_data_and_keep_replicas_identic
 
 
 @pytest.mark.first_stack_only  # 1-bit LAMB's stages on the second stack: the two tests above
+@pytest.mark.extended  # (CI runs them; this one, 2x2x2 again with sequence parallelism, in make test)
 def test_sequence_parallelism_changes_neither_the_numbers_nor_what_crosses_data(mesh222):
     # Sequence parallelism lays activations out differently over ``tensor``; the losses and 1-bit
     # LAMB's compressed exchange over ``data`` are the same, warmup and compression alike.

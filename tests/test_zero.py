@@ -88,8 +88,10 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [pytest.param(v, marks=pytest.mark.both_stacks) if "interleaved" in k else v
-                                    for k, v in LAYOUTS.items()], ids=list(LAYOUTS))
+# CI runs every level on 2x2x2 interleaved, the case that checks the most at once; make test the other layouts
+@pytest.mark.parametrize("layout", [pytest.param(v, marks=pytest.mark.both_stacks) if "interleaved" in k
+                                    else pytest.param(v, marks=pytest.mark.extended) for k, v in LAYOUTS.items()],
+                         ids=list(LAYOUTS))
 def test_zero_levels_train_like_replicated_state(layout):
     """The same losses and parameters at every zero level; on the interleaved pipeline, which runs every level,
     the compiled steps that trained also hold and send what :func:`assert_state_and_traffic` says."""
@@ -117,6 +119,7 @@ def test_zero_levels_train_like_replicated_state(layout):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the levels on the models meshtron ships: test_zero_levels_train_like_replicated_state
 def test_a_users_model_trains_alike_at_every_zero_level(monkeypatch):
     monkeypatch.syspath_prepend("tests/models")
     import parallel_lm
@@ -131,20 +134,32 @@ def test_a_users_model_trains_alike_at_every_zero_level(monkeypatch):
         np.testing.assert_allclose(run(*zero).losses, reference.losses, rtol=1e-5)
 
 
+BF16 = [*mesh(4, 1, 2), "model.family=llama", "model.kv_heads=4", "model.dtype=bfloat16", "train.steps=3"]
+
+
+def assert_trains_like_bf16_reference(reference, *zero: str) -> None:
+    """A run of the bf16 model at ``zero``: ``reference``'s losses to bf16's precision, its parameters' dtypes."""
+    result = trainer(*BF16, *zero).run()
+    np.testing.assert_allclose(result.losses, reference.losses, rtol=2e-2, err_msg=str(zero))
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype, result.params, reference.params)))
+
+
 @pytest.mark.slow
 def test_zero3_of_a_bf16_model_gathers_in_bf16_and_trains_like_replicated_state():
     """A bf16 model held in fp32 computes with bf16 weights at every zero level, so gathering them in
     bf16 (the default at zero=3) changes no matrix product: the losses agree to bf16's precision;
     ``parallel.gather_dtype=float32`` gathers the parameters as held, like zero=0 to fp32 rounding."""
-    layout = [*mesh(4, 1, 2), "model.family=llama", "model.kv_heads=4", "model.dtype=bfloat16", "train.steps=3"]
-    reference = trainer(*layout).run()
-    as_held = trainer(*layout, "parallel.zero=3", "parallel.gather_dtype=float32").run()
+    reference = trainer(*BF16).run()
+    as_held = trainer(*BF16, "parallel.zero=3", "parallel.gather_dtype=float32").run()
     np.testing.assert_allclose(as_held.losses, reference.losses, rtol=1e-5)
-    for zero in (["parallel.zero=3"], ["parallel.zero=3", "parallel.gather_once=true"],
-                 ["parallel.zero=3", "parallel.reduce_dtype=bfloat16"]):
-        result = trainer(*layout, *zero).run()
-        np.testing.assert_allclose(result.losses, reference.losses, rtol=2e-2, err_msg=str(zero))
-        assert all(jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype, result.params, reference.params)))
+    for zero in (["parallel.zero=3"], ["parallel.zero=3", "parallel.reduce_dtype=bfloat16"]):
+        assert_trains_like_bf16_reference(reference, *zero)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # gathering once per step: CI runs it in fp32 (test_zero_levels_train_like_replicated_state)
+def test_zero3_of_a_bf16_model_gathering_once_trains_like_replicated_state():
+    assert_trains_like_bf16_reference(trainer(*BF16).run(), "parallel.zero=3", "parallel.gather_once=true")
 
 
 # ---- memory and traffic of the compiled step ----------------------------------------------------------
@@ -192,6 +207,7 @@ def assert_state_and_traffic(zero0: Trainer, zero1: Trainer, zero3: Trainer, zer
 
 
 @pytest.mark.slow  # on the interleaved pipeline: the compiled steps of test_zero_levels_train_like_replicated_state
+@pytest.mark.extended  # (which CI runs) assert the same bytes
 def test_compiled_state_and_traffic_bytes_per_device():
     layout = mesh(8, 1, 1, microbatches=2)
     assert_state_and_traffic(*(trainer(*layout, *zero, read_data=False) for zero in (
@@ -258,11 +274,13 @@ def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
         assert any("data" in str(x.sharding.spec) for x in jax.tree.leaves(opt_state.optimizer))
 
     # pipelined: zero=3 on (2,2,2) interleaved (layers in stage order, split over data) onto other
-    # schedules, meshes and levels
-    piped = trainer(*mesh(2, 2, 2, "interleaved", 2, 4), "parallel.zero=3", *run,
+    # schedules, meshes and levels; 3 steps, the program test_zero_levels_train_like_replicated_state
+    # compiled (a cache hit where it ran first), checkpointed at step 2 and at the end
+    piped_run = ["train.steps=3", *run[1:]]
+    piped = trainer(*mesh(2, 2, 2, "interleaved", 2, 4), "parallel.zero=3", *piped_run,
                     f"checkpoint.dir={tmp_path / 'z3p'}").run()
     for layout, zero in ((mesh(2, 2, 2, "zb-h1", 1, 4), "parallel.zero=1"), (mesh(4, 2, 1, "1f1b", 1, 4), "parallel.zero=3")):
-        other = trainer(*layout, zero, *run, f"checkpoint.dir={tmp_path / 'z3p'}")
+        other = trainer(*layout, zero, *piped_run, f"checkpoint.dir={tmp_path / 'z3p'}")
         params, _, _ = other.restore(CheckpointStore(tmp_path / "z3p", keep=5))
         assert_same_parameters(other.canonical_params(params), piped.params)
 
@@ -281,10 +299,11 @@ def test_zero_runs_resume_bitwise_and_restore_onto_any_mesh_and_level(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [mesh(1, 4, 2, "1f1b", 1, 8), mesh(1, 4, 2, "zb-h1", 1, 8),
+@pytest.mark.parametrize("layout", [pytest.param(mesh(1, 4, 2, "1f1b", 1, 8), marks=pytest.mark.extended),
+                                    pytest.param(mesh(1, 4, 2, "zb-h1", 1, 8), marks=pytest.mark.extended),
                                     [*mesh(2, 2, 2, "interleaved", 2, 4), "parallel.zero=3"]],
                          ids=["1x4x2-1f1b", "1x4x2-zbh1", "2x2x2-interleaved-zero3"])
-def test_the_pipelined_step_holds_no_gradient_buffer_beyond_one_stage(layout):
+def test_the_pipelined_step_holds_no_gradient_buffer_beyond_one_stage(layout):  # CI: 2x2x2 interleaved, zero=3
     """Taking gradients through a whole-program pipeline can build a ``[stages, ...]`` stack of every
     stage's weight gradients on each device. Every buffer of the compiled program shaped like a block
     weight (here ``[..., 48, 40]``: hidden 48, an MLP of 80 split over 2 tensor ranks) holds at most
