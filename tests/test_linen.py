@@ -31,6 +31,7 @@ SMALL = ["model.layers=4", "model.hidden=32", "model.mlp_dim=64", "model.seq_len
          "train.eval_batches=1", "train.log_every=1"]
 
 
+@pytest.mark.first_stack_only  # the second stack trains and generates with a Linen model through the CLI
 def test_the_readme_linen_example_passes_the_oracle_on_every_kind_of_layout(capsys):
     namespace = run_example("linen")
     reports = namespace["reports"]
