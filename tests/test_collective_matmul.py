@@ -105,7 +105,7 @@ def _losses(layout: list[str], *overrides: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
-    ["parallel.data=2", "parallel.tensor=4"],
+    pytest.param(["parallel.data=2", "parallel.tensor=4"], marks=pytest.mark.extended),
     ["parallel.data=1", "parallel.pipe=2", "parallel.tensor=4", "parallel.microbatches=2", "model.family=llama",
      "model.kv_heads=4"],
 ], ids=["2x1x4-gpt", "1x2x4-llama"])

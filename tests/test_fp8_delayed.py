@@ -182,7 +182,8 @@ def test_a_step_records_the_largest_amax_over_microbatches_data_stages_and_tenso
 # Mixtral's steps compiled at LLVM's first level (gpu.xla_flags: every program of the run), not the tests'
 # level 0 (conftest.py): at level 0 its FP8 expert GEMMs run three times slower, and three steps took
 # longer than the compile (the test: 44 -> 33 CPU seconds).
-@pytest.mark.parametrize("config, extra", [("mixtral_cpu8", ["gpu.xla_flags=--xla_backend_optimization_level=1"]),
+@pytest.mark.parametrize("config, extra", [pytest.param("mixtral_cpu8", ["gpu.xla_flags=--xla_backend_optimization_level=1"],
+                                                        marks=pytest.mark.extended),
                                            ("llama_cpu8", ["train.lora.rank=4"])], ids=["experts", "lora"])
 def test_experts_and_lora_train_with_delayed_scaling(config, extra):
     """Mixtral's grouped expert GEMMs (experts split over data) and LoRA's frozen base take their scales

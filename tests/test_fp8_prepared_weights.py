@@ -111,10 +111,10 @@ def _run(schedule: str, fp8: str, zero: int, prepared: bool, monkeypatch, extra:
 # shares' largest amax -- and the schedule decides how often each use reads it. So every mode x zero pair once,
 # and every schedule among them.
 @pytest.mark.parametrize("schedule, fp8, zero", [
-    ("1f1b", "current", 1),
-    pytest.param("interleaved", "current", 3, marks=pytest.mark.slow),
-    pytest.param("interleaved", "delayed", 1, marks=pytest.mark.slow),
-    ("zb-h1", "delayed", 3),
+    pytest.param("1f1b", "current", 1, marks=pytest.mark.extended),
+    pytest.param("interleaved", "current", 3, marks=[pytest.mark.slow, pytest.mark.extended]),
+    pytest.param("interleaved", "delayed", 1, marks=[pytest.mark.slow, pytest.mark.extended]),
+    ("zb-h1", "delayed", 3),  # the CI tier's case: the split backward, delayed histories, gathered shares
 ])
 def test_weights_quantized_once_train_as_weights_quantized_at_every_use(schedule, fp8, zero, monkeypatch):
     """Weights and (``delayed``) histories do not change within a step, so multiplying by the bytes quantized
@@ -130,7 +130,8 @@ def test_weights_quantized_once_train_as_weights_quantized_at_every_use(schedule
     jax.tree.map(np.testing.assert_array_equal, params, per_use_params)
 
 
-@pytest.mark.parametrize("schedule, fp8", [("1f1b", "current"), ("zb-h1", "delayed")])
+@pytest.mark.parametrize("schedule, fp8", [("1f1b", "current"),
+                                           pytest.param("zb-h1", "delayed", marks=pytest.mark.extended)])
 def test_expert_weights_quantized_once_train_as_quantized_at_every_use(schedule, fp8, monkeypatch):
     """A mixture of experts' grouped expert weights, split over data (each device's own experts), are cast to
     e4m3 once per step, with the attention weights beside them; the grouped expert GEMMs multiply by those

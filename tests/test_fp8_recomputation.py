@@ -89,7 +89,7 @@ def test_zero3_gathers_float8_shares_and_no_backward_quantizes_a_weight_again(fa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fp8", ["current", "delayed"])
+@pytest.mark.parametrize("fp8", ["current", pytest.param("delayed", marks=pytest.mark.extended)])
 def test_zero3_trains_as_zero1_with_fp8_weights_gathered_as_shares(fp8):
     """The same model and batches at zero=1 (weights quantized whole) and zero=3 (shares quantized, their
     bytes gathered): the same losses, to the reductions' order."""
@@ -110,7 +110,8 @@ def _pipelined_losses(schedule: str, fp8: str, zero: int) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, fp8", [("interleaved", "current"), ("zb-h1", "delayed")])
+@pytest.mark.parametrize("schedule, fp8", [pytest.param("interleaved", "current", marks=pytest.mark.extended),
+                                           ("zb-h1", "delayed")])
 def test_pipelined_zero3_trains_as_zero1_with_fp8_weights_gathered_as_shares(schedule, fp8):
     """On 2x2x2 pipelines (interleaved 1F1B recomputes each stage from its input; zb-h1 replays each layer's
     pullback split in two), zero=3's shares quantized and gathered as float8 bytes give zero=1's losses."""

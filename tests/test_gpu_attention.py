@@ -40,9 +40,9 @@ def compiled_step(layout: str, attention: str, *overrides: str):
 
 
 @pytest.mark.parametrize(("layout", "overrides"), [
-    ("1x1x8", ()),
+    pytest.param("1x1x8", (), marks=pytest.mark.extended),
     ("1x1x8", ("model.kv_heads=2",)),  # fewer key/value heads than tensor ranks: each keeps the one it reads
-    ("2x1x4", ("parallel.sequence_parallel=true",)),
+    pytest.param("2x1x4", ("parallel.sequence_parallel=true",), marks=pytest.mark.extended),
 ], ids=["tensor8", "tensor8-gqa", "sequence-parallel"])
 def test_cudnn_attention_compiles_into_the_fused_kernel(layout, overrides):
     """Pipelined layouts with cuDNN (2x2x2 interleaved, zb-h1) are compiled by tests/test_gpu_compile.py;
@@ -52,9 +52,10 @@ def test_cudnn_attention_compiles_into_the_fused_kernel(layout, overrides):
 
 
 @pytest.mark.parametrize(("layout", "overrides"), [
-    ("2x1x2", ("parallel.context=2",)),
+    pytest.param("2x1x2", ("parallel.context=2",), marks=pytest.mark.extended),
     ("2x1x1", ("parallel.context=4", "data.reset_per_document=true")),
-    ("2x1x2", ("parallel.context=2", "model.kv_heads=2")),  # key/value heads whole on both tensor ranks
+    pytest.param("2x1x2", ("parallel.context=2", "model.kv_heads=2"),  # key/value heads whole on both tensor ranks
+                 marks=pytest.mark.extended),
 ], ids=["context2-tensor2", "context4-documents", "context2-gqa"])
 def test_cudnn_over_a_split_sequence_with_gathered_keys_compiles_into_the_fused_kernel(layout, overrides):
     """Each rank's queries against the whole sequence's gathered keys, under a position mask (a bias)."""
@@ -91,9 +92,10 @@ def _xla_text(layout: str, *overrides: str) -> str:
 
 
 @pytest.mark.parametrize(("layout", "overrides"), [
-    ("2x1x1", ("parallel.context=4",)),
+    pytest.param("2x1x1", ("parallel.context=4",), marks=pytest.mark.extended),
     ("2x1x1", ("parallel.context=4", "data.reset_per_document=true")),
-    ("2x1x2", ("parallel.context=2", "model.kv_heads=2")),  # key/value heads whole on both tensor ranks
+    pytest.param("2x1x2", ("parallel.context=2", "model.kv_heads=2"),  # key/value heads whole on both tensor ranks
+                 marks=pytest.mark.extended),
 ], ids=["context4", "context4-documents", "context2-gqa"])
 def test_cudnn_by_the_ring_compiles_each_block_into_the_fused_kernels(layout, overrides):
     """Two context ranks over two tensor ranks with every head are test_cudnn_by_the_ring_keeps_no_block_scores'
@@ -132,7 +134,7 @@ def test_fused_attention_keeps_no_scores():
 
 
 @pytest.mark.parametrize(("layout", "overrides"), [
-    ("8x1x1", ()),
+    pytest.param("8x1x1", (), marks=pytest.mark.extended),
     ("2x1x4", ("parallel.sequence_parallel=true",)),
 ], ids=["data8", "sequence-parallel"])
 def test_cudnn_attention_with_packed_documents_compiles_into_the_fused_kernel(layout, overrides):

@@ -124,9 +124,9 @@ def test_sends_go_early_only_on_gpus_with_overlap_on():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("mesh_shape", "schedule", "chunks", "microbatches"), [
-    ((1, 4, 1), "1f1b", 1, 8),
-    ((2, 2, 1), "zb-h1", 1, 4),  # a segment that sends no input gradient after one that does
-    ((2, 2, 1), "interleaved", 2, 4),
+    pytest.param((1, 4, 1), "1f1b", 1, 8, marks=pytest.mark.extended, id="mesh_shape0-1f1b-1-8"),
+    pytest.param((2, 2, 1), "zb-h1", 1, 4, id="mesh_shape1-zb-h1-1-4"),  # a segment that sends no input gradient after one that does
+    pytest.param((2, 2, 1), "interleaved", 2, 4, marks=pytest.mark.extended, id="mesh_shape2-interleaved-2-4"),
 ])
 def test_early_sends_compute_the_chained_step(mesh_shape, schedule, chunks, microbatches):
     """The early sends move the same messages between the same slots: the step's outputs are bit for bit
@@ -328,7 +328,9 @@ _SCHEDULE_GPU = ["model.hidden=64", "model.heads=4", "model.mlp_dim=128", "model
 
 @pytest.mark.gpu_compile
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b-p", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", [  # one compile in the CI tier (interleaved: chunked stages); make test runs all
+    *[pytest.param(schedule, marks=pytest.mark.extended) for schedule in ("gpipe", "1f1b", "1f1b-p")],
+    "interleaved", pytest.param("zb-h1", marks=pytest.mark.extended)])
 def test_overlap_on_compiles_every_pipeline_schedule_for_h100(gpu_target, schedule):
     """With cuDNN attention and FP8 projections (what XLA aborted on when the bundle held pipelined p2p) and
     the early sends: every schedule compiles, and its order is proved by the schedule."""
