@@ -23,6 +23,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from meshtron.errors import ConfigError
 from meshtron.gpu import targets
 
 targets.prepare_environment()
@@ -167,7 +168,10 @@ def main() -> None:
     args = parser.parse_args()
     from _common import print_table, write_results
 
-    devices = targets.target_devices("h100", 2)
+    try:
+        devices = targets.target_devices("h100", 2)
+    except ConfigError as err:  # no gpu-compile extra on this stack: one line saying what to install
+        raise SystemExit(f"benchmarks/accumulator_layout.py: {err}") from None
     rows = []
     for variant in VARIANTS:
         text = compile_variant(variant, devices, args.layers, args.hidden, args.ffn, args.tokens, args.microbatches)
