@@ -9,11 +9,12 @@ and back for every layer and microbatch.
 
 This compiles, for 2 compile-only H100s (``meshtron.gpu.targets``), one toy program per variant -- the
 split dimension, a barrier or a transpose before the collective, Triton or cuBLAS GEMMs -- and reads from
-the optimized HLO: the accumulator's layout in the loop, the copies and dynamic slices of a slot's shape
-inside it, and whether the GEMM and the slot's update became one ``dynamic-slice-fusion``. Needs the
+the optimized HLO: the accumulator's layout in the loop, whether a slot is copied out and written back
+around the GEMM or the GEMM and the slot's update became one ``dynamic-slice-fusion``, and the
+accumulator's transposes. Needs the
 ``gpu-compile`` extra (the second stack: ``.venv-py312``).
 
-    .venv-py312/bin/python benchmarks/accumulator_layout.py      # about a minute; results/accumulator_layout.json
+    .venv-py312/bin/python benchmarks/accumulator_layout.py      # about 10 s; results/accumulator_layout.{json,png}
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from meshtron.errors import ConfigError
 from meshtron.gpu import targets
+from meshtron.hlo.text import ArrayShape, parse_hlo_module
 
 targets.prepare_environment()
 
@@ -94,44 +96,40 @@ def compile_variant(variant: Variant, devices, layers: int, hidden: int, ffn: in
     return jax.jit(fn, donate_argnums=0).lower(acc, x, g).compile(compiler_options=options).as_text()
 
 
-def computations(text: str) -> dict[str, str]:
-    """The HLO module's computations by name: each ``%name (...) -> ... {`` block up to its ``}``."""
-    found, name, lines = {}, None, []
-    for line in text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
-        if head and line.rstrip().endswith("{"):
-            name, lines = head.group(1), []
-        elif line.startswith("}") and name:
-            found[name] = "\n".join(lines)
-            name = None
-        elif name:
-            lines.append(line)
-    return found
-
-
 def read(text: str, layers: int, hidden: int, ffn: int, microbatches: int) -> dict:
     """What the optimized HLO does with a layer's slot: copied out and written back around the GEMM, or
     added into in place by the GEMM (a ``dynamic-slice-fusion`` around cuBLAS's ``beta = 1`` matmul); and
     how often the accumulator (or the device's share of it) is transposed, into the collective's layout
-    and back."""
-    whole = rf"f32\[{layers},{hidden},{ffn}\]"
-    either = rf"f32\[(?:{layers},{hidden}|{hidden},{layers}),{ffn}\]"  # the stacked order, or 'in' outermost
-    any_share = rf"f32\[(?:{layers},\d+|\d+,{layers}),{ffn}\]"  # either order, whole or one device's share
+    and back. A fused computation's root is its last instruction, as XLA prints them."""
+    stacked = {(layers, hidden, ffn), (hidden, layers, ffn)}  # the stacked order, or 'in' outermost
+
+    def dims(instruction) -> tuple[int, ...]:
+        return instruction.shape.dims if isinstance(instruction.shape, ArrayShape) else ()
+
+    def share(instruction) -> bool:  # the accumulator in either order, whole or one device's share
+        d = dims(instruction)
+        return len(d) == 3 and d[2] == ffn and layers in d[:2]
+
     kinds = {"in_place": 0, "copied_out": 0, "written_back": 0, "transposed": 0}
-    for body in computations(text).values():
-        root = next((line for line in body.splitlines() if "ROOT " in line), "")
-        gemm = "__cublas$" in body or "dot(" in body
-        if gemm and re.search(rf"= {either}\S* dynamic-update-slice\(", body):
+    for computation in parse_hlo_module(text).computations.values():
+        if not computation.instructions:
+            continue
+        root = computation.instructions[-1]
+        gemm = any(i.opcode == "dot" or (i.opcode == "custom-call" and "__cublas$" in i.attributes)
+                   for i in computation.instructions)
+        if gemm and any(i.opcode == "dynamic-update-slice" and dims(i) in stacked for i in computation.instructions):
             kinds["in_place"] += 1
-        elif "dynamic-slice(" in root and re.search(rf"= {whole}\S* parameter", body):
+        elif root.opcode == "dynamic-slice" and any(i.opcode == "parameter" and dims(i) == (layers, hidden, ffn)
+                                                    for i in computation.instructions):
             kinds["copied_out"] += 1
-        elif re.search(rf"= {either}\S* dynamic-update-slice\(", root):
+        elif root.opcode == "dynamic-update-slice" and dims(root) in stacked:
             kinds["written_back"] += 1
-        elif re.search(rf"= {any_share}\S* transpose\(", root):
+        elif root.opcode == "transpose" and share(root):
             kinds["transposed"] += 1
     slot_bytes = 4 * hidden * ffn
+    layouts = re.findall(rf"f32\[{layers},{hidden},{ffn}\]\{{([0-9,]+)\}}", text)  # the parser drops layouts
     return {
-        "accumulator_layouts": sorted({"{" + layout + "}" for layout in re.findall(whole + r"\{([0-9,]+)\}", text)}),
+        "accumulator_layouts": sorted({"{" + layout + "}" for layout in layouts}),
         **kinds,
         "slot_bytes_copied_per_step": (kinds["copied_out"] + kinds["written_back"]) * slot_bytes * layers * microbatches,
         "gemm": "cuBLAS" if "__cublas$" in text else "Triton",
