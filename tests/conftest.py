@@ -10,6 +10,11 @@
   before that stage -- the HLO program, its collectives and their order, buffer assignment and so the
   compiled memory -- and numbers are compared to references within tolerances or between runs of the
   same program. Users' runs keep XLA's default.
+* XLA:CPU's element-wise IR emitters instead of its MLIR fusion emitters in the first of the two
+  sessions ``tests/run_suite.py`` (``make test``) starts, where the jaxlib has the switch
+  (``subprocess_env.EMITTERS``): the same HLO program, collectives and buffer sizes, compiled faster.
+  The tests marked ``fusion_emitters`` run in the second session with XLA's defaults; a plain
+  ``pytest`` run keeps XLA's defaults.
 * JAX's CUDA plugin allowed to load without CUDA (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``): the
   ``gpu_compile`` tests compile for compile-only GPU targets (:mod:`meshtron.gpu.targets`); the
   ``gpu_target`` fixture skips them where the plugin (the ``gpu-compile`` extra) is not installed.

@@ -123,6 +123,7 @@ def test_sends_go_early_only_on_gpus_with_overlap_on():
 
 
 @pytest.mark.slow
+@pytest.mark.fusion_emitters  # two programs' outputs, bit for bit
 @pytest.mark.parametrize(("mesh_shape", "schedule", "chunks", "microbatches"), [
     pytest.param((1, 4, 1), "1f1b", 1, 8, marks=pytest.mark.extended, id="mesh_shape0-1f1b-1-8"),
     pytest.param((2, 2, 1), "zb-h1", 1, 4, id="mesh_shape1-zb-h1-1-4"),  # a segment that sends no input gradient after one that does

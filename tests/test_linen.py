@@ -61,6 +61,7 @@ def test_parameters_keep_their_linen_names_and_axes():
     assert tuple(qkv) == ("pipe", None, None, "tensor", None)  # layers over pipe, heads over tensor
 
 
+@pytest.mark.fusion_emitters  # the two uses' gradients summed against the whole one, to 1e-7
 @pytest.mark.first_stack_only  # the Linen bridge's representative cases run on both stacks
 def test_a_tied_head_is_the_embedding_table_and_passes_the_oracle_with_a_pipeline():
     """The guide's tied example: one table and no head kernel, logits ``norm(x) @ table.T``, the

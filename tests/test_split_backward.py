@@ -83,6 +83,7 @@ def test_w_needs_a_boundary_only_for_what_depends_on_weights():
     assert sorted(a.shape for a in split.boundary_avals) == [(2, 3), (2, 3)]  # x and the cotangent at x @ w
 
 
+@pytest.mark.fusion_emitters  # B and W against autodiff's pullback, bit for bit
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_weight_gradient_reading_the_residuals_keeps_only_cotangents_between_b_and_w(family):
     # A pipeline that keeps residuals (parallel.recompute=false) holds them until W, so W recomputes
@@ -129,6 +130,7 @@ def test_weight_gradient_reading_the_residuals_keeps_only_cotangents_between_b_a
     assert sizes["early"] == norms
 
 
+@pytest.mark.fusion_emitters  # B and W against autodiff's pullback, bit for bit
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_boundary_values_may_replace_residuals_only_b_reads(family):
     # With the residuals kept until W, B writes a boundary value over a residual of its shape that W
