@@ -6,7 +6,7 @@ the suite runs in two pytest sessions:
 1. every test not marked ``fusion_emitters``, compiled with XLA:CPU's element-wise IR emitters
    (``MESHTRON_TEST_EMITTERS=elemental``, read by ``subprocess_env``): the choice is how a fusion becomes
    LLVM IR, after XLA's HLO passes -- the same program, collectives and buffer sizes -- and these emitters
-   compile the tests' programs in about three quarters of the CPU time;
+   compile the tests' programs in two thirds to three quarters of the CPU time (docs/testing.md);
 2. the tests marked ``fusion_emitters``, with XLA's defaults: they hold two different programs equal bit
    for bit (or to a few ulps), which the default emitters do and the element-wise ones, rounding fused
    work differently, do not.
@@ -48,6 +48,7 @@ def second_report(arguments: list[str]) -> list[str]:
 
 
 def pytest(arguments: list[str], markers: str, env: dict[str, str] | None = None) -> int:
+    """One pytest session over ``arguments`` narrowed to ``markers``; its exit code."""
     command = [sys.executable, "-m", "pytest", "-q", *([] if not markers else ["-m", markers]), *arguments]
     print("+", " ".join(command), flush=True)
     return subprocess.run(command, cwd=ROOT, env=env, check=False).returncode
@@ -61,9 +62,9 @@ def main(argv: list[str]) -> int:
     if not has_emitter_switch():
         codes = [pytest(arguments, markers)]
     else:
-        elemental = {**os.environ, "MESHTRON_TEST_EMITTERS": "elemental"}
-        codes = [pytest(arguments, narrowed(markers, "not fusion_emitters"), elemental),
-                 pytest(second_report(arguments), narrowed(markers, "fusion_emitters"))]
+        defaults = {k: v for k, v in os.environ.items() if k != "MESHTRON_TEST_EMITTERS"}
+        codes = [pytest(arguments, narrowed(markers, "not fusion_emitters"), {**defaults, "MESHTRON_TEST_EMITTERS": "elemental"}),
+                 pytest(second_report(arguments), narrowed(markers, "fusion_emitters"), defaults)]
     if all(code == NO_TESTS for code in codes):
         print("run_suite: pytest collected no tests", file=sys.stderr)
         return 1
