@@ -319,7 +319,16 @@ H100_MODELS = {
              "parallel.gather_once=false", "parallel.recompute=false"],
          "data 2 x pipe 4 x tensor 8, 1f1b, zero=1, sp, kept residuals, m=64, fused dW accumulation": [
              "parallel.data=2", "parallel.pipe=4", "parallel.tensor=8", "parallel.zero=1", "parallel.microbatches=64",
-             "parallel.gather_once=false", "parallel.recompute=false", "parallel.gradient_accumulation_fusion=true"]},
+             "parallel.gather_once=false", "parallel.recompute=false", "parallel.gradient_accumulation_fusion=true"],
+         "data 2 x pipe 8 x tensor 4, 1f1b, zero=1, sp, kept residuals, m=64, fused dW accumulation, weights cast once": [
+             "parallel.data=2", "parallel.pipe=8", "parallel.tensor=4", "parallel.zero=1", "parallel.microbatches=64",
+             "parallel.gather_once=false", "parallel.recompute=false", "parallel.gradient_accumulation_fusion=true",
+             "parallel.cast_once=true"],
+         "data 2 x pipe 8 x tensor 4, 1f1b, zero=0, sp, kept residuals, m=64, fused dW accumulation, weights cast once, "
+         "cuBLAS GEMMs": [
+             "parallel.data=2", "parallel.pipe=8", "parallel.tensor=4", "parallel.zero=0", "parallel.microbatches=64",
+             "parallel.gather_once=false", "parallel.recompute=false", "parallel.gradient_accumulation_fusion=true",
+             "parallel.cast_once=true", "gpu.xla_flags=--xla_gpu_enable_triton_gemm=false"]},
         {"tokens_per_s_per_gpu": 1035.970, "step_seconds": 7.908,
          "config": "BF16, seq 4096, 64 GPUs, FSDP 64 (FSDP+DP MBS=2), GBS 128, MFU 46.54% at 989 TFLOP/s; remat "
                    "and attention not in the quoted text (compiled here: remat_policy=full as MaxText's "

@@ -165,6 +165,7 @@ class ModelConfig:
     sequence_parallel: bool = False  # split norm/residual activations over the sequence on the tensor ranks
     collective_matmul: bool = False  # sequence parallelism's gathers and reduce-scatters as rings overlapped with the GEMMs
     gradient_accumulation_fusion: bool = False  # weight gradients leave their GEMMs in float32 (models/master_weight_gemm.py)
+    cast_once: bool = False  # a pipeline stage's weights cast to dtype once per step (models/cast_weights.py)
     kv_heads: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5  # epsilon of every LayerNorm (gpt) / RMSNorm (llama)
@@ -481,6 +482,10 @@ class ParallelConfig:
     # gradient without a round trip through the compute dtype; the accumulation over microbatches then
     # adds a GEMM's output (models/master_weight_gemm.py; Megatron's --gradient-accumulation-fusion).
     gradient_accumulation_fusion: bool = False
+    # A pipeline stage's projection weights cast to model.dtype (and fused projections' kernels joined) once per
+    # step, before the tick loop, instead of at every microbatch's forward, recomputation and W pass; held for
+    # the step in model.dtype (models/cast_weights.py; Megatron holds the model's weights in bf16).
+    cast_once: bool = False
     # Attention over a sequence split on parallel.context: gathered (keys and values all-gathered), ring
     # (blocks passed around, two resident at a time), ulysses (all-to-alls swap the sequence split for a head
     # split: each rank attends over the whole sequence for heads/context heads) or hybrid (ulysses over
@@ -496,7 +501,8 @@ ALIASES: dict[str, str] = {
     **{f"train.{name}": f"parallel.{name}"
        for name in ("microbatches", "zero", "gather_once", "gather_dtype", "reduce_dtype")},
     **{f"model.{name}": f"parallel.{name}" for name in ("sequence_parallel", "context_attention", "ulysses_degree",
-                                                                "collective_matmul", "gradient_accumulation_fusion")},
+                                                                "collective_matmul", "gradient_accumulation_fusion",
+                                                                "cast_once")},
 }
 
 
@@ -816,6 +822,7 @@ def validate(cfg: Config) -> None:
           f"must be true or false, got {m.collective_matmul!r}")
     _need(isinstance(m.gradient_accumulation_fusion, bool), "parallel.gradient_accumulation_fusion",
           f"must be true or false, got {m.gradient_accumulation_fusion!r}")
+    _need(isinstance(m.cast_once, bool), "parallel.cast_once", f"must be true or false, got {m.cast_once!r}")
     _need(m.factory is not None or m.family in FAMILIES, "model.family",
           f"must be one of {', '.join(FAMILIES)} (or set model.factory=package.module:function), got {m.family!r}")
     if m.kv_heads is not None:

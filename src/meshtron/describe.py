@@ -136,7 +136,7 @@ def activation_figures(run: Run, model_def: ModelDef) -> tuple[list[tuple[str, s
 STEP_TERMS = (("parameters", "parameters"), ("optimizer", "optimizer state"), ("gradients", "gradients"),
               ("stash", "stash"), ("layers_kept", "layers kept"), ("working", "one layer's backward"),
               ("logits", "logits"), ("mtp", "multi-token prediction"), ("weight_buffers", "B-to-W buffers"),
-              ("reference", "DPO frozen reference"), ("peak", "peak"),
+              ("reference", "DPO frozen reference"), ("cast_weights", "weights cast once"), ("peak", "peak"),
               ("host", "host (pinned, not in peak)"))
 """:class:`meshtron.plan.step_memory.StepMemory`'s terms as describe prints them."""
 

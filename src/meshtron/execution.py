@@ -58,6 +58,8 @@ class _RunModelSettings(Protocol):
     def collective_matmul(self) -> bool: ...
     @property
     def gradient_accumulation_fusion(self) -> bool: ...
+    @property
+    def cast_once(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class Execution:
     :mod:`meshtron.models.fp8`). ``window``: the run's ``model.seq_len``, the context generation sees by default
     (:meth:`context`; ``None``: the model's own limit). ``collective_matmul``: under sequence parallelism
     the blocks' projections gather and reduce-scatter the residual stream as rings overlapped with their
-    GEMMs (:mod:`meshtron.models.collective_matmul`)."""
+    GEMMs (:mod:`meshtron.models.collective_matmul`). ``cast_once``: a pipeline stage casts its projection
+    weights to the compute dtype once per step (:mod:`meshtron.models.cast_weights`)."""
 
     remat: str = "none"
     attention: str | None = None
@@ -82,6 +85,7 @@ class Execution:
     collective_matmul: bool = False
     ulysses_degree: int = 1
     gradient_accumulation_fusion: bool = False
+    cast_once: bool = False
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_MODES:
@@ -97,7 +101,7 @@ class Execution:
         """The switches a run's ``model`` section (``cfg.model``) sets."""
         return cls(remat=model.remat, attention=model.attention, context_attention=model.context_attention,
                    ulysses_degree=model.ulysses_degree, fp8=model.fp8, window=model.seq_len, collective_matmul=model.collective_matmul,
-                   gradient_accumulation_fusion=model.gradient_accumulation_fusion)
+                   gradient_accumulation_fusion=model.gradient_accumulation_fusion, cast_once=model.cast_once)
 
     def scope(self) -> contextlib.AbstractContextManager[TraceContext]:
         """Inside this, traced model code runs as these switches say: attention through this

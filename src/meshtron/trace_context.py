@@ -74,6 +74,9 @@ class TraceContext:
     ``fp8_weights``: while a layer is traced under FP8, its weights quantized beforehand, one entry per
     projection in the order they run (:class:`meshtron.models.fp8.PreparedWeights`), or what records them
     (``None``: each projection quantizes its weight itself).
+    ``cast_weights``: while a layer is traced, its projections' weights in the compute dtype made beforehand,
+    one entry per projection in the order they run (:class:`meshtron.models.cast_weights.PreparedCasts`), or
+    what records them (``None``: each projection casts its weight itself).
     ``gathered``: while a layer is traced under FP8 with layer views, what the views gathered: by ``id`` of
     the gathered array, that array (which tells the value is still that one) and its
     :class:`GatheredShard` (``None``: nothing is recorded).
@@ -99,6 +102,7 @@ class TraceContext:
     gradient_accumulation_fusion: bool = False
     layer_views: tuple[LayerView, ...] = ()
     fp8_weights: Any = None
+    cast_weights: Any = None
     gathered: dict[int, tuple[Any, GatheredShard]] | None = None
     segments: Any = None
     dropout: tuple[float, int] = (0.0, 0)

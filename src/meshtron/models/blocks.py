@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtron.models import documents
 from meshtron.models.auxiliary import collecting_reports
+from meshtron.models.cast_weights import PreparedCasts
 from meshtron.models.collective_matmul import sequence_ring
 from meshtron.models.context_attention import local_positions
 from meshtron.models.fp8 import FP8_SHARD, FP8_WEIGHT, PreparedWeights
@@ -215,14 +216,20 @@ def run_layer(graphdef: Any, layer_state: Any, x: jax.Array, ctx: Context, weigh
     for the weights a view gathered, the shares they came from
     (:attr:`meshtron.trace_context.TraceContext.gathered`: the shares are quantized, not the gathered weights).
     ``weights``: the layer's FP8 weights quantized beforehand (:func:`meshtron.models.fp8.quantized_weights`),
-    which its projections multiply by instead of quantizing their weights."""
-    recording = current().fp8 != "off" and any(entry.view is not None for entry in current().layer_views)
-    prepared = current().fp8_weights if weights is None else PreparedWeights(weights)
-    with using(gathered={} if recording else None, fp8_weights=prepared):
+    which its projections multiply by instead of quantizing their weights; without FP8, its projections'
+    weights cast beforehand (:func:`meshtron.models.cast_weights.cast_weights`), which they multiply by
+    instead of casting their weights."""
+    fp8 = current().fp8 != "off"
+    recording = fp8 and any(entry.view is not None for entry in current().layer_views)
+    prepared, changes = None, {}
+    if weights is not None:
+        prepared = PreparedWeights(weights) if fp8 else PreparedCasts(weights)
+        changes = {"fp8_weights" if fp8 else "cast_weights": prepared}
+    with using(gathered={} if recording else None, **changes):
         block = layer_view(graphdef, layer_state, x)
         with layer_scaling(block):
             y = block(x, ctx)
-        if weights is not None:
+        if prepared is not None:
             prepared.check_complete()
         return y
 
@@ -304,8 +311,9 @@ def run_blocks(blocks: nnx.Module, x: jax.Array, ctx: Context, *, remat: str = "
     under sequence parallelism). ``active``: run only the first ``active`` blocks and pass ``x``
     through the rest (the padding slots of an uneven pipeline chunk).
 
-    ``weights``: the blocks' FP8 weights quantized beforehand, stacked over the layers (each layer's
-    :func:`meshtron.models.fp8.quantized_weights`); each block multiplies by its own (:func:`run_layer`).
+    ``weights``: the blocks' FP8 weights quantized beforehand, or without FP8 their weights cast beforehand,
+    stacked over the layers (each layer's :func:`meshtron.models.fp8.quantized_weights` or
+    :func:`meshtron.models.cast_weights.cast_weights`); each block multiplies by its own (:func:`run_layer`).
 
     ``collect=True`` (forward only) returns ``(x, reports)``: what each block
     :func:`~meshtron.models.auxiliary.report` ed, a tuple per block stacked over the layers (zeros

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from meshtron.models.cast_weights import prepared
 from meshtron.models.fp8 import projection_einsum
 from meshtron.models.master_weight_gemm import fusing, master_weight_einsum
 from meshtron.sharding import LogicalAxes, logical_to_spec, manual_part
@@ -405,12 +406,12 @@ class _ProjectionEinsum:
     ring: str
 
     def __call__(self, spec: str, x: jax.Array, w: jax.Array, **options: Any) -> jax.Array:
-        primitive = allgather_matmul if self.ring == "gather" else matmul_reduce_scatter
-        y = None
         if current().fp8 == "off" and options.get("preferred_element_type") is None:
-            y = primitive(spec, x, w.astype(x.dtype), self.axes)
-        if y is not None:
-            return y
+            gather = self.ring == "gather"
+            ring = _ring(spec, x, w, self.axes, gathered_input=gather)
+            if ring is not None:
+                low = prepared(w.astype(x.dtype))  # a pipeline stage's weight cast once per step
+                return (_allgather_matmul if gather else _matmul_reduce_scatter)(ring, x, low)
         if w.dtype != x.dtype and fusing():  # the master weight, kept by keep_master_weight
             return master_weight_einsum(spec, x, w)
         return projection_einsum(spec, x, w, **options)

@@ -75,6 +75,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.interpreters.partial_eval import dce_jaxpr
 
+from meshtron.models.cast_weights import prepared
 from meshtron.models.fp8_scaling import current_layer, exponent_bins
 from meshtron.sharding import varying_like
 from meshtron.trace_context import GatheredShard, current, using
@@ -649,6 +650,8 @@ def projection_einsum(spec: str, x: jax.Array, w: jax.Array, *, precision: Any =
         return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
     if _fp8_on():
         extra["_dot_general"] = fp8_dot_general
+    else:
+        w = prepared(w)  # a pipeline stage's weight cast once per step (meshtron.models.cast_weights)
     return jnp.einsum(spec, x, w, precision=precision, preferred_element_type=preferred_element_type, **extra)
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtron.models.blocks import RESIDUAL, Context, enter_parallel_region, exit_parallel_region
+from meshtron.models.cast_weights import recording
 from meshtron.models.collective_matmul import GATHERED_INPUT, column_parallel
 from meshtron.models.fp8 import joined_weight, projection_einsum
 from meshtron.models.master_weight_gemm import fusing, joined_master_einsum, master_weight_einsum
@@ -87,6 +88,8 @@ def fused_projection(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], *k
             return master_weight_einsum(spec, x, fuse(*kernels))
         return product(spec, x, fuse(*kernels).astype(x.dtype), projections=len(kernels))
 
+    if recording():  # the weights a pipeline stage casts once per step, recorded in this trace; nothing differentiates it
+        return project(x, *kernels)
     return jax.checkpoint(project, policy=policy, prevent_cse=False)(x, *kernels)
 
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
+from meshtron.models.cast_weights import prepared_entry, preparing
 from meshtron.trace_context import current
 
 __all__ = ["fusing", "joined_master_einsum", "keep_master_weight", "master_weight_einsum"]
@@ -58,7 +59,8 @@ def master_weight_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     result: the bf16 product of the forward, a float32 weight gradient in the backward."""
     if w.dtype == x.dtype:
         return jnp.einsum(spec, x, w)
-    return _einsum(spec, x, w)
+    entry = prepared_entry(w.astype(x.dtype)) if preparing() else None
+    return _einsum(spec, x, w) if entry is None else _einsum_prepared(spec, x, w, entry)
 
 
 def _weight_spec(spec: str) -> str:
@@ -95,6 +97,25 @@ def _einsum_bwd(spec: str, res, dy: jax.Array):
 _einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
+# The same projections multiplying by their weight cast beforehand (meshtron.models.cast_weights): ``low`` is the
+# entry, the cast of ``w``; the gradient still goes to ``w``, the entry is not differentiated.
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum_prepared(spec: str, x: jax.Array, w: jax.Array, low: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, low)
+
+
+def _einsum_prepared_fwd(spec, x, w, low):
+    return jnp.einsum(spec, x, low), (x, low, jnp.zeros((0,), w.dtype))
+
+
+def _einsum_prepared_bwd(spec, res, dy):
+    return (*_einsum_bwd(spec, res, dy), None)
+
+
+_einsum_prepared.defvjp(_einsum_prepared_fwd, _einsum_prepared_bwd)
+
+
 def joined_master_einsum(spec: str, x: jax.Array, fuse: Callable[..., jax.Array], kernels: Sequence[jax.Array],
                          split: Callable[[jax.Array], Sequence[jax.Array]], specs: Sequence[str]) -> jax.Array:
     """``einsum(spec, x, fuse(*kernels).astype(x.dtype))``, one GEMM over master weights joined by ``fuse``
@@ -103,6 +124,9 @@ def joined_master_einsum(spec: str, x: jax.Array, fuse: Callable[..., jax.Array]
     einsum(specs[i], x, kernels[i])``, so the same cut of the output cotangent gives each kernel's
     cotangent. One GEMM per kernel, not one over the joined kernel cut afterwards, lets each add its
     product straight into that kernel's accumulator."""
+    entry = prepared_entry(fuse(*kernels).astype(x.dtype)) if preparing() else None
+    if entry is not None:
+        return _joined_prepared(spec, fuse, split, tuple(specs), x, entry, *kernels)
     return _joined(spec, fuse, split, tuple(specs), x, *kernels)
 
 
@@ -125,3 +149,20 @@ def _joined_bwd(spec, fuse, split, specs, res, dy):
 
 
 _joined.defvjp(_joined_fwd, _joined_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _joined_prepared(spec, fuse, split, specs, x, low, *kernels):
+    return jnp.einsum(spec, x, low)
+
+
+def _joined_prepared_fwd(spec, fuse, split, specs, x, low, *kernels):
+    return jnp.einsum(spec, x, low), (x, low, tuple(jnp.zeros((0,), k.dtype) for k in kernels))
+
+
+def _joined_prepared_bwd(spec, fuse, split, specs, res, dy):
+    dx, *dws = _joined_bwd(spec, fuse, split, specs, res, dy)
+    return (dx, None, *dws)
+
+
+_joined_prepared.defvjp(_joined_prepared_fwd, _joined_prepared_bwd)

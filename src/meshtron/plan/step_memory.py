@@ -163,6 +163,7 @@ class StepRun:
     reduce_bytes: int = 4  # zero=3: a gathered parameter's gradient's bytes as it is reduced (parallel.reduce_dtype)
     attention: str = "xla"
     frozen_reference: bool = False  # DPO's frozen copy of the starting weights: an argument of the step
+    cast_once: bool = False  # parallel.cast_once in effect: a stage's weights in the compute dtype for the step
 
     @classmethod
     def from_config(cls, cfg: Config, program=None) -> StepRun:
@@ -188,7 +189,9 @@ class StepRun:
             gather_once=t.gather_once, optimizer=t.optimizer, param_bytes=_itemsize(m.param_dtype),
             compute_bytes=_itemsize(m.dtype), gather_bytes=_itemsize(t.gather_dtype or m.dtype),
             reduce_bytes=_itemsize(t.reduce_dtype or m.param_dtype), attention=m.attention,
-            frozen_reference=t.objective == "dpo" and not t.lora.rank and not t.dpo.precompute_reference)
+            frozen_reference=t.objective == "dpo" and not t.lora.rank and not t.dpo.precompute_reference,
+            cast_once=(m.cast_once and mesh.pipe > 1 and m.fp8 == "off" and _itemsize(m.dtype) < _itemsize(m.param_dtype)
+                       and not (t.zero == 3 and not t.gather_once)))
 
 
 def dpo_rows_per_pair(cfg: Config) -> int:
@@ -223,6 +226,7 @@ class StepMemory:
     host: float = 0.0  # pinned host memory: offloaded layer inputs and optimizer state (not in the peak)
     mtp: float = 0.0  # deepseek: the multi-token prediction modules' residuals and logits (the last stage's)
     reference: float = 0.0  # DPO's frozen reference weights (an argument, not donated)
+    cast_weights: float = 0.0  # parallel.cast_once: the stage's block weights in the compute dtype, for the step
 
     @property
     def arguments(self) -> float:
@@ -233,7 +237,7 @@ class StepMemory:
     @property
     def temporaries(self) -> float:
         return (self.gradients + self.stash + self.layers_kept + self.working + self.logits
-                + self.weight_buffers + self.mtp)
+                + self.weight_buffers + self.mtp + self.cast_weights)
 
     @property
     def peak(self) -> float:
@@ -371,8 +375,9 @@ def step_memory(shape: StepShape, run: StepRun, backend: str = "gpu", *,
         module = kept_layer + (kept_scores if run.remat == "none" else 0.0)
     mtp = shape.mtp_layers * (module + logits)
     reference = stage if run.frozen_reference else 0.0
+    cast = shape.layers // p * layer_bytes * cb / run.param_bytes if run.cast_once else 0.0
     return StepMemory(backend, parameters, optimizer, gradients, stash, layers_kept, working, logits,
-                      weight_buffers, host, mtp, reference)
+                      weight_buffers, host, mtp, reference, cast)
 
 
 def score_elements(shape: StepShape, run: StepRun) -> float:

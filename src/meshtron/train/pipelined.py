@@ -25,6 +25,7 @@ from meshtron.execution import DEFAULT_EXECUTION, Execution
 from meshtron.models import documents
 from meshtron.models.auxiliary import auxiliary_loss_scale
 from meshtron.models.blocks import RESIDUAL, Context, run_blocks, run_layer
+from meshtron.models.cast_weights import cast_weights
 from meshtron.models.contract import ExtraLossReport, embed_tokens, extra_loss, next_token_pairs
 from meshtron.models.fp8 import quantized_weights
 from meshtron.models.preference import head_logps
@@ -154,17 +155,31 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
             return constrain(run_layer(graphdef, state, x, ctx, weights), RESIDUAL)
 
     def prepare(stage_blocks: Params, x: jax.Array, tokens: jax.Array):
-        # Under FP8, every layer's weights quantized once for the step (its projections' entries, stacked
-        # [chunks, layers, ...] like the parameters): the ticks' forwards, recomputations and W passes all
-        # multiply by these instead of quantizing again.
-        if current().fp8 == "off":
-            return None
+        # Every layer's weights quantized once for the step under FP8, else cast to the compute dtype once
+        # (its projections' entries, stacked [chunks, layers, ...] like the parameters): the ticks' forwards,
+        # recomputations and W passes all multiply by these instead of quantizing or casting again.
         chunks, layers = jax.tree.leaves(stage_blocks)[0].shape[:2]
         flat = jax.tree.map(lambda a: a.reshape(chunks * layers, *a.shape[2:]), stage_blocks)
-        stacked = jax.lax.map(lambda layer_blocks: quantized_weights(layer, layer_blocks, x, tokens), flat)
+        if current().fp8 == "off":
+            if not casting_once(flat, x, tokens):
+                return None
+            stacked = jax.lax.map(lambda layer_blocks: cast_weights(layer, layer_blocks, x, tokens), flat)
+        else:
+            stacked = jax.lax.map(lambda layer_blocks: quantized_weights(layer, layer_blocks, x, tokens), flat)
         if not jax.tree.leaves(stacked):
             return None
         return jax.tree.map(lambda a: a.reshape(chunks, layers, *a.shape[1:]), stacked)
+
+    def casting_once(flat: Params, x: jax.Array, tokens: jax.Array) -> bool:
+        # Whether to cast the stage's weights once per step: asked for, no layer view making the weights per
+        # layer (ZeRO-3 gathering as each layer runs: the whole stage would stay gathered), and something
+        # cast (a weight multiplied in another dtype than the parameters are held in).
+        if not execution.cast_once or any(entry.view is not None for entry in current().layer_views):
+            return False
+        one = jax.tree.map(lambda a: a[0], flat)
+        entries = jax.eval_shape(lambda layer_blocks: cast_weights(layer, layer_blocks, x, tokens), one)
+        held = {jnp.dtype(a.dtype) for a in jax.tree.leaves(flat)}
+        return entries is not None and any(jnp.dtype(e.dtype) not in held for e in entries)
 
     def reporting_stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None):
         return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),
