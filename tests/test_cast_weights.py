@@ -2,11 +2,13 @@
 projections' kernels) once per step, before its tick loop (:mod:`meshtron.models.cast_weights`). The loss and
 every gradient are the per-use casts' bit for bit, through a 1F1B pipeline that keeps its residuals (with
 gradient-accumulation fusion) and through zb-h1's separate W pass; the stage did prepare the weights (one
-entry per projection, in the compute dtype); and where the weights cannot be prepared, or a layer runs other
-projections than it recorded, the run says so in one line or casts per use."""
+entry per projection, in the compute dtype); on a compile-only H100 the tick loop then casts no block
+weight; and where the weights cannot be prepared, or a layer runs other projections than it recorded, the
+run says so in one line or casts per use."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import jax
@@ -57,6 +59,7 @@ def test_gradients_equal_casting_per_use(layout, fusion, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.both_stacks  # cast_weights keeps a pruned jaxpr of the layer: JAX's internals, which move between versions
 def test_entries_are_the_cast_weights_in_the_order_they_run():
     w1 = jnp.arange(6, dtype=jnp.float32).reshape(2, 3) / 7
     w2 = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 3
@@ -102,3 +105,33 @@ def test_a_layer_running_other_projections_is_one_line():
 def test_the_setting_is_checked():
     with pytest.raises(ConfigError, match=r"parallel.cast_once .*'maybe' is not a valid bool"):
         load_config("cpu8", ["parallel.cast_once=maybe"])
+
+
+# a tensor rank's block weights in the small step below: the attention output [4 heads, 64, 512], down
+# [512, 512], gate and up joined [512, 2, 512]
+_WEIGHT_SHAPES = ("4,64,512]", "512,512]", "512,2,512]")
+_PER_USE = re.compile(r'= bf16\[([\d,]*)\][^\n]*op_name="[^"]*pipeline_(?:forward|backward)[^"]*/'
+                      r'(?:convert_element_type|stack|concatenate)"')
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@pytest.mark.parametrize("once", [False, True])
+def test_h100_tick_loop_casts_no_weight(gpu_target, once):
+    """On a compile-only H100 step (1F1B, kept residuals, 2 stages x 2 tensor ranks), the tick loop's forward
+    and backward slots cast and join block weights per use; cast once, none of them does (the stage's
+    weights are cast before the loop)."""
+    from meshtron.train.loop import Trainer
+
+    cfg = load_config("cpu8", ["model.family=llama", "model.hidden=512", "model.heads=8", "model.kv_heads=4",
+                               "model.mlp_dim=1024", "model.layers=4", "model.seq_len=256", "model.vocab_size=256",
+                               "model.dtype=bfloat16", "model.attention=cudnn", "parallel.data=1", "parallel.pipe=2",
+                               "parallel.tensor=2", "parallel.microbatches=4", "train.batch_size=4",
+                               "parallel.schedule=1f1b", "parallel.chunks=1", "parallel.recompute=false",
+                               f"parallel.cast_once={str(once).lower()}"])
+    tr = Trainer.from_config(cfg, target=gpu_target, read_data=False)
+    params, opt_state, tokens = tr.abstract_step_arguments()
+    text = tr.steps.compile(params, opt_state, tokens, tr.steps.stages[0]).as_text()
+    per_use = {shape + "]" for shape in _PER_USE.findall(text)}
+    weights = {shape for shape in per_use if shape.endswith(_WEIGHT_SHAPES)}
+    assert (not weights) if once else weights, sorted(per_use)
