@@ -285,6 +285,8 @@ def test_reading_an_adapted_kernel_gives_the_merged_matrix_and_is_refused_with_d
 
 
 @pytest.mark.slow
+@pytest.mark.fusion_emitters  # rtol 1e-4 holds the default emitters' rounding: one adapter value is 2e-4 apart under
+# the element-wise ones on some CPUs (tests/run_suite.py)
 def test_lora_trains_alike_at_every_zero_level_with_the_base_frozen(run_2x2x2):
     _, start, expected, _ = run_2x2x2  # the zero=0 reference: the frozen-base test's run
     for zero in (["parallel.zero=1"], ["parallel.zero=3"]):  # (gather_once: tests/test_zero.py)

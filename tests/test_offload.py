@@ -44,6 +44,9 @@ def test_without_a_pipeline_offload_trains_like_keeping_everything():
     same_training(*mesh(2), "parallel.zero=1")
 
 
+# Its tolerance holds the rounding of XLA:CPU's default emitters: under the element-wise ones one parameter of
+# the kept-residuals comparison lands 1.5e-6 apart on some CPUs (tests/run_suite.py)
+@pytest.mark.fusion_emitters
 @pytest.mark.parametrize("reference", [(), ("model.remat=full",)], ids=["none", "full"])
 def test_offload_trains_like_the_modes_it_replaces(reference):
     same_training(*mesh(2, tensor=2), "parallel.zero=3", reference=reference)
