@@ -93,6 +93,19 @@ def test_a_weight_computed_from_activations_is_not_prepared():
     assert cast_weights.cast_weights(layer, jnp.ones((2, 2)), jnp.ones((2, 2), jnp.bfloat16)) is None
 
 
+@pytest.mark.parametrize("nested", ["checkpoint", "cond"])
+def test_a_projection_in_a_nested_trace_is_not_prepared(nested):
+    def project(p, x):
+        return x @ cast_weights.prepared(p.astype(jnp.bfloat16))
+
+    def layer(params, x):
+        if nested == "checkpoint":
+            return jax.checkpoint(project)(params, x)
+        return jax.lax.cond(x.sum() > 0, lambda: project(params, x), lambda: x)
+
+    assert cast_weights.cast_weights(layer, jnp.ones((2, 2)), jnp.ones((2, 2), jnp.bfloat16)) is None
+
+
 def test_a_layer_running_other_projections_is_one_line():
     casts = cast_weights.PreparedCasts([jnp.zeros((2, 3), jnp.bfloat16)])
     with pytest.raises(ValueError, match="another order than it was prepared in"):

@@ -118,6 +118,10 @@ def recording() -> bool:
     return isinstance(current().cast_weights, _Recording)
 
 
+class _Nested(Exception):
+    """A projection ran in a nested trace while its layer was recorded."""
+
+
 def cast_weights(layer: Callable[..., Any], layer_params: Any, *activations: Any) -> list[jax.Array] | None:
     """What each projection of ``layer(layer_params, *activations)`` multiplies by, in the order the
     projections run: the entries a :class:`PreparedCasts` hands back to the layer. Only that is computed
@@ -128,11 +132,16 @@ def cast_weights(layer: Callable[..., Any], layer_params: Any, *activations: Any
         found = _Recording()
         with using(cast_weights=found):
             layer(params, *inputs)
+        # an entry recorded inside a nested trace (a jax.checkpoint, a cond, a shard_map) is that trace's value,
+        # not this one's: it cannot be kept
+        here = {id(getattr(a, "_trace", None)) for a in jax.tree.leaves((params, *inputs))}
+        if any(getattr(e, "_trace", None) is not None and id(e._trace) not in here for e in found.entries):
+            raise _Nested
         return found.entries
 
     try:
         closed, shapes = jax.make_jaxpr(record, return_shape=True)(layer_params, *activations)
-    except jax.errors.UnexpectedTracerError:
+    except (_Nested, jax.errors.UnexpectedTracerError):
         return None
     if not shapes:
         return None
