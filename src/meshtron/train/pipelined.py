@@ -161,25 +161,19 @@ def stage_functions(model_def: ModelDef, microbatches: int = 1, execution: Execu
         chunks, layers = jax.tree.leaves(stage_blocks)[0].shape[:2]
         flat = jax.tree.map(lambda a: a.reshape(chunks * layers, *a.shape[2:]), stage_blocks)
         if current().fp8 == "off":
-            if not casting_once(flat, x, tokens):
+            # asked for, and no layer view making the weights per layer (ZeRO-3 gathering as each layer runs:
+            # the whole stage would stay gathered)
+            if not execution.cast_once or any(entry.view is not None for entry in current().layer_views):
                 return None
             stacked = jax.lax.map(lambda layer_blocks: cast_weights(layer, layer_blocks, x, tokens), flat)
+            held = {jnp.dtype(a.dtype) for a in jax.tree.leaves(flat)}
+            if all(jnp.dtype(a.dtype) in held for a in jax.tree.leaves(stacked)):
+                return None  # nothing cast: every weight multiplied as held (what was traced is dead code)
         else:
             stacked = jax.lax.map(lambda layer_blocks: quantized_weights(layer, layer_blocks, x, tokens), flat)
         if not jax.tree.leaves(stacked):
             return None
         return jax.tree.map(lambda a: a.reshape(chunks, layers, *a.shape[1:]), stacked)
-
-    def casting_once(flat: Params, x: jax.Array, tokens: jax.Array) -> bool:
-        # Whether to cast the stage's weights once per step: asked for, no layer view making the weights per
-        # layer (ZeRO-3 gathering as each layer runs: the whole stage would stay gathered), and something
-        # cast (a weight multiplied in another dtype than the parameters are held in).
-        if not execution.cast_once or any(entry.view is not None for entry in current().layer_views):
-            return False
-        one = jax.tree.map(lambda a: a[0], flat)
-        entries = jax.eval_shape(lambda layer_blocks: cast_weights(layer, layer_blocks, x, tokens), one)
-        held = {jnp.dtype(a.dtype) for a in jax.tree.leaves(flat)}
-        return entries is not None and any(jnp.dtype(e.dtype) not in held for e in entries)
 
     def reporting_stage(chunk_blocks: Params, x: jax.Array, tokens: jax.Array, active: jax.Array | None = None):
         return run_blocks(model_def.bind({"blocks": chunk_blocks}).blocks, x, Context.for_tokens(tokens),
