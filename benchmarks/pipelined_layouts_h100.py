@@ -6,10 +6,11 @@ MaxText's published batch (128 sequences of 4,096), with cuDNN attention, select
 kept residuals (``parallel.recompute=false``), 64 microbatches a step where the layout allows and fused
 weight-gradient accumulation, and prints the estimator's step (``meshtron.gpu.step_time``: GEMMs,
 memory-bound work, exposed communication) and the compiled program's memory. The rows vary the mesh,
-``parallel.zero``, ``parallel.cast_once`` and the GEMM library (``gpu.xla_flags``). MaxText's estimated
+``parallel.zero``, ``parallel.cast_once`` and XLA's flags (``gpu.xla_flags``: the GEMM library, the scheduler's memory
+budget, collectives in flight; ``gpu.overlap``). MaxText's estimated
 step on the same devices, for the line in the plot, is read from ``results/vs_maxtext_h100.json``.
 
-    .venv-py312/bin/python benchmarks/pipelined_layouts_h100.py     # about 5 minutes; results/pipelined_layouts_h100.{json,png}
+    .venv-py312/bin/python benchmarks/pipelined_layouts_h100.py     # about 7 minutes; results/pipelined_layouts_h100.{json,png}
     .venv-py312/bin/python benchmarks/pipelined_layouts_h100.py --only "2x8x4"
 """
 
@@ -30,6 +31,10 @@ HERE = Path(__file__).resolve().parent
 COMMON = ["train.batch_size=128", "model.attention=cudnn", "model.remat=selective", "parallel.gather_once=false",
           "parallel.recompute=false", "parallel.gradient_accumulation_fusion=true"]
 CUBLAS = "gpu.xla_flags=--xla_gpu_enable_triton_gemm=false"
+# cuBLAS GEMMs, the latency-hiding scheduler's memory budget at 130% of XLA's default, two collectives in flight
+# (docs/gpu.md#the-schedulers-memory-budget)
+SCHEDULED = CUBLAS + (" --xla_gpu_memory_limit_slop_factor=130"
+                      " --xla_gpu_experimental_parallel_collective_overlap_limit=2")
 
 
 def _mesh(data: int, pipe: int, tensor: int, microbatches: int, schedule: str = "1f1b") -> list[str]:
@@ -46,6 +51,11 @@ ROWS = {
     "2x8x4 1f1b zero=1, cast once, cuBLAS": [*_mesh(2, 8, 4, 64), "parallel.zero=1", "parallel.cast_once=true", CUBLAS],
     "2x8x4 1f1b zero=0, cuBLAS": [*_mesh(2, 8, 4, 64), "parallel.zero=0", CUBLAS],
     "2x8x4 1f1b zero=0, cast once, cuBLAS": [*_mesh(2, 8, 4, 64), "parallel.zero=0", "parallel.cast_once=true", CUBLAS],
+    "2x8x4 1f1b zero=0, cast once, cuBLAS, scheduler budget 130%, two in flight": [
+        *_mesh(2, 8, 4, 64), "parallel.zero=0", "parallel.cast_once=true", SCHEDULED],
+    "2x8x4 1f1b zero=0, cast once, cuBLAS, scheduler budget 130%, two in flight, overlap on, pipelined all-gather": [
+        *_mesh(2, 8, 4, 64), "parallel.zero=0", "parallel.cast_once=true", "gpu.overlap=on",
+        SCHEDULED + " --xla_gpu_pipeline_all_gather=on"],
     "2x8x4 interleaved(2) zero=1, cast once": [*_mesh(2, 8, 4, 64, "interleaved"), "parallel.chunks=2",
                                                "parallel.zero=1", "parallel.cast_once=true"],
     "2x8x4 zb-h1 zero=1, cast once": [*_mesh(2, 8, 4, 64, "zb-h1"), "parallel.zero=1", "parallel.cast_once=true"],

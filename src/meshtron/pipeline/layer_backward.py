@@ -22,7 +22,23 @@ from meshtron.pipeline.program import Program
 from meshtron.pipeline.split_backward import SplitPullback, residuals
 from meshtron.pipeline.stage import PyTree, StageFunctions
 
-__all__ = ["LayerBackward"]
+__all__ = ["FUSED_ATTENTION_PRIMITIVES", "LayerBackward", "kept_residuals_policy"]
+
+
+FUSED_ATTENTION_PRIMITIVES = ("dot_product_attention_fwd", "dot_product_attention_fwd_wrapper")
+"""JAX's cuDNN fused attention forward (``jax.nn.dot_product_attention(implementation="cudnn")``): the primitive
+and the wrapper it is bound through."""
+
+
+def kept_residuals_policy(prim, *args, **params) -> bool:
+    """What a layer keeps from its forward to its backward when nothing is recomputed: the outputs of its
+    matrix products (``dots_saveable``) and of fused attention kernels (:data:`FUSED_ATTENTION_PRIMITIVES`),
+    whose backward kernel reads the forward's output and softmax statistics. Under ``dots_saveable`` alone the
+    backward reruns the attention forward kernel to get them: on Llama-2 70B pipelined over 64 H100s
+    (2 x 8 x 4) that is 79 ms of a 8.4 s step's GEMM time (docs/gpu.md). It keeps them under
+    ``model.remat=selective`` too, whose checkpoint around the attention core would keep nothing: with a fused
+    kernel there are no ``[s, s]`` probabilities to spare, only the output and one statistic per query row."""
+    return jax.checkpoint_policies.dots_saveable(prim, *args, **params) or prim.name in FUSED_ATTENTION_PRIMITIVES
 
 
 def _compiling_for() -> str:
@@ -82,7 +98,9 @@ class LayerBackward:
             # does when a forward and its backward are one program: jax.vjp's own residuals keep every
             # intermediate (GELU's tanh pieces, ...), 4x the bytes, and moving those through the
             # residual buffers costs more time than recomputing them.
-            self._layer = jax.checkpoint(fns.layer, policy=jax.checkpoint_policies.dots_saveable)
+            # A fused attention kernel's outputs (its output and softmax statistics) are kept too: its
+            # backward kernel reads them, and recomputing them would run the forward kernel again.
+            self._layer = jax.checkpoint(fns.layer, policy=kept_residuals_policy)
         first = jax.tree.map(lambda a: a[0, 0], stage_params)  # chunk 0, layer 0
         first_weights = jax.tree.map(lambda a: a[0, 0], weights)
         self._layers = jax.tree.leaves(stage_params)[0].shape[1]

@@ -166,11 +166,23 @@ def _evaluate(ops: Sequence[_Op], env: dict, contiguous: Mapping[int, bool] | No
             if id(op) in contiguous:
                 out = _contiguous_matmul(*map(read, op.inputs), swap=contiguous[id(op)], barrier=product_barrier,
                                          **bind_params)
+            elif op.primitive.name == "pvary":
+                out = _pvary(read(op.inputs[0]), **bind_params)
             else:
                 out = op.primitive.bind(*subfuns, *map(read, op.inputs), **bind_params)
         outs = out if op.primitive.multiple_results else (out,)
         for var, value in zip(op.outputs, outs):
             env[id(var)] = value
+
+
+def _pvary(x: Any, *, axes: tuple) -> Any:
+    """``pvary`` of ``x`` over those of ``axes`` it does not vary over yet. A value the traced pullback
+    saw invariant over a manual axis (a residual of the example layer) is read back from a buffer that
+    varies over it; casting it again to varying would be an error, and it is already what the cast
+    makes."""
+    varying = jax.typeof(x).mat.varying
+    missing = tuple(a for a in axes if a not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _gemm_orders(lhs_ndim: int, lhs_contract: Sequence[int], rhs_ndim: int,
