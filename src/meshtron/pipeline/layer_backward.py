@@ -35,7 +35,7 @@ def kept_residuals_policy(prim, *args, **params) -> bool:
     matrix products (``dots_saveable``) and of fused attention kernels (:data:`FUSED_ATTENTION_PRIMITIVES`),
     whose backward kernel reads the forward's output and softmax statistics. Under ``dots_saveable`` alone the
     backward reruns the attention forward kernel to get them: on Llama-2 70B pipelined over 64 H100s
-    (2 x 8 x 4) that is 79 ms of a 8.4 s step's GEMM time (docs/gpu.md). It keeps them under
+    (2 x 8 x 4) that is 79 ms of an 8.4 s step's GEMM time (docs/gpu.md). It keeps them under
     ``model.remat=selective`` too, whose checkpoint around the attention core would keep nothing: with a fused
     kernel there are no ``[s, s]`` probabilities to spare, only the output and one statistic per query row."""
     return jax.checkpoint_policies.dots_saveable(prim, *args, **params) or prim.name in FUSED_ATTENTION_PRIMITIVES
