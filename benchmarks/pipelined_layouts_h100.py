@@ -31,7 +31,8 @@ HERE = Path(__file__).resolve().parent
 COMMON = ["train.batch_size=128", "model.attention=cudnn", "model.remat=selective", "parallel.gather_once=false",
           "parallel.recompute=false", "parallel.gradient_accumulation_fusion=true"]
 CUBLAS = "gpu.xla_flags=--xla_gpu_enable_triton_gemm=false"
-# cuBLAS GEMMs, the latency-hiding scheduler's memory budget at 130% of XLA's default, two collectives in flight
+# cuBLAS GEMMs, the latency-hiding scheduler's memory budget at slop factor 130 (XLA's default: 95), two
+# collectives in flight
 # (docs/gpu.md#the-schedulers-memory-budget)
 SCHEDULED = CUBLAS + (" --xla_gpu_memory_limit_slop_factor=130"
                       " --xla_gpu_experimental_parallel_collective_overlap_limit=2")

@@ -269,8 +269,8 @@ def llama_params(layers: int, hidden: int, kv_heads: int, heads: int, mlp: int, 
     return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp + 2 * hidden) + 2 * vocab * hidden + hidden
 
 
-# XLA flags of the fastest pipelined 70B rows: cuBLAS GEMMs; the latency-hiding scheduler's memory budget at 130%
-# of XLA's default ((80% of the GPU's memory less the program's arguments) x 95%), which the program's schedule
+# XLA flags of the fastest pipelined 70B rows: cuBLAS GEMMs; the latency-hiding scheduler's memory budget at
+# (80% of the GPU's memory less the program's arguments) x 130% instead of x 95%, which the program's schedule
 # exceeds by a little, so that the scheduler stops delaying collectives to save memory (the compiled
 # temporaries grow by 0.1 GiB); and two collectives in flight.
 PIPELINED_70B_FLAGS = ("--xla_gpu_enable_triton_gemm=false --xla_gpu_memory_limit_slop_factor=130 "
